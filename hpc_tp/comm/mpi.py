@@ -1,0 +1,139 @@
+"""Communicator over mpi4py's buffer API (upper-case methods: no pickling of tensors).
+
+Works for numpy arrays and, with a CUDA-aware MPI, for cupy arrays: a device buffer is made
+stream-complete before MPI reads it.
+"""
+from __future__ import annotations
+
+import numpy
+from mpi4py import MPI
+
+from .base import Communicator, Request
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def _ready(x):
+    """A contiguous buffer MPI can read; device work queued on it finished first."""
+    if not isinstance(x, numpy.ndarray):
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+        return cupy.ascontiguousarray(x)
+    return numpy.ascontiguousarray(x)
+
+
+def _empty_like(x, shape):
+    if isinstance(x, numpy.ndarray):
+        return numpy.empty(shape, dtype=x.dtype)
+    import cupy
+
+    return cupy.empty(shape, dtype=x.dtype)
+
+
+class _MPIRequest(Request):
+    def __init__(self, req, result, owner, nbytes, copy_back=None):
+        self.req, self.result, self.owner, self.nbytes, self.copy_back = req, result, owner, nbytes, copy_back
+
+    def wait(self):
+        with self.owner.timed(self.nbytes):
+            self.req.Wait()
+        if self.copy_back is not None:
+            self.copy_back[...] = self.result
+            return self.copy_back
+        return self.result
+
+
+class MPICommunicator(Communicator):
+    def __init__(self, comm=None):
+        super().__init__()
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+
+    def all_reduce(self, x, op: str = "sum"):
+        if self.size == 1:
+            return x
+        buf = _ready(x)
+        with self.timed(buf.nbytes):
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
+        if buf is not x:
+            x[...] = buf
+        return x
+
+    def iall_reduce(self, x, op: str = "sum") -> Request:
+        buf = _ready(x)
+        req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op])
+        return _MPIRequest(req, buf, self, buf.nbytes, copy_back=None if buf is x else x)
+
+    def all_gather(self, x, axis: int = 0):
+        buf = _ready(x)
+        out = _empty_like(buf, (self.size,) + buf.shape)
+        with self.timed(buf.nbytes * self.size):
+            self.comm.Allgather(buf, out)
+        xp = numpy if isinstance(out, numpy.ndarray) else __import__("cupy")
+        return xp.concatenate(list(out), axis=axis) if axis != 0 else out.reshape((-1,) + buf.shape[1:])
+
+    def reduce_scatter(self, x, axis: int = 0):
+        if x.shape[axis] % self.size:
+            raise ValueError(f"reduce_scatter: axis {axis} of length {x.shape[axis]} is not divisible by {self.size} ranks")
+        xp = numpy if isinstance(x, numpy.ndarray) else __import__("cupy")
+        send = _ready(xp.moveaxis(x, axis, 0))
+        out = _empty_like(send, (send.shape[0] // self.size,) + send.shape[1:])
+        with self.timed(send.nbytes):
+            self.comm.Reduce_scatter_block(send, out, op=MPI.SUM)
+        return xp.ascontiguousarray(xp.moveaxis(out, 0, axis)) if axis != 0 else out
+
+    def broadcast(self, x, root: int = 0):
+        if self.size == 1:
+            return x
+        buf = _ready(x)
+        with self.timed(buf.nbytes):
+            self.comm.Bcast(buf, root=root)
+        if buf is not x:
+            x[...] = buf
+        return x
+
+    def all_to_all(self, x):
+        if x.shape[0] % self.size:
+            raise ValueError(f"all_to_all: axis 0 of length {x.shape[0]} is not divisible by {self.size} ranks")
+        buf = _ready(x)
+        out = _empty_like(buf, buf.shape)
+        with self.timed(buf.nbytes):
+            self.comm.Alltoall(buf, out)
+        return out
+
+    def isend(self, x, dest: int, tag: int = 0) -> Request:
+        buf = _ready(x)
+        return _MPIRequest(self.comm.Isend(buf, dest=dest, tag=tag), None, self, buf.nbytes)
+
+    def irecv(self, buf, source: int, tag: int = 0) -> Request:
+        return _MPIRequest(self.comm.Irecv(buf, source=source, tag=tag), buf, self, buf.nbytes)
+
+    def barrier(self):
+        with self.timed():
+            self.comm.Barrier()
+
+    def split(self, color: int, key: int) -> "MPICommunicator":
+        return MPICommunicator(self.comm.Split(color, key))
+
+    def split_node(self) -> "MPICommunicator":
+        return MPICommunicator(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
+
+    def bcast_object(self, obj, root: int = 0):
+        return self.comm.bcast(obj, root=root)
+
+    def allgather_object(self, obj) -> list:
+        return self.comm.allgather(obj)
+
+    def abort(self, code: int = 1):
+        self.comm.Abort(code)
+
+
+def world() -> MPICommunicator:
+    return MPICommunicator(MPI.COMM_WORLD)
+
+
+def self_comm() -> MPICommunicator:
+    """A group of one: the tp=1 reference that tests compare every layout against."""
+    return MPICommunicator(MPI.COMM_SELF)

@@ -1,0 +1,81 @@
+"""ProcessGrid: COMM_WORLD reshaped into (dp, pp, tp) and cut into groups.
+
+    ranks = arange(world).reshape(dp, pp, tp)
+
+tp is the fastest-varying axis, so a tp group is made of neighbouring ranks, which launchers
+place on the same node (fast links for the two all-reduces per layer); pp crosses nodes with
+point-to-point sends; dp is outermost and all-reduces gradients once per step.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy
+
+from .comm.base import Communicator
+from .errors import ConfigError
+
+
+def factorizations(world: int) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) with tp*pp*dp == world."""
+    return [(t, p, world // (t * p)) for t in range(1, world + 1) if world % t == 0
+            for p in range(1, world // t + 1) if (world // t) % p == 0]
+
+
+@dataclass
+class Coordinates:
+    dp: int
+    pp: int
+    tp: int
+
+
+class ProcessGrid:
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, world: Communicator | None = None):
+        if world is None:
+            from .comm.mpi import world as mpi_world
+
+            world = mpi_world()
+        for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{name} {value!r} must be a positive integer")
+        if dp is None:
+            if world.size % (tp * pp):
+                raise ConfigError(f"world size {world.size} is not divisible by tp*pp = {tp}*{pp}")
+            dp = world.size // (tp * pp)
+        if tp * pp * dp != world.size:
+            raise ConfigError(f"world size {world.size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
+                              f"layouts that fit: {', '.join(f'{t}x{p}x{d}' for t, p, d in factorizations(world.size))}")
+        self.world, self.tp_size, self.pp_size, self.dp_size = world, tp, pp, dp
+        self.ranks = numpy.arange(world.size).reshape(dp, pp, tp)
+        d, p, t = (int(i[0]) for i in numpy.nonzero(self.ranks == world.rank))
+        self.coords = Coordinates(dp=d, pp=p, tp=t)
+        # One split per axis: ranks that agree on the other two coordinates share a group.
+        self.tp = world.split(color=d * pp + p, key=t)
+        self.pp = world.split(color=d * tp + t, key=p)
+        self.dp = world.split(color=p * tp + t, key=d)
+        self.node = world.split_node()
+        self._check_tp_node_local()
+
+    def _check_tp_node_local(self):
+        nodes = self.world.allgather_object(self.node.allgather_object(self.world.rank)[0])
+        tp_nodes = {nodes[r] for r in self.ranks[self.coords.dp, self.coords.pp]}
+        self.tp_spans_nodes = len(tp_nodes) > 1
+        if self.tp_spans_nodes and self.world.rank == 0:
+            warnings.warn(f"a tensor-parallel group of {self.tp_size} ranks spans {len(tp_nodes)} nodes: "
+                          "its all-reduces will cross the slow network; use tp <= ranks per node")
+
+    @property
+    def local_rank(self) -> int:
+        return self.node.rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.pp_size - 1
+
+    def __repr__(self):
+        return f"ProcessGrid(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, rank={self.world.rank}, coords={self.coords})"

@@ -1,0 +1,148 @@
+"""Module and Parameter: the ground floor every layer, checkpoint, optimizer and importer stands on.
+
+A Parameter holds this rank's slice of a logical tensor and a ``Partition`` that says how the
+logical tensor is cut: its full shape, the split axis (None = replicated), how many parts and
+which one this rank holds, and how many ranks of the group hold the same part. Checkpoints
+read and write the slice, the optimizer keeps states of the same shape, and the gradient norm
+divides a shard's contribution by its replica count, all from this one description.
+
+Modules have explicit backward: ``y, ctx = m.forward(x)`` and ``dx = m.backward(dy, ctx)``.
+The ctx (not the module) holds saved activations, so several micro-batches can be in flight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from . import backend
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How one logical tensor is cut across a group of ranks.
+
+    ``full_shape`` is the logical shape stored in checkpoints. Along ``axis`` the tensor is cut
+    into ``parts`` equal pieces of ``ceil(full/parts)``; the last piece may run past the logical
+    end (vocab padding), and those padded rows/columns belong to no checkpoint.
+    ``replicas`` ranks of the group hold this same piece (tp/parts; tp for a replicated tensor).
+    ``group`` names the process group the tensor is split over ("tp" or "ep").
+    """
+
+    full_shape: tuple
+    axis: int | None = None
+    parts: int = 1
+    index: int = 0
+    replicas: int = 1
+    group: str = "tp"
+
+    @property
+    def local_shape(self) -> tuple:
+        if self.axis is None:
+            return tuple(self.full_shape)
+        shape = list(self.full_shape)
+        shape[self.axis] = -(-shape[self.axis] // self.parts)
+        return tuple(shape)
+
+    def local_range(self) -> tuple[int, int]:
+        """[start, stop) along the split axis in logical coordinates, clipped to the logical end."""
+        if self.axis is None:
+            return 0, 0
+        n = self.local_shape[self.axis]
+        start = self.index * n
+        return min(start, self.full_shape[self.axis]), min(start + n, self.full_shape[self.axis])
+
+    def local_slice(self) -> tuple:
+        """Index into the logical tensor that gives this rank's (unpadded) slice."""
+        if self.axis is None:
+            return tuple(slice(None) for _ in self.full_shape)
+        start, stop = self.local_range()
+        return tuple(slice(start, stop) if d == self.axis else slice(None) for d in range(len(self.full_shape)))
+
+    def valid_local(self) -> tuple:
+        """Index into the local array that excludes padding past the logical end."""
+        if self.axis is None:
+            return tuple(slice(None) for _ in self.full_shape)
+        start, stop = self.local_range()
+        return tuple(slice(0, stop - start) if d == self.axis else slice(None) for d in range(len(self.full_shape)))
+
+
+def replicated(shape) -> Partition:
+    return Partition(tuple(shape))
+
+
+def split(shape, axis: int, parts: int, index: int, replicas: int = 1, group: str = "tp") -> Partition:
+    return Partition(tuple(shape), axis, parts, index, replicas, group)
+
+
+class Parameter:
+    """This rank's slice of a logical tensor, its gradient, and how it is partitioned.
+
+    ``data`` may be a view into a fused buffer (QKV, gate/up); it is always updated in place.
+    ``decay`` is False for biases and norm gains (AdamW applies no weight decay to them).
+    """
+
+    __slots__ = ("data", "grad", "partition", "decay")
+
+    def __init__(self, data, partition: Partition, grad=None, decay: bool = True):
+        if tuple(data.shape) != partition.local_shape:
+            raise ValueError(f"parameter data {tuple(data.shape)} does not match partition {partition.local_shape}")
+        self.data = data
+        self.grad = backend.xp.zeros_like(data) if grad is None else grad
+        self.partition = partition
+        self.decay = decay
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    def load_full(self, full):
+        """Set this rank's slice from the logical (unpadded) tensor; padding stays zero."""
+        full = backend.xp.asarray(full, dtype=self.data.dtype)
+        if tuple(full.shape) != tuple(self.partition.full_shape):
+            raise ValueError(f"tensor shape {tuple(full.shape)} does not match logical shape {self.partition.full_shape}")
+        self.data[...] = 0
+        self.data[self.partition.valid_local()] = full[self.partition.local_slice()]
+
+
+class Module:
+    """Parameters and sub-modules are found from attributes, in the order they were set."""
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        for name, value in vars(self).items():
+            if isinstance(value, Parameter):
+                yield prefix + name, value
+            elif isinstance(value, Module):
+                yield from value.named_parameters(f"{prefix}{name}.")
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def state(self) -> dict[str, Parameter]:
+        return dict(self.named_parameters())
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad[...] = 0
+
+    def local_bytes(self) -> int:
+        return sum(p.data.nbytes for p in self.parameters())
+
+
+class ModuleList(Module):
+    """An indexed list of modules whose parameters are named ``0.``, ``1.``, ..."""
+
+    def __init__(self, modules):
+        self.items = list(modules)
+
+    def named_parameters(self, prefix: str = ""):
+        for i, m in enumerate(self.items):
+            yield from m.named_parameters(f"{prefix}{i}.")
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
