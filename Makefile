@@ -32,7 +32,7 @@ else
 	MPI4PY_BUILD_MPICC=$(MPICC) $(PY) -m pip install -q --no-binary=mpi4py --no-cache-dir $$(grep '^mpi4py' requirements.lock)
 	$(PY) -m pip install -q -r requirements.lock
 endif
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
 run: install

@@ -66,8 +66,9 @@ class Partition:
         return tuple(slice(0, stop - start) if d == self.axis else slice(None) for d in range(len(self.full_shape)))
 
 
-def replicated(shape) -> Partition:
-    return Partition(tuple(shape))
+def replicated(shape, replicas: int) -> Partition:
+    """Every one of ``replicas`` ranks (the tp group) holds the whole tensor."""
+    return Partition(tuple(shape), replicas=replicas)
 
 
 def split(shape, axis: int, parts: int, index: int, replicas: int = 1, group: str = "tp") -> Partition:
@@ -105,10 +106,13 @@ class Parameter:
 
 
 class Module:
-    """Parameters and sub-modules are found from attributes, in the order they were set."""
+    """Parameters and sub-modules are found from attributes, in the order they were set.
+    Attributes whose name starts with "_" are references the module uses but does not own."""
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         for name, value in vars(self).items():
+            if name.startswith("_"):
+                continue
             if isinstance(value, Parameter):
                 yield prefix + name, value
             elif isinstance(value, Module):

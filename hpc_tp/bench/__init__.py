@@ -1,0 +1,1 @@
+"""Benchmarks: communication (``comm``) and training-step timings, run by ``hpc-tp bench``."""

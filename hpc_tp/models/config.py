@@ -1,0 +1,126 @@
+"""ModelConfig: one description of a decoder (GPT-2, Llama family) or encoder (BERT-style) transformer."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu")
+POSITIONS = ("learned", "rope")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 258
+    hidden: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None      # None: as many as n_heads (no grouped-query attention)
+    ffn_hidden: int | None = None      # None: 4 * hidden
+    max_seq_len: int = 128
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    activation: str = "gelu_tanh"
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    bias: bool = True
+    causal: bool = True
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 4 * self.hidden
+        self.validate()
+
+    def validate(self):
+        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model config {name}={value!r}: expected a positive integer")
+        for name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS), ("position", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        if self.hidden % self.n_heads:
+            raise ConfigError(f"model config hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model config n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.position == "rope" and (self.hidden // self.n_heads) % 2:
+            raise ConfigError(f"rope needs an even head size, got {self.hidden // self.n_heads}")
+        for name in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected 0 <= p < 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config keys: {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise ConfigError(f"model config: {e}") from None
+
+    def parameter_count(self) -> int:
+        h, f, v, L = self.hidden, self.ffn_hidden, self.vocab_size, self.n_layers
+        kv = self.n_kv_heads * self.head_dim
+        b = 1 if self.bias else 0
+        attn = h * (h + 2 * kv) + b * (h + 2 * kv) + h * h + b * h
+        mlp = (2 if self.activation == "swiglu" else 1) * (h * f + b * f) + f * h + b * h
+        norms = 2 * h * (2 if self.norm == "layernorm" and self.bias else 1)
+        embed = v * h * (1 if self.tie_embeddings else 2) + (self.max_seq_len * h if self.position == "learned" else 0)
+        return L * (attn + mlp + norms) + embed + h * (2 if self.norm == "layernorm" and self.bias else 1)
+
+
+PRESETS = {
+    # Tiny shapes for tests and the embedded demo (byte-level vocab of 258).
+    "tiny": dict(hidden=32, n_layers=2, n_heads=4, max_seq_len=64),
+    "demo": dict(hidden=128, n_layers=2, n_heads=4, max_seq_len=32),
+    "llama-tiny": dict(hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, norm="rmsnorm", norm_eps=1e-6,
+                       activation="swiglu", position="rope", bias=False, tie_embeddings=False, max_seq_len=128),
+    # The W1 benchmark workload (issue 8): 4 GPT blocks of hidden 768.
+    "w1": dict(vocab_size=50304, hidden=768, n_layers=4, n_heads=12, ffn_hidden=3072, max_seq_len=256),
+    "gpt2": dict(vocab_size=50257, hidden=768, n_layers=12, n_heads=12, max_seq_len=1024),
+    "gpt2-medium": dict(vocab_size=50257, hidden=1024, n_layers=24, n_heads=16, max_seq_len=1024),
+    "gpt3-175b": dict(vocab_size=50257, hidden=12288, n_layers=96, n_heads=96, max_seq_len=2048),
+    "llama2-7b": dict(vocab_size=32000, hidden=4096, n_layers=32, n_heads=32, ffn_hidden=11008, norm="rmsnorm",
+                      norm_eps=1e-5, activation="swiglu", position="rope", bias=False, tie_embeddings=False,
+                      max_seq_len=4096),
+    "llama3-70b": dict(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                       norm="rmsnorm", norm_eps=1e-5, activation="swiglu", position="rope", rope_theta=500000.0,
+                       bias=False, tie_embeddings=False, max_seq_len=8192),
+}
+
+
+def load_config(spec: str, **overrides) -> ModelConfig:
+    """A preset name or a JSON file; ``overrides`` (e.g. vocab_size from the tokenizer) win."""
+    if spec in PRESETS:
+        values = dict(PRESETS[spec])
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ConfigError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON file")
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"model config {spec}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"model config {spec}: expected a JSON object")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ModelConfig.from_dict(values)

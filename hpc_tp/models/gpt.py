@@ -1,0 +1,120 @@
+"""Decoder language model (GPT-2; Llama family through the config: RoPE, RMSNorm, SwiGLU, GQA).
+
+    ids -> vocab-parallel embedding (+ learned positions) -> blocks -> final norm
+        -> vocab-parallel LM head -> vocab-parallel cross entropy
+
+The pieces are exposed separately (embed, blocks, head) so a pipeline stage can run only its part.
+"""
+from __future__ import annotations
+
+from .. import backend
+from ..comm.base import Communicator
+from ..module import Module, ModuleList, Parameter, replicated, split
+from ..nn.block import TransformerBlock
+from ..nn.norms import make_norm
+from ..tensor_parallel.random import DropoutRNG
+from ..tensor_parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelLMHead
+from .config import ModelConfig
+from .init import initialize
+
+
+class GPTModel(Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype="float64", seed: int = 0,
+                 layers: range | None = None, has_embedding: bool = True, has_head: bool = True):
+        xp = backend.xp
+        self.cfg, self.comm, self.dtype = cfg, comm, dtype
+        self.rng = DropoutRNG(seed)
+        self.layer_ids = range(cfg.n_layers) if layers is None else layers
+        self.has_embedding, self.has_head = has_embedding, has_head
+        if has_embedding:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, comm, dtype)
+            if cfg.position == "learned":
+                self.pos = Parameter(xp.zeros((cfg.max_seq_len, cfg.hidden), dtype=dtype),
+                                     replicated((cfg.max_seq_len, cfg.hidden), comm.size))
+        self.layers = ModuleList(TransformerBlock(cfg, comm, i, self.rng, dtype) for i in self.layer_ids)
+        if has_head:
+            self.final_norm = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
+            if cfg.tie_embeddings and has_embedding:
+                self.head = VocabParallelLMHead(self.embed.weight, comm, owns_weight=False)
+            else:
+                weight = Parameter(xp.zeros((-(-cfg.vocab_size // comm.size), cfg.hidden), dtype=dtype),
+                                   split((cfg.vocab_size, cfg.hidden), 0, comm.size, comm.rank))
+                self.head = VocabParallelLMHead(weight, comm, owns_weight=True)
+            self._loss = VocabParallelCrossEntropy(cfg.vocab_size, comm)
+        initialize(self, cfg.init_std, cfg.n_layers, seed)
+
+    def named_parameters(self, prefix: str = ""):
+        # Global layer indices in names, so every pipeline stage names its layers as the full model does.
+        for name, p in super().named_parameters(prefix):
+            if name.startswith(prefix + "layers."):
+                rest = name[len(prefix + "layers."):]
+                local, tail = rest.split(".", 1)
+                name = f"{prefix}layers.{self.layer_ids[int(local)]}.{tail}"
+            yield name, p
+
+    # -- pieces ---------------------------------------------------------------------------------------
+    def embed_forward(self, ids, positions=None):
+        x, ctx = self.embed.forward(ids)
+        if self.cfg.position == "learned":
+            t = ids.shape[1]
+            if t > self.cfg.max_seq_len:
+                from ..errors import ConfigError
+                raise ConfigError(f"sequence length {t} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
+            x += self.pos.data[:t] if positions is None else self.pos.data[positions]
+        return x, ctx
+
+    def embed_backward(self, dx, ctx):
+        if self.cfg.position == "learned":
+            self.pos.grad[:dx.shape[1]] += dx.sum(axis=0)
+        self.embed.backward(dx, ctx)
+
+    def blocks_forward(self, x, key_mask=None, positions=None):
+        ctxs = []
+        for block in self.layers:
+            x, c = block.forward(x, key_mask, positions)
+            ctxs.append(c)
+        return x, ctxs
+
+    def blocks_backward(self, dx, ctxs):
+        for block, c in zip(reversed(self.layers.items), reversed(ctxs)):
+            dx = block.backward(dx, c)
+        return dx
+
+    def logits_forward(self, x):
+        h, norm_ctx = self.final_norm.forward(x)
+        logits, head_ctx = self.head.forward(h)
+        return logits, (norm_ctx, head_ctx)
+
+    def logits_backward(self, dlogits, ctx):
+        norm_ctx, head_ctx = ctx
+        return self.final_norm.backward(self.head.backward(dlogits, head_ctx), norm_ctx)
+
+    def head_forward(self, x, targets):
+        logits, lctx = self.logits_forward(x)
+        loss_sum, count, loss_ctx = self._loss.forward(logits, targets)
+        return loss_sum, count, (lctx, loss_ctx)
+
+    def head_backward(self, ctx, scale: float):
+        lctx, loss_ctx = ctx
+        return self.logits_backward(self._loss.backward(loss_ctx, scale), lctx)
+
+    # -- whole model (one pipeline stage) ----------------------------------------------------------------
+    def forward(self, ids, targets, key_mask=None):
+        """Returns (sum of token losses, number of target tokens, ctx)."""
+        x, ectx = self.embed_forward(ids)
+        x, bctx = self.blocks_forward(x, key_mask)
+        loss_sum, count, hctx = self.head_forward(x, targets)
+        return loss_sum, count, (ectx, bctx, hctx)
+
+    def backward(self, ctx, scale: float):
+        """Accumulate gradients of ``scale * loss_sum`` (scale = 1 / global token count)."""
+        ectx, bctx, hctx = ctx
+        self.embed_backward(self.blocks_backward(self.head_backward(hctx, scale), bctx), ectx)
+
+    def logits(self, ids, key_mask=None):
+        """Full-vocabulary logits [B, T, V] (gathered over tp): for evaluation and sampling."""
+        x, _ = self.embed_forward(ids)
+        x, _ = self.blocks_forward(x, key_mask)
+        local, _ = self.logits_forward(x)
+        full = self.comm.all_gather(local, axis=local.ndim - 1) if self.comm.size > 1 else local
+        return full[..., :self.cfg.vocab_size]

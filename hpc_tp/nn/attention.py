@@ -1,0 +1,133 @@
+"""Self-attention split by heads.
+
+QKV is one column-parallel GEMM: each rank owns whole query heads and the K/V heads they
+attend to. With grouped-query attention and tp > kv heads, a KV head is replicated on the
+tp/kv ranks whose query heads use it (its gradient is summed across those replicas). Heads
+are independent, so attention itself needs no communication; the output projection is
+row-parallel and its g all-reduce is the layer's only forward collective.
+"""
+from __future__ import annotations
+
+import math
+
+from .. import backend
+from ..comm.base import Communicator
+from ..errors import ConfigError
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
+from ..tensor_parallel.random import DropoutRNG
+from ..module import Module
+from . import functional as F
+from .dropout import keep_mask
+
+
+def heads_fit(n_heads: int, n_kv_heads: int, tp: int) -> bool:
+    return n_heads % tp == 0 and (n_kv_heads % tp == 0 or tp % n_kv_heads == 0)
+
+
+def check_heads(n_heads: int, n_kv_heads: int, tp: int):
+    if not heads_fit(n_heads, n_kv_heads, tp):
+        works = [t for t in range(1, n_heads + 1) if heads_fit(n_heads, n_kv_heads, t)]
+        raise ConfigError(f"{n_heads} attention heads with {n_kv_heads} kv heads cannot be split over tp={tp}; "
+                          f"tp values that work: {', '.join(map(str, works))}")
+
+
+def attention_bias(batch, q_len, k_len, causal: bool, key_mask, q_offset: int, dtype):
+    """Additive mask [B|1, 1, 1, Tq, Tk]: 0 where a query may look, -inf where it may not.
+    ``key_mask`` [B, Tk] is 1 for real tokens and 0 for padding; ``q_offset`` is the absolute
+    position of the first query (decoding with a cache)."""
+    xp = backend.xp
+    allowed = xp.ones((1, q_len, k_len), dtype=bool)
+    if causal:
+        allowed = allowed & (xp.arange(k_len)[None, :] <= (xp.arange(q_len) + q_offset)[:, None])[None]
+    if key_mask is not None:
+        allowed = allowed & (key_mask.astype(bool)[:, None, :])
+    return xp.where(allowed, 0.0, -xp.inf).astype(dtype)[:, None, None]
+
+
+class ParallelAttention(Module):
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, comm: Communicator, *, causal=True,
+                 bias=True, rope_theta: float | None = None, dropout: float = 0.0, rng: DropoutRNG | None = None,
+                 layer_id: int = 0, dtype="float64"):
+        if hidden % n_heads:
+            raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
+        if n_heads % n_kv_heads:
+            raise ConfigError(f"{n_heads} attention heads are not a multiple of {n_kv_heads} kv heads")
+        tp, rank = comm.size, comm.rank
+        check_heads(n_heads, n_kv_heads, tp)
+        self.head_dim = d = hidden // n_heads
+        self.heads_local = n_heads // tp
+        self.head_start = rank * self.heads_local
+        if n_kv_heads >= tp:
+            kv_parts, kv_index, kv_replicas, replica_comm = tp, rank, 1, None
+        else:
+            kv_replicas = tp // n_kv_heads
+            kv_parts, kv_index = n_kv_heads, rank // kv_replicas
+            replica_comm = comm.split(color=kv_index, key=rank)
+        self.kv_local = n_kv_heads // kv_parts
+        self.causal, self.rope_theta, self.dropout, self.rng, self.layer_id = causal, rope_theta, dropout, rng, layer_id
+        self.qkv = ColumnParallelLinear(hidden, None, comm, bias, segments=[
+            Segment("q", n_heads * d, tp, rank),
+            Segment("k", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
+            Segment("v", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm)], dtype=dtype)
+        self.out = RowParallelLinear(n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype)
+
+    def _split_heads(self, qkv):
+        b, t, _ = qkv.shape
+        d, hq, hk = self.head_dim, self.heads_local, self.kv_local
+        q = qkv[..., :hq * d].reshape(b, t, hk, hq // hk, d).transpose(0, 2, 3, 1, 4)  # [B, hk, g, T, d]
+        k = qkv[..., hq * d:(hq + hk) * d].reshape(b, t, hk, d).transpose(0, 2, 1, 3)  # [B, hk, T, d]
+        v = qkv[..., (hq + hk) * d:].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def _dropout_masks(self, shape, dtype):
+        """One mask per local head, keyed by the global head index: the same draw at any tp."""
+        xp = backend.xp
+        b, hk, g, tq, tk = shape
+        masks = [keep_mask(self.rng.generator("attn", self.layer_id, self.head_start + h), (b, tq, tk), self.dropout, dtype)
+                 for h in range(hk * g)]
+        return xp.stack(masks, axis=1).reshape(shape)
+
+    def forward(self, x, key_mask=None, positions=None):
+        xp = backend.xp_of(x)
+        b, t, _ = x.shape
+        qkv, qkv_ctx = self.qkv.forward(x)
+        q, k, v = self._split_heads(qkv)
+        rope = None
+        if self.rope_theta is not None:
+            pos = xp.arange(t) if positions is None else positions
+            rope = F.rope_tables(pos, self.head_dim, self.rope_theta, x.dtype)
+            q, k = F.rope_apply(q, *rope), F.rope_apply(k, *rope)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, hk, g, T, T]
+        if self.causal or key_mask is not None:
+            scores += attention_bias(b, t, t, self.causal, key_mask, 0, x.dtype)
+        probs = F.softmax_forward(scores)
+        mask = None
+        if self.dropout > 0 and self.rng is not None and self.rng.training:
+            mask = self._dropout_masks(probs.shape, x.dtype)
+        attn = (probs if mask is None else probs * mask) @ v[:, :, None]  # [B, hk, g, T, d]
+        merged = attn.transpose(0, 3, 1, 2, 4).reshape(b, t, self.heads_local * self.head_dim)
+        y, out_ctx = self.out.forward(merged)
+        return y, (qkv_ctx, q, k, v, probs, mask, rope, out_ctx)
+
+    def backward(self, dy, ctx):
+        qkv_ctx, q, k, v, probs, mask, rope, out_ctx = ctx
+        xp = backend.xp_of(dy)
+        b, t, _ = dy.shape
+        hk, g, d = self.kv_local, self.heads_local // self.kv_local, self.head_dim
+        dmerged = self.out.backward(dy, out_ctx)
+        dattn = dmerged.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
+        dropped = probs if mask is None else probs * mask
+        dv = (dropped.swapaxes(-1, -2) @ dattn).sum(axis=2)
+        dprobs = dattn @ v[:, :, None].swapaxes(-1, -2)
+        if mask is not None:
+            dprobs *= mask
+        dscores = F.softmax_backward(dprobs, probs) * (1.0 / math.sqrt(d))
+        dq = dscores @ k[:, :, None]
+        dk = (dscores.swapaxes(-1, -2) @ q).sum(axis=2)
+        if rope is not None:
+            dq, dk = F.rope_apply(dq, *rope, inverse=True), F.rope_apply(dk, *rope, inverse=True)
+        dqkv = xp.concatenate([dq.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g * d),
+                               dk.transpose(0, 2, 1, 3).reshape(b, t, hk * d),
+                               dv.transpose(0, 2, 1, 3).reshape(b, t, hk * d)], axis=-1)
+        return self.qkv.backward(dqkv, qkv_ctx)

@@ -1,0 +1,42 @@
+"""Pre-LN transformer block: x + drop(attn(norm1(x))), then + drop(mlp(norm2(.))).
+
+Four collectives per block and direction: the f and g of attention and of the MLP.
+"""
+from __future__ import annotations
+
+from ..comm.base import Communicator
+from ..module import Module
+from ..tensor_parallel.random import DropoutRNG
+from .attention import ParallelAttention
+from .dropout import Dropout
+from .mlp import ParallelMLP
+from .norms import make_norm
+
+
+class TransformerBlock(Module):
+    def __init__(self, cfg, comm: Communicator, layer_id: int, rng: DropoutRNG | None = None, dtype="float64"):
+        self.norm1 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
+        self.attn = ParallelAttention(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, comm, causal=cfg.causal, bias=cfg.bias,
+                                      rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
+                                      dropout=cfg.attn_dropout, rng=rng, layer_id=layer_id, dtype=dtype)
+        self.norm2 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
+        self.mlp = ParallelMLP(cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype)
+        self._drop_attn = Dropout(cfg.dropout, rng, ("resid_attn", layer_id))
+        self._drop_mlp = Dropout(cfg.dropout, rng, ("resid_mlp", layer_id))
+
+    def forward(self, x, key_mask=None, positions=None):
+        h, n1 = self.norm1.forward(x)
+        a, attn_ctx = self.attn.forward(h, key_mask, positions)
+        a, d1 = self._drop_attn.forward(a)
+        x1 = x + a
+        h, n2 = self.norm2.forward(x1)
+        m, mlp_ctx = self.mlp.forward(h)
+        m, d2 = self._drop_mlp.forward(m)
+        return x1 + m, (n1, attn_ctx, d1, n2, mlp_ctx, d2)
+
+    def backward(self, dy, ctx):
+        n1, attn_ctx, d1, n2, mlp_ctx, d2 = ctx
+        dm = self.mlp.backward(self._drop_mlp.backward(dy, d2), mlp_ctx)
+        dx1 = dy + self.norm2.backward(dm, n2)
+        da = self.attn.backward(self._drop_attn.backward(dx1, d1), attn_ctx)
+        return dx1 + self.norm1.backward(da, n1)

@@ -1,0 +1,45 @@
+"""LayerNorm and RMSNorm over the hidden axis. Their inputs are replicated across the tp group,
+so their gains are replicated too and their gradients come out identical on every tp rank."""
+from __future__ import annotations
+
+from .. import backend
+from ..module import Module, Parameter, replicated
+from . import functional as F
+
+
+class LayerNorm(Module):
+    def __init__(self, hidden: int, replicas: int, eps: float = 1e-5, bias: bool = True, dtype="float64"):
+        xp = backend.xp
+        self.eps = eps
+        self.weight = Parameter(xp.ones(hidden, dtype=dtype), replicated((hidden,), replicas), decay=False)
+        self.bias = Parameter(xp.zeros(hidden, dtype=dtype), replicated((hidden,), replicas), decay=False) if bias else None
+
+    def forward(self, x):
+        return F.layernorm_forward(x, self.weight.data, None if self.bias is None else self.bias.data, self.eps)
+
+    def backward(self, dy, saved):
+        dx, dgain, dbias = F.layernorm_backward(dy, self.weight.data, saved)
+        self.weight.grad += dgain
+        if self.bias is not None:
+            self.bias.grad += dbias
+        return dx
+
+
+class RMSNorm(Module):
+    def __init__(self, hidden: int, replicas: int, eps: float = 1e-6, dtype="float64"):
+        self.eps = eps
+        self.weight = Parameter(backend.xp.ones(hidden, dtype=dtype), replicated((hidden,), replicas), decay=False)
+
+    def forward(self, x):
+        return F.rmsnorm_forward(x, self.weight.data, self.eps)
+
+    def backward(self, dy, saved):
+        dx, dgain = F.rmsnorm_backward(dy, self.weight.data, saved)
+        self.weight.grad += dgain
+        return dx
+
+
+def make_norm(kind: str, hidden: int, replicas: int, eps: float, bias: bool, dtype):
+    if kind == "layernorm":
+        return LayerNorm(hidden, replicas, eps, bias, dtype)
+    return RMSNorm(hidden, replicas, eps, dtype)

@@ -1,0 +1,144 @@
+"""Column- and row-parallel linear layers (weights stored [in, out] so ``y = x @ W`` needs no transpose).
+
+ColumnParallelLinear: W split by output columns. Input enters through f (identity forward,
+all-reduce of the input gradient backward); ``gather_output`` all-gathers the result.
+RowParallelLinear: W split by input rows. Each rank computes a partial product; g (one
+all-reduce) sums them and the bias is added once, after the reduction. ``input_is_parallel``
+says the input already arrives split (the usual case: the output of a column-parallel layer).
+
+A column-parallel layer may carry several output segments in one fused weight (Q, K, V or
+gate, up): one GEMM, while each segment stays its own Parameter (a view into the buffer)
+with its own Partition, so checkpoints and importers see plain logical tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import backend
+from ..comm.base import Communicator
+from ..errors import ConfigError
+from ..module import Module, Parameter, replicated, split
+from .mappings import local_chunk
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One logical output block of a column-parallel weight.
+
+    ``parts`` pieces of ``full // parts`` columns; this rank holds piece ``index``, shared with
+    ``replicas`` tp ranks (grouped-query K/V heads when tp > kv heads). ``replica_comm`` groups
+    the ranks holding the same piece: their gradients are summed across it.
+    """
+
+    name: str
+    full: int
+    parts: int
+    index: int
+    replicas: int = 1
+    replica_comm: Communicator | None = None
+
+
+def _flat(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+class ColumnParallelLinear(Module):
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
+                 gather_output: bool = False, segments: list[Segment] | None = None, dtype="float64"):
+        if segments is None:
+            if out_features % comm.size:
+                raise ConfigError(f"output size {out_features} is not divisible by tensor-parallel size {comm.size}")
+            segments = [Segment("", out_features, comm.size, comm.rank)]
+        if gather_output and (len(segments) > 1 or segments[0].parts != comm.size):
+            raise ValueError("gather_output needs a single segment split over the whole tp group")
+        xp = backend.xp
+        self.comm, self.gather_output, self.segments = comm, gather_output, segments
+        widths = [s.full // s.parts for s in segments]
+        self.out_local = sum(widths)
+        self._weight = xp.zeros((in_features, self.out_local), dtype=dtype)
+        self._weight_grad = xp.zeros_like(self._weight)
+        self._bias = xp.zeros(self.out_local, dtype=dtype) if bias else None
+        self._bias_grad = xp.zeros_like(self._bias) if bias else None
+        self.params: list[tuple[str, Parameter]] = []
+        self.columns: list[slice] = []
+        start = 0
+        for seg, width in zip(segments, widths):
+            cols = slice(start, start + width)
+            start += width
+            self.columns.append(cols)
+            prefix = f"{seg.name}." if seg.name else ""
+            self.params.append((prefix + "weight", Parameter(
+                self._weight[:, cols], split((in_features, seg.full), 1, seg.parts, seg.index, seg.replicas),
+                grad=self._weight_grad[:, cols])))
+            if bias:
+                self.params.append((prefix + "bias", Parameter(
+                    self._bias[cols], split((seg.full,), 0, seg.parts, seg.index, seg.replicas),
+                    grad=self._bias_grad[cols], decay=False)))
+
+    def named_parameters(self, prefix: str = ""):
+        for name, p in self.params:
+            yield prefix + name, p
+
+    def forward(self, x):
+        y = _flat(x) @ self._weight
+        if self._bias is not None:
+            y += self._bias
+        y = y.reshape(x.shape[:-1] + (self.out_local,))
+        if self.gather_output:
+            y = self.comm.all_gather(y, axis=y.ndim - 1)
+        return y, x
+
+    def backward(self, dy, x):
+        if self.gather_output:
+            dy = local_chunk(dy, self.comm)
+        dy2, x2 = _flat(dy), _flat(x)
+        dx = dy2 @ self._weight.T
+        # f's backward all-reduce of the input gradient runs while the weight gradient is computed.
+        pending = self.comm.iall_reduce(dx) if self.comm.size > 1 else None
+        self._weight_grad += x2.T @ dy2
+        if self._bias_grad is not None:
+            self._bias_grad += dy2.sum(axis=0)
+        self._sum_over_replicas()
+        if pending is not None:
+            dx = pending.wait()
+        return dx.reshape(x.shape)
+
+    def _sum_over_replicas(self):
+        for seg, cols in zip(self.segments, self.columns):
+            if seg.replica_comm is not None and seg.replica_comm.size > 1:
+                # Each replica saw only its own query heads' share of this K/V gradient.
+                self._weight_grad[:, cols] = seg.replica_comm.all_reduce(self._weight_grad[:, cols].copy())
+                if self._bias_grad is not None:
+                    self._bias_grad[cols] = seg.replica_comm.all_reduce(self._bias_grad[cols].copy())
+
+
+class RowParallelLinear(Module):
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
+                 input_is_parallel: bool = True, dtype="float64"):
+        if in_features % comm.size:
+            raise ConfigError(f"input size {in_features} is not divisible by tensor-parallel size {comm.size}")
+        xp = backend.xp
+        self.comm, self.input_is_parallel = comm, input_is_parallel
+        self.weight = Parameter(xp.zeros((in_features // comm.size, out_features), dtype=dtype),
+                                split((in_features, out_features), 0, comm.size, comm.rank))
+        self.bias = (Parameter(xp.zeros(out_features, dtype=dtype), replicated((out_features,), comm.size), decay=False)
+                     if bias else None)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = local_chunk(x, self.comm)
+        y = (_flat(x) @ self.weight.data).reshape(x.shape[:-1] + (self.weight.shape[1],))
+        self.comm.all_reduce(y)  # g: sum the partial products
+        if self.bias is not None:
+            y += self.bias.data
+        return y, x
+
+    def backward(self, dy, x):
+        dy2, x2 = _flat(dy), _flat(x)
+        if self.bias is not None:
+            self.bias.grad += dy2.sum(axis=0)
+        dx = (dy2 @ self.weight.data.T).reshape(x.shape)
+        self.weight.grad += x2.T @ dy2
+        if not self.input_is_parallel:
+            dx = self.comm.all_gather(dx, axis=dx.ndim - 1)
+        return dx

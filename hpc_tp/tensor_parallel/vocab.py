@@ -1,0 +1,103 @@
+"""Vocab-parallel embedding, LM head and cross entropy.
+
+The vocabulary is cut into tp contiguous row blocks of ``ceil(V / tp)``; the last block may
+run past V (padding rows that hold zeros). The embedding looks up the ids that fall in this
+rank's block and g sums the blocks. The cross entropy never gathers the logits: it reduces
+the row max, then (in one all-reduce) the sum of exponentials and the target logit. Padding
+columns are set to -inf, so they can never win the max or take probability mass.
+"""
+from __future__ import annotations
+
+from .. import backend
+from ..comm.base import Communicator
+from ..module import Module, Parameter, split
+
+IGNORE_INDEX = -100
+
+
+class VocabParallelEmbedding(Module):
+    def __init__(self, vocab_size: int, hidden: int, comm: Communicator, dtype="float64"):
+        self.comm, self.vocab_size = comm, vocab_size
+        self.weight = Parameter(backend.xp.zeros((-(-vocab_size // comm.size), hidden), dtype=dtype),
+                                split((vocab_size, hidden), 0, comm.size, comm.rank))
+        self.vocab_start, stop = self.weight.partition.local_range()
+        self.vocab_local = stop - self.vocab_start
+
+    def _local_ids(self, ids):
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_local)
+        return backend.xp_of(ids).where(outside, 0, local), outside
+
+    def forward(self, ids):
+        local, outside = self._local_ids(ids)
+        y = self.weight.data[local]
+        y[outside] = 0
+        self.comm.all_reduce(y)  # g
+        return y, (local, outside)
+
+    def backward(self, dy, ctx):
+        local, outside = ctx
+        xp = backend.xp_of(dy)
+        keep = ~outside
+        xp.add.at(self.weight.grad, local[keep], dy[keep])
+        return None
+
+
+class VocabParallelLMHead(Module):
+    """logits_local = h @ W_local.T with W [V, hidden] split by vocab rows (tied: the embedding's W)."""
+
+    def __init__(self, weight: Parameter, comm: Communicator, owns_weight: bool):
+        self.comm = comm
+        # Tied: the embedding owns and names the weight; the underscore keeps Module from listing it twice.
+        self.weight = weight if owns_weight else None
+        self._w = weight
+
+    def forward(self, h):
+        return h @ self._w.data.T, h
+
+    def backward(self, dlogits, h):
+        h2, d2 = h.reshape(-1, h.shape[-1]), dlogits.reshape(-1, dlogits.shape[-1])
+        dh = dlogits @ self._w.data
+        pending = self.comm.iall_reduce(dh) if self.comm.size > 1 else None  # f before the head
+        self._w.grad += d2.T @ h2
+        return pending.wait() if pending is not None else dh
+
+
+class VocabParallelCrossEntropy:
+    """Sum of token losses over targets != IGNORE_INDEX; the caller divides by the global token count."""
+
+    def __init__(self, vocab_size: int, comm: Communicator):
+        self.comm, self.vocab_size = comm, vocab_size
+        local = -(-vocab_size // comm.size)
+        self.vocab_start = min(comm.rank * local, vocab_size)
+        self.vocab_valid = min(local, vocab_size - self.vocab_start)
+
+    def forward(self, logits_local, targets):
+        xp = backend.xp_of(logits_local)
+        logits = logits_local.reshape(-1, logits_local.shape[-1]).copy()
+        targets = targets.reshape(-1)
+        logits[:, self.vocab_valid:] = -xp.inf
+        row_max = self.comm.all_reduce(logits.max(axis=1), op="max")
+        logits -= row_max[:, None]
+        local_t = targets - self.vocab_start
+        mine = (local_t >= 0) & (local_t < self.vocab_valid)
+        rows = xp.arange(targets.shape[0])
+        sums = xp.zeros((2, targets.shape[0]), dtype=logits.dtype)
+        sums[1] = xp.where(mine, logits[rows, xp.where(mine, local_t, 0)], 0.0)
+        xp.exp(logits, out=logits)  # logits now holds exp(z - max): the softmax numerators
+        sums[0] = logits.sum(axis=1)
+        self.comm.all_reduce(sums)  # sum of exponentials and target logit, in one message
+        valid = targets != IGNORE_INDEX
+        token_loss = xp.where(valid, xp.log(sums[0]) - sums[1], 0.0)
+        ctx = (logits, sums[0], local_t, mine & valid, valid, logits_local.shape)
+        return float(token_loss.sum()), int(valid.sum()), ctx
+
+    def backward(self, ctx, scale: float):
+        """Gradient of ``scale * sum(token losses)`` with respect to the local logits."""
+        probs, sum_exp, local_t, target_here, valid, shape = ctx
+        xp = backend.xp_of(probs)
+        probs /= sum_exp[:, None]
+        rows = xp.nonzero(target_here)[0]
+        probs[rows, local_t[rows]] -= 1.0
+        probs *= xp.where(valid, scale, 0.0)[:, None]
+        return probs.reshape(shape)

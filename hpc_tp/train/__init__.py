@@ -1,0 +1,1 @@
+"""Training: optimizer, data pipeline, trainer loop and metrics."""

@@ -1,0 +1,128 @@
+"""Tokenizers with one small interface: ``encode``, ``decode``, ``vocab_size``, ``eos_id``, ``pad_id``.
+
+``ByteTokenizer`` needs no files (ids 0..255 are UTF-8 bytes, then ``<pad>`` and ``<eos>``);
+``HFTokenizer`` wraps a Hugging Face ``tokenizer.json``. ``save(folder)`` writes a
+``tokenizer_config.json`` (plus ``tokenizer.json`` for HF) so a checkpoint carries its tokenizer,
+and ``load_tokenizer_dir(folder)`` reads it back.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from ..errors import ConfigError
+
+CONFIG_FILE = "tokenizer_config.json"
+HF_FILE = "tokenizer.json"
+
+# Special-token spellings of the common model families, most common first.
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
+_PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
+
+
+class ByteTokenizer:
+    """Byte-level: every UTF-8 string round-trips, and no vocabulary file is needed."""
+
+    kind = "bytes"
+    pad_id = 256
+    eos_id = 257
+    vocab_size = 258
+    identity = "bytes-v1"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        # Special tokens carry no text; a cut multi-byte character decodes as U+FFFD.
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def save(self, folder):
+        _write_config(folder, {"kind": self.kind})
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer; eos/pad are found by their usual names (else None)."""
+
+    kind = "huggingface"
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_id = _first_token_id(tokenizer, _EOS_NAMES)
+        self.pad_id = _first_token_id(tokenizer, _PAD_NAMES)
+        self.identity = "hf-" + hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+    @classmethod
+    def from_file(cls, path) -> "HFTokenizer":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"tokenizer file {path} does not exist (expected a Hugging Face tokenizer.json)")
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:  # the Rust library raises a bare Exception with its parser message
+            raise ConfigError(f"{path} is not a Hugging Face tokenizer.json: {e}") from None
+
+    # Special tokens are the pipeline's business (it appends eos itself), so none are added here.
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save(self, folder):
+        _write_config(folder, {"kind": self.kind, "file": HF_FILE})
+        self.tokenizer.save(str(Path(folder) / HF_FILE))
+
+
+def load_tokenizer(spec: str):
+    """``"bytes"``, a ``tokenizer.json``, or a folder holding a saved tokenizer (or a tokenizer.json)."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir():
+        if (path / CONFIG_FILE).is_file():
+            return load_tokenizer_dir(path)
+        return HFTokenizer.from_file(path / HF_FILE)
+    if not path.exists():
+        raise ConfigError(f"tokenizer {spec!r} not found: expected 'bytes' or a path to a tokenizer.json")
+    return HFTokenizer.from_file(path)
+
+
+def load_tokenizer_dir(folder):
+    """The tokenizer a folder (e.g. a checkpoint step) was saved with."""
+    config_path = Path(folder) / CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{config_path} not found: the folder has no saved tokenizer") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_path} is not valid JSON: {e}") from None
+    kind = config.get("kind")
+    if kind == ByteTokenizer.kind:
+        return ByteTokenizer()
+    if kind == HFTokenizer.kind:
+        return HFTokenizer.from_file(Path(folder) / config.get("file", HF_FILE))
+    raise ConfigError(f"{config_path}: unknown tokenizer kind {kind!r} (expected 'bytes' or 'huggingface')")
+
+
+def _first_token_id(tokenizer: Tokenizer, names) -> int | None:
+    for name in names:
+        token_id = tokenizer.token_to_id(name)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def _write_config(folder, config: dict):
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")

@@ -1,0 +1,248 @@
+"""Checkpoints: saved at one layout, loaded at another, exactly; plain HDF5 readable from anywhere;
+corruption, a missing shard and a failed save are caught; old steps are pruned; ``hpc-tp inspect``."""
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpc_tp.checkpoint import (CheckpointError, describe_checkpoint, latest_checkpoint, load_checkpoint,
+                               save_checkpoint, verify_checkpoint)
+from hpc_tp.checkpoint import write as checkpoint_write
+from hpc_tp.cli import main
+from hpc_tp.comm.mpi import self_comm
+from hpc_tp.errors import ConfigError
+from hpc_tp.grid import ProcessGrid, factorizations
+from hpc_tp.module import Parameter, Partition, replicated, split
+
+mpi = pytest.mark.mpi(min_size=1)
+
+# name -> (logical shape, split axis or None for replicated)
+SPECS = {
+    "col.weight": ((3, 8), 1),                # column-parallel
+    "row.weight": ((8, 3), 0),                # row-parallel
+    "norm.gain": ((6,), None),                # replicated
+    "embed.weight": ((11, 3), 0),             # vocab padding: 11 rows in pieces of ceil(11 / tp)
+    "kv.weight": ((3, 4), 1),                 # fewer pieces than tp ranks: pairs of ranks share one
+    "optim.exp_avg.col.weight": ((3, 8), 1),  # an optimizer state, float32
+}
+
+
+def full_tensor(name):
+    return np.random.default_rng(zlib.crc32(name.encode())).standard_normal(SPECS[name][0])
+
+
+def partition(name, tp, tp_rank) -> Partition:
+    shape, axis = SPECS[name]
+    if axis is None:
+        return Partition(shape, replicas=tp)
+    parts = max(1, tp // 2) if name.startswith("kv.") else tp
+    return split(shape, axis, parts, tp_rank // (tp // parts), replicas=tp // parts)
+
+
+def make_tensors(grid, fill=True):
+    """This rank's parameters for its pipeline stage; padding (and, unfilled, everything) holds 99,
+    so a save that wrote padding or a load that left stale values would show."""
+    tensors = {}
+    for name in sorted(SPECS)[grid.coords.pp::grid.pp_size]:
+        part = partition(name, grid.tp_size, grid.coords.tp)
+        if name == "col.weight":  # a strided view into a fused buffer, as QKV is
+            data = np.zeros((part.local_shape[0], 2 * part.local_shape[1]))[:, ::2]
+        else:
+            data = np.zeros(part.local_shape, np.float32 if name.startswith("optim.") else np.float64)
+        tensors[name] = Parameter(data, part)
+        if fill:
+            tensors[name].load_full(full_tensor(name))
+        padding = np.ones(part.local_shape, bool)
+        padding[part.valid_local()] = not fill
+        data[padding] = 99
+    return tensors
+
+
+def assert_hold_full_tensors(tensors):
+    for name, tensor in tensors.items():
+        expected = Parameter(np.zeros(tensor.data.shape, tensor.data.dtype), tensor.partition)
+        expected.load_full(full_tensor(name))
+        assert np.array_equal(tensor.data, expected.data), name
+
+
+@pytest.fixture
+def root(comm_world):
+    """A folder every rank agrees on."""
+    path = comm_world.bcast_object(tempfile.mkdtemp(prefix="hpc_tp-ckpt-") if comm_world.rank == 0 else None)
+    yield Path(path)
+    comm_world.barrier()
+    if comm_world.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def alone():
+    return ProcessGrid(tp=1, world=self_comm())
+
+
+@pytest.fixture
+def everywhere(comm_world):
+    return ProcessGrid(tp=comm_world.size, world=comm_world)
+
+
+@mpi
+def test_every_layout_loads_at_tp1_and_at_tp_world(comm_world, root, alone, everywhere):
+    for step, (tp, pp, dp) in enumerate(factorizations(comm_world.size)):
+        grid = ProcessGrid(tp=tp, pp=pp, dp=dp, world=comm_world)
+        meta = {"layout": [tp, pp, dp], "config": {"d_model": 8}}
+        path = save_checkpoint(root, step, make_tensors(grid), meta, grid, keep=0)
+        pieces = {t["name"]: t["pieces"] for t in describe_checkpoint(path)["tensors"]}
+        assert pieces == {"col.weight": tp, "row.weight": tp, "norm.gain": 1, "embed.weight": tp,
+                          "kv.weight": max(1, tp // 2), "optim.exp_avg.col.weight": tp}
+        for target in (alone, everywhere):
+            tensors = make_tensors(target, fill=False)
+            assert load_checkpoint(path, tensors, target) == meta
+            assert_hold_full_tensors(tensors)
+
+
+@mpi
+def test_master_is_plain_hdf5_readable_after_a_move_from_another_folder(comm_world, root, alone, everywhere,
+                                                                        monkeypatch):
+    path = save_checkpoint(root, 7, make_tensors(everywhere), {"step": 7}, everywhere)
+    comm_world.barrier()
+    if comm_world.rank == 0:
+        moved = Path(shutil.move(path, root / "elsewhere" / "ckpt"))
+        monkeypatch.chdir(root / "elsewhere")
+        with h5py.File("ckpt/master.h5", "r") as f:
+            assert json.loads(f.attrs["meta"]) == {"step": 7}
+            for name, (shape, axis) in SPECS.items():
+                ds = f[f"tensors/{name}"]
+                assert ds.shape == shape and ds.attrs["split_axis"] == (-1 if axis is None else axis)
+                assert ds.attrs["dtype"] == ("float32" if name.startswith("optim.") else "float64")
+                assert np.array_equal(ds[...], full_tensor(name).astype(ds.dtype)), name
+        monkeypatch.chdir(tempfile.gettempdir())
+        tensors = make_tensors(alone, fill=False)
+        load_checkpoint(moved, tensors, alone)
+        assert_hold_full_tensors(tensors)
+        assert verify_checkpoint(moved) == []
+    comm_world.barrier()
+
+
+def flip_bytes(shard, dataset):
+    with h5py.File(shard, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(shard, "r+b") as fh:
+        fh.seek(offset)
+        original = fh.read(8)
+        fh.seek(offset)
+        fh.write(bytes(b ^ 0xFF for b in original))
+
+
+@mpi
+def test_a_corrupted_piece_fails_verification_and_load(comm_world, root, alone, everywhere):
+    path = save_checkpoint(root, 1, make_tensors(everywhere), {}, everywhere)
+    comm_world.barrier()
+    if comm_world.rank == 0:
+        flip_bytes(path / "shards" / "rank-00000.h5", "tensors/row.weight")
+    comm_world.barrier()
+    problems = verify_checkpoint(path)
+    assert len(problems) == 1 and "'row.weight': checksum mismatch" in problems[0] and "rank-00000.h5" in problems[0]
+    for grid in (everywhere, alone):  # at tp=world only rank 0 reads the bad piece: every rank raises anyway
+        with pytest.raises(ConfigError, match="'row.weight': checksum mismatch"):
+            load_checkpoint(path, make_tensors(grid, fill=False), grid)
+
+
+@mpi
+def test_a_missing_shard_is_an_error_not_zeros(comm_world, root, alone, everywhere):
+    path = save_checkpoint(root, 1, make_tensors(everywhere), {}, everywhere)
+    comm_world.barrier()
+    shard = f"shards/rank-{comm_world.size - 1:05d}.h5"
+    if comm_world.rank == 0:
+        os.remove(path / shard)
+    comm_world.barrier()
+    assert any(f"{shard} is missing" in p for p in verify_checkpoint(path))
+    with pytest.raises(ConfigError, match=f"{shard} is missing"):
+        load_checkpoint(path, make_tensors(alone, fill=False), alone)
+
+
+@mpi
+def test_a_failed_save_leaves_the_previous_checkpoint(comm_world, root, everywhere, monkeypatch):
+    first = save_checkpoint(root, 1, make_tensors(everywhere), {"version": 1}, everywhere)
+    real_piece_values = checkpoint_write._piece_values
+
+    def fail_on_last_rank(tensor):
+        if comm_world.rank == comm_world.size - 1:
+            raise OSError("disk full (injected)")
+        return real_piece_values(tensor)
+
+    monkeypatch.setattr(checkpoint_write, "_piece_values", fail_on_last_rank)
+    for step in (2, 1):  # a new step, and over the existing one
+        with pytest.raises(CheckpointError, match="disk full"):
+            save_checkpoint(root, step, make_tensors(everywhere), {"version": 2}, everywhere)
+        assert sorted(os.listdir(root)) == ["latest", "step-000001"]
+        assert latest_checkpoint(root) == first
+        tensors = make_tensors(everywhere, fill=False)
+        assert load_checkpoint(root, tensors, everywhere) == {"version": 1}
+        assert_hold_full_tensors(tensors)
+    monkeypatch.undo()
+    save_checkpoint(root, 1, make_tensors(everywhere), {"version": 2}, everywhere)
+    assert sorted(os.listdir(root)) == ["latest", "step-000001"]
+    assert load_checkpoint(root, make_tensors(everywhere, fill=False), everywhere) == {"version": 2}
+
+
+@mpi
+def test_keep_prunes_the_oldest_steps(comm_world, root, everywhere):
+    tensors = make_tensors(everywhere)
+    for step in range(1, 5):
+        save_checkpoint(root, step, tensors, {"step": step}, everywhere, keep=2)
+    assert sorted(os.listdir(root)) == ["latest", "step-000003", "step-000004"]
+    assert latest_checkpoint(root) == root / "step-000004"
+    save_checkpoint(root, 2, tensors, {"step": 2}, everywhere, keep=2)  # a rerun from an earlier step stays
+    assert sorted(os.listdir(root)) == ["latest", "step-000002", "step-000003", "step-000004"]
+    assert latest_checkpoint(root) == root / "step-000002"
+
+
+@mpi
+def test_load_errors_name_the_tensor_and_shapes(comm_world, root, alone, everywhere):
+    path = save_checkpoint(root, 1, make_tensors(everywhere), {}, everywhere)
+    wrong_shape = make_tensors(alone, fill=False) | {"norm.gain": Parameter(np.zeros(5), replicated((5,)))}
+    with pytest.raises(ConfigError, match=r"'norm.gain' has shape \(6,\) in the checkpoint but \(5,\) in the model"):
+        load_checkpoint(path, wrong_shape, alone)
+    tensors = make_tensors(everywhere, fill=False)
+    if comm_world.rank == comm_world.size - 1:  # missing on one rank only: every rank raises
+        tensors["lm_head.weight"] = Parameter(np.zeros((2, 2)), replicated((2, 2)))
+    with pytest.raises(ConfigError, match=r"'lm_head.weight' \(shape \(2, 2\)\) is not in the checkpoint"):
+        load_checkpoint(path, tensors, everywhere)
+
+
+@mpi
+def test_inspect_shows_config_tensors_and_verification(comm_world, root, everywhere, capsys):
+    meta = {"config": {"family": "gpt2", "vocab_size": 11, "d_model": 8, "n_layers": 2, "n_heads": 2,
+                       "comment": "long enough to be listed key by key"},
+            "step": 3, "rng": list(range(624))}
+    path = save_checkpoint(root, 3, make_tensors(everywhere), meta, everywhere, files={"tokenizer.json": b"{}"})
+    assert (path / "tokenizer.json").read_bytes() == b"{}"
+    capsys.readouterr()
+    assert main(["inspect", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in SPECS)
+    assert "11x3" in text and '"gpt2"' in text and "<list of 624>" in text and "tokenizer.json" in text
+    assert "verify      OK" in text
+    assert main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["step"] == 3 and info["problems"] == [] and info["meta"] == meta
+    assert {t["name"]: tuple(t["shape"]) for t in info["tensors"]} == {n: s for n, (s, _) in SPECS.items()}
+
+
+def test_latest_falls_back_to_the_highest_complete_step(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    for step, complete in ((1, True), (3, True), (4, False)):
+        (tmp_path / f"step-{step:06d}").mkdir()
+        if complete:
+            (tmp_path / f"step-{step:06d}" / "master.h5").touch()
+    (tmp_path / "latest").write_text("step-000009\n")  # dangling: a crash between rename and pointer
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000003"
+    (tmp_path / "latest").write_text("step-000001\n")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000001"
+    assert "neither a checkpoint folder" in verify_checkpoint(tmp_path / "step-000004")[0]
