@@ -52,6 +52,8 @@ class ParallelAttention(Module):
             raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
         if n_heads % n_kv_heads:
             raise ConfigError(f"{n_heads} attention heads are not a multiple of {n_kv_heads} kv heads")
+        if rope_theta is not None and (hidden // n_heads) % 2:
+            raise ConfigError(f"rope needs an even head size, got {hidden // n_heads}")
         tp, rank = comm.size, comm.rank
         check_heads(n_heads, n_kv_heads, tp)
         self.head_dim = d = hidden // n_heads

@@ -1,0 +1,82 @@
+"""Communicator correctness and adjoint tests <F x, y> == <x, F* y> for every tensor-parallel region."""
+import numpy as np
+import pytest
+
+from hpc_tp.comm.mpi import world
+from hpc_tp.tensor_parallel.mappings import REGIONS
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def _inner(a, b, kind, comm):
+    """Inner product in the region's space: a replicated value counts once, sharded pieces sum over ranks."""
+    local = float(np.vdot(a, b))
+    return comm.all_reduce_scalar(local) if kind == "sharded" else local
+
+
+def _input(region_cls, comm, rng_seed, shape):
+    # A replicated input is the same on every rank; a sharded one differs per rank.
+    seed = rng_seed if region_cls.input_kind == "replicated" else rng_seed + 1000 * (comm.rank + 1)
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+@pytest.mark.parametrize("region_cls", REGIONS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_adjoint(region_cls, axis):
+    comm = world()
+    shape = (3, 4 * comm.size, 4 * comm.size)
+    region = region_cls(comm, axis=axis)
+    x = _input(region_cls, comm, 1, shape)
+    fx = region.forward(x.copy())
+    y_seed = 2 if region_cls.output_kind == "replicated" else 2 + 1000 * (comm.rank + 1)
+    y = np.random.default_rng(y_seed).standard_normal(fx.shape)
+    fty = region.backward(y.copy())
+    lhs = _inner(fx, y, region_cls.output_kind, comm)
+    rhs = _inner(x, fty, region_cls.input_kind, comm)
+    assert abs(lhs - rhs) <= 1e-12 * max(abs(lhs), 1.0), (lhs, rhs)
+
+
+def test_collectives_values():
+    comm = world()
+    n, r = comm.size, comm.rank
+    x = np.full((2, 3), float(r + 1))
+    assert np.all(comm.all_reduce(x.copy()) == n * (n + 1) / 2)
+    assert np.all(comm.all_reduce(x.copy(), op="max") == n)
+    g = comm.all_gather(np.full((2, 1), float(r)), axis=1)
+    assert g.shape == (2, n) and np.all(g[0] == np.arange(n))
+    rs = comm.reduce_scatter(np.tile(np.arange(n, dtype=float)[:, None], (1, 2)), axis=0)
+    assert rs.shape == (1, 2) and np.all(rs == r * n)
+    b = comm.broadcast(np.full(3, float(r)), root=n - 1)
+    assert np.all(b == n - 1)
+    a2a = comm.all_to_all(np.arange(n, dtype=float)[:, None] + 10 * r)
+    assert np.all(a2a[:, 0] == np.arange(n) * 10 + r)
+    handle = comm.iall_reduce(np.ones(4))
+    assert np.all(handle.wait() == n)
+
+
+def test_point_to_point_ring():
+    comm = world()
+    n, r = comm.size, comm.rank
+    out = np.full(5, float(r))
+    buf = np.empty(5)
+    send = comm.isend(out, (r + 1) % n, tag=7)
+    got = comm.irecv(buf, (r - 1) % n, tag=7).wait()
+    send.wait()
+    assert np.all(got == (r - 1) % n)
+    assert comm.seconds >= 0 and comm.bytes > 0
+
+
+def test_split_groups_and_grid_layout():
+    from hpc_tp.errors import ConfigError
+    from hpc_tp.grid import ProcessGrid, factorizations
+
+    comm = world()
+    for tp, pp, dp in factorizations(comm.size):
+        grid = ProcessGrid(tp, pp, dp, world=comm)
+        assert grid.tp.size == tp and grid.pp.size == pp and grid.dp.size == dp
+        # tp groups are neighbouring ranks, dp the outermost axis
+        assert grid.tp.allgather_object(comm.rank) == list(range(comm.rank - comm.rank % tp, comm.rank - comm.rank % tp + tp))
+        assert grid.coords.dp == comm.rank // (tp * pp)
+        assert not grid.tp_spans_nodes
+    with pytest.raises(ConfigError, match=r"world size .* != tp\*pp\*dp"):
+        ProcessGrid(tp=comm.size + 1, pp=1, dp=1, world=comm)

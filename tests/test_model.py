@@ -1,0 +1,85 @@
+"""The whole model at tp = world size equals the one-process model: loss, logits and every gradient."""
+import numpy as np
+import pytest
+
+from hpc_tp.errors import ConfigError
+from hpc_tp.models import GPTModel, ModelConfig
+from tp_helpers import assert_grads_match, max_rel_err, tp_and_reference
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+CONFIGS = {
+    "gpt2-tied": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=16),
+    "gpt2-untied-erf": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=16,
+                            tie_embeddings=False, activation="gelu"),
+    "llama-gqa": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=16,
+                      norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False),
+}
+
+
+def _batch(seed=0, b=3, t=7, v=37):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, v, (b, t))
+    targets = np.roll(ids, -1, axis=1)
+    targets[:, -1] = -100
+    return ids, targets
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_model_matches_single_process(name):
+    tp, ref = tp_and_reference()
+    cfg = ModelConfig(**CONFIGS[name])
+    par, one = GPTModel(cfg, tp, seed=3), GPTModel(cfg, ref, seed=3)
+    ids, targets = _batch()
+    loss_ref, n_ref, ctx_ref = one.forward(ids, targets)
+    loss_par, n_par, ctx_par = par.forward(ids, targets)
+    assert n_par == n_ref and abs(loss_par - loss_ref) <= 1e-10 * abs(loss_ref)
+    one.backward(ctx_ref, 1.0 / n_ref)
+    par.backward(ctx_par, 1.0 / n_par)
+    assert_grads_match(par, one, tp, 1e-10)
+    assert max_rel_err(par.logits(ids), one.logits(ids)) <= 1e-10
+
+
+def test_parameter_bytes_per_rank():
+    """Sharded bytes are total/tp (vocab rounded up to whole shards); replicated ones are whole on every rank."""
+    tp, _ = tp_and_reference()
+    cfg = ModelConfig(**CONFIGS["llama-gqa"])
+    model = GPTModel(cfg, tp)
+    sharded = replicated = 0
+    for _, p in model.named_parameters():
+        full = int(np.prod(p.partition.full_shape)) * p.data.itemsize
+        if p.partition.axis is None:
+            replicated += full
+        else:
+            sharded += int(np.prod(p.partition.local_shape)) * p.data.itemsize
+            assert p.partition.local_shape[p.partition.axis] * p.partition.parts >= p.partition.full_shape[p.partition.axis]
+    assert model.local_bytes() == sharded + replicated
+    kv_parts = min(tp.size, cfg.n_kv_heads)
+    total = cfg.parameter_count() * 8
+    vocab_pad = (-(-cfg.vocab_size // tp.size) * tp.size - cfg.vocab_size) * cfg.hidden * 8 * 2 // tp.size
+    kv_extra = cfg.n_layers * 2 * cfg.hidden * cfg.n_kv_heads * cfg.head_dim * 8 * (1 / kv_parts - 1 / tp.size)
+    expected = (total - replicated) / tp.size + replicated + vocab_pad + kv_extra
+    assert abs(model.local_bytes() - expected) < 1e-6 * total
+    assert cfg.parameter_count() == sum(int(np.prod(p.partition.full_shape)) for _, p in model.named_parameters())
+
+
+def test_heads_not_divisible_error_lists_working_tp():
+    from hpc_tp.comm.mpi import self_comm
+    from hpc_tp.nn.attention import check_heads
+
+    with pytest.raises(ConfigError, match=r"6 attention heads with 6 kv heads cannot be split over tp=4; tp values that work: 1, 2, 3, 6"):
+        check_heads(6, 6, 4)
+    with pytest.raises(ConfigError, match=r"8 attention heads with 2 kv heads cannot be split over tp=3"):
+        check_heads(8, 2, 3)
+    check_heads(8, 2, 4)  # kv heads replicated over 2 ranks each
+    with pytest.raises(ConfigError, match="unknown model config keys: hiden"):
+        ModelConfig.from_dict({"hiden": 3})
+    del self_comm
+
+
+def test_sequence_longer_than_context_is_clear_error():
+    tp, _ = tp_and_reference()
+    model = GPTModel(ModelConfig(**CONFIGS["gpt2-tied"]), tp)
+    ids = np.zeros((1, 17), dtype=np.int64)
+    with pytest.raises(ConfigError, match="sequence length 17 exceeds the model's max_seq_len 16"):
+        model.forward(ids, ids)
