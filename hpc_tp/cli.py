@@ -9,6 +9,7 @@ import sys
 from .errors import ConfigError
 
 COMMANDS = {
+    "verify": ("hpc_tp.verify", "check that tp = world size gives the numbers of one process"),
     "train": ("hpc_tp.train.command", "train a model (run under mpiexec/srun for tp/pp/dp > 1)"),
     "inspect": ("hpc_tp.checkpoint.inspect", "show a checkpoint's config, step and tensors"),
     "plot": ("hpc_tp.train.plot", "plot the loss curve of a --log JSON-lines file"),

@@ -75,6 +75,17 @@ def split(shape, axis: int, parts: int, index: int, replicas: int = 1, group: st
     return Partition(tuple(shape), axis, parts, index, replicas, group)
 
 
+def gather_full(local, partition: Partition, comm):
+    """The logical tensor reassembled from every rank's unpadded piece (for checks and exports)."""
+    import numpy
+
+    pieces = comm.allgather_object((partition.local_slice(), backend.to_numpy(local[partition.valid_local()])))
+    full = numpy.zeros(partition.full_shape, dtype=local.dtype)
+    for index, piece in pieces:
+        full[index] = piece
+    return full
+
+
 class Parameter:
     """This rank's slice of a logical tensor, its gradient, and how it is partitioned.
 

@@ -206,12 +206,12 @@ def test_keep_prunes_the_oldest_steps(comm_world, root, everywhere):
 @mpi
 def test_load_errors_name_the_tensor_and_shapes(comm_world, root, alone, everywhere):
     path = save_checkpoint(root, 1, make_tensors(everywhere), {}, everywhere)
-    wrong_shape = make_tensors(alone, fill=False) | {"norm.gain": Parameter(np.zeros(5), replicated((5,)))}
+    wrong_shape = make_tensors(alone, fill=False) | {"norm.gain": Parameter(np.zeros(5), replicated((5,), 1))}
     with pytest.raises(ConfigError, match=r"'norm.gain' has shape \(6,\) in the checkpoint but \(5,\) in the model"):
         load_checkpoint(path, wrong_shape, alone)
     tensors = make_tensors(everywhere, fill=False)
     if comm_world.rank == comm_world.size - 1:  # missing on one rank only: every rank raises
-        tensors["lm_head.weight"] = Parameter(np.zeros((2, 2)), replicated((2, 2)))
+        tensors["lm_head.weight"] = Parameter(np.zeros((2, 2)), replicated((2, 2), 1))
     with pytest.raises(ConfigError, match=r"'lm_head.weight' \(shape \(2, 2\)\) is not in the checkpoint"):
         load_checkpoint(path, tensors, everywhere)
 

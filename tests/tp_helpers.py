@@ -2,19 +2,11 @@
 import numpy as np
 
 from hpc_tp.comm.mpi import self_comm, world
-
-
-def full_from_shards(local, partition, comm):
-    """Reassemble the logical tensor from every rank's (unpadded) piece."""
-    pieces = comm.allgather_object((partition.local_slice(), np.asarray(local[partition.valid_local()])))
-    full = np.zeros(partition.full_shape)
-    for index, piece in pieces:
-        full[index] = piece
-    return full
+from hpc_tp.module import gather_full
 
 
 def gather_grads(module, comm):
-    return {name: full_from_shards(p.grad, p.partition, comm) for name, p in module.named_parameters()}
+    return {name: gather_full(p.grad, p.partition, comm) for name, p in module.named_parameters()}
 
 
 def max_rel_err(a, b, floor=1e-300):
