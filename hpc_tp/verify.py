@@ -20,7 +20,6 @@ def run(args) -> int:
     from .comm.mpi import self_comm, world
     from .launch import check_launch
     from .models import GPTModel, load_config
-    from .module import gather_full
     from .train.data import build_dataset
     from .train.tokenizer import ByteTokenizer
 
@@ -39,13 +38,7 @@ def run(args) -> int:
     (par, loss_par), (one, loss_one) = models["parallel"], models["alone"]
     errors["loss"] = abs(loss_par - loss_one) / abs(loss_one)
     errors["logits"] = _rel(par.logits(ids), one.logits(ids))
-    ref = dict(one.named_parameters())
-    # The K bias gradient is zero in exact math (softmax ignores a per-query constant), so its
-    # round-off is measured against the largest gradient rather than against itself.
-    largest = max(float(np.abs(p.grad).max()) for p in ref.values())
-    for name, p in par.named_parameters():
-        floor = largest if name.endswith("k.bias") else 1e-300
-        errors[f"grad {name}"] = _rel(gather_full(p.grad, p.partition, tp), ref[name].grad, floor)
+    errors.update(gradient_errors(par, one, tp))
     worst = max(errors, key=errors.get)
     ok = errors[worst] <= args.tolerance
     if tp.rank == 0:
@@ -58,4 +51,19 @@ def run(args) -> int:
 def _rel(a, b, floor=1e-300):
     import numpy as np
 
-    return float(np.abs(a - b).max()) / max(float(np.abs(b).max()), floor)
+    return float(np.abs(a - b).max(initial=0.0)) / max(float(np.abs(b).max(initial=0.0)), floor)
+
+
+def gradient_errors(parallel, alone, comm) -> dict[str, float]:
+    """Relative error of every gradient of ``parallel`` (split over ``comm``) against ``alone``."""
+    import numpy as np
+
+    from .module import gather_full
+
+    ref = dict(alone.named_parameters())
+    # The K bias gradient is zero in exact math (softmax ignores a per-query constant), so its
+    # round-off is measured against the largest gradient rather than against itself.
+    largest = max(float(np.abs(p.grad).max(initial=0.0)) for p in ref.values())
+    return {f"grad {name}": _rel(gather_full(p.grad, p.partition, comm), ref[name].grad,
+                                 largest if name.endswith("k.bias") else 1e-300)
+            for name, p in parallel.named_parameters()}
