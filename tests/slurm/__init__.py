@@ -1,0 +1,1 @@
+"""The test SLURM harness (cluster.py); a package so tests import it as ``slurm.cluster``."""
