@@ -269,22 +269,22 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
             raise
 
 
-def _terminate(pids, timeout):
-    live = [p for p in pids if _alive(p)]
-    for pid in live:
+def _send(pids, sig):
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _terminate(pids, timeout):
+    live = [p for p in pids if _alive(p)]
+    _send(live, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while live and time.monotonic() < deadline:
         time.sleep(0.1)
         live = [p for p in live if _alive(p)]
-    for pid in live:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _send(live, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
