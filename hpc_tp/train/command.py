@@ -1,0 +1,79 @@
+"""``hpc-tp train``: run under ``mpiexec -n N`` or ``srun`` (tp * pp * dp = N), or as one process."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    from .settings import TrainSettings
+
+    d = TrainSettings()
+    model = parser.add_argument_group("model and layout")
+    model.add_argument("--model", default=d.model, help=f"preset name or JSON config (default: {d.model})")
+    model.add_argument("--set", dest="model_overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a model config field, e.g. --set dropout=0.1 (repeatable; VALUE is JSON)")
+    model.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (ranks inside a node)")
+    model.add_argument("--pp", type=int, default=d.pp, help="pipeline stages")
+    model.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp*pp))")
+    model.add_argument("--schedule", default=d.schedule, choices=("1f1b", "gpipe"), help="pipeline schedule")
+    model.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    model.add_argument("--dtype", default=d.dtype, help="float32 (default) or float64 (for checks)")
+    opt = parser.add_argument_group("optimisation")
+    opt.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per forward pass")
+    opt.add_argument("--global-batch", type=int, default=d.global_batch,
+                     help="sequences per optimizer step; gradient accumulation fills micro-batch x dp up to it")
+    opt.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 16 for the demo "
+                                                               "task, else the model's max_seq_len)")
+    opt.add_argument("--steps", type=int, default=d.steps)
+    opt.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    opt.add_argument("--warmup", type=int, default=None,
+                     help="linear warmup steps, then cosine decay (default: a tenth of --steps, at most 100)")
+    opt.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    opt.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    opt.add_argument("--clip-grad", type=float, default=d.clip_grad, help="global grad-norm clip (0: off)")
+    opt.add_argument("--seed", type=int, default=d.seed)
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", default=d.data, help="'demo' (embedded 2-digit addition), a .txt file or a folder")
+    data.add_argument("--tokenizer", default=d.tokenizer, help="'bytes' or a Hugging Face tokenizer.json")
+    data.add_argument("--cache-dir", default=d.cache_dir, help="where a corpus is tokenized once (shared by ranks)")
+    out = parser.add_argument_group("output and checkpoints")
+    out.add_argument("--log", default=None, help="metrics as JSON lines, one per step")
+    out.add_argument("--save", default=None, metavar="DIR", help="checkpoint folder")
+    out.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints (0: at the end)")
+    out.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
+    out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
+    out.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out evaluation interval (demo)")
+    out.add_argument("--eval-problems", type=int, default=d.eval_problems)
+    out.add_argument("--samples", type=int, default=d.samples, help="sample completions printed at the end")
+    out.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def settings_from_args(args):
+    from ..errors import ConfigError
+    from .settings import TrainSettings
+
+    overrides = {}
+    for item in args.model_overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set dropout=0.1")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value  # a bare word, e.g. --set norm=rmsnorm
+    fields = {k: v for k, v in vars(args).items() if k in TrainSettings.__dataclass_fields__}
+    fields["model_overrides"] = overrides
+    return TrainSettings(**fields)
+
+
+def run(args) -> int:
+    from ..launch import check_launch, install_abort_on_exception
+    from .trainer import Trainer
+
+    check_launch()
+    install_abort_on_exception()
+    result = Trainer(settings_from_args(args)).run()
+    if result.stopped_by and result.checkpoint is None:
+        return 1
+    return 0

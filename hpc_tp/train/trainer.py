@@ -1,0 +1,255 @@
+"""The training loop: one optimizer step per global batch, over tp x pp x dp ranks.
+
+    global batch (sampler: a pure function of seed and step)
+      -> this dp rank's contiguous chunk -> micro-batches (gradient accumulation)
+      -> forward + backward of each, gradients of loss_sum / (global target-token count)
+      -> data-parallel all-reduce of gradient sums (buckets)
+      -> exact global grad norm, clipping, AdamW (states sharded like the parameters)
+
+Dividing by the *global* token count before backward makes every layout sum the same terms:
+tp=N, dp=M and any micro-batch split give the gradient of one process on the whole batch.
+Dropout masks are keyed by (seed, step, global micro-batch index), never by rank.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..errors import ConfigError
+from ..grid import ProcessGrid
+from ..models import GPTModel, load_config
+from ..models.config import PRESETS, ModelConfig
+from ..tensor_parallel.vocab import IGNORE_INDEX
+from .data import DistributedSampler, TaskDataset, build_dataset
+from .evaluate import heldout_accuracy
+from .grad_sync import GradBucketer
+from .metrics import MetricsLogger
+from .optim import AdamW, clip_grads, grads_finite
+from .preemption import StopRequest
+from .progress import Progress, format_duration
+from .schedule import lr_at
+from .settings import DEMO_SEQ_LEN, TrainSettings
+from .tokenizer import load_tokenizer
+
+# Settings a resumed run must share with the run that saved: they decide which samples each step sees.
+SAME_ON_RESUME = ("seed", "global_batch", "data", "tokenizer")
+
+
+@dataclass
+class TrainResult:
+    records: list[dict] = field(default_factory=list)  # this run's per-step metrics
+    accuracy: float | None = None  # demo task: held-out exact-answer accuracy at the end
+    samples: list = field(default_factory=list)  # [(prompt, completion, ok)]
+    stopped_by: str | None = None  # the signal that ended the run early
+    checkpoint: Path | None = None  # the last checkpoint written
+
+
+class Trainer:
+    def __init__(self, settings: TrainSettings, world=None):
+        settings.check()
+        self.settings = s = settings
+        self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, world)
+        s.check_batch(grid.dp_size)
+        self.is_main = grid.world.rank == 0
+        self.tokenizer = load_tokenizer(s.tokenizer)
+        self.cfg = self._model_config()
+        self.seq_len = self._seq_len()
+        self.dataset = build_dataset(s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank,
+                                     barrier=grid.world.barrier)
+        self.model = self._build_model()
+        self.params = self.model.state()
+        self.optimizer = AdamW(self.params, s.lr, weight_decay=s.weight_decay)
+        self.bucketer = GradBucketer(self.params, grid.dp, average=False)
+        self.sampler = DistributedSampler(len(self.dataset), s.global_batch, grid.coords.dp, grid.dp_size, s.seed)
+        self.step = 0
+        self.messages: list[str] = []
+
+    # -- set-up ------------------------------------------------------------------------------------------
+    def _model_config(self) -> ModelConfig:
+        s, vocab = self.settings, self.tokenizer.vocab_size
+        overrides = dict(s.model_overrides)
+        if s.model in PRESETS:  # a preset is a shape; its vocabulary is the tokenizer's
+            overrides.setdefault("vocab_size", vocab)
+        cfg = load_config(s.model, **overrides)
+        if cfg.vocab_size < vocab:
+            raise ConfigError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab} "
+                              f"(--tokenizer {s.tokenizer})")
+        return cfg
+
+    def _seq_len(self) -> int:
+        s, context = self.settings, self.cfg.max_seq_len
+        if s.seq_len is None:
+            return min(DEMO_SEQ_LEN, context) if s.data == "demo" else context
+        if s.seq_len > context:
+            raise ConfigError(f"--seq-len {s.seq_len} is longer than the model's context: max_seq_len {context} "
+                              f"(--model {s.model})")
+        return s.seq_len
+
+    def _build_model(self):
+        s = self.settings
+        if s.pp > 1:
+            raise ConfigError(f"--pp {s.pp}: pipeline parallelism is not available in this build (use --pp 1)")
+        return GPTModel(self.cfg, self.grid.tp, dtype=s.dtype, seed=s.seed)
+
+    # -- one optimizer step ---------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        s, grid = self.settings, self.grid
+        started, comm_before = time.perf_counter(), self._comm_seconds()
+        ids, targets = self.dataset.get(self.sampler.indices(self.step))
+        tokens = grid.dp.all_reduce_scalar(float((targets != IGNORE_INDEX).sum()))
+        if tokens == 0:
+            raise ConfigError(f"step {self.step}: the global batch has no target tokens to learn from")
+        loss = grid.dp.all_reduce_scalar(self._forward_backward(ids, targets, 1.0 / tokens)) / tokens
+        finite = grads_finite(self.params, grid)
+        norm = clip_grads(self.params, s.clip_grad, grid) if finite else float("nan")
+        lr = lr_at(self.step, s.lr, s.warmup_steps, s.steps, s.min_lr_ratio)
+        if finite:  # a step with an inf/NaN gradient is skipped on every rank alike
+            self.optimizer.step(lr)
+        self.model.zero_grad()
+        self.step += 1
+        elapsed = time.perf_counter() - started
+        comm = self._comm_seconds() - comm_before
+        return dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, skipped=not finite, tokens=int(tokens),
+                    tokens_per_s=s.global_batch * self.seq_len / elapsed, step_s=elapsed, compute_s=elapsed - comm,
+                    comm_s=comm)
+
+    def _forward_backward(self, ids, targets, scale: float) -> float:
+        """This dp rank's loss sum; gradients of ``scale * loss`` summed over the dp group."""
+        micro = self.settings.micro_batch
+        count = len(ids) // micro
+        first = self.grid.coords.dp * count  # global index of this rank's first micro-batch
+        loss_sum = 0.0
+        for m in range(count):
+            rows = slice(m * micro, (m + 1) * micro)
+            self.model.rng.set_position(self.step, first + m, 0)
+            loss, _, ctx = self.model.forward(ids[rows], targets[rows])
+            self.model.backward(ctx, scale)
+            loss_sum += float(loss)
+        self.bucketer.all_reduce()
+        return loss_sum
+
+    def _comm_seconds(self) -> float:
+        return sum(c.seconds for c in (self.grid.tp, self.grid.pp, self.grid.dp))
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self) -> tuple[float, list] | None:
+        """Held-out accuracy on the demo task (None for a corpus, or when pp > 1)."""
+        if not isinstance(self.dataset, TaskDataset) or self.grid.pp_size > 1:
+            return None
+        self.model.rng.training = False
+        try:
+            return heldout_accuracy(self.model.logits, self.dataset.task, self.tokenizer, self.seq_len,
+                                    self.settings.eval_problems)
+        finally:
+            self.model.rng.training = True
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> dict:
+        return {**self.params, **self.optimizer.state_tensors()}
+
+    def save(self) -> Path:
+        s = self.settings
+        meta = {"step": self.step, "config": self.cfg.to_dict(), "seq_len": self.seq_len,
+                "optimizer": {"name": "adamw", "step_count": self.optimizer.step_count},
+                "train": s.to_dict(), "tokenizer": self.tokenizer.identity}
+        return save_checkpoint(s.save, self.step, self.checkpoint_tensors(), meta, self.grid, keep=s.keep,
+                               files=_tokenizer_files(self.tokenizer))
+
+    def resume(self) -> Path | None:
+        """Continue from the latest checkpoint under ``--save`` (any layout saved it); None if there is none."""
+        folder = latest_checkpoint(self.settings.save)
+        if folder is None:
+            return None
+        meta = load_checkpoint(folder, {}, self.grid)  # the header first: a clear error before any tensor
+        saved = ModelConfig.from_dict(meta["config"])
+        if saved != self.cfg:
+            changed = sorted(k for k, v in saved.to_dict().items() if self.cfg.to_dict().get(k) != v)
+            raise ConfigError(f"checkpoint {folder} holds another model ({', '.join(changed)} differ): "
+                              f"resume with the same --model, or --save to a new folder")
+        for key in SAME_ON_RESUME:
+            if meta["train"].get(key) != getattr(self.settings, key):
+                raise ConfigError(f"checkpoint {folder} was trained with {key}={meta['train'].get(key)!r}, "
+                                  f"this run asks {getattr(self.settings, key)!r}: the data order would change")
+        if meta["seq_len"] != self.seq_len:
+            raise ConfigError(f"checkpoint {folder} was trained with --seq-len {meta['seq_len']}, "
+                              f"this run asks {self.seq_len}")
+        load_checkpoint(folder, self.checkpoint_tensors(), self.grid)
+        self.step = int(meta["step"])
+        self.optimizer.step_count = int(meta["optimizer"]["step_count"])
+        return folder
+
+    # -- the whole run --------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        s, world = self.settings, self.grid.world
+        result = TrainResult()
+        if s.resume:
+            folder = self.resume()
+            self.say(f"resumed from {folder} at step {self.step}" if folder else
+                     f"no checkpoint under {s.save} yet: starting at step 0")
+        stop = StopRequest()
+        world.barrier()  # every rank has its handlers before the line that says so
+        self.say(f"training {self._describe()}; USR1/TERM: checkpoint and stop")
+        started, start_step = time.monotonic(), self.step
+        progress = Progress(s.steps, enabled=self.is_main and s.progress, start_step=self.step)
+        try:
+            with MetricsLogger(s.log, world) as metrics, progress:
+                self._say_to = progress.write
+                while self.step < s.steps:
+                    record = self.train_step()
+                    if s.eval_every and self.step % s.eval_every == 0 and self.step < s.steps:
+                        evaluation = self.evaluate()
+                        if evaluation is not None:
+                            record["heldout_accuracy"] = evaluation[0]
+                    result.records.append(metrics.log(record))
+                    progress.update(self.step, record["loss"], record["tokens_per_s"])
+                    result.stopped_by = stop.received or "a signal on another rank" if stop.agreed(world) else None
+                    due = s.save_every and self.step % s.save_every == 0
+                    if s.save and (due or result.stopped_by or self.step == s.steps):
+                        result.checkpoint = self.save()
+                    if result.stopped_by:
+                        self.say(f"stopped by {result.stopped_by} after step {self.step}: "
+                                 + (f"checkpoint {result.checkpoint}" if s.save else "no --save, progress lost"))
+                        return result
+                evaluation = self.evaluate()
+                if evaluation is not None:
+                    result.accuracy, result.samples = evaluation
+                    metrics.log({"step": self.step, "heldout_accuracy": result.accuracy})
+        finally:
+            stop.restore()
+            self._say_to = None
+        self._report(result, time.monotonic() - started, self.step - start_step)
+        return result
+
+    def _describe(self) -> str:
+        g, cfg = self.grid, self.cfg
+        return (f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}) "
+                f"on tp={g.tp_size} pp={g.pp_size} dp={g.dp_size}, {self.settings.dtype}, data {self.settings.data}, "
+                f"global batch {self.settings.global_batch} x {self.seq_len} tokens")
+
+    def _report(self, result: TrainResult, seconds: float, steps: int):
+        if result.records:
+            self.say(f"{steps} steps in {format_duration(seconds)}, final loss {result.records[-1]['loss']:.4f}")
+        if result.accuracy is not None:
+            shown = result.samples[:self.settings.samples]
+            self.say(f"held-out accuracy {100 * result.accuracy:.1f}% on {len(result.samples)} problems never "
+                     f"seen in training")
+            for prompt, completion, ok in shown:
+                self.say(f"  {prompt}{completion.rstrip()}   {'ok' if ok else 'WRONG'}")
+
+    _say_to = None
+
+    def say(self, message: str):
+        """A line on rank 0 (above the progress bar while it runs)."""
+        self.messages.append(message)
+        if self.is_main:
+            (self._say_to or (lambda m: print(m, flush=True)))(message)
+
+
+def _tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files ``tokenizer.save`` writes, as bytes for the checkpoint folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save(folder)
+        return {p.name: p.read_bytes() for p in Path(folder).iterdir()}
