@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -41,14 +42,9 @@ def _job_env(**extra):
 def slurm(tmp_path_factory):
     """A one-node SLURM for this module's tests, stopped (with whatever its jobs left) when they end.
 
-    PREEMPTION TESTS GO HERE (a later issue, once `hpc-tp train --save/--resume` checkpoints exist), using
-    this fixture: submit jobs/train.sbatch with small HPC_TP_* settings and `--cpus-per-task=1` (the node
-    has nproc CPUs), wait until every rank has installed its handler (a line in the job's output), then
-    `slurm.signal(job, "USR1")` (what `--signal=B:USR1@120` does), wait for `job_info(job)["Restarts"] == "1"`,
-    `slurm.start_now(job)` (SLURM holds a requeued job for about two minutes: Reason=BeginTime), and wait for
-    COMPLETED; the output file (opened in append mode) then shows both runs and the second one `--resume`d.
-    Checked by hand with a stand-in `hpc-tp` (a Python that writes a file on USR1): the whole cycle works
-    under HPC_TP_LAUNCHER=mpirun and srun; a USR1 that arrives before the ranks install a handler kills them.
+    Preemption (test_train_job_resumes_after_usr1_and_requeue): SLURM holds a requeued job for about two
+    minutes (Reason=BeginTime), so the test releases it with ``start_now``; a USR1 that arrives before the
+    ranks install their handler kills them, so the test waits for the trainer's line saying it has.
     """
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("SLURM tests run in the 1-rank launch")
@@ -224,3 +220,57 @@ def test_install_prefix_then_module_load(tmp_path):
         assert "MPI tensor-parallel transformer engine" in result.stdout
         assert f"HPC_TP_HOME={prefix} OMP_NUM_THREADS=1" in result.stdout
         assert lines[-1] == "after=", "module unload takes hpc-tp off PATH"
+
+
+# ------------------------------------------------------------------ preemption: USR1, checkpoint, requeue, resume
+
+def _wait_for_text(path, text, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{path.name}: no {text!r} within {timeout}s:\n"
+                         + (path.read_text(errors="replace") if path.exists() else "(no file)"))
+
+
+@single_launch
+@pytest.mark.timeout(420)
+def test_train_job_resumes_after_usr1_and_requeue(slurm):
+    from hpc_tp.comm.mpi import self_comm
+    from hpc_tp.train.metrics import read_metrics
+    from hpc_tp.train.settings import TrainSettings
+    from hpc_tp.train.trainer import Trainer
+
+    jobs = slurm.dir / "jobs"
+    out, log, save = jobs / "preempt.out", jobs / "preempt.jsonl", jobs / "preempt-ckpt"
+    run = dict(model="tiny", micro_batch=4, global_batch=8, seq_len=16, steps=400, lr=3e-3, dtype="float64")
+    env = _job_env(HPC_TP_LAUNCHER="mpirun", HPC_TP_MPIRUN=str(VENV / "bin" / "mpiexec"), HPC_TP_MODEL="tiny",
+                   HPC_TP_TP="2", HPC_TP_PP="1", HPC_TP_DP="1", HPC_TP_MICRO_BATCH="4", HPC_TP_GLOBAL_BATCH="8",
+                   HPC_TP_SEQ_LEN="16", HPC_TP_STEPS=str(run["steps"]), HPC_TP_LR="3e-3", HPC_TP_DATA="demo",
+                   HPC_TP_SAVE=str(save), HPC_TP_SAVE_EVERY="100000", HPC_TP_LOG=str(log),
+                   HPC_TP_EXTRA_ARGS="--dtype float64 --eval-problems 4 --samples 0")
+    job = slurm.sbatch(JOBS / "train.sbatch", "--job-name=preempt", f"--output={out}", "--nodes=1",
+                       "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", env=env)
+    _wait_for_text(out, "checkpoint and stop", timeout=120)
+    _wait_for_text(out, "step 20/", timeout=120)  # well inside the run
+    slurm.signal(job, "USR1")
+    deadline = time.monotonic() + 120
+    while slurm.job_info(job).get("Restarts") != "1":
+        assert time.monotonic() < deadline, out.read_text(errors="replace")
+        time.sleep(1)
+    stopped = int(re.search(r"stopped by SIGUSR1 after step (\d+)", out.read_text()).group(1))
+    slurm.start_now(job)
+    _wait_for_text(out, f"resumed from {save}/step-{stopped:06d} at step {stopped}", timeout=180)
+    info = slurm.wait(job, timeout=240)
+    text = out.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    assert "requeueing job" in text and text.count("hpc_tp job") == 2
+
+    steps = [r for r in read_metrics(log) if "loss" in r]
+    numbers = [r["step"] for r in steps]
+    assert numbers == list(range(1, run["steps"] + 1)), "every step once: resumed where it stopped"
+    reference = Trainer(TrainSettings(**run, progress=False), self_comm())
+    expected = [reference.train_step()["loss"] for _ in range(stopped + 5)]
+    got = [r["loss"] for r in steps[:stopped + 5]]
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) < 1e-9  # the same losses as one uninterrupted run

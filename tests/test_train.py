@@ -57,6 +57,21 @@ def test_data_parallel_equals_one_data_parallel_rank():
     assert np.max(np.abs(both - single) / np.abs(single)) < 1e-9
 
 
+PIPELINE_LAYOUTS = {2: [(1, 2, 1)], 4: [(1, 2, 2), (2, 2, 1), (1, 4, 1)]}  # (tp, pp, dp) per world size
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_layouts_train_like_one_process(schedule):
+    comm = world()
+    four_layers = {"n_layers": 4, "dropout": 0.1, "attn_dropout": 0.1}  # tied embeddings: synced across stages
+    alone = losses(settings(model_overrides=four_layers, steps=6), self_comm())
+    for tp, pp, dp in PIPELINE_LAYOUTS.get(comm.size, []):
+        run = settings(model_overrides=four_layers, steps=6, tp=tp, pp=pp, dp=dp, schedule=schedule,
+                       recompute=tp == 1)
+        assert np.max(np.abs(losses(run, comm) - alone) / alone) < 1e-9, (tp, pp, dp)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_resume_is_bit_identical_and_works_under_another_layout(tmp_path):
     comm = world()

@@ -26,15 +26,18 @@ class GPTModel(Module):
         self.rng = DropoutRNG(seed)
         self.layer_ids = range(cfg.n_layers) if layers is None else layers
         self.has_embedding, self.has_head = has_embedding, has_head
-        if has_embedding:
+        # A tied head on a pipeline stage without the embedding keeps its own copy of the matrix under the
+        # embedding's name: it starts identical, checkpoints store it once, and the pipeline all-reduces
+        # the two copies' gradients.
+        if has_embedding or (has_head and cfg.tie_embeddings):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, comm, dtype)
-            if cfg.position == "learned":
-                self.pos = Parameter(xp.zeros((cfg.max_seq_len, cfg.hidden), dtype=dtype),
-                                     replicated((cfg.max_seq_len, cfg.hidden), comm.size))
+        if has_embedding and cfg.position == "learned":
+            self.pos = Parameter(xp.zeros((cfg.max_seq_len, cfg.hidden), dtype=dtype),
+                                 replicated((cfg.max_seq_len, cfg.hidden), comm.size))
         self.layers = ModuleList(TransformerBlock(cfg, comm, i, self.rng, dtype) for i in self.layer_ids)
         if has_head:
             self.final_norm = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
-            if cfg.tie_embeddings and has_embedding:
+            if cfg.tie_embeddings:
                 self.head = VocabParallelLMHead(self.embed.weight, comm, owns_weight=False)
             else:
                 weight = Parameter(xp.zeros((-(-cfg.vocab_size // comm.size), cfg.hidden), dtype=dtype),
@@ -115,6 +118,22 @@ class GPTModel(Module):
         """Full-vocabulary logits [B, T, V] (gathered over tp): for evaluation and sampling."""
         x, _ = self.embed_forward(ids)
         x, _ = self.blocks_forward(x, key_mask)
+        return self._full_logits(x)
+
+    def _full_logits(self, x):
         local, _ = self.logits_forward(x)
         full = self.comm.all_gather(local, axis=local.ndim - 1) if self.comm.size > 1 else local
         return full[..., :self.cfg.vocab_size]
+
+    # -- inference with a KV cache (hpc_tp.serve) ------------------------------------------------------
+    def infer(self, ids, positions, key_mask, cache, all_positions: bool = False):
+        """Run new tokens ``ids`` [B, T] at ``positions`` [B, T] through the model, appending their
+        K/V to ``cache`` (a ``serve.kv_cache.KVCache``). ``key_mask`` [B, cache.length + T] marks the
+        real tokens among the filled slots and the new ones. Prefill is one call with the (padded)
+        prompts, each decode step one call with T = 1. Returns full-vocabulary logits (gathered over
+        tp) of the last position [B, V], or of every position [B, T, V] with ``all_positions``."""
+        x, _ = self.embed_forward(ids, positions)
+        for i, block in enumerate(self.layers):
+            x, _ = block.forward(x, key_mask, positions, cache.layer(i))
+        cache.advance(ids.shape[1])
+        return self._full_logits(x if all_positions else x[:, -1])

@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     model.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (ranks inside a node)")
     model.add_argument("--pp", type=int, default=d.pp, help="pipeline stages")
     model.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp*pp))")
+    model.add_argument("--pp-layers", default=None, metavar="N,N,...",
+                       help="blocks per pipeline stage (default: balanced by a cost estimate)")
     model.add_argument("--schedule", default=d.schedule, choices=("1f1b", "gpipe"), help="pipeline schedule")
     model.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     model.add_argument("--dtype", default=d.dtype, help="float32 (default) or float64 (for checks)")

@@ -17,12 +17,13 @@ class TrainSettings:
     tp: int = 1
     pp: int = 1
     dp: int | None = None  # None: world / (tp * pp)
+    pp_layers: str | None = None  # e.g. "3,2,3": blocks per stage (default: balanced by a cost estimate)
     schedule: str = "1f1b"
     recompute: bool = False
     micro_batch: int = 16
     global_batch: int = 64
     seq_len: int | None = None  # None: 16 for the demo task, the model's max_seq_len for a corpus
-    steps: int = 1500
+    steps: int = 2000
     lr: float = 3e-3
     warmup: int | None = None  # None: a tenth of the steps, at most 100
     min_lr_ratio: float = 0.1

@@ -20,8 +20,9 @@ from pathlib import Path
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..errors import ConfigError
 from ..grid import ProcessGrid
-from ..models import GPTModel, load_config
+from ..models import load_config
 from ..models.config import PRESETS, ModelConfig
+from ..pipeline import build_stage, parse_pp_layers, pipeline_forward_backward, sync_tied_embeddings, tied_copy_names
 from ..tensor_parallel.vocab import IGNORE_INDEX
 from .data import DistributedSampler, TaskDataset, build_dataset
 from .evaluate import heldout_accuracy
@@ -63,6 +64,7 @@ class Trainer:
         self.params = self.model.state()
         self.optimizer = AdamW(self.params, s.lr, weight_decay=s.weight_decay)
         self.bucketer = GradBucketer(self.params, grid.dp, average=False)
+        self.tied_copies = tied_copy_names(self.model, grid)  # counted once, on the first stage
         self.sampler = DistributedSampler(len(self.dataset), s.global_batch, grid.coords.dp, grid.dp_size, s.seed)
         self.step = 0
         self.messages: list[str] = []
@@ -90,9 +92,8 @@ class Trainer:
 
     def _build_model(self):
         s = self.settings
-        if s.pp > 1:
-            raise ConfigError(f"--pp {s.pp}: pipeline parallelism is not available in this build (use --pp 1)")
-        return GPTModel(self.cfg, self.grid.tp, dtype=s.dtype, seed=s.seed)
+        layers = None if s.pp_layers is None else parse_pp_layers(s.pp_layers, self.cfg.n_layers, s.pp)
+        return build_stage(self.cfg, self.grid, dtype=s.dtype, seed=s.seed, layers_per_stage=layers)
 
     # -- one optimizer step ---------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -104,7 +105,7 @@ class Trainer:
             raise ConfigError(f"step {self.step}: the global batch has no target tokens to learn from")
         loss = grid.dp.all_reduce_scalar(self._forward_backward(ids, targets, 1.0 / tokens)) / tokens
         finite = grads_finite(self.params, grid)
-        norm = clip_grads(self.params, s.clip_grad, grid) if finite else float("nan")
+        norm = clip_grads(self.params, s.clip_grad, grid, self.tied_copies) if finite else float("nan")
         lr = lr_at(self.step, s.lr, s.warmup_steps, s.steps, s.min_lr_ratio)
         if finite:  # a step with an inf/NaN gradient is skipped on every rank alike
             self.optimizer.step(lr)
@@ -117,18 +118,18 @@ class Trainer:
                     comm_s=comm)
 
     def _forward_backward(self, ids, targets, scale: float) -> float:
-        """This dp rank's loss sum; gradients of ``scale * loss`` summed over the dp group."""
-        micro = self.settings.micro_batch
-        count = len(ids) // micro
-        first = self.grid.coords.dp * count  # global index of this rank's first micro-batch
-        loss_sum = 0.0
-        for m in range(count):
-            rows = slice(m * micro, (m + 1) * micro)
-            self.model.rng.set_position(self.step, first + m, 0)
-            loss, _, ctx = self.model.forward(ids[rows], targets[rows])
-            self.model.backward(ctx, scale)
-            loss_sum += float(loss)
-        self.bucketer.all_reduce()
+        """This dp rank's loss sum; gradients of ``scale * loss`` summed over the dp group, each
+        bucket's all-reduce launched as soon as backward has finished its gradients."""
+        s, grid = self.settings, self.grid
+        micro = s.micro_batch
+        batches = [(ids[m:m + micro], targets[m:m + micro]) for m in range(0, len(ids), micro)]
+        self.bucketer.start()
+        loss_sum, _ = pipeline_forward_backward(
+            self.model, batches, grid, scale, s.schedule, s.recompute,
+            on_grads_final=lambda names: self.bucketer.mark_ready(*names),
+            step=self.step, first_micro_batch=grid.coords.dp * len(batches))
+        self.bucketer.finish()
+        sync_tied_embeddings(self.model, grid)
         return loss_sum
 
     def _comm_seconds(self) -> float:

@@ -1,0 +1,59 @@
+"""Pipeline bubble: the measured idle fraction of every stage against the textbook formula.
+
+With p equal stages and m micro-batches, GPipe (and 1F1B, which only reorders the work) keeps
+each stage idle for p - 1 of the m + p - 1 slots a step lasts: an idle fraction of
+(p-1)/(m+p-1), i.e. a bubble of (p-1)/m of the useful time. A step is timed between two world
+barriers; a stage's busy time is its forward and backward compute (its tp collectives
+included), the rest of the step it waits on its neighbours or on the step's end. The stage
+split is the balanced default, so the head's cost on the last stage is spread as well as whole
+layers allow; what remains unequal shows up as extra idle time on the cheaper stages.
+"""
+from __future__ import annotations
+
+from statistics import median
+from time import perf_counter
+
+import numpy
+
+
+def bubble_formula(pp: int, micro_batches: int) -> float:
+    """Idle fraction of a stage with equal stage costs: (p-1)/(m+p-1)."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+def measure_bubble(cfg, grid, micro_batches: int, micro_batch: int, seq_len: int, schedule: str = "gpipe",
+                   repeats: int = 3, warmup: int = 1, dtype: str = "float32", seed: int = 0) -> list[dict]:
+    """One record per stage (the same list on every rank): measured idle fraction (median over
+    repeats), the formula's, and the stage's busy and step seconds."""
+    from ..pipeline import PipelineStats, build_stage, pipeline_forward_backward
+
+    model = build_stage(cfg, grid, dtype, seed)
+    rng = numpy.random.default_rng(seed)
+    batches = [(rng.integers(0, cfg.vocab_size, (micro_batch, seq_len)),
+                rng.integers(0, cfg.vocab_size, (micro_batch, seq_len))) for _ in range(micro_batches)]
+    scale = 1.0 / (micro_batches * micro_batch * seq_len)
+    idle, busy, step = [], [], []
+    for repeat in range(warmup + repeats):
+        stats = PipelineStats()
+        grid.world.barrier()
+        t0 = perf_counter()
+        pipeline_forward_backward(model, batches, grid, scale, schedule, step=repeat, stats=stats)
+        grid.world.barrier()
+        seconds = perf_counter() - t0
+        model.zero_grad()
+        if repeat >= warmup:
+            idle.append(1.0 - stats.busy_seconds / seconds)
+            busy.append(stats.busy_seconds)
+            step.append(seconds)
+    mine = dict(stage=grid.coords.pp, layers=len(model.layer_ids), idle=median(idle),
+                formula=bubble_formula(grid.pp_size, micro_batches), busy_s=median(busy), step_s=median(step))
+    return grid.pp.allgather_object(mine)
+
+
+def report_lines(records: list[dict], pp: int, micro_batches: int, schedule: str) -> list[str]:
+    lines = [f"{schedule}, pp={pp}, m={micro_batches}: formula idle (p-1)/(m+p-1) = "
+             f"{bubble_formula(pp, micro_batches):.3f}, bubble (p-1)/m = {(pp - 1) / micro_batches:.3f}"]
+    for r in records:
+        lines.append(f"  stage {r['stage']} ({r['layers']} layers): idle {r['idle']:.3f} measured, "
+                     f"busy {r['busy_s'] * 1e3:.1f} ms of a {r['step_s'] * 1e3:.1f} ms step")
+    return lines

@@ -1,0 +1,270 @@
+"""Pipeline parallelism: every tp x pp x dp layout gives the losses and gradients of one process.
+
+At 4 ranks: 1x4x1, 2x2x1 and 1x2x2; at 2 ranks: 1x2x1 (tp x pp x dp). Each layout runs GPipe and
+1F1B, with and without activation recomputation, with dropout and tied embeddings, on a model
+whose layer count pp does not divide (some stages get one layer) and with fewer micro-batches
+than stages at pp = 4. The reference is one process looping over the same micro-batches with
+the same dropout positions.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from hpc_tp.bench.pipeline import bubble_formula, measure_bubble
+from hpc_tp.comm.mpi import self_comm, world
+from hpc_tp.errors import ConfigError
+from hpc_tp.grid import ProcessGrid
+from hpc_tp.models import GPTModel, ModelConfig
+from hpc_tp.pipeline import (PipelineStats, build_stage, layers_from_counts, parse_pp_layers,
+                             pipeline_forward_backward, stage_layers, sync_tied_embeddings, tied_copy_names)
+from hpc_tp.pipeline.schedules import BACKWARD, FORWARD, SCHEDULES
+from hpc_tp.train.grad_sync import GradBucketer
+from hpc_tp.train.optim import global_grad_norm
+from hpc_tp.verify import gradient_errors
+
+TOL = 1e-9
+SEED, STEP = 3, 7
+MICRO, SEQ = 2, 6
+LAYOUTS = {2: [(1, 2, 1)], 4: [(1, 4, 1), (2, 2, 1), (1, 2, 2)]}  # (tp, pp, dp) by world size
+
+# Dropout everywhere, tied embeddings, 5 layers (uneven at pp = 2 and 4).
+GPT = ModelConfig(vocab_size=37, hidden=16, n_layers=5, n_heads=2, max_seq_len=8, dropout=0.1, attn_dropout=0.1)
+# Llama-style: no tying, RMSNorm, RoPE, SwiGLU, grouped-query attention.
+LLAMA = ModelConfig(vocab_size=29, hidden=16, n_layers=4, n_heads=2, n_kv_heads=1, ffn_hidden=24, max_seq_len=8,
+                    norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+
+
+def layouts():
+    return LAYOUTS.get(world().size, [])
+
+
+def make_micro_batches(cfg, count, seed=0):
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(count):
+        ids = rng.integers(0, cfg.vocab_size, size=(MICRO, SEQ))
+        targets = rng.integers(0, cfg.vocab_size, size=(MICRO, SEQ))
+        targets[0, :2] = -100  # ignored targets: the token count is not simply MICRO * SEQ
+        batches.append((ids, targets))
+    return batches
+
+
+def token_scale(batches):
+    return 1.0 / sum(int((t != -100).sum()) for _, t in batches)
+
+
+def reference(cfg, batches):
+    """One process, the whole batch, micro-batch by micro-batch at the positions the pipeline uses."""
+    model = GPTModel(cfg, self_comm(), dtype="float64", seed=SEED)
+    scale, loss, count = token_scale(batches), 0.0, 0
+    for index, (ids, targets) in enumerate(batches):
+        model.rng.set_position(STEP, index, 0)
+        loss_sum, tokens, ctx = model.forward(ids, targets)
+        model.backward(ctx, scale)
+        loss, count = loss + loss_sum, count + tokens
+    return model, loss, count
+
+
+def run_pipeline(cfg, layout, batches, schedule, recompute=False, layers=None):
+    """This rank's stage after one step: dp-reduced gradients, tied copies synchronised."""
+    tp, pp, dp = layout
+    grid = ProcessGrid(tp, pp, dp, world())
+    model = build_stage(cfg, grid, "float64", SEED, layers)
+    m = len(batches) // dp
+    first = grid.coords.dp * m
+    bucketer = GradBucketer(model.state(), grid.dp, bucket_bytes=4096, average=False)
+    bucketer.start()
+    final = {}
+    params = model.state()
+
+    def on_grads_final(names):
+        for name in names:
+            assert name not in final, f"{name} reported final twice"
+            final[name] = params[name].grad.copy()
+        bucketer.mark_ready(*names)
+
+    stats = PipelineStats()
+    loss, count = pipeline_forward_backward(model, batches[first:first + m], grid, token_scale(batches), schedule,
+                                            recompute, on_grads_final, step=STEP, first_micro_batch=first,
+                                            stats=stats)
+    # Reported gradients were already final: nothing changed them afterwards.
+    assert sorted(final) == sorted(params)
+    for name, value in final.items():
+        assert np.array_equal(value, params[name].grad), f"{name} changed after it was reported final"
+    bucketer.finish()
+    sync_tied_embeddings(model, grid)
+    return grid, model, loss, count, stats
+
+
+def check_against_reference(cfg, batches, grid, model, loss, count):
+    ref, ref_loss, ref_count = reference(cfg, batches)
+    total = grid.dp.all_reduce_scalar(loss)
+    assert abs(total - ref_loss) <= TOL * abs(ref_loss), (total, ref_loss)
+    assert int(grid.dp.all_reduce_scalar(count)) == ref_count
+    # Every parameter lives on some stage (and only there, save the tied embedding copy).
+    names = set().union(*grid.world.allgather_object([n for n, _ in model.named_parameters()]))
+    assert names == {n for n, _ in ref.named_parameters()}
+    for name, err in gradient_errors(model, ref, grid.tp).items():
+        assert err <= TOL, f"stage {grid.coords.pp}: {name} relative error {err:.2e}"
+    # The global norm counts the tied matrix once, as one process does.
+    ref_norm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in ref.parameters()))
+    norm = global_grad_norm(model.state(), grid, tied_copy_names(model, grid))
+    assert abs(norm - ref_norm) <= TOL * ref_norm, (norm, ref_norm)
+
+
+# -- multi-rank: pipeline == one process ---------------------------------------------------------------
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_matches_one_process(schedule, recompute):
+    for layout in layouts():
+        batches = make_micro_batches(GPT, 3 * layout[2])  # 3 micro-batches per dp rank: fewer than pp = 4
+        grid, model, loss, count, _ = run_pipeline(GPT, layout, batches, schedule, recompute)
+        check_against_reference(GPT, batches, grid, model, loss, count)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_untied_llama_one_micro_batch_explicit_split(schedule):
+    for layout in layouts():
+        pp = layout[1]
+        layers = parse_pp_layers("3,1" if pp == 2 else "1,1,1,1", LLAMA.n_layers, pp)
+        batches = make_micro_batches(LLAMA, layout[2], seed=1)  # one micro-batch per dp rank
+        grid, model, loss, count, _ = run_pipeline(LLAMA, layout, batches, schedule, layers=layers)
+        assert list(model.layer_ids) == list(layers[grid.coords.pp])
+        assert tied_copy_names(model, grid) == frozenset()
+        check_against_reference(LLAMA, batches, grid, model, loss, count)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_activation_peak_per_stage():
+    """1F1B keeps at most pp - stage micro-batches alive, GPipe all m; recompute holds fewer bytes."""
+    tp, pp, dp = layouts()[0]
+    m = 2 * pp + 1
+    batches = make_micro_batches(GPT, m)
+    peaks = {}
+    for schedule, recompute in (("gpipe", False), ("1f1b", False), ("1f1b", True)):
+        grid, _, _, _, stats = run_pipeline(GPT, (tp, pp, dp), batches, schedule, recompute)
+        peaks[schedule, recompute] = stats
+    stage = grid.coords.pp
+    assert peaks["gpipe", False].peak_micro_batches == m
+    assert peaks["1f1b", False].peak_micro_batches == pp - stage
+    # Every micro-batch holds the same arrays, so the bytes scale with the count.
+    assert peaks["gpipe", False].peak_bytes * (pp - stage) == peaks["1f1b", False].peak_bytes * m
+    assert peaks["1f1b", True].peak_micro_batches == pp - stage
+    assert peaks["1f1b", True].peak_bytes < peaks["1f1b", False].peak_bytes
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tied_copy_starts_identical_and_tied_names():
+    tp, pp, dp = layouts()[0]
+    grid = ProcessGrid(tp, pp, dp, world())
+    model = build_stage(GPT, grid, "float64", SEED)
+    full = GPTModel(GPT, self_comm(), dtype="float64", seed=SEED)
+    if grid.is_first_stage or grid.is_last_stage:
+        assert np.array_equal(model.embed.weight.data, full.embed.weight.data)
+    else:
+        assert "embed.weight" not in model.state()
+    assert tied_copy_names(model, grid) == (frozenset(["embed.weight"]) if grid.is_last_stage else frozenset())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bubble_benchmark_reports_every_stage():
+    tp, pp, dp = layouts()[0]
+    grid = ProcessGrid(tp, pp, dp, world())
+    records = measure_bubble(GPT, grid, micro_batches=3, micro_batch=2, seq_len=4, repeats=1, warmup=0)
+    assert [r["stage"] for r in records] == list(range(pp))
+    assert sum(r["layers"] for r in records) == GPT.n_layers
+    for r in records:
+        assert 0.0 <= r["idle"] < 1.0 and r["busy_s"] <= r["step_s"]
+        assert r["formula"] == (pp - 1) / (3 + pp - 1)
+
+
+# -- one process ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_single_stage_is_a_plain_micro_batch_loop(schedule, recompute):
+    batches = make_micro_batches(GPT, 3)
+    grid, model, loss, count, stats = run_pipeline(GPT, (1, 1, 1), batches, schedule, recompute)
+    ref, ref_loss, ref_count = reference(GPT, batches)
+    assert count == ref_count and abs(loss - ref_loss) <= 1e-12 * abs(ref_loss)
+    for name, err in gradient_errors(model, ref, grid.tp).items():
+        assert err <= 1e-12, f"{name} relative error {err:.2e}"
+    assert stats.peak_micro_batches == (3 if schedule == "gpipe" else 1)
+
+
+def _replay(schedule, pp, m):
+    """Run every stage's op list against its neighbours' messages; returns the peak alive per stage."""
+    ops = [SCHEDULES[schedule](m, pp, s) for s in range(pp)]
+    done = [set() for _ in range(pp)]
+    position, alive, peak = [0] * pp, [0] * pp, [0] * pp
+    while any(position[s] < len(ops[s]) for s in range(pp)):
+        progressed = False
+        for s in range(pp):
+            if position[s] == len(ops[s]):
+                continue
+            op, i = ops[s][position[s]]
+            needs = (s - 1, FORWARD) if op == FORWARD else (s + 1, BACKWARD)
+            if 0 <= needs[0] < pp and (needs[1], i) not in done[needs[0]]:
+                continue
+            done[s].add((op, i))
+            position[s] += 1
+            alive[s] += 1 if op == FORWARD else -1
+            peak[s] = max(peak[s], alive[s])
+            progressed = True
+        assert progressed, f"{schedule} deadlocks at pp={pp}, m={m}: stages stopped at {position}"
+    for s in range(pp):
+        assert sorted(ops[s]) == sorted([(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)])
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedules_never_deadlock_and_bound_activations(schedule):
+    for pp in range(1, 7):
+        for m in range(1, 10):
+            peak = _replay(schedule, pp, m)
+            expected = [m] * pp if schedule == "gpipe" else [min(pp - s, m) for s in range(pp)]
+            assert peak == expected, (pp, m, peak)
+
+
+def test_bubble_formula():
+    assert bubble_formula(1, 5) == 0.0
+    assert bubble_formula(4, 1) == 0.75
+    assert bubble_formula(2, 8) == 1 / 9
+
+
+def test_micro_batches_of_different_shapes_are_refused():
+    grid = ProcessGrid(1, 1, 1, world())
+    model = build_stage(GPT, grid, "float64", SEED)
+    batches = make_micro_batches(GPT, 1) + [(np.zeros((1, SEQ), dtype=int), np.zeros((1, SEQ), dtype=int))]
+    with pytest.raises(ValueError, match="share one shape"):
+        pipeline_forward_backward(model, batches, grid, 1.0)
+
+
+def test_stage_split():
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(5, 4) == [range(0, 1), range(1, 2), range(2, 3), range(3, 5)]
+    # A costly head pushes layers off the last stage; a costly first layer gets a stage of its own.
+    assert stage_layers(6, 2, last_extra=2.0) == [range(0, 4), range(4, 6)]
+    assert stage_layers(4, 2, weights=[3, 1, 1, 1]) == [range(0, 1), range(1, 4)]
+    assert [len(r) for r in stage_layers(12, 12)] == [1] * 12
+    assert parse_pp_layers("3,2,3", 8, 3) == [range(0, 3), range(3, 5), range(5, 8)]
+    assert layers_from_counts([1, 4], 5, 2) == [range(0, 1), range(1, 5)]
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: stage_layers(3, 4), ["--pp 4", "3 layers"]),
+    (lambda: parse_pp_layers("3,x", 5, 2), ["3,x", "comma-separated"]),
+    (lambda: parse_pp_layers("3,2", 5, 3), ["2 stages", "--pp is 3"]),
+    (lambda: parse_pp_layers("3,3", 5, 2), ["6 layers", "has 5"]),
+    (lambda: parse_pp_layers("5,0", 5, 2), ["positive"]),
+    (lambda: pipeline_forward_backward(None, [None], None, 1.0, schedule="zb"), ["zb", "gpipe", "1f1b"]),
+])
+def test_stage_split_errors_name_the_values(call, words):
+    with pytest.raises(ConfigError) as error:
+        call()
+    assert all(w in str(error.value) for w in words), str(error.value)
+    assert "\n" not in str(error.value)
