@@ -12,8 +12,13 @@ COMMANDS = {
     "verify": ("hpc_tp.verify", "check that tp = world size gives the numbers of one process"),
     "train": ("hpc_tp.train.command", "train a model (run under mpiexec/srun for tp/pp/dp > 1)"),
     "inspect": ("hpc_tp.checkpoint.inspect", "show a checkpoint's config, step and tensors"),
+    "convert": ("hpc_tp.checkpoint.convert", "import a Hugging Face model folder or a GGUF file as a checkpoint"),
+    "export": ("hpc_tp.checkpoint.export", "write a checkpoint as a Hugging Face folder (config.json + safetensors)"),
+    "embed": ("hpc_tp.serve.embed", "sentence embeddings and token states from a BERT encoder checkpoint"),
     "plot": ("hpc_tp.train.plot", "plot the loss curve of a --log JSON-lines file"),
     "bench": ("hpc_tp.bench.command", "communication and step benchmarks"),
+    "generate": ("hpc_tp.serve.command", "generate text from a checkpoint (prompts or a JSON-lines batch)"),
+    "serve": ("hpc_tp.serve.server", "serve a checkpoint over HTTP (completions API, batched over tp ranks)"),
 }
 
 

@@ -43,8 +43,9 @@ def slurm(tmp_path_factory):
     """A one-node SLURM for this module's tests, stopped (with whatever its jobs left) when they end.
 
     Preemption (test_train_job_resumes_after_usr1_and_requeue): SLURM holds a requeued job for about two
-    minutes (Reason=BeginTime), so the test releases it with ``start_now``; a USR1 that arrives before the
-    ranks install their handler kills them, so the test waits for the trainer's line saying it has.
+    minutes (Reason=BeginTime), so the test releases it with ``start_now``, a few seconds after the requeue
+    (a launch in the same second as the old credential's revocation is refused); a USR1 that arrives before
+    the ranks install their handler kills them, so the test waits for the trainer's line saying it has.
     """
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("SLURM tests run in the 1-rank launch")
@@ -260,6 +261,9 @@ def test_train_job_resumes_after_usr1_and_requeue(slurm):
         assert time.monotonic() < deadline, out.read_text(errors="replace")
         time.sleep(1)
     stopped = int(re.search(r"stopped by SIGUSR1 after step (\d+)", out.read_text()).group(1))
+    # slurmd refuses a launch whose credential is from the same second as the requeue's revocation
+    # ("Job credential revoked"): let a few seconds pass before releasing the held job.
+    time.sleep(3)
     slurm.start_now(job)
     _wait_for_text(out, f"resumed from {save}/step-{stopped:06d} at step {stopped}", timeout=180)
     info = slurm.wait(job, timeout=240)

@@ -1,6 +1,6 @@
 """``hpc-tp bench BENCHMARK``: one sub-subcommand per benchmark, each with its own options.
 
-The measuring code of a benchmark lives in its own module (``comm.py``), imported only when that
+The measuring code of a benchmark lives in its own module (``comm.py``, ``step.py``), imported only when that
 benchmark runs, so listing the options stays instant. Options are checked inside ``run`` and raise
 ConfigError there, which rank 0 alone reports (an argparse error would print once per rank).
 """
@@ -27,6 +27,25 @@ def add_arguments(parser):
     comm.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default %(default)s)")
     comm.add_argument("--json", metavar="FILE", help="also write the records as a JSON list (rank 0)")
     comm.set_defaults(_benchmark=_run_comm)
+
+    step = benchmarks.add_parser("step", help="forward+backward of a GPT block stack: time, FLOP/s, MFU against "
+                                              "the measured GEMM peak, compute/communication split, memory",
+                                 description="tp = the world size (run under mpiexec/srun); the step is the slowest "
+                                             "rank's, median over repeats; FLOPs count matrix products (see "
+                                             "hpc_tp/bench/step.py).")
+    step.add_argument("--model", default="w1", help="preset name or JSON config (default %(default)s)")
+    step.add_argument("--layers", type=int, help="number of blocks (default: the model's n_layers)")
+    step.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default %(default)s)")
+    step.add_argument("--micro-batch", type=int, default=4, help="sequences per step (default %(default)s)")
+    step.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default %(default)s")
+    step.add_argument("--threads", type=int,
+                      help="BLAS threads per rank (default: this rank's cores / ranks on its node, at least 1)")
+    step.add_argument("--repeats", type=int, default=5, help="timed steps (default %(default)s)")
+    step.add_argument("--warmup", type=int, default=2, help="untimed steps first (default %(default)s)")
+    step.add_argument("--json", metavar="FILE", help="also write the record as JSON (rank 0)")
+    step.set_defaults(_benchmark=_run_step)
+
+    # -- more benchmarks (e.g. `decode`) are added here: a parser with set_defaults(_benchmark=...) --
 
 
 def run(args) -> int:
@@ -55,10 +74,46 @@ def _run_comm(args) -> int:
         for name in ops:
             if comm.size < OPS[name].min_ranks:
                 print(f"{name}: skipped, needs {OPS[name].min_ranks} ranks")
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        _write_json(args.json, records)
     return 0
+
+
+def _run_step(args) -> int:
+    import os
+
+    from ..launch import check_launch
+
+    for name in ("layers", "seq_len", "micro_batch", "threads", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: expected a positive whole number")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup {args.warmup}: expected 0 or more")
+    check_launch()
+    from threadpoolctl import threadpool_limits
+
+    from ..comm.mpi import world
+    from ..models.config import load_config
+    from .step import benchmark_step, format_record
+
+    # The block stack has no position table, so any sequence length fits.
+    cfg = load_config(args.model, n_layers=args.layers, max_seq_len=args.seq_len)
+    comm = world()
+    # Set explicitly: ranks that share cores must not each start a thread per core (oversubscription).
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // comm.split_node().size)
+    with threadpool_limits(limits=threads, user_api="blas"):
+        record = benchmark_step(comm, cfg, args.micro_batch, args.seq_len, args.dtype,
+                                repeats=args.repeats, warmup=args.warmup, threads=threads)
+    if comm.rank == 0:
+        print(format_record(record))
+        _write_json(args.json, record)
+    return 0
+
+
+def _write_json(path, records):
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(records, indent=1) + "\n")
 
 
 def parse_size(text: str) -> int:

@@ -11,6 +11,7 @@ from ..errors import ConfigError
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu")
 POSITIONS = ("learned", "rope")
+FAMILIES = ("gpt", "bert")  # decoder LM (models/gpt.py) or post-LN encoder (models/bert.py)
 
 
 @dataclass
@@ -27,12 +28,15 @@ class ModelConfig:
     activation: str = "gelu_tanh"
     position: str = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None   # Hugging Face style, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     tie_embeddings: bool = True
     bias: bool = True
     causal: bool = True
     dropout: float = 0.0
     attn_dropout: float = 0.0
     init_std: float = 0.02
+    family: str = "gpt"
+    type_vocab_size: int = 0           # token-type (segment) embeddings of a BERT encoder; 0: none
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -46,9 +50,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model config {name}={value!r}: expected a positive integer")
-        for name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS), ("position", POSITIONS)):
+        for name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS), ("position", POSITIONS),
+                              ("family", FAMILIES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
+            raise ConfigError(f"model config type_vocab_size={self.type_vocab_size!r}: expected an integer >= 0")
         if self.hidden % self.n_heads:
             raise ConfigError(f"model config hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:

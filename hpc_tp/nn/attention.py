@@ -5,6 +5,11 @@ attend to. With grouped-query attention and tp > kv heads, a KV head is replicat
 tp/kv ranks whose query heads use it (its gradient is summed across those replicas). Heads
 are independent, so attention itself needs no communication; the output projection is
 row-parallel and its g all-reduce is the layer's only forward collective.
+
+Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
+``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled) and
+``store(k, v) -> (keys, values)``, which writes this step's rotated K/V heads at slots
+``offset:offset+T`` and returns every filled slot. Each rank caches only its own K/V heads.
 """
 from __future__ import annotations
 
@@ -44,10 +49,46 @@ def attention_bias(batch, q_len, k_len, causal: bool, key_mask, q_offset: int, d
     return xp.where(allowed, 0.0, -xp.inf).astype(dtype)[:, None, None]
 
 
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None):
+    """Inverse frequencies of rotate-half RoPE, with Hugging Face style ``rope_scaling``:
+    {"rope_type": "linear", "factor": f} divides every frequency by f (positions interpolated);
+    "llama3" divides only the low frequencies (wavelength above original_max_position_embeddings /
+    low_freq_factor) by ``factor``, keeps the high ones (below .../high_freq_factor) and blends between."""
+    xp = backend.xp
+    inv_freq = 1.0 / (theta ** (xp.arange(0, head_dim, 2, dtype="float64") / head_dim))
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ConfigError(f"rope_scaling {scaling!r}: expected null or an object such as "
+                          '{"rope_type": "linear", "factor": 2.0}')
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    try:
+        factor = float(scaling["factor"])
+        if kind == "linear":
+            return inv_freq / factor
+        if kind == "llama3":
+            low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+            original = float(scaling["original_max_position_embeddings"])
+            wavelen = 2 * math.pi / inv_freq
+            smooth = xp.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
+            return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    except KeyError as e:
+        raise ConfigError(f"rope_scaling {scaling!r}: missing key {e.args[0]!r}") from None
+    raise ConfigError(f"rope_scaling type {kind!r}: expected 'default', 'linear' or 'llama3'")
+
+
+def _per_row(tables, ndim: int):
+    """RoPE tables of per-row positions [B, T, d/2] shaped to broadcast over heads of an
+    ``ndim``-dimensional [B, ..., T, d] tensor; shared positions [T, d/2] broadcast as they are."""
+    if tables[0].ndim == 2:
+        return tables
+    return tuple(t.reshape(t.shape[0], *(1,) * (ndim - 3), *t.shape[1:]) for t in tables)
+
+
 class ParallelAttention(Module):
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, comm: Communicator, *, causal=True,
-                 bias=True, rope_theta: float | None = None, dropout: float = 0.0, rng: DropoutRNG | None = None,
-                 layer_id: int = 0, dtype="float64"):
+                 bias=True, rope_theta: float | None = None, rope_scaling: dict | None = None, dropout: float = 0.0,
+                 rng: DropoutRNG | None = None, layer_id: int = 0, dtype="float64"):
         if hidden % n_heads:
             raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
         if n_heads % n_kv_heads:
@@ -66,7 +107,8 @@ class ParallelAttention(Module):
             kv_parts, kv_index = n_kv_heads, rank // kv_replicas
             replica_comm = comm.split(color=kv_index, key=rank)
         self.kv_local = n_kv_heads // kv_parts
-        self.causal, self.rope_theta, self.dropout, self.rng, self.layer_id = causal, rope_theta, dropout, rng, layer_id
+        self.causal, self.dropout, self.rng, self.layer_id = causal, dropout, rng, layer_id
+        self.inv_freq = None if rope_theta is None else rope_inv_freq(d, rope_theta, rope_scaling)
         self.qkv = ColumnParallelLinear(hidden, None, comm, bias, segments=[
             Segment("q", n_heads * d, tp, rank),
             Segment("k", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
@@ -89,20 +131,26 @@ class ParallelAttention(Module):
                  for h in range(hk * g)]
         return xp.stack(masks, axis=1).reshape(shape)
 
-    def forward(self, x, key_mask=None, positions=None):
+    def forward(self, x, key_mask=None, positions=None, cache=None):
+        """``positions`` [T] or [B, T] (per row: padded batches); ``key_mask`` [B, keys] covers every
+        key, so with a ``cache`` it spans the filled slots plus this step's."""
         xp = backend.xp_of(x)
         b, t, _ = x.shape
         qkv, qkv_ctx = self.qkv.forward(x)
         q, k, v = self._split_heads(qkv)
         rope = None
-        if self.rope_theta is not None:
+        if self.inv_freq is not None:
             pos = xp.arange(t) if positions is None else positions
-            rope = F.rope_tables(pos, self.head_dim, self.rope_theta, x.dtype)
-            q, k = F.rope_apply(q, *rope), F.rope_apply(k, *rope)
+            rope = F.rope_tables(pos, self.inv_freq, x.dtype)
+            q, k = F.rope_apply(q, *_per_row(rope, q.ndim)), F.rope_apply(k, *_per_row(rope, k.ndim))
+        offset = 0
+        if cache is not None:
+            offset = cache.offset
+            k, v = cache.store(k, v)
         scale = 1.0 / math.sqrt(self.head_dim)
-        scores = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, hk, g, T, T]
+        scores = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, hk, g, T, keys]
         if self.causal or key_mask is not None:
-            scores += attention_bias(b, t, t, self.causal, key_mask, 0, x.dtype)
+            scores += attention_bias(b, t, k.shape[2], self.causal, key_mask, offset, x.dtype)
         probs = F.softmax_forward(scores)
         mask = None
         if self.dropout > 0 and self.rng is not None and self.rng.training:
@@ -128,7 +176,8 @@ class ParallelAttention(Module):
         dq = dscores @ k[:, :, None]
         dk = (dscores.swapaxes(-1, -2) @ q).sum(axis=2)
         if rope is not None:
-            dq, dk = F.rope_apply(dq, *rope, inverse=True), F.rope_apply(dk, *rope, inverse=True)
+            dq = F.rope_apply(dq, *_per_row(rope, dq.ndim), inverse=True)
+            dk = F.rope_apply(dk, *_per_row(rope, dk.ndim), inverse=True)
         dqkv = xp.concatenate([dq.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g * d),
                                dk.transpose(0, 2, 1, 3).reshape(b, t, hk * d),
                                dv.transpose(0, 2, 1, 3).reshape(b, t, hk * d)], axis=-1)

@@ -18,25 +18,32 @@ class TransformerBlock(Module):
         self.norm1 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self.attn = ParallelAttention(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, comm, causal=cfg.causal, bias=cfg.bias,
                                       rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
+                                      rope_scaling=cfg.rope_scaling,
                                       dropout=cfg.attn_dropout, rng=rng, layer_id=layer_id, dtype=dtype)
         self.norm2 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self.mlp = ParallelMLP(cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype)
         self._drop_attn = Dropout(cfg.dropout, rng, ("resid_attn", layer_id))
         self._drop_mlp = Dropout(cfg.dropout, rng, ("resid_mlp", layer_id))
 
-    def forward(self, x, key_mask=None, positions=None):
+    def forward(self, x, key_mask=None, positions=None, cache=None):
         h, n1 = self.norm1.forward(x)
-        a, attn_ctx = self.attn.forward(h, key_mask, positions)
+        a, attn_ctx = self.attn.forward(h, key_mask, positions, cache)
         a, d1 = self._drop_attn.forward(a)
-        x1 = x + a
+        # Residual sums in place: a branch's output is a fresh array nothing else holds.
+        x1 = a
+        x1 += x
         h, n2 = self.norm2.forward(x1)
         m, mlp_ctx = self.mlp.forward(h)
         m, d2 = self._drop_mlp.forward(m)
-        return x1 + m, (n1, attn_ctx, d1, n2, mlp_ctx, d2)
+        m += x1
+        return m, (n1, attn_ctx, d1, n2, mlp_ctx, d2)
 
     def backward(self, dy, ctx):
         n1, attn_ctx, d1, n2, mlp_ctx, d2 = ctx
         dm = self.mlp.backward(self._drop_mlp.backward(dy, d2), mlp_ctx)
-        dx1 = dy + self.norm2.backward(dm, n2)
+        dx1 = self.norm2.backward(dm, n2)
+        dx1 += dy
         da = self.attn.backward(self._drop_attn.backward(dx1, d1), attn_ctx)
-        return dx1 + self.norm1.backward(da, n1)
+        dx = self.norm1.backward(da, n1)
+        dx += dx1
+        return dx

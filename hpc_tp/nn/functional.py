@@ -14,10 +14,14 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 def layernorm_forward(x, gain, bias, eps):
     xp = xp_of(x)
-    mean = x.mean(axis=-1, keepdims=True)
-    centered = x - mean
-    rstd = 1.0 / xp.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
-    xhat = centered * rstd
+    xhat = x - x.mean(axis=-1, keepdims=True)
+    # Row sums of squares without a full-size temporary; rstd is per row, so cheap to build.
+    var = xp.einsum("...i,...i->...", xhat, xhat)[..., None]
+    var *= 1.0 / x.shape[-1]
+    var += eps
+    rstd = xp.sqrt(var, out=var)
+    xp.divide(1.0, rstd, out=rstd)
+    xhat *= rstd
     y = xhat * gain
     if bias is not None:
         y += bias
@@ -25,13 +29,22 @@ def layernorm_forward(x, gain, bias, eps):
 
 
 def layernorm_backward(dy, gain, saved):
+    xp = xp_of(dy)
     xhat, rstd = saved
     lead = tuple(range(dy.ndim - 1))
-    dgain = (dy * xhat).sum(axis=lead)
+    n = dy.shape[-1]
+    dgain = xp.einsum("ni,ni->i", dy.reshape(-1, n), xhat.reshape(-1, n))
     dbias = dy.sum(axis=lead)
     g = dy * gain
-    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
-    return dx, dgain, dbias
+    # dx = rstd (g - mean(g) - xhat mean(g xhat)), built in g's buffer.
+    g_xhat = xp.einsum("...i,...i->...", g, xhat)[..., None]
+    g_xhat *= 1.0 / n
+    g_mean = g.mean(axis=-1, keepdims=True)
+    correction = xhat * g_xhat
+    correction += g_mean
+    g -= correction
+    g *= rstd
+    return g, dgain, dbias
 
 
 def rmsnorm_forward(x, gain, eps):
@@ -50,15 +63,36 @@ def rmsnorm_backward(dy, gain, saved):
 
 
 def gelu_tanh_forward(x):
+    """0.5 x (1 + tanh(c (x + 0.044715 x^3))), with the inner term as x (c + 0.044715 c x^2) and
+    every step in place: no float power (x**3 costs more than the GEMM before it) and one output."""
     xp = xp_of(x)
-    t = xp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))
-    return 0.5 * x * (1.0 + t), (x, t)
+    t = x * x
+    t *= _SQRT_2_OVER_PI * 0.044715
+    t += _SQRT_2_OVER_PI
+    t *= x
+    xp.tanh(t, out=t)
+    y = t + 1.0
+    y *= x
+    y *= 0.5
+    return y, (x, t)
 
 
 def gelu_tanh_backward(dy, saved):
+    """dy (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 0.044715 x^2)), in place in one buffer."""
+    xp = xp_of(dy)
     x, t = saved
-    dinner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
-    return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner)
+    g = x * x
+    g *= 0.5 * _SQRT_2_OVER_PI * 3 * 0.044715
+    g += 0.5 * _SQRT_2_OVER_PI
+    g *= x
+    scratch = t * t
+    xp.subtract(1.0, scratch, out=scratch)
+    g *= scratch
+    half_1_plus_t = xp.multiply(t, 0.5, out=scratch)
+    half_1_plus_t += 0.5
+    g += half_1_plus_t
+    g *= dy
+    return g
 
 
 def _erf(x):
@@ -92,25 +126,31 @@ def silu_backward(dy, saved):
 
 
 def softmax_forward(scores):
-    """Softmax over the last axis; rows that are entirely -inf (fully masked) give zeros, not NaN."""
+    """Softmax over the last axis; rows that are entirely -inf (fully masked) give zeros, not NaN.
+    One full-size array is written (the result); the row statistics are small."""
     xp = xp_of(scores)
     row_max = scores.max(axis=-1, keepdims=True)
-    row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
-    p = xp.exp(scores - row_max)
+    row_max[~xp.isfinite(row_max)] = 0.0
+    p = scores - row_max
+    xp.exp(p, out=p)
     total = p.sum(axis=-1, keepdims=True)
-    p /= xp.where(total > 0, total, 1.0)
+    total[total == 0] = 1.0
+    p *= xp.divide(1.0, total, out=total)
     return p
 
 
 def softmax_backward(dp, p):
-    return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    xp = xp_of(dp)
+    row_dot = xp.einsum("...i,...i->...", dp, p)[..., None]
+    ds = dp - row_dot
+    ds *= p
+    return ds
 
 
-def rope_tables(positions, head_dim, theta, dtype):
-    """cos/sin of shape [T, head_dim/2] for rotate-half RoPE at the given absolute positions."""
+def rope_tables(positions, inv_freq, dtype):
+    """cos/sin of shape [..., T, head_dim/2] for rotate-half RoPE at absolute ``positions`` [..., T]."""
     xp = xp_of(positions)
-    inv_freq = 1.0 / (theta ** (xp.arange(0, head_dim, 2, dtype="float64") / head_dim))
-    angles = positions.astype("float64")[:, None] * inv_freq[None, :]
+    angles = positions.astype("float64")[..., None] * inv_freq
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
 
 

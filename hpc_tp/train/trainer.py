@@ -76,6 +76,9 @@ class Trainer:
         if s.model in PRESETS:  # a preset is a shape; its vocabulary is the tokenizer's
             overrides.setdefault("vocab_size", vocab)
         cfg = load_config(s.model, **overrides)
+        if cfg.family != "gpt":
+            raise ConfigError(f"--model {s.model} is a {cfg.family} encoder: hpc-tp train trains decoder "
+                              "language models (family gpt)")
         if cfg.vocab_size < vocab:
             raise ConfigError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab} "
                               f"(--tokenizer {s.tokenizer})")

@@ -1,0 +1,113 @@
+"""Forward+backward time of a stack of GPT blocks, against the machine's own GEMM peak.
+
+A step is ``blocks_forward`` then ``blocks_backward`` of the loss ``mean(out**2)`` (the PyTorch
+peer's loss), timed between barriers, so a step is as slow as the slowest rank; the report is the
+median over repeats after warm-up. Embedding and LM head are left out: the block stack is where
+tensor parallelism splits the work.
+
+FLOPs count matrix products only (elementwise work is noise next to them), for the whole model,
+all tp ranks together. Per layer, with N = batch * seq tokens, H hidden, Q = heads * head_dim,
+K = kv_heads * head_dim, F ffn hidden and T the sequence length::
+
+    forward = 2 N (H (Q + 2K) + Q H + m H F) + 4 N T Q      m = 3 for SwiGLU, else 2
+    step    = 3 * forward                                  (backward = 2 products per forward one)
+
+The 4 N T Q term is Q K^T and P V over the full T x T square: the kernels compute every score
+and mask the causal half after, so that is the work done.
+
+The peak is measured in the same run, with the same dtype and BLAS threads per rank: every rank
+multiplies a [N, H] by [H, F/tp] matrix (the MLP's first GEMM) at the same time as the others,
+since ranks that share cores share them during the step too. MFU = achieved FLOP/s / (tp * peak
+per rank). Compute and communication come from the Communicator's ``seconds`` counter: time
+spent in (or waiting on) collectives is communication, the rest of the step is compute.
+"""
+from __future__ import annotations
+
+from statistics import median
+from time import perf_counter
+
+import numpy
+
+from ..comm.mpi import MPICommunicator
+from ..models.config import ModelConfig
+from ..models.gpt import GPTModel
+from ..train.metrics import peak_memory_bytes
+
+
+def step_flops(cfg: ModelConfig, batch: int, seq: int) -> int:
+    """Matrix-product FLOPs of one forward+backward of the block stack (module docstring)."""
+    n, h, f = batch * seq, cfg.hidden, cfg.ffn_hidden
+    q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    mlp_mats = 3 if cfg.activation == "swiglu" else 2
+    forward = 2 * n * (h * (q + 2 * k) + q * h + mlp_mats * h * f) + 4 * n * seq * q
+    return 3 * forward * cfg.n_layers
+
+
+def gemm_peak(comm: MPICommunicator, m: int, k: int, n: int, dtype, repeats: int = 7) -> float:
+    """FLOP/s of one rank's ``[m,k] @ [k,n]`` into a reused output, all ranks at once; the median
+    of ``repeats``, the slowest rank's."""
+    rng = numpy.random.default_rng(comm.rank)
+    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    out = numpy.empty((m, n), dtype)
+    numpy.matmul(a, b, out=out)
+    seconds = []
+    for _ in range(repeats):
+        comm.comm.Barrier()
+        start = perf_counter()
+        numpy.matmul(a, b, out=out)
+        seconds.append(perf_counter() - start)
+    slowest = max(comm.allgather_object(median(seconds)))
+    return 2 * m * k * n / slowest
+
+
+def build_blocks(cfg: ModelConfig, comm: MPICommunicator, dtype: str, seed: int = 0) -> GPTModel:
+    return GPTModel(cfg, comm, dtype=dtype, seed=seed, has_embedding=False, has_head=False)
+
+
+def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int, dtype: str = "float32",
+                   repeats: int = 5, warmup: int = 2, threads: int | None = None) -> dict:
+    """One record (the same on every rank) for the block stack of ``cfg`` split over ``comm``."""
+    model = build_blocks(cfg, comm, dtype)
+    x = numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype)
+    scale = numpy.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
+    steps, comms = [], []
+    for i in range(warmup + repeats):
+        comm.comm.Barrier()
+        start, comm_start = perf_counter(), comm.seconds
+        out, ctxs = model.blocks_forward(x)
+        model.blocks_backward(out * scale, ctxs)
+        comm_s = comm.seconds - comm_start
+        comm.comm.Barrier()
+        if i >= warmup:
+            steps.append(perf_counter() - start)
+            comms.append(comm_s)
+    del out, ctxs
+    per_rank = comm.allgather_object((median(steps), median(comms), peak_memory_bytes()))
+    step_s = max(s for s, _, _ in per_rank)
+    comm_s = max(c for _, c, _ in per_rank)
+    peak = gemm_peak(comm, batch * seq, cfg.hidden, max(1, cfg.ffn_hidden // comm.size), dtype)
+    flops = step_flops(cfg, batch, seq)
+    achieved = flops / step_s
+    return {"benchmark": "step", "tp": comm.size, "dtype": numpy.dtype(dtype).name, "threads_per_rank": threads,
+            "layers": cfg.n_layers, "hidden": cfg.hidden, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
+            "ffn_hidden": cfg.ffn_hidden, "activation": cfg.activation, "causal": cfg.causal,
+            "seq_len": seq, "micro_batch": batch, "repeats": repeats, "warmup": warmup,
+            "step_s": step_s, "step_s_all": [float(s) for s in steps], "tokens_per_s": batch * seq / step_s,
+            "comm_s": comm_s, "compute_s": step_s - comm_s,
+            "flops": flops, "achieved_flops": achieved, "gemm_peak_flops_per_rank": peak,
+            "mfu": achieved / (peak * comm.size), "peak_mem_bytes": [m for _, _, m in per_rank]}
+
+
+def format_record(r: dict) -> str:
+    mib = ", ".join(f"{m / 2**20:.0f}" for m in r["peak_mem_bytes"])
+    return "\n".join([
+        f"hpc-tp bench step: {r['layers']} layers, hidden {r['hidden']}, {r['heads']} heads, ffn {r['ffn_hidden']}, "
+        f"seq {r['seq_len']}, micro-batch {r['micro_batch']}, {r['dtype']}, tp={r['tp']}, "
+        f"{r['threads_per_rank']} BLAS thread(s)/rank",
+        f"  step      {r['step_s'] * 1e3:9.1f} ms  (median of {r['repeats']} after {r['warmup']} warm-up, slowest rank)"
+        f"  {r['tokens_per_s']:.0f} tokens/s",
+        f"  compute   {r['compute_s'] * 1e3:9.1f} ms   communication {r['comm_s'] * 1e3:.1f} ms",
+        f"  FLOPs     {r['flops'] / 1e9:9.1f} G    achieved {r['achieved_flops'] / 1e9:.1f} GFLOP/s",
+        f"  GEMM peak {r['gemm_peak_flops_per_rank'] / 1e9:9.1f} GFLOP/s per rank (measured now)  "
+        f"MFU {r['mfu'] * 100:.1f}%",
+        f"  peak memory per rank: {mib} MiB"])

@@ -1,0 +1,111 @@
+"""``hpc-tp convert SRC -o CKPT``: a Hugging Face model folder or a GGUF file as an hpc_tp checkpoint.
+
+The importer (``importers/``) maps every source tensor to this project's name and layout and
+checks its shape; the checkpoint writer then pulls the tensors through one at a time (read,
+dequantize, transpose, write, forget), so memory holds one tensor, never the model. Each tensor
+gets the split axis the model's layers give it, so any tp loads its own slice later. One process
+writes (a grid of one rank); the result is CKPT/step-000000 with the tokenizer files beside
+master.h5 and the model config in the meta. An existing CKPT is never touched unless --force,
+and then replaced only once the new checkpoint is complete.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def add_arguments(parser):
+    parser.add_argument("source", help="a Hugging Face model folder (config.json + safetensors) or a .gguf file")
+    parser.add_argument("-o", "--output", required=True, metavar="CKPT", help="checkpoint folder to create")
+    parser.add_argument("--force", action="store_true", help="replace CKPT if it exists (atomically, when done)")
+
+
+def run(args) -> int:
+    from ..comm.mpi import world
+    from ..errors import ConfigError
+    from .importers import open_source
+
+    if world().size > 1:
+        raise ConfigError(f"hpc-tp convert runs as one process (started with {world().size} ranks); "
+                          "the checkpoint it writes loads at any tp")
+    imported = open_source(args.source)
+    folder = replace_folder(args.output, args.force, lambda temp: write_checkpoint(imported, temp))
+    cfg = imported.config
+    print(f"converted {args.source} ({imported.source['format']}, {imported.source['architecture']}): "
+          f"{cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
+          f"vocab {cfg.vocab_size}, {len(imported.tensors)} tensors -> {folder}"
+          + ("" if imported.files else " (no tokenizer found)"))
+    if imported.ignored:
+        print(f"source tensors not used: {', '.join(imported.ignored)}")
+    return 0
+
+
+def write_checkpoint(imported, root: Path) -> Path:
+    """Save ``imported`` as step 0 under ``root`` with one process; returns the step folder."""
+    from ..comm.mpi import self_comm
+    from ..grid import ProcessGrid
+    from ..module import Partition
+    from .write import save_checkpoint
+
+    axes = split_axes(imported.config)
+    if set(axes) != set(imported.tensors):  # an importer rule out of step with the model: a bug, not user input
+        raise AssertionError(f"importer and model disagree on tensors: {sorted(set(axes) ^ set(imported.tensors))}")
+    staged = {name: _Staged(tensor, Partition(tensor.shape, axes[name]))
+              for name, tensor in imported.tensors.items()}
+    meta = {"step": 0, "config": imported.config.to_dict(), "source": imported.source}
+    return save_checkpoint(root, 0, staged, meta, ProcessGrid(1, 1, 1, world=self_comm()), keep=1,
+                           files=imported.files)
+
+
+class _Staged:
+    """What save_checkpoint takes: ``data`` (here a tensor still in the source file) and its partition."""
+
+    def __init__(self, data, partition):
+        self.data, self.partition = data, partition
+
+
+def split_axes(cfg) -> dict:
+    """Parameter name -> the axis the model splits it along over tp (None: replicated), from a
+    model of ``cfg``'s structure at toy width: names and axes do not depend on the sizes."""
+    import dataclasses
+
+    from ..comm.mpi import self_comm
+    from ..models.bert import BertModel
+    from ..models.gpt import GPTModel
+
+    toy = dataclasses.replace(cfg, hidden=2 * cfg.n_heads, ffn_hidden=1, vocab_size=1, max_seq_len=1,
+                              type_vocab_size=min(cfg.type_vocab_size, 1))
+    model = (BertModel if cfg.family == "bert" else GPTModel)(toy, self_comm())
+    return {name: p.partition.axis for name, p in model.named_parameters()}
+
+
+def replace_folder(dest, force: bool, fill) -> Path:
+    """Create folder ``dest`` by ``fill(temp)`` in a temporary sibling, renamed into place only
+    when complete. An existing ``dest`` is an error unless ``force``; then it is set aside and
+    deleted only after the new one is in place."""
+    from ..errors import ConfigError
+
+    dest = Path(dest)
+    if dest.exists() and not force:
+        raise ConfigError(f"output {dest} already exists: choose another path, or pass --force to replace it")
+    temp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    set_aside = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        fill(temp)
+        if dest.exists():
+            os.rename(dest, set_aside)
+        try:
+            os.rename(temp, dest)
+        except OSError:
+            if set_aside.exists():
+                os.rename(set_aside, dest)
+            raise
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    if set_aside.is_dir():
+        shutil.rmtree(set_aside, ignore_errors=True)
+    else:
+        set_aside.unlink(missing_ok=True)
+    return dest

@@ -1,0 +1,147 @@
+"""``hpc-tp export CKPT -o DIR``: a checkpoint back to a Hugging Face folder (config.json +
+model.safetensors, and tokenizer.json when the checkpoint has one) for GPT-2 and the Llama family.
+
+The import rules run backwards: each Hugging Face tensor is assembled from our tensors
+(transposed back, GPT-2's q/k/v concatenated into c_attn), read one at a time from the
+checkpoint with every checksum verified, and streamed into the safetensors file, whose header
+is written first from the shapes alone. A zero bias the import added (Qwen2's output and MLP
+projections) is checked to be still zero, since the target format has nowhere to put it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def add_arguments(parser):
+    parser.add_argument("checkpoint", help="a checkpoint folder, or a folder of checkpoints (its latest is exported)")
+    parser.add_argument("-o", "--output", required=True, metavar="DIR", help="Hugging Face folder to create")
+    parser.add_argument("--arch", choices=("gpt2", "llama", "qwen2"), default=None,
+                        help="target architecture (default: the one it was imported from, else gpt2 for learned "
+                             "positions and llama for rope)")
+    parser.add_argument("--dtype", choices=("stored", *_CODES), default="stored",
+                        help="dtype of the written tensors (default: as stored in the checkpoint)")
+    parser.add_argument("--force", action="store_true", help="replace DIR if it exists (atomically, when done)")
+
+
+def run(args) -> int:
+    from .convert import replace_folder
+    from .read import describe_checkpoint
+
+    info = describe_checkpoint(args.checkpoint)
+    folder = replace_folder(args.output, args.force, lambda temp: export(info, temp, args.arch, args.dtype))
+    print(f"exported {info['path']} -> {folder}")
+    return 0
+
+
+def export(info: dict, dest: Path, architecture: str | None, dtype: str):
+    """Write the Hugging Face folder of the checkpoint ``info`` (describe_checkpoint) into ``dest``."""
+    import h5py
+
+    from ..errors import ConfigError
+    from ..models.config import ModelConfig
+    from .format import MASTER, SourceCheck
+    from .importers.huggingface import CONFIG, SINGLE, TOKENIZER, export_layout
+
+    meta = info["meta"]
+    if "config" not in meta:
+        raise ConfigError(f"checkpoint {info['path']}: its meta holds no model config")
+    cfg = ModelConfig.from_dict(meta["config"])
+    if cfg.family != "gpt":
+        raise ConfigError(f"checkpoint {info['path']} is a {cfg.family} model; export supports gpt2, llama and qwen2")
+    architecture = architecture or meta.get("source", {}).get("architecture")
+    if architecture not in ("gpt2", "llama", "qwen2"):
+        architecture = "gpt2" if cfg.position == "learned" else "llama"
+    hf_config, rules = export_layout(cfg, architecture)
+    folder = Path(info["path"])
+    stored = {t["name"]: t["dtype"] for t in info["tensors"]}
+    for rule in rules:
+        if rule.ours not in stored:
+            raise ConfigError(f"checkpoint {folder}: tensor {rule.ours!r} is missing (needed for {rule.theirs})")
+    dest.mkdir(parents=True)
+    with h5py.File(folder / MASTER, "r") as f:
+        read = _Reader(f, folder, SourceCheck(folder))
+        for rule in rules:
+            if rule.theirs is None and read(rule.ours).any():
+                raise ConfigError(f"checkpoint {folder}: tensor {rule.ours!r} is not zero, but {architecture} has no "
+                                  "such parameter; export with --arch llama (it has attention_bias and mlp_bias)")
+        entries = _entries([r for r in rules if r.theirs is not None], read, stored, dtype)
+        write_safetensors(dest / SINGLE, entries)
+    hf_config["torch_dtype"] = {code: name for name, code in _CODES.items()}[entries[0][2]]
+    (dest / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
+    if (folder / TOKENIZER).is_file():
+        (dest / TOKENIZER).write_bytes((folder / TOKENIZER).read_bytes())
+
+
+class _Reader:
+    """Whole tensors from the master file, every shard source and checksum verified."""
+
+    def __init__(self, f, folder: Path, sources):
+        self.f, self.folder, self.sources = f, folder, sources
+
+    def __call__(self, name: str):
+        from ..errors import ConfigError
+        from .read import read_verified
+
+        ds = self.f[f"tensors/{name}"]
+        problems = self.sources.problems(name, ds)
+        if problems:
+            raise ConfigError(f"checkpoint {self.folder}: {'; '.join(problems)}")
+        try:
+            return read_verified(self.f, name, 0, ds.shape[int(ds.attrs["checksum_axis"])])
+        except ConfigError as e:
+            raise ConfigError(f"checkpoint {self.folder}: {e}") from None
+
+
+def _entries(rules, read, stored: dict, dtype: str) -> list[tuple]:
+    """(name, shape, dtype code, produce) per Hugging Face tensor, in rule order; the rules that
+    share a source tensor (GPT-2's c_attn) are its column blocks, concatenated in column order."""
+    import numpy
+
+    groups: dict[str, list] = {}
+    for rule in rules:
+        groups.setdefault(rule.theirs, []).append(rule)
+    entries = []
+    for name, parts in groups.items():
+        parts.sort(key=lambda r: r.columns or (0, 0))
+        code = _CODES[stored[parts[0].ours] if dtype == "stored" else dtype]
+
+        def produce(parts=parts):
+            pieces = [r.to_theirs(read(r.ours)) for r in parts]
+            return pieces[0] if len(pieces) == 1 else numpy.concatenate(pieces, axis=-1)
+
+        entries.append((name, parts[0].shape, code, produce))
+    return entries
+
+
+def write_safetensors(path: Path, entries: list[tuple]):
+    """A safetensors file written tensor by tensor: the header (names, dtypes, shapes, offsets)
+    comes from the shapes alone, then each tensor's little-endian bytes in header order."""
+    import numpy
+
+    from .importers.bfloat16 import float32_to_bfloat16_bytes
+
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, code, _ in entries:
+        size = math.prod(shape) * _ITEMSIZE[code]
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as out:
+        out.write(len(blob).to_bytes(8, "little") + blob)
+        for name, shape, code, produce in entries:
+            values = produce()
+            if values.shape != tuple(shape):
+                raise AssertionError(f"{name}: produced {values.shape}, header says {shape}")
+            if code == "BF16":
+                out.write(float32_to_bfloat16_bytes(values))
+            else:
+                out.write(numpy.ascontiguousarray(values, dtype=f"<f{_ITEMSIZE[code]}").tobytes())
+        out.flush()
+        os.fsync(out.fileno())

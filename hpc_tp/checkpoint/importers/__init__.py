@@ -1,0 +1,133 @@
+"""Importers: a model saved by another tool, seen as this project's config and parameter names.
+
+An importer reads the source's config into a ``ModelConfig`` and lists ``Rule``s: which source
+tensor (and which columns of it, transposed or not) becomes which of our logical tensors. The
+tensors stay on disk: each is a ``SourceTensor`` whose values are read (and dequantized,
+transposed, ...) only when the checkpoint writer asks for them, one at a time, so converting
+never holds the model in memory, let alone twice. Every name and shape is checked against the
+source's config before anything is written.
+
+    open_source(path) -> Imported(config, tensors, files, source)
+
+Supported: Hugging Face folders (config.json + safetensors, sharded too) of GPT-2, Llama-family
+(Llama, SmolLM, Qwen2) and BERT encoders; GGUF files of the llama architecture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy
+
+from ...errors import ConfigError
+from ...models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Our tensor ``ours`` comes from the source tensor ``theirs`` of shape ``shape``.
+
+    ``columns``: ours is ``theirs[..., a:b]`` (a fused projection such as GPT-2's c_attn);
+    ``rope_heads``: undo llama.cpp's interleaved rope layout of q/k rows over that many heads;
+    ``transpose``: torch's nn.Linear stores [out, in], our linears [in, out].
+    ``theirs`` None: the source family has no such tensor (a bias it omits); ours is zeros of ``shape``.
+    """
+
+    ours: str
+    theirs: str | None
+    shape: tuple
+    transpose: bool = False
+    columns: tuple[int, int] | None = None
+    rope_heads: int | None = None
+
+    @property
+    def ours_shape(self) -> tuple:
+        shape = list(self.shape)
+        if self.columns:
+            shape[-1] = self.columns[1] - self.columns[0]
+        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+    def to_ours(self, x):
+        if self.columns:
+            x = x[..., self.columns[0]:self.columns[1]]
+        if self.rope_heads:
+            x = undo_rope_permutation(x, self.rope_heads)
+        return numpy.ascontiguousarray(x.T if self.transpose else x)
+
+    def to_theirs(self, x):
+        """Our tensor back in the source layout (its columns of a fused tensor, if ``columns``)."""
+        return numpy.ascontiguousarray(x.T if self.transpose else x)
+
+
+def undo_rope_permutation(w, heads: int):
+    """llama.cpp stores each head's q/k rows as interleaved pairs (its rope rotates adjacent
+    elements); Hugging Face and this project rotate halves. Inverse of its ``permute``:
+    rows (h, 2, d/2) were reordered as (h, d/2, 2)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class SourceTensor:
+    """A logical tensor still in the source file: shape and dtype are known, values are read
+    when it is indexed (the checkpoint writer takes ``data[partition.valid_local()]``)."""
+
+    def __init__(self, shape: tuple, dtype, read: Callable[[], numpy.ndarray]):
+        self.shape, self.dtype, self._read = tuple(shape), numpy.dtype(dtype), read
+
+    def __getitem__(self, index):
+        values = self._read()
+        if values.shape != self.shape:  # a rule bug, never a user error: shapes were checked up front
+            raise AssertionError(f"read shape {values.shape}, expected {self.shape}")
+        return values.astype(self.dtype, copy=False)[index]
+
+
+@dataclass
+class Imported:
+    config: ModelConfig
+    tensors: dict[str, SourceTensor]
+    files: dict[str, bytes] = field(default_factory=dict)  # tokenizer files for the checkpoint folder
+    source: dict = field(default_factory=dict)             # what was imported: format, architecture, path
+    ignored: list[str] = field(default_factory=list)       # source tensors no rule uses (pooler, rotary caches)
+
+
+def lazy_tensors(rules: list[Rule], reader, config_name: str) -> tuple[dict[str, SourceTensor], list[str]]:
+    """Our tensors from ``reader`` (names, shape, dtype, read, where), checked against the
+    shapes ``config_name`` implies; returns them and the source tensors left unused."""
+    available = reader.names()
+    tensors, used = {}, set()
+    for rule in rules:
+        if rule.theirs is None:
+            continue
+        if rule.theirs not in available:
+            raise ConfigError(f"{reader.label}: tensor {rule.theirs!r} is missing (needed for {rule.ours}, "
+                              f"as {config_name} describes the model)")
+        shape = reader.shape(rule.theirs)
+        if shape != rule.shape:
+            raise ConfigError(f"{reader.where(rule.theirs)}: tensor {rule.theirs!r} has shape {shape}, "
+                              f"expected {rule.shape} from {config_name}")
+        used.add(rule.theirs)
+        tensors[rule.ours] = SourceTensor(rule.ours_shape, reader.dtype(rule.theirs),
+                                          lambda rule=rule: rule.to_ours(reader.read(rule.theirs)))
+    dtype = next(iter(tensors.values())).dtype if tensors else numpy.float32
+    for rule in rules:
+        if rule.theirs is None:
+            tensors[rule.ours] = SourceTensor(rule.shape, dtype, lambda rule=rule: numpy.zeros(rule.shape, dtype))
+    return tensors, sorted(available - used)
+
+
+def open_source(path) -> Imported:
+    """A Hugging Face model folder or a GGUF file, by what it is."""
+    path = Path(path)
+    if path.is_dir():
+        from .huggingface import import_folder
+        return import_folder(path)
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            from .gguf import import_gguf
+            return import_gguf(path)
+        raise ConfigError(f"{path}: not a GGUF file (no GGUF magic); expected a GGUF file or a Hugging Face "
+                          "model folder (config.json + model.safetensors)")
+    raise ConfigError(f"{path} does not exist: expected a Hugging Face model folder or a GGUF file")

@@ -1,0 +1,138 @@
+"""GGUF files (llama.cpp) of the llama architecture.
+
+The reader memory-maps the file; a tensor is read (and dequantized with ``gguf.quants`` when it
+is quantized: Q8_0, Q4_K, ...) only when the checkpoint writer asks for it. GGUF stores a weight
+as ggml dims [in, out], which numpy sees as [out, in], the nn.Linear layout; and llama.cpp's
+converter interleaves each head's q/k rows for its rope, which is undone here. The rules are the
+Hugging Face Llama rules with GGUF's tensor names. The tokenizer, when the file has one, becomes
+a Hugging Face tokenizer.json (``gguf_tokenizer``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy
+
+from ...errors import ConfigError
+from ...models.config import ModelConfig
+from . import Imported, Rule, lazy_tensors
+from .huggingface import ConfigFile, llama_rules, tokenizer_files
+
+SUPPORTED = ("llama",)
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+class GGUFTensors:
+    def __init__(self, path: Path, reader):
+        self.label, self._path = str(path), path
+        self._tensors = {t.name: t for t in reader.tensors}
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def shape(self, name: str) -> tuple:
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))  # ggml dims run fastest-first
+
+    def dtype(self, name: str):
+        from gguf import GGMLQuantizationType as Q
+
+        kind = self._tensors[name].tensor_type
+        return numpy.dtype({Q.F64: "float64", Q.F32: "float32", Q.F16: "float16"}.get(kind, "float32"))
+
+    def where(self, name: str) -> str:
+        return self.label
+
+    def read(self, name: str) -> numpy.ndarray:
+        from gguf import GGMLQuantizationType as Q
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        if t.tensor_type in (Q.F64, Q.F32, Q.F16):
+            return numpy.array(t.data).reshape(self.shape(name))
+        return dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+
+
+class _Fields:
+    """GGUF metadata with errors naming the file and the key."""
+
+    def __init__(self, reader, path: Path):
+        self._fields, self.path = reader.fields, path
+
+    def get(self, key, default=None):
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        value = field.contents()
+        # GGUF keeps float32 values: 1e-6 comes back as 9.99999997e-07; take the shortest float32 spelling.
+        return float(str(numpy.float32(value))) if isinstance(value, float) else value
+
+    def __getitem__(self, key):
+        value = self.get(key)
+        if value is None:
+            raise ConfigError(f"{self.path}: missing metadata key {key!r}")
+        return value
+
+
+def _config(meta: _Fields, tensors: GGUFTensors) -> ModelConfig:
+    a = "llama."
+    heads = meta[a + "attention.head_count"]
+    hidden = meta[a + "embedding_length"]
+    rope_dims = meta.get(a + "rope.dimension_count", hidden // heads)
+    if rope_dims != hidden // heads:
+        raise ConfigError(f"{meta.path}: rope.dimension_count={rope_dims} != head size {hidden // heads} "
+                          "(partial rotary embeddings are not supported)")
+    if "rope_freqs.weight" in tensors.names():
+        raise ConfigError(f"{meta.path}: tensor 'rope_freqs.weight' (per-frequency rope factors) is not supported")
+    scaling = meta.get(a + "rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ConfigError(f"{meta.path}: rope.scaling.type={scaling!r} is not supported (expected none or linear)")
+    vocab = meta.get(a + "vocab_size")
+    if vocab is None:  # older files: the embedding says it (lazy_tensors reports a missing embedding)
+        vocab = tensors.shape("token_embd.weight")[0] if "token_embd.weight" in tensors.names() else 1
+    return ModelConfig(vocab_size=int(vocab), hidden=hidden, n_layers=meta[a + "block_count"], n_heads=heads,
+                       n_kv_heads=meta.get(a + "attention.head_count_kv", heads),
+                       ffn_hidden=meta[a + "feed_forward_length"], max_seq_len=meta[a + "context_length"],
+                       norm="rmsnorm", norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
+                       activation="swiglu", position="rope", rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
+                       rope_scaling={"rope_type": "linear", "factor": float(meta[a + "rope.scaling.factor"])}
+                       if scaling == "linear" else None,
+                       tie_embeddings="output.weight" not in tensors.names(), bias=False, causal=True)
+
+
+def _gguf_rule(rule: Rule, cfg: ModelConfig) -> Rule:
+    if rule.theirs in _TOP:
+        return dataclasses.replace(rule, theirs=_TOP[rule.theirs])
+    layer, module, kind = _LAYER_NAME.fullmatch(rule.theirs).groups()
+    heads = {"self_attn.q_proj": cfg.n_heads, "self_attn.k_proj": cfg.n_kv_heads}.get(module)
+    return dataclasses.replace(rule, theirs=f"blk.{layer}.{_LAYER[module]}.{kind}", rope_heads=heads)
+
+
+def import_gguf(path: Path) -> Imported:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on a damaged file
+        raise ConfigError(f"{path}: not a readable GGUF file, truncated or corrupted "
+                          f"({type(e).__name__}: {e})") from None
+    meta = _Fields(reader, path)
+    architecture = meta.get("general.architecture")
+    if architecture not in SUPPORTED:
+        raise ConfigError(f"{path}: unknown architecture {architecture!r}; supported GGUF architectures: "
+                          f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, bert)")
+    tensors = GGUFTensors(path, reader)
+    cfg = _config(meta, tensors)
+    rules = [_gguf_rule(r, cfg) for r in llama_rules(cfg, ConfigFile({}, path), "model.")]
+    lazy, ignored = lazy_tensors(rules, tensors, f"{path.name}'s metadata")
+    from .gguf_tokenizer import tokenizer_json
+
+    tokenizer = tokenizer_json(meta)
+    files = tokenizer_files(tokenizer) if tokenizer is not None else {}
+    return Imported(cfg, lazy, files, {"format": "gguf", "architecture": architecture, "path": path.name}, ignored)

@@ -1,0 +1,325 @@
+"""Hugging Face model folders: config.json + model.safetensors (or shards listed in
+model.safetensors.index.json), for GPT-2, the Llama family (Llama, SmolLM, Qwen2) and BERT.
+
+Layouts: GPT-2's Conv1D weights are already [in, out] like ours, and c_attn fuses q, k, v as
+column blocks; torch nn.Linear weights ([out, in]: Llama, Qwen2, BERT) are transposed. A bias
+the source family omits while another of its linears has one (Qwen2: q/k/v biases, none on the
+output or MLP projections) becomes a zero bias here, which computes the same; export checks it
+is still zero. The same rule tables serve import and export (``export_layout``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy
+
+from ...errors import ConfigError
+from ...models.config import ModelConfig
+from . import Imported, Rule, lazy_tensors
+from .bfloat16 import bfloat16_to_float32
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+# Read back by hpc_tp.train.tokenizer.load_tokenizer_dir: which kind of tokenizer the folder holds.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+# numpy dtypes of the safetensors dtypes; BF16 (no numpy type) is widened to float32.
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "float32",
+           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+
+
+class SafetensorsFolder:
+    """The tensors of one model folder across its safetensors files, read one at a time."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder, self.label = folder, str(folder)
+        self._safe_open = safe_open
+        if (folder / INDEX).is_file():
+            weight_map = _json(folder / INDEX).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConfigError(f"{folder / INDEX}: no 'weight_map' object (tensor name -> shard file)")
+            files = sorted(set(weight_map.values()))
+        elif (folder / SINGLE).is_file():
+            files = [SINGLE]
+        else:
+            raise ConfigError(f"{folder}: no {SINGLE} or {INDEX} (only safetensors weights are supported)")
+        self._file_of, self._info = {}, {}
+        for name in files:
+            path = folder / name
+            if not path.is_file():
+                raise ConfigError(f"{path}: shard listed in {INDEX} is missing")
+            try:
+                with safe_open(str(path), framework="numpy") as f:
+                    for key in f.keys():
+                        piece = f.get_slice(key)
+                        self._file_of[key] = path
+                        self._info[key] = (tuple(piece.get_shape()), piece.get_dtype())
+            except Exception as e:  # the Rust library raises SafetensorError with its parser message
+                raise ConfigError(f"{path}: not a valid safetensors file, truncated or corrupted ({e})") from None
+
+    def names(self) -> set[str]:
+        return set(self._info)
+
+    def shape(self, name: str) -> tuple:
+        return self._info[name][0]
+
+    def dtype(self, name: str):
+        kind = self._info[name][1]
+        if kind not in _DTYPES:
+            raise ConfigError(f"{self.where(name)}: tensor {name!r} has dtype {kind}, which numpy cannot hold")
+        return numpy.dtype(_DTYPES[kind])
+
+    def where(self, name: str) -> str:
+        return str(self._file_of[name])
+
+    def read(self, name: str) -> numpy.ndarray:
+        path = self._file_of[name]
+        if self._info[name][1] == "BF16":
+            return bfloat16_to_float32(_raw_bytes(path, name), self.shape(name))
+        with self._safe_open(str(path), framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+def _raw_bytes(path: Path, name: str) -> numpy.ndarray:
+    """A tensor's bytes by the header's offsets (numpy has no bfloat16 for safetensors to return)."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        start, stop = json.loads(f.read(header_len))[name]["data_offsets"]
+    return numpy.memmap(path, dtype=numpy.uint8, mode="r", offset=8 + header_len + start, shape=(stop - start,))
+
+
+def _json(path: Path) -> dict:
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return values
+
+
+class ConfigFile:
+    """config.json with errors that name the file and the key."""
+
+    def __init__(self, values: dict, path):
+        self.values, self.path = values, path
+
+    def __getitem__(self, key):
+        if self.values.get(key) is None:
+            raise ConfigError(f"{self.path}: missing key {key!r}")
+        return self.values[key]
+
+    def get(self, key, default=None):
+        value = self.values.get(key)
+        return default if value is None else value
+
+
+# -- configs ------------------------------------------------------------------------------------------
+def _activation(hf: ConfigFile, key: str, default: str) -> str:
+    name = hf.get(key, default)
+    if name not in _ACTIVATIONS:
+        raise ConfigError(f"{hf.path}: {key}={name!r} is not supported; expected one of {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def gpt2_config(hf: ConfigFile) -> ModelConfig:
+    hidden = hf["n_embd"]
+    return ModelConfig(vocab_size=hf["vocab_size"], hidden=hidden, n_layers=hf["n_layer"], n_heads=hf["n_head"],
+                       ffn_hidden=hf.get("n_inner", 4 * hidden), max_seq_len=hf["n_positions"], norm="layernorm",
+                       norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                       activation=_activation(hf, "activation_function", "gelu_new"), position="learned",
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True, causal=True)
+
+
+def _llama_biases(hf: ConfigFile) -> tuple[bool, bool, bool]:
+    """Which linears the source has biases on: (q/k/v, output projection, MLP)."""
+    attention = bool(hf.get("attention_bias", False))
+    return attention or hf.get("model_type") == "qwen2", attention, bool(hf.get("mlp_bias", False))
+
+
+def llama_config(hf: ConfigFile) -> ModelConfig:
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim", hidden // heads) != hidden // heads:
+        raise ConfigError(f"{hf.path}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads = "
+                          f"{hidden // heads}; only head_dim = hidden_size/num_attention_heads is supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{hf.path}: hidden_act={hf['hidden_act']!r}; the Llama family needs 'silu' (SwiGLU)")
+    if hf.get("use_sliding_window", False):
+        raise ConfigError(f"{hf.path}: use_sliding_window=true is not supported (full attention only)")
+    return ModelConfig(vocab_size=hf["vocab_size"], hidden=hidden, n_layers=hf["num_hidden_layers"], n_heads=heads,
+                       n_kv_heads=hf.get("num_key_value_heads", heads), ffn_hidden=hf["intermediate_size"],
+                       max_seq_len=hf["max_position_embeddings"], norm="rmsnorm",
+                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu", position="rope",
+                       rope_theta=float(hf.get("rope_theta", 10000.0)), rope_scaling=hf.get("rope_scaling"),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=any(_llama_biases(hf)),
+                       causal=True)
+
+
+def bert_config(hf: ConfigFile) -> ModelConfig:
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ConfigError(f"{hf.path}: position_embedding_type={hf['position_embedding_type']!r}; "
+                          "only 'absolute' (learned positions) is supported")
+    if hf.get("is_decoder", False):
+        raise ConfigError(f"{hf.path}: is_decoder=true; only BERT encoders are supported")
+    return ModelConfig(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                       n_heads=hf["num_attention_heads"], ffn_hidden=hf["intermediate_size"],
+                       max_seq_len=hf["max_position_embeddings"], norm="layernorm",
+                       norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+                       activation=_activation(hf, "hidden_act", "gelu"), position="learned", tie_embeddings=False,
+                       bias=True, causal=False, family="bert", type_vocab_size=hf.get("type_vocab_size", 2))
+
+
+# -- rules --------------------------------------------------------------------------------------------
+def _linear(ours: str, theirs: str, n_in: int, n_out: int, torch_layout: bool, bias: str | None) -> list[Rule]:
+    """A linear's weight (and bias: "source", "zeros" or None for none)."""
+    shape = (n_out, n_in) if torch_layout else (n_in, n_out)
+    rules = [Rule(f"{ours}.weight", f"{theirs}.weight", shape, transpose=torch_layout)]
+    if bias:
+        rules.append(Rule(f"{ours}.bias", f"{theirs}.bias" if bias == "source" else None, (n_out,)))
+    return rules
+
+
+def _norm(ours: str, theirs: str, cfg: ModelConfig) -> list[Rule]:
+    rules = [Rule(f"{ours}.weight", f"{theirs}.weight", (cfg.hidden,))]
+    if cfg.norm == "layernorm" and cfg.bias:
+        rules.append(Rule(f"{ours}.bias", f"{theirs}.bias", (cfg.hidden,)))
+    return rules
+
+
+def _head(cfg: ModelConfig) -> list[Rule]:
+    return [] if cfg.tie_embeddings else [Rule("head.weight", "lm_head.weight", (cfg.vocab_size, cfg.hidden))]
+
+
+def gpt2_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
+    h, p = cfg.hidden, prefix
+    rules = [Rule("embed.weight", f"{p}wte.weight", (cfg.vocab_size, h)),
+             Rule("pos", f"{p}wpe.weight", (cfg.max_seq_len, h))]
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i}.", f"{p}h.{i}."
+        rules += _norm(ours + "norm1", theirs + "ln_1", cfg)
+        for j, name in enumerate("qkv"):
+            columns = (j * h, (j + 1) * h)
+            rules += [Rule(f"{ours}attn.qkv.{name}.weight", theirs + "attn.c_attn.weight", (h, 3 * h), columns=columns),
+                      Rule(f"{ours}attn.qkv.{name}.bias", theirs + "attn.c_attn.bias", (3 * h,), columns=columns)]
+        rules += _linear(ours + "attn.out", theirs + "attn.c_proj", h, h, False, "source")
+        rules += _norm(ours + "norm2", theirs + "ln_2", cfg)
+        rules += _linear(ours + "mlp.fc1", theirs + "mlp.c_fc", h, cfg.ffn_hidden, False, "source")
+        rules += _linear(ours + "mlp.fc2", theirs + "mlp.c_proj", cfg.ffn_hidden, h, False, "source")
+    return rules + _norm("final_norm", f"{p}ln_f", cfg) + _head(cfg)
+
+
+def llama_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
+    h, f, p = cfg.hidden, cfg.ffn_hidden, prefix
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    qkv_bias, out_bias, mlp_bias = ("source" if has else "zeros" if cfg.bias else None for has in _llama_biases(hf))
+    rules = [Rule("embed.weight", f"{p}embed_tokens.weight", (cfg.vocab_size, h))]
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i}.", f"{p}layers.{i}."
+        rules += _norm(ours + "norm1", theirs + "input_layernorm", cfg)
+        rules += _linear(ours + "attn.qkv.q", theirs + "self_attn.q_proj", h, q, True, qkv_bias)
+        rules += _linear(ours + "attn.qkv.k", theirs + "self_attn.k_proj", h, kv, True, qkv_bias)
+        rules += _linear(ours + "attn.qkv.v", theirs + "self_attn.v_proj", h, kv, True, qkv_bias)
+        rules += _linear(ours + "attn.out", theirs + "self_attn.o_proj", q, h, True, out_bias)
+        rules += _norm(ours + "norm2", theirs + "post_attention_layernorm", cfg)
+        rules += _linear(ours + "mlp.fc1.gate", theirs + "mlp.gate_proj", h, f, True, mlp_bias)
+        rules += _linear(ours + "mlp.fc1.up", theirs + "mlp.up_proj", h, f, True, mlp_bias)
+        rules += _linear(ours + "mlp.fc2", theirs + "mlp.down_proj", f, h, True, mlp_bias)
+    return rules + _norm("final_norm", f"{p}norm", cfg) + _head(cfg)
+
+
+def bert_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
+    h, f, p = cfg.hidden, cfg.ffn_hidden, prefix
+    rules = [Rule("embed.weight", f"{p}embeddings.word_embeddings.weight", (cfg.vocab_size, h)),
+             Rule("pos", f"{p}embeddings.position_embeddings.weight", (cfg.max_seq_len, h))]
+    if cfg.type_vocab_size:
+        rules.append(Rule("type_embed", f"{p}embeddings.token_type_embeddings.weight", (cfg.type_vocab_size, h)))
+    rules += _norm("embed_norm", f"{p}embeddings.LayerNorm", cfg)
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i}.", f"{p}encoder.layer.{i}."
+        for name, module in (("q", "query"), ("k", "key"), ("v", "value")):
+            rules += _linear(f"{ours}attn.qkv.{name}", f"{theirs}attention.self.{module}", h, h, True, "source")
+        rules += _linear(ours + "attn.out", theirs + "attention.output.dense", h, h, True, "source")
+        rules += _norm(ours + "norm1", theirs + "attention.output.LayerNorm", cfg)
+        rules += _linear(ours + "mlp.fc1", theirs + "intermediate.dense", h, f, True, "source")
+        rules += _linear(ours + "mlp.fc2", theirs + "output.dense", f, h, True, "source")
+        rules += _norm(ours + "norm2", theirs + "output.LayerNorm", cfg)
+    return rules
+
+
+# model_type -> (config, rules, a tensor every such model has, prefixes its names may carry)
+ARCHITECTURES = {
+    "gpt2": (gpt2_config, gpt2_rules, "wte.weight", ("", "transformer.")),
+    "llama": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
+    "qwen2": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
+    "bert": (bert_config, bert_rules, "embeddings.word_embeddings.weight", ("", "bert.")),
+}
+
+
+def import_folder(folder: Path) -> Imported:
+    if not (folder / CONFIG).is_file():
+        raise ConfigError(f"{folder}: no {CONFIG} (expected a Hugging Face model folder)")
+    hf = ConfigFile(_json(folder / CONFIG), folder / CONFIG)
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        named = model_type or ", ".join(hf.get("architectures", [])) or "none given"
+        raise ConfigError(f"{folder / CONFIG}: unknown architecture {named!r}; supported model_type values: "
+                          f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama architecture)")
+    make_config, make_rules, anchor, prefixes = ARCHITECTURES[model_type]
+    cfg = make_config(hf)
+    reader = SafetensorsFolder(folder)
+    names = reader.names()
+    prefix = next((p for p in prefixes if p + anchor in names), prefixes[0])
+    tensors, ignored = lazy_tensors(make_rules(cfg, hf, prefix), reader, str(folder / CONFIG))
+    files = tokenizer_files((folder / TOKENIZER).read_bytes()) if (folder / TOKENIZER).is_file() else {}
+    return Imported(cfg, tensors, files, {"format": "huggingface", "architecture": model_type, "path": folder.name},
+                    ignored)
+
+
+def tokenizer_files(tokenizer_json: bytes) -> dict[str, bytes]:
+    """A Hugging Face tokenizer.json, with the note that says what kind of tokenizer it is."""
+    note = json.dumps({"kind": "huggingface", "file": TOKENIZER}, indent=1) + "\n"
+    return {TOKENIZER: tokenizer_json, TOKENIZER_CONFIG: note.encode()}
+
+
+# -- export -------------------------------------------------------------------------------------------
+EXPORTABLE = ("gpt2", "llama", "qwen2")
+
+
+def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]]:
+    """config.json and the rules for writing ``cfg``'s tensors as a Hugging Face ``architecture``."""
+    if architecture == "gpt2":
+        if (cfg.position, cfg.norm, cfg.activation, cfg.bias) != ("learned", "layernorm", "gelu_tanh", True):
+            raise ConfigError("export as gpt2 needs learned positions, layernorm, gelu_tanh and biases; "
+                              f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}, bias={cfg.bias}")
+        if cfg.n_kv_heads != cfg.n_heads:
+            raise ConfigError(f"export as gpt2: n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads} "
+                              "(GPT-2 has no grouped-query attention)")
+        values = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+                  "n_embd": cfg.hidden, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.ffn_hidden,
+                  "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps,
+                  "activation_function": "gelu_new", "tie_word_embeddings": cfg.tie_embeddings}
+        prefix = ""
+    elif architecture in ("llama", "qwen2"):
+        if (cfg.position, cfg.norm, cfg.activation) != ("rope", "rmsnorm", "swiglu"):
+            raise ConfigError(f"export as {architecture} needs rope, rmsnorm and swiglu; "
+                              f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}")
+        values = {"architectures": ["Qwen2ForCausalLM" if architecture == "qwen2" else "LlamaForCausalLM"],
+                  "model_type": architecture, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden,
+                  "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+                  "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.ffn_hidden,
+                  "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+                  "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+                  "tie_word_embeddings": cfg.tie_embeddings}
+        if architecture == "llama":
+            values.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+        prefix = "model."
+    else:
+        raise ConfigError(f"cannot export architecture {architecture!r}; exportable: {', '.join(EXPORTABLE)}")
+    rules = ARCHITECTURES[architecture][1](cfg, ConfigFile(values, CONFIG), prefix)
+    return values, rules

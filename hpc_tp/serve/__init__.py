@@ -1,0 +1,1 @@
+"""Inference: KV cache, incremental decoding, sampling, batch and HTTP serving, encoder embeddings."""

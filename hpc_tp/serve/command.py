@@ -1,0 +1,206 @@
+"""``hpc-tp generate``: text from a checkpoint, the model split over tp ranks.
+
+    hpc-tp generate --ckpt CKPT --prompt TEXT                      one prompt, text to stdout
+    hpc-tp generate --ckpt CKPT --prompts IN.jsonl --out OUT.jsonl  a batch job (sbatch)
+
+The checkpoint brings the model config (meta["config"]) and the tokenizer (its saved files; bytes
+when it has none); each rank reads only its slice of the weights. World rank 0 alone reads the
+prompts and writes the results; the others receive token ids by broadcast. With tp < world size,
+the world is cut into data-parallel replicas that take turns over the batches.
+
+A prompts line is {"prompt": TEXT} plus optional "id" and per-line overrides of the sampling
+flags (max_new_tokens, temperature, top_k, top_p, seed, stop). An output line adds the completion,
+its finish reason, token counts, time to first token, decode tokens/s and the batch's metrics
+(per-rank KV-cache bytes, communication time).
+"""
+from __future__ import annotations
+
+import argparse
+
+DTYPES = ("float32", "float64")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser):
+    """The checkpoint, layout and precision flags ``generate`` and ``serve`` share."""
+    parser.add_argument("--ckpt", "--checkpoint", dest="ckpt", required=True, metavar="CKPT",
+                        help="checkpoint step folder, or a root holding them (the latest is used)")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute precision (default %(default)s)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="array backend (default %(default)s)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="default %(default)s")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of every prompt (default %(default)s)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="stop when this text appears (repeatable); EOS always stops")
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    add_model_arguments(parser)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt")
+    source.add_argument("--prompts", metavar="FILE.jsonl", help='JSON lines, each {"prompt": TEXT, ...}')
+    parser.add_argument("--out", metavar="FILE.jsonl", help="results as JSON lines (default: stdout)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default %(default)s)")
+    add_sampling_arguments(parser)
+
+
+def sampling_defaults(args) -> dict:
+    return {key: getattr(args, key) for key in SAMPLING_KEYS}
+
+
+def load_for_inference(args):
+    """(grid, model, tokenizer) from ``args.ckpt``: collective over the world."""
+    from .. import backend
+    from ..checkpoint import load_checkpoint
+    from ..checkpoint.format import resolve_checkpoint
+    from ..errors import ConfigError
+    from ..grid import ProcessGrid
+    from ..launch import check_launch, install_abort_on_exception
+    from ..models import GPTModel, ModelConfig
+    from ..train.tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
+
+    check_launch()
+    install_abort_on_exception()
+    grid = ProcessGrid(tp=args.tp or _world_size(), pp=1)
+    backend.use(args.device, grid.local_rank)
+    folder = resolve_checkpoint(args.ckpt)
+    meta = load_checkpoint(folder, {}, grid)
+    if not isinstance(meta.get("config"), dict):
+        raise ConfigError(f"checkpoint {folder} has no model config (meta['config']); was it written by hpc-tp?")
+    cfg = ModelConfig.from_dict(meta["config"])
+    if not cfg.causal:
+        raise ConfigError(f"checkpoint {folder} holds an encoder (causal=false): use `hpc-tp embed` for it")
+    model = GPTModel(cfg, grid.tp, dtype=args.dtype)
+    load_checkpoint(folder, model.state(), grid)
+    tokenizer = load_tokenizer_dir(folder) if (folder / CONFIG_FILE).is_file() else ByteTokenizer()
+    return grid, model, tokenizer
+
+
+def _world_size() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def run(args) -> int:
+    from ..errors import ConfigError
+
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
+    grid, model, tokenizer = load_for_inference(args)
+    world = grid.world
+    requests = []  # texts stay on rank 0: the others receive token ids and sampling parameters
+
+    def read():
+        requests.extend(_read_requests(args, tokenizer))
+        return [(r["ids"], r["sampling"]) for r in requests]
+
+    work = _on_rank0(world, read)
+    from .generate import Engine, check_request
+    from .sampling import SamplingParams
+
+    params = [SamplingParams(**sampling) for _, sampling in work]
+    for n, ((ids, _), p) in enumerate(zip(work, params), start=1):  # every rank alike, before any replica starts
+        try:
+            check_request(ids, p, model.cfg)
+        except ConfigError as e:
+            raise ConfigError(f"prompt {n}: {e}") from None
+    engine = Engine(model, tokenizer)
+    mine = []
+    batches = range(0, len(work), args.batch_size)
+    for b, start in enumerate(batches):
+        if b % grid.dp_size != grid.coords.dp:
+            continue
+        chunk = slice(start, start + args.batch_size)
+        out = engine.generate([ids for ids, _ in work[chunk]], params[chunk])
+        if out is not None:
+            completions, metrics = out
+            mine += [(start + i, c, metrics) for i, c in enumerate(completions)]
+    results = sorted((r for part in world.allgather_object(mine) for r in part), key=lambda r: r[0])
+    if world.rank == 0:
+        _write_results(args, [_record(requests[i], c, m) for i, c, m in results])
+    return 0
+
+
+def _on_rank0(world, work):
+    """``work()`` on world rank 0; its result, or its ConfigError, on every rank."""
+    from ..errors import ConfigError
+
+    payload = None
+    if world.rank == 0:
+        try:
+            payload = (work(), None)
+        except ConfigError as e:
+            payload = (None, str(e))
+    result, error = world.bcast_object(payload)
+    if error is not None:
+        raise ConfigError(error)
+    return result
+
+
+def _read_requests(args, tokenizer) -> list[dict]:
+    import json
+    from pathlib import Path
+
+    from ..errors import ConfigError
+
+    defaults = sampling_defaults(args)
+    if args.prompt is not None:
+        lines = [{"prompt": args.prompt}]
+    else:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise ConfigError(f"--prompts {path}: no such file")
+        lines = []
+        for n, text in enumerate(path.read_text().splitlines(), start=1):
+            if not text.strip():
+                continue
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--prompts {path} line {n}: not JSON ({e.msg})") from None
+            if not isinstance(line, dict) or not isinstance(line.get("prompt"), str):
+                raise ConfigError(f'--prompts {path} line {n}: expected an object with a "prompt" string')
+            unknown = sorted(set(line) - {"prompt", "id", *SAMPLING_KEYS})
+            if unknown:
+                raise ConfigError(f"--prompts {path} line {n}: unknown keys {', '.join(unknown)}; "
+                                  f"known: prompt, id, {', '.join(SAMPLING_KEYS)}")
+            lines.append(line)
+    return [{"id": line.get("id", n), "prompt": line["prompt"], "ids": tokenizer.encode(line["prompt"]),
+             "sampling": {**defaults, **{k: line[k] for k in SAMPLING_KEYS if k in line}}}
+            for n, line in enumerate(lines)]
+
+
+def _record(request: dict, completion, metrics) -> dict:
+    return {"id": request["id"], "prompt": request["prompt"], "completion": completion.text,
+            "finish_reason": completion.finish_reason, "prompt_tokens": completion.prompt_tokens,
+            "completion_tokens": len(completion.ids), "ttft_s": completion.ttft_s,
+            "decode_tokens_per_s": completion.decode_tokens_per_s, "batch": metrics.to_dict()}
+
+
+def _write_results(args, records: list[dict]):
+    import json
+    import sys
+    from pathlib import Path
+
+    if args.prompt is not None and args.out is None:
+        print(records[0]["prompt"] + records[0]["completion"], flush=True)
+        print(json.dumps({k: v for k, v in records[0].items() if k not in ("prompt", "completion")}),
+              file=sys.stderr, flush=True)
+        return
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if args.out is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.with_name(out.name + ".tmp")
+    temp.write_text(text)
+    temp.replace(out)

@@ -1,0 +1,190 @@
+"""``hpc-tp embed``: sentence embeddings and token states from a BERT-style encoder checkpoint.
+
+    hpc-tp embed --ckpt CKPT --text "a sentence" [--text ...]        JSON lines to stdout
+    mpiexec -n 4 hpc-tp embed --ckpt CKPT --inputs IN.jsonl --out OUT.jsonl
+
+Each rank loads only its slice of the weights (heads and vocabulary split over tp). World rank 0
+reads and tokenizes the inputs (the checkpoint's tokenizer.json, with its special tokens such as
+[CLS] and [SEP]) and writes the results; the batches are padded to their longest row and the
+padding is masked out of attention and out of the pooling. A sentence embedding is the mean of
+its real tokens' final states, L2-normalised. With tp < world size the data-parallel replicas
+take turns over the batches.
+
+An input line is {"text": TEXT} or {"ids": [token ids]}, with optional "id" and "type_ids".
+An output line: {"id", "tokens", "embedding"} and, with --token-states, "token_states" [T, hidden].
+"""
+from __future__ import annotations
+
+INPUT_KEYS = ("text", "ids", "id", "type_ids")
+
+
+def add_arguments(parser):
+    from .command import add_model_arguments
+
+    add_model_arguments(parser)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", action="append", help="a text to embed (repeatable)")
+    source.add_argument("--inputs", metavar="FILE.jsonl", help='JSON lines, each {"text": TEXT} or {"ids": [...]}')
+    parser.add_argument("--out", metavar="FILE.jsonl", help="results as JSON lines (default: stdout)")
+    parser.add_argument("--batch-size", type=int, default=16, help="inputs run together (default %(default)s)")
+    parser.add_argument("--token-states", action="store_true", help="also write every token's final state")
+
+
+def run(args) -> int:
+    from .. import backend
+    from ..errors import ConfigError
+    from .command import _on_rank0
+
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
+    grid, model, tokenizer = load_encoder(args)
+    world = grid.world
+    rows = _on_rank0(world, lambda: read_inputs(args, tokenizer, model.cfg))
+    batches = [rows[i:i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+    pad_id = (tokenizer.token_to_id("[PAD]") if tokenizer is not None else None) or 0
+    mine = []
+    for b in range(grid.coords.dp, len(batches), grid.dp_size):
+        ids, type_ids, mask = pad_batch(batches[b], pad_id)
+        states, _ = model.forward(*(backend.xp.asarray(a) for a in (ids, mask, type_ids)))
+        if grid.coords.tp == 0:  # token states are replicated over tp: one rank reports them
+            pooled = mean_pool(states, mask)
+            for row, n, vector, state in zip(batches[b], mask.sum(axis=1), pooled, states):
+                mine.append({"id": row["id"], "tokens": int(n), "embedding": vector.tolist(),
+                             **({"token_states": state[:int(n)].tolist()} if args.token_states else {})})
+    records = [r for part in world.allgather_object(mine) for r in part]
+    if world.rank == 0:
+        order = {row["id"]: i for i, row in enumerate(rows)}
+        _write(args, sorted(records, key=lambda r: order[r["id"]]))
+    return 0
+
+
+def load_encoder(args):
+    """(grid, BertModel, tokenizers.Tokenizer or None) from ``args.ckpt``; collective over the world."""
+    from .. import backend
+    from ..checkpoint import load_checkpoint
+    from ..checkpoint.format import resolve_checkpoint
+    from ..errors import ConfigError
+    from ..grid import ProcessGrid
+    from ..launch import check_launch, install_abort_on_exception
+    from ..models.bert import BertModel
+    from ..models.config import ModelConfig
+
+    check_launch()
+    install_abort_on_exception()
+    from mpi4py import MPI
+
+    grid = ProcessGrid(tp=args.tp or MPI.COMM_WORLD.Get_size(), pp=1)
+    backend.use(args.device, grid.local_rank)
+    folder = resolve_checkpoint(args.ckpt)
+    meta = load_checkpoint(folder, {}, grid)
+    if not isinstance(meta.get("config"), dict):
+        raise ConfigError(f"checkpoint {folder} has no model config (meta['config']); was it written by hpc-tp?")
+    cfg = ModelConfig.from_dict(meta["config"])
+    if cfg.family != "bert":
+        raise ConfigError(f"checkpoint {folder} holds a {cfg.family} decoder: embed needs a BERT encoder "
+                          "(use `hpc-tp generate` for decoders)")
+    model = BertModel(cfg, grid.tp, dtype=args.dtype)
+    model.rng.training = False
+    load_checkpoint(folder, model.state(), grid)
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tokenizer.no_padding()  # a tokenizer.json may pad to a fixed length: batches are padded and masked here
+        tokenizer.enable_truncation(cfg.max_seq_len)
+    return grid, model, tokenizer
+
+
+def read_inputs(args, tokenizer, cfg) -> list[dict]:
+    """Rows {id, ids, type_ids} from --text or --inputs, checked against the model."""
+    import json
+    from pathlib import Path
+
+    from ..errors import ConfigError
+
+    if args.text is not None:
+        lines, where = [{"text": t} for t in args.text], "--text"
+    else:
+        path = Path(args.inputs)
+        if not path.is_file():
+            raise ConfigError(f"--inputs {path}: no such file")
+        lines, where = [], None
+        for n, text in enumerate(path.read_text().splitlines(), start=1):
+            if not text.strip():
+                continue
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--inputs {path} line {n}: not JSON ({e.msg})") from None
+            if not isinstance(line, dict) or ("text" in line) == ("ids" in line) or set(line) - set(INPUT_KEYS):
+                got = f"keys {sorted(line)}" if isinstance(line, dict) else repr(line)
+                raise ConfigError(f'--inputs {path} line {n}: expected an object with "text" or "ids" '
+                                  f"(and optional id, type_ids), got {got}")
+            line["_where"] = f"--inputs {path} line {n}"
+            lines.append(line)
+    rows = []
+    for n, line in enumerate(lines):
+        label = line.get("_where", where)
+        if "text" in line:
+            if tokenizer is None:
+                raise ConfigError(f"{label}: the checkpoint has no tokenizer.json; give token ids ({{\"ids\": [...]}})")
+            encoding = tokenizer.encode(str(line["text"]))
+            ids, type_ids = encoding.ids, line.get("type_ids", encoding.type_ids)
+        else:
+            ids, type_ids = line["ids"], line.get("type_ids", [0] * len(line["ids"]))
+        _check_row(label, ids, type_ids, cfg)
+        rows.append({"id": line.get("id", n), "ids": [int(i) for i in ids], "type_ids": [int(i) for i in type_ids]})
+    if len({row["id"] for row in rows}) != len(rows):
+        raise ConfigError("input ids (the \"id\" keys) must be unique")
+    return rows
+
+
+def _check_row(label: str, ids, type_ids, cfg):
+    from ..errors import ConfigError
+
+    if not ids or len(ids) > cfg.max_seq_len:
+        raise ConfigError(f"{label}: {len(ids)} tokens; expected 1 to max_seq_len={cfg.max_seq_len}")
+    if len(type_ids) != len(ids):
+        raise ConfigError(f"{label}: {len(type_ids)} type_ids for {len(ids)} tokens")
+    if not all(isinstance(i, int) and 0 <= i < cfg.vocab_size for i in ids):
+        raise ConfigError(f"{label}: token ids must be integers in [0, {cfg.vocab_size})")
+    if not all(isinstance(i, int) and 0 <= i < max(cfg.type_vocab_size, 1) for i in type_ids):
+        raise ConfigError(f"{label}: type_ids must be integers in [0, {max(cfg.type_vocab_size, 1)})")
+
+
+def pad_batch(rows: list[dict], pad_id: int):
+    """ids, type ids [B, T] right-padded to the longest row, and the key mask (1 = real token)."""
+    import numpy
+
+    longest = max(len(r["ids"]) for r in rows)
+    ids = numpy.full((len(rows), longest), pad_id, dtype=numpy.int64)
+    type_ids = numpy.zeros_like(ids)
+    mask = numpy.zeros_like(ids)
+    for i, r in enumerate(rows):
+        n = len(r["ids"])
+        ids[i, :n], type_ids[i, :n], mask[i, :n] = r["ids"], r["type_ids"], 1
+    return ids, type_ids, mask
+
+
+def mean_pool(states, mask):
+    """Mean of the real tokens' states, L2-normalised: [B, hidden]."""
+    from .. import backend
+
+    xp = backend.xp_of(states)
+    mask = xp.asarray(mask, dtype=states.dtype)[..., None]  # padding adds nothing to the sum
+    mean = (states * mask).sum(axis=1) / mask.sum(axis=1)
+    return backend.to_numpy(mean / xp.linalg.norm(mean, axis=-1, keepdims=True))
+
+
+def _write(args, records: list[dict]):
+    import json
+    import sys
+    from pathlib import Path
+
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if args.out is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        Path(args.out).write_text(text)

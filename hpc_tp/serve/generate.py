@@ -1,0 +1,182 @@
+"""The generation engine: a batch of prompts through prefill and decode with a head-sharded KV cache.
+
+    prefill   the prompts, left-padded to the longest, in one forward pass: every row's K/V fill
+              the cache and the last position (a real token in every row) gives the first logits;
+    decode    one token per row per step at the same slot for every row; key masks hide padding,
+              and each row's positions count only its own tokens (learned positions and RoPE alike).
+
+Collective over the tp group: every rank calls ``generate``; tp rank 0 brings the prompts and the
+sampling parameters, broadcasts them, samples every token and broadcasts the ids, so the other ranks
+never see text. Rank 0 alone detokenizes, checks EOS and stop strings, and streams text.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy
+
+from .. import backend
+from ..errors import ConfigError
+from .kv_cache import KVCache
+from .sampling import SamplingParams, next_token
+
+
+@dataclass
+class Completion:
+    ids: list[int]
+    text: str
+    finish_reason: str          # "stop" (EOS or a stop string) or "length" (max new tokens)
+    prompt_tokens: int
+    ttft_s: float               # from the start of the batch to this row's first token
+    decode_tokens_per_s: float  # tokens after the first, over the time they took
+
+
+@dataclass
+class BatchMetrics:
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float            # time to first token of the batch
+    decode_s: float
+    decode_tokens_per_s: float
+    comm_s: float               # of the whole batch, rank 0's communicator
+    comm_bytes: int
+    kv_cache_bytes_per_rank: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class _Row:
+    """One request's tokens and text on rank 0: EOS, stop strings, max new tokens, stream holdback."""
+
+    def __init__(self, params: SamplingParams, tokenizer):
+        self.params, self.tokenizer = params, tokenizer
+        self.rng = numpy.random.default_rng(params.seed)
+        self.ids: list[int] = []
+        self.text, self.finish, self.emitted, self.done_at = "", None, 0, None
+
+    def add(self, token: int):
+        if token == self.tokenizer.eos_id:
+            self.finish = "stop"
+            return
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        cuts = [text.find(s) for s in self.params.stop if s in text]
+        if cuts:
+            text, self.finish = text[:min(cuts)], "stop"
+        elif len(self.ids) >= self.params.max_new_tokens:
+            self.finish = "length"
+        self.text = text
+
+    def new_text(self) -> str:
+        """Text that can no longer change, not yet streamed: a running row holds back a cut
+        multi-byte character and any tail that could be the start of a stop string."""
+        end = len(self.text)
+        if self.finish is None:
+            end = len(self.text.rstrip("\ufffd"))
+            for stop in self.params.stop:
+                for k in range(min(len(stop) - 1, end), 0, -1):
+                    if self.text[:end].endswith(stop[:k]):
+                        end -= k
+                        break
+        piece = self.text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return piece
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, cfg, names: dict[str, str] | None = None):
+    """ConfigError naming the problem (fields named as in ``names``), before a request joins a batch."""
+    params.validate(names)
+    if not prompt_ids:
+        raise ConfigError("prompt is empty: generation needs at least one prompt token")
+    bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise ConfigError(f"prompt token id {bad[0]} is outside the model's vocabulary of {cfg.vocab_size}")
+    needed = len(prompt_ids) + params.max_new_tokens - 1  # the last new token is never fed back
+    if cfg.position == "learned" and needed > cfg.max_seq_len:
+        limit = (names or {}).get("max_new_tokens", "max_new_tokens")
+        raise ConfigError(f"prompt of {len(prompt_ids)} tokens + {limit} {params.max_new_tokens} needs "
+                          f"{needed} positions; the model has max_seq_len {cfg.max_seq_len}")
+
+
+def left_pad(prompts: list[list[int]], extra: int, pad_id: int):
+    """Prompts right-aligned at the longest one's length W: tokens [B, W], a key mask [B, W + extra]
+    (the prompt's slots set; the ``extra`` decode slots are set as they fill) and positions [B, W]
+    that count each row's own tokens from 0 (padding slots get 0, nobody attends to them)."""
+    width = max(len(ids) for ids in prompts)
+    tokens = numpy.full((len(prompts), width), pad_id, dtype=numpy.int64)
+    key_mask = numpy.zeros((len(prompts), width + extra), dtype=bool)
+    for i, ids in enumerate(prompts):
+        tokens[i, width - len(ids):] = ids
+        key_mask[i, width - len(ids):width] = True
+    return tokens, key_mask, numpy.maximum(key_mask[:, :width].cumsum(axis=1) - 1, 0)
+
+
+class Engine:
+    def __init__(self, model, tokenizer):
+        self.model, self.comm, self.tokenizer = model, model.comm, tokenizer
+        self.pad_id = next((i for i in (tokenizer.pad_id, tokenizer.eos_id) if i is not None), 0)
+
+    def generate(self, prompts=None, params=None, on_text=None):
+        """Collective. On tp rank 0: ``prompts`` (lists of token ids) and one SamplingParams each;
+        ``on_text(row, text, finish_reason)`` receives each row's text as it becomes final (the
+        reason is None until the row's last call). Returns
+        (completions, BatchMetrics) on rank 0 and None elsewhere."""
+        comm, model, xp = self.comm, self.model, backend.xp
+        prompts, params = comm.bcast_object((prompts, params) if comm.rank == 0 else None)
+        for ids, p in zip(prompts, params):
+            check_request(ids, p, model.cfg)  # on every rank alike, so all raise together
+        start, comm_s, comm_bytes = time.perf_counter(), comm.seconds, comm.bytes
+        lens = numpy.array([len(ids) for ids in prompts])
+        batch, width, steps = len(prompts), int(lens.max()), max(p.max_new_tokens for p in params)
+        cache = KVCache.for_model(model, batch, width + steps - 1)
+        tokens, key_mask, positions = left_pad(prompts, steps - 1, self.pad_id)
+        logits = model.infer(xp.asarray(tokens), xp.asarray(positions), xp.asarray(key_mask[:, :width]), cache)
+        rows = [_Row(p, self.tokenizer) for p in params] if comm.rank == 0 else None
+        first = None
+        for step in range(steps):
+            chosen = numpy.full(batch + 1, self.pad_id, dtype=numpy.int64)  # the ids, then "all finished"
+            if comm.rank == 0:
+                self._sample(backend.to_numpy(logits), rows, chosen, on_text)
+            comm.broadcast(chosen)
+            first = first or time.perf_counter()
+            if chosen[batch] or step == steps - 1:
+                break
+            key_mask[:, width + step] = True
+            pos = lens + step
+            if model.cfg.position == "learned":  # finished rows run on with positions nobody reads
+                pos = numpy.minimum(pos, model.cfg.max_seq_len - 1)
+            logits = model.infer(xp.asarray(chosen[:batch, None]), xp.asarray(pos[:, None]),
+                                 xp.asarray(key_mask[:, :width + step + 1]), cache)
+        end = time.perf_counter()
+        kv_bytes = comm.allgather_object(cache.nbytes)
+        if comm.rank != 0:
+            return None
+        new = sum(len(r.ids) for r in rows)
+        after_first = sum(max(len(r.ids) - 1, 0) for r in rows)
+        metrics = BatchMetrics(batch, int(lens.sum()), new, first - start, end - first, _rate(after_first, end - first),
+                               comm.seconds - comm_s, comm.bytes - comm_bytes, kv_bytes)
+        completions = [Completion(r.ids, r.text, r.finish, int(n), first - start,
+                                  _rate(len(r.ids) - 1, r.done_at - first)) for r, n in zip(rows, lens)]
+        return completions, metrics
+
+    def _sample(self, logits, rows, chosen, on_text):
+        now = time.perf_counter()
+        for i, row in enumerate(rows):
+            if row.finish is not None:
+                continue
+            row.add(next_token(logits[i], row.params, row.rng))
+            chosen[i] = row.ids[-1] if row.ids else self.pad_id
+            if row.finish is not None:
+                row.done_at = now
+            if on_text is not None:
+                piece = row.new_text()
+                if piece or row.finish is not None:
+                    on_text(i, piece, row.finish)
+        chosen[-1] = all(r.finish is not None for r in rows)
+
+
+def _rate(count: int, seconds: float) -> float:
+    return count / seconds if count > 0 and seconds > 0 else 0.0

@@ -1,0 +1,208 @@
+"""The HTTP side of ``hpc-tp serve`` (rank 0 only): parse and check requests, queue them as jobs,
+hand batches of jobs to the decoding loop, answer each as JSON or as server-sent events.
+
+Handler threads never touch the model: they turn a request into a ``Job`` (token ids and sampling
+parameters) and wait on its event queue, which the decoding loop fills with text pieces and, at
+the end, the completion. A request that fails a check is answered 400 with the reason at once.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ..errors import ConfigError
+from .generate import check_request
+from .sampling import SamplingParams
+
+_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user"}
+
+
+class Job:
+    def __init__(self, ids: list[int], params: SamplingParams, stream: bool):
+        self.ids, self.params, self.stream = ids, params, stream
+        self.arrived = time.perf_counter()
+        self.events: queue.Queue = queue.Queue()
+
+    def text(self, piece: str):
+        if self.stream and piece:
+            self.events.put(("text", piece))
+
+    def finish(self, completion, metrics, queued_s: float):
+        self.events.put(("done", completion, metrics, queued_s))
+
+
+def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int) -> Job:
+    """A Job, or ConfigError with the reason the request is refused."""
+    try:
+        request = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"body is not JSON: {e}") from None
+    if not isinstance(request, dict):
+        raise ConfigError("body must be a JSON object")
+    unknown = sorted(set(request) - _FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown fields {', '.join(unknown)}; supported: {', '.join(sorted(_FIELDS))}")
+    prompt = request.get("prompt")
+    if not isinstance(prompt, str):
+        raise ConfigError(f"prompt must be a string, got {type(prompt).__name__}")
+    if request.get("n", 1) != 1:
+        raise ConfigError(f"n={request['n']!r}: only one completion per request is supported")
+    stop = request.get("stop") or []
+    stream = request.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ConfigError(f"stream={stream!r}: expected true or false")
+    params = SamplingParams(max_new_tokens=request.get("max_tokens", default_max_tokens),
+                            temperature=request.get("temperature", 1.0), top_k=request.get("top_k", 0),
+                            top_p=request.get("top_p", 1.0), seed=request.get("seed"),
+                            stop=[stop] if isinstance(stop, str) else stop)
+    ids = tokenizer.encode(prompt)
+    check_request(ids, params, cfg, names={"max_new_tokens": "max_tokens"})
+    return Job(ids, params, stream)
+
+
+class CompletionServer:
+    def __init__(self, host: str, port: int, tokenizer, cfg, default_max_tokens: int):
+        self.tokenizer, self.cfg, self.default_max_tokens = tokenizer, cfg, default_max_tokens
+        self.jobs: queue.Queue = queue.Queue()
+        self.answered = 0
+        self._active = 0  # connections accepted and not yet closed
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.httpd = _CountingServer((host, port), _handler(self), self)
+        self.host, self.port = self.httpd.server_address[:2]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
+        self._thread.start()
+
+    def next_batch(self, limit: int, window: float, timeout: float) -> list[Job]:
+        """Up to ``limit`` queued jobs: waits ``timeout`` for a first one, then ``window`` for company."""
+        try:
+            batch = [self.jobs.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        deadline = time.perf_counter() + window
+        while len(batch) < limit:
+            try:
+                batch.append(self.jobs.get(timeout=max(deadline - time.perf_counter(), 0)))
+            except queue.Empty:
+                break
+        return batch
+
+    def stop_accepting(self):
+        self.httpd.shutdown()  # returns once serve_forever has stopped taking connections
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._active > 0 or not self.jobs.empty()
+
+    def close(self):
+        self.httpd.server_close()
+
+    def _count(self, connections: int = 0, answered: int = 0):
+        with self._lock:
+            self._active += connections
+            self.answered += answered
+
+    def response(self, job_id: int, completion, metrics, queued_s: float, text: str | None) -> dict:
+        usage = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.ids),
+                 "total_tokens": completion.prompt_tokens + len(completion.ids),
+                 "time_to_first_token_s": queued_s + completion.ttft_s, "queue_s": queued_s,
+                 "decode_tokens_per_s": completion.decode_tokens_per_s, "batch_size": metrics.batch,
+                 "kv_cache_bytes_per_rank": metrics.kv_cache_bytes_per_rank}
+        choice = {"text": completion.text if text is None else text, "index": 0, "logprobs": None,
+                  "finish_reason": completion.finish_reason}
+        return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()),
+                "model": "hpc-tp", "choices": [choice], "usage": usage}
+
+
+class _CountingServer(ThreadingHTTPServer):
+    """Counts open connections from the moment one is accepted (before its thread starts), so a
+    shutdown never misses a request that was already let in."""
+
+    daemon_threads = True
+    request_queue_size = 256  # listen backlog: socketserver's default of 5 resets a burst of clients
+
+    def __init__(self, address, handler, app: CompletionServer):
+        self.app = app
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        self.app._count(connections=1)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        super().shutdown_request(request)
+        self.app._count(connections=-1)
+
+
+def _handler(app: CompletionServer):
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "hpc-tp"
+
+        def log_message(self, format, *args):  # one line per request on a busy server is noise
+            pass
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._json(200, {"status": "ok"})
+            else:
+                self._error(404, f"no such endpoint: GET {self.path}")
+
+        def do_POST(self):
+            if self.path != "/v1/completions":
+                self._error(404, f"no such endpoint: POST {self.path} (use /v1/completions)")
+                return
+            length = self.headers.get("Content-Length") or "0"
+            if not length.isdigit():
+                self._error(400, f"Content-Length {length!r} is not a number of bytes")
+                return
+            try:
+                job = parse_request(self.rfile.read(int(length)), app.tokenizer, app.cfg, app.default_max_tokens)
+            except ConfigError as e:
+                self._error(400, str(e))
+                return
+            job_id = next(app._ids)
+            app.jobs.put(job)
+            (self._stream if job.stream else self._answer)(job, job_id)
+            app._count(answered=1)
+
+        def _answer(self, job: Job, job_id: int):
+            _, completion, metrics, queued_s = job.events.get()
+            self._json(200, app.response(job_id, completion, metrics, queued_s, None))
+
+        def _stream(self, job: Job, job_id: int):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            while True:
+                event = job.events.get()
+                if event[0] == "done":
+                    break
+                chunk = {"id": f"cmpl-{job_id}", "object": "text_completion",
+                         "choices": [{"text": event[1], "index": 0, "logprobs": None, "finish_reason": None}]}
+                self._event(chunk)
+            _, completion, metrics, queued_s = event
+            self._event(app.response(job_id, completion, metrics, queued_s, text=""))  # finish reason and usage
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+        def _event(self, payload: dict):
+            self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            self.wfile.flush()
+
+        def _json(self, status: int, payload: dict):
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _error(self, status: int, message: str):
+            self._json(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
+
+    return Handler

@@ -1,0 +1,57 @@
+"""``hpc-tp bench step``: the FLOP formula, the record's fields and their relations, the JSON file. No speed asserted."""
+import json
+
+import pytest
+
+from hpc_tp.bench import command
+from hpc_tp.bench.step import step_flops
+from hpc_tp.cli import build_parser, main
+from hpc_tp.errors import ConfigError
+from hpc_tp.models.config import ModelConfig, load_config
+
+
+def test_w1_flops_by_hand():
+    # Per layer and forward: QKV 1024x768x2304, out 1024x768x768, fc1 and fc2 1024x768x3072, scores and P V
+    # 4 x 12 heads x 256 x 256 x 64 each; times 2 FLOPs per multiply-add, 3 for forward+backward, 4 layers.
+    n = 4 * 256
+    gemms = n * 768 * 2304 + n * 768 * 768 + 2 * n * 768 * 3072 + 2 * 4 * 12 * 256 * 256 * 64
+    assert step_flops(load_config("w1", n_layers=4), batch=4, seq=256) == 2 * 3 * 4 * gemms
+
+
+def test_flops_follow_gqa_and_swiglu():
+    cfg = ModelConfig(hidden=64, n_heads=8, n_kv_heads=2, ffn_hidden=96, activation="swiglu", n_layers=1)
+    n, kv = 2 * 10, 2 * 8
+    forward = 2 * n * (64 * (64 + 2 * kv) + 64 * 64 + 3 * 64 * 96) + 4 * n * 10 * 64
+    assert step_flops(cfg, batch=2, seq=10) == 3 * forward
+
+
+@pytest.mark.mpi(min_size=1)
+def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
+    path = comm_world.bcast_object(str(tmp_path / "out" / "step.json"))
+    assert main(["bench", "step", "--model", "tiny", "--layers", "1", "--seq-len", "8", "--micro-batch", "2",
+                 "--repeats", "3", "--warmup", "1", "--threads", "1", "--json", path]) == 0
+    comm_world.barrier()
+    printed = capsys.readouterr().out
+    if comm_world.rank == 0:
+        r = json.loads(open(path).read())
+        assert (r["tp"], r["layers"], r["hidden"], r["seq_len"], r["micro_batch"]) == (comm_world.size, 1, 32, 8, 2)
+        assert r["dtype"] == "float32" and r["threads_per_rank"] == 1 and r["repeats"] == 3
+        assert len(r["step_s_all"]) == 3 and min(r["step_s_all"]) > 0
+        assert r["step_s"] >= sorted(r["step_s_all"])[1]  # the slowest rank's median, at least rank 0's
+        assert r["compute_s"] + r["comm_s"] == pytest.approx(r["step_s"])
+        assert r["comm_s"] >= 0 and (r["comm_s"] > 0) == (comm_world.size > 1)
+        assert r["flops"] == step_flops(load_config("tiny", n_layers=1), 2, 8)
+        assert r["achieved_flops"] == pytest.approx(r["flops"] / r["step_s"])
+        assert r["mfu"] == pytest.approx(r["achieved_flops"] / (r["gemm_peak_flops_per_rank"] * r["tp"]))
+        assert len(r["peak_mem_bytes"]) == comm_world.size and min(r["peak_mem_bytes"]) > 0
+        assert "MFU" in printed and "GEMM peak" in printed
+    else:
+        assert printed == ""
+    comm_world.barrier()  # rank 0 reads before tmp dirs go
+
+
+@pytest.mark.parametrize("argv, message", [(["--layers", "0"], "--layers 0"), (["--micro-batch", "-1"], "--micro-batch"),
+                                           (["--warmup", "-1"], "--warmup"), (["--model", "nope"], "nope")])
+def test_bad_options(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        command.run(build_parser().parse_args(["bench", "step", *argv]))

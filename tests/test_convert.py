@@ -1,0 +1,498 @@
+"""Importers and export: Hugging Face folders (GPT-2, Llama with GQA, Qwen2 biases) and GGUF files the
+tests write themselves with random weights, checked against a forward pass written here in plain numpy;
+the converted checkpoint gives the same logits at every tp; convert -> export -> convert is exact;
+bad inputs are one-line errors naming the file and the tensor, and nothing is overwritten."""
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from hpc_tp.checkpoint import convert, export, load_checkpoint
+from hpc_tp.checkpoint.importers import open_source
+from hpc_tp.cli import main
+from hpc_tp.errors import ConfigError
+from hpc_tp.grid import ProcessGrid
+from hpc_tp.models.config import ModelConfig
+from hpc_tp.models.gpt import GPTModel
+
+mpi = pytest.mark.mpi(min_size=1)
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, CONTEXT = 50, 16, 2, 4, 2, 24, 32
+IDS = np.array([[1, 7, 3, 49, 0, 12], [5, 5, 9, 2, 48, 30]])
+
+
+# -- sources the tests write -------------------------------------------------------------------------------
+def gpt2_source(seed=0):
+    rng = np.random.default_rng(seed)
+    h, f = HIDDEN, 4 * HIDDEN
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": VOCAB, "n_embd": h,
+              "n_layer": LAYERS, "n_head": HEADS, "n_positions": CONTEXT, "layer_norm_epsilon": 1e-5,
+              "activation_function": "gelu_new"}
+    t = {"wte.weight": rng.normal(0, 0.5, (VOCAB, h)), "wpe.weight": rng.normal(0, 0.5, (CONTEXT, h)),
+         "ln_f.weight": 1 + rng.normal(0, 0.1, h), "ln_f.bias": rng.normal(0, 0.1, h)}
+    for i in range(LAYERS):
+        p = f"h.{i}."
+        for name, shape in (("ln_1.weight", h), ("ln_2.weight", h)):
+            t[p + name] = 1 + rng.normal(0, 0.1, shape)
+        for name, shape in (("ln_1.bias", (h,)), ("ln_2.bias", (h,)), ("attn.c_attn.weight", (h, 3 * h)),
+                            ("attn.c_attn.bias", (3 * h,)), ("attn.c_proj.weight", (h, h)), ("attn.c_proj.bias", (h,)),
+                            ("mlp.c_fc.weight", (h, f)), ("mlp.c_fc.bias", (f,)), ("mlp.c_proj.weight", (f, h)),
+                            ("mlp.c_proj.bias", (h,))):
+            t[p + name] = rng.normal(0, 0.3, shape)
+    return config, t
+
+
+def llama_source(seed=0, tie=False, qwen=False, hidden=HIDDEN, ffn=FFN, rope_scaling=None):
+    rng = np.random.default_rng(seed)
+    h, d = hidden, hidden // HEADS
+    config = {"model_type": "qwen2" if qwen else "llama", "vocab_size": VOCAB, "hidden_size": h,
+              "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+              "intermediate_size": ffn, "max_position_embeddings": CONTEXT, "rms_norm_eps": 1e-6,
+              "rope_theta": 500.0, "tie_word_embeddings": tie, "hidden_act": "silu", "rope_scaling": rope_scaling}
+    t = {"model.embed_tokens.weight": rng.normal(0, 0.5, (VOCAB, h)), "model.norm.weight": 1 + rng.normal(0, 0.1, h)}
+    if not tie:
+        t["lm_head.weight"] = rng.normal(0, 0.3, (VOCAB, h))
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = 1 + rng.normal(0, 0.1, h)
+        t[p + "post_attention_layernorm.weight"] = 1 + rng.normal(0, 0.1, h)
+        for name, shape in (("self_attn.q_proj", (HEADS * d, h)), ("self_attn.k_proj", (KV_HEADS * d, h)),
+                            ("self_attn.v_proj", (KV_HEADS * d, h)), ("self_attn.o_proj", (h, HEADS * d)),
+                            ("mlp.gate_proj", (ffn, h)), ("mlp.up_proj", (ffn, h)), ("mlp.down_proj", (h, ffn))):
+            t[p + name + ".weight"] = rng.normal(0, 0.3, shape)
+            if qwen and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                t[p + name + ".bias"] = rng.normal(0, 0.3, shape[0])
+    return config, t
+
+
+def write_hf(folder: Path, config: dict, tensors: dict, shards: int = 1) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+        return folder
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s::shards]
+        save_file({n: tensors[n] for n in part}, str(folder / file))
+        weight_map.update({n: file for n in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+def llama_cpp_permute(w, heads):
+    """What llama.cpp's converter does to q/k rows (the importer must undo it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers.0.mlp.gate_proj.weight",),
+               arch="llama", tokenizer=None) -> dict:
+    """A llama GGUF of ``tensors`` (HF names): float32, except ``quantized`` in Q8_0. Returns the
+    weights it really holds (dequantized, in HF layout) for the reference."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    if tokenizer:
+        tokenizer(w)
+    held = {}
+    for name, value in tensors.items():
+        data = value.astype(np.float32)
+        order = np.arange(value.shape[0])  # stored row j holds row order[j] of the HF weight
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            data, order = llama_cpp_permute(data, heads), llama_cpp_permute(order, heads)
+        if name in quantized:
+            data = quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            stored = dequantize(data, gguf.GGMLQuantizationType.Q8_0)
+        else:
+            stored = data
+        held[name] = np.empty(value.shape)
+        held[name][order] = stored
+        gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}.get(name)
+        if gguf_name is None:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+        if name in quantized:
+            w.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+# -- the reference forward pass (plain numpy, float64) --------------------------------------------------
+def layer_norm(x, w, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def rms_norm(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def attention(q, k, v, heads, kv_heads, causal=True, key_mask=None):
+    """q [B, T, heads*d], k/v [B, T, kv_heads*d]: query head j uses kv head j // (heads/kv_heads)."""
+    b, t, _ = q.shape
+    d = q.shape[-1] // heads
+    q = q.reshape(b, t, heads, d).transpose(0, 2, 1, 3)
+    k = np.repeat(k.reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3), heads // kv_heads, axis=1)
+    v = np.repeat(v.reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3), heads // kv_heads, axis=1)
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d)
+    if causal:
+        scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
+    if key_mask is not None:
+        scores = np.where(key_mask[:, None, None, :].astype(bool), scores, -np.inf)
+    return (softmax(scores) @ v).transpose(0, 2, 1, 3).reshape(b, t, heads * d)
+
+
+def rope(x, heads, theta, factor=1.0):
+    """Rotate-half RoPE on [B, T, heads*d] at positions 0..T-1."""
+    b, t, _ = x.shape
+    d = x.shape[-1] // heads
+    x = x.reshape(b, t, heads, d)
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d) / factor
+    angles = np.arange(t)[:, None] * inv[None, :]
+    cos, sin = np.cos(np.concatenate([angles, angles], -1)), np.sin(np.concatenate([angles, angles], -1))
+    rotated = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return (x * cos[None, :, None] + rotated * sin[None, :, None]).reshape(b, t, heads * d)
+
+
+def gpt2_reference(config, t, ids):
+    h, eps = config["n_embd"], config["layer_norm_epsilon"]
+    x = t["wte.weight"][ids] + t["wpe.weight"][:ids.shape[1]]
+    gelu = lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))  # noqa: E731
+    for i in range(config["n_layer"]):
+        p = f"h.{i}."
+        a = layer_norm(x, t[p + "ln_1.weight"], t[p + "ln_1.bias"], eps)
+        qkv = a @ t[p + "attn.c_attn.weight"] + t[p + "attn.c_attn.bias"]
+        o = attention(qkv[..., :h], qkv[..., h:2 * h], qkv[..., 2 * h:], config["n_head"], config["n_head"])
+        x = x + o @ t[p + "attn.c_proj.weight"] + t[p + "attn.c_proj.bias"]
+        m = layer_norm(x, t[p + "ln_2.weight"], t[p + "ln_2.bias"], eps)
+        x = x + gelu(m @ t[p + "mlp.c_fc.weight"] + t[p + "mlp.c_fc.bias"]) @ t[p + "mlp.c_proj.weight"] \
+            + t[p + "mlp.c_proj.bias"]
+    return layer_norm(x, t["ln_f.weight"], t["ln_f.bias"], eps) @ t["wte.weight"].T
+
+
+def llama_reference(config, t, ids):
+    heads, kv, eps, theta = (config["num_attention_heads"], config["num_key_value_heads"], config["rms_norm_eps"],
+                             config["rope_theta"])
+    factor = (config.get("rope_scaling") or {}).get("factor", 1.0)
+    linear = lambda z, name: z @ t[name + ".weight"].T + t.get(name + ".bias", 0.0)  # noqa: E731
+    x = t["model.embed_tokens.weight"][ids]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = rms_norm(x, t[p + "input_layernorm.weight"], eps)
+        q = rope(linear(a, p + "self_attn.q_proj"), heads, theta, factor)
+        k = rope(linear(a, p + "self_attn.k_proj"), kv, theta, factor)
+        x = x + linear(attention(q, k, linear(a, p + "self_attn.v_proj"), heads, kv), p + "self_attn.o_proj")
+        m = rms_norm(x, t[p + "post_attention_layernorm.weight"], eps)
+        gate = linear(m, p + "mlp.gate_proj")
+        x = x + linear(gate / (1 + np.exp(-gate)) * linear(m, p + "mlp.up_proj"), p + "mlp.down_proj")
+    head = t["model.embed_tokens.weight"] if config["tie_word_embeddings"] else t["lm_head.weight"]
+    return rms_norm(x, t["model.norm.weight"], eps) @ head.T
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+def rel_err(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def convert_on_rank0(write_source, output, comm):
+    """Rank 0 writes the source (``write_source()`` returns its path) and converts it in one
+    process; the other ranks wait."""
+    if comm.rank == 0:
+        source = write_source()
+        convert.replace_folder(output, False, lambda temp: convert.write_checkpoint(open_source(source), temp))
+    comm.barrier()
+
+
+def tp_logits(ckpt, comm, ids=IDS):
+    grid = ProcessGrid(tp=comm.size, world=comm)
+    meta = load_checkpoint(ckpt, {}, grid)
+    model = GPTModel(ModelConfig.from_dict(meta["config"]), grid.tp)
+    load_checkpoint(ckpt, model.state(), grid)
+    return model.logits(ids)
+
+
+@pytest.fixture
+def shared_dir(comm_world):
+    path = comm_world.bcast_object(tempfile.mkdtemp(prefix="hpc_tp-convert-") if comm_world.rank == 0 else None)
+    yield Path(path)
+    comm_world.barrier()
+    if comm_world.rank == 0:
+        import shutil
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def cli_args(**values):
+    return argparse.Namespace(**values)
+
+
+# -- logits against the reference, at every tp ----------------------------------------------------------
+@mpi
+def test_gpt2_logits_match_reference_at_every_tp(shared_dir, comm_world):
+    config, tensors = gpt2_source()
+    convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors), shared_dir / "ckpt", comm_world)
+    logits = tp_logits(shared_dir / "ckpt", comm_world)
+    assert rel_err(logits, gpt2_reference(config, tensors, IDS)) < 1e-9
+
+
+@mpi
+@pytest.mark.parametrize("tie,qwen,shards,scaling", [(False, False, 1, None), (True, False, 3, None),
+                                                     (True, True, 1, None), (False, True, 2, 2.0)])
+def test_llama_family_logits_match_reference_at_every_tp(shared_dir, comm_world, tie, qwen, shards, scaling):
+    """GQA (4 heads, 2 kv heads: replicated kv heads at tp=4), tied and untied heads, Qwen2 q/k/v
+    biases, sharded safetensors, linear rope scaling carried from config.json."""
+    config, tensors = llama_source(tie=tie, qwen=qwen,
+                                   rope_scaling=scaling and {"rope_type": "linear", "factor": scaling})
+    convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors, shards), shared_dir / "ckpt", comm_world)
+    logits = tp_logits(shared_dir / "ckpt", comm_world)
+    assert rel_err(logits, llama_reference(config, tensors, IDS)) < 1e-9
+
+
+@mpi
+def test_gguf_llama_dequantized_logits_match_reference_at_every_tp(shared_dir, comm_world):
+    """float32 tensors, one Q8_0 tensor, llama.cpp's q/k row permutation undone, tied output."""
+    config, tensors = llama_source(hidden=32, ffn=64, tie=True)
+    path = shared_dir / "model.gguf"
+    held = comm_world.bcast_object(write_gguf(path, config, tensors) if comm_world.rank == 0 else None)
+    convert_on_rank0(lambda: path, shared_dir / "ckpt", comm_world)
+    logits = tp_logits(shared_dir / "ckpt", comm_world)
+    assert rel_err(logits, llama_reference(config, held, IDS)) < 1e-9
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    assert np.abs(held[gate] - tensors[gate]).max() > 0  # the reference really used the quantized weight
+
+
+def test_gguf_quantized_tensor_is_the_dequantized_weight(tmp_path):
+    config, tensors = llama_source(hidden=32, ffn=64)
+    held = write_gguf(tmp_path / "m.gguf", config, tensors, quantized=("model.layers.1.mlp.up_proj.weight",
+                                                                      "model.layers.0.self_attn.q_proj.weight"))
+    imported = open_source(tmp_path / "m.gguf")
+    for name, ours in (("model.layers.1.mlp.up_proj.weight", "layers.1.mlp.fc1.up.weight"),
+                       ("model.layers.0.self_attn.q_proj.weight", "layers.0.attn.qkv.q.weight"),
+                       ("model.layers.0.self_attn.k_proj.weight", "layers.0.attn.qkv.k.weight")):
+        assert np.array_equal(imported.tensors[ours][...], held[name].T.astype(np.float32))
+
+
+# -- tokenizers are kept ---------------------------------------------------------------------------------
+def test_gguf_tokenizers_become_tokenizer_json(tmp_path):
+    from hpc_tp.train.tokenizer import load_tokenizer_dir
+
+    def gpt2_vocab(w):
+        tokens = ["a", "b", "c", "ab", "abc", "\u0120", "\u0120a", "<|endoftext|>"] + [f"t{i}" for i in range(42)]
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * 7 + [3] + [1] * 42)
+        w.add_token_merges(["a b", "ab c", "\u0120 a"])
+
+    def spm_vocab(w):
+        tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "\u2581a", "ab", "\u2581ab"]
+        tokens += [f"t{i}" for i in range(41)]
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0, 0.0, 0.0] + [-float(i) for i in range(3, 50)])
+        w.add_token_types([2, 3, 3] + [1] * 47)
+
+    config, tensors = llama_source(hidden=32, ffn=64)
+    for name, vocab, text, ids in (("gpt2", gpt2_vocab, "abc a", [4, 6]), ("spm", spm_vocab, "ab", [8])):
+        write_gguf(tmp_path / f"{name}.gguf", config, tensors, quantized=(), tokenizer=vocab)
+        main(["convert", str(tmp_path / f"{name}.gguf"), "-o", str(tmp_path / name)])
+        tokenizer = load_tokenizer_dir(tmp_path / name / "step-000000")
+        assert tokenizer.encode(text) == ids
+        assert tokenizer.decode(ids) == text
+        assert tokenizer.eos_id == (7 if name == "gpt2" else 2)
+
+
+def test_hf_tokenizer_json_is_kept_and_round_trips_through_export(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    config, tensors = gpt2_source()
+    source = write_hf(tmp_path / "hf", config, tensors)
+    Tokenizer(models.WordLevel({"hi": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(source / "tokenizer.json"))
+    assert main(["convert", str(source), "-o", str(tmp_path / "ckpt")]) == 0
+    step = tmp_path / "ckpt" / "step-000000"
+    assert (step / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert json.loads((step / "tokenizer_config.json").read_text())["kind"] == "huggingface"
+    assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+
+
+# -- export ----------------------------------------------------------------------------------------------
+def read_checkpoint(ckpt) -> tuple[dict, dict]:
+    with h5py.File(Path(ckpt) / "step-000000" / "master.h5", "r") as f:
+        return {name: ds[...] for name, ds in f["tensors"].items()}, json.loads(f.attrs["meta"])["config"]
+
+
+@pytest.mark.parametrize("source", ["gpt2", "llama", "qwen2-tied"])
+def test_convert_export_convert_is_exact(tmp_path, source):
+    config, tensors = gpt2_source() if source == "gpt2" else llama_source(tie="tied" in source, qwen="qwen" in source)
+    write_hf(tmp_path / "hf", config, tensors)
+    assert main(["convert", str(tmp_path / "hf"), "-o", str(tmp_path / "a")]) == 0
+    assert main(["export", str(tmp_path / "a"), "-o", str(tmp_path / "back")]) == 0
+    assert main(["convert", str(tmp_path / "back"), "-o", str(tmp_path / "b")]) == 0
+    (first, cfg_a), (second, cfg_b) = read_checkpoint(tmp_path / "a"), read_checkpoint(tmp_path / "b")
+    assert cfg_a == cfg_b and sorted(first) == sorted(second)
+    for name in first:
+        assert np.array_equal(first[name], second[name]), name
+    with safe_open(str(tmp_path / "back" / "model.safetensors"), "numpy") as f:  # the very same HF tensors
+        assert sorted(f.keys()) == sorted(tensors)
+        for name, value in tensors.items():
+            assert np.array_equal(f.get_tensor(name), value), name
+
+
+def test_export_refuses_a_nonzero_bias_qwen2_has_no_place_for(tmp_path):
+    config, tensors = llama_source(qwen=True)
+    write_hf(tmp_path / "hf", config, tensors)
+    main(["convert", str(tmp_path / "hf"), "-o", str(tmp_path / "ckpt")])
+    with h5py.File(tmp_path / "ckpt" / "step-000000" / "shards" / "rank-00000.h5", "r+") as f:
+        f["tensors/layers.0.attn.out.bias"][0] = 1.0  # (the checksum would catch it too: make it agree)
+    from hpc_tp.checkpoint.format import unit_checksums
+    with h5py.File(tmp_path / "ckpt" / "step-000000" / "master.h5", "r+") as f:
+        f["checksums/layers.0.attn.out.bias"][...] = unit_checksums(f["tensors/layers.0.attn.out.bias"][...], 0)
+    with pytest.raises(ConfigError, match=r"layers\.0\.attn\.out\.bias.*not zero"):
+        export.run(cli_args(checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "out"), arch=None,
+                            dtype="stored", force=False))
+    assert not (tmp_path / "out").exists()
+    export.run(cli_args(checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "out"), arch="llama",
+                        dtype="float32", force=False))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["attention_bias"] and cfg["torch_dtype"] == "float32"
+
+
+def test_bfloat16_source_is_widened_exactly(tmp_path):
+    """numpy has no bfloat16: the file is written by hand, each value cut to its upper 16 bits."""
+    config, tensors = llama_source()
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        halves = (value.astype("<f4").view("<u4") >> 16).astype("<u2")
+        header[name] = {"dtype": "BF16", "shape": list(value.shape), "data_offsets": [offset, offset + halves.nbytes]}
+        blobs.append(halves.tobytes())
+        offset += halves.nbytes
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    text = json.dumps(header).encode()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+    got = open_source(tmp_path / "hf").tensors["layers.1.attn.qkv.k.weight"][...]
+    k = tensors["model.layers.1.self_attn.k_proj.weight"].astype("<f4")
+    assert got.dtype == np.float32
+    assert np.array_equal(got, ((k.view("<u4") >> 16) << 16).view("<f4").T)
+    assert np.abs(got - k.T).max() <= np.abs(k).max() / 128  # bfloat16 keeps 8 significant bits
+
+
+def test_conversion_reads_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """When a source tensor is read, at most the previous one is still alive: the model is never in memory."""
+    import gc
+    import weakref
+
+    from hpc_tp.checkpoint.importers.huggingface import SafetensorsFolder
+
+    config, tensors = llama_source()
+    write_hf(tmp_path / "hf", config, tensors)
+    alive, most = [], []
+    original = SafetensorsFolder.read
+
+    def tracked(self, name):
+        gc.collect()
+        most.append(sum(ref() is not None for ref in alive))
+        values = original(self, name)
+        alive.append(weakref.ref(values))
+        return values
+
+    monkeypatch.setattr(SafetensorsFolder, "read", tracked)
+    assert main(["convert", str(tmp_path / "hf"), "-o", str(tmp_path / "ckpt")]) == 0
+    assert len(most) == len(tensors) and max(most) <= 1
+
+
+# -- bad inputs: one line naming the file and the tensor, nothing overwritten ------------------------------
+def convert_error(source, output) -> str:
+    with pytest.raises(ConfigError) as e:
+        convert.run(cli_args(source=str(source), output=str(output), force=False))
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unknown_architecture(tmp_path):
+    config, tensors = gpt2_source()
+    write_hf(tmp_path / "hf", {**config, "model_type": "mamba"}, tensors)
+    message = convert_error(tmp_path / "hf", tmp_path / "ckpt")
+    assert "mamba" in message and "config.json" in message and "gpt2" in message and "llama" in message
+    gguf_config, gguf_tensors = llama_source(hidden=32, ffn=64)
+    write_gguf(tmp_path / "f.gguf", gguf_config, gguf_tensors, quantized=(), arch="falcon")
+    message = convert_error(tmp_path / "f.gguf", tmp_path / "ckpt")
+    assert "falcon" in message and "f.gguf" in message and "llama" in message
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_missing_tensor_and_wrong_shape(tmp_path):
+    config, tensors = llama_source()
+    gone = "model.layers.1.mlp.up_proj.weight"
+    write_hf(tmp_path / "missing", config, {n: v for n, v in tensors.items() if n != gone})
+    message = convert_error(tmp_path / "missing", tmp_path / "ckpt")
+    assert gone in message and "missing" in message and str(tmp_path / "missing") in message
+    bad = dict(tensors, **{"model.layers.0.self_attn.k_proj.weight": np.zeros((HIDDEN, HIDDEN))})
+    write_hf(tmp_path / "shape", config, bad, shards=2)
+    message = convert_error(tmp_path / "shape", tmp_path / "ckpt")
+    assert "model.layers.0.self_attn.k_proj.weight" in message and "(16, 16)" in message and "(8, 16)" in message
+    assert ".safetensors" in message
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_truncated_safetensors_file(tmp_path):
+    config, tensors = gpt2_source()
+    source = write_hf(tmp_path / "hf", config, tensors)
+    data = (source / "model.safetensors").read_bytes()
+    (source / "model.safetensors").write_bytes(data[:len(data) // 2])
+    message = convert_error(source, tmp_path / "ckpt")
+    assert "model.safetensors" in message and "truncated" in message
+
+
+def test_existing_output_is_never_overwritten_and_force_replaces_it(tmp_path):
+    config, tensors = gpt2_source()
+    source = write_hf(tmp_path / "hf", config, tensors)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "precious.txt").write_text("keep me")
+    message = convert_error(source, tmp_path / "ckpt")
+    assert str(tmp_path / "ckpt") in message and "--force" in message
+    assert (tmp_path / "ckpt" / "precious.txt").read_text() == "keep me"
+    # --force with a source that fails: the old output is still there, untouched.
+    broken = write_hf(tmp_path / "broken", {**config, "n_layer": 3}, tensors)
+    with pytest.raises(ConfigError):
+        convert.run(cli_args(source=str(broken), output=str(tmp_path / "ckpt"), force=True))
+    assert (tmp_path / "ckpt" / "precious.txt").read_text() == "keep me"
+    convert.run(cli_args(source=str(source), output=str(tmp_path / "ckpt"), force=True))
+    assert not (tmp_path / "ckpt" / "precious.txt").exists()
+    assert (tmp_path / "ckpt" / "step-000000" / "master.h5").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "ckpt", "hf"]  # no temp folders left

@@ -1,0 +1,122 @@
+"""`hpc-tp serve` as users start it: under mpiexec -n 2 on loopback, 50 concurrent requests (some
+streamed) each get their own complete greedy completion, malformed ones get a 400 with the reason
+without disturbing the others, and SIGTERM stops every rank with exit 0."""
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from hpc_tp.comm.mpi import self_comm
+from hpc_tp.grid import ProcessGrid
+from hpc_tp.serve.generate import Engine
+from hpc_tp.serve.sampling import SamplingParams
+from hpc_tp.train.tokenizer import ByteTokenizer
+from test_generate import _model, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MPIEXEC = os.environ.get("MPIEXEC", str(BIN / "mpiexec"))
+N_REQUESTS = 50
+
+
+def _post(port, body: bytes, path="/v1/completions"):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers.get("Content-Type"), response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type"), e.read().decode()
+
+
+def _text_of(content_type, body):
+    """(text, finish_reason, usage) of a JSON answer or of a server-sent event stream."""
+    if content_type == "text/event-stream":
+        events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["usage"]
+    answer = json.loads(body)
+    return answer["choices"][0]["text"], answer["choices"][0]["finish_reason"], answer["usage"]
+
+
+def _start_line(proc, lines: queue.Queue, timeout=60):
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            assert proc.poll() is None, "".join(seen)
+            continue
+        seen.append(line)
+        match = re.search(r"listening on http://127\.0\.0\.1:(\d+) \(tp=2, rank pids ([\d ]+)\)", line)
+        if match:
+            return int(match.group(1)), [int(p) for p in match.group(2).split()]
+    raise AssertionError("no start-up line in time:\n" + "".join(seen))
+
+
+def test_server_under_load_malformed_requests_and_sigterm(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
+                             "--dtype", "float64", "--max-batch", "8"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        port, pids = _start_line(proc, lines)
+        prompts = [f"request {i}: " + "xy" * (i % 7) for i in range(N_REQUESTS)]
+        bodies = [json.dumps({"prompt": p, "max_tokens": 3 + i % 6, "temperature": 0, "stream": i % 5 == 0}).encode()
+                  for i, p in enumerate(prompts)]
+        malformed = {b"{not json": "body is not JSON",
+                     b'{"prompt": "hi", "max_tokens": 0}': "max_tokens=0: expected an integer >= 1",
+                     b'{"prompt": ["a", "b"]}': "prompt must be a string",
+                     b'{"prompt": "hi", "temprature": 0.5}': "unknown fields temprature"}
+        with ThreadPoolExecutor(max_workers=N_REQUESTS + len(malformed)) as pool:
+            bad = [pool.submit(_post, port, body) for body in malformed]
+            good = [pool.submit(_post, port, body) for body in bodies]
+            answers, refusals = [f.result() for f in good], [f.result() for f in bad]
+        for (status, _, body), reason in zip(refusals, malformed.values()):
+            assert status == 400 and reason in json.loads(body)["error"]["message"], body
+        engine = Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
+        want, _ = engine.generate([list(p.encode()) for p in prompts],
+                                  [SamplingParams(max_new_tokens=3 + i % 6) for i in range(N_REQUESTS)])
+        for i, ((status, content_type, body), expected) in enumerate(zip(answers, want)):
+            assert status == 200, body
+            assert content_type == ("text/event-stream" if i % 5 == 0 else "application/json")
+            text, finish, usage = _text_of(content_type, body)
+            assert (text, finish) == (expected.text, expected.finish_reason), f"request {i}"
+            assert usage["completion_tokens"] == len(expected.ids) and len(usage["kv_cache_bytes_per_rank"]) == 2
+        assert _post(port, b"{}", path="/v1/other")[0] == 404
+        # SIGTERM while streamed requests are open: they are answered in full, then every rank exits 0
+        late = [json.dumps({"prompt": p, "max_tokens": 12, "temperature": 0, "stream": True}).encode()
+                for p in prompts[:3]]
+        opened = [urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b),
+                                         timeout=60) for b in late]  # returns once the headers came: accepted
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        want_late, _ = engine.generate([list(p.encode()) for p in prompts[:3]], [SamplingParams(max_new_tokens=12)] * 3)
+        for response, expected in zip(opened, want_late):
+            assert _text_of("text/event-stream", response.read().decode())[:2] == (expected.text, expected.finish_reason)
+        assert proc.wait(timeout=30) == 0
+        reader.join(timeout=10)
+        output = "".join(lines.get_nowait() for _ in range(lines.qsize()))
+        assert f"{N_REQUESTS + len(late)} requests answered" in output
+    finally:
+        if proc.poll() is None:  # a failed check: mpiexec passes TERM on and takes its ranks down with it
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
