@@ -161,3 +161,15 @@ def test_settings_round_trip_through_the_command_line():
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         settings_from_args(parser.parse_args(["--set", "dropout"]))
     assert json.loads(json.dumps(parsed.to_dict()))["tp"] == 2
+
+
+def test_init_starts_from_a_checkpoints_weights_with_a_fresh_optimizer(tmp_path):
+    trained = Trainer(settings(steps=3, warmup=1, save=str(tmp_path / "a")), self_comm())
+    trained.run()
+    fresh = Trainer(settings(model="demo", steps=2, warmup=1, init=str(tmp_path / "a")), self_comm())
+    assert fresh.cfg == trained.cfg and fresh.step == 0 and fresh.optimizer.step_count == 0
+    for name, p in trained.params.items():
+        assert np.array_equal(p.data, fresh.params[name].data), name
+    assert fresh.tokenizer.identity == trained.tokenizer.identity
+    with pytest.raises(ConfigError, match="no-such"):
+        Trainer(settings(init=str(tmp_path / "no-such")), self_comm())

@@ -37,13 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser):
     opt.add_argument("--seed", type=int, default=d.seed)
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=d.data, help="'demo' (embedded 2-digit addition), a .txt file or a folder")
-    data.add_argument("--tokenizer", default=d.tokenizer, help="'bytes' or a Hugging Face tokenizer.json")
+    data.add_argument("--tokenizer", default=None,
+                      help="'bytes' or a Hugging Face tokenizer.json (default: bytes, or the --init checkpoint's)")
     data.add_argument("--cache-dir", default=d.cache_dir, help="where a corpus is tokenized once (shared by ranks)")
     out = parser.add_argument_group("output and checkpoints")
     out.add_argument("--log", default=None, help="metrics as JSON lines, one per step")
     out.add_argument("--save", default=None, metavar="DIR", help="checkpoint folder")
     out.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints (0: at the end)")
     out.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
+    out.add_argument("--init", default=None, metavar="CKPT",
+                     help="start from these weights (e.g. from hpc-tp convert): their config and tokenizer, step 0")
     out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
     out.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out evaluation interval (demo)")
     out.add_argument("--eval-problems", type=int, default=d.eval_problems)

@@ -32,7 +32,8 @@ class TrainSettings:
     seed: int = 0
     dtype: str = "float32"
     data: str = "demo"
-    tokenizer: str = "bytes"
+    tokenizer: str | None = None  # None: bytes, or the --init checkpoint's tokenizer
+    init: str | None = None  # start from a checkpoint's weights (its config and tokenizer), fresh optimizer
     cache_dir: str = "io/cache"
     log: str | None = None
     save: str | None = None

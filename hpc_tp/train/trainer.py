@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint.format import resolve_checkpoint
 from ..errors import ConfigError
 from ..grid import ProcessGrid
 from ..models import load_config
@@ -33,7 +34,7 @@ from .preemption import StopRequest
 from .progress import Progress, format_duration
 from .schedule import lr_at
 from .settings import DEMO_SEQ_LEN, TrainSettings
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, load_tokenizer_dir
 
 # Settings a resumed run must share with the run that saved: they decide which samples each step sees.
 SAME_ON_RESUME = ("seed", "global_batch", "data", "tokenizer")
@@ -55,13 +56,16 @@ class Trainer:
         self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, world)
         s.check_batch(grid.dp_size)
         self.is_main = grid.world.rank == 0
-        self.tokenizer = load_tokenizer(s.tokenizer)
+        self.init_meta = load_checkpoint(s.init, {}, grid) if s.init else None
+        self.tokenizer = self._tokenizer()
         self.cfg = self._model_config()
         self.seq_len = self._seq_len()
         self.dataset = build_dataset(s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank,
                                      barrier=grid.world.barrier)
         self.model = self._build_model()
         self.params = self.model.state()
+        if s.init:
+            load_checkpoint(s.init, self.params, grid)
         self.optimizer = AdamW(self.params, s.lr, weight_decay=s.weight_decay)
         self.bucketer = GradBucketer(self.params, grid.dp, average=False)
         self.tied_copies = tied_copy_names(self.model, grid)  # counted once, on the first stage
@@ -70,12 +74,21 @@ class Trainer:
         self.messages: list[str] = []
 
     # -- set-up ------------------------------------------------------------------------------------------
+    def _tokenizer(self):
+        s = self.settings
+        if s.tokenizer is None and s.init:
+            return load_tokenizer_dir(resolve_checkpoint(s.init))
+        return load_tokenizer(s.tokenizer or "bytes")
+
     def _model_config(self) -> ModelConfig:
         s, vocab = self.settings, self.tokenizer.vocab_size
         overrides = dict(s.model_overrides)
-        if s.model in PRESETS:  # a preset is a shape; its vocabulary is the tokenizer's
-            overrides.setdefault("vocab_size", vocab)
-        cfg = load_config(s.model, **overrides)
+        if self.init_meta is not None:  # the checkpoint's model, with --set overrides (e.g. dropout)
+            cfg = ModelConfig.from_dict({**self.init_meta["config"], **overrides})
+        else:
+            if s.model in PRESETS:  # a preset is a shape; its vocabulary is the tokenizer's
+                overrides.setdefault("vocab_size", vocab)
+            cfg = load_config(s.model, **overrides)
         if cfg.family != "gpt":
             raise ConfigError(f"--model {s.model} is a {cfg.family} encoder: hpc-tp train trains decoder "
                               "language models (family gpt)")
