@@ -145,27 +145,19 @@ def _on_rank0(world, work):
 
 
 def _read_requests(args, tokenizer) -> list[dict]:
-    import json
     from pathlib import Path
 
     from ..errors import ConfigError
+    from ..jsonl import read_json_lines
 
     defaults = sampling_defaults(args)
     if args.prompt is not None:
         lines = [{"prompt": args.prompt}]
     else:
         path = Path(args.prompts)
-        if not path.is_file():
-            raise ConfigError(f"--prompts {path}: no such file")
         lines = []
-        for n, text in enumerate(path.read_text().splitlines(), start=1):
-            if not text.strip():
-                continue
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--prompts {path} line {n}: not JSON ({e.msg})") from None
-            if not isinstance(line, dict) or not isinstance(line.get("prompt"), str):
+        for n, line in read_json_lines(path, "--prompts"):
+            if not isinstance(line.get("prompt"), str):
                 raise ConfigError(f'--prompts {path} line {n}: expected an object with a "prompt" string')
             unknown = sorted(set(line) - {"prompt", "id", *SAMPLING_KEYS})
             if unknown:

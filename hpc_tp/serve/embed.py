@@ -98,27 +98,19 @@ def load_encoder(args):
 
 def read_inputs(args, tokenizer, cfg) -> list[dict]:
     """Rows {id, ids, type_ids} from --text or --inputs, checked against the model."""
-    import json
     from pathlib import Path
 
     from ..errors import ConfigError
+    from ..jsonl import read_json_lines
 
     if args.text is not None:
         lines, where = [{"text": t} for t in args.text], "--text"
     else:
         path = Path(args.inputs)
-        if not path.is_file():
-            raise ConfigError(f"--inputs {path}: no such file")
         lines, where = [], None
-        for n, text in enumerate(path.read_text().splitlines(), start=1):
-            if not text.strip():
-                continue
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--inputs {path} line {n}: not JSON ({e.msg})") from None
-            if not isinstance(line, dict) or ("text" in line) == ("ids" in line) or set(line) - set(INPUT_KEYS):
-                got = f"keys {sorted(line)}" if isinstance(line, dict) else repr(line)
+        for n, line in read_json_lines(path, "--inputs"):
+            if ("text" in line) == ("ids" in line) or set(line) - set(INPUT_KEYS):
+                got = f"keys {sorted(line)}"
                 raise ConfigError(f'--inputs {path} line {n}: expected an object with "text" or "ids" '
                                   f"(and optional id, type_ids), got {got}")
             line["_where"] = f"--inputs {path} line {n}"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..jsonl import read_json_lines
 
 
 def peak_memory_bytes() -> int:
@@ -66,21 +67,7 @@ class MetricsLogger:
 
 def read_metrics(path) -> list[dict]:
     """The records of a log; ConfigError naming the file (and line) if it is missing, empty or not JSON lines."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the metrics log ({e.strerror})") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{number}: not a JSON line ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-        records.append(record)
+    records = [record for _, record in read_json_lines(path, "metrics log")]
     if not records:
-        raise ConfigError(f"{path}: the metrics log is empty")
+        raise ConfigError(f"metrics log {path}: the metrics log is empty")
     return records
