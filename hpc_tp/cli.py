@@ -23,7 +23,10 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="hpc-tp", description="MPI tensor-parallel transformer engine")
+    parser.add_argument("--version", action="version", version=f"hpc-tp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

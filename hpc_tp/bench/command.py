@@ -6,6 +6,7 @@ ConfigError there, which rank 0 alone reports (an argparse error would print onc
 """
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -46,6 +47,12 @@ def add_arguments(parser):
     step.set_defaults(_benchmark=_run_step)
 
     # -- more benchmarks (e.g. `decode`) are added here: a parser with set_defaults(_benchmark=...) --
+    for name, help_text in (("decode", "incremental decoding with the KV cache: ms per token, compute/communication"),
+                            ("checkpoint", "HDF5 checkpoint save/load MB/s against np.save/np.load of the same bytes")):
+        module = importlib.import_module(f"hpc_tp.bench.{name}")
+        sub = benchmarks.add_parser(name, help=help_text, description=module.__doc__.split("\n\n")[0])
+        module.add_arguments(sub)
+        sub.set_defaults(_benchmark=module.run)
 
 
 def run(args) -> int:
