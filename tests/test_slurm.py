@@ -59,6 +59,8 @@ def slurm(tmp_path_factory):
     try:
         cluster.start(timeout=60)
         yield cluster
+        queue = cluster.queue()
+        assert not queue, f"jobs left in the queue after this module's tests: {queue}"
     finally:
         cluster.stop()
         left = cluster.leftovers()
@@ -210,7 +212,7 @@ def test_install_prefix_then_module_load(tmp_path):
     shutil.copy(moduledir / version, tcl_only / version)
     for modulepath in (prefix / "modulefiles", tmp_path / "tcl"):
         shell = (f"source {LMOD_INIT}; module use {modulepath}; module load hpc_tp/{version} || exit 3; "
-                 "command -v hpc-tp; hpc-tp --help; echo HPC_TP_HOME=$HPC_TP_HOME OMP_NUM_THREADS=$OMP_NUM_THREADS; "
+                 "command -v hpc-tp; hpc-tp --version; hpc-tp --help; echo HPC_TP_HOME=$HPC_TP_HOME OMP_NUM_THREADS=$OMP_NUM_THREADS; "
                  "module unload hpc_tp; echo after=$(command -v hpc-tp)")
         clean = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin", "LMOD_ALLOW_ROOT_USE": "yes"}
         result = subprocess.run(["bash", "--noprofile", "--norc", "-c", shell], env=clean, capture_output=True,
@@ -218,7 +220,7 @@ def test_install_prefix_then_module_load(tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         lines = result.stdout.splitlines()
         assert lines[0] == str(prefix / "bin" / "hpc-tp"), result.stdout
-        assert "MPI tensor-parallel transformer engine" in result.stdout
+        assert f"hpc-tp {version}" in lines and "MPI tensor-parallel transformer engine" in result.stdout
         assert f"HPC_TP_HOME={prefix} OMP_NUM_THREADS=1" in result.stdout
         assert lines[-1] == "after=", "module unload takes hpc-tp off PATH"
 

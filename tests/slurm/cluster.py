@@ -229,6 +229,10 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
             raise SlurmError(f"sbatch {script} failed: {result.stderr.strip()}")
         return result.stdout.strip().split(";")[0]
 
+    def queue(self) -> list[str]:
+        """``squeue``: "JOBID STATE" of every job still known to the controller."""
+        return self._run("squeue", "-h", "-o", "%i %T", check=False).stdout.splitlines()
+
     def job_info(self, job_id: str) -> dict:
         """``scontrol show job`` as a dict (JobState, ExitCode, StdOut, Restarts, ...); empty once purged."""
         result = self._run("scontrol", "-o", "show", "job", job_id, check=False)
