@@ -17,6 +17,7 @@ COMMANDS = {
     "embed": ("hpc_tp.serve.embed", "sentence embeddings and token states from a BERT encoder checkpoint"),
     "plot": ("hpc_tp.train.plot", "plot the loss curve of a --log JSON-lines file"),
     "bench": ("hpc_tp.bench.command", "communication and step benchmarks"),
+    "plan": ("hpc_tp.plan.command", "pick tp, pp, dp, micro-batch and recomputation for a model on a cluster"),
     "generate": ("hpc_tp.serve.command", "generate text from a checkpoint (prompts or a JSON-lines batch)"),
     "serve": ("hpc_tp.serve.server", "serve a checkpoint over HTTP (completions API, batched over tp ranks)"),
 }

@@ -5,6 +5,13 @@
 tp is the fastest-varying axis, so a tp group is made of neighbouring ranks, which launchers
 place on the same node (fast links for the two all-reduces per layer); pp crosses nodes with
 point-to-point sends; dp is outermost and all-reduces gradients once per step.
+
+Expert parallelism (``ep``, Mixture-of-Experts) is carved out of dp: the dp index splits into
+(outer, e) = divmod(dp_index, ep). The ``ep`` group (same outer index, pp and tp) holds different
+experts and exchanges tokens with all-to-all; each of its ranks reads its own data like any dp
+rank. Non-expert gradients are still summed over the whole ``dp`` group; an expert's gradient
+over ``expert_dp`` (same e, pp and tp: the dp/ep ranks that hold that same expert). Experts are
+tensor-parallel inside over the tp group, so ep never crosses tp.
 """
 from __future__ import annotations
 
@@ -28,15 +35,17 @@ class Coordinates:
     dp: int
     pp: int
     tp: int
+    ep: int = 0
 
 
 class ProcessGrid:
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, world: Communicator | None = None):
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, world: Communicator | None = None,
+                 ep: int = 1):
         if world is None:
             from .comm.mpi import world as mpi_world
 
             world = mpi_world()
-        for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name} {value!r} must be a positive integer")
         if dp is None:
@@ -54,6 +63,13 @@ class ProcessGrid:
         self.tp = world.split(color=d * pp + p, key=t)
         self.pp = world.split(color=d * tp + t, key=p)
         self.dp = world.split(color=p * tp + t, key=d)
+        if dp % ep:
+            raise ConfigError(f"--ep {ep} must divide the data-parallel size {dp} "
+                              "(expert parallelism is carved out of dp)")
+        self.ep_size = ep
+        outer, self.coords.ep = divmod(d, ep)
+        self.ep = world.split(color=(outer * pp + p) * tp + t, key=self.coords.ep)
+        self.expert_dp = world.split(color=(self.coords.ep * pp + p) * tp + t, key=outer)
         self.node = world.split_node()
         self._check_tp_node_local()
 
@@ -78,4 +94,5 @@ class ProcessGrid:
         return self.coords.pp == self.pp_size - 1
 
     def __repr__(self):
-        return f"ProcessGrid(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, rank={self.world.rank}, coords={self.coords})"
+        return (f"ProcessGrid(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, ep={self.ep_size}, "
+                f"rank={self.world.rank}, coords={self.coords})")

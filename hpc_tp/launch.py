@@ -35,10 +35,37 @@ def world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
+# After install_abort_on_exception: a duplicate of COMM_WORLD on which failing ranks agree (see report_error).
+_failure_comm = None
+AGREE_SECONDS = 10.0  # how long a rank with a user error waits for the others to report the same
+
+
 def report_error(error: Exception):
-    """One line on rank 0 (every rank raised the same error, so one line is enough)."""
+    """One line on rank 0 when every rank raised the error, which is the rule for user errors.
+
+    After ``install_abort_on_exception``, the ranks first agree on it (a non-blocking barrier on a
+    communicator of their own): a rank whose error the others do not share within ``AGREE_SECONDS``
+    prints it with its rank and aborts the job, because returning would leave it waiting in
+    ``MPI_Finalize`` for ranks that wait in a collective for it.
+    """
+    if _failure_comm is not None and not _all_ranks_agree(_failure_comm, AGREE_SECONDS):
+        sys.stderr.write(f"hpc-tp: error: rank {world_rank()}: {error} (the other ranks did not fail alike: "
+                         "aborting the job)\n")
+        sys.stderr.flush()
+        _failure_comm.Abort(2)
     if world_rank() == 0:
         print(f"hpc-tp: error: {error}", file=sys.stderr, flush=True)
+
+
+def _all_ranks_agree(comm, seconds: float) -> bool:
+    import time
+
+    request, deadline = comm.Ibarrier(), time.monotonic() + seconds
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _int(env, name):
@@ -157,16 +184,28 @@ def device_index(local_rank: int, n_devices: int) -> int:
 
 
 def install_abort_on_exception():
-    """An unhandled exception on one rank aborts the whole job instead of leaving the others waiting."""
+    """An unhandled exception on one rank aborts the whole job instead of leaving the others waiting.
+
+    The last line names the rank, the exception and, when the run's communicators are watched
+    (``hpc_tp.comm.watchdog``: the trainer's are), the collective the rank was in or had last
+    finished. Collective: every rank calls it (it duplicates COMM_WORLD for ``report_error``).
+    """
     from mpi4py import MPI
 
+    global _failure_comm
     if MPI.COMM_WORLD.Get_size() == 1:
         return
+    if _failure_comm is None:
+        _failure_comm = MPI.COMM_WORLD.Dup()
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        from .comm.watchdog import where_this_rank_is
+
         previous(kind, value, tb)
-        sys.stderr.write(f"hpc-tp: rank {MPI.COMM_WORLD.Get_rank()} raised {kind.__name__}; aborting the job\n")
+        where = where_this_rank_is()
+        sys.stderr.write(f"hpc-tp: rank {MPI.COMM_WORLD.Get_rank()} raised {kind.__name__}: {value}"
+                         f"{' ' + where if where else ''}; aborting the job\n")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
 

@@ -36,6 +36,7 @@ def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
         r = json.loads(open(path).read())
         assert (r["tp"], r["layers"], r["hidden"], r["seq_len"], r["micro_batch"]) == (comm_world.size, 1, 32, 8, 2)
         assert r["dtype"] == "float32" and r["threads_per_rank"] == 1 and r["repeats"] == 3
+        assert isinstance(r["malloc_retained"], bool)
         assert len(r["step_s_all"]) == 3 and min(r["step_s_all"]) > 0
         assert r["step_s"] >= sorted(r["step_s_all"])[1]  # the slowest rank's median, at least rank 0's
         assert r["compute_s"] + r["comm_s"] == pytest.approx(r["step_s"])

@@ -56,6 +56,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    # Paths first: a benchmark that ran for minutes must not end in a traceback about its output.
+    if getattr(args, "json", None) and Path(args.json).is_dir():
+        raise ConfigError(f"--json {args.json} is a folder: expected a file to write")
+    if getattr(args, "dir", None) and Path(args.dir).exists() and not Path(args.dir).is_dir():
+        raise ConfigError(f"--dir {args.dir} is a file: expected a scratch folder")
     return args._benchmark(args)
 
 

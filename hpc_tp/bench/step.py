@@ -20,6 +20,11 @@ multiplies a [N, H] by [H, F/tp] matrix (the MLP's first GEMM) at the same time 
 since ranks that share cores share them during the step too. MFU = achieved FLOP/s / (tp * peak
 per rank). Compute and communication come from the Communicator's ``seconds`` counter: time
 spent in (or waiting on) collectives is communication, the rest of the step is compute.
+
+Before the model is built, glibc is told to keep freed memory (``retain_freed_memory``): a step
+frees and reallocates the same activations every time, and by default glibc hands the heap top
+back to the OS and maps big arrays fresh, so every step page-faults ~100 MB in again (W1 at tp=2:
+24k faults and 0.1-0.2 s of system time per step, ~10% of the step).
 """
 from __future__ import annotations
 
@@ -60,6 +65,23 @@ def gemm_peak(comm: MPICommunicator, m: int, k: int, n: int, dtype, repeats: int
     return 2 * m * k * n / slowest
 
 
+def retain_freed_memory() -> bool:
+    """Keep freed memory in this process's heap (glibc only; elsewhere nothing changes). Arrays up
+    to 32 MiB (glibc's largest threshold) come from the heap, and the heap is never trimmed, so
+    the resident size stays at its peak: the peak every step reaches anyway. True if applied."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
 def build_blocks(cfg: ModelConfig, comm: MPICommunicator, dtype: str, seed: int = 0) -> GPTModel:
     return GPTModel(cfg, comm, dtype=dtype, seed=seed, has_embedding=False, has_head=False)
 
@@ -67,6 +89,7 @@ def build_blocks(cfg: ModelConfig, comm: MPICommunicator, dtype: str, seed: int 
 def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int, dtype: str = "float32",
                    repeats: int = 5, warmup: int = 2, threads: int | None = None) -> dict:
     """One record (the same on every rank) for the block stack of ``cfg`` split over ``comm``."""
+    retained = retain_freed_memory()
     model = build_blocks(cfg, comm, dtype)
     x = numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype)
     scale = numpy.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
@@ -89,6 +112,7 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     flops = step_flops(cfg, batch, seq)
     achieved = flops / step_s
     return {"benchmark": "step", "tp": comm.size, "dtype": numpy.dtype(dtype).name, "threads_per_rank": threads,
+            "malloc_retained": retained,
             "layers": cfg.n_layers, "hidden": cfg.hidden, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
             "ffn_hidden": cfg.ffn_hidden, "activation": cfg.activation, "causal": cfg.causal,
             "seq_len": seq, "micro_batch": batch, "repeats": repeats, "warmup": warmup,

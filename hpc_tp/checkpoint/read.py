@@ -145,6 +145,8 @@ def _checksum_problems(f, name: str) -> list[str]:
 def describe_checkpoint(path) -> dict:
     """Step, saved layout, meta, extra files and the tensors (logical shape, split axis, dtype, bytes)."""
     folder = resolve_checkpoint(path)
+    if not h5py.is_hdf5(folder / MASTER):  # else h5py's OSError and a traceback
+        raise ConfigError(f"checkpoint {folder}: {MASTER} is not an HDF5 file (corrupted, or not a checkpoint)")
     with h5py.File(folder / MASTER, "r") as f:
         meta = _header(f)
         tensors = [{"name": name, "shape": list(ds.shape),

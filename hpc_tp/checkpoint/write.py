@@ -93,8 +93,10 @@ def save_checkpoint(root_dir, step: int, tensors: dict, meta: dict, grid, keep: 
 
 def _claims(tensors: dict, grid) -> list[tuple]:
     """The pieces this rank holds and should write. Data-parallel replicas hold identical tensors
-    and the replicas of a piece are neighbouring tp ranks, so the first of each writes."""
-    if grid.coords.dp != 0:
+    and the replicas of a piece are neighbouring tp ranks, so the first of each writes. Under
+    expert parallelism the first ep group of dp ranks writes: between them they hold every expert
+    (the identical non-expert pieces they all claim are planned once)."""
+    if grid.coords.dp >= grid.ep_size:
         return []
     claims = []
     for name, tensor in tensors.items():

@@ -37,6 +37,12 @@ class ModelConfig:
     init_std: float = 0.02
     family: str = "gpt"
     type_vocab_size: int = 0           # token-type (segment) embeddings of a BERT encoder; 0: none
+    sequence_parallel: bool = False    # norms, dropout and residuals on 1/tp of the sequence (training)
+    num_experts: int = 0               # > 0: Mixture-of-Experts MLPs (nn/moe.py) of ffn_hidden each
+    top_k: int = 2                     # experts per token
+    moe_every: int = 1                 # layer i is MoE when (i + 1) % moe_every == 0
+    capacity_factor: float = 1.25      # expert capacity = ceil(factor * tokens * top_k / num_experts)
+    aux_loss_coef: float = 0.01        # weight of the load-balancing loss
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -62,9 +68,30 @@ class ModelConfig:
             raise ConfigError(f"model config n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.position == "rope" and (self.hidden // self.n_heads) % 2:
             raise ConfigError(f"rope needs an even head size, got {self.hidden // self.n_heads}")
+        self._validate_moe()
         for name in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected 0 <= p < 1")
+
+    def _validate_moe(self):
+        if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
+            raise ConfigError(f"model config num_experts={self.num_experts!r}: expected an integer >= 0 "
+                              "(0: dense MLPs)")
+        if not self.num_experts:
+            return
+        for name in ("top_k", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model config {name}={value!r}: expected a positive integer")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"model config top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if not self.capacity_factor > 0:
+            raise ConfigError(f"model config capacity_factor={self.capacity_factor!r}: expected a number > 0")
+        if not self.aux_loss_coef >= 0:
+            raise ConfigError(f"model config aux_loss_coef={self.aux_loss_coef!r}: expected a number >= 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -91,8 +118,10 @@ class ModelConfig:
         attn = h * (h + 2 * kv) + b * (h + 2 * kv) + h * h + b * h
         mlp = (2 if self.activation == "swiglu" else 1) * (h * f + b * f) + f * h + b * h
         norms = 2 * h * (2 if self.norm == "layernorm" and self.bias else 1)
+        moe_layers = sum(self.is_moe_layer(i) for i in range(L))
+        moe_extra = moe_layers * ((self.num_experts - 1) * mlp + h * self.num_experts)  # more experts + router
         embed = v * h * (1 if self.tie_embeddings else 2) + (self.max_seq_len * h if self.position == "learned" else 0)
-        return L * (attn + mlp + norms) + embed + h * (2 if self.norm == "layernorm" and self.bias else 1)
+        return L * (attn + mlp + norms) + moe_extra + embed + h * (2 if self.norm == "layernorm" and self.bias else 1)
 
 
 PRESETS = {

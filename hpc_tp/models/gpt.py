@@ -4,15 +4,24 @@
         -> vocab-parallel LM head -> vocab-parallel cross entropy
 
 The pieces are exposed separately (embed, blocks, head) so a pipeline stage can run only its part.
+
+With ``cfg.sequence_parallel`` the blocks pass sequence shards [B, T/tp, H]: the embedding's
+output is cut into shards, and the final norm runs on a shard before the sequence is gathered
+for the vocab-parallel head. With ``cfg.num_experts`` some MLPs are Mixture-of-Experts layers
+whose experts are spread over ``ep_comm``; ``set_loss_scale`` tells them the scale of the loss
+their load-balancing term joins (``backward`` sets it; a pipeline schedule must too).
 """
 from __future__ import annotations
 
 from .. import backend
 from ..comm.base import Communicator
 from ..module import Module, ModuleList, Parameter, replicated, split
+from ..errors import ConfigError
 from ..nn.block import TransformerBlock
+from ..nn.moe import MoEMLP
 from ..nn.norms import make_norm
 from ..tensor_parallel.random import DropoutRNG
+from ..tensor_parallel.sequence_parallel import gather_sequence, scatter_sequence, sum_grads_over
 from ..tensor_parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelLMHead
 from .config import ModelConfig
 from .init import initialize
@@ -20,7 +29,8 @@ from .init import initialize
 
 class GPTModel(Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype="float64", seed: int = 0,
-                 layers: range | None = None, has_embedding: bool = True, has_head: bool = True):
+                 layers: range | None = None, has_embedding: bool = True, has_head: bool = True,
+                 ep_comm: Communicator | None = None):
         xp = backend.xp
         self.cfg, self.comm, self.dtype = cfg, comm, dtype
         self.rng = DropoutRNG(seed)
@@ -34,7 +44,8 @@ class GPTModel(Module):
         if has_embedding and cfg.position == "learned":
             self.pos = Parameter(xp.zeros((cfg.max_seq_len, cfg.hidden), dtype=dtype),
                                  replicated((cfg.max_seq_len, cfg.hidden), comm.size))
-        self.layers = ModuleList(TransformerBlock(cfg, comm, i, self.rng, dtype) for i in self.layer_ids)
+        self.layers = ModuleList(TransformerBlock(cfg, comm, i, self.rng, dtype, ep_comm) for i in self.layer_ids)
+        self._sequence_comm = comm if cfg.sequence_parallel and comm.size > 1 else None
         if has_head:
             self.final_norm = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
             if cfg.tie_embeddings:
@@ -61,12 +72,15 @@ class GPTModel(Module):
         if self.cfg.position == "learned":
             t = ids.shape[1]
             if t > self.cfg.max_seq_len:
-                from ..errors import ConfigError
                 raise ConfigError(f"sequence length {t} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
             x += self.pos.data[:t] if positions is None else self.pos.data[positions]
+        if self._sequence_comm is not None:
+            x = scatter_sequence(x, self._sequence_comm)
         return x, ctx
 
     def embed_backward(self, dx, ctx):
+        if self._sequence_comm is not None:
+            dx = gather_sequence(dx, self._sequence_comm)
         if self.cfg.position == "learned":
             self.pos.grad[:dx.shape[1]] += dx.sum(axis=0)
         self.embed.backward(dx, ctx)
@@ -85,12 +99,19 @@ class GPTModel(Module):
 
     def logits_forward(self, x):
         h, norm_ctx = self.final_norm.forward(x)
+        if self._sequence_comm is not None:
+            h = gather_sequence(h, self._sequence_comm)
         logits, head_ctx = self.head.forward(h)
         return logits, (norm_ctx, head_ctx)
 
     def logits_backward(self, dlogits, ctx):
         norm_ctx, head_ctx = ctx
-        return self.final_norm.backward(self.head.backward(dlogits, head_ctx), norm_ctx)
+        dh = self.head.backward(dlogits, head_ctx)
+        if self._sequence_comm is None:
+            return self.final_norm.backward(dh, norm_ctx)
+        # The head's f already summed dh over tp: every rank cuts its own shard.
+        with sum_grads_over(self._sequence_comm, self.final_norm.parameters()):
+            return self.final_norm.backward(scatter_sequence(dh, self._sequence_comm), norm_ctx)
 
     def head_forward(self, x, targets):
         logits, lctx = self.logits_forward(x)
@@ -112,7 +133,17 @@ class GPTModel(Module):
     def backward(self, ctx, scale: float):
         """Accumulate gradients of ``scale * loss_sum`` (scale = 1 / global token count)."""
         ectx, bctx, hctx = ctx
+        self.set_loss_scale(scale)
         self.embed_backward(self.blocks_backward(self.head_backward(hctx, scale), bctx), ectx)
+
+    def moe_layers(self) -> list[MoEMLP]:
+        return [block.mlp for block in self.layers if isinstance(block.mlp, MoEMLP)]
+
+    def set_loss_scale(self, scale: float):
+        """The factor backward applies to ``loss_sum`` (1 / global token count): the MoE layers'
+        load-balancing terms are scaled alike, so micro-batching and dp do not change them."""
+        for moe in self.moe_layers():
+            moe.loss_scale = scale
 
     def logits(self, ids, key_mask=None):
         """Full-vocabulary logits [B, T, V] (gathered over tp): for evaluation and sampling."""
@@ -132,6 +163,8 @@ class GPTModel(Module):
         real tokens among the filled slots and the new ones. Prefill is one call with the (padded)
         prompts, each decode step one call with T = 1. Returns full-vocabulary logits (gathered over
         tp) of the last position [B, V], or of every position [B, T, V] with ``all_positions``."""
+        if self._sequence_comm is not None:
+            raise ConfigError("sequence_parallel is for training: serve the checkpoint with sequence_parallel false")
         x, _ = self.embed_forward(ids, positions)
         for i, block in enumerate(self.layers):
             x, _ = block.forward(x, key_mask, positions, cache.layer(i))

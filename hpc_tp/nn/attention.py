@@ -18,7 +18,8 @@ import math
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
+from ..tensor_parallel.layers import Segment
+from ..tensor_parallel.sequence_parallel import linear_classes
 from ..tensor_parallel.random import DropoutRNG
 from ..module import Module
 from . import functional as F
@@ -88,7 +89,7 @@ def _per_row(tables, ndim: int):
 class ParallelAttention(Module):
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, comm: Communicator, *, causal=True,
                  bias=True, rope_theta: float | None = None, rope_scaling: dict | None = None, dropout: float = 0.0,
-                 rng: DropoutRNG | None = None, layer_id: int = 0, dtype="float64"):
+                 rng: DropoutRNG | None = None, layer_id: int = 0, sequence_parallel: bool = False, dtype="float64"):
         if hidden % n_heads:
             raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
         if n_heads % n_kv_heads:
@@ -109,11 +110,12 @@ class ParallelAttention(Module):
         self.kv_local = n_kv_heads // kv_parts
         self.causal, self.dropout, self.rng, self.layer_id = causal, dropout, rng, layer_id
         self.inv_freq = None if rope_theta is None else rope_inv_freq(d, rope_theta, rope_scaling)
-        self.qkv = ColumnParallelLinear(hidden, None, comm, bias, segments=[
+        column, row = linear_classes(sequence_parallel)
+        self.qkv = column(hidden, None, comm, bias, segments=[
             Segment("q", n_heads * d, tp, rank),
             Segment("k", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
             Segment("v", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm)], dtype=dtype)
-        self.out = RowParallelLinear(n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype)
+        self.out = row(n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype)
 
     def _split_heads(self, qkv):
         b, t, _ = qkv.shape
@@ -135,8 +137,8 @@ class ParallelAttention(Module):
         """``positions`` [T] or [B, T] (per row: padded batches); ``key_mask`` [B, keys] covers every
         key, so with a ``cache`` it spans the filled slots plus this step's."""
         xp = backend.xp_of(x)
-        b, t, _ = x.shape
         qkv, qkv_ctx = self.qkv.forward(x)
+        b, t, _ = qkv.shape  # the whole sequence, also when x is a sequence-parallel shard
         q, k, v = self._split_heads(qkv)
         rope = None
         if self.inv_freq is not None:
@@ -163,9 +165,9 @@ class ParallelAttention(Module):
     def backward(self, dy, ctx):
         qkv_ctx, q, k, v, probs, mask, rope, out_ctx = ctx
         xp = backend.xp_of(dy)
-        b, t, _ = dy.shape
         hk, g, d = self.kv_local, self.heads_local // self.kv_local, self.head_dim
         dmerged = self.out.backward(dy, out_ctx)
+        b, t, _ = dmerged.shape
         dattn = dmerged.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
         dropped = probs if mask is None else probs * mask
         dv = (dropped.swapaxes(-1, -2) @ dattn).sum(axis=2)

@@ -1,6 +1,10 @@
 """Pre-LN transformer block: x + drop(attn(norm1(x))), then + drop(mlp(norm2(.))).
 
-Four collectives per block and direction: the f and g of attention and of the MLP.
+Four collectives per block and direction: the f and g of attention and of the MLP. With
+``cfg.sequence_parallel`` the block's input and output are sequence shards [B, T/tp, H]: f is an
+all-gather, g a reduce-scatter, and the norms' gradients are summed over tp after backward.
+The MLP is a Mixture-of-Experts layer where ``cfg.is_moe_layer(layer_id)`` (``ep_comm``: its
+expert-parallel group).
 """
 from __future__ import annotations
 
@@ -9,21 +13,28 @@ from ..module import Module
 from ..tensor_parallel.random import DropoutRNG
 from .attention import ParallelAttention
 from .dropout import Dropout
-from .mlp import ParallelMLP
+from ..tensor_parallel.sequence_parallel import sum_grads_over
+from .moe import feed_forward
 from .norms import make_norm
+from .sequence_parallel import SequenceShardDropout
 
 
 class TransformerBlock(Module):
-    def __init__(self, cfg, comm: Communicator, layer_id: int, rng: DropoutRNG | None = None, dtype="float64"):
+    def __init__(self, cfg, comm: Communicator, layer_id: int, rng: DropoutRNG | None = None, dtype="float64",
+                 ep_comm: Communicator | None = None):
         self.norm1 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self.attn = ParallelAttention(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, comm, causal=cfg.causal, bias=cfg.bias,
                                       rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
                                       rope_scaling=cfg.rope_scaling,
-                                      dropout=cfg.attn_dropout, rng=rng, layer_id=layer_id, dtype=dtype)
+                                      dropout=cfg.attn_dropout, rng=rng, layer_id=layer_id,
+                                      sequence_parallel=cfg.sequence_parallel, dtype=dtype)
         self.norm2 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
-        self.mlp = ParallelMLP(cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype)
-        self._drop_attn = Dropout(cfg.dropout, rng, ("resid_attn", layer_id))
-        self._drop_mlp = Dropout(cfg.dropout, rng, ("resid_mlp", layer_id))
+        self.mlp = feed_forward(cfg, comm, layer_id, ep_comm, dtype)
+        self._sequence_comm = comm if cfg.sequence_parallel else None
+        drop = (lambda site: SequenceShardDropout(cfg.dropout, rng, site, comm)) if cfg.sequence_parallel else (
+            lambda site: Dropout(cfg.dropout, rng, site))
+        self._drop_attn = drop(("resid_attn", layer_id))
+        self._drop_mlp = drop(("resid_mlp", layer_id))
 
     def forward(self, x, key_mask=None, positions=None, cache=None):
         h, n1 = self.norm1.forward(x)
@@ -39,6 +50,12 @@ class TransformerBlock(Module):
         return m, (n1, attn_ctx, d1, n2, mlp_ctx, d2)
 
     def backward(self, dy, ctx):
+        if self._sequence_comm is None:
+            return self._backward(dy, ctx)
+        with sum_grads_over(self._sequence_comm, self.norm1.parameters() + self.norm2.parameters()):
+            return self._backward(dy, ctx)
+
+    def _backward(self, dy, ctx):
         n1, attn_ctx, d1, n2, mlp_ctx, d2 = ctx
         dm = self.mlp.backward(self._drop_mlp.backward(dy, d2), mlp_ctx)
         dx1 = self.norm2.backward(dm, n2)

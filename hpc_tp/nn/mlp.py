@@ -10,7 +10,8 @@ from ..backend import xp_of
 from ..comm.base import Communicator
 from ..errors import ConfigError
 from ..module import Module
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
+from ..tensor_parallel.layers import Segment
+from ..tensor_parallel.sequence_parallel import linear_classes
 from . import functional as F
 
 ACTIVATIONS = {
@@ -22,7 +23,7 @@ ACTIVATIONS = {
 
 class ParallelMLP(Module):
     def __init__(self, hidden: int, ffn_hidden: int, comm: Communicator, activation: str = "gelu_tanh",
-                 bias: bool = True, dtype="float64"):
+                 bias: bool = True, dtype="float64", sequence_parallel: bool = False):
         if activation != "swiglu" and activation not in ACTIVATIONS:
             raise ConfigError(f"activation {activation!r} is not one of {', '.join([*ACTIVATIONS, 'swiglu'])}")
         if ffn_hidden % comm.size:
@@ -31,8 +32,9 @@ class ParallelMLP(Module):
         self.act_forward, self.act_backward = ACTIVATIONS["silu" if self.gated else activation]
         segments = ([Segment("gate", ffn_hidden, comm.size, comm.rank), Segment("up", ffn_hidden, comm.size, comm.rank)]
                     if self.gated else None)
-        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, comm, bias, segments=segments, dtype=dtype)
-        self.fc2 = RowParallelLinear(ffn_hidden, hidden, comm, bias, input_is_parallel=True, dtype=dtype)
+        column, row = linear_classes(sequence_parallel)
+        self.fc1 = column(hidden, ffn_hidden, comm, bias, segments=segments, dtype=dtype)
+        self.fc2 = row(ffn_hidden, hidden, comm, bias, input_is_parallel=True, dtype=dtype)
         self.local = ffn_hidden // comm.size
 
     def forward(self, x):

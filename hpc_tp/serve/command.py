@@ -164,6 +164,8 @@ def _read_requests(args, tokenizer) -> list[dict]:
                 raise ConfigError(f"--prompts {path} line {n}: unknown keys {', '.join(unknown)}; "
                                   f"known: prompt, id, {', '.join(SAMPLING_KEYS)}")
             lines.append(line)
+        if not lines:
+            raise ConfigError(f"--prompts {path}: no prompts in it (expected JSON lines)")
     return [{"id": line.get("id", n), "prompt": line["prompt"], "ids": tokenizer.encode(line["prompt"]),
              "sampling": {**defaults, **{k: line[k] for k in SAMPLING_KEYS if k in line}}}
             for n, line in enumerate(lines)]

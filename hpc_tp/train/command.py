@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     model.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     model.add_argument("--dtype", default=d.dtype, help="float32 (default) or float64 (for checks)")
     opt = parser.add_argument_group("optimisation")
-    opt.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per forward pass")
+    opt.add_argument("--micro-batch", type=int, default=None,
+                     help="sequences per forward pass (default: each dp rank's whole share at pp=1, "
+                          "2*pp micro-batches at pp>1)")
     opt.add_argument("--global-batch", type=int, default=d.global_batch,
                      help="sequences per optimizer step; gradient accumulation fills micro-batch x dp up to it")
     opt.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 16 for the demo "
@@ -44,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     out.add_argument("--log", default=None, help="metrics as JSON lines, one per step")
     out.add_argument("--save", default=None, metavar="DIR", help="checkpoint folder")
     out.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints (0: at the end)")
-    out.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
+    out.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept (0: all)")
     out.add_argument("--init", default=None, metavar="CKPT",
                      help="start from these weights (e.g. from hpc-tp convert): their config and tokenizer, step 0")
     out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
@@ -52,6 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser):
     out.add_argument("--eval-problems", type=int, default=d.eval_problems)
     out.add_argument("--samples", type=int, default=d.samples, help="sample completions printed at the end")
     out.add_argument("--no-progress", dest="progress", action="store_false")
+    faults = parser.add_argument_group("faults")
+    faults.add_argument("--comm-timeout", type=float, default=d.comm_timeout, metavar="SECONDS",
+                        help="abort the job, naming the missing rank, when a collective blocks this long "
+                             "(0: off; make it longer than a checkpoint save)")
+    faults.add_argument("--debug-collectives", action="store_true",
+                        help="check that every rank issues the same collectives (op, shape, dtype); slow")
+    faults.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps, metavar="K",
+                        help="after K non-finite steps in a row, roll back to the last checkpoint (0: never)")
 
 
 def settings_from_args(args):

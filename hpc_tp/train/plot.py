@@ -28,6 +28,10 @@ def run(args) -> int:
     from matplotlib import pyplot
 
     figure, axes = pyplot.subplots(figsize=(8, 5))
+    formats = figure.canvas.get_supported_filetypes()
+    if Path(args.output).suffix.lstrip(".").lower() not in formats:
+        raise ConfigError(f"--output {args.output}: expected an image file ending in one of "
+                          f"{', '.join('.' + f for f in sorted(formats))}")
     names = [Path(path).name for path in curves]
     labels = names if len(set(names)) == len(names) else list(curves)  # run1/log.jsonl vs run2/log.jsonl
     for label, (steps, values) in zip(labels, curves.values()):

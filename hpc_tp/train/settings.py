@@ -3,6 +3,7 @@ tests fill directly. ``check`` rejects impossible values with one line naming th
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from ..errors import ConfigError
 
@@ -20,7 +21,7 @@ class TrainSettings:
     pp_layers: str | None = None  # e.g. "3,2,3": blocks per stage (default: balanced by a cost estimate)
     schedule: str = "1f1b"
     recompute: bool = False
-    micro_batch: int = 16
+    micro_batch: int | None = None  # None: the whole dp share at pp=1; 2*pp micro-batches at pp>1
     global_batch: int = 64
     seq_len: int | None = None  # None: 16 for the demo task, the model's max_seq_len for a corpus
     steps: int = 2000
@@ -44,15 +45,20 @@ class TrainSettings:
     eval_problems: int = 500
     samples: int = 5
     progress: bool = True
+    comm_timeout: float = 0.0  # seconds a collective may block before the job is aborted (0: no watchdog)
+    debug_collectives: bool = False  # every rank of a group checks that it calls the same collective
+    max_bad_steps: int = 0  # non-finite steps in a row before rolling back to the last checkpoint (0: never)
 
     def check(self):
-        positive = {"micro-batch": self.micro_batch, "global-batch": self.global_batch, "steps": self.steps,
+        positive = {"micro-batch": 1 if self.micro_batch is None else self.micro_batch,
+                    "global-batch": self.global_batch, "steps": self.steps,
                     "eval-problems": self.eval_problems}
         for flag, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{flag} {value!r}: expected a positive integer")
         for flag, value in {"save-every": self.save_every, "eval-every": self.eval_every, "samples": self.samples,
-                            "warmup": self.warmup_steps, "seed": self.seed}.items():
+                            "warmup": self.warmup_steps, "seed": self.seed,
+                            "max-bad-steps": self.max_bad_steps, "keep": self.keep}.items():
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"--{flag} {value!r}: expected an integer >= 0")
         if self.warmup_steps > self.steps:
@@ -67,6 +73,13 @@ class TrainSettings:
             raise ConfigError(f"--clip-grad {self.clip_grad} and --weight-decay {self.weight_decay} must be >= 0")
         if self.resume and not self.save:
             raise ConfigError("--resume needs --save DIR (the folder it resumes from)")
+        if not isinstance(self.comm_timeout, (int, float)) or not 0 <= self.comm_timeout < float("inf"):
+            raise ConfigError(f"--comm-timeout {self.comm_timeout!r}: expected seconds >= 0 (0: no watchdog)")
+        for flag, path, folder in (("save", self.save, True), ("log", self.log, False),
+                                   ("cache-dir", self.cache_dir, True)):
+            if path is not None and Path(path).exists() and Path(path).is_dir() != folder:
+                raise ConfigError(f"--{flag} {path} is a {'file' if folder else 'folder'}: expected a "
+                                  f"{'folder' if folder else 'file'}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ConfigError(f"--seq-len {self.seq_len!r}: expected a positive integer")
 
@@ -74,11 +87,18 @@ class TrainSettings:
     def warmup_steps(self) -> int:
         return min(100, self.steps // 10) if self.warmup is None else self.warmup
 
-    def check_batch(self, dp: int):
-        """The global batch must split into whole micro-batches on every data-parallel rank."""
-        if self.global_batch % (self.micro_batch * dp):
+    def micro_batch_for(self, dp: int, pp: int) -> int:
+        """Sequences per micro-batch: ``--micro-batch``, or by default each dp rank's whole share at
+        pp=1 (fewest collectives) and 2*pp micro-batches at pp>1 (a small pipeline bubble).
+        The global batch must split into whole micro-batches on every data-parallel rank."""
+        share, wanted = self.global_batch // dp, 1 if pp == 1 else 2 * pp
+        if self.micro_batch is None and not self.global_batch % dp and not share % wanted:
+            return share // wanted
+        micro = self.micro_batch or max(1, share // wanted)
+        if self.global_batch % (micro * dp):
             raise ConfigError(f"--global-batch {self.global_batch} is not divisible by --micro-batch "
-                              f"{self.micro_batch} x dp {dp} = {self.micro_batch * dp}")
+                              f"{micro} x dp {dp} = {micro * dp}")
+        return micro
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,9 +9,20 @@
 Dividing by the *global* token count before backward makes every layout sum the same terms:
 tp=N, dp=M and any micro-batch split give the gradient of one process on the whole batch.
 Dropout masks are keyed by (seed, step, global micro-batch index), never by rank.
+
+Faults (see hpc_tp.comm.watchdog for hangs):
+- A step whose loss or gradient is not finite anywhere is skipped on every rank alike (one reduced
+  flag). After ``max_bad_steps`` such steps in a row the run rolls back to the last checkpoint and
+  replays from there, bit for bit as a resume would; a second rollback to the same checkpoint, or
+  none to roll back to, stops the run with ``NumericalFault``.
+- A checkpoint is only written after a good step: one that falls due during a run of bad steps
+  waits for the next good one, so a rollback never restores poisoned weights.
 """
 from __future__ import annotations
 
+import math
+import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -19,6 +30,7 @@ from pathlib import Path
 
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoint.format import resolve_checkpoint
+from ..comm.watchdog import WatchedCommunicator, watched
 from ..errors import ConfigError
 from ..grid import ProcessGrid
 from ..models import load_config
@@ -40,6 +52,11 @@ from .tokenizer import load_tokenizer, load_tokenizer_dir
 SAME_ON_RESUME = ("seed", "global_batch", "data", "tokenizer")
 
 
+class NumericalFault(ConfigError):
+    """The run keeps producing non-finite losses or gradients and rolling back cannot help.
+    A ConfigError, so ``hpc-tp`` prints it as one line: its cure is a setting (--lr, --clip-grad, data)."""
+
+
 @dataclass
 class TrainResult:
     records: list[dict] = field(default_factory=list)  # this run's per-step metrics
@@ -53,8 +70,10 @@ class Trainer:
     def __init__(self, settings: TrainSettings, world=None):
         settings.check()
         self.settings = s = settings
-        self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, world)
-        s.check_batch(grid.dp_size)
+        self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, _watched_world(world, s))
+        for axis in ("tp", "pp", "dp"):  # reports name groups "tp [0, 1]" rather than "group [0, 1]"
+            getattr(grid, axis).label = axis
+        self.micro_batch = s.micro_batch_for(grid.dp_size, grid.pp_size)
         self.is_main = grid.world.rank == 0
         self.init_meta = load_checkpoint(s.init, {}, grid) if s.init else None
         self.tokenizer = self._tokenizer()
@@ -120,7 +139,7 @@ class Trainer:
         if tokens == 0:
             raise ConfigError(f"step {self.step}: the global batch has no target tokens to learn from")
         loss = grid.dp.all_reduce_scalar(self._forward_backward(ids, targets, 1.0 / tokens)) / tokens
-        finite = grads_finite(self.params, grid)
+        finite = grads_finite(self.params, grid) and math.isfinite(loss)  # the loss is the same on every rank
         norm = clip_grads(self.params, s.clip_grad, grid, self.tied_copies) if finite else float("nan")
         lr = lr_at(self.step, s.lr, s.warmup_steps, s.steps, s.min_lr_ratio)
         if finite:  # a step with an inf/NaN gradient is skipped on every rank alike
@@ -137,7 +156,7 @@ class Trainer:
         """This dp rank's loss sum; gradients of ``scale * loss`` summed over the dp group, each
         bucket's all-reduce launched as soon as backward has finished its gradients."""
         s, grid = self.settings, self.grid
-        micro = s.micro_batch
+        micro = self.micro_batch
         batches = [(ids[m:m + micro], targets[m:m + micro]) for m in range(0, len(ids), micro)]
         self.bucketer.start()
         loss_sum, _ = pipeline_forward_backward(
@@ -158,8 +177,7 @@ class Trainer:
             return None
         self.model.rng.training = False
         try:
-            return heldout_accuracy(self.model.logits, self.dataset.task, self.tokenizer, self.seq_len,
-                                    self.settings.eval_problems)
+            return heldout_accuracy(self.model, self.dataset.task, self.tokenizer, self.settings.eval_problems)
         finally:
             self.model.rng.training = True
 
@@ -178,8 +196,11 @@ class Trainer:
     def resume(self) -> Path | None:
         """Continue from the latest checkpoint under ``--save`` (any layout saved it); None if there is none."""
         folder = latest_checkpoint(self.settings.save)
-        if folder is None:
-            return None
+        if folder is not None:
+            self._load(folder)
+        return folder
+
+    def _load(self, folder: Path):
         meta = load_checkpoint(folder, {}, self.grid)  # the header first: a clear error before any tensor
         saved = ModelConfig.from_dict(meta["config"])
         if saved != self.cfg:
@@ -196,10 +217,57 @@ class Trainer:
         load_checkpoint(folder, self.checkpoint_tensors(), self.grid)
         self.step = int(meta["step"])
         self.optimizer.step_count = int(meta["optimizer"]["step_count"])
+
+    def roll_back(self, bad_steps: int) -> Path:
+        """Back to the last checkpoint after ``bad_steps`` non-finite steps in a row (NumericalFault if
+        there is none, or if the run already came back to it once and went bad again)."""
+        s = self.settings
+        folder = latest_checkpoint(s.save) if s.save else None
+        what = f"{bad_steps} steps in a row with a non-finite loss or gradient (up to step {self.step})"
+        if folder is None:
+            raise NumericalFault(f"{what} and no checkpoint to roll back to (--save DIR --save-every N keeps "
+                                 "one): lower --lr, raise --clip-grad or check the data")
+        if folder == self._rolled_back_to:
+            raise NumericalFault(f"{what} again after rolling back to {folder}: the fault repeats, it is not "
+                                 "transient; lower --lr, raise --clip-grad or check the data")
+        self._load(folder)
+        self._rolled_back_to = folder
+        self.say(f"{what}: rolled back to {folder}, step {self.step}")
+        return folder
+
+    _rolled_back_to = None
+
+    # -- the collective watchdog ------------------------------------------------------------------------
+    @property
+    def watchdog(self):
+        return self.grid.world.watchdog
+
+    def _start_watchdog(self) -> Path | None:
+        """The watchdog thread for the run (with --comm-timeout): status files in a folder of the cache
+        dir, which every rank sees (corpora need it shared too). None when there is no timeout."""
+        if not self.settings.comm_timeout:
+            return None
+        world = self.grid.world
+        run_id = world.bcast_object(f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}" if self.is_main else None)
+        folder = Path(self.settings.cache_dir) / "watchdog" / run_id
+        self.watchdog.start(folder)
         return folder
 
     # -- the whole run --------------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        """Train to ``steps`` (resuming, rolling back, stopping on a signal as the settings say)."""
+        status_folder = self._start_watchdog()
+        try:
+            result = self._run()
+        finally:
+            self.watchdog.stop()
+        if status_folder is not None:  # a clean end: nobody needs the ranks' last words
+            self.grid.world.barrier()
+            if self.is_main:
+                shutil.rmtree(status_folder, ignore_errors=True)
+        return result
+
+    def _run(self) -> TrainResult:
         s, world = self.settings, self.grid.world
         result = TrainResult()
         if s.resume:
@@ -210,6 +278,7 @@ class Trainer:
         world.barrier()  # every rank has its handlers before the line that says so
         self.say(f"training {self._describe()}; USR1/TERM: checkpoint and stop")
         started, start_step = time.monotonic(), self.step
+        bad_in_row, save_due = 0, False
         progress = Progress(s.steps, enabled=self.is_main and s.progress, start_step=self.step)
         try:
             with MetricsLogger(s.log, world) as metrics, progress:
@@ -222,13 +291,22 @@ class Trainer:
                             record["heldout_accuracy"] = evaluation[0]
                     result.records.append(metrics.log(record))
                     progress.update(self.step, record["loss"], record["tokens_per_s"])
+                    bad_in_row = bad_in_row + 1 if record["skipped"] else 0
+                    if s.max_bad_steps and bad_in_row >= s.max_bad_steps:
+                        bad_step = self.step
+                        self.roll_back(bad_in_row)
+                        metrics.log({"step": self.step, "rolled_back_from": bad_step})
+                        bad_in_row, save_due = 0, False
+                        continue
                     result.stopped_by = stop.received or "a signal on another rank" if stop.agreed(world) else None
-                    due = s.save_every and self.step % s.save_every == 0
-                    if s.save and (due or result.stopped_by or self.step == s.steps):
-                        result.checkpoint = self.save()
+                    save_due = save_due or bool(s.save_every and self.step % s.save_every == 0)
+                    if s.save and (save_due or result.stopped_by or self.step == s.steps) and not bad_in_row:
+                        result.checkpoint, save_due = self.save(), False
                     if result.stopped_by:
-                        self.say(f"stopped by {result.stopped_by} after step {self.step}: "
-                                 + (f"checkpoint {result.checkpoint}" if s.save else "no --save, progress lost"))
+                        kept = (f"checkpoint {result.checkpoint}" if result.checkpoint else
+                                "the last step was not finite, so no checkpoint" if s.save else
+                                "no --save, progress lost")
+                        self.say(f"stopped by {result.stopped_by} after step {self.step}: {kept}")
                         return result
                 evaluation = self.evaluate()
                 if evaluation is not None:
@@ -263,6 +341,15 @@ class Trainer:
         self.messages.append(message)
         if self.is_main:
             (self._say_to or (lambda m: print(m, flush=True)))(message)
+
+
+def _watched_world(world, settings: TrainSettings) -> WatchedCommunicator:
+    """The run's world, every call named and numbered (what the exception hook and the watchdog report)."""
+    if world is None:
+        from ..comm.mpi import world as mpi_world
+
+        world = mpi_world()
+    return watched(world, settings.comm_timeout, settings.debug_collectives)
 
 
 def _tokenizer_files(tokenizer) -> dict[str, bytes]:

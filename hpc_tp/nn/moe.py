@@ -1,0 +1,143 @@
+"""Mixture-of-Experts MLP: a router sends each token to its top-k experts (Switch / GShard).
+
+    probs = softmax(x W_router)                  W_router [H, E], replicated
+    top-k experts per token; gates = their probs (renormalised to sum 1 when k > 1)
+    y = sum over kept choices of gate * expert_e(x)
+
+Experts are plain ``ParallelMLP`` s, so each is tensor-parallel inside over the tp group (its
+ranks hold the same tokens and route them alike); they are spread over the expert-parallel
+group with all-to-all dispatch and combine (``tensor_parallel/experts.py``, which also states
+the capacity rule). Each expert is its own set of parameters named by its global index
+(``experts.<e>.fc1.weight`` ...), stored at its full logical shape, so a checkpoint loads at any
+ep and any tp.
+
+Load balancing (Switch Transformer): ``aux = E * sum_e f_e P_e``, f_e the share of the group's
+assignments routed to e (before dropping), P_e the mean router probability of e. As a sum over
+tokens, ``aux_sum = coef * sum_t E * sum_e f_e p_te`` (= coef * tokens * aux), it is scaled like
+the cross entropy's token sum: backward adds ``loss_scale * coef * E * f_e`` to dL/dp_te. The
+model sets ``loss_scale`` (1 / global token count) before backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import backend
+from ..comm.base import Communicator
+from ..errors import ConfigError
+from ..module import Module, ModuleList, Parameter, replicated
+from ..tensor_parallel.experts import ExpertDispatcher
+from . import functional as F
+from .mlp import ParallelMLP
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Expert weights differ across the ep group: their gradients are summed over the expert
+    data-parallel group (``ProcessGrid.expert_dp``), not the whole dp group."""
+    return ".experts." in name or name.startswith("experts.")
+
+
+@dataclass
+class MoEStats:
+    """Counted over the forwards since the last reset (the same on every rank of an ep group)."""
+
+    forwards: int = 0
+    assignments: int = 0   # token-choices routed
+    dropped: int = 0       # of those, over capacity
+    aux: float = 0.0       # sum of the per-forward load-balancing loss (without its coefficient)
+
+
+class LocalExperts(ModuleList):
+    """This rank's experts, named by their global index."""
+
+    def __init__(self, experts, first: int):
+        super().__init__(experts)
+        self.first = first
+
+    def named_parameters(self, prefix: str = ""):
+        for i, m in enumerate(self.items):
+            yield from m.named_parameters(f"{prefix}{self.first + i}.")
+
+
+class MoEMLP(Module):
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, comm: Communicator,
+                 ep_comm: Communicator | None = None, capacity_factor: float = 1.25, aux_loss_coef: float = 0.01,
+                 activation: str = "gelu_tanh", bias: bool = True, dtype="float64"):
+        self.num_experts, self.top_k, self.aux_loss_coef = num_experts, top_k, aux_loss_coef
+        self._dispatcher = ExpertDispatcher(num_experts, ep_comm, capacity_factor)
+        self.router = Parameter(backend.xp.zeros((hidden, num_experts), dtype=dtype),
+                                replicated((hidden, num_experts), comm.size))
+        self.experts = LocalExperts([ParallelMLP(hidden, ffn_hidden, comm, activation, bias, dtype)
+                                     for _ in range(self._dispatcher.local_experts)], self._dispatcher.first_expert)
+        self.loss_scale = 1.0
+        self.stats = MoEStats()
+
+    def route(self, xs):
+        """Router probabilities [N, E], top-k choices [N, k] (ties go to the lower expert id),
+        the chosen probabilities and the gates."""
+        xp = backend.xp_of(xs)
+        probs = F.softmax_forward(xs @ self.router.data)
+        choices = xp.argsort(-probs, axis=1, kind="stable")[:, :self.top_k]
+        chosen = xp.take_along_axis(probs, choices, axis=1)
+        gates = chosen / chosen.sum(axis=1, keepdims=True) if self.top_k > 1 else chosen
+        return probs, choices, chosen, gates
+
+    def forward(self, x):
+        xp = backend.xp_of(x)
+        xs = x.reshape(-1, x.shape[-1])
+        probs, choices, chosen, gates = self.route(xs)
+        plan = self._dispatcher.plan(choices, probs)
+        inputs = self._dispatcher.dispatch(xs[plan.token], plan)
+        results = [e.forward(v) for e, v in zip(self.experts, inputs)]
+        expert_ctxs = [c for _, c in results]
+        y_rows = self._dispatcher.combine([y for y, _ in results], plan, xs.shape[1], xs.dtype)
+        y = xp.zeros_like(xs)
+        xp.add.at(y, plan.token, gates[plan.token, plan.choice][:, None] * y_rows)
+        share = xp.asarray(plan.assignments / (plan.group_tokens * self.top_k))  # f_e
+        aux = float(self.num_experts * share @ xp.asarray(plan.group_prob_sum / plan.group_tokens))
+        self.stats.forwards += 1
+        self.stats.assignments += int(plan.assignments.sum())
+        self.stats.dropped += plan.dropped
+        self.stats.aux += aux
+        return y.reshape(x.shape), (x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs)
+
+    def aux_sum(self, ctx) -> float:
+        """This rank's share of the scaled load-balancing loss, ``coef * sum_t E * sum_e f_e p_te``;
+        summed over the ep group it is ``coef * tokens * aux``."""
+        probs, share = ctx[2], ctx[6]
+        return float(self.aux_loss_coef * self.num_experts * (probs.sum(axis=0) @ share))
+
+    def backward(self, dy, ctx):
+        shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs = ctx
+        xp = backend.xp_of(dy)
+        d = dy.reshape(-1, shape[-1])
+        d_rows = d[plan.token]
+        dgates = xp.zeros_like(gates)
+        dgates[plan.token, plan.choice] = (d_rows * y_rows).sum(axis=1)
+        d_inputs = self._dispatcher.dispatch(d_rows * gates[plan.token, plan.choice][:, None], plan)
+        d_expert_in = [e.backward(g, c) for e, g, c in zip(self.experts, d_inputs, expert_ctxs)]
+        dx = xp.zeros_like(xs)
+        xp.add.at(dx, plan.token, self._dispatcher.combine(d_expert_in, plan, xs.shape[1], xs.dtype))
+        if self.top_k > 1:  # through gates = chosen / sum(chosen)
+            total = chosen.sum(axis=1, keepdims=True)
+            dchosen = dgates / total - (dgates * chosen).sum(axis=1, keepdims=True) / total ** 2
+        else:
+            dchosen = dgates
+        dprobs = xp.zeros_like(probs)
+        dprobs[xp.arange(probs.shape[0])[:, None], choices] = dchosen  # a token's k experts are distinct
+        dprobs += (self.loss_scale * self.aux_loss_coef * self.num_experts) * share[None, :]
+        dlogits = F.softmax_backward(dprobs, probs)
+        self.router.grad += xs.T @ dlogits
+        dx += dlogits @ self.router.data.T
+        return dx.reshape(shape)
+
+
+def feed_forward(cfg, comm: Communicator, layer_id: int, ep_comm: Communicator | None, dtype):
+    """The MLP of block ``layer_id``: a MoE layer where ``cfg.is_moe_layer`` says so, else dense."""
+    if not cfg.is_moe_layer(layer_id):
+        return ParallelMLP(cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype,
+                           sequence_parallel=cfg.sequence_parallel)
+    if cfg.sequence_parallel and comm.size > 1:
+        raise ConfigError("sequence_parallel with num_experts > 0 needs tp=1: experts are tensor-parallel over "
+                          "tokens every tp rank holds")
+    return MoEMLP(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.top_k, comm, ep_comm, cfg.capacity_factor,
+                  cfg.aux_loss_coef, cfg.activation, cfg.bias, dtype)

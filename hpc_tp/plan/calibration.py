@@ -1,0 +1,145 @@
+"""Measured speeds in place of datasheet numbers: ``hpc-tp bench comm --json`` and ``bench step --json``.
+
+Communication: for each operation, the records of one rank count r >= 2 are fitted (least squares
+on relative error, so 8-byte and 64-MiB messages count alike) to the ring model of ``cost.py``,
+
+    time(n) = hops(op, r) * alpha + traffic(op, r) * n / bw,
+
+which gives the operation its own (alpha, bw) for the link class the benchmark ran on (inside a
+node when its ranks fit on one). Compute: a step record gives the sustained FLOP/s of one rank
+on the block stack, elementwise work included: ``flops / tp / compute_s``. A layout uses the
+record of its tp, else the one whose per-rank work per micro-batch is closest to its own (GEMM
+efficiency falls as matrices shrink); on CPU nodes (``compute_units``) the rate is rescaled when the plan puts more
+or fewer ranks on a node than the benchmark did, since ranks share the cores.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy
+
+from ..errors import ConfigError
+from .cost import OPS, Link, Network, hops, traffic
+
+
+@dataclass(frozen=True)
+class StepRate:
+    ranks: int            # ranks that ran at once on the node while this was measured
+    forward_flops: float  # one rank's forward FLOPs per micro-batch
+    rate: float           # sustained FLOP/s of one rank
+    tp: int = 1
+    messages: int = 0     # tp all-reduces in the measured step: 4 per block
+    message_bytes: int = 0
+    comm_s: float = 0.0   # the step's time in them, waiting for the other ranks included
+
+    def sync(self, link: Link) -> float | None:
+        """Seconds each message cost beyond ``link``'s alpha-beta time; None without messages."""
+        if self.messages == 0:
+            return None
+        return max(0.0, self.comm_s / self.messages - link.time("all_reduce", self.tp, self.message_bytes))
+
+
+@dataclass
+class Calibration:
+    links: dict = field(default_factory=dict)   # op -> Link, measured
+    link_ranks: int = 0                         # ranks of the communication benchmark
+    steps: list = field(default_factory=list)   # StepRate
+    mem_bw: float | None = None                 # bytes/s of elementwise work per rank, if measured
+    sources: list = field(default_factory=list)
+
+    def network(self, cluster) -> Network:
+        base = Network.of_cluster(cluster)
+        inter = self.link_ranks > cluster.devices_per_node
+        measured = {**(base.inter if inter else base.intra), **self.links}
+        link = measured["all_reduce"]
+        syncs = [s.sync(link) for s in self.steps if s.sync(link) is not None]
+        return replace(base, **{"inter" if inter else "intra": measured}, sync=max(syncs, default=0.0))
+
+    def rank_flops(self, cluster, ranks_per_node: int, forward_flops: float, tp: int) -> float:
+        """FLOP/s of one rank doing ``forward_flops`` per micro-batch at ``tp``: the record measured
+        with as many ranks on the node, at the same tp, of the nearest work, in that order."""
+        if not self.steps:
+            return cluster.rank_flops(ranks_per_node)
+        best = min(self.steps, key=lambda s: (s.ranks != ranks_per_node, s.tp != tp,
+                                              abs(math.log(max(s.forward_flops, 1.0) / max(forward_flops, 1.0)))))
+        rate = best.rate
+        if cluster.compute_units is not None:
+            def share(ranks):
+                return min(1.0, cluster.compute_units / ranks)
+            rate *= share(ranks_per_node) / share(best.ranks)
+        return rate
+
+    def merge(self, other: "Calibration") -> "Calibration":
+        return Calibration({**self.links, **other.links}, other.link_ranks or self.link_ranks,
+                           self.steps + other.steps, other.mem_bw or self.mem_bw, self.sources + other.sources)
+
+    def describe(self) -> str:
+        parts = [f"{op} alpha {link.alpha * 1e6:.1f} us, {link.bw / 1e9:.2f} GB/s" for op, link in self.links.items()]
+        parts += [f"compute {s.rate / 1e9:.1f} GFLOP/s per rank ({s.ranks} ranks, tp={s.tp}, "
+                  f"{s.forward_flops / 1e9:.2f} GFLOP forward per micro-batch)" for s in self.steps]
+        if self.mem_bw:
+            parts.append(f"elementwise {self.mem_bw / 1e9:.1f} GB/s per rank")
+        return "; ".join(parts)
+
+
+def fit_link(op: str, ranks: int, sizes, seconds) -> Link:
+    """alpha and bw of ``op`` from (bytes, seconds) pairs measured at ``ranks`` ranks."""
+    sizes, seconds = numpy.asarray(sizes, float), numpy.asarray(seconds, float)
+    a = numpy.stack([numpy.full_like(sizes, hops(op, ranks)), traffic(op, ranks) * sizes], axis=1) / seconds[:, None]
+    (alpha, inverse_bw), *_ = numpy.linalg.lstsq(a, numpy.ones_like(seconds), rcond=None)
+    if alpha <= 0 or inverse_bw <= 0:  # noise on a flat curve: latency from the smallest, bandwidth the largest
+        small, large = numpy.argmin(sizes), numpy.argmax(sizes)
+        alpha = seconds[small] / hops(op, ranks)
+        inverse_bw = max(seconds[large] - alpha * hops(op, ranks), 1e-12) / (traffic(op, ranks) * sizes[large])
+    return Link(float(alpha), float(1.0 / inverse_bw))
+
+
+def from_comm_records(records: list[dict], source: str = "bench comm") -> Calibration:
+    """Fit every operation measured at two ranks or more (the largest rank count of each)."""
+    links, ranks_used = {}, 0
+    for op in OPS:
+        mine = [r for r in records if r.get("op") == op and r.get("ranks", 0) >= 2]
+        if not mine:
+            continue
+        ranks = max(r["ranks"] for r in mine)
+        mine = [r for r in mine if r["ranks"] == ranks]
+        links[op] = fit_link(op, ranks, [r["bytes"] for r in mine], [r["project_time_s"] for r in mine])
+        ranks_used = max(ranks_used, ranks)
+    return Calibration(links=links, link_ranks=ranks_used, sources=[source])
+
+
+def step_rate(record: dict, ranks: int | None = None) -> StepRate:
+    """A ``bench step`` record as a rate; ``ranks``: how many ran on the node (default: its tp)."""
+    tp = record["tp"]
+    itemsize = numpy.dtype(record["dtype"]).itemsize
+    messages = 4 * record["layers"] if tp > 1 else 0
+    return StepRate(ranks or tp, record["flops"] / 3 / tp, record["flops"] / tp / record["compute_s"], tp, messages,
+                    record["micro_batch"] * record["seq_len"] * record["hidden"] * itemsize, record["comm_s"])
+
+
+def from_step_records(records: list[dict], source: str = "bench step") -> Calibration:
+    return Calibration(steps=[step_rate(r) for r in records], sources=[source])
+
+
+def load_calibration(paths) -> Calibration:
+    """Read one or more JSON files written by ``bench comm --json`` or ``bench step --json``."""
+    total = Calibration()
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--calibration {path}: no such file") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--calibration {path}: not JSON ({e.msg} at line {e.lineno})") from None
+        records = data if isinstance(data, list) else [data]
+        if records and all(isinstance(r, dict) and "op" in r and "project_time_s" in r for r in records):
+            total = total.merge(from_comm_records(records, str(path)))
+        elif records and all(isinstance(r, dict) and r.get("benchmark") == "step" for r in records):
+            total = total.merge(from_step_records(records, str(path)))
+        else:
+            raise ConfigError(f"--calibration {path}: expected the JSON of 'hpc-tp bench comm --json' or "
+                              f"'hpc-tp bench step --json'")
+    return total

@@ -1,0 +1,124 @@
+"""``hpc-tp plan``: the layouts a model can train with on a cluster, fastest first, and why the rest cannot.
+
+    hpc-tp plan --model gpt3-175b --gpus 1536 --cluster dgx-a100 --global-batch 1536 --seq-len 2048
+    hpc-tp plan --model w1 --gpus 4 --cluster cpu-2core --calibration comm.json --calibration step.json
+    mpiexec -n 4 hpc-tp plan --model tiny --set hidden=256 --validate     # predicted vs measured, here
+
+Cluster flags override the preset's numbers. Without ``--validate`` it is arithmetic only: one
+process, no MPI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("--model", default="gpt2", help="preset name or JSON config (default %(default)s)")
+    parser.add_argument("--set", dest="model_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a model config field, e.g. --set n_layers=8 (repeatable; VALUE is JSON)")
+    cluster = parser.add_argument_group("cluster (a preset, then any of these numbers)")
+    cluster.add_argument("--cluster", default="dgx-a100", help="dgx-a100, dgx-h100 or cpu-2core (default %(default)s)")
+    cluster.add_argument("--gpus", type=int, help="devices (ranks) in all (default: one node)")
+    cluster.add_argument("--gpus-per-node", type=int, help="devices per node")
+    cluster.add_argument("--device-mem", type=float, metavar="GiB", help="memory per device")
+    cluster.add_argument("--device-flops", type=float, metavar="TFLOPS", help="peak FLOP/s per device")
+    cluster.add_argument("--efficiency", type=float, help="share of the peak that large GEMMs reach")
+    cluster.add_argument("--intra-bw", type=float, metavar="GB/s", help="per-device bandwidth inside a node")
+    cluster.add_argument("--inter-bw", type=float, metavar="GB/s", help="per-device bandwidth across nodes")
+    cluster.add_argument("--precision", choices=("bf16", "float32", "float64"),
+                         help="bf16 mixed precision or the engine's one dtype (default: the preset's)")
+    cluster.add_argument("--calibration", action="append", default=[], metavar="FILE",
+                         help="JSON of 'hpc-tp bench comm --json' or 'bench step --json' (repeatable)")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--global-batch", type=int, default=512, help="sequences per step (default %(default)s)")
+    work.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
+    work.add_argument("--micro-batch", type=int, action="append", metavar="N",
+                      help="only these micro-batch sizes (repeatable; default: every divisor)")
+    work.add_argument("--serve-batch", type=int, metavar="N",
+                      help="also show serving memory: weights and KV cache of N sequences of --seq-len, per tp")
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=8, help="layouts shown (default %(default)s)")
+    out.add_argument("--json", metavar="FILE", help="write the ranked and rejected layouts as JSON")
+    out.add_argument("--validate", action="store_true",
+                     help="under mpiexec: calibrate here, train each layout of the world a few steps, "
+                          "print predicted vs measured step time and state bytes")
+
+
+def build_cluster(args):
+    from ..errors import ConfigError
+    from .clusters import GB, MIXED_BF16, GiB, TFLOPS, engine_precision, get_cluster
+
+    for flag in ("gpus", "gpus_per_node", "device_mem", "device_flops", "efficiency", "intra_bw", "inter_bw"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: expected a number > 0")
+    scale = lambda value, unit: None if value is None else value * unit  # noqa: E731
+    precision = None if args.precision is None else (MIXED_BF16 if args.precision == "bf16"
+                                                     else engine_precision(args.precision))
+    return get_cluster(args.cluster).with_overrides(
+        devices_per_node=args.gpus_per_node, device_mem=scale(args.device_mem, GiB),
+        device_flops=scale(args.device_flops, TFLOPS), gemm_efficiency=args.efficiency,
+        intra_bw=scale(args.intra_bw, GB), inter_bw=scale(args.inter_bw, GB), precision=precision)
+
+
+def parse_overrides(items) -> dict:
+    """``--set KEY=VALUE`` items as a dict, VALUE read as JSON (a bare word stays a string)."""
+    from ..errors import ConfigError
+
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set n_layers=8")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def run(args) -> int:
+    from ..errors import ConfigError
+    from ..models.config import load_config
+    overrides = parse_overrides(args.model_overrides)
+    if args.validate:
+        return _validate(args, overrides)
+    from .calibration import load_calibration
+    from .report import format_plan, plan_json
+    from .search import search
+
+    cluster = build_cluster(args)
+    cfg = load_config(args.model, **overrides)
+    seq = args.seq_len or cfg.max_seq_len
+    gpus = args.gpus or cluster.devices_per_node
+    for flag, value in (("global-batch", args.global_batch), ("seq-len", seq), ("top", args.top)):
+        if value < 1:
+            raise ConfigError(f"--{flag} {value}: expected a positive whole number")
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    plan = search(cfg, gpus, args.global_batch, seq, cluster, calibration, micro_batches=args.micro_batch)
+    print(format_plan(plan, cfg, args.model, cluster, gpus, args.global_batch, seq, calibration, args.top,
+                      args.serve_batch))
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(plan_json(plan, cfg, args.model, cluster, gpus, args.global_batch, seq),
+                                              indent=1) + "\n")
+    return 0 if plan.ranked else 1
+
+
+def _validate(args, overrides) -> int:
+    from ..comm.mpi import world
+    from ..launch import check_launch
+    from .validate import format_rows, validate
+
+    check_launch()
+    comm = world()
+    micro = (args.micro_batch or [2])[0]
+    rows, calibration = validate(comm, args.model, overrides, args.global_batch, args.seq_len or 64, micro,
+                                 cluster=args.cluster)
+    if comm.rank == 0:
+        print(f"hpc-tp plan --validate: {comm.size} ranks, calibrated here: {calibration.describe()}")
+        print(format_rows(rows))
+    return 0

@@ -1,0 +1,125 @@
+"""Check the planner against the engine on the ranks of this run: calibrate, predict, measure.
+
+Collective over ``world``. Calibration is measured in-process, with every rank busy at once as
+during training: the communication benchmark (all-reduce and p2p over the world), the
+bandwidth of elementwise work, and before each layout a step benchmark of the block stack on
+groups of the layout's tp size. Then every layout asked for trains a few real steps through the
+trainer (``Trainer.train_step``), and its median step time (the slowest rank's) is set against
+the prediction, as are its parameter and AdamW state bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from statistics import median
+from time import perf_counter
+
+import numpy
+
+from ..errors import ConfigError
+from ..grid import factorizations
+from .calibration import Calibration, from_comm_records, step_rate
+from .cost import Layout, predict
+
+COMM_SIZES = [2**k for k in range(6, 23, 2)]  # 64 B .. 4 MiB
+
+
+def measure_mem_bw(world, nbytes: int = 16 << 20, repeats: int = 5) -> float:
+    """Bytes/s per rank of ``c = a + b`` on arrays larger than the caches, all ranks at once."""
+    a, b = numpy.ones(nbytes // 4, numpy.float32), numpy.ones(nbytes // 4, numpy.float32)
+    c = numpy.empty_like(a)
+    seconds = []
+    for _ in range(repeats + 1):
+        world.comm.Barrier()
+        start = perf_counter()
+        numpy.add(a, b, out=c)
+        seconds.append(perf_counter() - start)
+    return 3 * a.nbytes / max(world.allgather_object(median(seconds[1:])))
+
+
+def measure_links(world) -> Calibration:
+    """All-reduce and p2p over the world, fitted (nothing to measure on one rank)."""
+    from ..bench.comm import benchmark_comm
+
+    if world.size == 1:
+        return Calibration(sources=["measured in-process"])
+    records = benchmark_comm(world, COMM_SIZES, ("all_reduce", "p2p"), iters=6, warmup=2)
+    return from_comm_records(records, "measured in-process")
+
+
+def measure_step_rate(world, cfg, tp: int, micro_batch: int, seq: int, dtype: str = "float32"):
+    """The block stack's rate at ``tp``: the world cut into groups of tp ranks, all running at once."""
+    from ..bench.step import benchmark_step
+
+    group = world.split(color=world.rank // tp, key=world.rank)
+    record = benchmark_step(group, cfg, micro_batch, seq, dtype, repeats=3, warmup=1)
+    rates = world.allgather_object(step_rate(record, ranks=world.size))
+    return replace(rates[0], rate=min(r.rate for r in rates), comm_s=max(r.comm_s for r in rates))
+
+
+def measure_layout(world, model: str, overrides: dict, layout: Layout, global_batch: int, seq: int,
+                   dtype: str = "float32", steps: int = 3, warmup: int = 1) -> dict:
+    """Median step time (slowest rank) of real training steps, and this layout's state bytes."""
+    from ..train.settings import TrainSettings
+    from ..train.trainer import Trainer
+
+    settings = TrainSettings(model=model, model_overrides=dict(overrides), tp=layout.tp, pp=layout.pp, dp=layout.dp,
+                             micro_batch=layout.micro_batch, global_batch=global_batch, seq_len=seq,
+                             steps=steps + warmup, dtype=dtype, recompute=layout.recompute, schedule=layout.schedule,
+                             progress=False)
+    trainer = Trainer(settings, world)
+    times, comms = [], []
+    for i in range(steps + warmup):
+        record = trainer.train_step()
+        if i >= warmup:
+            times.append(max(world.allgather_object(record["step_s"])))
+            comms.append(max(world.allgather_object(record["comm_s"])))
+    optimizer = sum(a.nbytes for states in (trainer.optimizer.exp_avg, trainer.optimizer.exp_avg_sq)
+                    for a in states.values())
+    states = world.allgather_object((trainer.grid.coords.pp, trainer.model.local_bytes(), optimizer))
+    return dict(step_s=median(times), comm_s=median(comms), cfg=trainer.cfg, states=states)
+
+
+def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, seq: int = 32,
+             micro_batch: int = 4, layouts=None, dtype: str = "float32", cluster="cpu-2core",
+             steps: int = 3) -> list[dict]:
+    """Predicted against measured for ``layouts`` (default: every tp x pp x dp of the world that
+    the model allows). Returns (rows, calibration); a row has the layout, predicted_s, measured_s,
+    error (predicted / measured - 1), measured_comm_s, and the predicted and measured parameter +
+    optimizer bytes of the busiest rank."""
+    from ..models.config import load_config
+    from .clusters import engine_precision, get_cluster
+    from .search import structural_reason
+
+    overrides = dict(overrides or {})
+    cfg = load_config(model, **{"vocab_size": 258, **overrides})  # the byte tokenizer's vocabulary
+    cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster
+    cluster = cluster.with_overrides(precision=engine_precision(dtype))
+    if layouts is None:
+        layouts = [Layout(t, p, d, micro_batch) for t, p, d in factorizations(world.size)
+                   if structural_reason(cfg, t, p, d, global_batch) is None and global_batch % (d * micro_batch) == 0]
+    if not layouts:
+        raise ConfigError(f"no layout of {world.size} ranks fits model {model} with global batch {global_batch}")
+    calibration = measure_links(world)
+    calibration.mem_bw = measure_mem_bw(world)
+    rows = []
+    for layout in layouts:
+        # Measured just before the layout runs: on a shared machine the speed drifts within seconds.
+        rate = measure_step_rate(world, cfg, layout.tp, micro_batch, seq, dtype)
+        calibration.steps = [s for s in calibration.steps if s.tp != layout.tp] + [rate]
+        predicted = predict(cfg, layout, global_batch, seq, cluster, calibration)
+        measured = measure_layout(world, model, overrides, layout, global_batch, seq, dtype, steps)
+        predicted_states = max(m.params + m.optimizer for m in predicted.memory.values())
+        measured_states = max(p + o for _, p, o in measured["states"])
+        rows.append(dict(layout=layout, predicted_s=predicted.step_s, measured_s=measured["step_s"],
+                         measured_comm_s=measured["comm_s"],
+                         error=predicted.step_s / measured["step_s"] - 1, predicted_state_bytes=predicted_states,
+                         measured_state_bytes=measured_states, prediction=predicted))
+    return rows, calibration
+
+
+def format_rows(rows) -> str:
+    lines = [f"{'layout':<34} {'predicted':>10} {'measured':>10} {'error':>7} {'states pred/meas':>22}"]
+    for r in rows:
+        lines.append(f"{r['layout'].describe():<34} {r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
+                     f"{r['error'] * 100:+6.1f}% {r['predicted_state_bytes']:>10}/{r['measured_state_bytes']:<10}")
+    return "\n".join(lines)
