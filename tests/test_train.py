@@ -57,6 +57,17 @@ def test_data_parallel_equals_one_data_parallel_rank():
     assert np.max(np.abs(both - single) / np.abs(single)) < 1e-9
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("model", [{"sequence_parallel": True}, {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0}],
+                         ids=["sequence-parallel", "moe"])
+def test_sequence_parallel_and_moe_train_like_one_process(model):
+    comm = world()
+    changes = dict(model, dropout=0.1)
+    alone = losses(settings(model_overrides={**changes, "sequence_parallel": False}, steps=6), self_comm())
+    parallel = losses(settings(model_overrides=changes, steps=6, tp=comm.size), comm)
+    assert np.max(np.abs(parallel - alone) / alone) < 1e-9
+
+
 PIPELINE_LAYOUTS = {2: [(1, 2, 1)], 4: [(1, 2, 2), (2, 2, 1), (1, 4, 1)]}  # (tp, pp, dp) per world size
 
 

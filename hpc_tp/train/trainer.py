@@ -172,8 +172,9 @@ class Trainer:
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self) -> tuple[float, list] | None:
-        """Held-out accuracy on the demo task (None for a corpus, or when pp > 1)."""
-        if not isinstance(self.dataset, TaskDataset) or self.grid.pp_size > 1:
+        """Held-out accuracy on the demo task, decoded by the serving engine (None for a corpus, and for
+        layouts the engine does not serve: pp > 1, sequence parallelism)."""
+        if not isinstance(self.dataset, TaskDataset) or self.grid.pp_size > 1 or self.cfg.sequence_parallel:
             return None
         self.model.rng.training = False
         try:
