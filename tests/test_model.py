@@ -4,7 +4,7 @@ import pytest
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
-from tp_helpers import assert_grads_match, max_rel_err, tp_and_reference
+from tp_helpers import assert_grads_match, lm_batch, max_rel_err, tp_and_reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -17,12 +17,6 @@ CONFIGS = {
 }
 
 
-def _batch(seed=0, b=3, t=7, v=37):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, v, (b, t))
-    targets = np.roll(ids, -1, axis=1)
-    targets[:, -1] = -100
-    return ids, targets
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -30,7 +24,7 @@ def test_model_matches_single_process(name):
     tp, ref = tp_and_reference()
     cfg = ModelConfig(**CONFIGS[name])
     par, one = GPTModel(cfg, tp, seed=3), GPTModel(cfg, ref, seed=3)
-    ids, targets = _batch()
+    ids, targets = lm_batch()
     loss_ref, n_ref, ctx_ref = one.forward(ids, targets)
     loss_par, n_par, ctx_par = par.forward(ids, targets)
     assert n_par == n_ref and abs(loss_par - loss_ref) <= 1e-10 * abs(loss_ref)

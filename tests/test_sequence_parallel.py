@@ -12,7 +12,7 @@ from hpc_tp.nn.block import TransformerBlock
 from hpc_tp.nn.sequence_parallel import held_bytes
 from hpc_tp.tensor_parallel.mappings import local_chunk
 from hpc_tp.tensor_parallel.random import DropoutRNG
-from tp_helpers import max_rel_err, same_random, tp_and_reference
+from tp_helpers import lm_batch, max_rel_err, same_random, tp_and_reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
 TOL = 1e-9
@@ -24,18 +24,12 @@ CONFIGS = {
 }
 
 
-def _batch(b=3, t=8, v=37):
-    rng = np.random.default_rng(1)
-    ids = rng.integers(0, v, (b, t))
-    targets = np.roll(ids, -1, axis=1)
-    targets[:, -1] = -100
-    return ids, targets
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_sequence_parallel_matches_plain_tensor_parallel(name):
     tp, _ = tp_and_reference()
-    ids, targets = _batch()
+    ids, targets = lm_batch(1, t=8)
     runs = {}
     for sp in (False, True):
         model = GPTModel(ModelConfig(**CONFIGS[name], sequence_parallel=sp), tp, seed=4)
@@ -84,6 +78,6 @@ def test_block_keeps_one_tp_th_of_the_activations():
 def test_sequence_length_tp_does_not_divide_is_a_clear_error():
     tp, _ = tp_and_reference()
     model = GPTModel(ModelConfig(**CONFIGS["gpt2-dropout"], sequence_parallel=True), tp)
-    ids, targets = _batch(t=tp.size + 1)
+    ids, targets = lm_batch(1, t=tp.size + 1)
     with pytest.raises(ConfigError, match=f"sequence length {tp.size + 1} is not divisible by tp={tp.size}"):
         model.forward(ids, targets)

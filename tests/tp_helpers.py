@@ -26,3 +26,12 @@ def same_random(seed, *shape):
 
 def tp_and_reference():
     return world(), self_comm()
+
+
+def lm_batch(seed=0, b=3, t=7, v=37):
+    """Random token ids [b, t] and their next-token targets (the last position ignored)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, v, (b, t))
+    targets = np.roll(ids, -1, axis=1)
+    targets[:, -1] = -100
+    return ids, targets

@@ -160,3 +160,18 @@ def load_config(spec: str, **overrides) -> ModelConfig:
             raise ConfigError(f"model config {spec}: expected a JSON object")
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ModelConfig.from_dict(values)
+
+
+def parse_overrides(items) -> dict:
+    """``--set KEY=VALUE`` items as a dict of config fields; VALUE is read as JSON, a bare word
+    stays a string (``--set norm=rmsnorm``)."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set dropout=0.1")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides

@@ -62,25 +62,10 @@ def build_cluster(args):
         intra_bw=scale(args.intra_bw, GB), inter_bw=scale(args.inter_bw, GB), precision=precision)
 
 
-def parse_overrides(items) -> dict:
-    """``--set KEY=VALUE`` items as a dict, VALUE read as JSON (a bare word stays a string)."""
-    from ..errors import ConfigError
-
-    overrides = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set n_layers=8")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    return overrides
-
-
 def run(args) -> int:
     from ..errors import ConfigError
-    from ..models.config import load_config
+    from ..models.config import load_config, parse_overrides
+
     overrides = parse_overrides(args.model_overrides)
     if args.validate:
         return _validate(args, overrides)

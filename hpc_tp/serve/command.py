@@ -54,16 +54,16 @@ def sampling_defaults(args) -> dict:
     return {key: getattr(args, key) for key in SAMPLING_KEYS}
 
 
-def load_for_inference(args):
-    """(grid, model, tokenizer) from ``args.ckpt``: collective over the world."""
+def open_checkpoint(args):
+    """(grid, checkpoint folder, ModelConfig) for ``args.ckpt`` at ``--tp`` (default: the world) on
+    ``--device``: the start every inference command shares. Collective over the world."""
     from .. import backend
     from ..checkpoint import load_checkpoint
     from ..checkpoint.format import resolve_checkpoint
     from ..errors import ConfigError
     from ..grid import ProcessGrid
     from ..launch import check_launch, install_abort_on_exception
-    from ..models import GPTModel, ModelConfig
-    from ..train.tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
+    from ..models import ModelConfig
 
     check_launch()
     install_abort_on_exception()
@@ -73,7 +73,17 @@ def load_for_inference(args):
     meta = load_checkpoint(folder, {}, grid)
     if not isinstance(meta.get("config"), dict):
         raise ConfigError(f"checkpoint {folder} has no model config (meta['config']); was it written by hpc-tp?")
-    cfg = ModelConfig.from_dict(meta["config"])
+    return grid, folder, ModelConfig.from_dict(meta["config"])
+
+
+def load_for_inference(args):
+    """(grid, model, tokenizer) from ``args.ckpt``: collective over the world."""
+    from ..checkpoint import load_checkpoint
+    from ..errors import ConfigError
+    from ..models import GPTModel
+    from ..train.tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
+
+    grid, folder, cfg = open_checkpoint(args)
     if not cfg.causal:
         raise ConfigError(f"checkpoint {folder} holds an encoder (causal=false): use `hpc-tp embed` for it")
     model = GPTModel(cfg, grid.tp, dtype=args.dtype)

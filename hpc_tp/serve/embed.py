@@ -60,26 +60,12 @@ def run(args) -> int:
 
 def load_encoder(args):
     """(grid, BertModel, tokenizers.Tokenizer or None) from ``args.ckpt``; collective over the world."""
-    from .. import backend
     from ..checkpoint import load_checkpoint
-    from ..checkpoint.format import resolve_checkpoint
     from ..errors import ConfigError
-    from ..grid import ProcessGrid
-    from ..launch import check_launch, install_abort_on_exception
     from ..models.bert import BertModel
-    from ..models.config import ModelConfig
+    from .command import open_checkpoint
 
-    check_launch()
-    install_abort_on_exception()
-    from mpi4py import MPI
-
-    grid = ProcessGrid(tp=args.tp or MPI.COMM_WORLD.Get_size(), pp=1)
-    backend.use(args.device, grid.local_rank)
-    folder = resolve_checkpoint(args.ckpt)
-    meta = load_checkpoint(folder, {}, grid)
-    if not isinstance(meta.get("config"), dict):
-        raise ConfigError(f"checkpoint {folder} has no model config (meta['config']); was it written by hpc-tp?")
-    cfg = ModelConfig.from_dict(meta["config"])
+    grid, folder, cfg = open_checkpoint(args)
     if cfg.family != "bert":
         raise ConfigError(f"checkpoint {folder} holds a {cfg.family} decoder: embed needs a BERT encoder "
                           "(use `hpc-tp generate` for decoders)")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -65,18 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def settings_from_args(args):
-    from ..errors import ConfigError
+    from ..models.config import parse_overrides
     from .settings import TrainSettings
 
-    overrides = {}
-    for item in args.model_overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set dropout=0.1")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value  # a bare word, e.g. --set norm=rmsnorm
+    overrides = parse_overrides(args.model_overrides)
     fields = {k: v for k, v in vars(args).items() if k in TrainSettings.__dataclass_fields__}
     fields["model_overrides"] = overrides
     return TrainSettings(**fields)
