@@ -6,8 +6,8 @@ plus the embedding on the first stage and the head and loss on the last. Backwar
 the forward; full recomputation runs each block's forward once more. A stage's work is split
 over its tp ranks, each running at the cluster's (or the calibration's) sustained FLOP/s.
 
-Communication, as the engine issues it (``collectives``), each message timed with an alpha-beta
-model of the link it crosses (``Link``):
+Communication, as the engine issues it (``stage_collectives``), each message timed with an
+alpha-beta model of the link it crosses (``Link``), plus the calibration's ``sync`` per message:
 
     all-reduce of n bytes over g ranks   2 log2(g) alpha + 2 (g - 1) / g * n / bw
     all-gather, reduce-scatter             log2(g) alpha +   (g - 1) / g * n / bw
@@ -23,6 +23,7 @@ tp: per block, the f and g all-reduces of the [b, s, h] activations: 2 forward, 
 grouped-query attention and tp > kv heads, replicated K/V weight gradients are summed over
 their replicas every backward. pp: one activation forward and one gradient backward per
 micro-batch and stage boundary. dp: the stage's gradients once per step, in 25 MiB buckets.
+Each step also reduces a few scalars (token count, loss, grad norm, the finite check).
 A group whose ranks span nodes (ranks = arange(world).reshape(dp, pp, tp), nodes cut that in
 blocks of devices_per_node) crosses the inter-node link, the rest stay inside a node.
 

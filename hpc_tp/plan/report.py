@@ -19,7 +19,8 @@ def _count(x: float) -> str:
 
 def describe_cluster(cluster, gpus: int) -> str:
     p = cluster.precision
-    return (f"{gpus} devices of {cluster.name}: {cluster.devices_per_node} per node, {cluster.device_mem / GiB:.1f} GiB, "
+    return (f"{gpus} devices of {cluster.name}: {cluster.devices_per_node} per node, "
+            f"{cluster.device_mem / GiB:.1f} GiB, "
             f"{cluster.device_flops / 1e12:.4g} TFLOP/s peak x {cluster.gemm_efficiency:.2f} GEMM efficiency, "
             f"{cluster.intra_bw / 1e9:.4g} GB/s inside a node, {cluster.inter_bw / 1e9:.4g} GB/s per device across "
             f"nodes; {p.name}: {p.training_bytes_per_param} bytes per parameter, {p.activation_bytes} per activation")
@@ -30,17 +31,17 @@ def format_plan(plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: i
     lines = [f"hpc-tp plan: {model} ({_count(cfg.parameter_count())} parameters, {cfg.n_layers} layers, hidden "
              f"{cfg.hidden}, {cfg.n_heads} heads) on {describe_cluster(cluster, gpus)}",
              f"  global batch {global_batch} x {seq} tokens; "
-             + (f"calibrated: {calibration.describe()}" if calibration is not None else "datasheet numbers, no calibration")]
+             + (f"calibrated: {calibration.describe()}" if calibration is not None
+                else "datasheet numbers, no calibration")]
     if plan.ranked:
         lines.append(f"  {'#':>3}  {'layout':<46} {'step s':>9} {'tokens/s':>9} {'TFLOP/s/dev':>11} "
                      f"{'GiB/dev (states + act)':>24} {'bubble':>7}")
         for i, p in enumerate(plan.ranked[:top], 1):
             stage = max(p.memory, key=lambda s: p.memory[s].total)
             m = p.memory[stage]
+            memory = f"{m.total / GiB:.1f} ({m.model_states / GiB:.1f} + {(m.total - m.model_states) / GiB:.1f})"
             lines.append(f"  {i:>3}  {p.layout.describe():<46} {p.step_s:>9.4g} {_count(p.tokens_per_s):>9} "
-                         f"{p.model_flops_per_device / 1e12:>11.4g} "
-                         f"{f'{m.total / GiB:.1f} ({m.model_states / GiB:.1f} + {(m.total - m.model_states) / GiB:.1f})':>24}"
-                         f" {p.bubble_s / p.step_s * 100:>6.1f}%")
+                         f"{p.model_flops_per_device / 1e12:>11.4g} {memory:>24} {p.bubble_s / p.step_s * 100:>6.1f}%")
         best = plan.ranked[0]
         lines.append(f"  top plan, busiest stage, per step: compute {best.compute_s:.4g} s, tp {best.tp_s:.4g} s, "
                      f"pp {best.pp_s:.4g} s, bubble {best.bubble_s:.4g} s, dp and step reductions {best.dp_s:.4g} s, "

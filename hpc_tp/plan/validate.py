@@ -51,7 +51,7 @@ def measure_step_rate(world, cfg, tp: int, micro_batch: int, seq: int, dtype: st
     from ..bench.step import benchmark_step
 
     group = world.split(color=world.rank // tp, key=world.rank)
-    record = benchmark_step(group, cfg, micro_batch, seq, dtype, repeats=3, warmup=1)
+    record = benchmark_step(group, cfg, micro_batch, seq, dtype, repeats=5, warmup=1)
     rates = world.allgather_object(step_rate(record, ranks=world.size))
     return replace(rates[0], rate=min(r.rate for r in rates), comm_s=max(r.comm_s for r in rates))
 
@@ -100,12 +100,12 @@ def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, 
     if not layouts:
         raise ConfigError(f"no layout of {world.size} ranks fits model {model} with global batch {global_batch}")
     calibration = measure_links(world)
-    calibration.mem_bw = measure_mem_bw(world)
     rows = []
     for layout in layouts:
         # Measured just before the layout runs: on a shared machine the speed drifts within seconds.
         rate = measure_step_rate(world, cfg, layout.tp, micro_batch, seq, dtype)
         calibration.steps = [s for s in calibration.steps if s.tp != layout.tp] + [rate]
+        calibration.mem_bw = measure_mem_bw(world)
         predicted = predict(cfg, layout, global_batch, seq, cluster, calibration)
         measured = measure_layout(world, model, overrides, layout, global_batch, seq, dtype, steps)
         predicted_states = max(m.params + m.optimizer for m in predicted.memory.values())
