@@ -184,3 +184,15 @@ def test_init_starts_from_a_checkpoints_weights_with_a_fresh_optimizer(tmp_path)
     assert fresh.tokenizer.identity == trained.tokenizer.identity
     with pytest.raises(ConfigError, match="no-such"):
         Trainer(settings(init=str(tmp_path / "no-such")), self_comm())
+
+
+@pytest.mark.mpi(min_size=1)
+def test_plan_auto_picks_a_layout_of_this_world():
+    comm = world()
+    trainer = Trainer(settings(plan="auto", steps=2, warmup=1), comm)
+    s = trainer.settings
+    assert s.plan is None and s.tp * s.pp * s.dp == comm.size
+    assert (trainer.grid.tp_size, trainer.grid.pp_size, trainer.grid.dp_size) == (s.tp, s.pp, s.dp)
+    assert len(trainer.run().records) == 2
+    with pytest.raises(ConfigError, match="--plan auto cannot read the --init"):
+        Trainer(settings(plan="auto", init="somewhere"), comm)

@@ -64,19 +64,21 @@ class CollectiveMismatch(RuntimeError):
     """Ranks of one group issued different collectives (debug mode)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Operation:
     name: str                # e.g. "all_reduce(sum)", "wait irecv from 1 tag 2"
     group: str               # e.g. "dp [0, 2]": the same string on every member
     seq: int                 # collectives issued on the group so far, this one included
-    shape: tuple | None = None
-    dtype: str | None = None
+    shape: tuple | None = None  # as the array gives them: turned into text only when reported
+    dtype: object = None
     peer: int | None = None  # world rank of the other side of a point-to-point wait
+    members: tuple = field(default=(), repr=False)  # world ranks of the group: who must arrive
     started: float = field(default=0.0, repr=False)  # monotonic
 
     def key(self) -> tuple:
         """What must agree across the group in debug mode (the peer does not: it is relative)."""
-        return (self.seq, self.name, self.shape, self.dtype)
+        return (self.seq, self.name, None if self.shape is None else tuple(int(d) for d in self.shape),
+                None if self.dtype is None else str(self.dtype))
 
     def call(self) -> str:
         """The call alone, e.g. "all_reduce(sum) (2, 16, 32) float32"."""
@@ -94,12 +96,6 @@ class Operation:
 
 def _shape_text(shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _array_facts(x):
-    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-    return (tuple(int(d) for d in shape) if shape is not None else None,
-            str(dtype) if dtype is not None else None)
 
 
 class Watchdog:
@@ -120,18 +116,25 @@ class Watchdog:
         global _active
         _active = self
 
-    # -- the main thread ---------------------------------------------------------------------------
-    @contextmanager
-    def inside(self, op: Operation):
+    # -- the main thread: a few attribute writes per call -------------------------------------------
+    def enter(self, op: Operation):
         op.started = time.monotonic()
         self.current, self.failed = op, None
+
+    def leave(self, op: Operation, failed: bool = False):
+        self.current, self.last, self.last_done = None, op, time.monotonic()
+        if failed:
+            self.failed = op
+
+    @contextmanager
+    def inside(self, op: Operation):
+        self.enter(op)
         try:
             yield op
         except BaseException:
-            self.failed = op
+            self.leave(op, failed=True)
             raise
-        finally:
-            self.current, self.last, self.last_done = None, op, time.monotonic()
+        self.leave(op)
 
     def where(self) -> str:
         """Where this rank is: the operation an exception left, the one in flight, or the last one."""
@@ -235,7 +238,7 @@ def report(op: Operation, waited: float, timeout: float, states: dict, now: floa
         return bool(s and s["op"] and now - s["time"] <= stale_after and s["op"]["group"] == op.group
                     and (op.peer is not None or s["op"]["seq"] == op.seq))
 
-    expected = [op.peer] if op.peer is not None else _members(op.group)
+    expected = [op.peer] if op.peer is not None else list(op.members)
     missing = [r for r in expected if not arrived(r)]
     lines = [f"collective timeout: {op} waited {waited:.1f} s (--comm-timeout {timeout:g}); "
              f"missing: {', '.join(f'rank {r}' for r in missing) or 'none (all arrived; MPI itself is stuck)'}; "
@@ -248,11 +251,6 @@ def report(op: Operation, waited: float, timeout: float, states: dict, now: floa
     if len(others) > MAX_REPORTED_RANKS:
         lines.append(f"  ... and {len(others) - MAX_REPORTED_RANKS} more ranks")
     return "\n".join(lines)
-
-
-def _members(group: str) -> list[int]:
-    inside = group[group.index("[") + 1:group.rindex("]")]
-    return [int(r) for r in inside.split(",") if r.strip()]
 
 
 def _mpi_abort(code: int):
@@ -289,8 +287,9 @@ class WatchedCommunicator(Communicator):
 
     def __init__(self, inner: Communicator, watchdog: Watchdog, members: list[int], label: str = "world"):
         # No super().__init__(): the counters live in ``inner`` (see the properties below).
-        self.inner, self.watchdog, self.members, self.label = inner, watchdog, list(members), label
+        self.inner, self.watchdog, self.members = inner, watchdog, tuple(members)
         self.rank, self.size = inner.rank, inner.size
+        self.label = label
         self._seq = 0
         self._p2p = 0
 
@@ -298,22 +297,35 @@ class WatchedCommunicator(Communicator):
     bytes = property(lambda self: self.inner.bytes, lambda self, v: setattr(self.inner, "bytes", v))
 
     def __getattr__(self, name):
-        if name == "inner":  # not yet set (e.g. while unpickling): no recursion
+        if name in ("inner", "_label"):  # not yet set (e.g. while unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
 
     @property
-    def group(self) -> str:
-        return f"{self.label} [{', '.join(map(str, self.members))}]"
+    def label(self) -> str:
+        return self._label
 
-    @contextmanager
-    def _collective(self, name: str, x=None):
+    @label.setter
+    def label(self, label: str):
+        self._label = label
+        self.group = f"{label} [{', '.join(map(str, self.members))}]"  # built once, not per call
+
+    def _call(self, name: str, x, function, *args):
+        """``function(*args)`` as collective number ``seq`` of this group, watched (and checked in debug mode)."""
         self._seq += 1
-        shape, dtype = _array_facts(x)
-        with self.watchdog.inside(Operation(name, self.group, self._seq, shape, dtype)) as op:
-            if self.watchdog.debug and self.size > 1:
+        op = Operation(name, self.group, self._seq, getattr(x, "shape", None), getattr(x, "dtype", None),
+                       members=self.members)
+        watchdog = self.watchdog
+        watchdog.enter(op)
+        try:
+            if watchdog.debug and self.size > 1:
                 self._check_same(op)
-            yield op
+            result = function(*args)
+        except BaseException:
+            watchdog.leave(op, failed=True)
+            raise
+        watchdog.leave(op)
+        return result
 
     def _check_same(self, op: Operation):
         keys = self.inner.allgather_object(op.key())
@@ -322,35 +334,30 @@ class WatchedCommunicator(Communicator):
 
     def _p2p_wait(self, request: Request, what: str, x, peer: int) -> Request:
         self._p2p += 1
-        shape, dtype = _array_facts(x)
-        op = Operation(f"wait {what}", self.group, self._p2p, shape, dtype, peer=self.members[peer])
+        op = Operation(f"wait {what}", self.group, self._p2p, x.shape, x.dtype, peer=self.members[peer])
         return _WatchedRequest(request, self.watchdog, op)
 
     def all_reduce(self, x, op: str = "sum"):
-        with self._collective(f"all_reduce({op})", x):
-            return self.inner.all_reduce(x, op)
+        return self._call(f"all_reduce({op})", x, self.inner.all_reduce, x, op)
 
     def iall_reduce(self, x, op: str = "sum") -> Request:
-        with self._collective(f"iall_reduce({op})", x) as posted:
-            request = self.inner.iall_reduce(x, op)
-        waited = Operation(f"wait iall_reduce({op})", posted.group, posted.seq, posted.shape, posted.dtype)
+        request = self._call(f"iall_reduce({op})", x, self.inner.iall_reduce, x, op)
+        posted = self.watchdog.last
+        waited = Operation(f"wait iall_reduce({op})", posted.group, posted.seq, posted.shape, posted.dtype,
+                           members=posted.members)
         return _WatchedRequest(request, self.watchdog, waited)
 
     def all_gather(self, x, axis: int = 0):
-        with self._collective(f"all_gather(axis={axis})", x):
-            return self.inner.all_gather(x, axis)
+        return self._call(f"all_gather(axis={axis})", x, self.inner.all_gather, x, axis)
 
     def reduce_scatter(self, x, axis: int = 0):
-        with self._collective(f"reduce_scatter(axis={axis})", x):
-            return self.inner.reduce_scatter(x, axis)
+        return self._call(f"reduce_scatter(axis={axis})", x, self.inner.reduce_scatter, x, axis)
 
     def broadcast(self, x, root: int = 0):
-        with self._collective(f"broadcast(root={root})", x):
-            return self.inner.broadcast(x, root)
+        return self._call(f"broadcast(root={root})", x, self.inner.broadcast, x, root)
 
     def all_to_all(self, x):
-        with self._collective("all_to_all", x):
-            return self.inner.all_to_all(x)
+        return self._call("all_to_all", x, self.inner.all_to_all, x)
 
     def isend(self, x, dest: int, tag: int = 0) -> Request:
         return self._p2p_wait(self.inner.isend(x, dest, tag), f"isend to {self.members[dest]} tag {tag}", x, dest)
@@ -360,28 +367,23 @@ class WatchedCommunicator(Communicator):
         return self._p2p_wait(request, f"irecv from {self.members[source]} tag {tag}", buf, source)
 
     def barrier(self):
-        with self._collective("barrier"):
-            self.inner.barrier()
+        self._call("barrier", None, self.inner.barrier)
 
     def split(self, color: int, key: int) -> "WatchedCommunicator":
-        with self._collective("split"):
-            return self._watch(self.inner.split(color, key), "group")
+        return self._watch(self._call("split", None, self.inner.split, color, key), "group")
 
     def split_node(self) -> "WatchedCommunicator":
-        with self._collective("split_node"):
-            return self._watch(self.inner.split_node(), "node")
+        return self._watch(self._call("split_node", None, self.inner.split_node), "node")
 
     def _watch(self, inner: Communicator, label: str) -> "WatchedCommunicator":
         members = inner.allgather_object(self.members[self.rank])  # world ranks, in the new group's order
         return WatchedCommunicator(inner, self.watchdog, members, label)
 
     def bcast_object(self, obj, root: int = 0):
-        with self._collective(f"bcast_object(root={root})"):
-            return self.inner.bcast_object(obj, root)
+        return self._call(f"bcast_object(root={root})", None, self.inner.bcast_object, obj, root)
 
     def allgather_object(self, obj) -> list:
-        with self._collective("allgather_object"):
-            return self.inner.allgather_object(obj)
+        return self._call("allgather_object", None, self.inner.allgather_object, obj)
 
 
 def _divergence(op: Operation, keys: list, members: list[int]) -> str:

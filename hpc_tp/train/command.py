@@ -17,6 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     model.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp*pp))")
     model.add_argument("--pp-layers", default=None, metavar="N,N,...",
                        help="blocks per pipeline stage (default: balanced by a cost estimate)")
+    model.add_argument("--plan", choices=("auto",), default=None,
+                       help="choose tp/pp/dp, micro-batch, recompute and schedule with the planner (hpc-tp plan)")
+    model.add_argument("--plan-cluster", default=d.plan_cluster,
+                       help="cluster preset the planner assumes (default %(default)s; see hpc-tp plan --help)")
     model.add_argument("--schedule", default=d.schedule, choices=("1f1b", "gpipe"), help="pipeline schedule")
     model.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     model.add_argument("--dtype", default=d.dtype, help="float32 (default) or float64 (for checks)")

@@ -20,6 +20,8 @@ class TrainSettings:
     dp: int | None = None  # None: world / (tp * pp)
     pp_layers: str | None = None  # e.g. "3,2,3": blocks per stage (default: balanced by a cost estimate)
     schedule: str = "1f1b"
+    plan: str | None = None  # "auto": tp, pp, dp, micro-batch, recompute and schedule from hpc_tp.plan
+    plan_cluster: str = "cpu-2core"  # the planner's cluster preset
     recompute: bool = False
     micro_batch: int | None = None  # None: the whole dp share at pp=1; 2*pp micro-batches at pp>1
     global_batch: int = 64
@@ -65,6 +67,8 @@ class TrainSettings:
             raise ConfigError(f"--warmup {self.warmup} is more than --steps {self.steps}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.plan not in (None, "auto"):
+            raise ConfigError(f"--plan {self.plan!r}: expected auto")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ConfigError(f"--schedule {self.schedule!r}: expected 1f1b or gpipe")
         if not self.lr > 0:

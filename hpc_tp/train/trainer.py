@@ -70,7 +70,10 @@ class Trainer:
     def __init__(self, settings: TrainSettings, world=None):
         settings.check()
         self.settings = s = settings
-        self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, _watched_world(world, s))
+        world = _watched_world(world, s)
+        if s.plan:
+            self.settings = s = self._planned(world)
+        self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, world)
         for axis in ("tp", "pp", "dp"):  # reports name groups "tp [0, 1]" rather than "group [0, 1]"
             getattr(grid, axis).label = axis
         self.micro_batch = s.micro_batch_for(grid.dp_size, grid.pp_size)
@@ -93,6 +96,27 @@ class Trainer:
         self.messages: list[str] = []
 
     # -- set-up ------------------------------------------------------------------------------------------
+    def _planned(self, world) -> TrainSettings:
+        """The settings with the planner's fastest layout (hpc_tp.plan) for this world and model;
+        the planner is arithmetic, so every rank reaches the same answer without a message."""
+        import dataclasses
+
+        from ..plan import choose_layout
+
+        s = self.settings
+        if s.init:
+            raise ConfigError("--plan auto cannot read the --init checkpoint's model before the grid exists: "
+                              "give --tp/--pp/--dp with --init")
+        self.init_meta, self.tokenizer = None, self._tokenizer()
+        self.cfg = self._model_config()
+        choice = choose_layout(self.cfg, world.size, s.global_batch, self._seq_len(), cluster=s.plan_cluster)
+        if world.rank == 0:
+            print(f"--plan auto: tp={choice['tp']} pp={choice['pp']} dp={choice['dp']} micro-batch "
+                  f"{choice['micro_batch']}{' recompute' if choice['recompute'] else ''} {choice['schedule']}: "
+                  f"{choice['reason']}", flush=True)
+        layout = {k: choice[k] for k in ("tp", "pp", "dp", "micro_batch", "recompute", "schedule")}
+        return dataclasses.replace(s, plan=None, **layout)
+
     def _tokenizer(self):
         s = self.settings
         if s.tokenizer is None and s.init:
