@@ -256,7 +256,7 @@ def test_generate_command_serves_a_jsonl_batch(tmp_path, tp_flag):
     if comm.rank == 0:
         (folder / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     comm.barrier()
-    flags = ["generate", "--ckpt", str(folder / "ckpt"), "--prompts", str(folder / "in.jsonl"), "--out",
+    flags = ["generate", "--ckpt", str(ckpt), "--prompts", str(folder / "in.jsonl"), "--out",
              str(folder / "out.jsonl"), "--max-new-tokens", "5", "--batch-size", "2", "--dtype", "float64"]
     assert main(flags + (["--tp", tp_flag] if tp_flag else [])) == 0
     comm.barrier()

@@ -268,3 +268,13 @@ def test_stage_split_errors_name_the_values(call, words):
         call()
     assert all(w in str(error.value) for w in words), str(error.value)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_pipeline_command_reports_every_stage(capsys):
+    from hpc_tp.cli import main
+
+    assert main(["bench", "pipeline", "--model", "tiny", "--pp", "2", "--micro-batches", "2", "--repeats", "1"]) == 0
+    if world().rank == 0:
+        out = capsys.readouterr().out
+        assert "formula idle (p-1)/(m+p-1)" in out and out.count("  stage ") == 2

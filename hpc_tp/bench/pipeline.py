@@ -10,6 +10,7 @@ layers allow; what remains unequal shows up as extra idle time on the cheaper st
 """
 from __future__ import annotations
 
+import argparse
 from statistics import median
 from time import perf_counter
 
@@ -57,3 +58,37 @@ def report_lines(records: list[dict], pp: int, micro_batches: int, schedule: str
         lines.append(f"  stage {r['stage']} ({r['layers']} layers): idle {r['idle']:.3f} measured, "
                      f"busy {r['busy_s'] * 1e3:.1f} ms of a {r['step_s'] * 1e3:.1f} ms step")
     return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("--model", default="demo", help="preset name or JSON config (default %(default)s)")
+    parser.add_argument("--pp", type=int, help="pipeline stages (default: the world size; tp = world / pp)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default %(default)s)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default %(default)s)")
+    parser.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"), help="default %(default)s")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps (default %(default)s)")
+
+
+def run(args) -> int:
+    from ..comm.mpi import world
+    from ..errors import ConfigError
+    from ..grid import ProcessGrid
+    from ..launch import check_launch
+    from ..models import load_config
+
+    for flag in ("micro_batches", "micro_batch", "seq_len", "repeats"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected a positive whole number")
+    check_launch()
+    comm = world()
+    pp = args.pp or comm.size
+    if pp < 1 or comm.size % pp:
+        raise ConfigError(f"--pp {pp}: expected a divisor of the world size {comm.size}")
+    grid = ProcessGrid(tp=comm.size // pp, pp=pp, dp=1, world=comm)
+    cfg = load_config(args.model, vocab_size=258)
+    records = measure_bubble(cfg, grid, args.micro_batches, args.micro_batch, args.seq_len, args.schedule,
+                             repeats=args.repeats)
+    if comm.rank == 0:
+        print("\n".join(report_lines(records, pp, args.micro_batches, args.schedule)))
+    return 0
