@@ -71,16 +71,18 @@ class Trainer:
         settings.check()
         self.settings = s = settings
         world = _watched_world(world, s)
-        if s.plan:
+        planned = bool(s.plan)
+        if planned:  # builds the tokenizer and the model config on the way
             self.settings = s = self._planned(world)
         self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, world)
         for axis in ("tp", "pp", "dp"):  # reports name groups "tp [0, 1]" rather than "group [0, 1]"
             getattr(grid, axis).label = axis
         self.micro_batch = s.micro_batch_for(grid.dp_size, grid.pp_size)
         self.is_main = grid.world.rank == 0
-        self.init_meta = load_checkpoint(s.init, {}, grid) if s.init else None
-        self.tokenizer = self._tokenizer()
-        self.cfg = self._model_config()
+        if not planned:
+            self.init_meta = load_checkpoint(s.init, {}, grid) if s.init else None
+            self.tokenizer = self._tokenizer()
+            self.cfg = self._model_config()
         self.seq_len = self._seq_len()
         self.dataset = build_dataset(s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank,
                                      barrier=grid.world.barrier)
