@@ -3,9 +3,10 @@
 At 4 ranks: 1x4x1, 2x2x1 and 1x2x2; at 2 ranks: 1x2x1 (tp x pp x dp). Each layout runs GPipe and
 1F1B, with and without activation recomputation, with dropout and tied embeddings, on a model
 whose layer count pp does not divide (some stages get one layer) and with fewer micro-batches
-than stages at pp = 4. The reference is one process looping over the same micro-batches with
-the same dropout positions.
+than stages at pp = 4; sequence parallelism and MoE layers go through the pipeline too. The
+reference is one process looping over the same micro-batches with the same dropout positions.
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -136,6 +137,24 @@ def test_untied_llama_one_micro_batch_explicit_split(schedule):
         assert list(model.layer_ids) == list(layers[grid.coords.pp])
         assert tied_copy_names(model, grid) == frozenset()
         check_against_reference(LLAMA, batches, grid, model, loss, count)
+
+
+# Sequence parallelism: stages exchange sequence shards [B, T/tp, H] (a whole-sequence message would not fit
+# the receive buffers); the MoE layers on the way gather the sequence for their tensor-parallel experts.
+SP_GPT = dataclasses.replace(GPT, sequence_parallel=True)
+SP_MOE = dataclasses.replace(SP_GPT, num_experts=4, top_k=2, moe_every=2, capacity_factor=1.0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("cfg", [SP_GPT, SP_MOE], ids=["sequence-parallel", "sequence-parallel-moe"])
+def test_sequence_parallel_pipeline_matches_one_process(cfg):
+    for layout in layouts():
+        batches = make_micro_batches(cfg, 3 * layout[2])
+        grid, model, loss, count, _ = run_pipeline(cfg, layout, batches, "1f1b", recompute=True)
+        assert model.hidden_shape(MICRO, SEQ) == (MICRO, SEQ // layout[0], cfg.hidden)
+        check_against_reference(cfg, batches, grid, model, loss, count)
+        for moe in model.moe_layers():  # a forward rerun by recomputation is not counted twice
+            assert moe.stats.forwards == 3
 
 
 @pytest.mark.mpi(min_size=2)

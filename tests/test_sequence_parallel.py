@@ -1,6 +1,6 @@
 """Sequence parallelism at tp = world size gives the numbers of the plain tensor-parallel run
-(loss, logits, every gradient; float64, dropout on), and a block keeps 1/tp of the activations
-the one-process block keeps."""
+(loss, logits, every gradient; float64, dropout on; Mixture-of-Experts layers too), and a block
+keeps 1/tp of the activations the one-process block keeps."""
 import numpy as np
 import pytest
 
@@ -21,6 +21,9 @@ CONFIGS = {
                          dropout=0.2, attn_dropout=0.1),
     "llama-gqa": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=16,
                       norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False),
+    # The MoE layer gathers the sequence its tensor-parallel experts need; some assignments are dropped.
+    "moe-dropout": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=16, dropout=0.2,
+                        num_experts=4, top_k=2, capacity_factor=0.75, aux_loss_coef=0.1, bias=False),
 }
 
 
@@ -37,6 +40,8 @@ def test_sequence_parallel_matches_plain_tensor_parallel(name):
         model.backward(ctx, 1.0 / count)
         runs[sp] = (model, loss, model.logits(ids))
     (plain, loss_plain, logits_plain), (sp, loss_sp, logits_sp) = runs[False], runs[True]
+    for moe_plain, moe_sp in zip(plain.moe_layers(), sp.moe_layers()):  # the same routing, the same drops
+        assert moe_sp.stats.dropped == moe_plain.stats.dropped > 0
     assert abs(loss_sp - loss_plain) <= TOL * abs(loss_plain)
     assert max_rel_err(logits_sp, logits_plain) <= TOL
     full = {n: gather_full(p.grad, p.partition, tp) for n, p in plain.named_parameters()}

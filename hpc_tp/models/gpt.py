@@ -9,9 +9,11 @@ With ``cfg.sequence_parallel`` the blocks pass sequence shards [B, T/tp, H]: the
 output is cut into shards, and the final norm runs on a shard before the sequence is gathered
 for the vocab-parallel head. With ``cfg.num_experts`` some MLPs are Mixture-of-Experts layers
 whose experts are spread over ``ep_comm``; ``set_loss_scale`` tells them the scale of the loss
-their load-balancing term joins (``backward`` sets it; a pipeline schedule must too).
+their load-balancing term joins (``backward`` sets it, and so does the pipeline schedule).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from .. import backend
 from ..comm.base import Communicator
@@ -21,7 +23,8 @@ from ..nn.block import TransformerBlock
 from ..nn.moe import MoEMLP
 from ..nn.norms import make_norm
 from ..tensor_parallel.random import DropoutRNG
-from ..tensor_parallel.sequence_parallel import gather_sequence, scatter_sequence, sum_grads_over
+from ..tensor_parallel.sequence_parallel import (check_sequence_divisible, gather_sequence, scatter_sequence,
+                                                 sum_grads_over)
 from ..tensor_parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelLMHead
 from .config import ModelConfig
 from .init import initialize
@@ -65,6 +68,14 @@ class GPTModel(Module):
                 local, tail = rest.split(".", 1)
                 name = f"{prefix}layers.{self.layer_ids[int(local)]}.{tail}"
             yield name, p
+
+    def hidden_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
+        """The hidden states between blocks (what a pipeline stage sends): [B, T, H], or this rank's
+        sequence shard [B, T/tp, H] with sequence parallelism."""
+        if self._sequence_comm is None:
+            return batch, seq, self.cfg.hidden
+        check_sequence_divisible(seq, self._sequence_comm.size)
+        return batch, seq // self._sequence_comm.size, self.cfg.hidden
 
     # -- pieces ---------------------------------------------------------------------------------------
     def embed_forward(self, ids, positions=None):
@@ -138,6 +149,19 @@ class GPTModel(Module):
 
     def moe_layers(self) -> list[MoEMLP]:
         return [block.mlp for block in self.layers if isinstance(block.mlp, MoEMLP)]
+
+    @contextmanager
+    def uncounted(self):
+        """Forwards the MoE layers leave out of their routing counts: recomputation (counted once
+        already), evaluation (not training)."""
+        layers = self.moe_layers()
+        for moe in layers:
+            moe.count_stats = False
+        try:
+            yield
+        finally:
+            for moe in layers:
+                moe.count_stats = True
 
     def set_loss_scale(self, scale: float):
         """The factor backward applies to ``loss_sum`` (1 / global token count): the MoE layers'

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 from .. import backend
 from ..comm.base import Communicator
-from ..errors import ConfigError
 from ..module import Module, ModuleList, Parameter, replicated
 from ..tensor_parallel.experts import ExpertDispatcher
+from ..tensor_parallel.sequence_parallel import gather_sequence, scatter_sequence
 from . import functional as F
 from .mlp import ParallelMLP
 
@@ -38,12 +38,14 @@ def is_expert_parameter(name: str) -> bool:
 
 @dataclass
 class MoEStats:
-    """Counted over the forwards since the last reset (the same on every rank of an ep group)."""
+    """Counted over the forwards since the last reset (the same on every rank of an ep group;
+    a forward rerun by activation recomputation is not counted again)."""
 
     forwards: int = 0
     assignments: int = 0   # token-choices routed
     dropped: int = 0       # of those, over capacity
     aux: float = 0.0       # sum of the per-forward load-balancing loss (without its coefficient)
+    load: object = None    # [E] assignments routed to each expert (before dropping)
 
 
 class LocalExperts(ModuleList):
@@ -63,6 +65,7 @@ class MoEMLP(Module):
                  ep_comm: Communicator | None = None, capacity_factor: float = 1.25, aux_loss_coef: float = 0.01,
                  activation: str = "gelu_tanh", bias: bool = True, dtype="float64"):
         self.num_experts, self.top_k, self.aux_loss_coef = num_experts, top_k, aux_loss_coef
+        self._comm = comm
         self._dispatcher = ExpertDispatcher(num_experts, ep_comm, capacity_factor)
         self.router = Parameter(backend.xp.zeros((hidden, num_experts), dtype=dtype),
                                 replicated((hidden, num_experts), comm.size))
@@ -70,6 +73,7 @@ class MoEMLP(Module):
                                      for _ in range(self._dispatcher.local_experts)], self._dispatcher.first_expert)
         self.loss_scale = 1.0
         self.stats = MoEStats()
+        self.count_stats = True
 
     def route(self, xs):
         """Router probabilities [N, E], top-k choices [N, k] (ties go to the lower expert id),
@@ -93,12 +97,17 @@ class MoEMLP(Module):
         y = xp.zeros_like(xs)
         xp.add.at(y, plan.token, gates[plan.token, plan.choice][:, None] * y_rows)
         share = xp.asarray(plan.assignments / (plan.group_tokens * self.top_k))  # f_e
-        aux = float(self.num_experts * share @ xp.asarray(plan.group_prob_sum / plan.group_tokens))
-        self.stats.forwards += 1
-        self.stats.assignments += int(plan.assignments.sum())
-        self.stats.dropped += plan.dropped
-        self.stats.aux += aux
+        if self.count_stats:
+            self._count(plan, float(self.num_experts * share @ xp.asarray(plan.group_prob_sum / plan.group_tokens)))
         return y.reshape(x.shape), (x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs)
+
+    def _count(self, plan, aux: float):
+        stats = self.stats
+        stats.forwards += 1
+        stats.assignments += int(plan.assignments.sum())
+        stats.dropped += plan.dropped
+        stats.aux += aux
+        stats.load = plan.assignments.copy() if stats.load is None else stats.load + plan.assignments
 
     def aux_sum(self, ctx) -> float:
         """This rank's share of the scaled load-balancing loss, ``coef * sum_t E * sum_e f_e p_te``;
@@ -131,13 +140,32 @@ class MoEMLP(Module):
         return dx.reshape(shape)
 
 
+class SequenceParallelMoEMLP(MoEMLP):
+    """A MoE layer inside a sequence-parallel block, whose input is a sequence shard [B, T/tp, H].
+
+    The experts are tensor-parallel, so every tp rank must route and feed them the same tokens:
+    the shards are all-gathered (the f of sequence parallelism), the layer runs as under plain
+    tp, and each rank keeps its shard of the replicated output. Backward gathers the output
+    gradient (every rank then holds the whole of it, as plain tp expects) and keeps its shard of
+    the input gradient, which the experts' f has already summed over tp. The bytes are those of
+    the all-reduce plain tp would do before this layer; the layer keeps its gathered input for
+    backward, so its own activations are not divided by tp.
+    """
+
+    def forward(self, x):
+        y, ctx = super().forward(gather_sequence(x, self._comm))
+        return scatter_sequence(y, self._comm), ctx
+
+    def backward(self, dy, ctx):
+        dx = super().backward(gather_sequence(dy, self._comm), ctx)
+        return scatter_sequence(dx, self._comm)
+
+
 def feed_forward(cfg, comm: Communicator, layer_id: int, ep_comm: Communicator | None, dtype):
     """The MLP of block ``layer_id``: a MoE layer where ``cfg.is_moe_layer`` says so, else dense."""
     if not cfg.is_moe_layer(layer_id):
         return ParallelMLP(cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype,
                            sequence_parallel=cfg.sequence_parallel)
-    if cfg.sequence_parallel and comm.size > 1:
-        raise ConfigError("sequence_parallel with num_experts > 0 needs tp=1: experts are tensor-parallel over "
-                          "tokens every tp rank holds")
-    return MoEMLP(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.top_k, comm, ep_comm, cfg.capacity_factor,
-                  cfg.aux_loss_coef, cfg.activation, cfg.bias, dtype)
+    moe = SequenceParallelMoEMLP if cfg.sequence_parallel and comm.size > 1 else MoEMLP
+    return moe(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.top_k, comm, ep_comm, cfg.capacity_factor,
+               cfg.aux_loss_coef, cfg.activation, cfg.bias, dtype)

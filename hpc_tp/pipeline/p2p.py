@@ -2,8 +2,10 @@
 
 Stage s receives activations from s-1 and sends them to s+1; gradients flow back the other
 way. Every message of a step has the shape of one micro-batch's hidden states
-``[micro_batch, seq_len, hidden]`` and the model's dtype, both known on every stage from the
-config and the batch, so no shape message ever travels: receive buffers are allocated up front.
+``[micro_batch, seq_len, hidden]`` (with sequence parallelism this rank's shard
+``[micro_batch, seq_len / tp, hidden]``, ``GPTModel.hidden_shape``) and the model's dtype, both
+known on every stage from the config and the batch, so no shape message ever travels: receive
+buffers are allocated up front.
 
 Receives are posted early (the next activation while the current one is computed, a
 gradient as soon as the activation it answers has gone out) and sends are waited late (an

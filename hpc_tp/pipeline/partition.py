@@ -111,8 +111,9 @@ def parse_pp_layers(spec: str, n_layers: int, pp: int) -> list[range]:
 
 def build_stage(cfg: ModelConfig, grid, dtype="float64", seed: int = 0, layers_per_stage=None) -> GPTModel:
     """This rank's stage of the model: its layers, the embedding on the first stage, the final
-    norm, head and loss on the last. ``layers_per_stage``: None (balanced by cost), a list of
-    layer counts, or a list of ranges (as ``stage_layers`` gives)."""
+    norm, head and loss on the last; MoE experts spread over the grid's ep group.
+    ``layers_per_stage``: None (balanced by cost), a list of layer counts, or a list of ranges
+    (as ``stage_layers`` gives)."""
     if layers_per_stage is None:
         ranges = balanced_layers(cfg, grid.pp_size)
     elif all(isinstance(r, range) for r in layers_per_stage):
@@ -122,4 +123,4 @@ def build_stage(cfg: ModelConfig, grid, dtype="float64", seed: int = 0, layers_p
     else:
         ranges = layers_from_counts(layers_per_stage, cfg.n_layers, grid.pp_size)
     return GPTModel(cfg, grid.tp, dtype=dtype, seed=seed, layers=ranges[grid.coords.pp],
-                    has_embedding=grid.is_first_stage, has_head=grid.is_last_stage)
+                    has_embedding=grid.is_first_stage, has_head=grid.is_last_stage, ep_comm=grid.ep)

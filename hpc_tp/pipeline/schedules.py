@@ -110,8 +110,9 @@ class _StageRunner:
         self.model, self.micro_batches, self.scale, self.recompute = model, micro_batches, scale, recompute
         self.on_grads_final, self.step, self.first_micro_batch = on_grads_final, step, first_micro_batch
         self.is_first, self.is_last = grid.is_first_stage, grid.is_last_stage
-        batch, seq = micro_batches[0][0].shape
-        self.link = StageLink(grid.pp, (batch, seq, model.cfg.hidden), backend.xp.dtype(model.dtype))
+        self.link = StageLink(grid.pp, model.hidden_shape(*numpy.shape(micro_batches[0][0])),
+                              backend.xp.dtype(model.dtype))
+        model.set_loss_scale(scale)  # the MoE layers' load-balancing term joins the loss at this scale
         self.groups = stage_parameter_groups(model)
         self.ctxs = {}            # micro-batch -> (embedding ctx, per-block ctx or input, head ctx)
         self.ctx_bytes = {}
@@ -170,7 +171,11 @@ class _StageRunner:
             self.link.wait_send(ACTIVATION, i)
         for index, block, block_saved in zip(reversed(self.model.layer_ids), reversed(self.model.layers.items),
                                              reversed(saved)):
-            block_ctx = block.forward(block_saved)[1] if self.recompute else block_saved
+            if self.recompute:
+                with self.model.uncounted():
+                    block_ctx = block.forward(block_saved)[1]
+            else:
+                block_ctx = block_saved
             dx = block.backward(dx, block_ctx)
             self._final(final, f"layers.{index}")
         if self.is_first:

@@ -132,6 +132,38 @@ class GradBucketer:
             self._next += 1
 
 
+class ExpertAwareBucketer:
+    """The trainer's gradient sync under expert parallelism: dense gradients summed over the dp
+    group, each expert's over ``grid.expert_dp`` (the ranks that hold that same expert; every other
+    dp rank holds other experts). Same interface as ``GradBucketer``, sums (``average=False``)."""
+
+    def __init__(self, named_params: dict[str, Parameter], grid, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        from ..nn.moe import is_expert_parameter
+
+        experts = {n: p for n, p in named_params.items() if is_expert_parameter(n)}
+        dense = {n: p for n, p in named_params.items() if n not in experts}
+        self.parts = [GradBucketer(dense, grid.dp, bucket_bytes, average=False),
+                      GradBucketer(experts, grid.expert_dp, bucket_bytes, average=False)]
+        self._part_of = {name: part for part in self.parts for name in part._bucket_of}
+
+    def start(self):
+        for part in self.parts:
+            part.start()
+
+    def mark_ready(self, *names: str):
+        for name in names:
+            if name not in self._part_of:
+                raise KeyError(f"{name!r} is not a parameter of this gradient bucketer")
+        for part in self.parts:
+            mine = [n for n in names if self._part_of[n] is part]
+            if mine:
+                part.mark_ready(*mine)
+
+    def finish(self):
+        for part in self.parts:
+            part.finish()
+
+
 def all_reduce_grads(named_params: dict[str, Parameter], dp_comm, average: bool = True,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """Plain path (no overlap): the same buckets and collectives as the overlapped one, so the

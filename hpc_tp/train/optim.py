@@ -78,23 +78,33 @@ def global_grad_norm(named_params: dict[str, Parameter], grid, skip=frozenset())
 
     A piece held by ``replicas`` ranks of the tp group counts ``1/replicas`` on each, so it
     counts once; the sum is then all-reduced over tp and over pp. Not over dp: after the dp
-    all-reduce every dp rank holds the same gradients.
+    all-reduce every dp rank holds the same gradients, save MoE experts, which differ across the
+    ep group: their squares are summed over it, the rest counted on its first rank only.
     ``skip``: names whose gradient this rank must not count because another pipeline stage
     counts it, e.g. the last stage's copy of embeddings tied to the first stage's.
     """
     import numpy
 
-    total = 0.0
+    from ..nn.moe import is_expert_parameter
+
+    dense = experts = 0.0
     for name, p in named_params.items():
         if name in skip:
             continue
         g = p.grad.astype("float64", copy=False)
         # Summed on the gradient's device; the one transfer to the host happens below.
-        total = total + (g * g).sum() / p.partition.replicas
-    buffer = numpy.array([float(total)])
+        square = (g * g).sum() / p.partition.replicas
+        if is_expert_parameter(name):
+            experts = experts + square
+        else:
+            dense = dense + square
+    buffer = numpy.array([float(dense), float(experts)])
     grid.tp.all_reduce(buffer)
     grid.pp.all_reduce(buffer)
-    return math.sqrt(buffer[0])
+    if grid.ep_size > 1:
+        buffer[0] *= grid.coords.ep == 0
+        grid.ep.all_reduce(buffer)
+    return math.sqrt(buffer[0] + buffer[1])
 
 
 def clip_grads(named_params: dict[str, Parameter], max_norm: float, grid, skip=frozenset()) -> float:
