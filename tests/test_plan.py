@@ -2,7 +2,7 @@
 with reasons, the well-known plans, calibration files, the command, and predicted against measured
 step time on this machine (errors printed; only a loose sanity bound is asserted, never a timing)."""
 import json
-import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,12 +13,14 @@ from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid, factorizations
 from hpc_tp.models.config import ModelConfig, load_config
 from hpc_tp.nn.attention import heads_fit
+from hpc_tp.nn.moe import is_expert_parameter
 from hpc_tp.pipeline import PipelineStats, balanced_layers, build_stage, pipeline_forward_backward
 from hpc_tp.plan import choose_layout, search
 from hpc_tp.plan.calibration import from_comm_records, from_step_records, load_calibration
 from hpc_tp.plan.clusters import CLUSTERS, engine_precision, get_cluster
 from hpc_tp.plan.cost import Layout, Link, hops, predict, traffic
 from hpc_tp.plan.memory import MEGATRON, kv_cache_bytes, layer_activation_bytes, stage_memory
+from hpc_tp.plan.search import divisors, structural_reason, variant_reason
 from hpc_tp.serve.kv_cache import KVCache
 from hpc_tp.train.optim import AdamW
 
@@ -27,50 +29,82 @@ GPT = ModelConfig(vocab_size=37, hidden=16, n_layers=3, n_heads=4, max_seq_len=8
 # Untied, RoPE, SwiGLU, RMSNorm, 2 kv heads: replicated at tp = 4.
 LLAMA = ModelConfig(vocab_size=29, hidden=16, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=24, max_seq_len=8,
                     norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
-MICRO, SEQ, MICRO_BATCHES = 2, 6, 4
+# Every expert sees every token (top_k = num_experts, capacity >= tokens): the routing, and so what
+# an MoE layer keeps, is the capacity bound the planner counts, at any ep.
+MOE = ModelConfig(vocab_size=37, hidden=16, n_layers=2, n_heads=4, max_seq_len=8, num_experts=4, top_k=4,
+                  moe_every=2, capacity_factor=1.0)
+# Routed by the weights (top 1 of 4, capacity 1.25): the bound must hold, with tokens dropped or not.
+ROUTED = replace(MOE, top_k=1, capacity_factor=1.25, moe_every=1)
+SP = {"gpt-sp": replace(GPT, sequence_parallel=True), "llama-sp": replace(LLAMA, sequence_parallel=True),
+      "moe-sp": replace(MOE, sequence_parallel=True)}
+MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, **SP}
+MICRO, SEQ, MICRO_BATCHES = 2, 8, 4
 
 
 def engine_layouts(cfg):
-    return [(t, p, d) for t, p, d in factorizations(world().size)
-            if heads_fit(cfg.n_heads, cfg.n_kv_heads, t) and cfg.ffn_hidden % t == 0 and p <= cfg.n_layers]
+    """(tp, pp, dp, ep) the engine runs, by the planner's own rules (so they are tested too)."""
+    return [(t, p, d, e) for t, p, d in factorizations(world().size) if structural_reason(cfg, t, p, d, 4) is None
+            for e in (divisors(d) if cfg.num_experts else [1])
+            if variant_reason(cfg, t, d, SEQ, cfg.sequence_parallel, e) is None]
 
 
 # -- memory: exact against the engine -------------------------------------------------------------------
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "moe", "moe-sp"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_parameter_and_optimizer_bytes_are_the_engines(cfg, dtype):
-    precision = engine_precision(dtype)
-    for tp, pp, dp in engine_layouts(cfg):
-        grid = ProcessGrid(tp, pp, dp, world())
+def test_parameter_and_optimizer_bytes_are_the_engines(name, dtype):
+    cfg, precision = MODELS[name], engine_precision(dtype)
+    for tp, pp, dp, ep in engine_layouts(cfg):
+        grid = ProcessGrid(tp, pp, dp, world(), ep=ep)
         model = build_stage(cfg, grid, dtype)
         optimizer = AdamW(model.state(), 1e-3)
         states = sum(a.nbytes for kind in (optimizer.exp_avg, optimizer.exp_avg_sq) for a in kind.values())
-        n_layers = [len(r) for r in balanced_layers(cfg, pp)][grid.coords.pp]
-        predicted = stage_memory(cfg, tp, dp, pp, grid.coords.pp, n_layers, MICRO, SEQ, MICRO_BATCHES, "1f1b",
-                                 False, precision)
-        assert (predicted.params, predicted.optimizer) == (model.local_bytes(), states), (tp, pp, dp)
-        assert predicted.grads == sum(p.grad.nbytes for p in model.parameters()) * (2 if dp > 1 else 1)
+        layers = balanced_layers(cfg, pp)[grid.coords.pp]
+        predicted = stage_memory(cfg, tp, dp, pp, grid.coords.pp, layers, MICRO, SEQ, MICRO_BATCHES, "1f1b",
+                                 False, precision, ep=ep)
+        assert (predicted.params, predicted.optimizer) == (model.local_bytes(), states), (tp, pp, dp, ep)
+        grads = {expert: sum(p.grad.nbytes for n, p in model.named_parameters() if is_expert_parameter(n) == expert)
+                 for expert in (False, True)}
+        copies = grads[False] * (dp > 1) + grads[True] * (dp // ep > 1)  # the dp and expert-dp buckets
+        assert predicted.grads == grads[False] + grads[True] + copies, (tp, pp, dp, ep)
 
 
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
-@pytest.mark.parametrize("schedule, recompute", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
-def test_activation_bytes_are_what_the_pipeline_holds(cfg, schedule, recompute):
+def held_activations(cfg, tp, pp, dp, ep, schedule, recompute):
+    """(predicted, measured) activation bytes of this rank's stage over a few micro-batches."""
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, cfg.vocab_size, (MICRO, SEQ)), rng.integers(0, cfg.vocab_size, (MICRO, SEQ)))
                for _ in range(MICRO_BATCHES)]
-    for tp, pp, dp in engine_layouts(cfg):
-        grid = ProcessGrid(tp, pp, dp, world())
-        model = build_stage(cfg, grid, "float64")
-        stats = PipelineStats()
-        m = MICRO_BATCHES // dp
-        pipeline_forward_backward(model, batches[:m], grid, 1.0, schedule, recompute, stats=stats)
-        n_layers = [len(r) for r in balanced_layers(cfg, pp)][grid.coords.pp]
-        predicted = stage_memory(cfg, tp, dp, pp, grid.coords.pp, n_layers, MICRO, SEQ, m, schedule, recompute,
-                                 engine_precision("float64"))
-        assert predicted.activations == stats.peak_bytes, (tp, pp, dp, grid.coords.pp)
+    grid = ProcessGrid(tp, pp, dp, world(), ep=ep)
+    model = build_stage(cfg, grid, "float64")
+    stats = PipelineStats()
+    m = MICRO_BATCHES // dp
+    pipeline_forward_backward(model, batches[grid.coords.dp * m:][:m], grid, 1.0, schedule, recompute, stats=stats)
+    predicted = stage_memory(cfg, tp, dp, pp, grid.coords.pp, balanced_layers(cfg, pp)[grid.coords.pp], MICRO, SEQ,
+                             m, schedule, recompute, engine_precision("float64"), ep=ep)
+    return predicted.activations, stats.peak_bytes
+
+
+# GPipe only changes how many micro-batches are in flight: checked on the two dense models.
+SCHEDULES = [("1f1b", False), ("1f1b", True)]
+ACTIVATION_CASES = [(name, *case) for name in MODELS for case in SCHEDULES] + [
+    (name, "gpipe", False) for name in ("gpt", "llama")]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name, schedule, recompute", ACTIVATION_CASES)
+def test_activation_bytes_are_what_the_pipeline_holds(name, schedule, recompute):
+    cfg = MODELS[name]
+    for tp, pp, dp, ep in engine_layouts(cfg):
+        predicted, measured = held_activations(cfg, tp, pp, dp, ep, schedule, recompute)
+        assert predicted == measured, (tp, pp, dp, ep, world().rank)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_routed_moe_activations_stay_within_the_capacity_bound():
+    for tp, pp, dp, ep in engine_layouts(ROUTED):
+        predicted, measured = held_activations(ROUTED, tp, pp, dp, ep, "1f1b", False)
+        assert measured <= predicted, (tp, pp, dp, ep, world().rank)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -91,11 +125,14 @@ def test_megatron_list_gives_korthikanti_formula(t):
     s, b, h, a = 2048, 2, 1024, 16
     cfg = ModelConfig(vocab_size=64, hidden=h, n_layers=1, n_heads=a, max_seq_len=s)
     assert layer_activation_bytes(cfg, b, s, t, 2, MEGATRON) == s * b * h * (10 + 24 // t) + 5 * a * s * s * b // t
+    # With sequence parallelism the replicated 10 s b h are divided by t too: s b h (34 / t) + 5 a s^2 b / t.
+    sp = replace(cfg, sequence_parallel=True)
+    assert layer_activation_bytes(sp, b, s, t, 2, MEGATRON) == s * b * h * 34 // t + 5 * a * s * s * b // t
 
 
 def test_recompute_and_1f1b_bound_activations():
     cfg, precision = load_config("gpt2"), engine_precision("float32")
-    kept = [stage_memory(cfg, 1, 1, 4, 0, 3, 4, 1024, 16, schedule, again, precision).activations
+    kept = [stage_memory(cfg, 1, 1, 4, 0, range(3), 4, 1024, 16, schedule, again, precision).activations
             for schedule, again in (("gpipe", False), ("1f1b", False), ("1f1b", True))]
     assert kept[0] == 4 * kept[1]  # 16 micro-batches in flight against pp - stage = 4
     assert kept[2] < kept[1] / 10  # a block's input against everything it saves
@@ -120,6 +157,25 @@ def test_every_rejected_layout_has_its_reason():
     for p in plan.ranked:
         assert p.peak_memory <= cluster.device_mem and 12 % (p.layout.dp * p.layout.micro_batch) == 0
     assert [p.step_s for p in plan.ranked] == sorted(p.step_s for p in plan.ranked)
+
+
+def test_sequence_parallel_and_expert_parallel_layouts():
+    # seq 30: tp = 4 cannot shard it; 4 experts: ep = 8 cannot spread them.
+    cfg = ModelConfig(vocab_size=258, hidden=48, n_layers=2, n_heads=4, max_seq_len=30, num_experts=4, top_k=2)
+    plan = search(cfg, 8, 16, 30, get_cluster("cpu-2core"), micro_batches=(2,), recompute=(False,))
+    reasons = {r.kind: r for r in plan.rejected}
+    assert "tp=4 with sequence parallelism" in reasons["sequence"].reason
+    assert "num_experts=4 is not divisible by ep=8" in reasons["experts"].reason
+    by_layout = {(p.layout.tp, p.layout.pp, p.layout.dp, p.layout.sequence_parallel, p.layout.ep): p
+                 for p in plan.ranked}
+    plain, sp = by_layout[(2, 1, 4, False, 1)], by_layout[(2, 1, 4, True, 1)]
+    ops = {(c.group, c.op) for c in sp.collectives}
+    assert {("tp", "all_gather"), ("tp", "reduce_scatter")} <= ops
+    assert plain.memory[0].activations > sp.memory[0].activations
+    spread = by_layout[(1, 1, 8, False, 2)]
+    assert {("ep", "all_to_all"), ("expert_dp", "all_reduce")} <= {(c.group, c.op) for c in spread.collectives}
+    experts = [by_layout[(1, 1, 8, False, ep)].memory[0] for ep in (1, 2, 4)]
+    assert experts[0].params > experts[1].params > experts[2].params  # E / ep experts per rank
 
 
 def test_gpt3_175b_on_1536_a100s_keeps_tp_in_a_node():
@@ -178,15 +234,15 @@ def test_comm_fit_recovers_alpha_and_bandwidth(tmp_path):
     assert cal.network(cpu).inter["p2p"] == Link(*cpu.link(True))  # measured on one node: inter stays the preset's
 
 
-def test_step_record_gives_rate_and_sync():
+def test_step_record_gives_rate_and_wait():
     record = {"benchmark": "step", "tp": 2, "flops": 6e9, "compute_s": 0.1, "comm_s": 0.01, "dtype": "float32",
               "layers": 2, "micro_batch": 2, "seq_len": 8, "hidden": 16}
     cal = from_comm_records([{"op": "all_reduce", "ranks": 2, "bytes": n, "project_time_s": 1e-5 + n / 1e9}
                              for n in (8, 2**20)]).merge(from_step_records([record]))
     assert cal.steps[0].rate == pytest.approx(3e10) and cal.steps[0].forward_flops == pytest.approx(1e9)
     link = cal.links["all_reduce"]
-    expected_sync = 0.01 / 8 - link.time("all_reduce", 2, 2 * 8 * 16 * 4)
-    assert cal.network(get_cluster("cpu-2core")).sync == pytest.approx(expected_sync)
+    expected_wait = (0.01 - 8 * link.time("all_reduce", 2, 2 * 8 * 16 * 4)) / 0.1  # per second of compute
+    assert cal.network(get_cluster("cpu-2core"), tp=2).wait == pytest.approx(expected_wait)
 
 
 @pytest.mark.parametrize("content, message", [("[1, 2]", "expected the JSON"), ("{", "not JSON")])
@@ -214,7 +270,8 @@ def test_plan_command_prints_and_writes_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [(["--gpus", "0"], "--gpus 0"), (["--cluster", "nope"], "nope"),
-                                           (["--set", "oops"], "KEY=VALUE"), (["--global-batch", "0"], "global-batch")])
+                                           (["--set", "oops"], "KEY=VALUE"), (["--global-batch", "0"], "global-batch"),
+                                           (["--ep", "0"], "--ep 0"), (["--ep", "2"], "has no experts")])
 def test_plan_command_errors(argv, message):
     from hpc_tp.cli import build_parser
     from hpc_tp.plan import command
@@ -237,19 +294,30 @@ MEASURED = dict(hidden=192, n_layers=2, n_heads=4, max_seq_len=64)
 # Two layouts per launch keep it short; `hpc-tp plan --validate` measures every one of a world.
 MEASURED_LAYOUTS = {1: [Layout(1, 1, 1, 2)], 2: [Layout(2, 1, 1, 2), Layout(1, 2, 1, 2)],
                     4: [Layout(4, 1, 1, 2), Layout(1, 2, 2, 2)]}
+BOUND, ATTEMPTS = 0.25, 3
 
 
 @pytest.mark.mpi(min_size=1)
-def test_predicted_step_time_against_the_trainer():
+def test_predicted_step_time_within_25_percent_of_the_trainer():
+    """Each layout's error is the median over 3 rounds of (calibrate, predict, train); a layout
+    outside the bound is measured again, up to 3 attempts, and passes if one attempt is within it:
+    load from other jobs passes, a model 2x off never does."""
     from hpc_tp.plan.validate import format_rows, validate
 
     comm = world()
-    rows, calibration = validate(comm, "tiny", MEASURED, global_batch=8, seq=64, micro_batch=2,
-                                 layouts=MEASURED_LAYOUTS.get(comm.size), steps=2)
-    if comm.rank == 0:
-        print(f"\n{comm.size} ranks, calibrated: {calibration.describe()}\n{format_rows(rows)}")
-    for r in rows:
-        assert r["predicted_state_bytes"] == r["measured_state_bytes"]
-        # Sanity only: the machine is shared and timings vary; the errors are printed above.
-        assert 1 / 4 < r["predicted_s"] / r["measured_s"] < 4, format_rows([r])
-        assert math.isfinite(r["error"])
+    pending, best = list(MEASURED_LAYOUTS.get(comm.size, [])), {}
+    for attempt in range(ATTEMPTS):
+        if not pending:
+            break
+        rows, calibration = validate(comm, "tiny", MEASURED, global_batch=8, seq=64, micro_batch=2,
+                                     layouts=pending, steps=1, repeats=3)
+        if comm.rank == 0:
+            print(f"\n{comm.size} ranks, attempt {attempt + 1}, calibrated: {calibration.describe()}\n"
+                  f"{format_rows(rows)}")
+        for r in rows:
+            assert r["predicted_state_bytes"] == r["measured_state_bytes"]
+            if r["layout"] not in best or abs(r["error"]) < abs(best[r["layout"]]["error"]):
+                best[r["layout"]] = r
+        # Every rank decides as rank 0 does, so the ranks run the same collectives next.
+        pending = comm.allgather_object([r["layout"] for r in rows if abs(r["error"]) > BOUND])[0]
+    assert not pending, format_rows([best[layout] for layout in pending])

@@ -35,11 +35,13 @@ class StepRate:
     message_bytes: int = 0
     comm_s: float = 0.0   # the step's time in them, waiting for the other ranks included
 
-    def sync(self, link: Link) -> float | None:
-        """Seconds each message cost beyond ``link``'s alpha-beta time; None without messages."""
+    def wait(self, link: Link) -> float | None:
+        """Seconds the messages took beyond ``link``'s alpha-beta time, per second of the step's
+        compute; None without messages."""
         if self.messages == 0:
             return None
-        return max(0.0, self.comm_s / self.messages - link.time("all_reduce", self.tp, self.message_bytes))
+        excess = self.comm_s - self.messages * link.time("all_reduce", self.tp, self.message_bytes)
+        return max(0.0, excess) / (3 * self.forward_flops / self.rate)
 
 
 @dataclass
@@ -50,26 +52,32 @@ class Calibration:
     mem_bw: float | None = None                 # bytes/s of elementwise work per rank, if measured
     sources: list = field(default_factory=list)
 
-    def network(self, cluster) -> Network:
+    def network(self, cluster, tp: int | None = None) -> Network:
+        """The measured links over the cluster's; ``wait`` from the step records at ``tp`` (ranks wait
+        longer for their partners in larger groups), else the largest of any record."""
         base = Network.of_cluster(cluster)
         inter = self.link_ranks > cluster.devices_per_node
         measured = {**(base.inter if inter else base.intra), **self.links}
         link = measured["all_reduce"]
-        syncs = [s.sync(link) for s in self.steps if s.sync(link) is not None]
-        return replace(base, **{"inter" if inter else "intra": measured}, sync=max(syncs, default=0.0))
+        records = [s for s in self.steps if s.tp == tp] or self.steps
+        waits = [s.wait(link) for s in records if s.wait(link) is not None]
+        return replace(base, **{"inter" if inter else "intra": measured}, wait=max(waits, default=0.0))
 
-    def rank_flops(self, cluster, ranks_per_node: int, forward_flops: float, tp: int) -> float:
+    def rank_flops(self, cluster, ranks_per_node: int, forward_flops: float, tp: int,
+                   busy_ranks: float | None = None) -> float:
         """FLOP/s of one rank doing ``forward_flops`` per micro-batch at ``tp``: the record measured
-        with as many ranks on the node, at the same tp, of the nearest work, in that order."""
+        with as many ranks on the node, at the same tp, of the nearest work, in that order;
+        ``busy_ranks``: how many of them compute at once on average (``Cluster.rank_flops``)."""
+        busy = ranks_per_node if busy_ranks is None else busy_ranks
         if not self.steps:
-            return cluster.rank_flops(ranks_per_node)
+            return cluster.rank_flops(busy)
         best = min(self.steps, key=lambda s: (s.ranks != ranks_per_node, s.tp != tp,
                                               abs(math.log(max(s.forward_flops, 1.0) / max(forward_flops, 1.0)))))
         rate = best.rate
         if cluster.compute_units is not None:
             def share(ranks):
                 return min(1.0, cluster.compute_units / ranks)
-            rate *= share(ranks_per_node) / share(best.ranks)
+            rate *= share(busy) / share(best.ranks)
         return rate
 
     def merge(self, other: "Calibration") -> "Calibration":

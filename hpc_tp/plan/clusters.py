@@ -66,8 +66,9 @@ class Cluster:
     def with_overrides(self, **values) -> "Cluster":
         return replace(self, **{k: v for k, v in values.items() if v is not None})
 
-    def rank_flops(self, ranks_per_node: int) -> float:
-        """Sustained matrix-product FLOP/s one rank gets when ``ranks_per_node`` ranks run on a node."""
+    def rank_flops(self, ranks_per_node: float) -> float:
+        """Sustained matrix-product FLOP/s one rank gets when ``ranks_per_node`` ranks compute at once
+        on a node (on average: ranks waiting in a pipeline bubble yield their core)."""
         share = 1.0
         if self.compute_units is not None and ranks_per_node > self.compute_units:
             share = self.compute_units / ranks_per_node

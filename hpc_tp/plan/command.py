@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     work.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
     work.add_argument("--micro-batch", type=int, action="append", metavar="N",
                       help="only these micro-batch sizes (repeatable; default: every divisor)")
+    work.add_argument("--ep", type=int, action="append", metavar="N",
+                      help="only these expert-parallel sizes for MoE models (repeatable; default: every divisor of dp)")
+    work.add_argument("--sequence-parallel", choices=("search", "on", "off"), default="search",
+                      help="sequence parallelism at tp > 1: try both (default), always, never")
     work.add_argument("--serve-batch", type=int, metavar="N",
                       help="also show serving memory: weights and KV cache of N sequences of --seq-len, per tp")
     out = parser.add_argument_group("output")
@@ -43,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser):
     out.add_argument("--validate", action="store_true",
                      help="under mpiexec: calibrate here, train each layout of the world a few steps, "
                           "print predicted vs measured step time and state bytes")
+    out.add_argument("--rounds", type=int, default=3,
+                     help="--validate: rounds, each calibrating and measuring every layout once (default %(default)s)")
+    out.add_argument("--steps", type=int, default=3,
+                     help="--validate: timed training steps per layout and round, after an untimed one "
+                          "(default %(default)s)")
 
 
 def build_cluster(args):
@@ -77,11 +86,16 @@ def run(args) -> int:
     cfg = load_config(args.model, **overrides)
     seq = args.seq_len or cfg.max_seq_len
     gpus = args.gpus or cluster.devices_per_node
-    for flag, value in (("global-batch", args.global_batch), ("seq-len", seq), ("top", args.top)):
+    for flag, value in (("global-batch", args.global_batch), ("seq-len", seq), ("top", args.top),
+                        *(("ep", e) for e in args.ep or [])):
         if value < 1:
             raise ConfigError(f"--{flag} {value}: expected a positive whole number")
+    if args.ep and not cfg.num_experts and max(args.ep) > 1:
+        raise ConfigError(f"--ep {max(args.ep)}: model {args.model} has no experts (num_experts=0)")
     calibration = load_calibration(args.calibration) if args.calibration else None
-    plan = search(cfg, gpus, args.global_batch, seq, cluster, calibration, micro_batches=args.micro_batch)
+    sp = {"search": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]
+    plan = search(cfg, gpus, args.global_batch, seq, cluster, calibration, micro_batches=args.micro_batch,
+                  sequence_parallel=sp, eps=args.ep)
     print(format_plan(plan, cfg, args.model, cluster, gpus, args.global_batch, seq, calibration, args.top,
                       args.serve_batch))
     if args.json:
@@ -102,7 +116,7 @@ def _validate(args, overrides) -> int:
     comm = world()
     micro = (args.micro_batch or [2])[0]
     rows, calibration = validate(comm, args.model, overrides, args.global_batch, args.seq_len or 64, micro,
-                                 cluster=args.cluster)
+                                 cluster=args.cluster, steps=args.steps, repeats=args.rounds)
     if comm.rank == 0:
         print(f"hpc-tp plan --validate: {comm.size} ranks, calibrated here: {calibration.describe()}")
         print(format_rows(rows))

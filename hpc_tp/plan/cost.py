@@ -1,16 +1,22 @@
-"""Predicted step time of a (tp, pp, dp, micro-batch, recompute, schedule) layout.
+"""Predicted step time of a (tp, pp, dp, micro-batch, recompute, schedule, sp, ep) layout.
 
 Compute. Forward FLOPs per token come from ``pipeline.partition.stage_costs`` (the estimate the
 stage split balances): per block 2 x (QKV, output, MLP weights) + 4 s h for scores and P V,
 plus the embedding on the first stage and the head and loss on the last. Backward costs twice
 the forward; full recomputation runs each block's forward once more. A stage's work is split
-over its tp ranks, each running at the cluster's (or the calibration's) sustained FLOP/s.
+over its tp ranks, each running at the cluster's (or the calibration's) sustained FLOP/s. An MoE
+layer replaces its MLP by the router (2 h E per token) and the experts' rows: the model FLOPs
+count top_k experts per token; the busiest rank's time counts the rows its experts receive at
+the capacity bound (``memory.Routing``), since the all-to-all waits for it.
 
 Communication, as the engine issues it (``stage_collectives``), each message timed with an
-alpha-beta model of the link it crosses (``Link``), plus the calibration's ``sync`` per message:
+alpha-beta model of the link it crosses (``Link``), plus, in a tp group, the calibration's
+``wait``: the time its ranks spend waiting for each other per second of compute (a partner
+descheduled, a slower core), which grows with the work between collectives, not their number:
 
     all-reduce of n bytes over g ranks   2 log2(g) alpha + 2 (g - 1) / g * n / bw
     all-gather, reduce-scatter             log2(g) alpha +   (g - 1) / g * n / bw
+    all-to-all (pairwise exchange)          (g - 1) alpha +   (g - 1) / g * n / bw
     point-to-point                                 alpha +                n / bw
 
 The bandwidth terms are the ring's (each rank sends 2 (g - 1) / g of the buffer); the latency
@@ -21,11 +27,23 @@ all-reduce cost 60 ms).
 tp: per block, the f and g all-reduces of the [b, s, h] activations: 2 forward, 2 backward,
 2 more in a recomputed forward; the vocab-parallel embedding, head and loss add 1 + 1 + 2. With
 grouped-query attention and tp > kv heads, replicated K/V weight gradients are summed over
-their replicas every backward. pp: one activation forward and one gradient backward per
-micro-batch and stage boundary. dp: the stage's gradients once per step, in 25 MiB buckets.
-Each step also reduces a few scalars (token count, loss, grad norm, the finite check).
+their replicas every backward. Sequence parallelism (``tensor_parallel/sequence_parallel.py``)
+turns each block's all-reduces into all-gathers and reduce-scatters of the same [b, s, h]
+buffers: forward 2 all-gathers (f) and 2 reduce-scatters (g); backward 2 all-gathers of the
+output gradient, 2 all-gathers re-gathering the column-parallel inputs (kept as shards, as
+Megatron-LM does) and 2 reduce-scatters of the input gradient; one all-reduce of the norms'
+gradients; the embedding adds an all-gather backward, the final norm one forward and its
+gradient all-reduce. An MoE layer: the tp all-reduces of each local expert on its rows (the
+attention's stay as above; with SP the layer all-gathers its input forward and its output
+gradient backward), and over ep an all-gather of the routing counts and the all-to-all
+dispatch and combine forward and again backward, each of [ep, M, h] with M the rows one rank
+sends another at the capacity bound, spread evenly. pp: one activation (a sequence shard with
+SP) forward and one gradient backward per micro-batch and stage boundary. dp: the stage's dense
+gradients once per step over dp, the experts' over the expert-dp group (dp / ep), in 25 MiB
+buckets. Each step also reduces a few scalars (token count, loss, grad norm, the finite check).
 A group whose ranks span nodes (ranks = arange(world).reshape(dp, pp, tp), nodes cut that in
-blocks of devices_per_node) crosses the inter-node link, the rest stay inside a node.
+blocks of devices_per_node; the dp index is (outer, e) for ep and expert-dp, ``grid.py``)
+crosses the inter-node link, the rest stay inside a node.
 
 Pipeline. With per-micro-batch stage times T_s (forward + backward, their tp collectives and
 p2p) and m micro-batches, a step takes sum_s T_s + (m - 1) max_s T_s: the slowest stage works
@@ -46,17 +64,19 @@ import numpy
 from ..models.config import ModelConfig
 from ..pipeline.partition import balanced_layers, stage_costs
 from ..train.grad_sync import DEFAULT_BUCKET_BYTES
-from .memory import ENGINE, kv_heads_local, stage_memory, stage_params
+from .memory import ENGINE, Routing, expert_params, kv_heads_local, norm_params, stage_memory, stage_params
 
 UPDATE_PASSES = 11  # numpy AdamW (about 33 array passes), grad norm, finite check, zeroing: / 4 arrays
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
 def hops(op: str, group: int) -> int:
-    """Latency steps: recursive halving and doubling (module docstring)."""
+    """Latency steps: recursive halving and doubling, pairwise for all-to-all (module docstring)."""
     if op == "p2p":
         return 1
+    if op == "all_to_all":
+        return group - 1
     steps = math.ceil(math.log2(group)) if group > 1 else 0
     return 2 * steps if op == "all_reduce" else steps
 
@@ -80,12 +100,13 @@ class Link:
 @dataclass(frozen=True)
 class Network:
     """A ``Link`` per operation for each link class: the cluster's one link, or fitted per operation.
-    ``sync``: seconds every message costs inside a step beyond its alpha-beta time, because its
-    ranks arrive at different moments (measured by a calibration; large when ranks share cores)."""
+    ``wait``: seconds a tp group's collectives take beyond their alpha-beta time per second of
+    compute, because its ranks arrive at different moments (measured by a calibration; large when
+    ranks share cores)."""
 
     intra: dict
     inter: dict
-    sync: float = 0.0
+    wait: float = 0.0
 
     @classmethod
     def of_cluster(cls, cluster) -> "Network":
@@ -94,7 +115,7 @@ class Network:
     def time(self, op: str, group: int, nbytes: float, inter: bool) -> float:
         if group <= 1 and op != "p2p":
             return 0.0
-        return (self.inter if inter else self.intra)[op].time(op, group, nbytes) + self.sync
+        return (self.inter if inter else self.intra)[op].time(op, group, nbytes)
 
 
 @dataclass(frozen=True)
@@ -105,28 +126,36 @@ class Layout:
     micro_batch: int
     recompute: bool = False
     schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    ep: int = 1  # expert parallelism, carved out of dp
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
 
     def group_size(self, group: str) -> int:
-        return self.world if group == "world" else getattr(self, group)
+        sizes = {"world": self.world, "ep": self.ep, "expert_dp": self.dp // self.ep}
+        return sizes[group] if group in sizes else getattr(self, group)
 
     def spans_nodes(self, group: str, devices_per_node: int) -> bool:
-        """Whether some tp / pp / dp group has ranks on more than one node (its ring then runs at the
-        inter-node speed). Ranks are ``arange(world).reshape(dp, pp, tp)``, node = rank // per node."""
+        """Whether some group of this kind has ranks on more than one node (its ring then runs at the
+        inter-node speed). Ranks are ``arange(world).reshape(dp, pp, tp)``, node = rank // per node,
+        and the dp index is ``outer * ep + e`` (``grid.py``)."""
         if self.world <= devices_per_node:
             return False
         if group == "world":
             return True
-        nodes = numpy.arange(self.world).reshape(self.dp, self.pp, self.tp) // devices_per_node
-        axis = {"dp": 0, "pp": 1, "tp": 2}[group]
+        nodes = numpy.arange(self.world).reshape(self.dp // self.ep, self.ep, self.pp, self.tp) // devices_per_node
+        if group == "dp":
+            nodes = nodes.reshape(1, self.dp, self.pp, self.tp)
+        axis = {"dp": 1, "expert_dp": 0, "ep": 1, "pp": 2, "tp": 3}[group]
         return bool((nodes.max(axis=axis) != nodes.min(axis=axis)).any())
 
     def describe(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch={self.micro_batch} "
-                f"{'recompute ' if self.recompute else ''}{self.schedule if self.pp > 1 else ''}").strip()
+        extras = [f"ep={self.ep}" if self.ep > 1 else "", "sp" if self.sequence_parallel else "",
+                  "recompute" if self.recompute else "", self.schedule if self.pp > 1 else ""]
+        return " ".join([f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch={self.micro_batch}",
+                         *[e for e in extras if e]])
 
 
 @dataclass(frozen=True)
@@ -145,7 +174,7 @@ class Prediction:
     layout: Layout
     step_s: float
     compute_s: float       # the busiest stage's forward and backward FLOPs, m micro-batches
-    tp_s: float
+    tp_s: float            # the busiest stage's tp collectives, m micro-batches
     pp_s: float
     dp_s: float            # gradient buckets, and the step's scalar reductions (tokens, loss, norm, finite)
     bubble_s: float        # pipeline fill and drain: the step minus m times the slowest stage
@@ -155,101 +184,176 @@ class Prediction:
     memory: dict = field(default_factory=dict)      # stage -> StageMemory, the first stage of each kind
     layers: list = field(default_factory=list)      # layers per stage
     collectives: list = field(default_factory=list)
+    ep_s: float = 0.0      # MoE routing counts and all-to-alls over the ep group
 
     @property
     def peak_memory(self) -> int:
         return max(m.total for m in self.memory.values())
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq: int, n_layers: int, first: bool, last: bool) -> float:
+def mlp_flops_per_row(cfg: ModelConfig) -> float:
+    return 2.0 * ((2 if cfg.activation == "swiglu" else 1) * cfg.hidden * cfg.ffn_hidden + cfg.ffn_hidden * cfg.hidden)
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq: int, layers: range, first: bool, last: bool,
+                            expert_rows_per_token: float | None = None) -> float:
+    """Forward FLOPs per token of a stage's ``layers`` (global indices). An MoE layer's MLP counts
+    ``expert_rows_per_token`` expert rows (default: top_k, the model's FLOPs) plus its router."""
     embedding, block, head = stage_costs(cfg, seq)
-    return n_layers * block + (embedding if first else 0.0) + (head if last else 0.0)
+    moe = sum(cfg.is_moe_layer(i) for i in layers)
+    rows = cfg.top_k if expert_rows_per_token is None else expert_rows_per_token
+    experts = moe * ((rows - 1) * mlp_flops_per_row(cfg) + 2 * cfg.hidden * cfg.num_experts)
+    return len(layers) * block + experts + (embedding if first else 0.0) + (head if last else 0.0)
 
 
-def stage_collectives(cfg: ModelConfig, layout: Layout, seq: int, n_layers: int, first: bool, last: bool,
+def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, last: bool, m: int,
+                    elem: int) -> list:
+    """The tp group's messages (module docstring): plain, or sequence-parallel, and the experts'."""
+    tp, again = layout.tp, 1 if layout.recompute else 0
+    tokens = layout.micro_batch * seq
+    activation = tokens * cfg.hidden * elem
+    moe = sum(cfg.is_moe_layer(i) for i in layers)
+    dense = len(layers) - moe
+    out = []
+    if layout.sequence_parallel:
+        out.append(Collective("tp", "all_gather", activation, (2 * (3 + again) * dense + (5 + 2 * again) * moe) * m,
+                              "SP f: before QKV and fc1 (forward; again backward), output grads; MoE input"))
+        out.append(Collective("tp", "reduce_scatter", activation, (2 * (2 + again) * dense + (2 + again) * moe) * m,
+                              "SP g: after the output projection and fc2, and the input grads"))
+        out.append(Collective("tp", "all_reduce", 2 * norm_params(cfg) * elem, len(layers) * m, "SP norm grads"))
+        if first:
+            out.append(Collective("tp", "all_gather", activation, m, "SP embedding grad"))
+        if last:
+            out.append(Collective("tp", "all_gather", activation, m, "SP final norm output"))
+            out.append(Collective("tp", "all_reduce", norm_params(cfg) * elem, m, "SP final norm grads"))
+    else:
+        out.append(Collective("tp", "all_reduce", activation, ((4 + 2 * again) * dense + (2 + again) * moe) * m,
+                              "f/g of attention and MLP"))
+    if moe:
+        routing = Routing.bound(cfg, tokens, layout.ep)
+        local = cfg.num_experts // layout.ep
+        out.append(Collective("tp", "all_reduce", math.ceil(routing.received / local) * cfg.hidden * elem,
+                              moe * local * (2 + again) * m, "f/g of each local expert on its rows"))
+    if first:
+        out.append(Collective("tp", "all_reduce", activation, m, "vocab-parallel embedding"))
+    if last:
+        out.append(Collective("tp", "all_reduce", activation, m, "LM head input gradient"))
+        out.append(Collective("tp", "all_reduce", tokens * elem, m, "loss row max"))
+        out.append(Collective("tp", "all_reduce", 2 * tokens * elem, m, "loss sum-exp and target logit"))
+    if cfg.n_kv_heads < tp:
+        replicas_bytes = cfg.hidden * 2 * cfg.head_dim * elem * kv_heads_local(cfg, tp)
+        out.append(Collective("tp", "all_reduce", replicas_bytes, len(layers) * m, "replicated K/V grads"))
+    return out
+
+
+def stage_collectives(cfg: ModelConfig, layout: Layout, seq: int, layers: range, first: bool, last: bool,
                       micro_batches: int, elem: int, grad_bytes: int) -> list[Collective]:
     """Every collective one rank of a stage issues in a step, with its size and count."""
-    tp, m = layout.tp, micro_batches
-    activation = layout.micro_batch * seq * cfg.hidden * elem
+    tp, ep, m = layout.tp, layout.ep, micro_batches
     tokens = layout.micro_batch * seq
-    out = []
-    if tp > 1:
-        per_block = 4 + (2 if layout.recompute else 0)
-        out.append(Collective("tp", "all_reduce", activation, per_block * n_layers * m, "f/g of attention and MLP"))
-        if first:
-            out.append(Collective("tp", "all_reduce", activation, m, "vocab-parallel embedding"))
-        if last:
-            out.append(Collective("tp", "all_reduce", activation, m, "LM head input gradient"))
-            out.append(Collective("tp", "all_reduce", tokens * elem, m, "loss row max"))
-            out.append(Collective("tp", "all_reduce", 2 * tokens * elem, m, "loss sum-exp and target logit"))
-        if cfg.n_kv_heads < tp:
-            replicas_bytes = cfg.hidden * 2 * cfg.head_dim * elem * kv_heads_local(cfg, tp)
-            out.append(Collective("tp", "all_reduce", replicas_bytes, n_layers * m, "replicated K/V grads"))
+    activation = tokens * cfg.hidden * elem
+    moe = sum(cfg.is_moe_layer(i) for i in layers)
+    again = 1 if layout.recompute else 0
+    out = _tp_collectives(cfg, layout, seq, layers, first, last, m, elem) if tp > 1 else []
+    if moe and ep > 1:
+        routing = Routing.bound(cfg, tokens, ep)
+        piece = min(tokens * min(cfg.top_k, cfg.num_experts // ep), math.ceil(routing.received / ep))
+        counts_bytes = (cfg.top_k * cfg.num_experts + cfg.num_experts + 1) * 8
+        out.append(Collective("ep", "all_gather", counts_bytes * ep, moe * (1 + again) * m, "MoE routing counts"))
+        out.append(Collective("ep", "all_to_all", ep * piece * cfg.hidden * elem, moe * (4 + 2 * again) * m,
+                              "MoE dispatch and combine, forward and backward"))
     if layout.pp > 1:
-        out.append(Collective("pp", "p2p", activation, 2 * m, "activation forward, gradient backward"))
+        out.append(Collective("pp", "p2p", activation // (tp if layout.sequence_parallel else 1), 2 * m,
+                              "activation forward, gradient backward"))
         out.append(Collective("pp", "all_reduce", 16, 2, "loss broadcast, grad norm", False))
+    experts = expert_params(cfg, tp, layers, ep) * grad_bytes
+    for group, size, grads, what in (("dp", layout.dp, stage_params(cfg, tp, layers, first, last, ep) * grad_bytes
+                                      - experts, "gradient buckets"),
+                                     ("expert_dp", layout.dp // ep, experts, "expert gradient buckets")):
+        if size > 1 and grads > 0:
+            buckets = max(1, math.ceil(grads / DEFAULT_BUCKET_BYTES))
+            out.append(Collective(group, "all_reduce", math.ceil(grads / buckets), buckets, what, False))
     if layout.dp > 1:
-        grads = stage_params(cfg, tp, n_layers, first, last) * grad_bytes
-        buckets = max(1, math.ceil(grads / DEFAULT_BUCKET_BYTES))
-        out.append(Collective("dp", "all_reduce", math.ceil(grads / buckets), buckets, "gradient buckets", False))
         out.append(Collective("dp", "all_reduce", 8, 2, "token count, loss", False))
     if tp > 1:
         out.append(Collective("tp", "all_reduce", 8, 1, "grad norm", False))
+    if moe and ep > 1:
+        out.append(Collective("ep", "all_reduce", 8, 1, "expert grad norm", False))
     out.append(Collective("world", "all_reduce", 8, 1, "gradients finite", False))
     return out
+
+
+def stage_ranges(counts: list[int]) -> list[range]:
+    """Contiguous layer indices from layers per stage."""
+    starts = numpy.cumsum([0, *counts])
+    return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
 
 
 def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, cluster, calibration=None,
             layers=None) -> Prediction:
     """The layout's step time, its parts and memory per stage. ``layers``: blocks per stage (default:
-    the engine's balanced split, ``balanced_layers``)."""
+    the engine's balanced split, ``balanced_layers``). The layout's sequence_parallel replaces the
+    config's."""
+    cfg = replace(cfg, sequence_parallel=layout.sequence_parallel)
     precision = cluster.precision
     per_node = min(layout.world, cluster.devices_per_node)
-    network = calibration.network(cluster) if calibration is not None else Network.of_cluster(cluster)
+    network = calibration.network(cluster, layout.tp) if calibration is not None else Network.of_cluster(cluster)
     mem_bw = calibration.mem_bw if calibration is not None and calibration.mem_bw else cluster.rank_mem_bw(per_node)
     m = global_batch // (layout.dp * layout.micro_batch)
-    counts = layers or [len(r) for r in balanced_layers(cfg, layout.pp)]
+    ranges = stage_ranges(layers or [len(r) for r in balanced_layers(cfg, layout.pp)])
 
-    # Stages with the same layer count and role cost the same: each kind is computed once.
+    # Stages with the same layer count, MoE layers and role cost the same: each kind is computed once.
+    def kind(s):
+        return len(ranges[s]), sum(cfg.is_moe_layer(i) for i in ranges[s]), s == 0, s == layout.pp - 1
+
     kinds, stage_times = {}, []
-    for s, n_layers in enumerate(counts):
-        key = (n_layers, s == 0, s == layout.pp - 1)
-        if key not in kinds:
-            kinds[key] = _stage(cfg, layout, seq, m, key, cluster, calibration, network, mem_bw, per_node)
-            kinds[key]["memory"] = stage_memory(cfg, layout.tp, layout.dp, layout.pp, s, n_layers, layout.micro_batch,
-                                                seq, m, layout.schedule, layout.recompute, precision, ENGINE)
-            kinds[key]["stage"] = s  # the first of its kind holds the most micro-batches in flight
-        stage_times.append(kinds[key]["micro"])
+    for s, stage_layers in enumerate(ranges):
+        if kind(s) not in kinds:
+            k = kinds[kind(s)] = _stage(cfg, layout, seq, m, stage_layers, s, cluster, calibration, network, mem_bw,
+                                        per_node)
+            k["memory"] = stage_memory(cfg, layout.tp, layout.dp, layout.pp, s, stage_layers, layout.micro_batch,
+                                       seq, m, layout.schedule, layout.recompute, precision, ENGINE, layout.ep)
+            k["stage"] = s  # the first of its kind holds the most micro-batches in flight
+        stage_times.append(kinds[kind(s)]["micro"])
 
-    slowest = max(range(len(counts)), key=lambda s: stage_times[s])
+    slowest = max(range(len(ranges)), key=lambda s: stage_times[s])
     pipeline = sum(stage_times) + (m - 1) * stage_times[slowest]
-    worst = kinds[(counts[slowest], slowest == 0, slowest == layout.pp - 1)]
+    worst = kinds[kind(slowest)]
     dp_s = max(k["after"] for k in kinds.values())
     update_s = max(k["update"] for k in kinds.values())
     step = pipeline + dp_s + update_s
-    model_flops = 3 * forward_flops_per_token(cfg, seq, cfg.n_layers, True, True) * global_batch * seq
+    model_flops = 3 * forward_flops_per_token(cfg, seq, range(cfg.n_layers), True, True) * global_batch * seq
     memory = {k["stage"]: k["memory"] for k in kinds.values()}
-    return Prediction(layout, step, worst["compute"], worst["in_pipeline"]["tp"], worst["in_pipeline"]["pp"], dp_s,
+    comm = worst["in_pipeline"]
+    return Prediction(layout, step, worst["compute"], comm["tp"], comm["pp"], dp_s,
                       pipeline - m * stage_times[slowest], update_s, global_batch * seq / step,
-                      model_flops / step / layout.world, memory, list(counts), worst["comms"])
+                      model_flops / step / layout.world, memory, [len(r) for r in ranges], worst["comms"], comm["ep"])
 
 
-def _stage(cfg, layout: Layout, seq: int, m: int, key, cluster, calibration, network, mem_bw, per_node) -> dict:
+def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, cluster, calibration, network, mem_bw,
+           per_node) -> dict:
     """One stage's compute, collectives and update time; ``micro``: one micro-batch forward + backward."""
-    n_layers, first, last = key
+    first, last = stage == 0, stage == layout.pp - 1
     precision, tokens = cluster.precision, layout.micro_batch * seq
-    flops = forward_flops_per_token(cfg, seq, n_layers, first, last) * tokens / layout.tp
-    rate = (calibration.rank_flops(cluster, per_node, flops, layout.tp) if calibration is not None
-            else cluster.rank_flops(per_node))
-    recomputed = forward_flops_per_token(cfg, seq, n_layers, False, False) * tokens / layout.tp
+    rows = Routing.bound(cfg, tokens, layout.ep).received / tokens if cfg.num_experts else None
+    flops = forward_flops_per_token(cfg, seq, layers, first, last, rows) * tokens / layout.tp
+    # A pipeline stage computes m of the m + pp - 1 slots of a step and waits in the others (MPI
+    # yields the core when ranks outnumber cores): on average fewer ranks share the cores.
+    busy = per_node * m / (m + layout.pp - 1)
+    rate = (calibration.rank_flops(cluster, per_node, flops, layout.tp, busy) if calibration is not None
+            else cluster.rank_flops(busy))
+    recomputed = forward_flops_per_token(cfg, seq, layers, False, False, rows) * tokens / layout.tp
     compute = (3 * flops + (recomputed if layout.recompute else 0.0)) / rate
     comms = [replace(c, seconds=c.count * network.time(c.op, layout.group_size(c.group), c.nbytes,
                                                        layout.spans_nodes(c.group, cluster.devices_per_node)))
-             for c in stage_collectives(cfg, layout, seq, n_layers, first, last, m, precision.activation_bytes,
+             for c in stage_collectives(cfg, layout, seq, layers, first, last, m, precision.activation_bytes,
                                         precision.grad_bytes)]
-    in_pipeline = {g: sum(c.seconds for c in comms if c.group == g and c.per_micro_batch) for g in ("tp", "pp")}
-    params = stage_params(cfg, layout.tp, n_layers, first, last)
+    if layout.tp > 1 and network.wait:
+        comms.append(Collective("tp", "wait", 0, m, "waiting for tp partners (calibrated, per compute)",
+                                seconds=network.wait * compute * m))
+    in_pipeline = {g: sum(c.seconds for c in comms if c.group == g and c.per_micro_batch) for g in ("tp", "pp", "ep")}
+    params = stage_params(cfg, layout.tp, layers, first, last, layout.ep)
     return dict(compute=compute * m, comms=comms, in_pipeline=in_pipeline,
                 after=sum(c.seconds for c in comms if not c.per_micro_batch),
-                micro=compute + (in_pipeline["tp"] + in_pipeline["pp"]) / m,
+                micro=compute + sum(in_pipeline.values()) / m,
                 update=UPDATE_PASSES * params * precision.training_bytes_per_param / mem_bw)

@@ -21,16 +21,31 @@ what the pipeline holds): the GeLU/SiLU kernels also keep their tanh/cdf/sigmoid
 more), dropout keeps no separate output but masks in the activation dtype, norms add their row
 statistics, RoPE its tables. Grouped-query attention and SwiGLU change the K/V and MLP terms.
 
+Sequence parallelism (``cfg.sequence_parallel`` at tp > 1) runs the norms, dropout and residuals
+on a 1/t slice of the sequence and the column-parallel layers keep only their input's slice, so
+the replicated terms above are divided by t: the paper's list becomes s b h (34 / t) + 5 a s^2 b / t,
+and the engine's likewise (its final norm too; the LM head keeps the gathered sequence).
+
+Mixture-of-Experts layers (``cfg.is_moe_layer``): the router [h, E] is replicated, each rank of
+the ep group holds E / ep experts, each a tensor-parallel MLP. What an MoE layer keeps depends on
+the routing, so the planner counts the capacity bound (``Routing``): each expert keeps at most
+``capacity = ceil(factor * tokens * top_k / E)`` rows of the ep group's tokens (and at most one per
+token). Besides the attention's list it keeps the router probabilities, the top-k order (int64),
+the chosen probabilities and gates, the combined expert outputs of this rank's kept assignments,
+and each local expert's MLP activations for the rows it received. The layer sees the whole
+sequence (with sequence parallelism it gathers its input first and keeps the gathered copy).
+
 A pipeline stage holds the activations of the micro-batches in flight: all m with GPipe,
 ``min(pp - stage, m)`` with 1F1B; with recomputation, backward rebuilds one layer's full set.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..models.config import ModelConfig
 
-INDEX_BYTES = 8  # token ids and their per-rank offsets (int64)
+INDEX_BYTES = 8  # token ids, their per-rank offsets, the router's top-k order (int64)
 
 
 @dataclass(frozen=True)
@@ -62,20 +77,33 @@ def norm_params(cfg: ModelConfig) -> int:
     return cfg.hidden * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
 
 
-def block_params(cfg: ModelConfig, tp: int) -> int:
-    """Elements of one transformer block on one tp rank."""
+def mlp_params(cfg: ModelConfig, tp: int) -> int:
+    """One MLP (dense, or one expert) on one tp rank."""
+    b, mats, f = 1 if cfg.bias else 0, 2 if cfg.activation == "swiglu" else 1, cfg.ffn_hidden // tp
+    return cfg.hidden * mats * f + b * mats * f + f * cfg.hidden + b * cfg.hidden
+
+
+def block_params(cfg: ModelConfig, tp: int, layer: int = 0, ep: int = 1) -> int:
+    """Elements of transformer block ``layer`` on one tp rank (of an ep group for MoE layers)."""
     h, d, b = cfg.hidden, cfg.head_dim, 1 if cfg.bias else 0
     qkv = (cfg.n_heads // tp + 2 * kv_heads_local(cfg, tp)) * d
-    mats = 2 if cfg.activation == "swiglu" else 1
-    f = cfg.ffn_hidden // tp
     attention = h * qkv + b * qkv + (cfg.n_heads // tp) * d * h + b * h
-    mlp = h * mats * f + b * mats * f + f * h + b * h
+    if cfg.is_moe_layer(layer):
+        mlp = h * cfg.num_experts + cfg.num_experts // ep * mlp_params(cfg, tp)  # router + local experts
+    else:
+        mlp = mlp_params(cfg, tp)
     return 2 * norm_params(cfg) + attention + mlp
 
 
-def stage_params(cfg: ModelConfig, tp: int, n_layers: int, first: bool, last: bool) -> int:
-    """Parameter elements one rank of a stage holds (``GPTModel.local_bytes() / itemsize``)."""
-    count = n_layers * block_params(cfg, tp)
+def expert_params(cfg: ModelConfig, tp: int, layers: range, ep: int) -> int:
+    """The experts' share of ``stage_params``: their gradients go over the expert-dp group."""
+    return sum(cfg.is_moe_layer(i) for i in layers) * (cfg.num_experts // ep) * mlp_params(cfg, tp)
+
+
+def stage_params(cfg: ModelConfig, tp: int, layers: range, first: bool, last: bool, ep: int = 1) -> int:
+    """Parameter elements one rank of a stage holds (``GPTModel.local_bytes() / itemsize``);
+    ``layers``: the stage's global layer indices."""
+    count = sum(block_params(cfg, tp, i, ep) for i in layers)
     if first or (last and cfg.tie_embeddings):
         count += vocab_rows(cfg, tp) * cfg.hidden
     if first and cfg.position == "learned":
@@ -85,33 +113,71 @@ def stage_params(cfg: ModelConfig, tp: int, n_layers: int, first: bool, last: bo
     return count
 
 
+@dataclass(frozen=True)
+class Routing:
+    """The capacity bound on one MoE layer's routing for one micro-batch of ``tokens`` per rank."""
+
+    tokens: int       # this rank's tokens (the whole sequence, also with sequence parallelism)
+    received: int     # rows this rank's experts receive at most
+    sent: int         # this rank's kept assignments at most (top_k per token)
+
+    @classmethod
+    def bound(cls, cfg: ModelConfig, tokens: int, ep: int) -> "Routing":
+        """An expert keeps at most ``capacity`` rows (tensor_parallel/experts.py's rule) and at most
+        one per token of the ep group."""
+        group, k, experts = ep * tokens, cfg.top_k, cfg.num_experts
+        capacity = math.ceil(cfg.capacity_factor * group * k / experts)
+        return cls(tokens, min(group * k, experts // ep * min(capacity, group)), tokens * k)
+
+
+def sequence_sharded(cfg: ModelConfig, tp: int) -> bool:
+    return cfg.sequence_parallel and tp > 1
+
+
+def mlp_saved_per_row(cfg: ModelConfig, tp: int, saved: SavedTensors) -> int:
+    """Elements an MLP keeps per token row besides its input: activation input(s), fc2 input, aux."""
+    f, aux = cfg.ffn_hidden // tp, 1 if saved.activation_aux else 0
+    return f * ((2 + 1 + 1 + aux) if cfg.activation == "swiglu" else (1 + 1 + aux))  # gate|up, silu, product
+
+
+def moe_saved_bytes(cfg: ModelConfig, routing: Routing, tp: int, elem: int, saved: SavedTensors) -> int:
+    """What an MoE layer's MLP part keeps (its input excepted), at the capacity bound."""
+    n, k, experts = routing.tokens, cfg.top_k, cfg.num_experts
+    floats = n * experts + n * k * (2 if k > 1 else 1)       # probabilities, chosen (and gates when k > 1)
+    floats += routing.sent * cfg.hidden                        # combined expert outputs
+    floats += routing.received * (cfg.hidden + mlp_saved_per_row(cfg, tp, saved))  # expert inputs, MLPs
+    return floats * elem + n * experts * INDEX_BYTES + experts * 8  # top-k order; load shares (float64)
+
+
 def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int,
-                           saved: SavedTensors = ENGINE) -> int:
-    """Bytes one block keeps for backward for one micro-batch (the list in the module docstring)."""
+                           saved: SavedTensors = ENGINE, layer: int = 0, ep: int = 1) -> int:
+    """Bytes block ``layer`` keeps for backward for one micro-batch (the list in the module docstring)."""
     sb, h, d = micro_batch * seq, cfg.hidden, cfg.head_dim
+    shard = sb // tp if sequence_sharded(cfg, tp) else sb  # rows of the norm / dropout / residual tensors
+    moe = cfg.is_moe_layer(layer)
     q, kv = cfg.n_heads // tp * d, kv_heads_local(cfg, tp) * d
-    f = cfg.ffn_hidden // tp
     mask = elem if saved.mask_bytes is None else saved.mask_bytes
     scores = micro_batch * (cfg.n_heads // tp) * seq * seq
-    elements = sb * (2 * h      # the two norms' saved inputs (xhat)
-                     + 2 * h    # the QKV and MLP fc1 inputs (norm outputs), replicated over tp
-                     + q + 2 * kv + q)  # Q, K, V and the output projection's input
+    elements = shard * 2 * h    # the two norms' saved inputs (xhat)
+    elements += shard * h       # the QKV input (norm output): replicated over tp without SP
+    elements += (sb if moe else shard) * h  # the MLP's input; an MoE layer keeps the whole sequence's
+    elements += sb * (q + 2 * kv + q)       # Q, K, V and the output projection's input
     elements += scores          # softmax
     if cfg.position == "rope":
         elements += sb * (q + kv)  # rotated Q and K are new arrays (V stays a view of QKV)
         if saved.row_statistics:
             elements += seq * d    # cos and sin tables, [s, d/2] each
-    if cfg.activation == "swiglu":
-        elements += sb * f * (2 + 1 + 1 + (1 if saved.activation_aux else 0))  # gate|up, silu, product, sigmoid
-    else:
-        elements += sb * f * (1 + 1 + (1 if saved.activation_aux else 0))  # act input, fc2 input, aux
+    if not moe:
+        elements += sb * mlp_saved_per_row(cfg, tp, saved)
     if saved.row_statistics:
-        elements += 2 * sb      # 1/std of each row, both norms
+        elements += 2 * shard   # 1/std of each row, both norms
     total = elements * elem
+    if moe:
+        total += moe_saved_bytes(cfg, Routing.bound(cfg, sb, ep), tp, elem, saved)
     if cfg.attn_dropout > 0 or saved.always_dropout:
         total += scores * (mask + (elem if saved.keeps_dropout_output else 0))
     if cfg.dropout > 0 or saved.always_dropout:
-        total += 2 * sb * h * mask  # after attention and after the MLP
+        total += 2 * shard * h * mask  # after attention and after the MLP
     return total
 
 
@@ -121,9 +187,11 @@ def embedding_activation_bytes(micro_batch: int, seq: int) -> int:
 
 
 def head_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int) -> int:
-    """Final norm, head input, the local logits' softmax numerators and the loss's per-token rows."""
+    """Final norm (on the sequence shard with SP), head input (the whole sequence), the local logits'
+    softmax numerators and the loss's per-token rows."""
     sb = micro_batch * seq
-    floats = sb * (2 * cfg.hidden + 1) + sb * vocab_rows(cfg, tp) + 2 * sb
+    shard = sb // tp if sequence_sharded(cfg, tp) else sb
+    floats = shard * (cfg.hidden + 1) + sb * cfg.hidden + sb * vocab_rows(cfg, tp) + 2 * sb
     return floats * elem + sb * (INDEX_BYTES + 2)
 
 
@@ -149,24 +217,28 @@ class StageMemory:
         return self.params + self.grads + self.optimizer
 
 
-def stage_memory(cfg: ModelConfig, tp: int, dp: int, pp: int, stage: int, n_layers: int, micro_batch: int,
+def stage_memory(cfg: ModelConfig, tp: int, dp: int, pp: int, stage: int, layers: range, micro_batch: int,
                  seq: int, micro_batches: int, schedule: str, recompute: bool, precision,
-                 saved: SavedTensors = ENGINE) -> StageMemory:
+                 saved: SavedTensors = ENGINE, ep: int = 1) -> StageMemory:
+    """``layers``: the stage's global layer indices. Gradient buckets: a copy of the dense gradients
+    when dp > 1, of the experts' when their expert-dp group (dp / ep) has more than one rank."""
     first, last = stage == 0, stage == pp - 1
-    params = stage_params(cfg, tp, n_layers, first, last)
+    params = stage_params(cfg, tp, layers, first, last, ep)
     elem = precision.activation_bytes
+    kept = [layer_activation_bytes(cfg, micro_batch, seq, tp, elem, saved, i, ep) for i in layers]
     if recompute:
-        per_micro = n_layers * micro_batch * seq * cfg.hidden * elem  # each block's input
-        rebuilt = layer_activation_bytes(cfg, micro_batch, seq, tp, elem, saved)
+        rows = micro_batch * seq // (tp if sequence_sharded(cfg, tp) else 1)
+        per_micro = len(layers) * rows * cfg.hidden * elem  # each block's input
+        rebuilt = max(kept, default=0)
     else:
-        per_micro = n_layers * layer_activation_bytes(cfg, micro_batch, seq, tp, elem, saved)
-        rebuilt = 0
+        per_micro, rebuilt = sum(kept), 0
     if first:
         per_micro += embedding_activation_bytes(micro_batch, seq)
     if last:
         per_micro += head_activation_bytes(cfg, micro_batch, seq, tp, elem)
-    buckets = params * precision.grad_bytes if dp > 1 else 0
-    return StageMemory(params * precision.param_bytes, params * precision.grad_bytes + buckets,
+    experts = expert_params(cfg, tp, layers, ep)
+    copied = (params - experts if dp > 1 else 0) + (experts if dp // ep > 1 else 0)
+    return StageMemory(params * precision.param_bytes, (params + copied) * precision.grad_bytes,
                        params * precision.optimizer_bytes,
                        in_flight(schedule, pp, stage, micro_batches) * per_micro, rebuilt)
 

@@ -7,7 +7,9 @@ from .memory import kv_cache_bytes, stage_params
 from .search import GiB, Plan, divisors
 
 KIND_WORDS = {"memory": "do not fit in memory", "heads": "heads or MLP width not divisible by tp",
-              "layers": "more stages than layers", "batch": "global batch not divisible by dp"}
+              "layers": "more stages than layers", "batch": "global batch not divisible by dp",
+              "sequence": "sequence not divisible by tp (sequence parallelism)",
+              "experts": "experts not divisible by ep"}
 
 
 def _count(x: float) -> str:
@@ -43,8 +45,9 @@ def format_plan(plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: i
             lines.append(f"  {i:>3}  {p.layout.describe():<46} {p.step_s:>9.4g} {_count(p.tokens_per_s):>9} "
                          f"{p.model_flops_per_device / 1e12:>11.4g} {memory:>24} {p.bubble_s / p.step_s * 100:>6.1f}%")
         best = plan.ranked[0]
+        ep = f"ep {best.ep_s:.4g} s, " if best.ep_s else ""
         lines.append(f"  top plan, busiest stage, per step: compute {best.compute_s:.4g} s, tp {best.tp_s:.4g} s, "
-                     f"pp {best.pp_s:.4g} s, bubble {best.bubble_s:.4g} s, dp and step reductions {best.dp_s:.4g} s, "
+                     f"pp {best.pp_s:.4g} s, {ep}bubble {best.bubble_s:.4g} s, dp and step reductions {best.dp_s:.4g} s, "
                      f"update {best.update_s:.4g} s; layers per stage {best.layers}")
         for c in best.collectives:
             lines.append(f"    {c.group:<5} {c.op:<10} {c.nbytes / 2**20:>10.3f} MiB x {c.count:<6} {c.seconds:>9.4g} s"
@@ -64,7 +67,7 @@ def format_plan(plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: i
         for tp in divisors(min(gpus, cluster.devices_per_node)):
             if cfg.n_heads % tp or cfg.ffn_hidden % tp:
                 continue
-            weights = stage_params(cfg, tp, cfg.n_layers, True, True) * cluster.precision.param_bytes
+            weights = stage_params(cfg, tp, range(cfg.n_layers), True, True) * cluster.precision.param_bytes
             kv = kv_cache_bytes(cfg, tp, cfg.n_layers, serve_batch, seq, cluster.precision.activation_bytes)
             fits = "fits" if weights + kv <= cluster.device_mem else "does not fit"
             lines.append(f"    tp={tp:<4} {weights / GiB:8.2f} + {kv / GiB:8.2f} GiB  {fits}")
@@ -78,7 +81,7 @@ def _structural(plan: Plan) -> int:
 def plan_json(plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: int, seq: int) -> dict:
     def prediction(p):
         return {**asdict(p.layout), "step_s": p.step_s, "compute_s": p.compute_s, "tp_s": p.tp_s, "pp_s": p.pp_s,
-                "dp_s": p.dp_s, "bubble_s": p.bubble_s, "update_s": p.update_s, "tokens_per_s": p.tokens_per_s,
+                "ep_s": p.ep_s, "dp_s": p.dp_s, "bubble_s": p.bubble_s, "update_s": p.update_s, "tokens_per_s": p.tokens_per_s,
                 "model_flops_per_device": p.model_flops_per_device, "peak_memory_bytes": p.peak_memory,
                 "layers_per_stage": p.layers, "memory": {str(s): asdict(m) for s, m in p.memory.items()},
                 "collectives": [asdict(c) for c in p.collectives]}

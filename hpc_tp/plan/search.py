@@ -1,15 +1,18 @@
 """Search every layout of a world, reject the impossible ones with a reason, rank the rest.
 
 A layout is (tp, pp, dp) with tp * pp * dp = world, a micro-batch that divides each dp rank's
-share of the global batch, full recomputation on or off, and (for pp > 1) GPipe or 1F1B. The
-reasons a layout is rejected are the ones the engine itself would stop with, found before any
-rank starts: heads (or KV groups, or the MLP width) that tp does not divide, more stages than
-layers, a global batch that dp does not divide, and memory beyond the device's. The feasible
-ones are ranked by predicted step time (then by memory); ``choose_layout`` returns the first.
+share of the global batch, full recomputation on or off, (for pp > 1) GPipe or 1F1B, sequence
+parallelism on or off (for tp > 1), and for MoE models an expert-parallel size ep that divides
+dp (``grid.py`` carves ep out of dp). The reasons a layout is rejected are the ones the engine
+itself would stop with, found before any rank starts: heads (or KV groups, or the MLP width)
+that tp does not divide, more stages than layers, a global batch that dp does not divide, a
+sequence that tp does not divide under sequence parallelism, experts that ep does not divide,
+and memory beyond the device's. The feasible ones are ranked by predicted step time (then by
+memory); ``choose_layout`` returns the first of those the trainer can run from its settings.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..errors import ConfigError
 from ..grid import factorizations
@@ -59,9 +62,34 @@ def structural_reason(cfg: ModelConfig, tp: int, pp: int, dp: int, global_batch:
     return None
 
 
+def variant_reason(cfg: ModelConfig, tp: int, dp: int, seq: int, sequence_parallel: bool,
+                   ep: int) -> tuple[str, str] | None:
+    """Why the engine cannot run sequence parallelism or this ep on a (tp, pp, dp) it can run, or None."""
+    if sequence_parallel and seq % tp:
+        return "sequence", f"sequence length {seq} is not divisible by tp={tp} with sequence parallelism"
+    if ep > 1 and dp % ep:
+        return "experts", f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of dp)"
+    if ep > 1 and cfg.num_experts % ep:
+        return "experts", f"num_experts={cfg.num_experts} is not divisible by ep={ep}"
+    return None
+
+
+def _variants(cfg: ModelConfig, tp: int, dp: int, sequence_parallel, eps):
+    """(sp, ep) pairs worth trying: sp only where tp > 1 (at tp = 1 it changes nothing), ep > 1
+    only for MoE models; ``eps`` None: every divisor of dp."""
+    for sp in sequence_parallel:
+        if sp and tp == 1:
+            continue
+        for ep in (divisors(dp) if eps is None else eps) if cfg.num_experts else (1,):
+            yield sp, ep
+
+
 def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, calibration=None,
-           micro_batches=None, recompute=(False, True), schedules=("1f1b", "gpipe")) -> Plan:
-    """Every layout of ``world`` ranks; ``micro_batches``: the sizes to try (default: every divisor)."""
+           micro_batches=None, recompute=(False, True), schedules=("1f1b", "gpipe"),
+           sequence_parallel=(False, True), eps=None) -> Plan:
+    """Every layout of ``world`` ranks; ``micro_batches``: the sizes to try (default: every divisor);
+    ``sequence_parallel``: the settings to try; ``eps``: the expert-parallel sizes (default: every
+    divisor of dp, for MoE models)."""
     if seq > cfg.max_seq_len and cfg.position == "learned":
         raise ConfigError(f"--seq-len {seq} is longer than the model's learned positions (max_seq_len "
                           f"{cfg.max_seq_len})")
@@ -74,24 +102,34 @@ def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, c
             continue
         if pp not in splits:
             splits[pp] = [len(r) for r in balanced_layers(cfg, pp)]
-        for micro in divisors(global_batch // dp):
-            if micro_batches is not None and micro not in micro_batches:
+        for sp, ep in _variants(cfg, tp, dp, sequence_parallel, eps):
+            variant = {**base, "sequence_parallel": sp, "ep": ep}
+            why = variant_reason(cfg, tp, dp, seq, sp, ep)
+            if why is not None:
+                plan.rejected.append(Rejected(variant, why[1], why[0]))
                 continue
-            for again in recompute:
-                for schedule in schedules if pp > 1 else schedules[:1]:
-                    layout = Layout(tp, pp, dp, micro, again, schedule)
-                    plan.considered += 1
-                    p = predict(cfg, layout, global_batch, seq, cluster, calibration, splits[pp])
-                    if p.peak_memory > cluster.device_mem:
-                        worst = max(p.memory, key=lambda s: p.memory[s].total)
-                        plan.rejected.append(Rejected(
-                            {**base, "micro_batch": micro, "recompute": again, "schedule": schedule},
-                            f"does not fit: stage {worst} needs {p.peak_memory / GiB:.1f} GiB of "
-                            f"{cluster.device_mem / GiB:.1f} GiB", "memory", p.peak_memory))
-                    else:
-                        plan.ranked.append(p)
+            for micro in divisors(global_batch // dp):
+                if micro_batches is not None and micro not in micro_batches:
+                    continue
+                for again in recompute:
+                    for schedule in schedules if pp > 1 else schedules[:1]:
+                        _consider(plan, cfg, Layout(tp, pp, dp, micro, again, schedule, sp, ep), global_batch, seq,
+                                  cluster, calibration, splits[pp])
     plan.ranked.sort(key=lambda p: (p.step_s, p.peak_memory))
     return plan
+
+
+def _consider(plan: Plan, cfg, layout: Layout, global_batch: int, seq: int, cluster, calibration, split):
+    plan.considered += 1
+    p = predict(cfg, layout, global_batch, seq, cluster, calibration, split)
+    if p.peak_memory <= cluster.device_mem:
+        plan.ranked.append(p)
+        return
+    worst = max(p.memory, key=lambda s: p.memory[s].total)
+    plan.rejected.append(Rejected(
+        asdict(layout),
+        f"does not fit: stage {worst} needs {p.peak_memory / GiB:.1f} GiB of {cluster.device_mem / GiB:.1f} GiB",
+        "memory", p.peak_memory))
 
 
 def explain(best: Prediction, plan: Plan) -> str:
@@ -116,7 +154,9 @@ def choose_layout(cfg: ModelConfig, world_size: int, global_batch: int, seq_len:
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster
     if calibration is not None and not isinstance(calibration, Calibration):
         calibration = load_calibration([calibration] if isinstance(calibration, str) else calibration)
-    plan = search(cfg, world_size, global_batch, seq_len, cluster, calibration)
+    # The trainer takes sequence parallelism from the model config and ep from its own settings.
+    plan = search(cfg, world_size, global_batch, seq_len, cluster, calibration,
+                  sequence_parallel=(cfg.sequence_parallel,), eps=(1,))
     if not plan.ranked:
         counts = ", ".join(f"{n} {kind}" for kind, n in plan.reasons().items())
         example = min(plan.rejected, key=lambda r: r.kind != "memory").reason if plan.rejected else "none"

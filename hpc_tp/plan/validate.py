@@ -2,10 +2,15 @@
 
 Collective over ``world``. Calibration is measured in-process, with every rank busy at once as
 during training: the communication benchmark (all-reduce and p2p over the world), the
-bandwidth of elementwise work, and before each layout a step benchmark of the block stack on
-groups of the layout's tp size. Then every layout asked for trains a few real steps through the
-trainer (``Trainer.train_step``), and its median step time (the slowest rank's) is set against
-the prediction, as are its parameter and AdamW state bytes.
+bandwidth of elementwise work, and a step benchmark of the block stack on groups of the
+layout's tp size. Then the layout trains a few real steps through the trainer
+(``Trainer.train_step``; the first ones warm up and are not timed): its median step time (the
+slowest rank's) is set against the prediction, as are its parameter and AdamW state bytes.
+
+A shared machine's speed drifts within seconds, so each measurement is paired with a
+calibration taken just before it, and the layouts are measured in rounds (every layout once per
+round, ``repeats`` rounds): a layout's error is the median over rounds of predicted / measured,
+each pair taken at the same moment, which a burst of load on one round does not move.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ def measure_links(world) -> Calibration:
 
     if world.size == 1:
         return Calibration(sources=["measured in-process"])
-    records = benchmark_comm(world, COMM_SIZES, ("all_reduce", "p2p"), iters=6, warmup=2)
+    records = benchmark_comm(world, COMM_SIZES, ("all_reduce", "p2p"), iters=4, warmup=1)
     return from_comm_records(records, "measured in-process")
 
 
@@ -62,8 +67,9 @@ def measure_layout(world, model: str, overrides: dict, layout: Layout, global_ba
     from ..train.settings import TrainSettings
     from ..train.trainer import Trainer
 
-    settings = TrainSettings(model=model, model_overrides=dict(overrides), tp=layout.tp, pp=layout.pp, dp=layout.dp,
-                             micro_batch=layout.micro_batch, global_batch=global_batch, seq_len=seq,
+    overrides = {**overrides, "sequence_parallel": layout.sequence_parallel}
+    settings = TrainSettings(model=model, model_overrides=overrides, tp=layout.tp, pp=layout.pp, dp=layout.dp,
+                             ep=layout.ep, micro_batch=layout.micro_batch, global_batch=global_batch, seq_len=seq,
                              steps=steps + warmup, dtype=dtype, recompute=layout.recompute, schedule=layout.schedule,
                              progress=False)
     trainer = Trainer(settings, world)
@@ -81,11 +87,12 @@ def measure_layout(world, model: str, overrides: dict, layout: Layout, global_ba
 
 def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, seq: int = 32,
              micro_batch: int = 4, layouts=None, dtype: str = "float32", cluster="cpu-2core",
-             steps: int = 3) -> list[dict]:
+             steps: int = 3, repeats: int = 3, warmup: int = 1) -> tuple[list[dict], Calibration]:
     """Predicted against measured for ``layouts`` (default: every tp x pp x dp of the world that
-    the model allows). Returns (rows, calibration); a row has the layout, predicted_s, measured_s,
-    error (predicted / measured - 1), measured_comm_s, and the predicted and measured parameter +
-    optimizer bytes of the busiest rank."""
+    the model allows). Returns (rows, the last round's calibration); a row has the layout,
+    predicted_s and measured_s (medians over rounds), error (the median over rounds of predicted /
+    measured, minus 1), errors (each round's), measured_comm_s, and the predicted and measured
+    parameter + optimizer bytes of the busiest rank."""
     from ..models.config import load_config
     from .clusters import engine_precision, get_cluster
     from .search import structural_reason
@@ -95,31 +102,45 @@ def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, 
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster
     cluster = cluster.with_overrides(precision=engine_precision(dtype))
     if layouts is None:
-        layouts = [Layout(t, p, d, micro_batch) for t, p, d in factorizations(world.size)
+        layouts = [Layout(t, p, d, micro_batch, sequence_parallel=cfg.sequence_parallel and t > 1)
+                   for t, p, d in factorizations(world.size)
                    if structural_reason(cfg, t, p, d, global_batch) is None and global_batch % (d * micro_batch) == 0]
     if not layouts:
         raise ConfigError(f"no layout of {world.size} ranks fits model {model} with global batch {global_batch}")
-    calibration = measure_links(world)
-    rows = []
-    for layout in layouts:
-        # Measured just before the layout runs: on a shared machine the speed drifts within seconds.
-        rate = measure_step_rate(world, cfg, layout.tp, micro_batch, seq, dtype)
-        calibration.steps = [s for s in calibration.steps if s.tp != layout.tp] + [rate]
-        calibration.mem_bw = measure_mem_bw(world)
-        predicted = predict(cfg, layout, global_batch, seq, cluster, calibration)
-        measured = measure_layout(world, model, overrides, layout, global_batch, seq, dtype, steps)
-        predicted_states = max(m.params + m.optimizer for m in predicted.memory.values())
-        measured_states = max(p + o for _, p, o in measured["states"])
-        rows.append(dict(layout=layout, predicted_s=predicted.step_s, measured_s=measured["step_s"],
-                         measured_comm_s=measured["comm_s"],
-                         error=predicted.step_s / measured["step_s"] - 1, predicted_state_bytes=predicted_states,
-                         measured_state_bytes=measured_states, prediction=predicted))
-    return rows, calibration
+    if repeats < 1 or steps < 1:
+        raise ConfigError(f"validate: repeats {repeats} and steps {steps}: expected positive whole numbers")
+    # The step benchmark feeds its blocks a whole sequence, which sequence-parallel blocks would take
+    # for a shard: the rate and wait are measured on plain tp blocks (the same GEMMs and bytes).
+    plain = replace(cfg, sequence_parallel=False)
+    pairs = {layout: [] for layout in layouts}
+    for _ in range(repeats):
+        calibration = measure_links(world)
+        for layout in layouts:
+            rate = measure_step_rate(world, plain, layout.tp, layout.micro_batch, seq, dtype)
+            calibration.steps = [s for s in calibration.steps if s.tp != layout.tp] + [rate]
+            calibration.mem_bw = measure_mem_bw(world)
+            predicted = predict(cfg, layout, global_batch, seq, cluster, calibration)
+            pairs[layout].append((predicted, measure_layout(world, model, overrides, layout, global_batch, seq,
+                                                            dtype, steps, warmup)))
+    return [_row(layout, pairs[layout]) for layout in layouts], calibration
+
+
+def _row(layout: Layout, pairs) -> dict:
+    predicted, measured = pairs[-1]
+    errors = [p.step_s / m["step_s"] - 1 for p, m in pairs]
+    return dict(layout=layout, predicted_s=median(p.step_s for p, _ in pairs),
+                measured_s=median(m["step_s"] for _, m in pairs), error=median(errors), errors=errors,
+                measured_comm_s=median(m["comm_s"] for _, m in pairs),
+                predicted_state_bytes=max(s.params + s.optimizer for s in predicted.memory.values()),
+                measured_state_bytes=max(p + o for _, p, o in measured["states"]), prediction=predicted)
 
 
 def format_rows(rows) -> str:
-    lines = [f"{'layout':<34} {'predicted':>10} {'measured':>10} {'error':>7} {'states pred/meas':>22}"]
+    lines = [f"{'layout':<34} {'predicted':>10} {'measured':>10} {'error':>7} {'per round':>24} "
+             f"{'states pred/meas':>22}"]
     for r in rows:
+        rounds = " ".join(f"{e * 100:+.0f}%" for e in r["errors"])
         lines.append(f"{r['layout'].describe():<34} {r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
-                     f"{r['error'] * 100:+6.1f}% {r['predicted_state_bytes']:>10}/{r['measured_state_bytes']:<10}")
+                     f"{r['error'] * 100:+6.1f}% {rounds:>24} "
+                     f"{r['predicted_state_bytes']:>10}/{r['measured_state_bytes']:<10}")
     return "\n".join(lines)
