@@ -24,7 +24,7 @@ MPI_MODULE ?=
 VERSION    := $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)
 MODULEDIR   = $(abspath $(PREFIX))/modulefiles/hpc_tp
 
-.PHONY: install install-prefix run verify test test-serial test-mpi clean
+.PHONY: install install-prefix run verify test test-serial test-mpi clean gpu-check gpu-deps
 
 install: $(STAMP)
 
@@ -73,6 +73,20 @@ verify: install
 
 test: install
 	MPIEXEC=$(MPIEXEC) PY=$(abspath $(PY)) bash tests/run_suite.sh
+
+# The GPU backend on a GPU machine: environment, GPU checks, W1 on the device, one table (jobs/gpu_check.sh; it
+# prints "skipped: no CUDA device" and exits 0 without one). Needs no install: python3 runs the checkout.
+# GPU_CHECK_ARGS, e.g. "--out DIR" (default $$OUT) or "--no-bench".
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PY=$(if $(wildcard $(PY)),$(abspath $(PY)),python3) bash jobs/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# Wheels for a GPU machine without a package index (tokenizers for the training check, ml_dtypes for
+# bfloat16), unpacked where jobs/gpu_check.sh looks: io/cache/gpu-deps-$(GPU_PYTHON).
+GPU_PYTHON ?= 3.12
+gpu-deps:
+	$(PY) -m pip install -q --target io/cache/gpu-deps-$(GPU_PYTHON) --python-version $(GPU_PYTHON) \
+	    --only-binary=:all: --no-deps tokenizers ml_dtypes
 
 clean:
 	rm -rf $(VENV) io/out build *.egg-info

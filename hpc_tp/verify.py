@@ -12,11 +12,15 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--batch", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=12)
     parser.add_argument("--tolerance", type=float, default=1e-10)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu (numpy, default) or cuda (cupy, one GPU per node-local rank)")
 
 
 def run(args) -> int:
     import numpy as np
 
+    from . import backend
+    from .comm import select_device
     from .comm.mpi import self_comm, world
     from .launch import check_launch
     from .models import GPTModel, load_config
@@ -25,9 +29,11 @@ def run(args) -> int:
 
     check_launch()
     tp, alone = world(), self_comm()
+    select_device(args.device, tp)
     tokenizer = ByteTokenizer()
     cfg = load_config(args.model, vocab_size=tokenizer.vocab_size)
-    ids, targets = build_dataset("demo", args.seq_len, tokenizer).get(np.arange(args.batch))
+    batch = build_dataset("demo", args.seq_len, tokenizer).get(np.arange(args.batch))
+    ids, targets = (backend.xp.asarray(a) for a in batch)
     errors = {}
     models = {}
     for name, comm in (("parallel", tp), ("alone", alone)):
@@ -51,6 +57,9 @@ def run(args) -> int:
 def _rel(a, b, floor=1e-300):
     import numpy as np
 
+    from .backend import to_numpy
+
+    a, b = to_numpy(a), to_numpy(b)  # device arrays (--device cuda) compared on the host
     return float(np.abs(a - b).max(initial=0.0)) / max(float(np.abs(b).max(initial=0.0)), floor)
 
 
@@ -58,12 +67,13 @@ def gradient_errors(parallel, alone, comm) -> dict[str, float]:
     """Relative error of every gradient of ``parallel`` (split over ``comm``) against ``alone``."""
     import numpy as np
 
+    from .backend import to_numpy
     from .module import gather_full
 
     ref = dict(alone.named_parameters())
     # The K bias gradient is zero in exact math (softmax ignores a per-query constant), so its
     # round-off is measured against the largest gradient rather than against itself.
-    largest = max(float(np.abs(p.grad).max(initial=0.0)) for p in ref.values())
+    largest = max(float(np.abs(to_numpy(p.grad)).max(initial=0.0)) for p in ref.values())
     return {f"grad {name}": _rel(gather_full(p.grad, p.partition, comm), ref[name].grad,
                                  largest if name.endswith("k.bias") else 1e-300)
             for name, p in parallel.named_parameters()}

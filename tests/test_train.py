@@ -6,9 +6,13 @@ import pytest
 
 from hpc_tp.comm.mpi import self_comm, world
 from hpc_tp.errors import ConfigError
+from hpc_tp.models import load_config
+from hpc_tp.module import gather_full
+from hpc_tp.train.expert_parallel import check_expert_parallel
 from hpc_tp.train.metrics import read_metrics
 from hpc_tp.train.settings import TrainSettings
 from hpc_tp.train.trainer import Trainer
+from tp_helpers import max_rel_err
 
 
 def settings(**changes) -> TrainSettings:
@@ -58,14 +62,70 @@ def test_data_parallel_equals_one_data_parallel_rank():
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("model", [{"sequence_parallel": True}, {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0}],
-                         ids=["sequence-parallel", "moe"])
+@pytest.mark.parametrize("model", [{"sequence_parallel": True}, {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0},
+                                   {"sequence_parallel": True, "num_experts": 4, "top_k": 2, "capacity_factor": 1.0}],
+                         ids=["sequence-parallel", "moe", "sequence-parallel-moe"])
 def test_sequence_parallel_and_moe_train_like_one_process(model):
     comm = world()
     changes = dict(model, dropout=0.1)
     alone = losses(settings(model_overrides={**changes, "sequence_parallel": False}, steps=6), self_comm())
     parallel = losses(settings(model_overrides=changes, steps=6, tp=comm.size), comm)
     assert np.max(np.abs(parallel - alone) / alone) < 1e-9
+
+
+# Dropout off: the ep=1 reference runs micro-batches ep times larger, whose masks are drawn for another shape.
+# No biases: the K bias gradient is round-off (zero in exact math), which AdamW blows up to a full step.
+MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0, "bias": False}
+EXPERT_LAYOUTS = {2: [(1, 1, 2, 2)], 4: [(1, 1, 4, 4), (1, 1, 4, 2), (2, 1, 2, 2), (1, 2, 2, 2)]}  # (tp, pp, dp, ep)
+
+
+def moe_settings(**changes) -> TrainSettings:
+    return settings(**{**dict(model_overrides=MOE, steps=4, warmup=1, eval_problems=1), **changes})
+
+
+@pytest.mark.mpi(min_size=2)
+def test_expert_parallel_trains_like_ep_1():
+    """An ep group routes its ranks' micro-batches together, so ep=N with one micro-batch per rank
+    is ep=1 with the group's rows as one micro-batch (here: one process). Losses, grad norms (each
+    expert counted once), MoE counts and every final parameter agree; expert gradients are summed
+    over expert_dp when two ranks hold the same expert (dp=4, ep=2)."""
+    comm = world()
+    references = {}
+    for tp, pp, dp, ep in EXPERT_LAYOUTS.get(comm.size, []):
+        micro = 8 // dp
+        if micro * ep not in references:
+            one = Trainer(moe_settings(micro_batch=micro * ep), self_comm())
+            references[micro * ep] = one, one.run().records
+        ref, ref_records = references[micro * ep]
+        par = Trainer(moe_settings(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch=micro), comm)
+        records = par.run().records
+        for key in ("loss", "grad_norm", "moe_aux"):
+            got, want = np.array([r[key] for r in records]), np.array([r[key] for r in ref_records])
+            assert np.max(np.abs(got - want) / np.abs(want)) < 1e-9, (tp, pp, dp, ep, key)
+        assert [r["moe_dropped"] for r in records] == [r["moe_dropped"] for r in ref_records]
+        assert sum(r["moe_dropped"] for r in records) > 0
+        assert np.allclose([r["moe_load"] for r in records], [r["moe_load"] for r in ref_records], rtol=0, atol=1e-12)
+        for name, p in par.params.items():
+            assert max_rel_err(gather_full(p.data, p.partition, par.grid.tp), ref.params[name].data) < 1e-9, name
+        experts = comm.allgather_object(sorted(n for n in par.params if ".experts." in n) if par.grid.coords.tp == 0
+                                        and par.grid.coords.dp < ep else [])
+        assert sorted(sum(experts, [])) == sorted(n for n in ref.params if ".experts." in n)  # each once per group
+
+
+@pytest.mark.mpi(min_size=2)
+def test_resume_across_expert_parallel_sizes(tmp_path):
+    """Saved with the experts spread over ep=world, resumed with all of them on every rank
+    (ep=1, tensor-parallel over the world), and back: each continues the uninterrupted run."""
+    comm = world()
+    root = shared_tmp(tmp_path, comm)
+    spread = dict(dp=comm.size, ep=comm.size, micro_batch=8 // comm.size)
+    deep = dict(tp=comm.size, micro_batch=8)  # ep=1, dp=1: the same routing groups as spread
+    whole = losses(moe_settings(**deep), comm)
+    for saver, resumer, folder in ((spread, deep, f"{root}/spread"), (deep, spread, f"{root}/deep")):
+        Trainer(moe_settings(save=folder, save_every=2, **saver), comm).run()
+        _truncate_to(folder, 2, comm)
+        tail = losses(moe_settings(save=folder, resume=True, **resumer), comm)
+        assert len(tail) == 2 and np.max(np.abs(tail - whole[2:]) / whole[2:]) < 1e-9, (saver, resumer)
 
 
 PIPELINE_LAYOUTS = {2: [(1, 2, 1)], 4: [(1, 2, 2), (2, 2, 1), (1, 4, 1)]}  # (tp, pp, dp) per world size
@@ -142,12 +202,23 @@ def test_bad_settings_name_the_value():
              "--seq-len 99 is longer than the model's context: max_seq_len 64": dict(seq_len=99),
              "world size 1 != tp*pp*dp = 2*1*1": dict(tp=2, dp=1),
              "corpus nowhere.txt does not exist": dict(data="nowhere.txt"),
-             "--dtype 'float16': expected one of float32, float64": dict(dtype="float16"),
-             "--resume needs --save DIR": dict(resume=True)}
+             "--dtype 'int8': expected one of float32, float64": dict(dtype="int8"),
+             "--resume needs --save DIR": dict(resume=True),
+             "--ep 0: expected a positive integer": dict(ep=0),
+             "--ep 2 must divide the data-parallel size 1": dict(ep=2, model_overrides=MOE)}
     for message, change in cases.items():
         with pytest.raises(ConfigError) as e:
             Trainer(settings(**change), comm)
         assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_expert_parallel_needs_experts_it_can_spread():
+    dense = load_config("tiny")
+    check_expert_parallel(1, dense)
+    with pytest.raises(ConfigError, match=r"--ep 2 needs a Mixture-of-Experts model \(num_experts > 0"):
+        check_expert_parallel(2, dense)
+    with pytest.raises(ConfigError, match="--ep 4 does not divide num_experts=6"):
+        check_expert_parallel(4, load_config("tiny", num_experts=6))
 
 
 def test_resume_refuses_another_model(tmp_path):

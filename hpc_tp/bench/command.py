@@ -38,7 +38,10 @@ def add_arguments(parser):
     step.add_argument("--layers", type=int, help="number of blocks (default: the model's n_layers)")
     step.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default %(default)s)")
     step.add_argument("--micro-batch", type=int, default=4, help="sequences per step (default %(default)s)")
-    step.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default %(default)s")
+    step.add_argument("--dtype", default="float32", choices=("float32", "float64", "float16", "bfloat16"),
+                      help="default %(default)s (bfloat16 needs ml_dtypes)")
+    step.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                      help="cpu (numpy, default) or cuda (cupy, one GPU per node-local rank)")
     step.add_argument("--threads", type=int,
                       help="BLAS threads per rank (default: this rank's cores / ranks on its node, at least 1)")
     step.add_argument("--repeats", type=int, default=5, help="timed steps (default %(default)s)")
@@ -105,13 +108,17 @@ def _run_step(args) -> int:
     check_launch()
     from threadpoolctl import threadpool_limits
 
+    from ..comm import select_device
     from ..comm.mpi import world
     from ..models.config import load_config
+    from ..train.mixed_precision import resolve_dtype
     from .step import benchmark_step, format_record
 
     # The block stack has no position table, so any sequence length fits.
     cfg = load_config(args.model, n_layers=args.layers, max_seq_len=args.seq_len)
     comm = world()
+    resolve_dtype(args.dtype)  # bfloat16 without ml_dtypes: one line, before anything is built
+    select_device(args.device, comm)
     # Set explicitly: ranks that share cores must not each start a thread per core (oversubscription).
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // comm.split_node().size)
     with threadpool_limits(limits=threads, user_api="blas"):

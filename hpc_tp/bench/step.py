@@ -33,6 +33,8 @@ from time import perf_counter
 
 import numpy
 
+from .. import backend
+from ..backend import retain_freed_memory  # also what backend.use('cpu') applies for training
 from ..comm.mpi import MPICommunicator
 from ..models.config import ModelConfig
 from ..models.gpt import GPTModel
@@ -52,34 +54,20 @@ def gemm_peak(comm: MPICommunicator, m: int, k: int, n: int, dtype, repeats: int
     """FLOP/s of one rank's ``[m,k] @ [k,n]`` into a reused output, all ranks at once; the median
     of ``repeats``, the slowest rank's."""
     rng = numpy.random.default_rng(comm.rank)
-    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-    out = numpy.empty((m, n), dtype)
-    numpy.matmul(a, b, out=out)
+    xp = backend.xp  # the device's GEMM where the run is on one (backend.use('cuda'))
+    a, b = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((m, k), (k, n)))
+    out = xp.empty((m, n), dtype)
+    xp.matmul(a, b, out=out)
+    backend.synchronize()
     seconds = []
     for _ in range(repeats):
         comm.comm.Barrier()
         start = perf_counter()
-        numpy.matmul(a, b, out=out)
+        xp.matmul(a, b, out=out)
+        backend.synchronize()
         seconds.append(perf_counter() - start)
     slowest = max(comm.allgather_object(median(seconds)))
     return 2 * m * k * n / slowest
-
-
-def retain_freed_memory() -> bool:
-    """Keep freed memory in this process's heap (glibc only; elsewhere nothing changes). Arrays up
-    to 32 MiB (glibc's largest threshold) come from the heap, and the heap is never trimmed, so
-    the resident size stays at its peak: the peak every step reaches anyway. True if applied."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (e.g. musl)
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
 def build_blocks(cfg: ModelConfig, comm: MPICommunicator, dtype: str, seed: int = 0) -> GPTModel:
@@ -91,14 +79,15 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     """One record (the same on every rank) for the block stack of ``cfg`` split over ``comm``."""
     retained = retain_freed_memory()
     model = build_blocks(cfg, comm, dtype)
-    x = numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype)
-    scale = numpy.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
+    x = backend.xp.asarray(numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype))
+    scale = backend.xp.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
     steps, comms = [], []
     for i in range(warmup + repeats):
         comm.comm.Barrier()
         start, comm_start = perf_counter(), comm.seconds
         out, ctxs = model.blocks_forward(x)
         model.blocks_backward(out * scale, ctxs)
+        backend.synchronize()
         comm_s = comm.seconds - comm_start
         comm.comm.Barrier()
         if i >= warmup:

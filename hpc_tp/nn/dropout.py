@@ -1,12 +1,14 @@
 """Dropout whose masks come from ``DropoutRNG`` keyed by site, so they do not depend on tp."""
 from __future__ import annotations
 
+from .. import backend
 from ..tensor_parallel.random import DropoutRNG
 
 
 def keep_mask(generator, shape, p: float, dtype):
-    """Scaled keep mask: 1/(1-p) where kept, 0 where dropped."""
-    return (generator.random(shape) >= p).astype(dtype) / (1.0 - p)
+    """Scaled keep mask: 1/(1-p) where kept, 0 where dropped. Drawn on the host (the generator is
+    keyed by site, the same on any device), then put where the activations are."""
+    return backend.xp.asarray((generator.random(shape) >= p).astype(dtype) / (1.0 - p))
 
 
 class Dropout:

@@ -8,11 +8,14 @@ from __future__ import annotations
 import math
 
 from ..backend import xp_of
+from . import cuda_kernels as _cuda  # fused kernels, used for cupy arrays only
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def layernorm_forward(x, gain, bias, eps):
+    if _cuda.fused(x, row=True):
+        return _cuda.layernorm_forward(x, gain, bias, eps)
     xp = xp_of(x)
     xhat = x - x.mean(axis=-1, keepdims=True)
     # Row sums of squares without a full-size temporary; rstd is per row, so cheap to build.
@@ -29,6 +32,8 @@ def layernorm_forward(x, gain, bias, eps):
 
 
 def layernorm_backward(dy, gain, saved):
+    if _cuda.fused(dy, row=True):
+        return _cuda.layernorm_backward(dy, gain, saved)
     xp = xp_of(dy)
     xhat, rstd = saved
     lead = tuple(range(dy.ndim - 1))
@@ -48,6 +53,8 @@ def layernorm_backward(dy, gain, saved):
 
 
 def rmsnorm_forward(x, gain, eps):
+    if _cuda.fused(x, row=True):
+        return _cuda.rmsnorm_forward(x, gain, eps)
     xp = xp_of(x)
     rrms = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
     xhat = x * rrms
@@ -55,6 +62,8 @@ def rmsnorm_forward(x, gain, eps):
 
 
 def rmsnorm_backward(dy, gain, saved):
+    if _cuda.fused(dy, row=True):
+        return _cuda.rmsnorm_backward(dy, gain, saved)
     xhat, rrms = saved
     dgain = (dy * xhat).sum(axis=tuple(range(dy.ndim - 1)))
     g = dy * gain
@@ -65,6 +74,8 @@ def rmsnorm_backward(dy, gain, saved):
 def gelu_tanh_forward(x):
     """0.5 x (1 + tanh(c (x + 0.044715 x^3))), with the inner term as x (c + 0.044715 c x^2) and
     every step in place: no float power (x**3 costs more than the GEMM before it) and one output."""
+    if _cuda.fused(x):
+        return _cuda.gelu_tanh_forward(x)
     xp = xp_of(x)
     t = x * x
     t *= _SQRT_2_OVER_PI * 0.044715
@@ -79,6 +90,8 @@ def gelu_tanh_forward(x):
 
 def gelu_tanh_backward(dy, saved):
     """dy (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 0.044715 x^2)), in place in one buffer."""
+    if _cuda.fused(dy):
+        return _cuda.gelu_tanh_backward(dy, saved)
     xp = xp_of(dy)
     x, t = saved
     g = x * x
@@ -116,11 +129,15 @@ def gelu_erf_backward(dy, saved):
 
 
 def silu_forward(x):
+    if _cuda.fused(x):
+        return _cuda.silu_forward(x)
     sig = 1.0 / (1.0 + xp_of(x).exp(-x))
     return x * sig, (x, sig)
 
 
 def silu_backward(dy, saved):
+    if _cuda.fused(dy):
+        return _cuda.silu_backward(dy, saved)
     x, sig = saved
     return dy * sig * (1.0 + x * (1.0 - sig))
 
@@ -128,6 +145,8 @@ def silu_backward(dy, saved):
 def softmax_forward(scores):
     """Softmax over the last axis; rows that are entirely -inf (fully masked) give zeros, not NaN.
     One full-size array is written (the result); the row statistics are small."""
+    if _cuda.fused(scores, row=True):
+        return _cuda.softmax_forward(scores)
     xp = xp_of(scores)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max[~xp.isfinite(row_max)] = 0.0
@@ -140,6 +159,8 @@ def softmax_forward(scores):
 
 
 def softmax_backward(dp, p):
+    if _cuda.fused(dp, row=True):
+        return _cuda.softmax_backward(dp, p)
     xp = xp_of(dp)
     row_dot = xp.einsum("...i,...i->...", dp, p)[..., None]
     ds = dp - row_dot

@@ -15,6 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     model.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (ranks inside a node)")
     model.add_argument("--pp", type=int, default=d.pp, help="pipeline stages")
     model.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp*pp))")
+    model.add_argument("--ep", type=int, default=d.ep,
+                       help="expert-parallel size for MoE models: experts spread over ep of the dp ranks "
+                            "(must divide dp and num_experts)")
     model.add_argument("--pp-layers", default=None, metavar="N,N,...",
                        help="blocks per pipeline stage (default: balanced by a cost estimate)")
     model.add_argument("--plan", choices=("auto",), default=None,
@@ -23,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser):
                        help="cluster preset the planner assumes (default %(default)s; see hpc-tp plan --help)")
     model.add_argument("--schedule", default=d.schedule, choices=("1f1b", "gpipe"), help="pipeline schedule")
     model.add_argument("--recompute", action="store_true", help="recompute activations in backward")
-    model.add_argument("--dtype", default=d.dtype, help="float32 (default) or float64 (for checks)")
+    model.add_argument("--dtype", default=d.dtype, help="float32 (default), float64 (for checks), or float16/bfloat16 "
+                                                      "(mixed precision: float32 master weights, fp16 loss scaling)")
+    model.add_argument("--device", default=d.device, choices=("cpu", "cuda"),
+                       help="cpu (numpy, default) or cuda (cupy, one GPU per node-local rank)")
     opt = parser.add_argument_group("optimisation")
     opt.add_argument("--micro-batch", type=int, default=None,
                      help="sequences per forward pass (default: each dp rank's whole share at pp=1, "

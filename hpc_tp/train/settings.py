@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from .mixed_precision import resolve_dtype
 
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "float16", "bfloat16")  # the half ones: mixed precision (train/mixed_precision.py)
 DEMO_SEQ_LEN = 16  # the demo task's rows ("99+99=198\n" plus eos) need 10 tokens
 
 
@@ -18,6 +19,7 @@ class TrainSettings:
     tp: int = 1
     pp: int = 1
     dp: int | None = None  # None: world / (tp * pp)
+    ep: int = 1  # expert-parallel size (MoE): carved out of dp, must divide dp and num_experts
     pp_layers: str | None = None  # e.g. "3,2,3": blocks per stage (default: balanced by a cost estimate)
     schedule: str = "1f1b"
     plan: str | None = None  # "auto": tp, pp, dp, micro-batch, recompute and schedule from hpc_tp.plan
@@ -34,6 +36,7 @@ class TrainSettings:
     clip_grad: float = 1.0
     seed: int = 0
     dtype: str = "float32"
+    device: str = "cpu"  # "cuda": cupy, one GPU per node-local rank
     data: str = "demo"
     tokenizer: str | None = None  # None: bytes, or the --init checkpoint's tokenizer
     init: str | None = None  # start from a checkpoint's weights (its config and tokenizer), fresh optimizer
@@ -52,7 +55,7 @@ class TrainSettings:
     max_bad_steps: int = 0  # non-finite steps in a row before rolling back to the last checkpoint (0: never)
 
     def check(self):
-        positive = {"micro-batch": 1 if self.micro_batch is None else self.micro_batch,
+        positive = {"micro-batch": 1 if self.micro_batch is None else self.micro_batch, "ep": self.ep,
                     "global-batch": self.global_batch, "steps": self.steps,
                     "eval-problems": self.eval_problems}
         for flag, value in positive.items():
@@ -67,6 +70,9 @@ class TrainSettings:
             raise ConfigError(f"--warmup {self.warmup} is more than --steps {self.steps}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {self.device!r}: expected cpu or cuda")
+        resolve_dtype(self.dtype)  # bfloat16 without ml_dtypes: one clear line
         if self.plan not in (None, "auto"):
             raise ConfigError(f"--plan {self.plan!r}: expected auto")
         if self.schedule not in ("1f1b", "gpipe"):

@@ -3,7 +3,7 @@
     global batch (sampler: a pure function of seed and step)
       -> this dp rank's contiguous chunk -> micro-batches (gradient accumulation)
       -> forward + backward of each, gradients of loss_sum / (global target-token count)
-      -> data-parallel all-reduce of gradient sums (buckets)
+      -> data-parallel all-reduce of gradient sums (buckets; an MoE expert's over the dp ranks holding it)
       -> exact global grad norm, clipping, AdamW (states sharded like the parameters)
 
 Dividing by the *global* token count before backward makes every layout sum the same terms:
@@ -28,19 +28,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import backend
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoint.format import resolve_checkpoint
+from ..comm import use_device
 from ..comm.watchdog import WatchedCommunicator, watched
 from ..errors import ConfigError
 from ..grid import ProcessGrid
 from ..models import load_config
 from ..models.config import PRESETS, ModelConfig
 from ..pipeline import build_stage, parse_pp_layers, pipeline_forward_backward, sync_tied_embeddings, tied_copy_names
+from ..tensor_parallel.sequence_parallel import check_sequence_divisible
 from ..tensor_parallel.vocab import IGNORE_INDEX
 from .data import DistributedSampler, TaskDataset, build_dataset
 from .evaluate import heldout_accuracy
-from .grad_sync import GradBucketer
+from .expert_parallel import check_expert_parallel, moe_metrics, moe_summary
+from .grad_sync import ExpertAwareBucketer
 from .metrics import MetricsLogger
+from .mixed_precision import MixedPrecision
 from .optim import AdamW, clip_grads, grads_finite
 from .preemption import StopRequest
 from .progress import Progress, format_duration
@@ -50,6 +55,7 @@ from .tokenizer import load_tokenizer, load_tokenizer_dir
 
 # Settings a resumed run must share with the run that saved: they decide which samples each step sees.
 SAME_ON_RESUME = ("seed", "global_batch", "data", "tokenizer")
+GROUPS = ("tp", "pp", "dp", "ep", "expert_dp")  # the grid's communicators: their calls count as comm_s
 
 
 class NumericalFault(ConfigError):
@@ -74,24 +80,30 @@ class Trainer:
         planned = bool(s.plan)
         if planned:  # builds the tokenizer and the model config on the way
             self.settings = s = self._planned(world)
-        self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, world)
-        for axis in ("tp", "pp", "dp"):  # reports name groups "tp [0, 1]" rather than "group [0, 1]"
+        self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, world, ep=s.ep)
+        for axis in GROUPS:  # reports name groups "tp [0, 1]" rather than "group [0, 1]"
             getattr(grid, axis).label = axis
+        self.transports = use_device(s.device, grid)  # before any array: the backend, each group's transport
         self.micro_batch = s.micro_batch_for(grid.dp_size, grid.pp_size)
         self.is_main = grid.world.rank == 0
         if not planned:
             self.init_meta = load_checkpoint(s.init, {}, grid) if s.init else None
             self.tokenizer = self._tokenizer()
             self.cfg = self._model_config()
+        check_expert_parallel(s.ep, self.cfg)
         self.seq_len = self._seq_len()
+        if self.cfg.sequence_parallel:  # before any data is read or any message goes
+            check_sequence_divisible(self.seq_len, grid.tp_size)
         self.dataset = build_dataset(s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank,
                                      barrier=grid.world.barrier)
         self.model = self._build_model()
         self.params = self.model.state()
+        self.precision = MixedPrecision(self.params, s.dtype)  # float32 masters of half weights (else the same)
         if s.init:
-            load_checkpoint(s.init, self.params, grid)
-        self.optimizer = AdamW(self.params, s.lr, weight_decay=s.weight_decay)
-        self.bucketer = GradBucketer(self.params, grid.dp, average=False)
+            load_checkpoint(s.init, self.precision.master, grid)
+            self.precision.sync_model()
+        self.optimizer = AdamW(self.precision.master, s.lr, weight_decay=s.weight_decay)
+        self.bucketer = ExpertAwareBucketer(self.params, grid)
         self.tied_copies = tied_copy_names(self.model, grid)  # counted once, on the first stage
         self.sampler = DistributedSampler(len(self.dataset), s.global_batch, grid.coords.dp, grid.dp_size, s.seed)
         self.step = 0
@@ -160,23 +172,26 @@ class Trainer:
     def train_step(self) -> dict:
         s, grid = self.settings, self.grid
         started, comm_before = time.perf_counter(), self._comm_seconds()
-        ids, targets = self.dataset.get(self.sampler.indices(self.step))
+        ids, targets = (backend.xp.asarray(a) for a in self.dataset.get(self.sampler.indices(self.step)))
         tokens = grid.dp.all_reduce_scalar(float((targets != IGNORE_INDEX).sum()))
         if tokens == 0:
             raise ConfigError(f"step {self.step}: the global batch has no target tokens to learn from")
-        loss = grid.dp.all_reduce_scalar(self._forward_backward(ids, targets, 1.0 / tokens)) / tokens
-        finite = grads_finite(self.params, grid) and math.isfinite(loss)  # the loss is the same on every rank
-        norm = clip_grads(self.params, s.clip_grad, grid, self.tied_copies) if finite else float("nan")
+        loss_sum = self._forward_backward(ids, targets, self.precision.loss_scale / tokens)  # fp16: scaled grads
+        loss = grid.dp.all_reduce_scalar(loss_sum) / tokens
+        grads = self.precision.grads()  # float32, unscaled (the parameters themselves at float32/64)
+        finite = grads_finite(grads, grid) and math.isfinite(loss)  # the loss is the same on every rank
+        norm = clip_grads(grads, s.clip_grad, grid, self.tied_copies) if finite else float("nan")
         lr = lr_at(self.step, s.lr, s.warmup_steps, s.steps, s.min_lr_ratio)
         if finite:  # a step with an inf/NaN gradient is skipped on every rank alike
             self.optimizer.step(lr)
+        self.precision.update(finite)  # half weights from the masters; fp16: the loss scale
         self.model.zero_grad()
         self.step += 1
         elapsed = time.perf_counter() - started
         comm = self._comm_seconds() - comm_before
         return dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, skipped=not finite, tokens=int(tokens),
                     tokens_per_s=s.global_batch * self.seq_len / elapsed, step_s=elapsed, compute_s=elapsed - comm,
-                    comm_s=comm)
+                    comm_s=comm, **moe_metrics(self.model, grid))
 
     def _forward_backward(self, ids, targets, scale: float) -> float:
         """This dp rank's loss sum; gradients of ``scale * loss`` summed over the dp group, each
@@ -194,28 +209,30 @@ class Trainer:
         return loss_sum
 
     def _comm_seconds(self) -> float:
-        return sum(c.seconds for c in (self.grid.tp, self.grid.pp, self.grid.dp))
+        return sum(getattr(self.grid, axis).seconds for axis in GROUPS)
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self) -> tuple[float, list] | None:
         """Held-out accuracy on the demo task, decoded by the serving engine (None for a corpus, and for
-        layouts the engine does not serve: pp > 1, sequence parallelism)."""
-        if not isinstance(self.dataset, TaskDataset) or self.grid.pp_size > 1 or self.cfg.sequence_parallel:
+        layouts the engine does not serve: pp > 1, sequence parallelism, expert parallelism)."""
+        if (not isinstance(self.dataset, TaskDataset) or self.grid.pp_size > 1 or self.cfg.sequence_parallel
+                or self.grid.ep_size > 1):
             return None
         self.model.rng.training = False
         try:
-            return heldout_accuracy(self.model, self.dataset.task, self.tokenizer, self.settings.eval_problems)
+            with self.model.uncounted():
+                return heldout_accuracy(self.model, self.dataset.task, self.tokenizer, self.settings.eval_problems)
         finally:
             self.model.rng.training = True
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict:
-        return {**self.params, **self.optimizer.state_tensors()}
+        return {**self.precision.master, **self.optimizer.state_tensors()}
 
     def save(self) -> Path:
         s = self.settings
         meta = {"step": self.step, "config": self.cfg.to_dict(), "seq_len": self.seq_len,
-                "optimizer": {"name": "adamw", "step_count": self.optimizer.step_count},
+                "optimizer": {"name": "adamw", "step_count": self.optimizer.step_count, **self.precision.state()},
                 "train": s.to_dict(), "tokenizer": self.tokenizer.identity}
         return save_checkpoint(s.save, self.step, self.checkpoint_tensors(), meta, self.grid, keep=s.keep,
                                files=_tokenizer_files(self.tokenizer))
@@ -244,6 +261,8 @@ class Trainer:
         load_checkpoint(folder, self.checkpoint_tensors(), self.grid)
         self.step = int(meta["step"])
         self.optimizer.step_count = int(meta["optimizer"]["step_count"])
+        self.precision.sync_model()
+        self.precision.load_state(meta["optimizer"])
 
     def roll_back(self, bad_steps: int) -> Path:
         """Back to the last checkpoint after ``bad_steps`` non-finite steps in a row (NumericalFault if
@@ -348,12 +367,15 @@ class Trainer:
     def _describe(self) -> str:
         g, cfg = self.grid, self.cfg
         return (f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}) "
-                f"on tp={g.tp_size} pp={g.pp_size} dp={g.dp_size}, {self.settings.dtype}, data {self.settings.data}, "
+                f"on tp={g.tp_size} pp={g.pp_size} dp={g.dp_size}{f' ep={g.ep_size}' if g.ep_size > 1 else ''}, "
+                f"{self.settings.dtype}, data {self.settings.data}, "
                 f"global batch {self.settings.global_batch} x {self.seq_len} tokens")
 
     def _report(self, result: TrainResult, seconds: float, steps: int):
         if result.records:
             self.say(f"{steps} steps in {format_duration(seconds)}, final loss {result.records[-1]['loss']:.4f}")
+            if "moe_aux" in result.records[-1]:
+                self.say(moe_summary(result.records[-1]))
         if result.accuracy is not None:
             shown = result.samples[:self.settings.samples]
             self.say(f"held-out accuracy {100 * result.accuracy:.1f}% on {len(result.samples)} problems never "

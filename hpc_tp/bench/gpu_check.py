@@ -1,0 +1,411 @@
+"""``make gpu-check`` (``python3 -m hpc_tp.bench.gpu_check``): the GPU backend checked and measured
+on one machine in well under 5 minutes, as a short table.
+
+1. environment: card, driver and runtime, cupy, NCCL, ml_dtypes, MPI (CUDA-aware or not), mpiexec;
+2. checks, each a measured number against its bound: the fused kernels against numpy (float64 and
+   float32), tp=2 against tp=1 on the device in float64 (2 ranks sharing the card through MPI,
+   only where ``mpiexec`` works), training steps on the device against the CPU (float64), and
+   mixed precision (float16, bfloat16 where ml_dtypes is) against float32 on the device;
+3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
+   (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
+   measured large-GEMM peak.
+
+The table goes to stdout and, with ``--out DIR`` or ``$OUT``, to DIR/gpu_check.md and .json.
+Exit status: 0 when every check passed, and also when there is no CUDA device (the only line
+then starts "gpu-check skipped: no CUDA device"); 1 when a check failed or raised.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy
+
+from .. import backend
+
+KERNEL_TOL = {"float64": 1e-12, "float32": 2e-5}
+TP_TOL = 1e-9
+# Worst per-step loss drift from float32 over 5 demo steps (numpy float16 on the CPU: 5e-4);
+# bfloat16 keeps 8 mantissa bits to float16's 11.
+MIXED_TOL = {"float16": 1e-2, "bfloat16": 5e-2}
+W1_ROWS = ((4, 256), (32, 256))  # (micro-batch, seq): the CPU benchmark's shape, then one a GPU fills
+
+
+# -- checks: each returns numbers; the bounds are applied by the caller (here and tests/test_gpu.py) --
+def _rel(a, b) -> float:
+    a, b = (numpy.asarray(backend.to_numpy(v), dtype=numpy.float64) for v in (a, b))
+    return float(numpy.abs(a - b).max(initial=0.0) / max(numpy.abs(b).max(initial=0.0), 1e-300))
+
+
+def _worst(device_out, host_out) -> float:
+    if isinstance(host_out, tuple):
+        return max(_worst(d, h) for d, h in zip(device_out, host_out))
+    return _rel(device_out, host_out)
+
+
+def kernel_errors(dtype: str, rows: int = 37, n: int = 300) -> dict[str, float]:
+    """Worst relative error of each fused kernel (``functional`` on cupy) against numpy."""
+    import cupy
+
+    from ..nn import cuda_kernels as K
+    from ..nn import functional as F
+
+    rng = numpy.random.default_rng(0)
+    x, dy, gain, bias = (rng.standard_normal(s).astype(dtype) for s in ((rows, n), (rows, n), (n,), (n,)))
+    scores = x.copy()
+    scores[0] = -numpy.inf  # a fully masked row
+    scores[1, n // 3:] = -numpy.inf
+    d = {name: cupy.asarray(v) for name, v in (("x", x), ("dy", dy), ("gain", gain), ("bias", bias),
+                                               ("scores", scores))}
+    errors = {}
+    for name, fwd, bwd in (("gelu_tanh", F.gelu_tanh_forward, F.gelu_tanh_backward),
+                           ("silu", F.silu_forward, F.silu_backward)):
+        (y, saved), (dev_y, dev_saved) = fwd(x), fwd(d["x"])
+        errors[name] = max(_worst(dev_y, y), _worst(bwd(d["dy"], dev_saved), bwd(dy, saved)))
+    act, act_saved = F.silu_forward(x)
+    dev_y, dev_saved = K.swiglu_forward(d["x"], d["dy"])
+    errors["swiglu"] = max(_worst(dev_y, act * dy),
+                           _worst(K.swiglu_backward(d["gain"][None] * d["dy"], dev_saved),
+                                  (F.silu_backward(gain * dy * dy, act_saved), gain * dy * act)))
+    p, dev_p = F.softmax_forward(scores), F.softmax_forward(d["scores"])
+    errors["softmax"] = max(_worst(dev_p, p), _worst(F.softmax_backward(d["dy"], dev_p), F.softmax_backward(dy, p)))
+    (y, saved), (dev_y, dev_saved) = F.layernorm_forward(x, gain, bias, 1e-5), F.layernorm_forward(
+        d["x"], d["gain"], d["bias"], 1e-5)
+    errors["layernorm"] = max(_worst((dev_y, dev_saved), (y, saved)),
+                              _worst(F.layernorm_backward(d["dy"], d["gain"], dev_saved),
+                                     F.layernorm_backward(dy, gain, saved)))
+    (y, saved), (dev_y, dev_saved) = F.rmsnorm_forward(x, gain, 1e-6), F.rmsnorm_forward(d["x"], d["gain"], 1e-6)
+    errors["rmsnorm"] = max(_worst((dev_y, dev_saved), (y, saved)),
+                            _worst(F.rmsnorm_backward(d["dy"], d["gain"], dev_saved),
+                                   F.rmsnorm_backward(dy, gain, saved)))
+    return errors
+
+
+def train_losses(device: str, dtype: str, steps: int = 3, loss_scale: float | None = None) -> tuple[list, object]:
+    """Losses of ``steps`` demo training steps on ``device`` (one process), and the trainer.
+    ``loss_scale``: float16's starting scale (default 2^16), low enough that no step overflows
+    when a run is compared step by step with float32 (a skipped step would shift it by one)."""
+    from ..comm.mpi import self_comm
+    from ..train.mixed_precision import LossScaler
+    from ..train.settings import TrainSettings
+    from ..train.trainer import Trainer
+
+    settings = TrainSettings(device=device, dtype=dtype, steps=10, global_batch=8, progress=False, samples=0)
+    trainer = Trainer(settings, world=self_comm())
+    if loss_scale is not None and trainer.precision.scaler is not None:
+        trainer.precision.scaler = LossScaler(scale=loss_scale)
+    with numpy.errstate(over="ignore", invalid="ignore"):  # fp16 overflow is a skipped step, on purpose
+        return [trainer.train_step()["loss"] for _ in range(steps)], trainer
+
+
+def tp_equality(world, transport: str | None = None) -> tuple[float, str]:
+    """Worst relative error (loss and every gradient) of the tiny model at tp = 2 (the first two
+    ranks of ``world``, sharing devices as they are) against tp = 1, float64; and the transport."""
+    from ..comm.mpi import self_comm
+    from ..comm.nccl import device_communicator, group_transport
+    from ..models import GPTModel, load_config
+    from ..verify import gradient_errors
+
+    pair = world.split(color=int(world.rank < 2), key=world.rank)
+    transport = transport or group_transport(pair)
+    tp = device_communicator(pair, transport=transport)
+    if world.rank >= 2:
+        return 0.0, transport
+    xp = backend.xp
+    cfg = load_config("tiny", vocab_size=64)
+    rng = numpy.random.default_rng(0)
+    ids, targets = (xp.asarray(rng.integers(0, 64, (2, 9))) for _ in range(2))
+    results = []
+    for comm in (tp, self_comm()):
+        model = GPTModel(cfg, comm, dtype="float64", seed=0)
+        loss, count, ctx = model.forward(ids, targets)
+        model.backward(ctx, 1.0 / count)
+        results.append((model, float(loss)))
+    (par, loss_par), (one, loss_one) = results
+    errors = gradient_errors(par, one, tp)
+    errors["loss"] = abs(loss_par - loss_one) / abs(loss_one)
+    return max(errors.values()), transport
+
+
+def card_peak(dtype: str, size: int = 8192, repeats: int = 5) -> float:
+    """FLOP/s of a large square GEMM in ``dtype``: what the card's cuBLAS reaches (median)."""
+    import cupy
+
+    a = cupy.asarray(numpy.random.default_rng(0).standard_normal((size, size)).astype(dtype))
+    out = cupy.empty_like(a)
+    cupy.matmul(a, a, out=out)
+    times = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        cupy.matmul(a, a, out=out)
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return 2 * size ** 3 / sorted(times)[len(times) // 2]
+
+
+def benchmark(dtype: str, batch: int, seq: int) -> dict:
+    from ..comm.mpi import self_comm
+    from ..models.config import load_config
+    from .step import benchmark_step
+
+    cfg = load_config("w1", max_seq_len=seq)
+    return benchmark_step(self_comm(), cfg, batch, seq, dtype, repeats=5, warmup=2)
+
+
+# -- the report -------------------------------------------------------------------------------------
+def environment() -> list[tuple[str, str]]:
+    import cupy
+
+    rt = cupy.cuda.runtime
+    props = rt.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    rows = [("card", f"{name}, {props['totalGlobalMem'] / 2**30:.0f} GiB, sm_{props['major']}{props['minor']}, "
+                     f"{props['multiProcessorCount']} SMs, {rt.getDeviceCount()} visible"),
+            ("driver / runtime",
+             f"CUDA {_cuda_version(rt.driverGetVersion())} / {_cuda_version(rt.runtimeGetVersion())}"),
+            ("python / numpy / cupy", f"{sys.version.split()[0]} / {numpy.__version__} / {cupy.__version__}")]
+    from ..comm.nccl import nccl_available
+
+    if nccl_available():
+        from cupy.cuda import nccl
+        rows.append(("nccl", f"available, version {nccl.get_version()}"))
+    else:
+        rows.append(("nccl", "not available (cupy finds no libnccl): groups use MPI"))
+    try:
+        import ml_dtypes
+        rows.append(("ml_dtypes (bfloat16)", ml_dtypes.__version__))
+    except ImportError:
+        rows.append(("ml_dtypes (bfloat16)", "missing: bfloat16 rows are skipped, float16 measured instead"))
+    rows.append(("mpiexec", _mpiexec() or "not found: the 2-rank check is skipped"))
+    return rows
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _mpiexec() -> str | None:
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else shutil.which("mpiexec")
+
+
+def _mpi_env() -> dict:
+    """This environment for a child ``mpiexec``, without the launch variables of any parent MPI job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMIX_", "OMPI_COMM_WORLD", "PMI_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH")])))
+    return env
+
+
+def _mpiexec_2(*command: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([_mpiexec(), "-n", "2", sys.executable, *command], env=_mpi_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _last_line(done: subprocess.CompletedProcess) -> str:
+    """The line that says what went wrong: the last error line, else the last line with words."""
+    lines = [line.strip() for line in (done.stdout + "\n" + done.stderr).splitlines() if any(c.isalpha() for c in line)]
+    errors = [line for line in lines if "Error" in line]
+    return ((errors or lines or ["no output"])[-1])[:160]
+
+
+def _run_tp_worker(timeout: float = 180) -> tuple[str, str, str]:
+    """tp=2 vs tp=1 under ``mpiexec -n 2`` (this module, --tp-worker): skipped where mpiexec cannot
+    start two ranks of this Python (probed first), FAIL where it can and the check does not pass."""
+    if _mpiexec() is None:
+        return "skipped", "", "no mpiexec"
+    try:
+        probe = _mpiexec_2("-c", "from mpi4py import MPI; assert MPI.COMM_WORLD.Get_size() == 2", timeout=60)
+    except subprocess.TimeoutExpired:
+        return "skipped", "", "mpiexec -n 2 hangs here (60 s probe)"
+    if probe.returncode:
+        return "skipped", "", f"mpiexec -n 2 does not run here: {_last_line(probe)}"
+    try:
+        done = _mpiexec_2("-m", "hpc_tp.bench.gpu_check", "--tp-worker", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "FAIL", "", f"mpiexec -n 2 did not finish in {timeout:.0f} s"
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return "FAIL", "", f"exit {done.returncode}: {_last_line(done)}"
+    report = json.loads(lines[-1])
+    return _bounded(report["error"], TP_TOL, f"2 ranks on one card via {report['transport']}")
+
+
+def _tp_worker() -> int:
+    from ..comm.mpi import world
+
+    comm = world()
+    backend.use("cuda", comm.split_node().rank)
+    error, transport = tp_equality(comm)
+    if comm.rank == 0:
+        print(json.dumps({"error": error, "transport": transport}), flush=True)
+    return 0
+
+
+def _bf16_or_fp16() -> str:
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return "float16"
+    return "bfloat16"
+
+
+class Report:
+    def __init__(self):
+        self.checks: list[dict] = []
+        self.bench: list[dict] = []
+
+    def check(self, name: str, bound: str, run):
+        """``run()`` -> (result, measured, detail); an exception is a FAIL with its message."""
+        started = time.perf_counter()
+        try:
+            result, measured, detail = run()
+        except ModuleNotFoundError as error:  # a package this machine lacks: not a failure of the backend
+            result, measured, detail = "skipped", "", f"needs {error.name} (make gpu-deps, see README)"
+        except Exception as error:  # noqa: BLE001: the table says what broke, the next check still runs
+            result, measured, detail = "FAIL", "", f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        row = dict(check=name, result=result, measured=measured, bound=bound, detail=detail,
+                   seconds=round(time.perf_counter() - started, 1))
+        self.checks.append(row)
+        print(f"  {result:7s} {name:34s} {measured:>9s}  (bound {bound}) {detail}", flush=True)
+
+    @property
+    def failed(self) -> bool:
+        return any(row["result"] == "FAIL" for row in self.checks)
+
+
+def _bounded(value: float, bound: float, detail: str = ""):
+    return ("ok" if value <= bound else "FAIL"), f"{value:.1e}", detail
+
+
+def run_checks(report: Report):
+    # First, while this process has not started MPI: a singleton MPI parent can confuse a child mpiexec.
+    report.check("tp=2 vs tp=1 on the device, float64", f"{TP_TOL:.0e}", _run_tp_worker)
+    for dtype in ("float64", "float32"):
+        def kernels(dtype=dtype):
+            errors = kernel_errors(dtype)
+            worst = max(errors, key=errors.get)
+            return _bounded(errors[worst], KERNEL_TOL[dtype], f"worst: {worst}; " +
+                            ", ".join(f"{k} {v:.0e}" for k, v in errors.items()))
+        report.check(f"fused kernels vs numpy, {dtype}", f"{KERNEL_TOL[dtype]:.0e}", kernels)
+
+    def training():
+        cpu, _ = train_losses("cpu", "float64")
+        gpu, trainer = train_losses("cuda", "float64")
+        on_device = all(not isinstance(p.data, numpy.ndarray) for p in trainer.params.values())
+        error = max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu))
+        result, measured, _ = _bounded(error, TP_TOL)
+        return (result if on_device else "FAIL"), measured, (
+            f"3 demo steps, losses {', '.join(f'{v:.4f}' for v in gpu)}; groups: {trainer.transports}")
+    report.check("training on the device vs CPU, float64", f"{TP_TOL:.0e}", training)
+    for dtype in ("float16", "bfloat16"):
+        def mixed(dtype=dtype):
+            if dtype == "bfloat16" and _bf16_or_fp16() != "bfloat16":
+                return "skipped", "", "ml_dtypes missing"
+            full, _ = train_losses("cuda", "float32", steps=5)
+            half, trainer = train_losses("cuda", dtype, steps=5, loss_scale=2.0 ** 10)
+            fp32_masters = all(p.data.dtype == numpy.float32 for p in trainer.precision.master.values())
+            drift = max(abs(a - b) / b for a, b in zip(half, full))
+            ok = fp32_masters and half[-1] < half[0] and drift <= MIXED_TOL[dtype]
+            return ("ok" if ok else "FAIL"), f"{drift:.1e}", (
+                f"5 steps, loss {half[0]:.3f} -> {half[-1]:.3f} (fp32 {full[0]:.3f} -> {full[-1]:.3f}), "
+                f"loss scale {trainer.precision.loss_scale:g}, fp32 masters: {fp32_masters}")
+        report.check(f"mixed precision {dtype} vs float32", f"{MIXED_TOL[dtype]:.0e}", mixed)
+
+
+def run_benchmarks(report: Report):
+    for dtype in ("float32", _bf16_or_fp16()):
+        try:
+            peak = card_peak(dtype)
+        except Exception as error:  # noqa: BLE001
+            report.bench.append({"dtype": dtype, "error": f"{type(error).__name__}: {error}"[:200]})
+            print(f"  {dtype}: GEMM peak failed: {report.bench[-1]['error']}", flush=True)
+            continue
+        for batch, seq in W1_ROWS:
+            try:
+                r = benchmark(dtype, batch, seq)
+            except Exception as error:  # noqa: BLE001
+                report.bench.append({"dtype": dtype, "micro_batch": batch, "seq_len": seq,
+                                     "error": f"{type(error).__name__}: {error}"[:200]})
+                print(f"  {dtype} {batch}x{seq}: failed: {report.bench[-1]['error']}", flush=True)
+                continue
+            row = {"dtype": dtype, "micro_batch": batch, "seq_len": seq, "step_ms": r["step_s"] * 1e3,
+                   "tokens_per_s": r["tokens_per_s"], "achieved_tflops": r["achieved_flops"] / 1e12,
+                   "same_shape_gemm_tflops": r["gemm_peak_flops_per_rank"] / 1e12, "mfu_same_shape": r["mfu"],
+                   "card_gemm_tflops": peak / 1e12, "mfu_card": r["achieved_flops"] / peak}
+            report.bench.append(row)
+            print(f"  W1 {dtype:8s} {batch:3d}x{seq}: {row['step_ms']:8.2f} ms  {row['tokens_per_s']:10.0f} tok/s  "
+                  f"{row['achieved_tflops']:7.2f} TFLOP/s  MFU {100 * row['mfu_same_shape']:5.1f}% of the same-shape "
+                  f"GEMM ({row['same_shape_gemm_tflops']:.1f}), {100 * row['mfu_card']:5.1f}% of the card's "
+                  f"{row['card_gemm_tflops']:.1f} TFLOP/s", flush=True)
+
+
+def markdown(env, report: Report) -> str:
+    lines = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
+    lines += [f"- {k}: {v}" for k, v in env]
+    lines += ["", "| check | result | measured | bound | detail |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {c['check']} | {c['result']} | {c['measured']} | {c['bound']} | {c['detail']} |"
+              for c in report.checks]
+    lines += ["", "| W1 dtype | micro-batch x seq | step ms | tokens/s | TFLOP/s | MFU (same-shape GEMM) "
+                  "| MFU (card GEMM peak) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for b in report.bench:
+        if "error" in b:
+            lines.append(f"| {b['dtype']} | {b.get('micro_batch', '')}x{b.get('seq_len', '')} | failed: {b['error']} "
+                         "| | | | |")
+        else:
+            lines.append(f"| {b['dtype']} | {b['micro_batch']}x{b['seq_len']} | {b['step_ms']:.2f} | "
+                         f"{b['tokens_per_s']:.0f} | {b['achieved_tflops']:.2f} | {100 * b['mfu_same_shape']:.1f}% "
+                         f"of {b['same_shape_gemm_tflops']:.1f} | {100 * b['mfu_card']:.1f}% of "
+                         f"{b['card_gemm_tflops']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.md/.json (default $OUT)")
+    parser.add_argument("--no-bench", action="store_true", help="checks only")
+    parser.add_argument("--tp-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tp_worker:
+        return _tp_worker()
+    from ..errors import ConfigError
+
+    try:
+        backend.import_cupy()
+    except ConfigError as error:
+        print(f"gpu-check skipped: no CUDA device ({str(error).removeprefix('--device cuda: ')})")
+        return 0
+    started = time.perf_counter()
+    backend.use("cuda", 0)
+    env = environment()
+    print("gpu-check environment:\n" + "\n".join(f"  {k}: {v}" for k, v in env), flush=True)
+    report = Report()
+    print("checks:", flush=True)
+    run_checks(report)
+    backend.use("cuda", 0)
+    if not args.no_bench:
+        print("W1 block stack (4 layers, hidden 768, 12 heads, ffn 3072), one process:", flush=True)
+        run_benchmarks(report)
+    text = markdown(env, report) + f"\ntotal {time.perf_counter() - started:.0f} s\n"
+    print("\n" + text, flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.md").write_text(text)
+        (out / "gpu_check.json").write_text(json.dumps({"environment": dict(env), "checks": report.checks,
+                                                        "w1": report.bench}, indent=1) + "\n")
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""Fused CUDA kernels (cupy) for the memory-bound pieces of a block; ``functional`` dispatches here
+for cupy arrays. Each op is one pass over its data where the composed cupy version makes 4-8
+(GELU alone: x*x, *c, +c, *x, tanh, +1, *x, *0.5, each a full read and write); the matrix products
+stay with cuBLAS.
+
+- elementwise (ElementwiseKernel, any float dtype cupy has, half types computed in float):
+  GELU (tanh) and SiLU forward/backward, SwiGLU forward/backward;
+- row-wise (RawModule, float32/float64, one thread block per row, warp-shuffle reductions):
+  softmax with fully masked rows giving zeros (and an optional in-kernel causal mask), layernorm
+  and rmsnorm forward/backward. Their saved tensors are what ``functional``'s backward expects,
+  so a forward on one path and a backward on the other agree.
+
+Importing this module needs no cupy; the kernels compile on first use.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy
+
+ROW_DTYPES = (numpy.dtype("float32"), numpy.dtype("float64"))
+_C = math.sqrt(2.0 / math.pi)
+_ACC = """
+template <typename T> struct acc { typedef float type; };
+template <> struct acc<double> { typedef double type; };
+"""
+
+
+def fused(x, row: bool = False) -> bool:
+    """True for a cupy array the kernels take: a floating dtype (row kernels: float32/float64)."""
+    if isinstance(x, numpy.ndarray) or type(x).__module__.split(".")[0] != "cupy":
+        return False
+    dtype = numpy.dtype(x.dtype)
+    return dtype in ROW_DTYPES if row else dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+_G, _K = f"(A){_C!r}", "(A)0.044715"
+# name: (inputs, outputs, body); the body computes in A (float, or double for float64).
+ELEMENTWISE = {
+    "gelu_fwd": ("T x", "T y, T t",
+                 f"A v = (A)x; A u = tanh({_G} * v * ((A)1 + {_K} * v * v)); t = (T)u;"
+                 "y = (T)((A)0.5 * v * ((A)1 + u));"),
+    "gelu_bwd": ("T dy, T x, T t", "T dx",
+                 f"A v = (A)x; A u = (A)t; A inner = (A)0.5 * {_G} * v * ((A)1 + (A)3 * {_K} * v * v);"
+                 "dx = (T)((A)dy * (inner * ((A)1 - u * u) + (A)0.5 * ((A)1 + u)));"),
+    "silu_fwd": ("T x", "T y, T sig",
+                 "A v = (A)x; A s = (A)1 / ((A)1 + exp(-v)); sig = (T)s; y = (T)(v * s);"),
+    "silu_bwd": ("T dy, T x, T sig", "T dx",
+                 "A v = (A)x; A s = (A)sig; dx = (T)((A)dy * s * ((A)1 + v * ((A)1 - s)));"),
+    "swiglu_fwd": ("T gate, T up", "T y",
+                   "A g = (A)gate; y = (T)(g / ((A)1 + exp(-g)) * (A)up);"),
+    "swiglu_bwd": ("T dy, T gate, T up", "T dgate, T dup",
+                   "A g = (A)gate; A s = (A)1 / ((A)1 + exp(-g)); A d = (A)dy;"
+                   "dgate = (T)(d * (A)up * s * ((A)1 + g * ((A)1 - s))); dup = (T)(d * g * s);"),
+}
+
+
+@functools.cache
+def _elementwise(name: str):
+    import cupy
+
+    inputs, outputs, body = ELEMENTWISE[name]
+    return cupy.ElementwiseKernel(inputs, outputs, "typedef typename acc<T>::type A; " + body,
+                                  f"hpc_tp_{name}", preamble=_ACC)
+
+
+_ROWS = _ACC + r"""
+#define NEG_INF (-__int_as_float(0x7f800000))  // NVRTC has no <cmath> INFINITY
+struct Sum { template <typename A> __device__ A operator()(A a, A b) const { return a + b; } };
+struct Max { template <typename A> __device__ A operator()(A a, A b) const { return a > b ? a : b; } };
+
+// Reduce v over the block (blockDim a multiple of 32, at most 1024); every thread gets the result.
+template <typename A, typename Op>
+__device__ A block_reduce(A v, A identity, Op op, A* shared) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // the previous call's readers are done with shared
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = threadIdx.x < (blockDim.x >> 5) ? shared[threadIdx.x] : identity;
+  if (warp == 0)
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (threadIdx.x == 0) shared[0] = v;
+  __syncthreads();
+  return shared[0];
+}
+
+// Keys j < limit are visible: all of them, or with `causal` those up to the query's own position
+// (query q of the row is row % tq, at absolute position q + offset).
+template <typename T>
+__global__ void softmax_fwd(const T* x, T* y, long long n, long long tq, long long offset, int causal) {
+  typedef typename acc<T>::type A;
+  __shared__ A shared[32];
+  const long long row = blockIdx.x;
+  const T* xr = x + row * n;
+  T* yr = y + row * n;
+  long long limit = causal ? row % tq + offset + 1 : n;
+  if (limit > n) limit = n;
+  A m = (A)NEG_INF;
+  for (long long j = threadIdx.x; j < limit; j += blockDim.x) m = m > (A)xr[j] ? m : (A)xr[j];
+  m = block_reduce(m, (A)NEG_INF, Max(), shared);
+  if (!isfinite(m)) m = 0;  // a fully masked row: every exp is 0, and the row stays 0
+  A s = 0;
+  for (long long j = threadIdx.x; j < limit; j += blockDim.x) s += exp((A)xr[j] - m);
+  s = block_reduce(s, (A)0, Sum(), shared);
+  const A inv = s > 0 ? (A)1 / s : (A)1;
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) yr[j] = j < limit ? (T)(exp((A)xr[j] - m) * inv) : (T)0;
+}
+
+template <typename T>
+__global__ void softmax_bwd(const T* dp, const T* p, T* ds, long long n) {
+  typedef typename acc<T>::type A;
+  __shared__ A shared[32];
+  const long long base = blockIdx.x * n;
+  A dot = 0;
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) dot += (A)dp[base + j] * (A)p[base + j];
+  dot = block_reduce(dot, (A)0, Sum(), shared);
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) ds[base + j] = (T)(((A)dp[base + j] - dot) * (A)p[base + j]);
+}
+
+// Layernorm (rms = 0) or rmsnorm (rms = 1, no mean, no bias); saves xhat and 1/std per row.
+template <typename T>
+__global__ void norm_fwd(const T* x, const T* gain, const T* bias, T* y, T* xhat, T* rstd, long long n,
+                         double eps, int rms, int has_bias) {
+  typedef typename acc<T>::type A;
+  __shared__ A shared[32];
+  const long long base = blockIdx.x * n;
+  A mean = 0;
+  if (!rms) {
+    for (long long j = threadIdx.x; j < n; j += blockDim.x) mean += (A)x[base + j];
+    mean = block_reduce(mean, (A)0, Sum(), shared) / (A)n;
+  }
+  A var = 0;
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) { A d = (A)x[base + j] - mean; var += d * d; }
+  var = block_reduce(var, (A)0, Sum(), shared) / (A)n;
+  const A r = (A)1 / sqrt(var + (A)eps);
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) {
+    A h = ((A)x[base + j] - mean) * r;
+    xhat[base + j] = (T)h;
+    y[base + j] = (T)(h * (A)gain[j] + (has_bias ? (A)bias[j] : (A)0));
+  }
+  if (threadIdx.x == 0) rstd[blockIdx.x] = (T)r;
+}
+
+// dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy gain; rmsnorm drops the mean(g) term.
+template <typename T>
+__global__ void norm_bwd(const T* dy, const T* gain, const T* xhat, const T* rstd, T* dx, long long n, int rms) {
+  typedef typename acc<T>::type A;
+  __shared__ A shared[32];
+  const long long base = blockIdx.x * n;
+  A sg = 0, sgx = 0;
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) {
+    A g = (A)dy[base + j] * (A)gain[j];
+    sg += g;
+    sgx += g * (A)xhat[base + j];
+  }
+  sgx = block_reduce(sgx, (A)0, Sum(), shared) / (A)n;
+  sg = rms ? (A)0 : block_reduce(sg, (A)0, Sum(), shared) / (A)n;
+  const A r = (A)rstd[blockIdx.x];
+  for (long long j = threadIdx.x; j < n; j += blockDim.x)
+    dx[base + j] = (T)(r * ((A)dy[base + j] * (A)gain[j] - sg - (A)xhat[base + j] * sgx));
+}
+"""
+_ROW_KERNELS = ("softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd")
+_CTYPES = {"float32": "float", "float64": "double"}
+
+
+@functools.cache
+def _row_module():
+    import cupy
+
+    names = [f"{k}<{t}>" for k in _ROW_KERNELS for t in _CTYPES.values()]
+    return cupy.RawModule(code=_ROWS, options=("-std=c++14",), name_expressions=names)
+
+
+def row_source() -> str:
+    """The row kernels' CUDA source (for compile checks without a device)."""
+    return _ROWS
+
+
+def _row_kernel(name: str, dtype):
+    return _row_module().get_function(f"{name}<{_CTYPES[numpy.dtype(dtype).name]}>")
+
+
+def _launch(name: str, x, *args):
+    """One block per row of ``x``'s last axis: 32-256 threads, enough to cover short rows once."""
+    n = x.shape[-1]
+    rows = x.size // n if n else 0
+    if rows:
+        threads = min(256, 32 * -(-n // 32))
+        _row_kernel(name, x.dtype)((rows,), (threads,), args)
+
+
+def _c(x, dtype=None):
+    """Contiguous, and in the kernel's dtype: it reads raw pointers, so a float64 gain with float32
+    activations would be read as garbage rather than converted."""
+    import cupy
+
+    return cupy.ascontiguousarray(x if dtype is None else x.astype(dtype, copy=False))
+
+
+# -- elementwise ----------------------------------------------------------------------------------------
+def gelu_tanh_forward(x):
+    y, t = _elementwise("gelu_fwd")(x)
+    return y, (x, t)
+
+
+def gelu_tanh_backward(dy, saved):
+    x, t = saved
+    return _elementwise("gelu_bwd")(dy, x, t)
+
+
+def silu_forward(x):
+    y, sig = _elementwise("silu_fwd")(x)
+    return y, (x, sig)
+
+
+def silu_backward(dy, saved):
+    x, sig = saved
+    return _elementwise("silu_bwd")(dy, x, sig)
+
+
+def swiglu_forward(gate, up):
+    """silu(gate) * up in one pass; saves the inputs only (the backward recomputes the sigmoid)."""
+    return _elementwise("swiglu_fwd")(gate, up), (gate, up)
+
+
+def swiglu_backward(dy, saved):
+    """(d gate, d up)."""
+    gate, up = saved
+    return _elementwise("swiglu_bwd")(dy, gate, up)
+
+
+# -- row-wise ---------------------------------------------------------------------------------------
+def softmax_forward(scores, causal_offset: int | None = None):
+    """Softmax over the last axis; ``causal_offset`` masks key j > query + offset in the kernel
+    (scores [..., Tq, Tk]) instead of an added -inf bias."""
+    import cupy
+
+    x = _c(scores)
+    y = cupy.empty_like(x)
+    tq = x.shape[-2] if x.ndim > 1 else 1
+    _launch("softmax_fwd", x, x, y, numpy.int64(x.shape[-1]), numpy.int64(tq),
+            numpy.int64(causal_offset or 0), numpy.int32(causal_offset is not None))
+    return y
+
+
+def softmax_backward(dp, p):
+    import cupy
+
+    p = _c(p)
+    dp = _c(dp, p.dtype)
+    ds = cupy.empty_like(p)
+    _launch("softmax_bwd", p, dp, p, ds, numpy.int64(p.shape[-1]))
+    return ds
+
+
+def _norm_forward(x, gain, bias, eps, rms: bool):
+    import cupy
+
+    x = _c(x)
+    gain = _c(gain, x.dtype)
+    bias = gain if bias is None else _c(bias, x.dtype)
+    y, xhat = cupy.empty_like(x), cupy.empty_like(x)
+    rstd = cupy.empty(x.shape[:-1] + (1,), dtype=x.dtype)
+    _launch("norm_fwd", x, x, gain, bias, y, xhat, rstd, numpy.int64(x.shape[-1]), numpy.float64(eps),
+            numpy.int32(rms), numpy.int32(bias is not gain))
+    return y, (xhat, rstd)
+
+
+def _norm_backward(dy, gain, saved, rms: bool):
+    import cupy
+
+    xhat, rstd = saved
+    dy = _c(dy)
+    gain, xhat, rstd = (_c(a, dy.dtype) for a in (gain, xhat, rstd))
+    dx = cupy.empty_like(dy)
+    _launch("norm_bwd", dy, dy, gain, xhat, rstd, dx, numpy.int64(dy.shape[-1]), numpy.int32(rms))
+    n = dy.shape[-1]
+    dgain = cupy.einsum("ni,ni->i", dy.reshape(-1, n), xhat.reshape(-1, n))
+    return dx, dgain, dy.reshape(-1, n).sum(axis=0)
+
+
+def layernorm_forward(x, gain, bias, eps):
+    return _norm_forward(x, gain, bias, eps, rms=False)
+
+
+def layernorm_backward(dy, gain, saved):
+    return _norm_backward(dy, gain, saved, rms=False)
+
+
+def rmsnorm_forward(x, gain, eps):
+    return _norm_forward(x, gain, None, eps, rms=True)
+
+
+def rmsnorm_backward(dy, gain, saved):
+    dx, dgain, _ = _norm_backward(dy, gain, saved, rms=True)
+    return dx, dgain

@@ -1,0 +1,119 @@
+"""Mixed precision: the model computes in float16 or bfloat16, the optimizer updates float32 masters.
+
+    model weights (half) --forward/backward, loss x S--> half gradients
+      -> masters' gradients = float32(gradient) / S      (``MixedPrecision.grads``)
+      -> finite check, grad-norm clip, AdamW on the float32 masters
+      -> model weights = half(masters)                    (``MixedPrecision.update``)
+
+float16 keeps 5 exponent bits, so small gradients flush to zero unless the loss is scaled up
+first: ``LossScaler`` multiplies it by S, and when a step's gradients overflow (inf/NaN on any
+rank) the step is skipped and S halves; after ``growth_interval`` good steps in a row S doubles.
+bfloat16 has float32's exponent range and needs no scaling (S = 1). For float32/float64 runs the
+masters *are* the model's parameters and nothing is copied, so those runs are unchanged.
+
+Checkpoints store the float32 masters (``master``), never the rounded half weights; loading
+writes the masters and then ``sync_model`` rounds them into the model.
+numpy has no bfloat16: it needs the ml_dtypes package (which cupy also uses for it).
+"""
+from __future__ import annotations
+
+import numpy
+
+from ..errors import ConfigError
+from ..module import Parameter
+
+HALF = ("float16", "bfloat16")
+
+
+def resolve_dtype(name: str):
+    """The numpy dtype called ``name`` (bfloat16 needs ml_dtypes; a ConfigError says so)."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ConfigError("--dtype bfloat16 needs the ml_dtypes package (numpy has no bfloat16): "
+                              "pip install ml_dtypes, or use --dtype float16") from None
+        return numpy.dtype(ml_dtypes.bfloat16)
+    try:
+        return numpy.dtype(name)
+    except TypeError:
+        raise ConfigError(f"--dtype {name!r} is not a numpy dtype") from None
+
+
+class LossScaler:
+    """Dynamic loss scale for float16: halve on overflow (the step is skipped), double after
+    ``growth_interval`` finite steps in a row; never below ``min_scale``."""
+
+    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000, factor: float = 2.0,
+                 min_scale: float = 1.0):
+        if not (scale > 0 and growth_interval >= 1 and factor > 1 and 0 < min_scale <= scale):
+            raise ConfigError(f"loss scale {scale}, growth interval {growth_interval}, factor {factor}, "
+                              f"min {min_scale}: need scale >= min > 0, interval >= 1, factor > 1")
+        self.scale, self.growth_interval, self.factor, self.min_scale = float(scale), growth_interval, factor, min_scale
+        self.good_steps = 0
+
+    def update(self, finite: bool):
+        if not finite:
+            self.scale, self.good_steps = max(self.min_scale, self.scale / self.factor), 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale, self.good_steps = self.scale * self.factor, 0
+
+    def state(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state(self, state: dict):
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+class MixedPrecision:
+    """float32 masters for the half-precision ``params`` (name -> Parameter, updated in place: a
+    parameter may be a view into a fused buffer). ``master`` is what the optimizer, the grad-norm
+    clip and checkpoints see."""
+
+    def __init__(self, params: dict[str, Parameter], dtype: str, scaler: LossScaler | None = None):
+        self.model = dict(params)
+        self.half = dtype in HALF
+        self.scaler = scaler if scaler is not None else LossScaler() if dtype == "float16" else None
+        if not self.half:
+            self.master = self.model
+            return
+        self.master = {name: Parameter(p.data.astype("float32"), p.partition, decay=p.decay)
+                       for name, p in self.model.items()}
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.scaler is None else self.scaler.scale
+
+    def grads(self) -> dict[str, Parameter]:
+        """The masters, their gradients set to the model's, unscaled, in float32. An overflow in
+        the half gradients stays inf here, so ``grads_finite`` on the masters sees it."""
+        if not self.half:
+            return self.master
+        inverse = 1.0 / self.loss_scale
+        for name, p in self.model.items():
+            g = self.master[name].grad
+            g[...] = p.grad
+            g *= inverse
+        return self.master
+
+    def update(self, finite: bool):
+        """After the optimizer's step (or its skip): round the masters into the model, adjust the scale."""
+        if self.half and finite:
+            self.sync_model()
+        if self.scaler is not None:
+            self.scaler.update(finite)
+
+    def sync_model(self):
+        if self.half:
+            for name, p in self.model.items():
+                p.data[...] = self.master[name].data
+
+    def state(self) -> dict:
+        """For the checkpoint's metadata (the scale a resumed run continues from)."""
+        return {} if self.scaler is None else {"loss_scaler": self.scaler.state()}
+
+    def load_state(self, state: dict | None):
+        if self.scaler is not None and state and "loss_scaler" in state:
+            self.scaler.load_state(state["loss_scaler"])

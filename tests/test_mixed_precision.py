@@ -1,0 +1,154 @@
+"""Mixed precision on the CPU (numpy float16): fp32 masters, dynamic loss scaling, checkpoints of masters."""
+import math
+
+import h5py
+import numpy as np
+import pytest
+
+from hpc_tp.errors import ConfigError
+from hpc_tp.train.mixed_precision import LossScaler, MixedPrecision, resolve_dtype
+from hpc_tp.train.settings import TrainSettings
+from hpc_tp.train.trainer import Trainer
+
+
+def _trainer(dtype, world=None, **kw):
+    kw = {"steps": 20, "global_batch": 8, "progress": False, "samples": 0, **kw}
+    return Trainer(TrainSettings(dtype=dtype, **kw), world=world)
+
+
+@pytest.fixture
+def quiet_fp16():
+    # Scaled float16 sums overflow on purpose now and then: the skipped step is the expected outcome.
+    with np.errstate(over="ignore", invalid="ignore"):
+        yield
+
+
+def test_loss_scaler_halves_on_overflow_and_grows_after_good_steps():
+    scaler = LossScaler(scale=1024.0, growth_interval=3)
+    scaler.update(False)
+    assert (scaler.scale, scaler.good_steps) == (512.0, 0)
+    for _ in range(2):
+        scaler.update(True)
+    assert scaler.scale == 512.0
+    scaler.update(True)
+    assert (scaler.scale, scaler.good_steps) == (1024.0, 0)
+    floor = LossScaler(scale=2.0, min_scale=1.0)
+    floor.update(False), floor.update(False)
+    assert floor.scale == 1.0
+
+
+def test_bad_scaler_settings_and_unknown_dtype_are_one_line_errors():
+    with pytest.raises(ConfigError, match="loss scale 0"):
+        LossScaler(scale=0)
+    with pytest.raises(ConfigError, match="--dtype 'float17'"):
+        TrainSettings(dtype="float17").check()
+
+
+def test_bfloat16_needs_ml_dtypes():
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="ml_dtypes"):
+            TrainSettings(dtype="bfloat16").check()
+    else:
+        assert resolve_dtype("bfloat16").itemsize == 2
+
+
+def test_full_precision_runs_share_the_parameters():
+    t = _trainer("float32")
+    assert t.precision.master is t.precision.model and t.precision.loss_scale == 1.0
+    assert t.precision.grads() is t.precision.master
+
+
+def test_fp16_follows_fp32_and_keeps_fp32_masters(quiet_fp16):
+    fp32, fp16 = _trainer("float32"), _trainer("float16")
+    fp16.precision.scaler = LossScaler(scale=2.0 ** 10)  # low enough that no step of this run overflows
+    records = {name: [t.train_step() for _ in range(6)] for name, t in (("fp32", fp32), ("fp16", fp16))}
+    assert not any(r["skipped"] for r in records["fp16"])
+    losses = {name: [r["loss"] for r in rs] for name, rs in records.items()}
+    # Step 1 sees the same batch and initial weights rounded to fp16: the same loss to fp16 precision.
+    assert abs(losses["fp16"][0] - losses["fp32"][0]) < 2e-3 * losses["fp32"][0]
+    assert all(abs(a - b) < 0.01 * b for a, b in zip(losses["fp16"], losses["fp32"])), losses
+    assert losses["fp16"][-1] < 0.7 * losses["fp16"][0]
+    for name, p in fp16.params.items():
+        master = fp16.precision.master[name]
+        assert p.data.dtype == np.float16 and master.data.dtype == np.float32
+        assert master.grad.dtype == np.float32
+        np.testing.assert_array_equal(p.data, master.data.astype(np.float16))
+    for kind in fp16.optimizer.state_tensors().values():
+        assert kind.data.dtype == np.float32
+
+
+def test_an_overflow_is_skipped_and_halves_the_scale(quiet_fp16):
+    t = _trainer("float16")
+    t.train_step()
+    scale = t.precision.loss_scale
+    masters = {n: p.data.copy() for n, p in t.precision.master.items()}
+    weights = {n: p.data.copy() for n, p in t.params.items()}
+    steps = t.optimizer.step_count
+    forward_backward = t._forward_backward
+
+    def overflowing(*args):
+        loss = forward_backward(*args)
+        next(iter(t.params.values())).grad.flat[0] = np.inf  # what an fp16 overflow leaves behind
+        return loss
+    t._forward_backward = overflowing
+    record = t.train_step()
+    assert record["skipped"] and math.isnan(record["grad_norm"])
+    assert t.precision.loss_scale == scale / 2 and t.optimizer.step_count == steps
+    for name, p in t.precision.master.items():
+        np.testing.assert_array_equal(p.data, masters[name])
+        np.testing.assert_array_equal(t.params[name].data, weights[name])
+    t._forward_backward = forward_backward
+    assert not t.train_step()["skipped"] and t.optimizer.step_count == steps + 1
+
+
+def test_checkpoints_store_fp32_masters_and_resume_the_scale(tmp_path, quiet_fp16):
+    t = _trainer("float16", save=str(tmp_path), steps=3)
+    for _ in range(3):
+        t.train_step()
+    folder = t.save()
+    name, master = next(iter(t.precision.master.items()))
+    with h5py.File(folder / "master.h5", "r") as f:
+        stored = f[f"tensors/{name}"]
+        assert stored.dtype == np.float32
+        np.testing.assert_array_equal(stored[...][master.partition.local_slice()],
+                                      master.data[master.partition.valid_local()])
+    t.precision.scaler.scale = 8.0
+    t.save()  # the latest checkpoint now carries scale 8
+    again = _trainer("float16", save=str(tmp_path), steps=3, resume=True)
+    again.resume()
+    assert again.precision.loss_scale == 8.0
+    for n, p in again.precision.master.items():
+        np.testing.assert_array_equal(p.data, t.precision.master[n].data)
+        np.testing.assert_array_equal(again.params[n].data, p.data.astype(np.float16))
+
+
+def test_grads_are_unscaled_in_fp32_and_the_update_rounds_masters_into_the_model():
+    from hpc_tp.module import Parameter, replicated
+
+    p = Parameter(np.array([1.0, 2.0 ** -20], dtype=np.float16), replicated((2,), 1))
+    mp = MixedPrecision({"w": p}, "float16", LossScaler(scale=4.0))
+    p.grad[...] = [4.0, 8.0]
+    grads = mp.grads()
+    np.testing.assert_array_equal(grads["w"].grad, [1.0, 2.0])
+    grads["w"].data[...] = [3.0, 5.0]
+    mp.update(True)
+    np.testing.assert_array_equal(p.data, np.array([3.0, 5.0], dtype=np.float16))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(comm_world, quiet_fp16):
+    t = _trainer("float16", world=comm_world, global_batch=8)
+    t.train_step()
+    scale = t.precision.loss_scale
+    forward_backward = t._forward_backward
+
+    def overflowing(*args):
+        loss = forward_backward(*args)
+        if comm_world.rank == comm_world.size - 1:
+            next(iter(t.params.values())).grad.flat[0] = np.inf
+        return loss
+    t._forward_backward = overflowing
+    assert t.train_step()["skipped"]
+    assert comm_world.allgather_object(t.precision.loss_scale) == [scale / 2] * comm_world.size

@@ -1,0 +1,149 @@
+"""Device transports: the chooser and group set-up on the CPU with plain objects; NCCL where a GPU is."""
+import numpy as np
+import pytest
+
+from hpc_tp import backend
+from hpc_tp.comm import use_device
+from hpc_tp.comm.nccl import HostStagedCommunicator, choose_transport, cuda_aware_mpi, device_communicator
+
+
+@pytest.mark.parametrize("places, nccl, aware, p2p, expected", [
+    ([("a", 0), ("a", 1)], True, False, False, "nccl"),            # one node, own devices
+    ([("a", 0)], True, False, False, "nccl"),                      # a group of one is a valid NCCL group
+    ([("a", 0), ("a", 0)], True, True, False, "mpi-cuda-aware"),   # NCCL refuses one device twice
+    ([("a", 0), ("a", 0)], True, False, False, "mpi-staged"),
+    ([("a", 0), ("b", 0)], True, True, False, "mpi-cuda-aware"),   # across nodes: MPI
+    ([("a", 0), ("b", 0)], True, False, False, "mpi-staged"),
+    ([("a", 0), ("a", 1)], False, False, False, "mpi-staged"),     # cupy without NCCL
+    ([("a", 0), ("a", 1)], True, True, True, "mpi-cuda-aware"),    # pipeline sends keep their MPI tags
+])
+def test_choose_transport(places, nccl, aware, p2p, expected):
+    assert choose_transport(places, cuda=True, nccl=nccl, cuda_aware_mpi=aware, p2p=p2p) == expected
+
+
+def test_no_device_arrays_means_plain_mpi():
+    assert choose_transport([("a", -1), ("a", -1)], cuda=False, nccl=True, cuda_aware_mpi=True) == "mpi"
+
+
+def test_cuda_aware_override(monkeypatch):
+    monkeypatch.setenv("HPC_TP_CUDA_AWARE_MPI", "1")
+    assert cuda_aware_mpi() is True
+    monkeypatch.setenv("HPC_TP_CUDA_AWARE_MPI", "0")
+    assert cuda_aware_mpi() is False
+
+
+def test_launcher_local_rank():
+    assert backend.launcher_local_rank({"OMPI_COMM_WORLD_LOCAL_RANK": "3"}) == 3
+    assert backend.launcher_local_rank({"SLURM_LOCALID": "1"}) == 1
+    assert backend.launcher_local_rank({}) is None
+
+
+def test_unknown_device_is_a_one_line_error():
+    from hpc_tp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--device 'tpu'"):
+        backend.use("tpu")
+
+
+class _Group:
+    """A stand-in group: what the chooser asks of a communicator, no MPI."""
+
+    def __init__(self, size=2):
+        self.rank, self.size = 0, size
+
+    def allgather_object(self, obj):
+        return [obj] * self.size
+
+    def bcast_object(self, obj, root=0):
+        return obj
+
+
+def test_group_building_wraps_what_each_group_carries(monkeypatch):
+    from types import SimpleNamespace
+
+    from hpc_tp.comm import nccl
+    from hpc_tp.comm.watchdog import watched
+
+    # A staged transport everywhere but pipeline p2p, as on a node whose MPI is not CUDA-aware.
+    monkeypatch.setattr(nccl, "group_transport", lambda group, p2p=False: "mpi" if p2p else "mpi-staged")
+    tp = watched(_Group())
+    tp.label = "tp"
+    grid = SimpleNamespace(tp=tp, dp=_Group(), ep=_Group(1), expert_dp=_Group(1), pp=_Group())
+    pp = grid.pp
+    chosen = nccl.use_device_communicators(grid)
+    assert chosen == {"tp": "mpi-staged", "dp": "mpi-staged", "ep": "mpi-staged", "expert_dp": "mpi-staged",
+                      "pp": "mpi"}
+    assert grid.tp is tp and tp.label == "tp" and isinstance(tp.inner, HostStagedCommunicator)  # still watched
+    assert isinstance(grid.dp, HostStagedCommunicator) and grid.pp is pp
+
+
+def test_group_transport_without_a_device_is_mpi():
+    from hpc_tp.comm.nccl import group_transport
+
+    assert group_transport(_Group()) == "mpi"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cpu_groups_keep_their_communicators(comm_world):
+    from hpc_tp.grid import ProcessGrid
+
+    grid = ProcessGrid(tp=comm_world.size, world=comm_world)
+    before = {axis: getattr(grid, axis) for axis in ("tp", "dp", "pp")}
+    assert use_device("cpu", grid) == {}
+    assert all(getattr(grid, axis) is comm for axis, comm in before.items())
+    assert device_communicator(grid.tp) is grid.tp  # no device: the transport is the group itself
+
+
+@pytest.mark.mpi(min_size=2)
+def test_host_staged_passes_host_arrays_through(comm_world):
+    staged = HostStagedCommunicator(comm_world)
+    x = np.full(4, float(comm_world.rank + 1))
+    assert staged.all_reduce(x) is x
+    np.testing.assert_array_equal(x, np.full(4, comm_world.size * (comm_world.size + 1) / 2))
+    gathered = staged.all_gather(np.array([comm_world.rank]))
+    np.testing.assert_array_equal(gathered, np.arange(comm_world.size))
+
+
+# -- with a GPU -------------------------------------------------------------------------------------------
+@pytest.fixture
+def cuda():
+    if not backend.cuda_available():
+        pytest.skip("no CUDA device (cupy missing or no GPU visible)")
+    import cupy
+
+    backend.use("cuda")
+    yield cupy
+    backend.use("cpu")
+
+
+def test_one_rank_nccl_communicator(cuda, comm_self):
+    from hpc_tp.comm.nccl import NCCLCommunicator, nccl_available
+
+    if not nccl_available():
+        pytest.skip("cupy has no NCCL here")
+    comm = NCCLCommunicator(comm_self)
+    x = cuda.arange(6, dtype=cuda.float64).reshape(2, 3)
+    assert comm.all_reduce(x) is x
+    cuda.testing.assert_array_equal(comm.all_gather(x, axis=1), x)
+    cuda.testing.assert_array_equal(comm.reduce_scatter(x, axis=0), x)
+    cuda.testing.assert_array_equal(comm.all_to_all(x), x)
+    assert comm.broadcast(x) is x
+    assert comm.all_reduce_scalar(2.5) == 2.5  # host values go over MPI
+    assert comm.seconds >= 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_staged_and_cuda_aware_mpi_match_on_device(cuda, comm_world):
+    """Ranks sharing one GPU: MPI carries device arrays (staged here, so any MPI works)."""
+    comm = device_communicator(comm_world, transport="mpi-staged")
+    x = cuda.full((2, 3), float(comm_world.rank + 1))
+    comm.all_reduce(x)
+    cuda.testing.assert_array_equal(x, cuda.full((2, 3), comm_world.size * (comm_world.size + 1) / 2))
+    pieces = comm.all_gather(cuda.asarray([comm_world.rank], dtype=cuda.float64))
+    cuda.testing.assert_array_equal(pieces, cuda.arange(comm_world.size, dtype=cuda.float64))
+    if comm_world.rank < 2:
+        peer = 1 - comm_world.rank
+        out = cuda.empty(3)
+        request = comm.irecv(out, peer, tag=7)
+        comm.isend(cuda.full(3, float(comm_world.rank)), peer, tag=7).wait()
+        cuda.testing.assert_array_equal(request.wait(), cuda.full(3, float(peer)))
