@@ -310,7 +310,7 @@ def test_predicted_step_time_within_25_percent_of_the_trainer():
         if not pending:
             break
         rows, calibration = validate(comm, "tiny", MEASURED, global_batch=8, seq=64, micro_batch=2,
-                                     layouts=pending, steps=1, repeats=3)
+                                     layouts=pending, steps=3, repeats=3)
         if comm.rank == 0:
             print(f"\n{comm.size} ranks, attempt {attempt + 1}, calibrated: {calibration.describe()}\n"
                   f"{format_rows(rows)}")
