@@ -10,6 +10,7 @@ import pytest
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.module import gather_full
+from hpc_tp.nn import attention
 from hpc_tp.nn.attention import rope_inv_freq
 from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache
@@ -41,8 +42,11 @@ def _model(name, comm, seed=4):
     return model
 
 
+@pytest.mark.parametrize("query_block", [None, 3], ids=["one-query-block", "query-blocks-of-3"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_cached_logits_equal_full_forward_at_every_position(name):
+def test_cached_logits_equal_full_forward_at_every_position(name, query_block, monkeypatch):
+    if query_block:  # the prefill and the full forward run causal attention in blocks of 3 queries
+        monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
     tp, _ = tp_and_reference()
     model = _model(name, tp)
     new = 4

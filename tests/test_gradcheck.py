@@ -5,6 +5,7 @@ import pytest
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.models.init import initialize
+from hpc_tp.nn import attention
 from hpc_tp.nn.attention import ParallelAttention
 from hpc_tp.nn.mlp import ParallelMLP
 from hpc_tp.nn.norms import LayerNorm, RMSNorm
@@ -61,7 +62,8 @@ C = self_comm()
     lambda: ParallelAttention(H, 6, 2, C, causal=True, rope_theta=100.0),
     lambda: ParallelAttention(H, 3, 3, C, causal=False),
 ], ids=["column", "row", "layernorm", "rmsnorm", "mlp-gelu-tanh", "mlp-gelu-erf", "mlp-swiglu", "attn-gqa-rope", "attn-bidir"])
-def test_layer_gradients(layer):
+def test_layer_gradients(layer, monkeypatch):
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 2)  # T = 5: causal blocks of 2, 2 and 1 queries
     m = _init(layer())
     x = X if not isinstance(m, RowParallelLinear) else np.random.default_rng(3).standard_normal((B, T, 8))
     _fd_check(m, x.copy())

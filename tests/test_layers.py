@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hpc_tp.models.init import initialize
+from hpc_tp.nn import attention
 from hpc_tp.nn.attention import ParallelAttention
 from hpc_tp.nn.block import TransformerBlock
 from hpc_tp.nn.mlp import ParallelMLP
@@ -93,8 +94,16 @@ ATTN_CASES = {
 }
 
 
+@pytest.fixture(params=[None, 3], ids=["one-query-block", "query-blocks-of-3"])
+def query_block(request, monkeypatch):
+    """Causal attention in blocks of 3 queries (7 = 3 + 3 + 1) as well as the default (one block at T = 7)."""
+    if request.param:
+        monkeypatch.setattr(attention, "QUERY_BLOCK", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", ATTN_CASES, ids=str)
-def test_parallel_attention(case):
+def test_parallel_attention(case, query_block):
     opts = dict(ATTN_CASES[case])
     padded = opts.pop("padded", False)
     key_mask = None
@@ -113,7 +122,7 @@ def test_parallel_mlp(activation):
 
 
 @pytest.mark.parametrize("style", ["gpt", "llama"])
-def test_transformer_block_with_dropout(style):
+def test_transformer_block_with_dropout(style, query_block):
     extra = dict(norm="rmsnorm", activation="swiglu", position="rope", n_kv_heads=2, bias=False) if style == "llama" else {}
     cfg = ModelConfig(vocab_size=37, hidden=H, n_heads=4, ffn_hidden=40, dropout=0.1, attn_dropout=0.2, **extra)
     from hpc_tp.tensor_parallel.random import DropoutRNG
@@ -124,3 +133,14 @@ def test_transformer_block_with_dropout(style):
     tp, par, one = _pair(build)
     # dropout masks are keyed by site and global head, so tp=N drops what tp=1 drops
     _check(tp, par, one, same_random(8, B, T, H))
+
+
+@pytest.mark.parametrize("q_len, k_len, offset", [(7, 7, 0), (5, 12, 7), (200, 200, 0), (130, 140, 10)])
+def test_query_blocks_see_exactly_the_causal_keys(q_len, k_len, offset):
+    rows = []
+    for block, seen in attention.query_blocks(q_len, k_len, offset, causal=True):
+        rows += list(range(block.start, block.stop))
+        assert seen == min(k_len, block.stop + offset)  # the block's last query sees keys 0 .. its position
+    assert rows == list(range(q_len))
+    if q_len > attention.QUERY_BLOCK:
+        assert attention.saved_score_elements(q_len, k_len, True) < q_len * k_len

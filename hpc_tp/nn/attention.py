@@ -50,6 +50,24 @@ def attention_bias(batch, q_len, k_len, causal: bool, key_mask, q_offset: int, d
     return xp.where(allowed, 0.0, -xp.inf).astype(dtype)[:, None, None]
 
 
+QUERY_BLOCK = 64  # causal attention runs in blocks of this many queries
+
+
+def query_blocks(q_len: int, k_len: int, q_offset: int, causal: bool) -> list[tuple[slice, int]]:
+    """(query rows, keys they may see) per block: with a causal mask a block of queries needs only
+    the keys up to its last query's position, so blocks of 64 skip most of the masked upper
+    triangle (T = 256: 10 of 16 tiles are computed). Without one, the whole square in one block."""
+    if not causal or q_len <= QUERY_BLOCK:
+        return [(slice(0, q_len), k_len)]
+    return [(slice(start, min(start + QUERY_BLOCK, q_len)), min(k_len, min(start + QUERY_BLOCK, q_len) + q_offset))
+            for start in range(0, q_len, QUERY_BLOCK)]
+
+
+def saved_score_elements(q_len: int, k_len: int, causal: bool) -> int:
+    """Softmax outputs attention keeps per head and sequence (the blocks of ``query_blocks``)."""
+    return sum((rows.stop - rows.start) * seen for rows, seen in query_blocks(q_len, k_len, 0, causal))
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None):
     """Inverse frequencies of rotate-half RoPE, with Hugging Face style ``rope_scaling``:
     {"rope_type": "linear", "factor": f} divides every frequency by f (positions interpolated);
@@ -145,42 +163,71 @@ class ParallelAttention(Module):
             pos = xp.arange(t) if positions is None else positions
             rope = F.rope_tables(pos, self.inv_freq, x.dtype)
             q, k = F.rope_apply(q, *_per_row(rope, q.ndim)), F.rope_apply(k, *_per_row(rope, k.ndim))
+        # Scale the queries, not the [T, keys] scores: in place, since qkv (or the rotated copy) is
+        # this call's own array and K/V views do not overlap Q.
+        q *= 1.0 / math.sqrt(self.head_dim)
         offset = 0
         if cache is not None:
             offset = cache.offset
             k, v = cache.store(k, v)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        scores = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, hk, g, T, keys]
-        if self.causal or key_mask is not None:
-            scores += attention_bias(b, t, k.shape[2], self.causal, key_mask, offset, x.dtype)
-        probs = F.softmax_forward(scores)
+        keys = k.shape[2]
+        bias = (attention_bias(b, t, keys, self.causal, key_mask, offset, x.dtype)
+                if self.causal or key_mask is not None else None)
         mask = None
         if self.dropout > 0 and self.rng is not None and self.rng.training:
-            mask = self._dropout_masks(probs.shape, x.dtype)
-        attn = (probs if mask is None else probs * mask) @ v[:, :, None]  # [B, hk, g, T, d]
-        merged = attn.transpose(0, 3, 1, 2, 4).reshape(b, t, self.heads_local * self.head_dim)
+            mask = self._dropout_masks((b, self.kv_local, self.heads_local // self.kv_local, t, keys), x.dtype)
+        k_t, v5 = k[:, :, None].swapaxes(-1, -2), v[:, :, None]
+        merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
+        attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
+        probs = []
+        for rows, seen in query_blocks(t, keys, offset, self.causal):
+            scores = q[..., rows, :] @ k_t[..., :seen]
+            if bias is not None:
+                scores += bias[..., rows, :seen]
+            p = F.softmax_forward(scores)
+            probs.append(p)
+            if mask is not None:
+                p = p * mask[..., rows, :seen]
+            xp.matmul(p, v5[..., :seen, :], out=attn[..., rows, :])
         y, out_ctx = self.out.forward(merged)
-        return y, (qkv_ctx, q, k, v, probs, mask, rope, out_ctx)
+        return y, (qkv_ctx, q, k, v, probs, mask, rope, offset, out_ctx)
+
+    def _heads_view(self, merged):
+        """[B, T, hq*d] seen as [B, hk, g, T, d] (query heads grouped by the KV head they share)."""
+        b, t, _ = merged.shape
+        hk = self.kv_local
+        return merged.reshape(b, t, hk, self.heads_local // hk, self.head_dim).transpose(0, 2, 3, 1, 4)
 
     def backward(self, dy, ctx):
-        qkv_ctx, q, k, v, probs, mask, rope, out_ctx = ctx
+        qkv_ctx, q, k, v, probs, mask, rope, offset, out_ctx = ctx
         xp = backend.xp_of(dy)
-        hk, g, d = self.kv_local, self.heads_local // self.kv_local, self.head_dim
+        hk, hq, d = self.kv_local, self.heads_local, self.head_dim
         dmerged = self.out.backward(dy, out_ctx)
         b, t, _ = dmerged.shape
-        dattn = dmerged.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
-        dropped = probs if mask is None else probs * mask
-        dv = (dropped.swapaxes(-1, -2) @ dattn).sum(axis=2)
-        dprobs = dattn @ v[:, :, None].swapaxes(-1, -2)
-        if mask is not None:
-            dprobs *= mask
-        dscores = F.softmax_backward(dprobs, probs) * (1.0 / math.sqrt(d))
-        dq = dscores @ k[:, :, None]
-        dk = (dscores.swapaxes(-1, -2) @ q).sum(axis=2)
+        dattn = self._heads_view(dmerged)
+        # dQ, dK, dV are written straight into the QKV gradient, in the layout QKV's GEMM produced.
+        dqkv = xp.empty((b, t, (hq + 2 * hk) * d), dtype=dy.dtype)
+        dq = self._heads_view(dqkv[..., :hq * d])
+        dk = dqkv[..., hq * d:(hq + hk) * d].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
+        dv = dqkv[..., (hq + hk) * d:].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
+        dk[...] = 0.0
+        dv[...] = 0.0
+        k5, v_t = k[:, :, None], v[:, :, None].swapaxes(-1, -2)
+        grouped = hq > hk  # several query heads per KV head: their K/V gradients are summed
+        for (rows, seen), p in zip(query_blocks(t, k.shape[2], offset, self.causal), probs):
+            dout = dattn[..., rows, :]
+            keep = None if mask is None else mask[..., rows, :seen]
+            dropped = p if keep is None else p * keep
+            dprobs = dout @ v_t[..., :seen]
+            if keep is not None:
+                dprobs *= keep
+            dscores = F.softmax_backward(dprobs, p)
+            xp.matmul(dscores, k5[..., :seen, :], out=dq[..., rows, :])
+            kv_grads = (dscores.swapaxes(-1, -2) @ q[..., rows, :], dropped.swapaxes(-1, -2) @ dout)
+            for grad, total in zip(kv_grads, (dk, dv)):
+                total[:, :, :seen] += grad.sum(axis=2) if grouped else grad[:, :, 0]
+        dq *= 1.0 / math.sqrt(d)  # through q's scaling in forward
         if rope is not None:
-            dq = F.rope_apply(dq, *_per_row(rope, dq.ndim), inverse=True)
-            dk = F.rope_apply(dk, *_per_row(rope, dk.ndim), inverse=True)
-        dqkv = xp.concatenate([dq.transpose(0, 3, 1, 2, 4).reshape(b, t, hk * g * d),
-                               dk.transpose(0, 2, 1, 3).reshape(b, t, hk * d),
-                               dv.transpose(0, 2, 1, 3).reshape(b, t, hk * d)], axis=-1)
+            dq[...] = F.rope_apply(dq, *_per_row(rope, dq.ndim), inverse=True)
+            dk[...] = F.rope_apply(dk, *_per_row(rope, dk.ndim), inverse=True)
         return self.qkv.backward(dqkv, qkv_ctx)

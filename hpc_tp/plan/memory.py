@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 
 from ..models.config import ModelConfig
+from ..nn.attention import saved_score_elements
 
 INDEX_BYTES = 8  # token ids, their per-rank offsets, the router's top-k order (int64)
 
@@ -58,10 +59,11 @@ class SavedTensors:
     activation_aux: bool       # the activation kernel keeps an extra tensor of its input's size
     row_statistics: bool       # norms keep per-row 1/std; RoPE keeps its cos/sin tables
     always_dropout: bool       # count dropout masks whatever the config (the paper's models use dropout)
+    causal_blocks: bool        # causal softmax kept only for the query blocks' visible keys (nn.attention)
 
 
-MEGATRON = SavedTensors("megatron", 1, True, False, False, True)
-ENGINE = SavedTensors("engine", None, False, True, True, False)
+MEGATRON = SavedTensors("megatron", 1, True, False, False, True, False)
+ENGINE = SavedTensors("engine", None, False, True, True, False, True)
 
 
 def kv_heads_local(cfg: ModelConfig, tp: int) -> int:
@@ -162,7 +164,8 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int
     elements += shard * h       # the QKV input (norm output): replicated over tp without SP
     elements += (sb if moe else shard) * h  # the MLP's input; an MoE layer keeps the whole sequence's
     elements += sb * (q + 2 * kv + q)       # Q, K, V and the output projection's input
-    elements += scores          # softmax
+    elements += micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal) if (
+        saved.causal_blocks) else scores  # softmax
     if cfg.position == "rope":
         elements += sb * (q + kv)  # rotated Q and K are new arrays (V stays a view of QKV)
         if saved.row_statistics:
