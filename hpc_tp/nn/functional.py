@@ -8,14 +8,23 @@ from __future__ import annotations
 import math
 
 from ..backend import xp_of
-from . import cuda_kernels as _cuda  # fused kernels, used for cupy arrays only
+from . import cpu_kernels, cuda_kernels
+
+
+def _fused(name: str, x, row: bool = False):
+    """The fused kernel ``name`` for ``x``'s device: ``cuda_kernels`` for cupy arrays,
+    ``cpu_kernels`` (numba) for numpy ones; None where there is none (the composed code runs)."""
+    for kernels in (cuda_kernels, cpu_kernels):
+        if hasattr(kernels, name) and kernels.fused(x, row):
+            return getattr(kernels, name)
+    return None
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def layernorm_forward(x, gain, bias, eps):
-    if _cuda.fused(x, row=True):
-        return _cuda.layernorm_forward(x, gain, bias, eps)
+    if fast := _fused("layernorm_forward", x, row=True):
+        return fast(x, gain, bias, eps)
     xp = xp_of(x)
     xhat = x - x.mean(axis=-1, keepdims=True)
     # Row sums of squares without a full-size temporary; rstd is per row, so cheap to build.
@@ -32,8 +41,8 @@ def layernorm_forward(x, gain, bias, eps):
 
 
 def layernorm_backward(dy, gain, saved):
-    if _cuda.fused(dy, row=True):
-        return _cuda.layernorm_backward(dy, gain, saved)
+    if fast := _fused("layernorm_backward", dy, row=True):
+        return fast(dy, gain, saved)
     xp = xp_of(dy)
     xhat, rstd = saved
     lead = tuple(range(dy.ndim - 1))
@@ -53,8 +62,8 @@ def layernorm_backward(dy, gain, saved):
 
 
 def rmsnorm_forward(x, gain, eps):
-    if _cuda.fused(x, row=True):
-        return _cuda.rmsnorm_forward(x, gain, eps)
+    if fast := _fused("rmsnorm_forward", x, row=True):
+        return fast(x, gain, eps)
     xp = xp_of(x)
     rrms = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
     xhat = x * rrms
@@ -62,8 +71,8 @@ def rmsnorm_forward(x, gain, eps):
 
 
 def rmsnorm_backward(dy, gain, saved):
-    if _cuda.fused(dy, row=True):
-        return _cuda.rmsnorm_backward(dy, gain, saved)
+    if fast := _fused("rmsnorm_backward", dy, row=True):
+        return fast(dy, gain, saved)
     xhat, rrms = saved
     dgain = (dy * xhat).sum(axis=tuple(range(dy.ndim - 1)))
     g = dy * gain
@@ -74,8 +83,8 @@ def rmsnorm_backward(dy, gain, saved):
 def gelu_tanh_forward(x):
     """0.5 x (1 + tanh(c (x + 0.044715 x^3))), with the inner term as x (c + 0.044715 c x^2) and
     every step in place: no float power (x**3 costs more than the GEMM before it) and one output."""
-    if _cuda.fused(x):
-        return _cuda.gelu_tanh_forward(x)
+    if fast := _fused("gelu_tanh_forward", x):
+        return fast(x)
     xp = xp_of(x)
     t = x * x
     t *= _SQRT_2_OVER_PI * 0.044715
@@ -90,8 +99,8 @@ def gelu_tanh_forward(x):
 
 def gelu_tanh_backward(dy, saved):
     """dy (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 0.044715 x^2)), in place in one buffer."""
-    if _cuda.fused(dy):
-        return _cuda.gelu_tanh_backward(dy, saved)
+    if fast := _fused("gelu_tanh_backward", dy):
+        return fast(dy, saved)
     xp = xp_of(dy)
     x, t = saved
     g = x * x
@@ -129,15 +138,15 @@ def gelu_erf_backward(dy, saved):
 
 
 def silu_forward(x):
-    if _cuda.fused(x):
-        return _cuda.silu_forward(x)
+    if fast := _fused("silu_forward", x):
+        return fast(x)
     sig = 1.0 / (1.0 + xp_of(x).exp(-x))
     return x * sig, (x, sig)
 
 
 def silu_backward(dy, saved):
-    if _cuda.fused(dy):
-        return _cuda.silu_backward(dy, saved)
+    if fast := _fused("silu_backward", dy):
+        return fast(dy, saved)
     x, sig = saved
     return dy * sig * (1.0 + x * (1.0 - sig))
 
@@ -145,8 +154,8 @@ def silu_backward(dy, saved):
 def softmax_forward(scores):
     """Softmax over the last axis; rows that are entirely -inf (fully masked) give zeros, not NaN.
     One full-size array is written (the result); the row statistics are small."""
-    if _cuda.fused(scores, row=True):
-        return _cuda.softmax_forward(scores)
+    if fast := _fused("softmax_forward", scores, row=True):
+        return fast(scores)
     xp = xp_of(scores)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max[~xp.isfinite(row_max)] = 0.0
@@ -159,8 +168,8 @@ def softmax_forward(scores):
 
 
 def softmax_backward(dp, p):
-    if _cuda.fused(dp, row=True):
-        return _cuda.softmax_backward(dp, p)
+    if fast := _fused("softmax_backward", dp, row=True):
+        return fast(dp, p)
     xp = xp_of(dp)
     row_dot = xp.einsum("...i,...i->...", dp, p)[..., None]
     ds = dp - row_dot

@@ -1,0 +1,89 @@
+"""The fused CPU kernels (numba, hpc_tp/nn/cpu_kernels.py) give the composed numpy code's numbers:
+forward outputs, saved tensors and every gradient, float64 within 1e-12 and float32 within 1e-5,
+on ragged shapes, with and without a bias; a forward on one path feeds a backward on the other."""
+import numpy as np
+import pytest
+
+from hpc_tp.nn import cpu_kernels, functional as F
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.ENABLED, reason="numba is not installed (or HPC_TP_CPU_KERNELS=0)")
+TOL = {"float64": 1e-12, "float32": 1e-5}
+SHAPE = (3, 7, 24)
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(np.asarray(a, "float64") - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def both_paths(monkeypatch, call):
+    """(fused, composed) results of ``call()``."""
+    fused = call()
+    monkeypatch.setattr(cpu_kernels, "ENABLED", False)
+    composed = call()
+    monkeypatch.setattr(cpu_kernels, "ENABLED", True)
+    return fused, composed
+
+
+def assert_close(got, want, dtype):
+    if isinstance(want, tuple):
+        for g, w in zip(got, want, strict=True):
+            assert_close(g, w, dtype)
+        return
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel_err(got, want) <= TOL[dtype]
+
+
+def arrays(dtype, *shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("norm", ["layernorm", "layernorm-no-bias", "rmsnorm"])
+def test_norms(monkeypatch, dtype, norm):
+    x, dy, gain, bias = arrays(dtype, SHAPE, SHAPE, SHAPE[-1:], SHAPE[-1:])
+    if norm == "rmsnorm":
+        forward, backward = (lambda: F.rmsnorm_forward(x, gain, 1e-5)), F.rmsnorm_backward
+    else:
+        b = None if norm.endswith("no-bias") else bias
+        forward, backward = (lambda: F.layernorm_forward(x, gain, b, 1e-5)), F.layernorm_backward
+    (y, saved), (y_ref, saved_ref) = both_paths(monkeypatch, forward)
+    assert_close((y, *saved), (y_ref, *saved_ref), dtype)
+    assert cpu_kernels.fused(dy)
+    # The fused backward from the composed forward's saved tensors, and the other way round.
+    got, want = backward(dy, gain, saved_ref), both_paths(monkeypatch, lambda: backward(dy, gain, saved))[1]
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_gelu_tanh_across_chunks(monkeypatch, dtype):
+    monkeypatch.setattr(cpu_kernels, "CHUNK", 100)  # 504 elements: five chunks, the last one short
+    x, dy = arrays(dtype, SHAPE, SHAPE, seed=1)
+    (y, saved), (y_ref, saved_ref) = both_paths(monkeypatch, lambda: F.gelu_tanh_forward(x))
+    assert_close((y, *saved), (y_ref, *saved_ref), dtype)
+    assert_close(*both_paths(monkeypatch, lambda: F.gelu_tanh_backward(dy, saved)), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_softmax_backward_with_masked_rows(monkeypatch, dtype):
+    scores, dp = arrays(dtype, SHAPE, SHAPE, seed=2)
+    scores[0, 2] = -np.inf  # a fully masked row: zeros, and a zero gradient
+    p = F.softmax_forward(scores)
+    got, want = both_paths(monkeypatch, lambda: F.softmax_backward(dp, p))
+    assert_close(got, want, dtype)
+    assert not got[0, 2].any()
+
+
+def test_non_contiguous_inputs_take_a_copy_not_the_wrong_strides(monkeypatch):
+    x, = arrays("float64", (3, 24, 7), seed=3)
+    view = x.swapaxes(1, 2)  # [3, 7, 24], not C-contiguous: the composed path runs
+    assert not cpu_kernels.fused(view)
+    dy = np.ascontiguousarray(arrays("float64", view.shape, seed=4)[0])
+    y, saved = F.gelu_tanh_forward(np.ascontiguousarray(view))
+    assert_close(*both_paths(monkeypatch, lambda: F.gelu_tanh_backward(dy, (view, saved[1]))), "float64")
+
+
+def test_only_float32_and_float64_numpy_arrays_are_fused():
+    assert cpu_kernels.fused(np.zeros(4, "float32")) and cpu_kernels.fused(np.zeros(4))
+    assert not cpu_kernels.fused(np.zeros(4, "float16"))
+    assert not cpu_kernels.fused([0.0, 1.0])
