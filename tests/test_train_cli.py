@@ -27,7 +27,7 @@ def mpi_train(n: int, *flags: str, timeout: int = 120) -> subprocess.CompletedPr
     (["--data", "no/such/corpus.txt"], "corpus no/such/corpus.txt does not exist"),
     (["--seq-len", "64"], "--seq-len 64 is longer than the model's context: max_seq_len 32 (--model demo)"),
     (["--ep", "2", "--set", "num_experts=3", "--set", "top_k=1"], "--ep 2 does not divide num_experts=3"),
-    (["--tp", "2", "--set", "sequence_parallel=true", "--seq-len", "15"],
+    (["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
      "sequence length 15 is not divisible by tp=2 with sequence parallelism"),
 ])
 def test_bad_input_is_one_line_on_rank_0_and_every_rank_fails(flags, message):

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                        help="cluster preset the planner assumes (default %(default)s; see hpc-tp plan --help)")
     model.add_argument("--schedule", default=d.schedule, choices=("1f1b", "gpipe"), help="pipeline schedule")
     model.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    model.add_argument("--sequence-parallel", action="store_true",
+                       help="norms, dropout and residuals on sequence shards (tp > 1; the same as "
+                            "--set sequence_parallel=true)")
     model.add_argument("--dtype", default=d.dtype, help="float32 (default), float64 (for checks), or float16/bfloat16 "
                                                       "(mixed precision: float32 master weights, fp16 loss scaling)")
     model.add_argument("--device", default=d.device, choices=("cpu", "cuda"),
@@ -78,6 +81,8 @@ def settings_from_args(args):
     from .settings import TrainSettings
 
     overrides = parse_overrides(args.model_overrides)
+    if args.sequence_parallel:
+        overrides["sequence_parallel"] = True
     fields = {k: v for k, v in vars(args).items() if k in TrainSettings.__dataclass_fields__}
     fields["model_overrides"] = overrides
     return TrainSettings(**fields)
