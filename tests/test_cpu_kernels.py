@@ -65,10 +65,13 @@ def test_gelu_tanh_across_chunks(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_softmax_backward_with_masked_rows(monkeypatch, dtype):
+def test_softmax_with_masked_rows(monkeypatch, dtype):
     scores, dp = arrays(dtype, SHAPE, SHAPE, seed=2)
     scores[0, 2] = -np.inf  # a fully masked row: zeros, and a zero gradient
-    p = F.softmax_forward(scores)
+    scores[1, 3, 5:] = -np.inf  # a causal-style row
+    p, p_ref = both_paths(monkeypatch, lambda: F.softmax_forward(scores))
+    assert_close(p, p_ref, dtype)
+    assert not p[0, 2].any() and not p[1, 3, 5:].any()
     got, want = both_paths(monkeypatch, lambda: F.softmax_backward(dp, p))
     assert_close(got, want, dtype)
     assert not got[0, 2].any()

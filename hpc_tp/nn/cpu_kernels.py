@@ -4,8 +4,8 @@ for numpy arrays, as it does to ``cuda_kernels`` for cupy ones.
 On the CPU these ops are bound by memory traffic, not arithmetic: numpy makes one full read and
 write per operation (layernorm forward is 6 passes over [tokens, hidden], GELU's backward 10),
 while the matrix products next to them run at the core's peak. Each kernel here makes one pass per
-row or element (GELU forward three: numba has no vector tanh without Intel's SVML, so numpy's
-vectorized tanh runs between two fused passes, a cache-sized chunk at a time). Their saved tensors
+row or element (GELU and softmax forward three: numba has no vector tanh or exp without Intel's
+SVML, so numpy's vectorized one runs between two fused passes; GELU a cache-sized chunk at a time). Their saved tensors
 are exactly what ``functional``'s composed backward expects, so either path can follow the other.
 
 Row sums accumulate in float64 (a float32 row of 768 sums to within 1e-7 of the exact value);
@@ -190,3 +190,40 @@ def softmax_backward(dp, p):
     ds = numpy.empty_like(dp)
     _softmax_rows_backward(_rows(dp), _rows(_c(p)), _rows(ds))
     return ds
+
+
+# -- softmax forward -------------------------------------------------------------------------------
+
+@_jit
+def _softmax_shift(scores, p):
+    """p = scores - row max (a fully masked row's max, -inf, counts as 0), for numpy's exp next."""
+    rows, n = scores.shape
+    for r in range(rows):
+        top = -numpy.inf
+        for i in range(n):
+            top = max(top, scores[r, i])
+        if not math.isfinite(top):
+            top = 0.0
+        for i in range(n):
+            p[r, i] = scores[r, i] - top
+
+
+@_jit
+def _softmax_normalize(p):
+    rows, n = p.shape
+    for r in range(rows):
+        total = 0.0
+        for i in range(n):
+            total += p[r, i]
+        scale = 1.0 / total if total > 0.0 else 1.0
+        for i in range(n):
+            p[r, i] *= scale
+
+
+def softmax_forward(scores):
+    scores = _c(scores)
+    p = numpy.empty_like(scores)
+    _softmax_shift(_rows(scores), _rows(p))
+    numpy.exp(p, out=p)  # vectorized; numba's exp is a scalar call without Intel's SVML
+    _softmax_normalize(_rows(p))
+    return p
