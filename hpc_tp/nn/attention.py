@@ -136,10 +136,12 @@ class ParallelAttention(Module):
         self.out = row(n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype)
 
     def _split_heads(self, qkv):
+        """Views of Q [B, hk, g, T, d] and of K, V [B, hk, T, d] in a [B, T, (hq + 2 hk) d] buffer:
+        the QKV output, or its gradient."""
         b, t, _ = qkv.shape
         d, hq, hk = self.head_dim, self.heads_local, self.kv_local
-        q = qkv[..., :hq * d].reshape(b, t, hk, hq // hk, d).transpose(0, 2, 3, 1, 4)  # [B, hk, g, T, d]
-        k = qkv[..., hq * d:(hq + hk) * d].reshape(b, t, hk, d).transpose(0, 2, 1, 3)  # [B, hk, T, d]
+        q = self._heads_view(qkv[..., :hq * d])
+        k = qkv[..., hq * d:(hq + hk) * d].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
         v = qkv[..., (hq + hk) * d:].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
         return q, k, v
 
@@ -207,9 +209,7 @@ class ParallelAttention(Module):
         dattn = self._heads_view(dmerged)
         # dQ, dK, dV are written straight into the QKV gradient, in the layout QKV's GEMM produced.
         dqkv = xp.empty((b, t, (hq + 2 * hk) * d), dtype=dy.dtype)
-        dq = self._heads_view(dqkv[..., :hq * d])
-        dk = dqkv[..., hq * d:(hq + hk) * d].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
-        dv = dqkv[..., (hq + hk) * d:].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
+        dq, dk, dv = self._split_heads(dqkv)
         dk[...] = 0.0
         dv[...] = 0.0
         k5, v_t = k[:, :, None], v[:, :, None].swapaxes(-1, -2)
