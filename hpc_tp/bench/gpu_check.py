@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -208,8 +209,17 @@ def _mpi_env() -> dict:
 
 
 def _mpiexec_2(*command: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([_mpiexec(), "-n", "2", sys.executable, *command], env=_mpi_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    """``mpiexec -n 2`` in a session of its own: on a timeout the whole group is killed, so no rank is
+    left holding the card while the next checks are timed."""
+    with subprocess.Popen([_mpiexec(), "-n", "2", sys.executable, *command], env=_mpi_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def _last_line(done: subprocess.CompletedProcess) -> str:
@@ -219,15 +229,15 @@ def _last_line(done: subprocess.CompletedProcess) -> str:
     return ((errors or lines or ["no output"])[-1])[:160]
 
 
-def _run_tp_worker(timeout: float = 180) -> tuple[str, str, str]:
+def _run_tp_worker(timeout: float = 90) -> tuple[str, str, str]:
     """tp=2 vs tp=1 under ``mpiexec -n 2`` (this module, --tp-worker): skipped where mpiexec cannot
     start two ranks of this Python (probed first), FAIL where it can and the check does not pass."""
     if _mpiexec() is None:
         return "skipped", "", "no mpiexec"
     try:
-        probe = _mpiexec_2("-c", "from mpi4py import MPI; assert MPI.COMM_WORLD.Get_size() == 2", timeout=60)
+        probe = _mpiexec_2("-c", "from mpi4py import MPI; assert MPI.COMM_WORLD.Get_size() == 2", timeout=20)
     except subprocess.TimeoutExpired:
-        return "skipped", "", "mpiexec -n 2 hangs here (60 s probe)"
+        return "skipped", "", "mpiexec -n 2 hangs here (20 s probe)"
     if probe.returncode:
         return "skipped", "", f"mpiexec -n 2 does not run here: {_last_line(probe)}"
     try:
@@ -252,18 +262,48 @@ def _tp_worker() -> int:
     return 0
 
 
-def _bf16_or_fp16() -> str:
+def _bfloat16_missing() -> str | None:
+    """Why bfloat16 arrays cannot be made on the device here (None: they can). cupy knows the type
+    only through ml_dtypes, and only from cupy 14."""
     try:
-        import ml_dtypes  # noqa: F401
+        import ml_dtypes
     except ImportError:
-        return "float16"
-    return "bfloat16"
+        return "ml_dtypes missing (make gpu-deps)"
+    try:
+        backend.xp.zeros(1, dtype=ml_dtypes.bfloat16)
+    except Exception as error:  # noqa: BLE001: cupy 13 raises TypeError, others may differ
+        return f"cupy {backend.xp.__version__} has no bfloat16 arrays ({type(error).__name__})"
+    return None
+
+
+def _bf16_or_fp16() -> str:
+    return "float16" if _bfloat16_missing() else "bfloat16"
 
 
 class Report:
-    def __init__(self):
+    """The checks and W1 rows so far; with ``out`` they are written after every row, so a run cut
+    off by its time limit still leaves what it measured."""
+
+    def __init__(self, env=(), out: Path | None = None):
+        self.env, self.out = list(env), out
         self.checks: list[dict] = []
         self.bench: list[dict] = []
+        self.started = time.perf_counter()
+
+    def save(self):
+        if self.out is None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_check.md").write_text(self.text())
+        (self.out / "gpu_check.json").write_text(json.dumps({"environment": dict(self.env), "checks": self.checks,
+                                                             "w1": self.bench}, indent=1) + "\n")
+
+    def text(self) -> str:
+        return markdown(self.env, self) + f"\ntotal {time.perf_counter() - self.started:.0f} s\n"
+
+    def add_bench(self, row: dict):
+        self.bench.append(row)
+        self.save()
 
     def check(self, name: str, bound: str, run):
         """``run()`` -> (result, measured, detail); an exception is a FAIL with its message."""
@@ -277,6 +317,7 @@ class Report:
         row = dict(check=name, result=result, measured=measured, bound=bound, detail=detail,
                    seconds=round(time.perf_counter() - started, 1))
         self.checks.append(row)
+        self.save()
         print(f"  {result:7s} {name:34s} {measured:>9s}  (bound {bound}) {detail}", flush=True)
 
     @property
@@ -310,8 +351,8 @@ def run_checks(report: Report):
     report.check("training on the device vs CPU, float64", f"{TP_TOL:.0e}", training)
     for dtype in ("float16", "bfloat16"):
         def mixed(dtype=dtype):
-            if dtype == "bfloat16" and _bf16_or_fp16() != "bfloat16":
-                return "skipped", "", "ml_dtypes missing"
+            if dtype == "bfloat16" and _bfloat16_missing():
+                return "skipped", "", _bfloat16_missing()
             full, _ = train_losses("cuda", "float32", steps=5)
             half, trainer = train_losses("cuda", dtype, steps=5, loss_scale=2.0 ** 10)
             fp32_masters = all(p.data.dtype == numpy.float32 for p in trainer.precision.master.values())
@@ -328,22 +369,22 @@ def run_benchmarks(report: Report):
         try:
             peak = card_peak(dtype)
         except Exception as error:  # noqa: BLE001
-            report.bench.append({"dtype": dtype, "error": f"{type(error).__name__}: {error}"[:200]})
+            report.add_bench({"dtype": dtype, "error": f"{type(error).__name__}: {error}"[:200]})
             print(f"  {dtype}: GEMM peak failed: {report.bench[-1]['error']}", flush=True)
             continue
         for batch, seq in W1_ROWS:
             try:
                 r = benchmark(dtype, batch, seq)
             except Exception as error:  # noqa: BLE001
-                report.bench.append({"dtype": dtype, "micro_batch": batch, "seq_len": seq,
-                                     "error": f"{type(error).__name__}: {error}"[:200]})
+                report.add_bench({"dtype": dtype, "micro_batch": batch, "seq_len": seq,
+                                  "error": f"{type(error).__name__}: {error}"[:200]})
                 print(f"  {dtype} {batch}x{seq}: failed: {report.bench[-1]['error']}", flush=True)
                 continue
             row = {"dtype": dtype, "micro_batch": batch, "seq_len": seq, "step_ms": r["step_s"] * 1e3,
                    "tokens_per_s": r["tokens_per_s"], "achieved_tflops": r["achieved_flops"] / 1e12,
                    "same_shape_gemm_tflops": r["gemm_peak_flops_per_rank"] / 1e12, "mfu_same_shape": r["mfu"],
                    "card_gemm_tflops": peak / 1e12, "mfu_card": r["achieved_flops"] / peak}
-            report.bench.append(row)
+            report.add_bench(row)
             print(f"  W1 {dtype:8s} {batch:3d}x{seq}: {row['step_ms']:8.2f} ms  {row['tokens_per_s']:10.0f} tok/s  "
                   f"{row['achieved_tflops']:7.2f} TFLOP/s  MFU {100 * row['mfu_same_shape']:5.1f}% of the same-shape "
                   f"GEMM ({row['same_shape_gemm_tflops']:.1f}), {100 * row['mfu_card']:5.1f}% of the card's "
@@ -385,25 +426,18 @@ def main(argv=None) -> int:
     except ConfigError as error:
         print(f"gpu-check skipped: no CUDA device ({str(error).removeprefix('--device cuda: ')})")
         return 0
-    started = time.perf_counter()
     backend.use("cuda", 0)
     env = environment()
     print("gpu-check environment:\n" + "\n".join(f"  {k}: {v}" for k, v in env), flush=True)
-    report = Report()
+    report = Report(env, Path(args.out) if args.out else None)
     print("checks:", flush=True)
     run_checks(report)
     backend.use("cuda", 0)
     if not args.no_bench:
         print("W1 block stack (4 layers, hidden 768, 12 heads, ffn 3072), one process:", flush=True)
         run_benchmarks(report)
-    text = markdown(env, report) + f"\ntotal {time.perf_counter() - started:.0f} s\n"
-    print("\n" + text, flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_check.md").write_text(text)
-        (out / "gpu_check.json").write_text(json.dumps({"environment": dict(env), "checks": report.checks,
-                                                        "w1": report.bench}, indent=1) + "\n")
+    report.save()
+    print("\n" + report.text(), flush=True)
     return 1 if report.failed else 0
 
 

@@ -20,8 +20,9 @@ def _ready(x):
     if not isinstance(x, numpy.ndarray):
         import cupy
 
+        buf = cupy.ascontiguousarray(x)  # a copy is queued on the stream too: wait after it, not before
         cupy.cuda.get_current_stream().synchronize()
-        return cupy.ascontiguousarray(x)
+        return buf
     return numpy.ascontiguousarray(x)
 
 
@@ -69,6 +70,8 @@ class MPICommunicator(Communicator):
         return _MPIRequest(req, buf, self, buf.nbytes, copy_back=None if buf is x else x)
 
     def all_gather(self, x, axis: int = 0):
+        if self.size == 1:  # no MPI call: a device buffer never reaches an MPI that cannot read it
+            return x.copy()
         buf = _ready(x)
         out = _empty_like(buf, (self.size,) + buf.shape)
         with self.timed(buf.nbytes * self.size):
@@ -79,6 +82,8 @@ class MPICommunicator(Communicator):
     def reduce_scatter(self, x, axis: int = 0):
         if x.shape[axis] % self.size:
             raise ValueError(f"reduce_scatter: axis {axis} of length {x.shape[axis]} is not divisible by {self.size} ranks")
+        if self.size == 1:
+            return x.copy()
         xp = numpy if isinstance(x, numpy.ndarray) else __import__("cupy")
         send = _ready(x if axis == 0 else xp.moveaxis(x, axis, 0))  # moveaxis costs microseconds on small messages
         out = _empty_like(send, (send.shape[0] // self.size,) + send.shape[1:])
@@ -99,6 +104,8 @@ class MPICommunicator(Communicator):
     def all_to_all(self, x):
         if x.shape[0] % self.size:
             raise ValueError(f"all_to_all: axis 0 of length {x.shape[0]} is not divisible by {self.size} ranks")
+        if self.size == 1:
+            return x.copy()
         buf = _ready(x)
         out = _empty_like(buf, buf.shape)
         with self.timed(buf.nbytes):

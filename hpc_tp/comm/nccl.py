@@ -69,8 +69,8 @@ class NCCLCommunicator(Communicator):
             ("int64", "NCCL_INT64"), ("uint64", "NCCL_UINT64"), ("float16", "NCCL_FLOAT16"),
             ("float32", "NCCL_FLOAT32"), ("float64", "NCCL_FLOAT64"))}
         bf16 = _bfloat16_dtype()
-        if bf16 is not None and hasattr(nccl, "NCCL_BFLOAT16"):
-            self._dtypes[bf16] = nccl.NCCL_BFLOAT16
+        if bf16 is not None and nccl.get_version() >= 21000:  # ncclBfloat16 = 9 since NCCL 2.10; cupy may not name it
+            self._dtypes[bf16] = getattr(nccl, "NCCL_BFLOAT16", 9)
         self._ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
 
     # -- plumbing -----------------------------------------------------------------------------------
@@ -93,7 +93,9 @@ class NCCLCommunicator(Communicator):
                 stream.synchronize()
 
     def _host_call(self, name: str, *args):
-        """A host-array (or object) call over MPI, its time and bytes counted here too."""
+        """A host-array (or object) call over MPI, its time and bytes counted here too. Posted p2p
+        goes out first: a peer may be waiting on it while this rank blocks in MPI."""
+        self._flush()
         seconds, nbytes = self.host.seconds, self.host.bytes
         result = getattr(self.host, name)(*args)
         self.seconds += self.host.seconds - seconds
@@ -223,10 +225,10 @@ class NCCLCommunicator(Communicator):
         return NCCLCommunicator(self.host.split_node(), self.blocking)
 
     def bcast_object(self, obj, root: int = 0):
-        return self.host.bcast_object(obj, root)
+        return self._host_call("bcast_object", obj, root)
 
     def allgather_object(self, obj) -> list:
-        return self.host.allgather_object(obj)
+        return self._host_call("allgather_object", obj)
 
     def abort(self, code: int = 1):
         self.comm.abort()
