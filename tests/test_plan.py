@@ -213,6 +213,17 @@ def test_choose_layout_returns_trainer_settings():
         choose_layout(cfg, 4, 16, 32, get_cluster("cpu-2core").with_overrides(device_mem=1000))
 
 
+def test_choose_layout_keeps_the_asked_ep_and_runs_sequence_parallel_models_at_tp_1():
+    moe = load_config("tiny", hidden=64, n_layers=4, vocab_size=258, num_experts=4, top_k=2)
+    for ep in (2, 4):
+        choice = choose_layout(moe, 4, 16, 32, ep=ep)
+        assert choice["dp"] % ep == 0, choice  # the engine's grid needs ep | dp
+    # seq 7: no tp > 1 divides it, so only tp = 1 runs; there sequence parallelism is off in the engine.
+    sp = load_config("tiny", hidden=64, n_layers=4, vocab_size=258, sequence_parallel=True)
+    assert choose_layout(sp, 1, 16, 32)["tp"] == 1
+    assert choose_layout(sp, 2, 16, 7)["tp"] == 1
+
+
 # -- calibration and the cost formulas -----------------------------------------------------------------
 
 def test_ring_formulas():

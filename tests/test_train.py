@@ -267,3 +267,6 @@ def test_plan_auto_picks_a_layout_of_this_world():
     assert len(trainer.run().records) == 2
     with pytest.raises(ConfigError, match="--plan auto cannot read the --init"):
         Trainer(settings(plan="auto", init="somewhere"), comm)
+    if comm.size > 1:  # the planner keeps the --ep asked for: only layouts whose dp it divides
+        moe = Trainer(moe_settings(plan="auto", ep=2, steps=1, warmup=0), comm)
+        assert moe.grid.ep_size == 2 and moe.settings.dp % 2 == 0

@@ -75,11 +75,10 @@ def variant_reason(cfg: ModelConfig, tp: int, dp: int, seq: int, sequence_parall
 
 
 def _variants(cfg: ModelConfig, tp: int, dp: int, sequence_parallel, eps):
-    """(sp, ep) pairs worth trying: sp only where tp > 1 (at tp = 1 it changes nothing), ep > 1
-    only for MoE models; ``eps`` None: every divisor of dp."""
-    for sp in sequence_parallel:
-        if sp and tp == 1:
-            continue
+    """(sp, ep) pairs worth trying: at tp = 1 sequence parallelism is off whatever was asked (the
+    engine runs such a model as plain tp=1, so asking for it must not drop the layout); ep > 1 only
+    for MoE models; ``eps`` None: every divisor of dp."""
+    for sp in dict.fromkeys(asked and tp > 1 for asked in sequence_parallel):
         for ep in (divisors(dp) if eps is None else eps) if cfg.num_experts else (1,):
             yield sp, ep
 
@@ -145,9 +144,10 @@ def explain(best: Prediction, plan: Plan) -> str:
 
 
 def choose_layout(cfg: ModelConfig, world_size: int, global_batch: int, seq_len: int, cluster="cpu-2core",
-                  calibration=None) -> dict:
+                  calibration=None, ep: int = 1) -> dict:
     """The top plan as the trainer's settings: tp, pp, dp, micro_batch, recompute, schedule, reason.
-    ``cluster``: a preset name or a ``Cluster``; ``calibration``: a ``Calibration`` or JSON paths."""
+    ``cluster``: a preset name or a ``Cluster``; ``calibration``: a ``Calibration`` or JSON paths;
+    ``ep``: the expert-parallel size the run asked for (only layouts whose dp it divides)."""
     from .calibration import Calibration, load_calibration
     from .clusters import get_cluster
 
@@ -156,7 +156,7 @@ def choose_layout(cfg: ModelConfig, world_size: int, global_batch: int, seq_len:
         calibration = load_calibration([calibration] if isinstance(calibration, str) else calibration)
     # The trainer takes sequence parallelism from the model config and ep from its own settings.
     plan = search(cfg, world_size, global_batch, seq_len, cluster, calibration,
-                  sequence_parallel=(cfg.sequence_parallel,), eps=(1,))
+                  sequence_parallel=(cfg.sequence_parallel,), eps=(ep,))
     if not plan.ranked:
         counts = ", ".join(f"{n} {kind}" for kind, n in plan.reasons().items())
         example = min(plan.rejected, key=lambda r: r.kind != "memory").reason if plan.rejected else "none"

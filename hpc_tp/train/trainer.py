@@ -123,7 +123,8 @@ class Trainer:
                               "give --tp/--pp/--dp with --init")
         self.init_meta, self.tokenizer = None, self._tokenizer()
         self.cfg = self._model_config()
-        choice = choose_layout(self.cfg, world.size, s.global_batch, self._seq_len(), cluster=s.plan_cluster)
+        choice = choose_layout(self.cfg, world.size, s.global_batch, self._seq_len(), cluster=s.plan_cluster,
+                               ep=s.ep)
         if world.rank == 0:
             print(f"--plan auto: tp={choice['tp']} pp={choice['pp']} dp={choice['dp']} micro-batch "
                   f"{choice['micro_batch']}{' recompute' if choice['recompute'] else ''} {choice['schedule']}: "
