@@ -152,3 +152,45 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(comm_world, quiet_
     t._forward_backward = overflowing
     assert t.train_step()["skipped"]
     assert comm_world.allgather_object(t.precision.loss_scale) == [scale / 2] * comm_world.size
+
+
+def test_float16_cross_entropy_and_norms_do_not_overflow():
+    """A float16 sum of 4096 token losses near 30, or of the squares of a row with std 30, passes
+    65504: both are computed in float32 and only their results are rounded to float16."""
+    from hpc_tp.comm.mpi import self_comm
+    from hpc_tp.nn import functional as F
+    from hpc_tp.tensor_parallel.vocab import VocabParallelCrossEntropy
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((4, 1024, 64)) * 16).astype(np.float16)
+    targets = rng.integers(0, 64, (4, 1024))
+    ce = VocabParallelCrossEntropy(64, self_comm())
+    loss, count, ctx = ce.forward(logits, targets)
+    want, _, _ = ce.forward(logits.astype(np.float32), targets)
+    assert math.isfinite(loss) and abs(loss - want) <= 1e-6 * want and loss > 65504
+    assert ce.backward(ctx, 1.0 / count).dtype == np.float16
+    x = (rng.standard_normal((4, 1024)) * 30).astype(np.float16)
+    gain, bias = np.ones(1024, np.float16), np.zeros(1024, np.float16)
+    for forward, backward, args in ((F.layernorm_forward, F.layernorm_backward, (gain, bias, 1e-5)),
+                                    (F.rmsnorm_forward, F.rmsnorm_backward, (gain, 1e-5))):
+        y, saved = forward(x, *args)
+        y32, _ = forward(x.astype(np.float32), *(a.astype(np.float32) for a in args[:-1]), args[-1])
+        assert y.dtype == np.float16 and np.abs(y.astype(np.float32) - y32).max() < 1e-2 and np.abs(y).max() > 1
+        grads = backward(np.ones_like(x), gain, saved)
+        assert all(g.dtype == np.float16 and np.isfinite(g).all() for g in grads)
+
+
+def test_loss_scale_overflows_are_not_bad_steps(quiet_fp16):
+    """--max-bad-steps 1 with float16: an overflow the scaler absorbs (finite loss, the scale halves)
+    is logged, not rolled back; a non-finite loss still is a bad step."""
+    t = _trainer("float16", steps=3, max_bad_steps=1, eval_problems=4)
+    forward_backward = t._forward_backward
+
+    def overflowing(*args):
+        loss = forward_backward(*args)
+        next(iter(t.params.values())).grad.flat[0] = np.inf
+        return loss
+    t._forward_backward = overflowing
+    records = t.run().records
+    assert [r["loss_scale_overflow"] for r in records] == [True] * 3 and all(r["skipped"] for r in records)
+    assert [r["loss_scale"] for r in records] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]

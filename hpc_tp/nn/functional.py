@@ -22,9 +22,22 @@ def _fused(name: str, x, row: bool = False):
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
+def _half(x) -> bool:
+    """float16/bfloat16: norms compute their statistics in float32 (a float16 sum of squares
+    overflows once |x| passes ~256, and the norm would then output its bias, silently)."""
+    return x.dtype.itemsize < 4
+
+
+def _widen(*arrays):
+    return tuple(None if a is None else a.astype("float32") for a in arrays)
+
+
 def layernorm_forward(x, gain, bias, eps):
     if fast := _fused("layernorm_forward", x, row=True):
         return fast(x, gain, bias, eps)
+    if _half(x):
+        y, (xhat, rstd) = layernorm_forward(*_widen(x, gain, bias), eps)
+        return y.astype(x.dtype), (xhat.astype(x.dtype), rstd)
     xp = xp_of(x)
     xhat = x - x.mean(axis=-1, keepdims=True)
     # Row sums of squares without a full-size temporary; rstd is per row, so cheap to build.
@@ -43,6 +56,8 @@ def layernorm_forward(x, gain, bias, eps):
 def layernorm_backward(dy, gain, saved):
     if fast := _fused("layernorm_backward", dy, row=True):
         return fast(dy, gain, saved)
+    if _half(dy):
+        return tuple(g.astype(dy.dtype) for g in layernorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1])))
     xp = xp_of(dy)
     xhat, rstd = saved
     lead = tuple(range(dy.ndim - 1))
@@ -64,6 +79,9 @@ def layernorm_backward(dy, gain, saved):
 def rmsnorm_forward(x, gain, eps):
     if fast := _fused("rmsnorm_forward", x, row=True):
         return fast(x, gain, eps)
+    if _half(x):
+        y, (xhat, rrms) = rmsnorm_forward(*_widen(x, gain), eps)
+        return y.astype(x.dtype), (xhat.astype(x.dtype), rrms)
     xp = xp_of(x)
     rrms = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
     xhat = x * rrms
@@ -73,6 +91,8 @@ def rmsnorm_forward(x, gain, eps):
 def rmsnorm_backward(dy, gain, saved):
     if fast := _fused("rmsnorm_backward", dy, row=True):
         return fast(dy, gain, saved)
+    if _half(dy):
+        return tuple(g.astype(dy.dtype) for g in rmsnorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1])))
     xhat, rrms = saved
     dgain = (dy * xhat).sum(axis=tuple(range(dy.ndim - 1)))
     g = dy * gain

@@ -74,7 +74,10 @@ class VocabParallelCrossEntropy:
 
     def forward(self, logits_local, targets):
         xp = backend.xp_of(logits_local)
-        logits = logits_local.reshape(-1, logits_local.shape[-1]).copy()
+        # Half-precision logits are widened: a float16 sum of exponentials or of the batch's token
+        # losses passes 65504 (e.g. 8192 tokens at loss 10) and the step would be lost as inf.
+        work = logits_local.dtype if logits_local.dtype.itemsize >= 4 else "float32"
+        logits = logits_local.reshape(-1, logits_local.shape[-1]).astype(work)  # a copy
         targets = targets.reshape(-1)
         logits[:, self.vocab_valid:] = -xp.inf
         row_max = self.comm.all_reduce(logits.max(axis=1), op="max")
@@ -89,15 +92,15 @@ class VocabParallelCrossEntropy:
         self.comm.all_reduce(sums)  # sum of exponentials and target logit, in one message
         valid = targets != IGNORE_INDEX
         token_loss = xp.where(valid, xp.log(sums[0]) - sums[1], 0.0)
-        ctx = (logits, sums[0], local_t, mine & valid, valid, logits_local.shape)
+        ctx = (logits, sums[0], local_t, mine & valid, valid, logits_local.shape, logits_local.dtype)
         return float(token_loss.sum()), int(valid.sum()), ctx
 
     def backward(self, ctx, scale: float):
         """Gradient of ``scale * sum(token losses)`` with respect to the local logits."""
-        probs, sum_exp, local_t, target_here, valid, shape = ctx
+        probs, sum_exp, local_t, target_here, valid, shape, dtype = ctx
         xp = backend.xp_of(probs)
         probs /= sum_exp[:, None]
         rows = xp.nonzero(target_here)[0]
         probs[rows, local_t[rows]] -= 1.0
         probs *= xp.where(valid, scale, 0.0)[:, None]
-        return probs.reshape(shape)
+        return probs.reshape(shape).astype(dtype, copy=False)

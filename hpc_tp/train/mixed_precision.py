@@ -17,6 +17,8 @@ numpy has no bfloat16: it needs the ml_dtypes package (which cupy also uses for 
 """
 from __future__ import annotations
 
+import math
+
 import numpy
 
 from ..errors import ConfigError
@@ -51,6 +53,19 @@ class LossScaler:
                               f"min {min_scale}: need scale >= min > 0, interval >= 1, factor > 1")
         self.scale, self.growth_interval, self.factor, self.min_scale = float(scale), growth_interval, factor, min_scale
         self.good_steps = 0
+
+    def overflow_absorbed(self, finite: bool, loss: float) -> bool:
+        """A skipped step that is float16 loss scaling at work, not a fault: the loss is finite, only
+        the scaled gradients overflowed, and the scale can still halve (ask before ``update``)."""
+        return (not finite and math.isfinite(loss) and self.scaler is not None
+                and self.scaler.scale > self.scaler.min_scale)
+
+    def record(self, finite: bool, loss: float) -> dict:
+        """The step's log fields for float16 runs: the scale it ran at, and whether the scaler
+        absorbed an overflow; {} otherwise."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.scale, "loss_scale_overflow": self.overflow_absorbed(finite, loss)}
 
     def update(self, finite: bool):
         if not finite:
@@ -97,6 +112,19 @@ class MixedPrecision:
             g[...] = p.grad
             g *= inverse
         return self.master
+
+    def overflow_absorbed(self, finite: bool, loss: float) -> bool:
+        """A skipped step that is float16 loss scaling at work, not a fault: the loss is finite, only
+        the scaled gradients overflowed, and the scale can still halve (ask before ``update``)."""
+        return (not finite and math.isfinite(loss) and self.scaler is not None
+                and self.scaler.scale > self.scaler.min_scale)
+
+    def record(self, finite: bool, loss: float) -> dict:
+        """The step's log fields for float16 runs: the scale it ran at, and whether the scaler
+        absorbed an overflow; {} otherwise."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.scale, "loss_scale_overflow": self.overflow_absorbed(finite, loss)}
 
     def update(self, finite: bool):
         """After the optimizer's step (or its skip): round the masters into the model, adjust the scale."""

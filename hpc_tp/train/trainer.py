@@ -185,6 +185,7 @@ class Trainer:
         lr = lr_at(self.step, s.lr, s.warmup_steps, s.steps, s.min_lr_ratio)
         if finite:  # a step with an inf/NaN gradient is skipped on every rank alike
             self.optimizer.step(lr)
+        scaling = self.precision.record(finite, loss)  # before update() halves the scale
         self.precision.update(finite)  # half weights from the masters; fp16: the loss scale
         self.model.zero_grad()
         self.step += 1
@@ -192,7 +193,7 @@ class Trainer:
         comm = self._comm_seconds() - comm_before
         return dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, skipped=not finite, tokens=int(tokens),
                     tokens_per_s=s.global_batch * self.seq_len / elapsed, step_s=elapsed, compute_s=elapsed - comm,
-                    comm_s=comm, **moe_metrics(self.model, grid))
+                    comm_s=comm, **scaling, **moe_metrics(self.model, grid))
 
     def _forward_backward(self, ids, targets, scale: float) -> float:
         """This dp rank's loss sum; gradients of ``scale * loss`` summed over the dp group, each
@@ -338,7 +339,8 @@ class Trainer:
                             record["heldout_accuracy"] = evaluation[0]
                     result.records.append(metrics.log(record))
                     progress.update(self.step, record["loss"], record["tokens_per_s"])
-                    bad_in_row = bad_in_row + 1 if record["skipped"] else 0
+                    if not record.get("loss_scale_overflow"):  # fp16 scaling at work: neither bad nor good
+                        bad_in_row = bad_in_row + 1 if record["skipped"] else 0
                     if s.max_bad_steps and bad_in_row >= s.max_bad_steps:
                         bad_step = self.step
                         self.roll_back(bad_in_row)
