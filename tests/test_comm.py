@@ -36,29 +36,40 @@ def test_adjoint(region_cls, axis):
     assert abs(lhs - rhs) <= 1e-12 * max(abs(lhs), 1.0), (lhs, rhs)
 
 
-def test_collectives_values():
+def _dtype(name):
+    """numpy's dtype; bfloat16 through ml_dtypes (its arrays travel as uint16 bits or float32 sums)."""
+    if name == "bfloat16":
+        return pytest.importorskip("ml_dtypes").bfloat16
+    return np.dtype(name)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_collectives_values(dtype):
     comm = world()
     n, r = comm.size, comm.rank
-    x = np.full((2, 3), float(r + 1))
+    dtype = _dtype(dtype)
+    x = np.full((2, 3), float(r + 1), dtype)
     assert np.all(comm.all_reduce(x.copy()) == n * (n + 1) / 2)
     assert np.all(comm.all_reduce(x.copy(), op="max") == n)
-    g = comm.all_gather(np.full((2, 1), float(r)), axis=1)
-    assert g.shape == (2, n) and np.all(g[0] == np.arange(n))
-    rs = comm.reduce_scatter(np.tile(np.arange(n, dtype=float)[:, None], (1, 2)), axis=0)
-    assert rs.shape == (1, 2) and np.all(rs == r * n)
-    b = comm.broadcast(np.full(3, float(r)), root=n - 1)
+    g = comm.all_gather(np.full((2, 1), float(r), dtype), axis=1)
+    assert g.shape == (2, n) and np.all(g[0] == np.arange(n)) and g.dtype == dtype
+    rs = comm.reduce_scatter(np.tile(np.arange(n, dtype=float)[:, None], (1, 2)).astype(dtype), axis=0)
+    assert rs.shape == (1, 2) and np.all(rs == r * n) and rs.dtype == dtype
+    b = comm.broadcast(np.full(3, float(r), dtype), root=n - 1)
     assert np.all(b == n - 1)
-    a2a = comm.all_to_all(np.arange(n, dtype=float)[:, None] + 10 * r)
+    a2a = comm.all_to_all((np.arange(n, dtype=float)[:, None] + 10 * r).astype(dtype))
     assert np.all(a2a[:, 0] == np.arange(n) * 10 + r)
-    handle = comm.iall_reduce(np.ones(4))
-    assert np.all(handle.wait() == n)
+    handle = comm.iall_reduce(np.ones(4, dtype))
+    got = handle.wait()
+    assert np.all(got == n) and got.dtype == dtype
 
 
-def test_point_to_point_ring():
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_point_to_point_ring(dtype):
     comm = world()
     n, r = comm.size, comm.rank
-    out = np.full(5, float(r))
-    buf = np.empty(5)
+    out = np.full(5, float(r), _dtype(dtype))
+    buf = np.empty(5, _dtype(dtype))
     send = comm.isend(out, (r + 1) % n, tag=7)
     got = comm.irecv(buf, (r - 1) % n, tag=7).wait()
     send.wait()

@@ -194,3 +194,17 @@ def test_loss_scale_overflows_are_not_bad_steps(quiet_fp16):
     records = t.run().records
     assert [r["loss_scale_overflow"] for r in records] == [True] * 3 and all(r["skipped"] for r in records)
     assert [r["loss_scale"] for r in records] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(dp=2)], ids=["tp", "pp", "dp"])
+def test_bfloat16_trains_at_every_layout_over_mpi(comm_world, layout):
+    """bfloat16 has no MPI datatype: its bits travel as uint16 and its sums go through float32; and
+    numpy's bfloat16 product comes back float32, so the layers return activations in the model's
+    dtype (a pipeline message of another dtype would be refused)."""
+    pytest.importorskip("ml_dtypes")
+    dp = comm_world.size // (layout.get("tp", 1) * layout.get("pp", 1))
+    t = _trainer("bfloat16", world=comm_world, steps=6, eval_problems=2, **{**layout, "dp": dp})
+    records = t.run().records
+    assert not any(r["skipped"] for r in records) and records[-1]["loss"] < records[0]["loss"]
+    assert all(p.data.dtype.name == "bfloat16" for p in t.params.values())

@@ -26,6 +26,16 @@ def _ready(x):
     return numpy.ascontiguousarray(x)
 
 
+def _wire(buf):
+    """What MPI is handed for ``buf``: bfloat16 (ml_dtypes) has no MPI datatype and no buffer format
+    mpi4py reads, so its bits travel as uint16 (reductions go through float32 instead)."""
+    return buf.view(numpy.uint16) if _bfloat16(buf) else buf
+
+
+def _bfloat16(x) -> bool:
+    return x.dtype.name == "bfloat16"
+
+
 def _empty_like(x, shape):
     if isinstance(x, numpy.ndarray):
         return numpy.empty(shape, dtype=x.dtype)
@@ -57,6 +67,9 @@ class MPICommunicator(Communicator):
     def all_reduce(self, x, op: str = "sum"):
         if self.size == 1:
             return x
+        if _bfloat16(x):  # summed in float32, rounded once
+            x[...] = self.all_reduce(x.astype("float32"), op)
+            return x
         buf = _ready(x)
         with self.timed(buf.nbytes):
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=_OPS[op])
@@ -65,7 +78,7 @@ class MPICommunicator(Communicator):
         return x
 
     def iall_reduce(self, x, op: str = "sum") -> Request:
-        buf = _ready(x)
+        buf = _ready(x.astype("float32") if _bfloat16(x) else x)
         req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op])
         return _MPIRequest(req, buf, self, buf.nbytes, copy_back=None if buf is x else x)
 
@@ -75,7 +88,7 @@ class MPICommunicator(Communicator):
         buf = _ready(x)
         out = _empty_like(buf, (self.size,) + buf.shape)
         with self.timed(buf.nbytes * self.size):
-            self.comm.Allgather(buf, out)
+            self.comm.Allgather(_wire(buf), _wire(out))
         xp = numpy if isinstance(out, numpy.ndarray) else __import__("cupy")
         return xp.concatenate(list(out), axis=axis) if axis != 0 else out.reshape((-1,) + buf.shape[1:])
 
@@ -84,6 +97,8 @@ class MPICommunicator(Communicator):
             raise ValueError(f"reduce_scatter: axis {axis} of length {x.shape[axis]} is not divisible by {self.size} ranks")
         if self.size == 1:
             return x.copy()
+        if _bfloat16(x):
+            return self.reduce_scatter(x.astype("float32"), axis).astype(x.dtype)
         xp = numpy if isinstance(x, numpy.ndarray) else __import__("cupy")
         send = _ready(x if axis == 0 else xp.moveaxis(x, axis, 0))  # moveaxis costs microseconds on small messages
         out = _empty_like(send, (send.shape[0] // self.size,) + send.shape[1:])
@@ -96,7 +111,7 @@ class MPICommunicator(Communicator):
             return x
         buf = _ready(x)
         with self.timed(buf.nbytes):
-            self.comm.Bcast(buf, root=root)
+            self.comm.Bcast(_wire(buf), root=root)
         if buf is not x:
             x[...] = buf
         return x
@@ -109,15 +124,15 @@ class MPICommunicator(Communicator):
         buf = _ready(x)
         out = _empty_like(buf, buf.shape)
         with self.timed(buf.nbytes):
-            self.comm.Alltoall(buf, out)
+            self.comm.Alltoall(_wire(buf), _wire(out))
         return out
 
     def isend(self, x, dest: int, tag: int = 0) -> Request:
         buf = _ready(x)
-        return _MPIRequest(self.comm.Isend(buf, dest=dest, tag=tag), None, self, buf.nbytes)
+        return _MPIRequest(self.comm.Isend(_wire(buf), dest=dest, tag=tag), None, self, buf.nbytes)
 
     def irecv(self, buf, source: int, tag: int = 0) -> Request:
-        return _MPIRequest(self.comm.Irecv(buf, source=source, tag=tag), buf, self, buf.nbytes)
+        return _MPIRequest(self.comm.Irecv(_wire(buf), source=source, tag=tag), buf, self, buf.nbytes)
 
     def barrier(self):
         with self.timed():

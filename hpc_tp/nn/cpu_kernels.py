@@ -100,8 +100,9 @@ def _norm_forward(x, gain, bias, eps, center: bool):
     x = _c(x)
     y, xhat = numpy.empty_like(x), numpy.empty_like(x)
     rstd = numpy.empty(x.shape[:-1] + (1,), x.dtype)
-    zero = numpy.zeros_like(gain) if bias is None else bias
-    _norm_rows(_rows(x), _c(gain), _c(zero), eps, center, _rows(y), _rows(xhat), _rows(rstd))
+    gain = _c(gain.astype(x.dtype, copy=False))  # the kernel takes one dtype; x's is the one computed in
+    bias = numpy.zeros_like(gain) if bias is None else _c(bias.astype(x.dtype, copy=False))
+    _norm_rows(_rows(x), gain, bias, eps, center, _rows(y), _rows(xhat), _rows(rstd))
     return y, (xhat, rstd)
 
 
@@ -110,7 +111,8 @@ def _norm_backward(dy, gain, saved, center: bool):
     dy = _c(dy)
     dx = numpy.empty_like(dy)
     dgain, dbias = numpy.zeros(dy.shape[-1]), numpy.zeros(dy.shape[-1])  # float64 sums over every row
-    _norm_rows_backward(_rows(dy), _c(gain), _rows(_c(xhat)), _rows(_c(rstd)), center, _rows(dx), dgain, dbias)
+    _norm_rows_backward(_rows(dy), _c(gain.astype(dy.dtype, copy=False)), _rows(_c(xhat.astype(dy.dtype, copy=False))),
+                        _rows(_c(rstd.astype(dy.dtype, copy=False))), center, _rows(dx), dgain, dbias)
     return dx, dgain.astype(dy.dtype), dbias.astype(dy.dtype)
 
 
@@ -168,7 +170,8 @@ def gelu_tanh_backward(dy, saved):
     x, t = saved
     dy = _c(dy)
     dx = numpy.empty_like(dy)
-    _gelu_backward(dy.reshape(-1), _c(x).reshape(-1), _c(t).reshape(-1), dx.reshape(-1))
+    x, t = (_c(a.astype(dy.dtype, copy=False)).reshape(-1) for a in (x, t))  # the kernel takes one dtype
+    _gelu_backward(dy.reshape(-1), x, t, dx.reshape(-1))
     return dx
 
 
@@ -188,7 +191,7 @@ def _softmax_rows_backward(dp, p, ds):
 def softmax_backward(dp, p):
     dp = _c(dp)
     ds = numpy.empty_like(dp)
-    _softmax_rows_backward(_rows(dp), _rows(_c(p)), _rows(ds))
+    _softmax_rows_backward(_rows(dp), _rows(_c(p.astype(dp.dtype, copy=False))), _rows(ds))
     return ds
 
 

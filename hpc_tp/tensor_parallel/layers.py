@@ -42,6 +42,13 @@ def _flat(x):
     return x.reshape(-1, x.shape[-1])
 
 
+def product(a, b):
+    """``a @ b`` in ``a``'s dtype: numpy's bfloat16 (ml_dtypes) product comes back float32, and
+    activations keep the model's dtype (pipeline messages and buffers are allocated for it)."""
+    y = a @ b
+    return y if y.dtype == a.dtype else y.astype(a.dtype)
+
+
 class ColumnParallelLinear(Module):
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
                  gather_output: bool = False, segments: list[Segment] | None = None, dtype="float64"):
@@ -80,7 +87,7 @@ class ColumnParallelLinear(Module):
             yield prefix + name, p
 
     def forward(self, x):
-        y = _flat(x) @ self._weight
+        y = product(_flat(x), self._weight)
         if self._bias is not None:
             y += self._bias
         y = y.reshape(x.shape[:-1] + (self.out_local,))
@@ -92,7 +99,7 @@ class ColumnParallelLinear(Module):
         if self.gather_output:
             dy = local_chunk(dy, self.comm)
         dy2, x2 = _flat(dy), _flat(x)
-        dx = dy2 @ self._weight.T
+        dx = product(dy2, self._weight.T)
         # f's backward all-reduce of the input gradient runs while the weight gradient is computed.
         pending = self.comm.iall_reduce(dx) if self.comm.size > 1 else None
         self._weight_grad += x2.T @ dy2
@@ -127,7 +134,7 @@ class RowParallelLinear(Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = local_chunk(x, self.comm)
-        y = (_flat(x) @ self.weight.data).reshape(x.shape[:-1] + (self.weight.shape[1],))
+        y = product(_flat(x), self.weight.data).reshape(x.shape[:-1] + (self.weight.shape[1],))
         self.comm.all_reduce(y)  # g: sum the partial products
         if self.bias is not None:
             y += self.bias.data
@@ -137,7 +144,7 @@ class RowParallelLinear(Module):
         dy2, x2 = _flat(dy), _flat(x)
         if self.bias is not None:
             self.bias.grad += dy2.sum(axis=0)
-        dx = (dy2 @ self.weight.data.T).reshape(x.shape)
+        dx = product(dy2, self.weight.data.T).reshape(x.shape)
         self.weight.grad += x2.T @ dy2
         if not self.input_is_parallel:
             dx = self.comm.all_gather(dx, axis=dx.ndim - 1)

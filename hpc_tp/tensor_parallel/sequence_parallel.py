@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from .layers import ColumnParallelLinear, RowParallelLinear, _flat
+from .layers import ColumnParallelLinear, RowParallelLinear, _flat, product
 from .mappings import local_chunk
 
 SEQUENCE_AXIS = 1  # hidden states are [batch, sequence, hidden]
@@ -56,7 +56,7 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
     def backward(self, dy, x_shard):
         x = gather_sequence(x_shard, self.comm)  # gathered again rather than kept: activations / tp
         dy2, x2 = _flat(dy), _flat(x)
-        dx = (dy2 @ self._weight.T).reshape(x.shape)
+        dx = product(dy2, self._weight.T).reshape(x.shape)
         self._weight_grad += x2.T @ dy2
         if self._bias_grad is not None:
             self._bias_grad += dy2.sum(axis=0)
@@ -70,7 +70,7 @@ class SequenceParallelRowLinear(RowParallelLinear):
     row-parallel backward applies (its bias gradient then covers the whole sequence)."""
 
     def forward(self, x):
-        y = (_flat(x) @ self.weight.data).reshape(x.shape[:-1] + (self.weight.shape[1],))
+        y = product(_flat(x), self.weight.data).reshape(x.shape[:-1] + (self.weight.shape[1],))
         y = reduce_scatter_sequence(y, self.comm)
         if self.bias is not None:
             y += self.bias.data

@@ -11,6 +11,7 @@ from __future__ import annotations
 from .. import backend
 from ..comm.base import Communicator
 from ..module import Module, Parameter, split
+from .layers import product
 
 IGNORE_INDEX = -100
 
@@ -53,11 +54,11 @@ class VocabParallelLMHead(Module):
         self._w = weight
 
     def forward(self, h):
-        return h @ self._w.data.T, h
+        return product(h, self._w.data.T), h
 
     def backward(self, dlogits, h):
         h2, d2 = h.reshape(-1, h.shape[-1]), dlogits.reshape(-1, dlogits.shape[-1])
-        dh = dlogits @ self._w.data
+        dh = product(dlogits, self._w.data)
         pending = self.comm.iall_reduce(dh) if self.comm.size > 1 else None  # f before the head
         self._w.grad += d2.T @ h2
         return pending.wait() if pending is not None else dh
