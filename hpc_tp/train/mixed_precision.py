@@ -54,19 +54,6 @@ class LossScaler:
         self.scale, self.growth_interval, self.factor, self.min_scale = float(scale), growth_interval, factor, min_scale
         self.good_steps = 0
 
-    def overflow_absorbed(self, finite: bool, loss: float) -> bool:
-        """A skipped step that is float16 loss scaling at work, not a fault: the loss is finite, only
-        the scaled gradients overflowed, and the scale can still halve (ask before ``update``)."""
-        return (not finite and math.isfinite(loss) and self.scaler is not None
-                and self.scaler.scale > self.scaler.min_scale)
-
-    def record(self, finite: bool, loss: float) -> dict:
-        """The step's log fields for float16 runs: the scale it ran at, and whether the scaler
-        absorbed an overflow; {} otherwise."""
-        if self.scaler is None:
-            return {}
-        return {"loss_scale": self.scaler.scale, "loss_scale_overflow": self.overflow_absorbed(finite, loss)}
-
     def update(self, finite: bool):
         if not finite:
             self.scale, self.good_steps = max(self.min_scale, self.scale / self.factor), 0
