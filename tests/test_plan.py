@@ -334,3 +334,12 @@ def test_predicted_step_time_within_25_percent_of_the_trainer():
         # Every rank decides as rank 0 does, so the ranks run the same collectives next.
         pending = comm.allgather_object([r["layout"] for r in rows if abs(r["error"]) > BOUND])[0]
     assert not pending, format_rows([best[layout] for layout in pending])
+
+
+def test_the_replicated_router_is_not_divided_by_tp():
+    """Every tp rank runs each MoE layer's whole router: at tp=2 a rank's compute is half the rest
+    plus all of the router (3 x 2 h E FLOPs per token and MoE layer, forward and backward)."""
+    cfg, cluster = load_config("gpt2", num_experts=8, top_k=2), get_cluster("dgx-h100")
+    one, two = (predict(cfg, Layout(tp, 1, 1, 1), 8, 1024, cluster) for tp in (1, 2))
+    router_s = 3 * 2 * cfg.hidden * cfg.num_experts * cfg.n_layers * 8 * 1024 / cluster.rank_flops(1)  # 8 x 1024 tokens
+    assert two.compute_s == pytest.approx((one.compute_s - router_s) / 2 + router_s, rel=1e-9)

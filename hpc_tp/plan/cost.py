@@ -336,13 +336,15 @@ def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, clu
     first, last = stage == 0, stage == layout.pp - 1
     precision, tokens = cluster.precision, layout.micro_batch * seq
     rows = Routing.bound(cfg, tokens, layout.ep).received / tokens if cfg.num_experts else None
-    flops = forward_flops_per_token(cfg, seq, layers, first, last, rows) * tokens / layout.tp
+    # Every tp rank runs the whole router of each MoE layer (it is replicated): not divided by tp.
+    router = 2 * cfg.hidden * cfg.num_experts * sum(cfg.is_moe_layer(i) for i in layers) * tokens
+    flops = (forward_flops_per_token(cfg, seq, layers, first, last, rows) * tokens - router) / layout.tp + router
     # A pipeline stage computes m of the m + pp - 1 slots of a step and waits in the others (MPI
     # yields the core when ranks outnumber cores): on average fewer ranks share the cores.
     busy = per_node * m / (m + layout.pp - 1)
     rate = (calibration.rank_flops(cluster, per_node, flops, layout.tp, busy) if calibration is not None
             else cluster.rank_flops(busy))
-    recomputed = forward_flops_per_token(cfg, seq, layers, False, False, rows) * tokens / layout.tp
+    recomputed = (forward_flops_per_token(cfg, seq, layers, False, False, rows) * tokens - router) / layout.tp + router
     compute = (3 * flops + (recomputed if layout.recompute else 0.0)) / rate
     comms = [replace(c, seconds=c.count * network.time(c.op, layout.group_size(c.group), c.nbytes,
                                                        layout.spans_nodes(c.group, cluster.devices_per_node)))
