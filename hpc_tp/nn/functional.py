@@ -10,6 +10,8 @@ import math
 from ..backend import xp_of
 from . import cpu_kernels, cuda_kernels
 
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
 
 def _fused(name: str, x, row: bool = False):
     """The fused kernel ``name`` for ``x``'s device: ``cuda_kernels`` for cupy arrays,
@@ -18,8 +20,6 @@ def _fused(name: str, x, row: bool = False):
         if hasattr(kernels, name) and kernels.fused(x, row):
             return getattr(kernels, name)
     return None
-
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def _half(x) -> bool:

@@ -74,7 +74,7 @@ def variant_reason(cfg: ModelConfig, tp: int, dp: int, seq: int, sequence_parall
     return None
 
 
-def _variants(cfg: ModelConfig, tp: int, dp: int, sequence_parallel, eps):
+def variants(cfg: ModelConfig, tp: int, dp: int, sequence_parallel, eps):
     """(sp, ep) pairs worth trying: at tp = 1 sequence parallelism is off whatever was asked (the
     engine runs such a model as plain tp=1, so asking for it must not drop the layout); ep > 1 only
     for MoE models; ``eps`` None: every divisor of dp."""
@@ -101,7 +101,7 @@ def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, c
             continue
         if pp not in splits:
             splits[pp] = [len(r) for r in balanced_layers(cfg, pp)]
-        for sp, ep in _variants(cfg, tp, dp, sequence_parallel, eps):
+        for sp, ep in variants(cfg, tp, dp, sequence_parallel, eps):
             variant = {**base, "sequence_parallel": sp, "ep": ep}
             why = variant_reason(cfg, tp, dp, seq, sp, ep)
             if why is not None:

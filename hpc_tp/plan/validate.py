@@ -95,17 +95,18 @@ def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, 
     parameter + optimizer bytes of the busiest rank."""
     from ..models.config import load_config
     from .clusters import engine_precision, get_cluster
-    from .search import structural_reason, variant_reason
+    from .search import structural_reason, variant_reason, variants
 
     overrides = dict(overrides or {})
     cfg = load_config(model, **{"vocab_size": 258, **overrides})  # the byte tokenizer's vocabulary
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster
     cluster = cluster.with_overrides(precision=engine_precision(dtype))
     if layouts is None:
-        layouts = [Layout(t, p, d, micro_batch, sequence_parallel=cfg.sequence_parallel and t > 1)
+        layouts = [Layout(t, p, d, micro_batch, sequence_parallel=sp)
                    for t, p, d in factorizations(world.size)
                    if structural_reason(cfg, t, p, d, global_batch) is None and global_batch % (d * micro_batch) == 0
-                   and variant_reason(cfg, t, d, seq, cfg.sequence_parallel and t > 1, 1) is None]
+                   for sp, ep in variants(cfg, t, d, (cfg.sequence_parallel,), (1,))
+                   if variant_reason(cfg, t, d, seq, sp, ep) is None]
     if not layouts:
         raise ConfigError(f"no layout of {world.size} ranks fits model {model} with global batch {global_batch}")
     if repeats < 1 or steps < 1:
