@@ -12,10 +12,12 @@ K = kv_heads * head_dim, F ffn hidden and T the sequence length::
     forward = 2 N (H (Q + 2K) + Q H + m H F) + 4 N T Q      m = 3 for SwiGLU, else 2
     step    = 3 * forward                                  (backward = 2 products per forward one)
 
-The 4 N T Q term is Q K^T and P V over the full T x T square: the kernels compute every score
-and mask the causal half after, so that is the work done.
+The 4 N T Q term is Q K^T and P V over the full T x T square. Causal attention skips the tiles
+above the diagonal (``nn/attention.query_blocks``); they are still counted, as the PyTorch peer
+computes them, so the FLOPs and MFU of both compare.
 
-The peak is measured in the same run, with the same dtype and BLAS threads per rank: every rank
+The peak is measured in the same run, with the same GEMM the linear layers use (``nn.blas``: MKL
+where installed, else numpy's OpenBLAS; the record's ``gemm``), dtype and threads per rank: every rank
 multiplies a [N, H] by [H, F/tp] matrix (the MLP's first GEMM) at the same time as the others,
 since ranks that share cores share them during the step too. MFU = achieved FLOP/s / (tp * peak
 per rank). Compute and communication come from the Communicator's ``seconds`` counter: time
@@ -38,6 +40,7 @@ from ..backend import retain_freed_memory  # also what backend.use('cpu') applie
 from ..comm.mpi import MPICommunicator
 from ..models.config import ModelConfig
 from ..models.gpt import GPTModel
+from ..nn import blas
 from ..train.metrics import peak_memory_bytes
 
 
@@ -57,13 +60,13 @@ def gemm_peak(comm: MPICommunicator, m: int, k: int, n: int, dtype, repeats: int
     xp = backend.xp  # the device's GEMM where the run is on one (backend.use('cuda'))
     a, b = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((m, k), (k, n)))
     out = xp.empty((m, n), dtype)
-    xp.matmul(a, b, out=out)
+    blas.matmul(a, b, out=out)  # the engine's GEMM: MKL where installed, else numpy's (or the device's)
     backend.synchronize()
     seconds = []
     for _ in range(repeats):
         comm.comm.Barrier()
         start = perf_counter()
-        xp.matmul(a, b, out=out)
+        blas.matmul(a, b, out=out)
         backend.synchronize()
         seconds.append(perf_counter() - start)
     slowest = max(comm.allgather_object(median(seconds)))
@@ -101,6 +104,7 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     flops = step_flops(cfg, batch, seq)
     achieved = flops / step_s
     return {"benchmark": "step", "tp": comm.size, "dtype": numpy.dtype(dtype).name, "threads_per_rank": threads,
+            "gemm": blas.BACKEND if backend.device == "cpu" else backend.device,
             "malloc_retained": retained,
             "layers": cfg.n_layers, "hidden": cfg.hidden, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
             "ffn_hidden": cfg.ffn_hidden, "activation": cfg.activation, "causal": cfg.causal,
@@ -116,7 +120,7 @@ def format_record(r: dict) -> str:
     return "\n".join([
         f"hpc-tp bench step: {r['layers']} layers, hidden {r['hidden']}, {r['heads']} heads, ffn {r['ffn_hidden']}, "
         f"seq {r['seq_len']}, micro-batch {r['micro_batch']}, {r['dtype']}, tp={r['tp']}, "
-        f"{r['threads_per_rank']} BLAS thread(s)/rank",
+        f"{r['threads_per_rank']} BLAS thread(s)/rank, GEMM: {r.get('gemm', 'numpy')}",
         f"  step      {r['step_s'] * 1e3:9.1f} ms  (median of {r['repeats']} after {r['warmup']} warm-up, slowest rank)"
         f"  {r['tokens_per_s']:.0f} tokens/s",
         f"  compute   {r['compute_s'] * 1e3:9.1f} ms   communication {r['comm_s'] * 1e3:.1f} ms",

@@ -18,6 +18,7 @@ from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
 from ..module import Module, Parameter, replicated, split
+from ..nn import blas
 from .mappings import local_chunk
 
 
@@ -43,10 +44,16 @@ def _flat(x):
 
 
 def product(a, b):
-    """``a @ b`` in ``a``'s dtype: numpy's bfloat16 (ml_dtypes) product comes back float32, and
-    activations keep the model's dtype (pipeline messages and buffers are allocated for it)."""
-    y = a @ b
+    """``a @ b`` (``a`` [..., k], ``b`` [k, n]) in ``a``'s dtype, through ``nn.blas``: numpy's
+    bfloat16 (ml_dtypes) product comes back float32, and activations keep the model's dtype
+    (pipeline messages and buffers are allocated for it)."""
+    y = blas.matmul(_flat(a), b).reshape(a.shape[:-1] + (b.shape[1],))
     return y if y.dtype == a.dtype else y.astype(a.dtype)
+
+
+def add_weight_grad(grad, x2, dy2):
+    """``grad += x2.T @ dy2`` summed into the buffer (beta = 1), without a temporary product."""
+    blas.matmul(x2.T, dy2, out=grad, accumulate=True)
 
 
 class ColumnParallelLinear(Module):
@@ -102,7 +109,7 @@ class ColumnParallelLinear(Module):
         dx = product(dy2, self._weight.T)
         # f's backward all-reduce of the input gradient runs while the weight gradient is computed.
         pending = self.comm.iall_reduce(dx) if self.comm.size > 1 else None
-        self._weight_grad += x2.T @ dy2
+        add_weight_grad(self._weight_grad, x2, dy2)
         if self._bias_grad is not None:
             self._bias_grad += dy2.sum(axis=0)
         self._sum_over_replicas()
@@ -145,7 +152,7 @@ class RowParallelLinear(Module):
         if self.bias is not None:
             self.bias.grad += dy2.sum(axis=0)
         dx = product(dy2, self.weight.data.T).reshape(x.shape)
-        self.weight.grad += x2.T @ dy2
+        add_weight_grad(self.weight.grad, x2, dy2)
         if not self.input_is_parallel:
             dx = self.comm.all_gather(dx, axis=dx.ndim - 1)
         return dx

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from .layers import ColumnParallelLinear, RowParallelLinear, _flat, product
+from .layers import ColumnParallelLinear, RowParallelLinear, _flat, add_weight_grad, product
 from .mappings import local_chunk
 
 SEQUENCE_AXIS = 1  # hidden states are [batch, sequence, hidden]
@@ -57,7 +57,7 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
         x = gather_sequence(x_shard, self.comm)  # gathered again rather than kept: activations / tp
         dy2, x2 = _flat(dy), _flat(x)
         dx = product(dy2, self._weight.T).reshape(x.shape)
-        self._weight_grad += x2.T @ dy2
+        add_weight_grad(self._weight_grad, x2, dy2)
         if self._bias_grad is not None:
             self._bias_grad += dy2.sum(axis=0)
         self._sum_over_replicas()

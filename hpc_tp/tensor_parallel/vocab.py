@@ -11,7 +11,7 @@ from __future__ import annotations
 from .. import backend
 from ..comm.base import Communicator
 from ..module import Module, Parameter, split
-from .layers import product
+from .layers import add_weight_grad, product
 
 IGNORE_INDEX = -100
 
@@ -60,7 +60,7 @@ class VocabParallelLMHead(Module):
         h2, d2 = h.reshape(-1, h.shape[-1]), dlogits.reshape(-1, dlogits.shape[-1])
         dh = product(dlogits, self._w.data)
         pending = self.comm.iall_reduce(dh) if self.comm.size > 1 else None  # f before the head
-        self._w.grad += d2.T @ h2
+        add_weight_grad(self._w.grad, d2, h2)
         return pending.wait() if pending is not None else dh
 
 

@@ -1,0 +1,128 @@
+"""Matrix products of the linear layers: Intel MKL's GEMM where it is installed, numpy's otherwise.
+
+numpy's wheels carry OpenBLAS. On this project's CPU (AVX-512) MKL's single-threaded sgemm runs
+the W1 shapes 10-18% faster (174-195 against 153-167 GFLOP/s, NOTES.md item 21), and the matrix
+products are ~80% of a CPU step. ``pip install 'hpc_tp[mkl]'`` (the ``mkl`` wheel) or a site MKL
+on the library path (an HPC module's ``libmkl_rt``) is found at import; ``HPC_TP_BLAS=numpy``
+turns it off (an A/B, or a site that must use its own BLAS).
+
+``matmul(a, b, out, accumulate)`` is ``out[...] = a @ b`` or ``out += a @ b`` for 2-D arrays: MKL
+reads a transposed view as it is (no copy) and accumulates with beta = 1, so a weight gradient is
+summed into its buffer without a temporary. Anything MKL cannot take as it is (other dtypes,
+cupy arrays, strided views, small products where numpy's call is cheaper) goes to numpy, which
+gives the same product to rounding.
+
+Threads: MKL's OpenMP layer reads ``MKL_NUM_THREADS`` or ``OMP_NUM_THREADS`` as OpenBLAS reads
+``OPENBLAS_NUM_THREADS`` or ``OMP_NUM_THREADS`` (the Makefile and the tests set 1: ranks share the
+cores), and threadpoolctl limits both (``hpc-tp bench --threads``). At one thread it runs as fast
+as MKL's sequential layer (13.5-13.9 ms for [1024,768] @ [768,1536], either way).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from pathlib import Path
+
+import numpy
+
+from ..backend import xp_of
+from ..errors import ConfigError
+
+# Below this many multiply-adds numpy's own call costs less than the ctypes one (64x256x64: numpy 117-124
+# GFLOP/s, MKL 89-111; 256x64x256 and up: MKL ahead).
+MIN_MACS = 1 << 21
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+LIBRARY_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+
+
+def _find_mkl() -> ctypes.CDLL | None:
+    """libmkl_rt from this environment's lib/ (the mkl wheel puts it there), else the loader's path."""
+    candidates = [str(Path(sys.prefix) / "lib" / name) for name in LIBRARY_NAMES]
+    found = ctypes.util.find_library("mkl_rt")
+    candidates += LIBRARY_NAMES if found is None else [found, *LIBRARY_NAMES]
+    for candidate in candidates:
+        try:
+            return ctypes.CDLL(candidate)
+        except OSError:
+            continue
+    return None
+
+
+def _load():
+    choice = os.environ.get("HPC_TP_BLAS", "mkl")
+    if choice not in ("mkl", "numpy"):
+        raise ConfigError(f"HPC_TP_BLAS={choice!r}: expected 'mkl' (where installed, the default) or 'numpy'")
+    if choice == "numpy":
+        return None, {}
+    library = _find_mkl()
+    if library is None:
+        return None, {}
+    pointer, index = ctypes.c_void_p, ctypes.c_int
+    kernels = {}
+    for dtype, name, scalar in (("float32", "cblas_sgemm", ctypes.c_float), ("float64", "cblas_dgemm", ctypes.c_double)):
+        function = getattr(library, name)
+        function.argtypes = [index, index, index, index, index, index, scalar, pointer, index, pointer, index,
+                             scalar, pointer, index]
+        function.restype = None
+        kernels[numpy.dtype(dtype)] = function
+    return library, kernels
+
+
+_library, _kernels = _load()
+BACKEND = "mkl" if _library is not None else "numpy"
+
+
+def _operand(x, itemsize: int):
+    """(transpose flag, leading dimension) for a row-major matrix or a transposed view of one; None otherwise."""
+    rows, cols = x.shape
+    row_stride, col_stride = x.strides
+    if col_stride == itemsize and row_stride % itemsize == 0 and row_stride >= cols * itemsize:
+        return _NO_TRANS, row_stride // itemsize
+    if row_stride == itemsize and col_stride % itemsize == 0 and col_stride >= rows * itemsize:
+        return _TRANS, col_stride // itemsize
+    return None
+
+
+def _mkl_gemm(a, b, out, beta: float) -> bool:
+    """C = a @ b + beta C through MKL when every operand can be passed as it is; False otherwise."""
+    kernel = _kernels.get(a.dtype)
+    if kernel is None or not (isinstance(a, numpy.ndarray) and isinstance(b, numpy.ndarray)
+                              and isinstance(out, numpy.ndarray)):
+        return False
+    if a.ndim != 2 or b.ndim != 2 or b.dtype != a.dtype or out.dtype != a.dtype or not out.flags.writeable:
+        return False
+    if not (a.flags.aligned and b.flags.aligned and out.flags.aligned):
+        return False
+    (m, k), n = a.shape, b.shape[1]
+    if b.shape[0] != k or out.shape != (m, n) or m * k * n < MIN_MACS or min(m, k, n) < 2:
+        return False
+    itemsize = a.itemsize
+    left, right, target = _operand(a, itemsize), _operand(b, itemsize), _operand(out, itemsize)
+    if left is None or right is None or target is None or target[0] != _NO_TRANS:
+        return False
+    if numpy.may_share_memory(out, a) or numpy.may_share_memory(out, b):
+        return False
+    kernel(_ROW_MAJOR, left[0], right[0], m, n, k, 1.0, a.ctypes.data, left[1], b.ctypes.data, right[1],
+           beta, out.ctypes.data, target[1])
+    return True
+
+
+def matmul(a, b, out=None, accumulate: bool = False):
+    """``a @ b`` for 2-D arrays, into ``out`` when given (``out += a @ b`` with ``accumulate``)."""
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs out")
+        if not (isinstance(a, numpy.ndarray) and a.dtype in _kernels and a.dtype == b.dtype and a.ndim == b.ndim == 2):
+            return a @ b
+        out = numpy.empty((a.shape[0], b.shape[1]), a.dtype)
+    if _mkl_gemm(a, b, out, 1.0 if accumulate else 0.0):
+        return out
+    if accumulate:
+        out += a @ b
+    elif a.dtype == b.dtype == out.dtype:
+        xp_of(a).matmul(a, b, out=out)
+    else:
+        out[...] = a @ b
+    return out

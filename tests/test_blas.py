@@ -1,0 +1,100 @@
+"""nn.blas: the linear layers' GEMM (MKL where installed) gives numpy's product for every operand
+layout it accepts, accumulates into the buffer, and hands everything else to numpy."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpc_tp.nn import blas
+
+rng = np.random.default_rng(0)
+M, K, N = 96, 160, 144  # 2.2M multiply-adds: above MIN_MACS, so MKL takes it where installed
+
+
+def _layouts(m, k, dtype):
+    """[m, k] stored row-major, and as the transposed view of a [k, m] row-major array."""
+    x = rng.standard_normal((m, k)).astype(dtype)
+    return {"row-major": x, "transposed view": np.ascontiguousarray(x.T).T}
+
+
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 2e-5)])
+@pytest.mark.parametrize("a_layout", ["row-major", "transposed view"])
+@pytest.mark.parametrize("b_layout", ["row-major", "transposed view"])
+def test_matches_numpy_for_every_operand_layout(dtype, tol, a_layout, b_layout):
+    a, b = _layouts(M, K, dtype)[a_layout], _layouts(K, N, dtype)[b_layout]
+    expected = a.astype("float64") @ b.astype("float64")
+    scale = np.abs(expected).max()
+    got = blas.matmul(a, b)
+    assert got.dtype == np.dtype(dtype) and got.shape == (M, N)
+    assert np.abs(got - expected).max() <= tol * scale
+    # Into a strided destination (a column block of a wider buffer), then accumulated on top of it.
+    wide = np.full((M, N + 8), 3.0, dtype)
+    blas.matmul(a, b, out=wide[:, 4:N + 4])
+    assert np.abs(wide[:, 4:N + 4] - expected).max() <= tol * scale and (wide[:, :4] == 3).all()
+    blas.matmul(a, b, out=wide[:, 4:N + 4], accumulate=True)
+    assert np.abs(wide[:, 4:N + 4] - 2 * expected).max() <= 2 * tol * scale and (wide[:, N + 4:] == 3).all()
+
+
+def test_weight_gradient_is_summed_into_its_buffer():
+    x, dy = rng.standard_normal((256, 64)), rng.standard_normal((256, 192))
+    grad = rng.standard_normal((64, 192))
+    expected = grad + x.T @ dy
+    assert blas.matmul(x.T, dy, out=grad, accumulate=True) is grad
+    np.testing.assert_allclose(grad, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["small", "int", "mixed dtypes", "out overlaps input", "3-D", "strided rows"])
+def test_what_mkl_cannot_take_goes_to_numpy(case):
+    a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+    out = None
+    if case == "small":
+        a, b = a[:8, :8].copy(), b[:8, :8].copy()
+    elif case == "int":
+        a, b = (a * 10).astype(np.int64), (b * 10).astype(np.int64)
+    elif case == "mixed dtypes":
+        b = b.astype(np.float32)
+    elif case == "3-D":
+        a = a.reshape(2, M // 2, K)
+    elif case == "strided rows":
+        a = rng.standard_normal((M, 2 * K))[:, ::2]
+    expected = a @ b
+    if case == "out overlaps input":
+        a = rng.standard_normal((K, K))
+        expected = a @ a
+        out = a
+        got = blas.matmul(a[:, :], a.copy(), out=out)
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
+        return
+    got = blas.matmul(a, b, out=out)
+    assert got.dtype == expected.dtype
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def test_accumulate_needs_a_destination():
+    with pytest.raises(ValueError, match="accumulate needs out"):
+        blas.matmul(np.ones((2, 2)), np.ones((2, 2)), accumulate=True)
+
+
+@pytest.mark.skipif(blas.BACKEND != "mkl", reason="MKL is not installed here (pip install 'hpc_tp[mkl]')")
+def test_mkl_does_the_large_products(monkeypatch):
+    calls = []
+    kernel = blas._kernels[np.dtype("float64")]
+    monkeypatch.setitem(blas._kernels, np.dtype("float64"), lambda *args: (calls.append(args[3:6]), kernel(*args)))
+    a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+    np.testing.assert_allclose(blas.matmul(a.T.copy().T, b), a @ b, rtol=1e-12)
+    blas.matmul(a[:8, :8], b[:8, :8])  # below MIN_MACS: numpy's
+    assert calls == [(M, N, K)]
+
+
+def _backend_in_subprocess(value):
+    code = "from hpc_tp.nn import blas; print(blas.BACKEND)"
+    return subprocess.run([sys.executable, "-c", code], env={"HPC_TP_BLAS": value, "PATH": ""},
+                          capture_output=True, text=True)
+
+
+def test_environment_switch():
+    result = _backend_in_subprocess("numpy")
+    assert result.returncode == 0 and result.stdout.strip() == "numpy"
+    result = _backend_in_subprocess("openblas")
+    assert result.returncode != 0 and "HPC_TP_BLAS='openblas': expected 'mkl'" in result.stderr
