@@ -5,6 +5,8 @@ stream-complete before MPI reads it.
 """
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy
 from mpi4py import MPI
 
@@ -33,7 +35,9 @@ def _wire(buf):
 
 
 def _bfloat16(x) -> bool:
-    return x.dtype.name == "bfloat16"
+    # ``dtype.kind`` first: ml_dtypes' bfloat16 is kind 'V', and ``dtype.name`` is computed in Python
+    # on every read (a 64 KiB all-reduce measured 13-20% slower with the name checked on each call).
+    return x.dtype.kind == "V" and x.dtype.name == "bfloat16"
 
 
 def _empty_like(x, shape):
@@ -66,6 +70,14 @@ class MPICommunicator(Communicator):
 
     def all_reduce(self, x, op: str = "sum"):
         if self.size == 1:
+            return x
+        if type(x) is numpy.ndarray and x.flags.c_contiguous and x.dtype.kind != "V":
+            # The common case, timed inline: every statement between the caller and MPI shows on a
+            # 64 KiB all-reduce (bench comm); the general path below handles copies and bfloat16.
+            start = perf_counter()
+            self.comm.Allreduce(MPI.IN_PLACE, x, op=_OPS[op])
+            self.seconds += perf_counter() - start
+            self.bytes += x.nbytes
             return x
         if _bfloat16(x):  # summed in float32, rounded once
             x[...] = self.all_reduce(x.astype("float32"), op)
