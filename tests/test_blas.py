@@ -36,6 +36,16 @@ def test_matches_numpy_for_every_operand_layout(dtype, tol, a_layout, b_layout):
     assert np.abs(wide[:, 4:N + 4] - 2 * expected).max() <= 2 * tol * scale and (wide[:, N + 4:] == 3).all()
 
 
+@pytest.mark.parametrize("view", ["row-strided", "offset", "transposed slice", "Fortran order"])
+def test_views_passed_as_they_are(view):
+    """Views BLAS can read in place (a leading dimension, a transpose flag) give numpy's product."""
+    wide = rng.standard_normal((2 * M + 3, K + 5))
+    a = {"row-strided": wide[::2, :K], "offset": wide[3:M + 3, 5:],
+         "transposed slice": wide[:K, 1:M + 1].T, "Fortran order": np.asfortranarray(wide[:M, :K])}[view]
+    b = rng.standard_normal((K, N))
+    np.testing.assert_allclose(blas.matmul(a, b), a @ b, rtol=1e-12, atol=1e-12)
+
+
 def test_weight_gradient_is_summed_into_its_buffer():
     x, dy = rng.standard_normal((256, 64)), rng.standard_normal((256, 192))
     grad = rng.standard_normal((64, 192))
@@ -44,8 +54,19 @@ def test_weight_gradient_is_summed_into_its_buffer():
     np.testing.assert_allclose(grad, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["small", "int", "mixed dtypes", "out overlaps input", "3-D", "strided rows"])
-def test_what_mkl_cannot_take_goes_to_numpy(case):
+def _count_mkl_calls(monkeypatch):
+    """The MKL GEMM calls made from here on, as (m, n, k); none where MKL is not installed."""
+    calls = []
+    for dtype, kernel in list(blas._kernels.items()):
+        monkeypatch.setitem(blas._kernels, dtype,
+                            lambda *args, kernel=kernel: (calls.append(args[3:6]), kernel(*args)))
+    return calls
+
+
+@pytest.mark.parametrize("case", ["small", "int", "mixed dtypes", "out overlaps input", "3-D", "strided columns",
+                                  "float16"])
+def test_what_mkl_cannot_take_goes_to_numpy(case, monkeypatch):
+    calls = _count_mkl_calls(monkeypatch)
     a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
     out = None
     if case == "small":
@@ -56,19 +77,16 @@ def test_what_mkl_cannot_take_goes_to_numpy(case):
         b = b.astype(np.float32)
     elif case == "3-D":
         a = a.reshape(2, M // 2, K)
-    elif case == "strided rows":
+    elif case == "strided columns":
         a = rng.standard_normal((M, 2 * K))[:, ::2]
+    elif case == "float16":
+        a, b = a.astype(np.float16), b.astype(np.float16)
+    elif case == "out overlaps input":
+        a = b = out = rng.standard_normal((K, K))
     expected = a @ b
-    if case == "out overlaps input":
-        a = rng.standard_normal((K, K))
-        expected = a @ a
-        out = a
-        got = blas.matmul(a[:, :], a.copy(), out=out)
-        np.testing.assert_allclose(got, expected, rtol=1e-12)
-        return
-    got = blas.matmul(a, b, out=out)
-    assert got.dtype == expected.dtype
-    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    got = blas.matmul(a, b.copy() if out is not None else b, out=out)
+    assert got.dtype == expected.dtype and calls == []
+    np.testing.assert_allclose(got, expected, rtol=1e-3 if case == "float16" else 1e-12)
 
 
 def test_accumulate_needs_a_destination():
@@ -78,13 +96,12 @@ def test_accumulate_needs_a_destination():
 
 @pytest.mark.skipif(blas.BACKEND != "mkl", reason="MKL is not installed here (pip install 'hpc_tp[mkl]')")
 def test_mkl_does_the_large_products(monkeypatch):
-    calls = []
-    kernel = blas._kernels[np.dtype("float64")]
-    monkeypatch.setitem(blas._kernels, np.dtype("float64"), lambda *args: (calls.append(args[3:6]), kernel(*args)))
+    calls = _count_mkl_calls(monkeypatch)
     a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
     np.testing.assert_allclose(blas.matmul(a.T.copy().T, b), a @ b, rtol=1e-12)
     blas.matmul(a[:8, :8], b[:8, :8])  # below MIN_MACS: numpy's
     assert calls == [(M, N, K)]
+    assert blas.backend_for("float32") == blas.backend_for("float64") == "mkl" != blas.backend_for("float16")
 
 
 def _backend_in_subprocess(value):
@@ -96,5 +113,10 @@ def _backend_in_subprocess(value):
 def test_environment_switch():
     result = _backend_in_subprocess("numpy")
     assert result.returncode == 0 and result.stdout.strip() == "numpy"
+    # MKL's 64-bit integer layer, asked for by the environment, is overridden (it would crash the 32-bit calls).
+    result = subprocess.run([sys.executable, "-c", "import numpy as np; from hpc_tp.nn import blas; a = np.ones((256, 256)); "
+                             "assert (blas.matmul(a, a) == 256).all(); print(blas.BACKEND)"],
+                            env={"MKL_INTERFACE_LAYER": "ILP64", "PATH": ""}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
     result = _backend_in_subprocess("openblas")
     assert result.returncode != 0 and "HPC_TP_BLAS='openblas': expected 'mkl'" in result.stderr

@@ -104,7 +104,7 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     flops = step_flops(cfg, batch, seq)
     achieved = flops / step_s
     return {"benchmark": "step", "tp": comm.size, "dtype": numpy.dtype(dtype).name, "threads_per_rank": threads,
-            "gemm": blas.BACKEND if backend.device == "cpu" else backend.device,
+            "gemm": blas.backend_for(dtype) if backend.device == "cpu" else backend.device,
             "malloc_retained": retained,
             "layers": cfg.n_layers, "hidden": cfg.hidden, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
             "ffn_hidden": cfg.ffn_hidden, "activation": cfg.activation, "causal": cfg.causal,

@@ -34,20 +34,27 @@ from ..errors import ConfigError
 # GFLOP/s, MKL 89-111; 256x64x256 and up: MKL ahead).
 MIN_MACS = 1 << 21
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_LP64, _INT_LIMIT = 0, 2**31  # MKL's 32-bit integer interface: larger sizes go to numpy
 LIBRARY_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 
 
-def _find_mkl() -> ctypes.CDLL | None:
-    """libmkl_rt from this environment's lib/ (the mkl wheel puts it there), else the loader's path."""
-    candidates = [str(Path(sys.prefix) / "lib" / name) for name in LIBRARY_NAMES]
-    found = ctypes.util.find_library("mkl_rt")
-    candidates += LIBRARY_NAMES if found is None else [found, *LIBRARY_NAMES]
+def _open(candidates) -> ctypes.CDLL | None:
     for candidate in candidates:
         try:
             return ctypes.CDLL(candidate)
         except OSError:
             continue
     return None
+
+
+def _find_mkl() -> ctypes.CDLL | None:
+    """libmkl_rt from this environment's lib/ (the mkl wheel puts it there) or the loader's path (a
+    site MKL module); ``find_library`` runs ldconfig and gcc, so it is asked last."""
+    local = [str(Path(sys.prefix) / "lib" / name) for name in LIBRARY_NAMES]
+    library = _open(local + list(LIBRARY_NAMES))
+    if library is None and (found := ctypes.util.find_library("mkl_rt")):
+        library = _open([found])
+    return library
 
 
 def _load():
@@ -57,7 +64,9 @@ def _load():
     if choice == "numpy":
         return None, {}
     library = _find_mkl()
-    if library is None:
+    # 32-bit integers (LP64), as the ctypes signatures below say, whatever MKL_INTERFACE_LAYER asks for
+    # (ILP64 would read each int as 64 bits: a crash).
+    if library is None or library.MKL_Set_Interface_Layer(_LP64) != _LP64:
         return None, {}
     pointer, index = ctypes.c_void_p, ctypes.c_int
     kernels = {}
@@ -72,6 +81,11 @@ def _load():
 
 _library, _kernels = _load()
 BACKEND = "mkl" if _library is not None else "numpy"
+
+
+def backend_for(dtype) -> str:
+    """Which library multiplies ``dtype`` arrays on the CPU: MKL has float32/float64 GEMMs only."""
+    return "mkl" if numpy.dtype(dtype) in _kernels else "numpy"
 
 
 def _operand(x, itemsize: int):
@@ -101,6 +115,8 @@ def _mkl_gemm(a, b, out, beta: float) -> bool:
     itemsize = a.itemsize
     left, right, target = _operand(a, itemsize), _operand(b, itemsize), _operand(out, itemsize)
     if left is None or right is None or target is None or target[0] != _NO_TRANS:
+        return False
+    if max(m, n, k, left[1], right[1], target[1]) >= _INT_LIMIT:
         return False
     if numpy.may_share_memory(out, a) or numpy.may_share_memory(out, b):
         return False
