@@ -20,7 +20,7 @@ from hpc_tp.pipeline import PipelineStats, balanced_layers, build_stage, pipelin
 from hpc_tp.plan import choose_layout, search
 from hpc_tp.plan.calibration import from_comm_records, from_step_records, load_calibration
 from hpc_tp.plan.clusters import CLUSTERS, engine_precision, get_cluster
-from hpc_tp.plan.cost import Layout, Link, hops, predict, traffic
+from hpc_tp.plan.cost import Layout, Link, hops, predict, stage_collectives, traffic
 from hpc_tp.plan.memory import MEGATRON, kv_cache_bytes, layer_activation_bytes, stage_memory
 from hpc_tp.plan.search import divisors, structural_reason, variant_reason
 from hpc_tp.serve.kv_cache import KVCache
@@ -352,3 +352,20 @@ def test_the_replicated_router_is_not_divided_by_tp():
     one, two = (predict(cfg, Layout(tp, 1, 1, 1), 8, 1024, cluster) for tp in (1, 2))
     router_s = 3 * 2 * cfg.hidden * cfg.num_experts * cfg.n_layers * 8 * 1024 / cluster.rank_flops(1)  # 8 x 1024 tokens
     assert two.compute_s == pytest.approx((one.compute_s - router_s) / 2 + router_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_replicated_kv_gradients_are_summed_over_their_replicas(bias):
+    """tp = 4 over 2 KV heads: each K and V weight gradient (and bias) is one all-reduce over its 2
+    replicas per layer and micro-batch (``ColumnParallelLinear._sum_over_replicas``), not over tp."""
+    cfg, m = replace(LLAMA, bias=bias), 3
+    layout = Layout(4, 1, 1, 1)
+    found = {c.what: c for c in stage_collectives(cfg, layout, 8, range(cfg.n_layers), True, True, m, 4, 4)
+             if "replicated K/V" in c.what}
+    expected = {"replicated K/V weight grads": cfg.hidden * cfg.head_dim * 4}
+    if bias:
+        expected["replicated K/V bias grads"] = cfg.head_dim * 4
+    assert {what: c.nbytes for what, c in found.items()} == expected
+    assert all(c.ranks == 2 and c.count == 2 * cfg.n_layers * m and c.group == "tp" for c in found.values())
+    assert not [c for c in stage_collectives(cfg, Layout(2, 1, 1, 1), 8, range(cfg.n_layers), True, True, m, 4, 4)
+                if "replicated" in c.what]

@@ -26,8 +26,8 @@ all-reduce cost 60 ms).
 
 tp: per block, the f and g all-reduces of the [b, s, h] activations: 2 forward, 2 backward,
 2 more in a recomputed forward; the vocab-parallel embedding, head and loss add 1 + 1 + 2. With
-grouped-query attention and tp > kv heads, replicated K/V weight gradients are summed over
-their replicas every backward. Sequence parallelism (``tensor_parallel/sequence_parallel.py``)
+grouped-query attention and tp > kv heads, each replicated K/V weight gradient (and bias) is
+summed over its tp / kv replicas every backward: K and V one message each, over that subgroup. Sequence parallelism (``tensor_parallel/sequence_parallel.py``)
 turns each block's all-reduces into all-gathers and reduce-scatters of the same [b, s, h]
 buffers: forward 2 all-gathers (f) and 2 reduce-scatters (g); backward 2 all-gathers of the
 output gradient, 2 all-gathers re-gathering the column-parallel inputs (kept as shards, as
@@ -167,6 +167,7 @@ class Collective:
     what: str
     per_micro_batch: bool = True  # inside the pipeline (else once per step, after it)
     seconds: float = 0.0          # count x one message's time
+    ranks: int = 0                # a subgroup's size (K/V replicas inside tp); 0: the whole group
 
 
 @dataclass
@@ -241,8 +242,14 @@ def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, l
         out.append(Collective("tp", "all_reduce", tokens * elem, m, "loss row max"))
         out.append(Collective("tp", "all_reduce", 2 * tokens * elem, m, "loss sum-exp and target logit"))
     if cfg.n_kv_heads < tp:
-        replicas_bytes = cfg.hidden * 2 * cfg.head_dim * elem * kv_heads_local(cfg, tp)
-        out.append(Collective("tp", "all_reduce", replicas_bytes, len(layers) * m, "replicated K/V grads"))
+        # ColumnParallelLinear._sum_over_replicas: one all-reduce per K and V segment (and per bias).
+        columns = cfg.head_dim * kv_heads_local(cfg, tp)
+        replicas = tp // cfg.n_kv_heads
+        out.append(Collective("tp", "all_reduce", cfg.hidden * columns * elem, 2 * len(layers) * m,
+                              "replicated K/V weight grads", ranks=replicas))
+        if cfg.bias:
+            out.append(Collective("tp", "all_reduce", columns * elem, 2 * len(layers) * m,
+                                  "replicated K/V bias grads", ranks=replicas))
     return out
 
 
@@ -346,7 +353,7 @@ def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, clu
             else cluster.rank_flops(busy))
     recomputed = (forward_flops_per_token(cfg, seq, layers, False, False, rows) * tokens - router) / layout.tp + router
     compute = (3 * flops + (recomputed if layout.recompute else 0.0)) / rate
-    comms = [replace(c, seconds=c.count * network.time(c.op, layout.group_size(c.group), c.nbytes,
+    comms = [replace(c, seconds=c.count * network.time(c.op, c.ranks or layout.group_size(c.group), c.nbytes,
                                                        layout.spans_nodes(c.group, cluster.devices_per_node)))
              for c in stage_collectives(cfg, layout, seq, layers, first, last, m, precision.activation_bytes,
                                         precision.grad_bytes)]
