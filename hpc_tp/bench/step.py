@@ -120,7 +120,7 @@ def format_record(r: dict) -> str:
     return "\n".join([
         f"hpc-tp bench step: {r['layers']} layers, hidden {r['hidden']}, {r['heads']} heads, ffn {r['ffn_hidden']}, "
         f"seq {r['seq_len']}, micro-batch {r['micro_batch']}, {r['dtype']}, tp={r['tp']}, "
-        f"{r['threads_per_rank']} BLAS thread(s)/rank, GEMM: {r.get('gemm', 'numpy')}",
+        f"{r['threads_per_rank']} BLAS thread(s)/rank, GEMM: {r['gemm']}",
         f"  step      {r['step_s'] * 1e3:9.1f} ms  (median of {r['repeats']} after {r['warmup']} warm-up, slowest rank)"
         f"  {r['tokens_per_s']:.0f} tokens/s",
         f"  compute   {r['compute_s'] * 1e3:9.1f} ms   communication {r['comm_s'] * 1e3:.1f} ms",

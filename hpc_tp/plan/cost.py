@@ -27,8 +27,8 @@ all-reduce cost 60 ms).
 tp: per block, the f and g all-reduces of the [b, s, h] activations: 2 forward, 2 backward,
 2 more in a recomputed forward; the vocab-parallel embedding, head and loss add 1 + 1 + 2. With
 grouped-query attention and tp > kv heads, each replicated K/V weight gradient (and bias) is
-summed over its tp / kv replicas every backward: K and V one message each, over that subgroup. Sequence parallelism (``tensor_parallel/sequence_parallel.py``)
-turns each block's all-reduces into all-gathers and reduce-scatters of the same [b, s, h]
+summed over its tp / kv replicas every backward: K and V one message each, over that subgroup.
+Sequence parallelism (``tensor_parallel/sequence_parallel.py``) turns each block's all-reduces into all-gathers and reduce-scatters of the same [b, s, h]
 buffers: forward 2 all-gathers (f) and 2 reduce-scatters (g); backward 2 all-gathers of the
 output gradient, 2 all-gathers re-gathering the column-parallel inputs (kept as shards, as
 Megatron-LM does) and 2 reduce-scatters of the input gradient; one all-reduce of the norms'
@@ -203,8 +203,13 @@ def forward_flops_per_token(cfg: ModelConfig, seq: int, layers: range, first: bo
     embedding, block, head = stage_costs(cfg, seq)
     moe = sum(cfg.is_moe_layer(i) for i in layers)
     rows = cfg.top_k if expert_rows_per_token is None else expert_rows_per_token
-    experts = moe * ((rows - 1) * mlp_flops_per_row(cfg) + 2 * cfg.hidden * cfg.num_experts)
+    experts = moe * (rows - 1) * mlp_flops_per_row(cfg) + router_flops_per_token(cfg, layers)
     return len(layers) * block + experts + (embedding if first else 0.0) + (head if last else 0.0)
+
+
+def router_flops_per_token(cfg: ModelConfig, layers: range) -> float:
+    """The MoE routers' forward FLOPs per token in ``layers``: [h] @ [h, E] per MoE layer."""
+    return 2 * cfg.hidden * cfg.num_experts * sum(cfg.is_moe_layer(i) for i in layers)
 
 
 def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, last: bool, m: int,
@@ -343,15 +348,19 @@ def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, clu
     first, last = stage == 0, stage == layout.pp - 1
     precision, tokens = cluster.precision, layout.micro_batch * seq
     rows = Routing.bound(cfg, tokens, layout.ep).received / tokens if cfg.num_experts else None
-    # Every tp rank runs the whole router of each MoE layer (it is replicated): not divided by tp.
-    router = 2 * cfg.hidden * cfg.num_experts * sum(cfg.is_moe_layer(i) for i in layers) * tokens
-    flops = (forward_flops_per_token(cfg, seq, layers, first, last, rows) * tokens - router) / layout.tp + router
+    router = router_flops_per_token(cfg, layers) * tokens
+
+    def per_rank(flops_per_token):
+        # Every tp rank runs the whole router of each MoE layer (it is replicated): not divided by tp.
+        return (flops_per_token * tokens - router) / layout.tp + router
+
+    flops = per_rank(forward_flops_per_token(cfg, seq, layers, first, last, rows))
     # A pipeline stage computes m of the m + pp - 1 slots of a step and waits in the others (MPI
     # yields the core when ranks outnumber cores): on average fewer ranks share the cores.
     busy = per_node * m / (m + layout.pp - 1)
     rate = (calibration.rank_flops(cluster, per_node, flops, layout.tp, busy) if calibration is not None
             else cluster.rank_flops(busy))
-    recomputed = (forward_flops_per_token(cfg, seq, layers, False, False, rows) * tokens - router) / layout.tp + router
+    recomputed = per_rank(forward_flops_per_token(cfg, seq, layers, False, False, rows))
     compute = (3 * flops + (recomputed if layout.recompute else 0.0)) / rate
     comms = [replace(c, seconds=c.count * network.time(c.op, c.ranks or layout.group_size(c.group), c.nbytes,
                                                        layout.spans_nodes(c.group, cluster.devices_per_node)))

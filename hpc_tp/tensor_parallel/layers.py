@@ -94,10 +94,9 @@ class ColumnParallelLinear(Module):
             yield prefix + name, p
 
     def forward(self, x):
-        y = product(_flat(x), self._weight)
+        y = product(x, self._weight)
         if self._bias is not None:
             y += self._bias
-        y = y.reshape(x.shape[:-1] + (self.out_local,))
         if self.gather_output:
             y = self.comm.all_gather(y, axis=y.ndim - 1)
         return y, x
@@ -141,7 +140,7 @@ class RowParallelLinear(Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = local_chunk(x, self.comm)
-        y = product(_flat(x), self.weight.data).reshape(x.shape[:-1] + (self.weight.shape[1],))
+        y = product(x, self.weight.data)
         self.comm.all_reduce(y)  # g: sum the partial products
         if self.bias is not None:
             y += self.bias.data

@@ -70,7 +70,7 @@ class SequenceParallelRowLinear(RowParallelLinear):
     row-parallel backward applies (its bias gradient then covers the whole sequence)."""
 
     def forward(self, x):
-        y = product(_flat(x), self.weight.data).reshape(x.shape[:-1] + (self.weight.shape[1],))
+        y = product(x, self.weight.data)
         y = reduce_scatter_sequence(y, self.comm)
         if self.bias is not None:
             y += self.bias.data
