@@ -2,9 +2,12 @@
 
 The measuring code is hpc_tp.bench.gpu_check's (what ``make gpu-check`` tabulates); these tests
 hold it to its bounds. Skipped, with the reason, where cupy or a CUDA device is missing (CI,
-laptops); the kernels' source is compiled wherever NVRTC loads, device or not. The 2-rank test
-shares one device through MPI (NCCL refuses one device twice).
+laptops). Without a device: every kernel is compiled in every dtype functional sends it wherever
+cupy finds NVRTC and the CUDA headers, and the wrappers' dtype handling runs everywhere (numpy
+standing in for cupy). The 2-rank test shares one device through MPI (NCCL refuses one device twice).
 """
+import sys
+
 import numpy as np
 import pytest
 
@@ -31,35 +34,112 @@ def on_device():
     backend.use("cpu")
 
 
-@pytest.mark.parametrize("dtype", ["float", "double"])
-def test_kernel_source_compiles_for_sm90(dtype):
-    """NVRTC alone, no device: both kernel sets compile for the H100/H200 architecture."""
+def _nvrtc(options=()):
+    """NVRTC and cupy's compile options (its headers, the CUDA headers it found) for ``options``:
+    what a kernel is compiled with on a device, here without one; skipped where either is missing."""
     pytest.importorskip("cupy", reason="cupy is not installed")
+    from cupy._core import core
     from cupy_backends.cuda.libs import nvrtc
 
     try:
         nvrtc.getVersion()
-    except Exception as error:  # noqa: BLE001: the library is a separate package (nvidia-cuda-nvrtc)
-        pytest.skip(f"NVRTC does not load here: {error}")
-    sources = {"rows": (K.row_source(), [f"{k}<{dtype}>" for k in K._ROW_KERNELS])}
-    wrapped = [K._ACC]
-    for name, (inputs, outputs, body) in K.ELEMENTWISE.items():  # each body in a kernel shaped like cupy's
-        names = [p.split()[1] for p in f"{inputs}, {outputs}".split(", ")]
-        n_in = len(inputs.split(", "))
-        params = ", ".join(("const T* " if i < n_in else "T* ") + f"p_{v}" for i, v in enumerate(names))
-        views = " ".join(("const T " if i < n_in else "T& ") + f"{v} = p_{v}[i];" for i, v in enumerate(names))
-        wrapped.append(f"template <typename T> __global__ void {name}({params}) {{ int i = threadIdx.x; {views} "
-                       f"typedef typename acc<T>::type A; {body} }}")
-    sources["elementwise"] = ("\n".join(wrapped), [f"{name}<{dtype}>" for name in K.ELEMENTWISE])
-    for label, (source, names) in sources.items():
-        program = nvrtc.createProgram(source, f"{label}.cu", [], [])
-        for name in names:
-            nvrtc.addNameExpression(program, name)
-        try:
-            nvrtc.compileProgram(program, ["-std=c++14", "-arch=compute_90"])
-        except Exception:
-            pytest.fail(f"{label} kernels do not compile:\n{nvrtc.getProgramLog(program)}")
-        assert nvrtc.getPTX(program)
+        return nvrtc, [*core.assemble_cupy_compiler_options(tuple(options)), "-arch=compute_90"]
+    except Exception as error:  # noqa: BLE001: NVRTC and the CUDA headers are separate packages
+        pytest.skip(f"NVRTC or the CUDA headers are not found here: {error}")
+
+
+def _compile(label, source, names=(), options=()):
+    nvrtc, options = _nvrtc(options)
+    program = nvrtc.createProgram(source, f"{label}.cu", [], [])
+    for name in names:
+        nvrtc.addNameExpression(program, name)
+    try:
+        nvrtc.compileProgram(program, options)
+    except Exception:  # noqa: BLE001: the log says why
+        pytest.fail(f"{label} does not compile for sm_90:\n{nvrtc.getProgramLog(program)}")
+    assert nvrtc.getPTX(program)
+
+
+def test_row_kernels_compile_for_sm90():
+    """NVRTC alone, no device: every instance the row module holds (float32/float64, the only dtypes
+    functional sends it: other dtypes take the composed code)."""
+    names = [f"{k}<{t}>" for k in K._ROW_KERNELS for t in K._CTYPES.values()]
+    _compile("rows", K.row_source(), names, K.ROW_OPTIONS)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_elementwise_kernels_compile_for_sm90(dtype):
+    """Each ElementwiseKernel in every dtype functional sends it (any float dtype cupy has), as the
+    source cupy generates for a call on 1-d arrays, compiled with NVRTC alone (no device)."""
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed")
+    from cupy._core import _carray, _kernel, core
+    from cupy._core._scalar import get_typename
+
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes").bfloat16
+    dtype = np.dtype(dtype)
+    try:
+        get_typename(dtype)
+    except Exception:  # noqa: BLE001: cupy < 14 has no bfloat16 arrays, so functional never sends one
+        pytest.skip(f"cupy {cupy.__version__} has no C type for {dtype}")
+    headers = "".join(f"#include <{h}>\n" for h in core._cupy_header_list)  # what cupy puts first
+    for name in K.ELEMENTWISE:
+        kernel = K._elementwise(name)
+        types = kernel._decide_params_type((dtype,) * kernel.nin, ())[2]
+        args = tuple(_kernel._ArgInfo(1, cupy.ndarray, dtype, 1, True, True) for _ in range(kernel.nargs))
+        args += (_kernel._ArgInfo(2, _carray.Indexer, None, 1, True, True),)  # kinds: ndarray 1, indexer 2
+        source = _kernel._get_elementwise_kernel_code(args, types, kernel.params, kernel.operation, kernel.name,
+                                                      kernel.preamble)
+        _compile(f"{name} {dtype}", headers + source)
+
+
+@pytest.fixture
+def host_kernels(monkeypatch):
+    """cuda_kernels' wrappers on the host: numpy stands in for cupy, and each kernel launch checks
+    what cupy's would need: one dtype over its arrays (an ElementwiseKernel's ``T``; the row
+    kernels' raw pointers), and a row kernel only in a dtype the module has. Returns the launches."""
+    launches = []
+
+    def launch(name, *arrays):
+        dtypes = {a.dtype for a in arrays}
+        assert len(dtypes) == 1, f"{name} launched with {sorted(map(str, dtypes))}"
+        launches.append((name, dtypes.pop()))
+
+    def elementwise(name):
+        outputs = len(K.ELEMENTWISE[name][1].split(", "))
+
+        def run(*arrays):
+            launch(name, *arrays)
+            return np.zeros_like(arrays[0]) if outputs == 1 else tuple(np.zeros_like(arrays[0]) for _ in range(outputs))
+        return run
+
+    def rows(name, x, *args):
+        launch(name, *(a for a in args if isinstance(a, np.ndarray) and a.ndim))
+        assert x.dtype.name in K._CTYPES, f"{name} has no {x.dtype} instance"
+
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    monkeypatch.setattr(K, "_elementwise", elementwise)
+    monkeypatch.setattr(K, "_launch", rows)
+    return launches
+
+
+@pytest.mark.parametrize("grad, saved", [("float32", "float16"), ("float16", "float32"), ("float64", "float32")])
+def test_kernels_run_in_the_dispatched_dtype(host_kernels, grad, saved):
+    """A gradient whose dtype differs from the saved tensors' (mixed precision can give either way
+    round): each kernel gets one dtype, the gradient's, which is the one functional checked."""
+    rng = np.random.default_rng(0)
+
+    def a(dtype, shape=(3, 8)):
+        return rng.standard_normal(shape).astype(dtype)
+
+    results = [K.gelu_tanh_backward(a(grad), (a(saved), a(saved))), K.silu_backward(a(grad), (a(saved), a(saved))),
+               *K.swiglu_backward(a(grad), (a(saved), a(saved))), K.swiglu_forward(a(grad), a(saved))[0]]
+    if grad in K._CTYPES:  # the row kernels' dtypes (functional sends them no other)
+        results += [K.softmax_backward(a(grad), a(saved)),
+                    K.layernorm_backward(a(grad), a(saved, 8), (a(saved), a(saved, (3, 1))))[0],
+                    K.rmsnorm_backward(a(grad), a(saved, 8), (a(saved), a(saved, (3, 1))))[0]]
+    assert {dtype.name for _, dtype in host_kernels} == {grad}
+    assert all(r.dtype == grad for r in results)
 
 
 @device_test
@@ -86,6 +166,23 @@ def test_float16_elementwise_kernels_compute_in_float32():
     y, _ = F.gelu_tanh_forward(x)
     half, _ = F.gelu_tanh_forward(cupy.asarray(x, dtype=cupy.float16))
     assert half.dtype == cupy.float16 and G._rel(half, y) < 2e-3
+
+
+@device_test
+def test_float32_gradient_with_float16_saved_tensors():
+    """The fused backward of a float32 gradient through float16 saved tensors (the kernels cast them)
+    equals numpy's on the same float16 values widened."""
+    rng = np.random.default_rng(0)
+    x = cupy.asarray(rng.standard_normal((4, 300)), dtype=cupy.float16)
+    dy = cupy.asarray(rng.standard_normal((4, 300)), dtype=cupy.float32)
+    for forward, backward in ((F.gelu_tanh_forward, F.gelu_tanh_backward), (F.silu_forward, F.silu_backward)):
+        saved = forward(x)[1]
+        expected = backward(dy.get(), tuple(s.get().astype(np.float32) for s in saved))
+        dx = backward(dy, saved)
+        assert dx.dtype == cupy.float32 and G._rel(dx, expected) < 1e-5
+    p = F.softmax_forward(x)  # float16: the composed path
+    ds = F.softmax_backward(dy, p)
+    assert ds.dtype == cupy.float32 and G._rel(ds, F.softmax_backward(dy.get(), p.get().astype(np.float32))) < 1e-5
 
 
 @device_test

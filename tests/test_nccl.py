@@ -1,4 +1,8 @@
-"""Device transports: the chooser and group set-up on the CPU with plain objects; NCCL where a GPU is."""
+"""Device transports: the chooser, group set-up and NCCLCommunicator's order of calls (over a fake
+NCCL) on the CPU with plain objects; NCCL itself where a GPU is."""
+import sys
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -59,8 +63,6 @@ class _Group:
 
 
 def test_group_building_wraps_what_each_group_carries(monkeypatch):
-    from types import SimpleNamespace
-
     from hpc_tp.comm import nccl
     from hpc_tp.comm.watchdog import watched
 
@@ -102,6 +104,91 @@ def test_host_staged_passes_host_arrays_through(comm_world):
     np.testing.assert_array_equal(x, np.full(4, comm_world.size * (comm_world.size + 1) / 2))
     gathered = staged.all_gather(np.array([comm_world.rank]))
     np.testing.assert_array_equal(gathered, np.arange(comm_world.size))
+
+
+# -- NCCLCommunicator's order of calls, with a fake cupy.cuda.nccl ---------------------------------------
+class _DeviceArray:
+    """What NCCLCommunicator reads of a cupy array (not a numpy one, which would go over MPI)."""
+
+    def __init__(self, n=4):
+        self.size, self.dtype, self.nbytes = n, np.dtype("float32"), 4 * n
+        self.data, self.flags = SimpleNamespace(ptr=id(self)), SimpleNamespace(c_contiguous=True)
+
+
+class _Host:
+    """The NCCL communicator's MPI side (rank 0 of 2): its calls go to the shared log."""
+
+    def __init__(self, log):
+        self.log, self.rank, self.size, self.seconds, self.bytes = log, 0, 2, 0.0, 0
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.log.append(f"host {name}")
+            return self if name.startswith("split") else args[0] if args else None  # a split keeps both ranks
+        return call
+
+
+@pytest.fixture
+def nccl_log(monkeypatch):
+    """An NCCLCommunicator (rank 0 of 2) over a fake NCCL whose calls, and its host's, go to one
+    log in the order they are made: the order in which this rank issues work its peers wait on."""
+    from hpc_tp.comm.nccl import NCCLCommunicator
+
+    log = []
+
+    class Comm:
+        def __init__(self, size, unique_id, rank):
+            pass
+
+        def __getattr__(self, name):  # send, recv, allReduce, ...: (pointers, count, type, peer or op, stream)
+            return lambda *args: log.append(f"{name} {args[3]}" if name in ("send", "recv") else name)
+
+    constants = ("INT8", "UINT8", "INT32", "UINT32", "INT64", "UINT64", "FLOAT16", "FLOAT32", "FLOAT64", "SUM", "MAX",
+                 "MIN")
+    nccl = SimpleNamespace(available=True, get_unique_id=lambda: 0, NcclCommunicator=Comm, get_version=lambda: 22000,
+                           groupStart=lambda: log.append("groupStart"), groupEnd=lambda: log.append("groupEnd"),
+                           **{f"NCCL_{name}": i for i, name in enumerate(constants)})
+    stream = SimpleNamespace(ptr=0, synchronize=lambda: None)
+    cuda = SimpleNamespace(nccl=nccl, get_current_stream=lambda: stream)
+    cupy = SimpleNamespace(cuda=cuda, ascontiguousarray=lambda x: x)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    comm = NCCLCommunicator(_Host(log))
+    log.clear()  # the unique id's broadcast
+    return comm, log
+
+
+# Each call that may block on the peer, and the first thing it issues.
+NEXT_CALLS = {
+    "device all_reduce": (lambda comm: comm.all_reduce(_DeviceArray()), "allReduce"),
+    "device broadcast": (lambda comm: comm.broadcast(_DeviceArray()), "broadcast"),
+    "host all_reduce": (lambda comm: comm.all_reduce(np.ones(1)), "host all_reduce"),
+    "bcast_object": (lambda comm: comm.bcast_object(1), "host bcast_object"),
+    "barrier": (lambda comm: comm.barrier(), "host barrier"),
+    "split": (lambda comm: comm.split(0, 0), "host split"),
+    "split_node": (lambda comm: comm.split_node(), "host split_node"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(NEXT_CALLS))
+def test_posted_send_goes_out_before_the_next_call(nccl_log, call):
+    """The peer may be blocked in the receive of a send this rank posted: the send must be issued
+    before this rank blocks in anything else on the group, or the two wait for each other."""
+    comm, log = nccl_log
+    comm.isend(_DeviceArray(), 1)
+    assert log == []  # posted: sends and receives between two calls go out as one group
+    run, first = NEXT_CALLS[call]
+    run(comm)
+    assert log[:4] == ["groupStart", "send 1", "groupEnd", first], log
+
+
+def test_a_wait_sends_everything_posted_as_one_group(nccl_log):
+    comm, log = nccl_log
+    comm.isend(_DeviceArray(), 1)
+    received = comm.irecv(_DeviceArray(), 1)
+    received.wait()
+    assert log == ["groupStart", "send 1", "recv 1", "groupEnd"]
 
 
 # -- with a GPU -------------------------------------------------------------------------------------------

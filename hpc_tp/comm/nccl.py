@@ -93,8 +93,8 @@ class NCCLCommunicator(Communicator):
                 stream.synchronize()
 
     def _host_call(self, name: str, *args):
-        """A host-array (or object) call over MPI, its time and bytes counted here too. Posted p2p
-        goes out first: a peer may be waiting on it while this rank blocks in MPI."""
+        """A call over MPI (host arrays, objects, splits), its time and bytes counted here too. Posted
+        p2p goes out first: a peer may be waiting on it while this rank blocks in MPI."""
         self._flush()
         seconds, nbytes = self.host.seconds, self.host.bytes
         result = getattr(self.host, name)(*args)
@@ -192,7 +192,11 @@ class NCCLCommunicator(Communicator):
             pass  # the exchange is the pending group, sent on entry
         return out.reshape(x.shape)
 
-    # -- point to point: posted, then sent together (one NCCL group) at the first wait or collective --
+    # -- point to point: posted, then issued together (one NCCL group) at the next wait or call ---------
+    # Grouped, two ranks exchanging cannot deadlock (issued one by one, each rank's send would wait on
+    # its stream for the peer's receive, queued behind the peer's own send). Every call that may block
+    # on a peer issues what is posted first; blocking on another communicator in between is the
+    # caller's to avoid. The pipeline never gets here: its group uses MPI (``choose_transport``, p2p).
     def isend(self, x, dest: int, tag: int = 0) -> Request:
         if _on_host(x):
             return self._host_call("isend", x, dest, tag)
@@ -219,10 +223,10 @@ class NCCLCommunicator(Communicator):
         self._host_call("barrier")
 
     def split(self, color: int, key: int) -> "NCCLCommunicator":
-        return NCCLCommunicator(self.host.split(color, key), self.blocking)
+        return NCCLCommunicator(self._host_call("split", color, key), self.blocking)
 
     def split_node(self) -> "NCCLCommunicator":
-        return NCCLCommunicator(self.host.split_node(), self.blocking)
+        return NCCLCommunicator(self._host_call("split_node"), self.blocking)
 
     def bcast_object(self, obj, root: int = 0):
         return self._host_call("bcast_object", obj, root)

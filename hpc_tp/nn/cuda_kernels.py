@@ -10,6 +10,10 @@ stay with cuBLAS.
   and rmsnorm forward/backward. Their saved tensors are what ``functional``'s backward expects,
   so a forward on one path and a backward on the other agree.
 
+Each kernel runs in one dtype, that of the array ``functional`` dispatched on (the gradient in a
+backward, as in ``cpu_kernels``): the other arrays are cast to it, since cupy refuses an
+ElementwiseKernel call whose ``T`` arrays differ and the row kernels read raw pointers.
+
 Importing this module needs no cupy; the kernels compile on first use.
 """
 from __future__ import annotations
@@ -164,6 +168,7 @@ __global__ void norm_bwd(const T* dy, const T* gain, const T* xhat, const T* rst
 """
 _ROW_KERNELS = ("softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd")
 _CTYPES = {"float32": "float", "float64": "double"}
+ROW_OPTIONS = ("-std=c++14",)
 
 
 @functools.cache
@@ -171,7 +176,7 @@ def _row_module():
     import cupy
 
     names = [f"{k}<{t}>" for k in _ROW_KERNELS for t in _CTYPES.values()]
-    return cupy.RawModule(code=_ROWS, options=("-std=c++14",), name_expressions=names)
+    return cupy.RawModule(code=_ROWS, options=ROW_OPTIONS, name_expressions=names)
 
 
 def row_source() -> str:
@@ -200,6 +205,12 @@ def _c(x, dtype=None):
     return cupy.ascontiguousarray(x if dtype is None else x.astype(dtype, copy=False))
 
 
+def _as(dtype, *arrays):
+    """``arrays`` in ``dtype`` (no copy when they are already): an ElementwiseKernel's ``T`` is one
+    type, and cupy raises on e.g. a float32 gradient with float16 saved activations."""
+    return tuple(a.astype(dtype, copy=False) for a in arrays)
+
+
 # -- elementwise ----------------------------------------------------------------------------------------
 def gelu_tanh_forward(x):
     y, t = _elementwise("gelu_fwd")(x)
@@ -207,7 +218,7 @@ def gelu_tanh_forward(x):
 
 
 def gelu_tanh_backward(dy, saved):
-    x, t = saved
+    x, t = _as(dy.dtype, *saved)
     return _elementwise("gelu_bwd")(dy, x, t)
 
 
@@ -217,19 +228,18 @@ def silu_forward(x):
 
 
 def silu_backward(dy, saved):
-    x, sig = saved
+    x, sig = _as(dy.dtype, *saved)
     return _elementwise("silu_bwd")(dy, x, sig)
 
 
 def swiglu_forward(gate, up):
     """silu(gate) * up in one pass; saves the inputs only (the backward recomputes the sigmoid)."""
-    return _elementwise("swiglu_fwd")(gate, up), (gate, up)
+    return _elementwise("swiglu_fwd")(gate, *_as(gate.dtype, up)), (gate, up)
 
 
 def swiglu_backward(dy, saved):
     """(d gate, d up)."""
-    gate, up = saved
-    return _elementwise("swiglu_bwd")(dy, gate, up)
+    return _elementwise("swiglu_bwd")(dy, *_as(dy.dtype, *saved))
 
 
 # -- row-wise ---------------------------------------------------------------------------------------
@@ -249,10 +259,10 @@ def softmax_forward(scores, causal_offset: int | None = None):
 def softmax_backward(dp, p):
     import cupy
 
-    p = _c(p)
-    dp = _c(dp, p.dtype)
-    ds = cupy.empty_like(p)
-    _launch("softmax_bwd", p, dp, p, ds, numpy.int64(p.shape[-1]))
+    dp = _c(dp)
+    p = _c(p, dp.dtype)  # dp's dtype is the one functional checked (float32/float64); p's may be half
+    ds = cupy.empty_like(dp)
+    _launch("softmax_bwd", dp, dp, p, ds, numpy.int64(dp.shape[-1]))
     return ds
 
 
