@@ -6,6 +6,11 @@ tp/kv ranks whose query heads use it (its gradient is summed across those replic
 are independent, so attention itself needs no communication; the output projection is
 row-parallel and its g all-reduce is the layer's only forward collective.
 
+The core (Q K^T, softmax and P V per causal query block, and their backward) runs as one fused
+numba/MKL loop on the CPU (``cpu_attention``) for float32/float64 numpy arrays without attention
+dropout; ``_composed_forward``/``_composed_backward`` are its reference and the path everywhere else
+(cupy, half dtypes, dropout, no MKL).
+
 Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
 ``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled) and
 ``store(k, v) -> (keys, values)``, which writes this step's rotated K/V heads at slots
@@ -22,6 +27,7 @@ from ..tensor_parallel.layers import Segment
 from ..tensor_parallel.sequence_parallel import linear_classes
 from ..tensor_parallel.random import DropoutRNG
 from ..module import Module
+from . import cpu_attention
 from . import functional as F
 from .dropout import keep_mask
 
@@ -173,26 +179,22 @@ class ParallelAttention(Module):
             offset = cache.offset
             k, v = cache.store(k, v)
         keys = k.shape[2]
-        bias = (attention_bias(b, t, keys, self.causal, key_mask, offset, x.dtype)
-                if self.causal or key_mask is not None else None)
         mask = None
         if self.dropout > 0 and self.rng is not None and self.rng.training:
             mask = self._dropout_masks((b, self.kv_local, self.heads_local // self.kv_local, t, keys), x.dtype)
-        k_t, v5 = k[:, :, None].swapaxes(-1, -2), v[:, :, None]
         merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
         attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
-        probs = []
-        for rows, seen in query_blocks(t, keys, offset, self.causal):
-            scores = q[..., rows, :] @ k_t[..., :seen]
-            if bias is not None:
-                scores += bias[..., rows, :seen]
-            p = F.softmax_forward(scores)
-            probs.append(p)
-            if mask is not None:
-                p = p * mask[..., rows, :seen]
-            xp.matmul(p, v5[..., :seen, :], out=attn[..., rows, :])
+        blocks = query_blocks(t, keys, offset, self.causal)
+        fused = mask is None and cpu_attention.supported(q, k, v, attn)
+        if fused:
+            key_bias = None if key_mask is None else xp.where(key_mask.astype(bool), 0.0, -xp.inf)
+            probs = cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, key_bias)
+        else:
+            bias = (attention_bias(b, t, keys, self.causal, key_mask, offset, x.dtype)
+                    if self.causal or key_mask is not None else None)
+            probs = _composed_forward(q, k, v, attn, blocks, bias, mask)
         y, out_ctx = self.out.forward(merged)
-        return y, (qkv_ctx, q, k, v, probs, mask, rope, offset, out_ctx)
+        return y, (qkv_ctx, q, k, v, probs, fused, mask, rope, offset, out_ctx)
 
     def _heads_view(self, merged):
         """[B, T, hq*d] seen as [B, hk, g, T, d] (query heads grouped by the KV head they share)."""
@@ -201,33 +203,62 @@ class ParallelAttention(Module):
         return merged.reshape(b, t, hk, self.heads_local // hk, self.head_dim).transpose(0, 2, 3, 1, 4)
 
     def backward(self, dy, ctx):
-        qkv_ctx, q, k, v, probs, mask, rope, offset, out_ctx = ctx
+        qkv_ctx, q, k, v, probs, fused, mask, rope, offset, out_ctx = ctx
         xp = backend.xp_of(dy)
         hk, hq, d = self.kv_local, self.heads_local, self.head_dim
         dmerged = self.out.backward(dy, out_ctx)
         b, t, _ = dmerged.shape
         dattn = self._heads_view(dmerged)
         # dQ, dK, dV are written straight into the QKV gradient, in the layout QKV's GEMM produced.
-        dqkv = xp.empty((b, t, (hq + 2 * hk) * d), dtype=dy.dtype)
+        dqkv = xp.empty((b, t, (hq + 2 * hk) * d), dtype=q.dtype if fused else dy.dtype)
         dq, dk, dv = self._split_heads(dqkv)
         dk[...] = 0.0
         dv[...] = 0.0
-        k5, v_t = k[:, :, None], v[:, :, None].swapaxes(-1, -2)
-        grouped = hq > hk  # several query heads per KV head: their K/V gradients are summed
-        for (rows, seen), p in zip(query_blocks(t, k.shape[2], offset, self.causal), probs):
-            dout = dattn[..., rows, :]
-            keep = None if mask is None else mask[..., rows, :seen]
-            dropped = p if keep is None else p * keep
-            dprobs = dout @ v_t[..., :seen]
-            if keep is not None:
-                dprobs *= keep
-            dscores = F.softmax_backward(dprobs, p)
-            xp.matmul(dscores, k5[..., :seen, :], out=dq[..., rows, :])
-            kv_grads = (dscores.swapaxes(-1, -2) @ q[..., rows, :], dropped.swapaxes(-1, -2) @ dout)
-            for grad, total in zip(kv_grads, (dk, dv)):
-                total[:, :, :seen] += grad.sum(axis=2) if grouped else grad[:, :, 0]
-        dq *= 1.0 / math.sqrt(d)  # through q's scaling in forward
+        blocks = query_blocks(t, k.shape[2], offset, self.causal)
+        if fused:
+            cpu_attention.backward(dattn.astype(q.dtype, copy=False), q, k, v, probs, blocks, dq, dk, dv)
+        else:
+            _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv)
         if rope is not None:
             dq[...] = F.rope_apply(dq, *_per_row(rope, dq.ndim), inverse=True)
             dk[...] = F.rope_apply(dk, *_per_row(rope, dk.ndim), inverse=True)
         return self.qkv.backward(dqkv, qkv_ctx)
+
+
+def _composed_forward(q, k, v, attn, blocks, bias, mask):
+    """The attention core as whole-array numpy/cupy operations over all heads, block by block
+    (the fused CPU kernel's reference, and the path for devices, half dtypes and dropout);
+    returns the softmax outputs per block."""
+    xp = backend.xp_of(q)
+    k_t, v5 = k[:, :, None].swapaxes(-1, -2), v[:, :, None]
+    probs = []
+    for rows, seen in blocks:
+        scores = q[..., rows, :] @ k_t[..., :seen]
+        if bias is not None:
+            scores += bias[..., rows, :seen]
+        p = F.softmax_forward(scores)
+        probs.append(p)
+        if mask is not None:
+            p = p * mask[..., rows, :seen]
+        xp.matmul(p, v5[..., :seen, :], out=attn[..., rows, :])
+    return probs
+
+
+def _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv):
+    """dQ (through the query scaling) into ``dq``, dK and dV added into theirs."""
+    xp = backend.xp_of(dattn)
+    k5, v_t = k[:, :, None], v[:, :, None].swapaxes(-1, -2)
+    grouped = q.shape[2] > 1  # several query heads per KV head: their K/V gradients are summed
+    for (rows, seen), p in zip(blocks, probs):
+        dout = dattn[..., rows, :]
+        keep = None if mask is None else mask[..., rows, :seen]
+        dropped = p if keep is None else p * keep
+        dprobs = dout @ v_t[..., :seen]
+        if keep is not None:
+            dprobs *= keep
+        dscores = F.softmax_backward(dprobs, p)
+        xp.matmul(dscores, k5[..., :seen, :], out=dq[..., rows, :])
+        kv_grads = (dscores.swapaxes(-1, -2) @ q[..., rows, :], dropped.swapaxes(-1, -2) @ dout)
+        for grad, total in zip(kv_grads, (dk, dv)):
+            total[:, :, :seen] += grad.sum(axis=2) if grouped else grad[:, :, 0]
+    dq *= 1.0 / math.sqrt(q.shape[-1])

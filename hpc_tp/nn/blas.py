@@ -81,6 +81,7 @@ def _load():
 
 _library, _kernels = _load()
 BACKEND = "mkl" if _library is not None else "numpy"
+LIBRARY = None if _library is None else _library._name  # the path or soname it was opened by (``mkl_jit`` binds it too)
 
 
 def backend_for(dtype) -> str:

@@ -1,0 +1,181 @@
+"""The attention core fused on the CPU: one numba loop over heads and query blocks that multiplies
+each tile with MKL (``mkl_jit``) and runs the softmax, or its backward, on the tile while it is
+still in cache.
+
+The composed path in ``attention`` runs QK^T, the mask, the softmax passes and P V each as one
+sweep over [batch, heads, rows, keys] for all heads at once; its products reach 45-65 GFLOP/s where
+MKL runs the same tiles at 100-140 alone, and each softmax pass goes out to memory (NOTES.md item
+25). Here a tile of 64 queries x its keys (at most 64 KiB in float32) is made, normalized and used
+before the next one. The causal and key-padding masks are applied in the loop, so no [T, keys] bias
+is built, and the backward accumulates dK and dV straight into the QKV gradient (beta = 1).
+
+Same query blocks as ``attention.query_blocks`` and the same saved softmax outputs
+(``saved_score_elements`` per head, here one flat buffer): the layer's memory does not change.
+Fully masked rows give zeros, as the composed softmax does. Used for float32/float64 numpy arrays
+without attention dropout where ``mkl_jit.AVAILABLE``; otherwise the composed path runs.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from . import mkl_jit
+from .cpu_kernels import DTYPES, _jit, numba
+from .mkl_jit import NO_TRANS, TRANS, exp, gemm
+
+
+def supported(*arrays) -> bool:
+    """True when the fused core can take these Q, K, V (and output) views as they are."""
+    if not mkl_jit.AVAILABLE:
+        return False
+    first = arrays[0]
+    return all(isinstance(a, numpy.ndarray) and a.dtype == first.dtype and a.dtype in DTYPES
+               and a.strides[-1] == a.itemsize and all(s % a.itemsize == 0 and s >= 0 for s in a.strides)
+               for a in arrays)
+
+
+def _block_tables(blocks):
+    """(first query of each block plus the end, keys each block sees, offset of each block's
+    softmax tile within one head's saved elements plus the total)."""
+    starts = numpy.array([rows.start for rows, _ in blocks] + [blocks[-1][0].stop], dtype=numpy.int64)
+    seens = numpy.array([seen for _, seen in blocks], dtype=numpy.int64)
+    sizes = numpy.diff(starts) * seens
+    return starts, seens, numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
+
+
+def _no_bias(dtype):
+    return numpy.zeros((0, 0), dtype)
+
+
+def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None):
+    """Softmax(Q K^T + masks) V into ``out`` ([B, hk, g, T, d] views; K, V [B, hk, keys, d]); Q is
+    already scaled. ``key_bias`` [B, keys]: 0 for real keys, -inf for padding. Returns the
+    softmax outputs, kept for ``backward``."""
+    starts, seens, tiles = _block_tables(blocks)
+    b, hk, g = q.shape[:3]
+    probs = numpy.empty(b * hk * g * int(tiles[-1]), dtype=q.dtype)
+    _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal,
+             _no_bias(q.dtype) if key_bias is None else numpy.ascontiguousarray(key_bias, dtype=q.dtype))
+    return probs
+
+
+def backward(dout, q, k, v, probs, blocks, dq, dk, dv):
+    """dQ (times 1/sqrt(d): Q was scaled in forward), and dK, dV added into their (zeroed) views."""
+    starts, seens, tiles = _block_tables(blocks)
+    scratch = numpy.empty(int((numpy.diff(starts) * seens).max()), dtype=dout.dtype)
+    _backward(dout, q, k, v, probs, starts, seens, tiles, 1.0 / math.sqrt(q.shape[-1]), dq, dk, dv, scratch)
+
+
+@_jit
+def _at(x, i0, i1, i2, row):
+    """Element offset of ``x[i0, i1, i2, row, 0]`` (5-D) or ``x[i0, i1, row, 0]`` (4-D, i2 ignored)."""
+    s, item = x.strides, x.itemsize
+    if x.ndim == 5:
+        return (i0 * s[0] + i1 * s[1] + i2 * s[2] + row * s[3]) // item
+    return (i0 * s[0] + i1 * s[1] + row * s[2]) // item
+
+
+@_jit
+def _ld(x):
+    """Row stride (leading dimension) of the [T, d] matrices of ``x``, in elements."""
+    return x.strides[-2] // x.itemsize
+
+
+def _row_max(row, n):
+    """max(row[:n]) over eight running maxima, which LLVM packs into one vector register (a single
+    running max stays a scalar chain, 5x slower here). A NaN score still reaches the output
+    through the subtraction and exp that follow, whatever max makes of it."""
+    if n == 0:
+        return -numpy.inf
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[0]
+    whole = n - n % 8
+    for j in range(0, whole, 8):
+        m0, m1, m2, m3 = max(m0, row[j]), max(m1, row[j + 1]), max(m2, row[j + 2]), max(m3, row[j + 3])
+        m4, m5, m6, m7 = max(m4, row[j + 4]), max(m5, row[j + 5]), max(m6, row[j + 6]), max(m7, row[j + 7])
+    top = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    for j in range(whole, n):
+        top = max(top, row[j])
+    return top
+
+
+if numba is not None:
+    _row_max = numba.njit(cache=True, nogil=True, fastmath={"nnan", "nsz"})(_row_max)
+
+
+@_jit
+def _softmax_tile(p, at, rows, seen, first_query, causal, key_bias, batch):
+    """Row-wise softmax of the [rows, seen] tile at ``p[at:]``, in place; query r sits at absolute
+    position ``first_query + r`` and may see keys up to it when ``causal``. (Loops index a 2-D
+    view from 0: offsets that LLVM cannot prove non-negative keep it from vectorizing.)"""
+    tile = p[at:at + rows * seen].reshape((rows, seen))
+    for r in range(rows):
+        limit = min(seen, first_query + r + 1) if causal else seen
+        if key_bias.shape[0]:
+            for j in range(limit):
+                tile[r, j] += key_bias[batch, j]
+        top = _row_max(tile[r], limit)
+        shift = top if math.isfinite(top) else 0.0
+        for j in range(limit):
+            tile[r, j] -= shift
+        for j in range(limit, seen):
+            tile[r, j] = -numpy.inf
+    exp(rows * seen, p, at, p, at)
+    for r in range(rows):
+        total = 0.0
+        for j in range(seen):
+            total += tile[r, j]
+        scale = 1.0 / total if total > 0.0 else 1.0
+        for j in range(seen):
+            tile[r, j] *= scale
+
+
+@_jit
+def _softmax_tile_backward(ds, p, at, rows, seen):
+    """dS = P (dP - rowsum(dP P)) in place of dP (``ds``), with P the tile at ``p[at:]``."""
+    tile = p[at:at + rows * seen].reshape((rows, seen))
+    grad = ds[:rows * seen].reshape((rows, seen))
+    for r in range(rows):
+        dot = 0.0
+        for j in range(seen):
+            dot += grad[r, j] * tile[r, j]
+        for j in range(seen):
+            grad[r, j] = tile[r, j] * (grad[r, j] - dot)
+
+
+@_jit
+def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bias):
+    nb, nk, ng, _, d = q.shape
+    for b in range(nb):
+        for h in range(nk):
+            for g in range(ng):
+                head = ((b * nk + h) * ng + g) * tiles[-1]
+                for i in range(seens.size):
+                    rows, seen, at = starts[i + 1] - starts[i], seens[i], head + tiles[i]
+                    gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, q, _at(q, b, h, g, starts[i]), _ld(q),
+                         k, _at(k, b, h, 0, 0), _ld(k), 0.0, probs, at, seen)
+                    _softmax_tile(probs, at, rows, seen, starts[i] + q_offset, causal, key_bias, b)
+                    gemm(NO_TRANS, NO_TRANS, rows, d, seen, 1.0, probs, at, seen,
+                         v, _at(v, b, h, 0, 0), _ld(v), 0.0, out, _at(out, b, h, g, starts[i]), _ld(out))
+
+
+@_jit
+def _backward(dout, q, k, v, probs, starts, seens, tiles, scale, dq, dk, dv, ds):
+    nb, nk, ng, _, d = q.shape
+    for b in range(nb):
+        for h in range(nk):
+            for g in range(ng):
+                head = ((b * nk + h) * ng + g) * tiles[-1]
+                for i in range(seens.size):
+                    rows, seen, at = starts[i + 1] - starts[i], seens[i], head + tiles[i]
+                    dout_at, q_at = _at(dout, b, h, g, starts[i]), _at(q, b, h, g, starts[i])
+                    k_at, v_at = _at(k, b, h, 0, 0), _at(v, b, h, 0, 0)
+                    # dP = dO V^T, then dS = P (dP - rowsum(dP P)) in the same scratch tile
+                    gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, dout, dout_at, _ld(dout), v, v_at, _ld(v), 0.0, ds, 0, seen)
+                    _softmax_tile_backward(ds, probs, at, rows, seen)
+                    gemm(NO_TRANS, NO_TRANS, rows, d, seen, scale, ds, 0, seen, k, k_at, _ld(k),
+                         0.0, dq, _at(dq, b, h, g, starts[i]), _ld(dq))
+                    gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, ds, 0, seen, q, q_at, _ld(q),
+                         1.0, dk, _at(dk, b, h, 0, 0), _ld(dk))
+                    gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, probs, at, seen, dout, dout_at, _ld(dout),
+                         1.0, dv, _at(dv, b, h, 0, 0), _ld(dv))

@@ -1,0 +1,73 @@
+"""MKL's GEMM and vector exp, callable from numba kernels (``cpu_attention``).
+
+A kernel that multiplies small tiles pays a Python call, a ctypes call and numpy's checks per tile
+when it runs from Python; from inside one numba loop it pays only MKL's own call. The symbols are
+bound by name (llvmlite loads ``nn.blas``'s libmkl_rt into the JIT's symbol table and numba calls
+an ``ExternalFunction``) rather than by a ctypes address baked into the machine code, so the
+kernels that use them stay cacheable on disk like the rest of ``cpu_kernels``.
+
+``gemm`` takes arrays and element offsets into them (the tile's first element), so a kernel can
+address any row-major tile of a strided view; numba picks the single or double precision routine
+from the output array's dtype when it compiles. Row-major, and the same integer layer (LP64) that
+``nn.blas`` sets at load.
+
+``AVAILABLE`` is False without numba, without MKL (``HPC_TP_BLAS=numpy`` included) or with
+``HPC_TP_CPU_KERNELS=0``; callers then take their composed numpy path.
+"""
+from __future__ import annotations
+
+import numpy
+
+from . import blas, cpu_kernels
+
+NO_TRANS, TRANS = 111, 112
+_ROW_MAJOR = 101
+
+AVAILABLE = cpu_kernels.ENABLED and blas.LIBRARY is not None
+
+if AVAILABLE:
+    import llvmlite.binding
+    from numba import types
+    from numba.extending import overload
+
+    llvmlite.binding.load_library_permanently(blas.LIBRARY)
+    _i32, _address = types.int32, types.uintp  # pointers travel as addresses: same register, same ABI
+
+    def _gemm_symbol(name, scalar):
+        return types.ExternalFunction(name, types.void(_i32, _i32, _i32, _i32, _i32, _i32, scalar, _address, _i32,
+                                                       _address, _i32, scalar, _address, _i32))
+
+    _GEMM = {"float32": _gemm_symbol("cblas_sgemm", types.float32), "float64": _gemm_symbol("cblas_dgemm", types.float64)}
+    _EXP = {"float32": types.ExternalFunction("vsExp", types.void(_i32, _address, _address)),
+            "float64": types.ExternalFunction("vdExp", types.void(_i32, _address, _address))}
+
+
+def gemm(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, c_at, ldc):
+    """C = alpha op(A) op(B) + beta C on the tiles starting at elements ``a_at``, ``b_at``, ``c_at`` of
+    arrays ``a``, ``b``, ``c`` (numba kernels only; the body is ``_gemm_for``'s)."""
+    raise NotImplementedError("mkl_jit.gemm runs inside numba kernels only")
+
+
+def exp(n, x, x_at, out, out_at):
+    """out[out_at:out_at+n] = exp(x[x_at:x_at+n]) with MKL's vector exp (numba kernels only)."""
+    raise NotImplementedError("mkl_jit.exp runs inside numba kernels only")
+
+
+if AVAILABLE:
+    @overload(gemm, jit_options={"cache": True})
+    def _gemm_for(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, c_at, ldc):
+        routine = _GEMM[c.dtype.name]
+
+        def call(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, c_at, ldc):
+            routine(_ROW_MAJOR, trans_a, trans_b, m, n, k, alpha, a.ctypes.data + numpy.uintp(a_at * a.itemsize), lda,
+                    b.ctypes.data + numpy.uintp(b_at * b.itemsize), ldb, beta,
+                    c.ctypes.data + numpy.uintp(c_at * c.itemsize), ldc)
+        return call
+
+    @overload(exp, jit_options={"cache": True})
+    def _exp_for(n, x, x_at, out, out_at):
+        routine = _EXP[out.dtype.name]
+
+        def call(n, x, x_at, out, out_at):
+            routine(n, x.ctypes.data + numpy.uintp(x_at * x.itemsize), out.ctypes.data + numpy.uintp(out_at * out.itemsize))
+        return call

@@ -1,0 +1,110 @@
+"""The fused attention core (hpc_tp/nn/cpu_attention.py: numba loop, MKL tiles) gives the composed
+numpy path's numbers: output, saved softmax and dQ/dK/dV, float64 within 1e-12 and float32 within
+1e-5, on strided views of a QKV buffer, grouped-query heads, a cache offset, key padding (fully
+masked rows included) and no mask; and a whole attention layer is the same either way."""
+import numpy as np
+import pytest
+
+from hpc_tp.comm.mpi import world
+from hpc_tp.nn import attention, cpu_attention, mkl_jit
+from hpc_tp.nn.attention import ParallelAttention, attention_bias, query_blocks
+
+pytestmark = pytest.mark.skipif(not mkl_jit.AVAILABLE, reason="needs numba and MKL (hpc_tp[mkl])")
+TOL = {"float64": 1e-12, "float32": 1e-5}
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(np.asarray(a, "float64") - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def heads(buffer, width, hk, g, d):
+    """[B, hk, g, T, d] view of columns [width * ..., ...) of a [B, T, C] buffer."""
+    b, t, _ = buffer.shape
+    return buffer[..., width:width + hk * g * d].reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
+
+
+def both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, seed=0):
+    rng = np.random.default_rng(seed)
+    qkv = rng.standard_normal((b, t, hk * g * d)).astype(dtype)  # Q as a view, as the layer has it
+    q = heads(qkv, 0, hk, g, d)
+    k, v = (rng.standard_normal((b, hk, keys, d)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    blocks = query_blocks(t, keys, offset, causal)
+    results = []
+    for fused in (True, False):
+        merged = np.empty((b, t, hk * g * d), dtype)
+        out = heads(merged, 0, hk, g, d)
+        dq, dk, dv = np.empty_like(q), np.zeros_like(k), np.zeros_like(v)
+        if fused:
+            key_bias = None if key_mask is None else np.where(key_mask.astype(bool), 0.0, -np.inf)
+            probs = cpu_attention.forward(q, k, v, out, blocks, offset, causal, key_bias)
+            cpu_attention.backward(dout, q, k, v, probs, blocks, dq, dk, dv)
+            probs = [p.reshape(b, hk, g, rows.stop - rows.start, seen)
+                     for p, (rows, seen) in zip(np.split(probs.reshape(b, hk, g, -1), _tile_ends(blocks), axis=-1), blocks)]
+        else:
+            bias = attention_bias(b, t, keys, causal, key_mask, offset, dtype) if causal or key_mask is not None else None
+            probs = attention._composed_forward(q, k, v, out, blocks, bias, None)
+            attention._composed_backward(dout, q, k, v, probs, blocks, None, dq, dk, dv)
+        results.append((out, probs, dq, dk, dv))
+    return results
+
+
+def _tile_ends(blocks):
+    return np.cumsum([(rows.stop - rows.start) * seen for rows, seen in blocks])[:-1]
+
+
+CASES = {
+    "causal, 4 blocks, last one short, grouped-query": (2, 2, 3, 200, 200, 8, True, 0, None),
+    "causal with a cache offset and padding": (2, 2, 2, 5, 37, 8, True, 32, "padded"),
+    "bidirectional with padding": (3, 1, 2, 70, 70, 16, False, 0, "padded"),
+    "bidirectional, no mask": (2, 3, 1, 64, 64, 4, False, 0, None),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", CASES)
+def test_fused_core_matches_composed(dtype, case):
+    b, hk, g, t, keys, d, causal, offset, padding = CASES[case]
+    key_mask = None
+    if padding:
+        key_mask = (np.random.default_rng(1).random((b, keys)) > 0.3).astype("int64")
+        key_mask[0, :] = 0  # every key of sequence 0 is padding: its rows are fully masked
+    fused, composed = both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask)
+    out, probs, dq, dk, dv = fused
+    for got, want in zip((out, *probs, dq, dk, dv), (composed[0], *composed[1], *composed[2:])):
+        assert got.shape == want.shape and rel_err(got, want) <= TOL[dtype]
+    if padding:
+        assert not out[0].any() and not dq[0].any() and not dk[0].any() and not dv[0].any()
+
+
+def test_only_views_mkl_can_read_are_fused():
+    x = np.zeros((2, 3, 4, 8))
+    assert cpu_attention.supported(x, x[:, :, ::2], x.astype("float32").astype("float64"))
+    assert not cpu_attention.supported(x, x.astype("float32"))  # one dtype
+    assert not cpu_attention.supported(x.astype("float16"))
+    assert not cpu_attention.supported(x[..., ::2])  # the head dimension must be unit-stride
+    assert not cpu_attention.supported(x[:, ::-1])  # negative strides
+    assert not cpu_attention.supported([[0.0]])
+
+
+@pytest.mark.parametrize("rope", [None, 10000.0])
+def test_attention_layer_is_the_same_on_both_paths(monkeypatch, rope):
+    """Forward output, input gradient and every parameter gradient of a grouped-query layer (the K
+    bias gradient is zero up to rounding: a bias on every key shifts a row's scores by a constant)."""
+    rng = np.random.default_rng(2)
+    layer = ParallelAttention(48, 6, 2, world(), rope_theta=rope, dtype="float64")
+    for _, p in layer.named_parameters():
+        p.data[...] = rng.standard_normal(p.data.shape) * 0.2
+    x, dy = rng.standard_normal((2, 90, 48)), rng.standard_normal((2, 90, 48))
+
+    def run():
+        for _, p in layer.named_parameters():
+            p.grad[...] = 0.0
+        y, ctx = layer.forward(x)
+        dx = layer.backward(dy, ctx)
+        return [y, dx] + [p.grad.copy() for _, p in layer.named_parameters()]
+
+    fused = run()
+    monkeypatch.setattr(cpu_attention, "supported", lambda *arrays: False)
+    for got, want in zip(fused, run(), strict=True):
+        assert np.max(np.abs(got - want)) <= 1e-12 * max(1.0, np.max(np.abs(want)))
