@@ -56,3 +56,19 @@ def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
 def test_bad_options(argv, message):
     with pytest.raises(ConfigError, match=message):
         command.run(build_parser().parse_args(["bench", "step", *argv]))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_sequence_parallel_blocks_get_their_shard(comm_world, monkeypatch):
+    """With sequence parallelism the blocks take [B, T/tp, H]: fed the whole sequence, each rank
+    would gather tp copies and time tp times the work the FLOP count assumes."""
+    from hpc_tp.bench import step
+    from hpc_tp.comm.mpi import world
+    from hpc_tp.models.gpt import GPTModel
+
+    seen = []
+    original = GPTModel.blocks_forward
+    monkeypatch.setattr(GPTModel, "blocks_forward", lambda self, x, *a: seen.append(x.shape) or original(self, x, *a))
+    cfg = load_config("tiny", n_layers=1, sequence_parallel=True)
+    step.benchmark_step(world(), cfg, batch=2, seq=8, repeats=1, warmup=0)
+    assert set(seen) == {(2, 8 // comm_world.size, 32)}

@@ -41,6 +41,7 @@ from ..comm.mpi import MPICommunicator
 from ..models.config import ModelConfig
 from ..models.gpt import GPTModel
 from ..nn import blas
+from ..tensor_parallel.sequence_parallel import scatter_sequence
 from ..train.metrics import peak_memory_bytes
 
 
@@ -84,6 +85,8 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     model = build_blocks(cfg, comm, dtype)
     x = backend.xp.asarray(numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype))
     scale = backend.xp.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
+    if cfg.sequence_parallel and comm.size > 1:
+        x = scatter_sequence(x, comm)  # the blocks take and give this rank's sequence shard
     steps, comms = [], []
     for i in range(warmup + repeats):
         comm.comm.Barrier()
