@@ -119,15 +119,18 @@ def _softmax_tile(p, at, rows, seen, first_query, causal, key_bias, batch):
         for j in range(limit):
             tile[r, j] -= shift
         for j in range(limit, seen):
-            tile[r, j] = -numpy.inf
+            tile[r, j] = 0.0  # exp(0) runs on the fast path, exp(-inf) does not (VML: 1.7x slower)
     exp(rows * seen, p, at, p, at)
     for r in range(rows):
+        limit = min(seen, first_query + r + 1) if causal else seen
         total = 0.0
-        for j in range(seen):
+        for j in range(limit):
             total += tile[r, j]
         scale = 1.0 / total if total > 0.0 else 1.0
-        for j in range(seen):
+        for j in range(limit):
             tile[r, j] *= scale
+        for j in range(limit, seen):
+            tile[r, j] = 0.0
 
 
 @_jit
