@@ -147,38 +147,38 @@ def _softmax_tile_backward(ds, p, at, rows, seen):
 
 
 @_jit
+def _tile(index, q, starts, seens, tiles):
+    """The ``index``-th (batch, kv head, query head of its group, query block) of the loop, with the
+    block's rows, the keys it sees and where its softmax tile is kept."""
+    _, nk, ng, _, _ = q.shape
+    block, head = index % seens.size, index // seens.size
+    b, h, g = head // (nk * ng), (head // ng) % nk, head % ng
+    return b, h, g, starts[block], starts[block + 1] - starts[block], seens[block], head * tiles[-1] + tiles[block]
+
+
+@_jit
 def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bias):
-    nb, nk, ng, _, d = q.shape
-    for b in range(nb):
-        for h in range(nk):
-            for g in range(ng):
-                head = ((b * nk + h) * ng + g) * tiles[-1]
-                for i in range(seens.size):
-                    rows, seen, at = starts[i + 1] - starts[i], seens[i], head + tiles[i]
-                    gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, q, _at(q, b, h, g, starts[i]), _ld(q),
-                         k, _at(k, b, h, 0, 0), _ld(k), 0.0, probs, at, seen)
-                    _softmax_tile(probs, at, rows, seen, starts[i] + q_offset, causal, key_bias, b)
-                    gemm(NO_TRANS, NO_TRANS, rows, d, seen, 1.0, probs, at, seen,
-                         v, _at(v, b, h, 0, 0), _ld(v), 0.0, out, _at(out, b, h, g, starts[i]), _ld(out))
+    d = q.shape[-1]
+    for index in range(q.shape[0] * q.shape[1] * q.shape[2] * seens.size):
+        b, h, g, first, rows, seen, at = _tile(index, q, starts, seens, tiles)
+        gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, q, _at(q, b, h, g, first), _ld(q),
+             k, _at(k, b, h, 0, 0), _ld(k), 0.0, probs, at, seen)
+        _softmax_tile(probs, at, rows, seen, first + q_offset, causal, key_bias, b)
+        gemm(NO_TRANS, NO_TRANS, rows, d, seen, 1.0, probs, at, seen,
+             v, _at(v, b, h, 0, 0), _ld(v), 0.0, out, _at(out, b, h, g, first), _ld(out))
 
 
 @_jit
 def _backward(dout, q, k, v, probs, starts, seens, tiles, scale, dq, dk, dv, ds):
-    nb, nk, ng, _, d = q.shape
-    for b in range(nb):
-        for h in range(nk):
-            for g in range(ng):
-                head = ((b * nk + h) * ng + g) * tiles[-1]
-                for i in range(seens.size):
-                    rows, seen, at = starts[i + 1] - starts[i], seens[i], head + tiles[i]
-                    dout_at, q_at = _at(dout, b, h, g, starts[i]), _at(q, b, h, g, starts[i])
-                    k_at, v_at = _at(k, b, h, 0, 0), _at(v, b, h, 0, 0)
-                    # dP = dO V^T, then dS = P (dP - rowsum(dP P)) in the same scratch tile
-                    gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, dout, dout_at, _ld(dout), v, v_at, _ld(v), 0.0, ds, 0, seen)
-                    _softmax_tile_backward(ds, probs, at, rows, seen)
-                    gemm(NO_TRANS, NO_TRANS, rows, d, seen, scale, ds, 0, seen, k, k_at, _ld(k),
-                         0.0, dq, _at(dq, b, h, g, starts[i]), _ld(dq))
-                    gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, ds, 0, seen, q, q_at, _ld(q),
-                         1.0, dk, _at(dk, b, h, 0, 0), _ld(dk))
-                    gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, probs, at, seen, dout, dout_at, _ld(dout),
-                         1.0, dv, _at(dv, b, h, 0, 0), _ld(dv))
+    d = q.shape[-1]
+    for index in range(q.shape[0] * q.shape[1] * q.shape[2] * seens.size):
+        b, h, g, first, rows, seen, at = _tile(index, q, starts, seens, tiles)
+        dout_at, q_at = _at(dout, b, h, g, first), _at(q, b, h, g, first)
+        k_at, v_at = _at(k, b, h, 0, 0), _at(v, b, h, 0, 0)
+        # dP = dO V^T, then dS = P (dP - rowsum(dP P)) in the same scratch tile
+        gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, dout, dout_at, _ld(dout), v, v_at, _ld(v), 0.0, ds, 0, seen)
+        _softmax_tile_backward(ds, probs, at, rows, seen)
+        gemm(NO_TRANS, NO_TRANS, rows, d, seen, scale, ds, 0, seen, k, k_at, _ld(k), 0.0, dq, _at(dq, b, h, g, first), _ld(dq))
+        gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, ds, 0, seen, q, q_at, _ld(q), 1.0, dk, _at(dk, b, h, 0, 0), _ld(dk))
+        gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, probs, at, seen, dout, dout_at, _ld(dout),
+             1.0, dv, _at(dv, b, h, 0, 0), _ld(dv))
