@@ -84,6 +84,7 @@ def test_only_views_mkl_can_read_are_fused():
     assert not cpu_attention.supported(x.astype("float16"))
     assert not cpu_attention.supported(x[..., ::2])  # the head dimension must be unit-stride
     assert not cpu_attention.supported(x[:, ::-1])  # negative strides
+    assert not cpu_attention.supported(np.broadcast_to(x[:, :, :1], x.shape))  # rows overlap (stride 0)
     assert not cpu_attention.supported([[0.0]])
 
 

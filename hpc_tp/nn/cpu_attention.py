@@ -26,12 +26,15 @@ from .mkl_jit import NO_TRANS, TRANS, exp, gemm
 
 
 def supported(*arrays) -> bool:
-    """True when the fused core can take these Q, K, V (and output) views as they are."""
+    """True when the fused core can take these Q, K, V (and output) views as they are: one float
+    dtype, rows of unit stride that do not overlap (MKL's leading dimension is at least the row
+    length), no negative strides."""
     if not mkl_jit.AVAILABLE:
         return False
     first = arrays[0]
     return all(isinstance(a, numpy.ndarray) and a.dtype == first.dtype and a.dtype in DTYPES
-               and a.strides[-1] == a.itemsize and all(s % a.itemsize == 0 and s >= 0 for s in a.strides)
+               and a.strides[-1] == a.itemsize and a.strides[-2] >= a.shape[-1] * a.itemsize
+               and all(s % a.itemsize == 0 and s >= 0 for s in a.strides)
                for a in arrays)
 
 
