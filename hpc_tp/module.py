@@ -86,10 +86,20 @@ def gather_full(local, partition: Partition, comm):
     return full
 
 
+def grad_buffer(data):
+    """A zeroed gradient for ``data``: float32 when ``data`` is float16/bfloat16, as Megatron-LM's
+    main_grad. Micro-batches, bias and norm sums over tokens, and the replicas' sums then add up in
+    float32, not in a format with 8 or 11 significant bits; the half products themselves are
+    unchanged. Other dtypes keep their own."""
+    dtype = "float32" if data.dtype.itemsize < 4 else data.dtype
+    return backend.xp_of(data).zeros(data.shape, dtype=dtype)
+
+
 class Parameter:
     """This rank's slice of a logical tensor, its gradient, and how it is partitioned.
 
     ``data`` may be a view into a fused buffer (QKV, gate/up); it is always updated in place.
+    ``grad`` is ``grad_buffer(data)`` unless given (a view into a fused layer's buffer).
     ``decay`` is False for biases and norm gains (AdamW applies no weight decay to them).
     """
 
@@ -99,7 +109,7 @@ class Parameter:
         if tuple(data.shape) != partition.local_shape:
             raise ValueError(f"parameter data {tuple(data.shape)} does not match partition {partition.local_shape}")
         self.data = data
-        self.grad = backend.xp.zeros_like(data) if grad is None else grad
+        self.grad = grad_buffer(data) if grad is None else grad
         self.partition = partition
         self.decay = decay
 

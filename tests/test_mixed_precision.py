@@ -137,6 +137,32 @@ def test_grads_are_unscaled_in_fp32_and_the_update_rounds_masters_into_the_model
     np.testing.assert_array_equal(p.data, np.array([3.0, 5.0], dtype=np.float16))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_models_accumulate_gradients_in_float32(dtype):
+    """Every gradient of a half model is float32, and a bias gradient summed over 8192 tokens and
+    two micro-batches keeps float32's precision (a bfloat16 sum would be off by ~0.4% at best)."""
+    from hpc_tp.comm.mpi import world
+    from hpc_tp.models.config import load_config
+    from hpc_tp.models.gpt import GPTModel
+    from hpc_tp.tensor_parallel.layers import RowParallelLinear
+
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    dtype = resolve_dtype(dtype)
+    model = GPTModel(load_config("tiny"), world(), dtype=dtype.name)
+    assert {p.grad.dtype for _, p in model.named_parameters()} == {np.dtype("float32")}
+    layer = RowParallelLinear(4, 3, world(), dtype=dtype.name)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8192, 4)).astype(dtype)
+    exact = np.zeros(3)
+    for _ in range(2):
+        dy = (1.0 + rng.random((8192, 3))).astype(dtype)
+        _, ctx = layer.forward(x)
+        layer.backward(dy, ctx)
+        exact += dy.astype("float64").sum(axis=0)
+    assert np.max(np.abs(layer.bias.grad - exact) / exact) < 1e-6
+
+
 @pytest.mark.mpi(min_size=2)
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(comm_world, quiet_fp16):
     t = _trainer("float16", world=comm_world, global_batch=8)

@@ -101,7 +101,7 @@ class BertModel(Module):
         for block, c in zip(reversed(self.layers.items), reversed(block_ctxs)):
             dx = block.backward(dx, c)
         dx = self.embed_norm.backward(self._drop_embed.backward(dx, drop_ctx), norm_ctx)
-        self.pos.grad[:dx.shape[1]] += dx.sum(axis=0)
+        self.pos.grad[:dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
         if self.cfg.type_vocab_size:
-            backend.xp_of(dx).add.at(self.type_embed.grad, type_ids, dx)
+            backend.xp_of(dx).add.at(self.type_embed.grad, type_ids, dx.astype(self.type_embed.grad.dtype, copy=False))
         self.embed.backward(dx, embed_ctx)

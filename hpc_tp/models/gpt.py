@@ -93,7 +93,7 @@ class GPTModel(Module):
         if self._sequence_comm is not None:
             dx = gather_sequence(dx, self._sequence_comm)
         if self.cfg.position == "learned":
-            self.pos.grad[:dx.shape[1]] += dx.sum(axis=0)
+            self.pos.grad[:dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
         self.embed.backward(dx, ctx)
 
     def blocks_forward(self, x, key_mask=None, positions=None):

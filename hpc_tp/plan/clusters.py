@@ -12,10 +12,12 @@ calibration (``calibration.py``) replaces these datasheet numbers with measured 
 ``compute_units`` is set for CPU nodes, where a device is a rank and ranks share cores: with
 more ranks on a node than cores, each rank gets ``compute_units / ranks`` of the node's compute.
 
-Precision says how many bytes each kind of tensor takes. This engine keeps parameters,
-gradients and both AdamW moments in one dtype (``engine_precision``); GPU training runs of
-large models use mixed precision (bf16 weights and gradients, fp32 master weights and
-moments: 2 + 2 + 12 = 16 bytes per parameter, as in the ZeRO paper's accounting).
+Precision says how many bytes each kind of tensor takes. At float32/float64 this engine keeps
+parameters, gradients and both AdamW moments in one dtype (``engine_precision``); GPU training
+runs of large models use mixed precision: bf16 weights, fp32 gradients (the engine accumulates a
+half model's gradients in float32, ``module.grad_buffer``, as Megatron-LM's main_grad does for
+bf16), fp32 master weights and moments: 2 + 4 + 12 = 18 bytes per parameter (the ZeRO paper
+counts 16, with 2-byte gradients).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def engine_precision(dtype: str = "float32") -> Precision:
     return Precision(dtype, size, size, 2 * size, size)
 
 
-MIXED_BF16 = Precision("bf16 mixed", 2, 2, 12, 2)
+MIXED_BF16 = Precision("bf16 mixed", 2, 4, 12, 2)
 
 
 @dataclass(frozen=True)

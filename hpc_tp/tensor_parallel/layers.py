@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..module import Module, Parameter, replicated, split
+from ..module import Module, Parameter, grad_buffer, replicated, split
 from ..nn import blas
 from .mappings import local_chunk
 
@@ -70,9 +70,9 @@ class ColumnParallelLinear(Module):
         widths = [s.full // s.parts for s in segments]
         self.out_local = sum(widths)
         self._weight = xp.zeros((in_features, self.out_local), dtype=dtype)
-        self._weight_grad = xp.zeros_like(self._weight)
+        self._weight_grad = grad_buffer(self._weight)
         self._bias = xp.zeros(self.out_local, dtype=dtype) if bias else None
-        self._bias_grad = xp.zeros_like(self._bias) if bias else None
+        self._bias_grad = grad_buffer(self._bias) if bias else None
         self.params: list[tuple[str, Parameter]] = []
         self.columns: list[slice] = []
         start = 0
@@ -110,7 +110,7 @@ class ColumnParallelLinear(Module):
         pending = self.comm.iall_reduce(dx) if self.comm.size > 1 else None
         add_weight_grad(self._weight_grad, x2, dy2)
         if self._bias_grad is not None:
-            self._bias_grad += dy2.sum(axis=0)
+            self._bias_grad += dy2.sum(axis=0, dtype=self._bias_grad.dtype)
         self._sum_over_replicas()
         if pending is not None:
             dx = pending.wait()
@@ -149,7 +149,7 @@ class RowParallelLinear(Module):
     def backward(self, dy, x):
         dy2, x2 = _flat(dy), _flat(x)
         if self.bias is not None:
-            self.bias.grad += dy2.sum(axis=0)
+            self.bias.grad += dy2.sum(axis=0, dtype=self.bias.grad.dtype)
         dx = product(dy2, self.weight.data.T).reshape(x.shape)
         add_weight_grad(self.weight.grad, x2, dy2)
         if not self.input_is_parallel:

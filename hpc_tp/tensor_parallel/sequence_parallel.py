@@ -59,7 +59,7 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
         dx = product(dy2, self._weight.T).reshape(x.shape)
         add_weight_grad(self._weight_grad, x2, dy2)
         if self._bias_grad is not None:
-            self._bias_grad += dy2.sum(axis=0)
+            self._bias_grad += dy2.sum(axis=0, dtype=self._bias_grad.dtype)
         self._sum_over_replicas()
         return reduce_scatter_sequence(dx, self.comm)
 

@@ -40,7 +40,7 @@ class VocabParallelEmbedding(Module):
         local, outside = ctx
         xp = backend.xp_of(dy)
         keep = ~outside
-        xp.add.at(self.weight.grad, local[keep], dy[keep])
+        xp.add.at(self.weight.grad, local[keep], dy[keep].astype(self.weight.grad.dtype, copy=False))
         return None
 
 
