@@ -21,7 +21,7 @@ import math
 import numpy
 
 from . import mkl_jit
-from .cpu_kernels import DTYPES, _jit, numba
+from .cpu_kernels import DTYPES, _jit, _softmax_normalize, numba
 from .mkl_jit import NO_TRANS, TRANS, exp, gemm
 
 
@@ -124,16 +124,11 @@ def _softmax_tile(p, at, rows, seen, first_query, causal, key_bias, batch):
         for j in range(limit, seen):
             tile[r, j] = 0.0  # exp(0) runs on the fast path, exp(-inf) does not (VML: 1.7x slower)
     exp(rows * seen, p, at, p, at)
-    for r in range(rows):
-        limit = min(seen, first_query + r + 1) if causal else seen
-        total = 0.0
-        for j in range(limit):
-            total += tile[r, j]
-        scale = 1.0 / total if total > 0.0 else 1.0
-        for j in range(limit):
-            tile[r, j] *= scale
-        for j in range(limit, seen):
-            tile[r, j] = 0.0
+    if causal:
+        for r in range(rows):
+            for j in range(min(seen, first_query + r + 1), seen):
+                tile[r, j] = 0.0
+    _softmax_normalize(tile)
 
 
 @_jit
