@@ -44,6 +44,7 @@ def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
         assert r["flops"] == step_flops(load_config("tiny", n_layers=1), 2, 8)
         assert r["achieved_flops"] == pytest.approx(r["flops"] / r["step_s"])
         assert r["mfu"] == pytest.approx(r["achieved_flops"] / (r["gemm_peak_flops_per_rank"] * r["tp"]))
+        assert len(r["gemm_peak_samples"]) == 3 and r["gemm_peak_flops_per_rank"] == sorted(r["gemm_peak_samples"])[1]
         assert len(r["peak_mem_bytes"]) == comm_world.size and min(r["peak_mem_bytes"]) > 0
         assert "MFU" in printed and "GEMM peak" in printed
     else:

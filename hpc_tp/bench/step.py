@@ -19,8 +19,10 @@ computes them, so the FLOPs and MFU of both compare.
 The peak is measured in the same run, with the same GEMM the linear layers use (``nn.blas``: MKL
 where installed, else numpy's OpenBLAS; the record's ``gemm``), dtype and threads per rank: every rank
 multiplies a [N, H] by [H, F/tp] matrix (the MLP's first GEMM) at the same time as the others,
-since ranks that share cores share them during the step too. MFU = achieved FLOP/s / (tp * peak
-per rank). Compute and communication come from the Communicator's ``seconds`` counter: time
+since ranks that share cores share them during the step too. It is sampled after every timed
+step (seven products each, the slowest rank's median) and the record's peak is the median of the
+samples: one measurement after all the steps moved MFU by 2-3 points between rounds as the
+machine's speed drifted. MFU = achieved FLOP/s / (tp * peak per rank). Compute and communication come from the Communicator's ``seconds`` counter: time
 spent in (or waiting on) collectives is communication, the rest of the step is compute.
 
 Before the model is built, glibc is told to keep freed memory (``retain_freed_memory``): a step
@@ -54,24 +56,30 @@ def step_flops(cfg: ModelConfig, batch: int, seq: int) -> int:
     return 3 * forward * cfg.n_layers
 
 
-def gemm_peak(comm: MPICommunicator, m: int, k: int, n: int, dtype, repeats: int = 7) -> float:
-    """FLOP/s of one rank's ``[m,k] @ [k,n]`` into a reused output, all ranks at once; the median
-    of ``repeats``, the slowest rank's."""
-    rng = numpy.random.default_rng(comm.rank)
-    xp = backend.xp  # the device's GEMM where the run is on one (backend.use('cuda'))
-    a, b = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((m, k), (k, n)))
-    out = xp.empty((m, n), dtype)
-    blas.matmul(a, b, out=out)  # the engine's GEMM: MKL where installed, else numpy's (or the device's)
-    backend.synchronize()
-    seconds = []
-    for _ in range(repeats):
-        comm.comm.Barrier()
-        start = perf_counter()
-        blas.matmul(a, b, out=out)
+class GemmPeak:
+    """FLOP/s of one rank's ``[m,k] @ [k,n]`` into a reused output, all ranks at once; each sample
+    is the median of ``repeats`` products, the slowest rank's."""
+
+    def __init__(self, comm: MPICommunicator, m: int, k: int, n: int, dtype):
+        rng = numpy.random.default_rng(comm.rank)
+        xp = backend.xp  # the device's GEMM where the run is on one (backend.use('cuda'))
+        self.comm, self.flops = comm, 2 * m * k * n
+        self.a, self.b = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((m, k), (k, n)))
+        self.out = xp.empty((m, n), dtype)
+        self._product()  # the engine's GEMM: MKL where installed, else numpy's (or the device's)
+
+    def _product(self):
+        blas.matmul(self.a, self.b, out=self.out)
         backend.synchronize()
-        seconds.append(perf_counter() - start)
-    slowest = max(comm.allgather_object(median(seconds)))
-    return 2 * m * k * n / slowest
+
+    def sample(self, repeats: int = 7) -> float:
+        seconds = []
+        for _ in range(repeats):
+            self.comm.comm.Barrier()
+            start = perf_counter()
+            self._product()
+            seconds.append(perf_counter() - start)
+        return self.flops / max(self.comm.allgather_object(median(seconds)))
 
 
 def build_blocks(cfg: ModelConfig, comm: MPICommunicator, dtype: str, seed: int = 0) -> GPTModel:
@@ -87,7 +95,8 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     scale = backend.xp.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
     if cfg.sequence_parallel and comm.size > 1:
         x = scatter_sequence(x, comm)  # the blocks take and give this rank's sequence shard
-    steps, comms = [], []
+    peak = GemmPeak(comm, batch * seq, cfg.hidden, max(1, cfg.ffn_hidden // comm.size), dtype)
+    steps, comms, peaks = [], [], []
     for i in range(warmup + repeats):
         comm.comm.Barrier()
         start, comm_start = perf_counter(), comm.seconds
@@ -99,11 +108,12 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
         if i >= warmup:
             steps.append(perf_counter() - start)
             comms.append(comm_s)
+            peaks.append(peak.sample())  # between the steps: the machine as fast as during them
     del out, ctxs
     per_rank = comm.allgather_object((median(steps), median(comms), peak_memory_bytes()))
     step_s = max(s for s, _, _ in per_rank)
     comm_s = max(c for _, c, _ in per_rank)
-    peak = gemm_peak(comm, batch * seq, cfg.hidden, max(1, cfg.ffn_hidden // comm.size), dtype)
+    peak_flops = median(peaks)
     flops = step_flops(cfg, batch, seq)
     achieved = flops / step_s
     return {"benchmark": "step", "tp": comm.size, "dtype": numpy.dtype(dtype).name, "threads_per_rank": threads,
@@ -114,8 +124,8 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
             "seq_len": seq, "micro_batch": batch, "repeats": repeats, "warmup": warmup,
             "step_s": step_s, "step_s_all": [float(s) for s in steps], "tokens_per_s": batch * seq / step_s,
             "comm_s": comm_s, "compute_s": step_s - comm_s,
-            "flops": flops, "achieved_flops": achieved, "gemm_peak_flops_per_rank": peak,
-            "mfu": achieved / (peak * comm.size), "peak_mem_bytes": [m for _, _, m in per_rank]}
+            "flops": flops, "achieved_flops": achieved, "gemm_peak_flops_per_rank": peak_flops,
+            "gemm_peak_samples": [float(p) for p in peaks], "mfu": achieved / (peak_flops * comm.size), "peak_mem_bytes": [m for _, _, m in per_rank]}
 
 
 def format_record(r: dict) -> str:
@@ -128,6 +138,6 @@ def format_record(r: dict) -> str:
         f"  {r['tokens_per_s']:.0f} tokens/s",
         f"  compute   {r['compute_s'] * 1e3:9.1f} ms   communication {r['comm_s'] * 1e3:.1f} ms",
         f"  FLOPs     {r['flops'] / 1e9:9.1f} G    achieved {r['achieved_flops'] / 1e9:.1f} GFLOP/s",
-        f"  GEMM peak {r['gemm_peak_flops_per_rank'] / 1e9:9.1f} GFLOP/s per rank (measured now)  "
+        f"  GEMM peak {r['gemm_peak_flops_per_rank'] / 1e9:9.1f} GFLOP/s per rank (median of {len(r['gemm_peak_samples'])} between the steps)  "
         f"MFU {r['mfu'] * 100:.1f}%",
         f"  peak memory per rank: {mib} MiB"])
