@@ -5,10 +5,12 @@ stream-complete before MPI reads it.
 """
 from __future__ import annotations
 
+import math
 from time import perf_counter
 
 import numpy
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
 
 from .base import Communicator, Request
 
@@ -67,6 +69,7 @@ class MPICommunicator(Communicator):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        self._datatypes = {}  # derived datatypes of all_gather along inner axes, by shape
 
     def all_reduce(self, x, op: str = "sum"):
         if self.size == 1:
@@ -98,11 +101,26 @@ class MPICommunicator(Communicator):
         if self.size == 1:  # no MPI call: a device buffer never reaches an MPI that cannot read it
             return x.copy()
         buf = _ready(x)
-        out = _empty_like(buf, (self.size,) + buf.shape)
+        out = _empty_like(buf, buf.shape[:axis] + (buf.shape[axis] * self.size,) + buf.shape[axis + 1:])
+        send, recv = _wire(buf), _wire(out)
         with self.timed(buf.nbytes * self.size):
-            self.comm.Allgather(_wire(buf), _wire(out))
-        xp = numpy if isinstance(out, numpy.ndarray) else __import__("cupy")
-        return xp.concatenate(list(out), axis=axis) if axis != 0 else out.reshape((-1,) + buf.shape[1:])
+            if axis == 0:
+                self.comm.Allgather(send, recv)
+            else:  # each shard lands in its interleaved place: no gathered copy to concatenate after
+                self.comm.Allgather(send, [recv, 1, self._interleaved(send.dtype, buf.size, math.prod(buf.shape[:axis]))])
+        return out
+
+    def _interleaved(self, dtype, shard_size: int, outer: int) -> MPI.Datatype:
+        """A rank's place in a gather along an inner axis: ``outer`` runs of ``shard_size / outer``
+        elements, ``size`` runs apart, the next rank's place one run further (committed once per shape)."""
+        key = (dtype, shard_size, outer)
+        if key not in self._datatypes:
+            run = shard_size // outer
+            element = from_numpy_dtype(dtype)
+            vector = element.Create_vector(outer, run, run * self.size)
+            self._datatypes[key] = vector.Create_resized(0, run * dtype.itemsize).Commit()
+            vector.Free()
+        return self._datatypes[key]
 
     def reduce_scatter(self, x, axis: int = 0):
         if x.shape[axis] % self.size:
@@ -111,12 +129,13 @@ class MPICommunicator(Communicator):
             return x.copy()
         if _bfloat16(x):
             return self.reduce_scatter(x.astype("float32"), axis).astype(x.dtype)
-        xp = numpy if isinstance(x, numpy.ndarray) else __import__("cupy")
-        send = _ready(x if axis == 0 else xp.moveaxis(x, axis, 0))  # moveaxis costs microseconds on small messages
-        out = _empty_like(send, (send.shape[0] // self.size,) + send.shape[1:])
+        outer = math.prod(x.shape[:axis])
+        # Rank r's part, packed [ranks, outer, rest]: the result is contiguous in x's layout as it comes.
+        send = _ready(x if outer == 1 else x.reshape(outer, self.size, -1).swapaxes(0, 1))
+        out = _empty_like(send, x.shape[:axis] + (x.shape[axis] // self.size,) + x.shape[axis + 1:])
         with self.timed(send.nbytes):
             self.comm.Reduce_scatter_block(send, out, op=MPI.SUM)
-        return xp.ascontiguousarray(xp.moveaxis(out, 0, axis)) if axis != 0 else out
+        return out
 
     def broadcast(self, x, root: int = 0):
         if self.size == 1:
