@@ -1,13 +1,15 @@
 """The fused attention core (hpc_tp/nn/cpu_attention.py: numba loop, MKL tiles) gives the composed
 numpy path's numbers: output, saved softmax and dQ/dK/dV, float64 within 1e-12 and float32 within
 1e-5, on strided views of a QKV buffer, grouped-query heads, a cache offset, key padding (fully
-masked rows included) and no mask; and a whole attention layer is the same either way."""
+masked rows included), attention dropout and no mask; and a whole attention layer (with and
+without rope, with dropout) is the same either way."""
 import numpy as np
 import pytest
 
 from hpc_tp.comm.mpi import world
 from hpc_tp.nn import attention, cpu_attention, mkl_jit
 from hpc_tp.nn.attention import ParallelAttention, attention_bias, query_blocks
+from hpc_tp.tensor_parallel.random import DropoutRNG
 
 pytestmark = pytest.mark.skipif(not mkl_jit.AVAILABLE, reason="needs numba and MKL (hpc_tp[mkl])")
 TOL = {"float64": 1e-12, "float32": 1e-5}
@@ -23,12 +25,13 @@ def heads(buffer, width, hk, g, d):
     return buffer[..., width:width + hk * g * d].reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
 
 
-def both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, seed=0):
+def both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, dropout=0.0, seed=0):
     rng = np.random.default_rng(seed)
     qkv = rng.standard_normal((b, t, hk * g * d)).astype(dtype)  # Q as a view, as the layer has it
     q = heads(qkv, 0, hk, g, d)
     k, v = (rng.standard_normal((b, hk, keys, d)).astype(dtype) for _ in range(2))
     dout = rng.standard_normal(q.shape).astype(dtype)
+    keep = None if not dropout else ((rng.random((b, hk, g, t, keys)) >= dropout) / (1 - dropout)).astype(dtype)
     blocks = query_blocks(t, keys, offset, causal)
     results = []
     for fused in (True, False):
@@ -37,14 +40,14 @@ def both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, seed=0):
         dq, dk, dv = np.empty_like(q), np.zeros_like(k), np.zeros_like(v)
         if fused:
             key_bias = None if key_mask is None else np.where(key_mask.astype(bool), 0.0, -np.inf)
-            probs = cpu_attention.forward(q, k, v, out, blocks, offset, causal, key_bias)
-            cpu_attention.backward(dout, q, k, v, probs, blocks, dq, dk, dv)
+            probs = cpu_attention.forward(q, k, v, out, blocks, offset, causal, key_bias, keep)
+            cpu_attention.backward(dout, q, k, v, probs, blocks, dq, dk, dv, keep)
             probs = [p.reshape(b, hk, g, rows.stop - rows.start, seen)
                      for p, (rows, seen) in zip(np.split(probs.reshape(b, hk, g, -1), _tile_ends(blocks), axis=-1), blocks)]
         else:
             bias = attention_bias(b, t, keys, causal, key_mask, offset, dtype) if causal or key_mask is not None else None
-            probs = attention._composed_forward(q, k, v, out, blocks, bias, None)
-            attention._composed_backward(dout, q, k, v, probs, blocks, None, dq, dk, dv)
+            probs = attention._composed_forward(q, k, v, out, blocks, bias, keep)
+            attention._composed_backward(dout, q, k, v, probs, blocks, keep, dq, dk, dv)
         results.append((out, probs, dq, dk, dv))
     return results
 
@@ -55,6 +58,7 @@ def _tile_ends(blocks):
 
 CASES = {
     "causal, 4 blocks, last one short, grouped-query": (2, 2, 3, 200, 200, 8, True, 0, None),
+    "causal with attention dropout": (2, 2, 2, 130, 130, 8, True, 0, "dropout"),
     "causal with a cache offset and padding": (2, 2, 2, 5, 37, 8, True, 32, "padded"),
     "bidirectional with padding": (3, 1, 2, 70, 70, 16, False, 0, "padded"),
     "bidirectional, no mask": (2, 3, 1, 64, 64, 4, False, 0, None),
@@ -65,15 +69,15 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_fused_core_matches_composed(dtype, case):
     b, hk, g, t, keys, d, causal, offset, padding = CASES[case]
-    key_mask = None
-    if padding:
+    key_mask, dropout = None, 0.3 if padding == "dropout" else 0.0
+    if padding == "padded":
         key_mask = (np.random.default_rng(1).random((b, keys)) > 0.3).astype("int64")
         key_mask[0, :] = 0  # every key of sequence 0 is padding: its rows are fully masked
-    fused, composed = both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask)
+    fused, composed = both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, dropout)
     out, probs, dq, dk, dv = fused
     for got, want in zip((out, *probs, dq, dk, dv), (composed[0], *composed[1], *composed[2:])):
         assert got.shape == want.shape and rel_err(got, want) <= TOL[dtype]
-    if padding:
+    if padding == "padded":
         assert not out[0].any() and not dq[0].any() and not dk[0].any() and not dv[0].any()
 
 
@@ -88,12 +92,12 @@ def test_only_views_mkl_can_read_are_fused():
     assert not cpu_attention.supported([[0.0]])
 
 
-@pytest.mark.parametrize("rope", [None, 10000.0])
-def test_attention_layer_is_the_same_on_both_paths(monkeypatch, rope):
+@pytest.mark.parametrize("rope, dropout", [(None, 0.0), (10000.0, 0.0), (None, 0.25)])
+def test_attention_layer_is_the_same_on_both_paths(monkeypatch, rope, dropout):
     """Forward output, input gradient and every parameter gradient of a grouped-query layer (the K
     bias gradient is zero up to rounding: a bias on every key shifts a row's scores by a constant)."""
     rng = np.random.default_rng(2)
-    layer = ParallelAttention(48, 6, 2, world(), rope_theta=rope, dtype="float64")
+    layer = ParallelAttention(48, 6, 2, world(), rope_theta=rope, dropout=dropout, rng=DropoutRNG(5), dtype="float64")
     for _, p in layer.named_parameters():
         p.data[...] = rng.standard_normal(p.data.shape) * 0.2
     x, dy = rng.standard_normal((2, 90, 48)), rng.standard_normal((2, 90, 48))

@@ -7,9 +7,9 @@ are independent, so attention itself needs no communication; the output projecti
 row-parallel and its g all-reduce is the layer's only forward collective.
 
 The core (Q K^T, softmax and P V per causal query block, and their backward) runs as one fused
-numba/MKL loop on the CPU (``cpu_attention``) for float32/float64 numpy arrays without attention
-dropout; ``_composed_forward``/``_composed_backward`` are its reference and the path everywhere else
-(cupy, half dtypes, dropout, no MKL).
+numba/MKL loop on the CPU (``cpu_attention``) for float32/float64 numpy arrays;
+``_composed_forward``/``_composed_backward`` are its reference and the path everywhere else (cupy,
+half dtypes, no MKL).
 
 Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
 ``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled) and
@@ -185,10 +185,10 @@ class ParallelAttention(Module):
         merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
         attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
         blocks = query_blocks(t, keys, offset, self.causal)
-        fused = mask is None and cpu_attention.supported(q, k, v, attn)
+        fused = cpu_attention.supported(q, k, v, attn, *(() if mask is None else (mask,)))
         if fused:
             key_bias = None if key_mask is None else xp.where(key_mask.astype(bool), 0.0, -xp.inf)
-            probs = cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, key_bias)
+            probs = cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, key_bias, mask)
         else:
             bias = (attention_bias(b, t, keys, self.causal, key_mask, offset, x.dtype)
                     if self.causal or key_mask is not None else None)
@@ -216,7 +216,7 @@ class ParallelAttention(Module):
         dv[...] = 0.0
         blocks = query_blocks(t, k.shape[2], offset, self.causal)
         if fused:
-            cpu_attention.backward(dattn.astype(q.dtype, copy=False), q, k, v, probs, blocks, dq, dk, dv)
+            cpu_attention.backward(dattn.astype(q.dtype, copy=False), q, k, v, probs, blocks, dq, dk, dv, mask)
         else:
             _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv)
         if rope is not None:
@@ -227,7 +227,7 @@ class ParallelAttention(Module):
 
 def _composed_forward(q, k, v, attn, blocks, bias, mask):
     """The attention core as whole-array numpy/cupy operations over all heads, block by block
-    (the fused CPU kernel's reference, and the path for devices, half dtypes and dropout);
+    (the fused CPU kernel's reference, and the path for devices and half dtypes);
     returns the softmax outputs per block."""
     xp = backend.xp_of(q)
     k_t, v5 = k[:, :, None].swapaxes(-1, -2), v[:, :, None]

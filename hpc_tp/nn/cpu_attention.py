@@ -11,8 +11,10 @@ is built, and the backward accumulates dK and dV straight into the QKV gradient 
 
 Same query blocks as ``attention.query_blocks`` and the same saved softmax outputs
 (``saved_score_elements`` per head, here one flat buffer): the layer's memory does not change.
-Fully masked rows give zeros, as the composed softmax does. Used for float32/float64 numpy arrays
-without attention dropout where ``mkl_jit.AVAILABLE``; otherwise the composed path runs.
+Fully masked rows give zeros, as the composed softmax does. Attention dropout multiplies each
+tile by its block of the keep mask on its way into P V (and the backward likewise), as the composed
+path does. Used for float32/float64 numpy arrays where ``mkl_jit.AVAILABLE``; otherwise the
+composed path runs.
 """
 from __future__ import annotations
 
@@ -47,27 +49,38 @@ def _block_tables(blocks):
     return starts, seens, numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
 
 
-def _no_bias(dtype):
-    return numpy.zeros((0, 0), dtype)
+def _largest_tile(starts, seens) -> int:
+    return int((numpy.diff(starts) * seens).max())
 
 
-def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None):
+def _none(dtype, ndim: int):
+    """An empty array for an absent mask: the kernels' arguments keep one type either way."""
+    return numpy.zeros((0,) * ndim, dtype)
+
+
+def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, keep=None):
     """Softmax(Q K^T + masks) V into ``out`` ([B, hk, g, T, d] views; K, V [B, hk, keys, d]); Q is
-    already scaled. ``key_bias`` [B, keys]: 0 for real keys, -inf for padding. Returns the
-    softmax outputs, kept for ``backward``."""
+    already scaled. ``key_bias`` [B, keys]: 0 for real keys, -inf for padding; ``keep`` [B, hk, g,
+    T, keys]: attention dropout's scaled keep mask, applied to the softmax before P V. Returns
+    the softmax outputs (before dropout), kept for ``backward``."""
     starts, seens, tiles = _block_tables(blocks)
     b, hk, g = q.shape[:3]
     probs = numpy.empty(b * hk * g * int(tiles[-1]), dtype=q.dtype)
+    dropped = numpy.empty(_largest_tile(starts, seens) if keep is not None else 0, dtype=q.dtype)
     _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal,
-             _no_bias(q.dtype) if key_bias is None else numpy.ascontiguousarray(key_bias, dtype=q.dtype))
+             _none(q.dtype, 2) if key_bias is None else numpy.ascontiguousarray(key_bias, dtype=q.dtype),
+             _none(q.dtype, 5) if keep is None else keep, dropped)
     return probs
 
 
-def backward(dout, q, k, v, probs, blocks, dq, dk, dv):
-    """dQ (times 1/sqrt(d): Q was scaled in forward), and dK, dV added into their (zeroed) views."""
+def backward(dout, q, k, v, probs, blocks, dq, dk, dv, keep=None):
+    """dQ (times 1/sqrt(d): Q was scaled in forward), and dK, dV added into their (zeroed) views;
+    ``keep`` is forward's dropout mask."""
     starts, seens, tiles = _block_tables(blocks)
-    scratch = numpy.empty(int((numpy.diff(starts) * seens).max()), dtype=dout.dtype)
-    _backward(dout, q, k, v, probs, starts, seens, tiles, 1.0 / math.sqrt(q.shape[-1]), dq, dk, dv, scratch)
+    largest = _largest_tile(starts, seens)
+    scratch = numpy.empty(largest * (2 if keep is not None else 1), dtype=dout.dtype)
+    _backward(dout, q, k, v, probs, starts, seens, tiles, 1.0 / math.sqrt(q.shape[-1]), dq, dk, dv,
+              _none(dout.dtype, 5) if keep is None else keep, scratch, largest)
 
 
 @_jit
@@ -155,28 +168,47 @@ def _tile(index, q, starts, seens, tiles):
 
 
 @_jit
-def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bias):
+def _drop(p, at, rows, seen, keep, b, h, g, first, out, out_at):
+    """out[out_at:] = the [rows, seen] tile at ``p[at:]`` times its block of the keep mask."""
+    for r in range(rows):
+        mask = keep[b, h, g, first + r]
+        for j in range(seen):
+            out[out_at + r * seen + j] = p[at + r * seen + j] * mask[j]
+
+
+@_jit
+def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bias, keep, dropped):
     d = q.shape[-1]
     for index in range(q.shape[0] * q.shape[1] * q.shape[2] * seens.size):
         b, h, g, first, rows, seen, at = _tile(index, q, starts, seens, tiles)
         gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, q, _at(q, b, h, g, first), _ld(q),
              k, _at(k, b, h, 0, 0), _ld(k), 0.0, probs, at, seen)
         _softmax_tile(probs, at, rows, seen, first + q_offset, causal, key_bias, b)
-        gemm(NO_TRANS, NO_TRANS, rows, d, seen, 1.0, probs, at, seen,
+        weights, weights_at = probs, at
+        if keep.size:
+            _drop(probs, at, rows, seen, keep, b, h, g, first, dropped, 0)
+            weights, weights_at = dropped, 0
+        gemm(NO_TRANS, NO_TRANS, rows, d, seen, 1.0, weights, weights_at, seen,
              v, _at(v, b, h, 0, 0), _ld(v), 0.0, out, _at(out, b, h, g, first), _ld(out))
 
 
 @_jit
-def _backward(dout, q, k, v, probs, starts, seens, tiles, scale, dq, dk, dv, ds):
+def _backward(dout, q, k, v, probs, starts, seens, tiles, scale, dq, dk, dv, keep, scratch, largest):
     d = q.shape[-1]
     for index in range(q.shape[0] * q.shape[1] * q.shape[2] * seens.size):
         b, h, g, first, rows, seen, at = _tile(index, q, starts, seens, tiles)
         dout_at, q_at = _at(dout, b, h, g, first), _at(q, b, h, g, first)
         k_at, v_at = _at(k, b, h, 0, 0), _at(v, b, h, 0, 0)
-        # dP = dO V^T, then dS = P (dP - rowsum(dP P)) in the same scratch tile
-        gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, dout, dout_at, _ld(dout), v, v_at, _ld(v), 0.0, ds, 0, seen)
-        _softmax_tile_backward(ds, probs, at, rows, seen)
-        gemm(NO_TRANS, NO_TRANS, rows, d, seen, scale, ds, 0, seen, k, k_at, _ld(k), 0.0, dq, _at(dq, b, h, g, first), _ld(dq))
-        gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, ds, 0, seen, q, q_at, _ld(q), 1.0, dk, _at(dk, b, h, 0, 0), _ld(dk))
-        gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, probs, at, seen, dout, dout_at, _ld(dout),
+        # dP = dO V^T (through the dropout mask), then dS = P (dP - rowsum(dP P)) in the same scratch tile
+        gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, dout, dout_at, _ld(dout), v, v_at, _ld(v), 0.0, scratch, 0, seen)
+        weights, weights_at = probs, at
+        if keep.size:
+            _drop(scratch, 0, rows, seen, keep, b, h, g, first, scratch, 0)
+            _drop(probs, at, rows, seen, keep, b, h, g, first, scratch, largest)
+            weights, weights_at = scratch, largest
+        _softmax_tile_backward(scratch, probs, at, rows, seen)
+        gemm(NO_TRANS, NO_TRANS, rows, d, seen, scale, scratch, 0, seen, k, k_at, _ld(k),
+             0.0, dq, _at(dq, b, h, g, first), _ld(dq))
+        gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, scratch, 0, seen, q, q_at, _ld(q), 1.0, dk, _at(dk, b, h, 0, 0), _ld(dk))
+        gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, weights, weights_at, seen, dout, dout_at, _ld(dout),
              1.0, dv, _at(dv, b, h, 0, 0), _ld(dv))
