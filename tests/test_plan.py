@@ -354,6 +354,22 @@ def test_the_replicated_router_is_not_divided_by_tp():
     assert two.compute_s == pytest.approx((one.compute_s - router_s) / 2 + router_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_embedding_gradients_are_summed_between_the_end_stages(tied):
+    """pp > 1 with tied embeddings: the first and last stage each hold a copy and all-reduce its
+    gradient in a group of two once a step (``pipeline/tied.py``); middle stages send nothing."""
+    cfg = replace(GPT, tie_embeddings=tied)
+    layout = Layout(2, 3, 1, 1)
+    for first, last in ((True, False), (False, False), (False, True)):
+        found = [c for c in stage_collectives(cfg, layout, 8, range(1), first, last, 2, 4, 4) if "tied" in c.what]
+        if tied and (first or last):
+            (c,) = found
+            assert (c.group, c.op, c.ranks, c.count, c.per_micro_batch) == ("pp", "all_reduce", 2, 1, False)
+            assert c.nbytes == -(-cfg.vocab_size // 2) * cfg.hidden * 4
+        else:
+            assert not found
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_replicated_kv_gradients_are_summed_over_their_replicas(bias):
     """tp = 4 over 2 KV heads: each K and V weight gradient (and bias) is one all-reduce over its 2

@@ -64,7 +64,8 @@ import numpy
 from ..models.config import ModelConfig
 from ..pipeline.partition import balanced_layers, stage_costs
 from ..train.grad_sync import DEFAULT_BUCKET_BYTES
-from .memory import ENGINE, Routing, expert_params, kv_heads_local, norm_params, stage_memory, stage_params
+from .memory import (ENGINE, Routing, expert_params, kv_heads_local, norm_params, stage_memory, stage_params,
+                     vocab_rows)
 
 UPDATE_PASSES = 11  # numpy AdamW (about 33 array passes), grad norm, finite check, zeroing: / 4 arrays
 
@@ -278,6 +279,9 @@ def stage_collectives(cfg: ModelConfig, layout: Layout, seq: int, layers: range,
         out.append(Collective("pp", "p2p", activation // (tp if layout.sequence_parallel else 1), 2 * m,
                               "activation forward, gradient backward"))
         out.append(Collective("pp", "all_reduce", 16, 2, "loss broadcast, grad norm", False))
+        if cfg.tie_embeddings and (first or last):  # pipeline/tied.py: the two copies' gradients summed
+            out.append(Collective("pp", "all_reduce", vocab_rows(cfg, tp) * cfg.hidden * grad_bytes, 1,
+                                  "tied embedding grads, first and last stage", False, ranks=2))
     experts = expert_params(cfg, tp, layers, ep) * grad_bytes
     for group, size, grads, what in (("dp", layout.dp, stage_params(cfg, tp, layers, first, last, ep) * grad_bytes
                                       - experts, "gradient buckets"),
