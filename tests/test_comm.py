@@ -65,7 +65,7 @@ def test_collectives_values(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("axis", [0, 1, 2])
+@pytest.mark.parametrize("axis", [0, 1, 2, -1, -2])
 def test_gather_and_scatter_along_any_axis(dtype, axis):
     """Shards of every rank, gathered along an inner axis (each lands in place through a derived
     datatype) and reduce-scattered back (packed rank-major), against numpy on the full arrays."""

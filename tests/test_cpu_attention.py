@@ -113,3 +113,21 @@ def test_attention_layer_is_the_same_on_both_paths(monkeypatch, rope, dropout):
     monkeypatch.setattr(cpu_attention, "supported", lambda *arrays: False)
     for got, want in zip(fused, run(), strict=True):
         assert np.max(np.abs(got - want)) <= 1e-12 * max(1.0, np.max(np.abs(want)))
+
+
+def test_a_key_mask_for_every_sequence_is_broadcast_and_a_wrong_one_refused(monkeypatch):
+    """A [1, keys] padding mask applies to every sequence on both paths; a mask of the wrong
+    length raises on the fused path as numpy's broadcasting does on the composed one (the numba
+    kernel reads the mask without bounds checks)."""
+    rng = np.random.default_rng(3)
+    layer = ParallelAttention(48, 6, 6, world(), causal=False, dtype="float64")
+    for _, p in layer.named_parameters():
+        p.data[...] = rng.standard_normal(p.data.shape) * 0.2
+    x = rng.standard_normal((4, 30, 48))
+    key_mask = (rng.random((1, 30)) > 0.3).astype("int64")
+    fused, _ = layer.forward(x, key_mask=key_mask)
+    with pytest.raises(ValueError):
+        layer.forward(x, key_mask=key_mask[:, :10])
+    monkeypatch.setattr(cpu_attention, "supported", lambda *arrays: False)
+    composed, _ = layer.forward(x, key_mask=key_mask)
+    assert np.max(np.abs(fused - composed)) <= 1e-12 * np.max(np.abs(composed))

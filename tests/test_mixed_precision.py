@@ -151,6 +151,8 @@ def test_half_models_accumulate_gradients_in_float32(dtype):
     dtype = resolve_dtype(dtype)
     model = GPTModel(load_config("tiny"), world(), dtype=dtype.name)
     assert {p.grad.dtype for _, p in model.named_parameters()} == {np.dtype("float32")}
+    masters = MixedPrecision(dict(model.named_parameters()), dtype.name).master  # no second float32 copy
+    assert all(masters[name].grad is p.grad for name, p in model.named_parameters())
     layer = RowParallelLinear(4, 3, world(), dtype=dtype.name)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8192, 4)).astype(dtype)

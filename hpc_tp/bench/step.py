@@ -56,30 +56,22 @@ def step_flops(cfg: ModelConfig, batch: int, seq: int) -> int:
     return 3 * forward * cfg.n_layers
 
 
-class GemmPeak:
-    """FLOP/s of one rank's ``[m,k] @ [k,n]`` into a reused output, all ranks at once; each sample
-    is the median of ``repeats`` products, the slowest rank's."""
-
-    def __init__(self, comm: MPICommunicator, m: int, k: int, n: int, dtype):
-        rng = numpy.random.default_rng(comm.rank)
-        xp = backend.xp  # the device's GEMM where the run is on one (backend.use('cuda'))
-        self.comm, self.flops = comm, 2 * m * k * n
-        self.a, self.b = (xp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((m, k), (k, n)))
-        self.out = xp.empty((m, n), dtype)
-        self._product()  # the engine's GEMM: MKL where installed, else numpy's (or the device's)
-
-    def _product(self):
-        blas.matmul(self.a, self.b, out=self.out)
+def gemm_peak(comm: MPICommunicator, m: int, k: int, n: int, dtype, repeats: int = 7) -> float:
+    """FLOP/s of one rank's ``[m,k] @ [k,n]`` into a reused output, all ranks at once; the median of
+    ``repeats`` products, the slowest rank's. The operands live only for the measurement, so they do
+    not add to the step's peak memory; their values do not matter to the GEMM's speed."""
+    xp = backend.xp  # the device's GEMM where the run is on one (backend.use('cuda'))
+    a, b, out = xp.full((m, k), 0.5, dtype), xp.full((k, n), 0.5, dtype), xp.empty((m, n), dtype)
+    blas.matmul(a, b, out=out)  # the engine's GEMM: MKL where installed, else numpy's (or the device's)
+    backend.synchronize()
+    seconds = []
+    for _ in range(repeats):
+        comm.comm.Barrier()
+        start = perf_counter()
+        blas.matmul(a, b, out=out)
         backend.synchronize()
-
-    def sample(self, repeats: int = 7) -> float:
-        seconds = []
-        for _ in range(repeats):
-            self.comm.comm.Barrier()
-            start = perf_counter()
-            self._product()
-            seconds.append(perf_counter() - start)
-        return self.flops / max(self.comm.allgather_object(median(seconds)))
+        seconds.append(perf_counter() - start)
+    return 2 * m * k * n / max(comm.allgather_object(median(seconds)))
 
 
 def build_blocks(cfg: ModelConfig, comm: MPICommunicator, dtype: str, seed: int = 0) -> GPTModel:
@@ -95,7 +87,7 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     scale = backend.xp.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
     if cfg.sequence_parallel and comm.size > 1:
         x = scatter_sequence(x, comm)  # the blocks take and give this rank's sequence shard
-    peak = GemmPeak(comm, batch * seq, cfg.hidden, max(1, cfg.ffn_hidden // comm.size), dtype)
+    shape = (batch * seq, cfg.hidden, max(1, cfg.ffn_hidden // comm.size))
     steps, comms, peaks = [], [], []
     for i in range(warmup + repeats):
         comm.comm.Barrier()
@@ -105,11 +97,11 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
         backend.synchronize()
         comm_s = comm.seconds - comm_start
         comm.comm.Barrier()
+        del out, ctxs  # before the next forward: one step's activations alive at a time, as in training
         if i >= warmup:
             steps.append(perf_counter() - start)
             comms.append(comm_s)
-            peaks.append(peak.sample())  # between the steps: the machine as fast as during them
-    del out, ctxs
+            peaks.append(gemm_peak(comm, *shape, dtype))  # between the steps: the machine as fast as during them
     per_rank = comm.allgather_object((median(steps), median(comms), peak_memory_bytes()))
     step_s = max(s for s, _, _ in per_rank)
     comm_s = max(c for _, c, _ in per_rank)

@@ -100,7 +100,13 @@ class MPICommunicator(Communicator):
     def all_gather(self, x, axis: int = 0):
         if self.size == 1:  # no MPI call: a device buffer never reaches an MPI that cannot read it
             return x.copy()
-        buf = _ready(x)
+        buf, axis = _ready(x), axis % x.ndim
+        if axis and not isinstance(buf, numpy.ndarray):
+            # Device buffers gather rank-major and concatenate: CUDA-aware MPIs unpack a derived
+            # datatype into GPU memory one block at a time (or not at all).
+            import cupy
+
+            return cupy.concatenate(list(self.all_gather(buf, axis=0).reshape((self.size,) + buf.shape)), axis=axis)
         out = _empty_like(buf, buf.shape[:axis] + (buf.shape[axis] * self.size,) + buf.shape[axis + 1:])
         send, recv = _wire(buf), _wire(out)
         with self.timed(buf.nbytes * self.size):
@@ -129,6 +135,7 @@ class MPICommunicator(Communicator):
             return x.copy()
         if _bfloat16(x):
             return self.reduce_scatter(x.astype("float32"), axis).astype(x.dtype)
+        axis %= x.ndim
         outer = math.prod(x.shape[:axis])
         # Rank r's part, packed [ranks, outer, rest]: the result is contiguous in x's layout as it comes.
         send = _ready(x if outer == 1 else x.reshape(outer, self.size, -1).swapaxes(0, 1))

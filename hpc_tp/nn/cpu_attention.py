@@ -58,6 +58,12 @@ def _none(dtype, ndim: int):
     return numpy.zeros((0,) * ndim, dtype)
 
 
+def _per_sequence(key_bias, batch: int, keys: int, dtype):
+    """[B, keys] as the kernel indexes it: a [1, keys] mask broadcast, a wrong shape refused as the
+    composed path's broadcasting refuses it (the kernel itself does not check bounds)."""
+    return numpy.ascontiguousarray(numpy.broadcast_to(key_bias, (batch, keys)), dtype=dtype)
+
+
 def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, keep=None):
     """Softmax(Q K^T + masks) V into ``out`` ([B, hk, g, T, d] views; K, V [B, hk, keys, d]); Q is
     already scaled. ``key_bias`` [B, keys]: 0 for real keys, -inf for padding; ``keep`` [B, hk, g,
@@ -68,7 +74,7 @@ def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, ke
     probs = numpy.empty(b * hk * g * int(tiles[-1]), dtype=q.dtype)
     dropped = numpy.empty(_largest_tile(starts, seens) if keep is not None else 0, dtype=q.dtype)
     _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal,
-             _none(q.dtype, 2) if key_bias is None else numpy.ascontiguousarray(key_bias, dtype=q.dtype),
+             _none(q.dtype, 2) if key_bias is None else _per_sequence(key_bias, b, k.shape[2], q.dtype),
              _none(q.dtype, 5) if keep is None else keep, dropped)
     return probs
 

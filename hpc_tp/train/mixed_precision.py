@@ -81,7 +81,10 @@ class MixedPrecision:
         if not self.half:
             self.master = self.model
             return
-        self.master = {name: Parameter(p.data.astype("float32"), p.partition, decay=p.decay)
+        # The model's gradients are float32 already (module.grad_buffer): the masters use them as
+        # they are, unscaled in place, rather than holding a second float32 copy.
+        self.master = {name: Parameter(p.data.astype("float32"), p.partition, decay=p.decay,
+                                       grad=p.grad if p.grad.dtype == numpy.float32 else None)
                        for name, p in self.model.items()}
 
     @property
@@ -89,15 +92,17 @@ class MixedPrecision:
         return 1.0 if self.scaler is None else self.scaler.scale
 
     def grads(self) -> dict[str, Parameter]:
-        """The masters, their gradients set to the model's, unscaled, in float32. An overflow in
-        the half gradients stays inf here, so ``grads_finite`` on the masters sees it."""
+        """The masters, with the model's float32 gradients unscaled (in place where they share
+        them). An overflow in the half products stays inf here, so ``grads_finite`` on the masters
+        sees it. Called once per step, after the last micro-batch's backward."""
         if not self.half:
             return self.master
         inverse = 1.0 / self.loss_scale
-        for name, p in self.model.items():
-            g = self.master[name].grad
-            g[...] = p.grad
-            g *= inverse
+        for name, p in self.master.items():
+            if p.grad is not self.model[name].grad:
+                p.grad[...] = self.model[name].grad
+            if inverse != 1.0:
+                p.grad *= inverse
         return self.master
 
     def overflow_absorbed(self, finite: bool, loss: float) -> bool:
