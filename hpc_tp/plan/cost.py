@@ -292,9 +292,9 @@ def stage_collectives(cfg: ModelConfig, layout: Layout, seq: int, layers: range,
     if layout.dp > 1:
         out.append(Collective("dp", "all_reduce", 8, 2, "token count, loss", False))
     if tp > 1:
-        out.append(Collective("tp", "all_reduce", 8, 1, "grad norm", False))
+        out.append(Collective("tp", "all_reduce", 16, 1, "grad norm (dense and expert sums)", False))
     if moe and ep > 1:
-        out.append(Collective("ep", "all_reduce", 8, 1, "expert grad norm", False))
+        out.append(Collective("ep", "all_reduce", 16, 1, "expert grad norm (dense and expert sums)", False))
     out.append(Collective("world", "all_reduce", 8, 1, "gradients finite", False))
     return out
 
