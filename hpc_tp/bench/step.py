@@ -22,8 +22,9 @@ multiplies a [N, H] by [H, F/tp] matrix (the MLP's first GEMM) at the same time 
 since ranks that share cores share them during the step too. It is sampled after every timed
 step (seven products each, the slowest rank's median) and the record's peak is the median of the
 samples: one measurement after all the steps moved MFU by 2-3 points between rounds as the
-machine's speed drifted. MFU = achieved FLOP/s / (tp * peak per rank). Compute and communication come from the Communicator's ``seconds`` counter: time
-spent in (or waiting on) collectives is communication, the rest of the step is compute.
+machine's speed drifted. MFU = achieved FLOP/s / (tp * peak per rank). Compute and communication
+come from the Communicator's ``seconds`` counter: time spent in (or waiting on) collectives is
+communication, the rest of the step is compute.
 
 Before the model is built, glibc is told to keep freed memory (``retain_freed_memory``): a step
 frees and reallocates the same activations every time, and by default glibc hands the heap top
@@ -117,7 +118,8 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
             "step_s": step_s, "step_s_all": [float(s) for s in steps], "tokens_per_s": batch * seq / step_s,
             "comm_s": comm_s, "compute_s": step_s - comm_s,
             "flops": flops, "achieved_flops": achieved, "gemm_peak_flops_per_rank": peak_flops,
-            "gemm_peak_samples": [float(p) for p in peaks], "mfu": achieved / (peak_flops * comm.size), "peak_mem_bytes": [m for _, _, m in per_rank]}
+            "gemm_peak_samples": [float(p) for p in peaks], "mfu": achieved / (peak_flops * comm.size),
+            "peak_mem_bytes": [m for _, _, m in per_rank]}
 
 
 def format_record(r: dict) -> str:

@@ -33,7 +33,7 @@ from ..errors import ConfigError
 # Below this many multiply-adds numpy's own call costs less than the ctypes one (64x256x64: numpy 117-124
 # GFLOP/s, MKL 89-111; 256x64x256 and up: MKL ahead).
 MIN_MACS = 1 << 21
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enums (also the numba kernels')
 _LP64, _INT_LIMIT = 0, 2**31  # MKL's 32-bit integer interface: larger sizes go to numpy
 LIBRARY_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 
@@ -94,9 +94,9 @@ def _operand(x, itemsize: int):
     rows, cols = x.shape
     row_stride, col_stride = x.strides
     if col_stride == itemsize and row_stride % itemsize == 0 and row_stride >= cols * itemsize:
-        return _NO_TRANS, row_stride // itemsize
+        return NO_TRANS, row_stride // itemsize
     if row_stride == itemsize and col_stride % itemsize == 0 and col_stride >= rows * itemsize:
-        return _TRANS, col_stride // itemsize
+        return TRANS, col_stride // itemsize
     return None
 
 
@@ -115,13 +115,13 @@ def _mkl_gemm(a, b, out, beta: float) -> bool:
         return False
     itemsize = a.itemsize
     left, right, target = _operand(a, itemsize), _operand(b, itemsize), _operand(out, itemsize)
-    if left is None or right is None or target is None or target[0] != _NO_TRANS:
+    if left is None or right is None or target is None or target[0] != NO_TRANS:
         return False
     if max(m, n, k, left[1], right[1], target[1]) >= _INT_LIMIT:
         return False
     if numpy.may_share_memory(out, a) or numpy.may_share_memory(out, b):
         return False
-    kernel(_ROW_MAJOR, left[0], right[0], m, n, k, 1.0, a.ctypes.data, left[1], b.ctypes.data, right[1],
+    kernel(ROW_MAJOR, left[0], right[0], m, n, k, 1.0, a.ctypes.data, left[1], b.ctypes.data, right[1],
            beta, out.ctypes.data, target[1])
     return True
 

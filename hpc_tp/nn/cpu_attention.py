@@ -24,7 +24,8 @@ import numpy
 
 from . import mkl_jit
 from .cpu_kernels import DTYPES, _jit, _softmax_normalize, numba
-from .mkl_jit import NO_TRANS, TRANS, exp, gemm
+from .blas import NO_TRANS, TRANS
+from .mkl_jit import exp, gemm
 
 
 def supported(*arrays) -> bool:
@@ -49,8 +50,8 @@ def _block_tables(blocks):
     return starts, seens, numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
 
 
-def _largest_tile(starts, seens) -> int:
-    return int((numpy.diff(starts) * seens).max())
+def _largest_tile(tiles) -> int:
+    return int(numpy.diff(tiles).max())
 
 
 def _none(dtype, ndim: int):
@@ -72,7 +73,7 @@ def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, ke
     starts, seens, tiles = _block_tables(blocks)
     b, hk, g = q.shape[:3]
     probs = numpy.empty(b * hk * g * int(tiles[-1]), dtype=q.dtype)
-    dropped = numpy.empty(_largest_tile(starts, seens) if keep is not None else 0, dtype=q.dtype)
+    dropped = numpy.empty(_largest_tile(tiles) if keep is not None else 0, dtype=q.dtype)
     _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal,
              _none(q.dtype, 2) if key_bias is None else _per_sequence(key_bias, b, k.shape[2], q.dtype),
              _none(q.dtype, 5) if keep is None else keep, dropped)
@@ -83,7 +84,7 @@ def backward(dout, q, k, v, probs, blocks, dq, dk, dv, keep=None):
     """dQ (times 1/sqrt(d): Q was scaled in forward), and dK, dV added into their (zeroed) views;
     ``keep`` is forward's dropout mask."""
     starts, seens, tiles = _block_tables(blocks)
-    largest = _largest_tile(starts, seens)
+    largest = _largest_tile(tiles)
     scratch = numpy.empty(largest * (2 if keep is not None else 1), dtype=dout.dtype)
     _backward(dout, q, k, v, probs, starts, seens, tiles, 1.0 / math.sqrt(q.shape[-1]), dq, dk, dv,
               _none(dout.dtype, 5) if keep is None else keep, scratch, largest)

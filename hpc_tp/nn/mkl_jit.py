@@ -19,9 +19,7 @@ from __future__ import annotations
 import numpy
 
 from . import blas, cpu_kernels
-
-NO_TRANS, TRANS = 111, 112
-_ROW_MAJOR = 101
+from .blas import ROW_MAJOR
 
 AVAILABLE = cpu_kernels.ENABLED and blas.LIBRARY is not None
 
@@ -31,15 +29,15 @@ if AVAILABLE:
     from numba.extending import overload
 
     llvmlite.binding.load_library_permanently(blas.LIBRARY)
-    _i32, _address = types.int32, types.uintp  # pointers travel as addresses: same register, same ABI
+    _i32, _pointer = types.int32, types.uintp  # pointers travel as addresses: same register, same ABI
 
     def _gemm_symbol(name, scalar):
-        return types.ExternalFunction(name, types.void(_i32, _i32, _i32, _i32, _i32, _i32, scalar, _address, _i32,
-                                                       _address, _i32, scalar, _address, _i32))
+        return types.ExternalFunction(name, types.void(_i32, _i32, _i32, _i32, _i32, _i32, scalar, _pointer, _i32,
+                                                       _pointer, _i32, scalar, _pointer, _i32))
 
     _GEMM = {"float32": _gemm_symbol("cblas_sgemm", types.float32), "float64": _gemm_symbol("cblas_dgemm", types.float64)}
-    _EXP = {"float32": types.ExternalFunction("vsExp", types.void(_i32, _address, _address)),
-            "float64": types.ExternalFunction("vdExp", types.void(_i32, _address, _address))}
+    _EXP = {"float32": types.ExternalFunction("vsExp", types.void(_i32, _pointer, _pointer)),
+            "float64": types.ExternalFunction("vdExp", types.void(_i32, _pointer, _pointer))}
 
 
 def gemm(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, c_at, ldc):
@@ -54,14 +52,18 @@ def exp(n, x, x_at, out, out_at):
 
 
 if AVAILABLE:
+    @cpu_kernels.numba.njit(cache=True, inline="always")
+    def _address(array, at):
+        """The address of element ``at`` of ``array`` (a strided view's first element plus ``at``)."""
+        return array.ctypes.data + numpy.uintp(at * array.itemsize)
+
     @overload(gemm, jit_options={"cache": True})
     def _gemm_for(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, c_at, ldc):
         routine = _GEMM[c.dtype.name]
 
         def call(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, c_at, ldc):
-            routine(_ROW_MAJOR, trans_a, trans_b, m, n, k, alpha, a.ctypes.data + numpy.uintp(a_at * a.itemsize), lda,
-                    b.ctypes.data + numpy.uintp(b_at * b.itemsize), ldb, beta,
-                    c.ctypes.data + numpy.uintp(c_at * c.itemsize), ldc)
+            routine(ROW_MAJOR, trans_a, trans_b, m, n, k, alpha, _address(a, a_at), lda, _address(b, b_at), ldb,
+                    beta, _address(c, c_at), ldc)
         return call
 
     @overload(exp, jit_options={"cache": True})
@@ -69,5 +71,5 @@ if AVAILABLE:
         routine = _EXP[out.dtype.name]
 
         def call(n, x, x_at, out, out_at):
-            routine(n, x.ctypes.data + numpy.uintp(x_at * x.itemsize), out.ctypes.data + numpy.uintp(out_at * out.itemsize))
+            routine(n, _address(x, x_at), _address(out, out_at))
         return call

@@ -83,8 +83,7 @@ class MixedPrecision:
             return
         # The model's gradients are float32 already (module.grad_buffer): the masters use them as
         # they are, unscaled in place, rather than holding a second float32 copy.
-        self.master = {name: Parameter(p.data.astype("float32"), p.partition, decay=p.decay,
-                                       grad=p.grad if p.grad.dtype == numpy.float32 else None)
+        self.master = {name: Parameter(p.data.astype("float32"), p.partition, decay=p.decay, grad=p.grad)
                        for name, p in self.model.items()}
 
     @property
@@ -92,16 +91,12 @@ class MixedPrecision:
         return 1.0 if self.scaler is None else self.scaler.scale
 
     def grads(self) -> dict[str, Parameter]:
-        """The masters, with the model's float32 gradients unscaled (in place where they share
-        them). An overflow in the half products stays inf here, so ``grads_finite`` on the masters
-        sees it. Called once per step, after the last micro-batch's backward."""
-        if not self.half:
-            return self.master
-        inverse = 1.0 / self.loss_scale
-        for name, p in self.master.items():
-            if p.grad is not self.model[name].grad:
-                p.grad[...] = self.model[name].grad
-            if inverse != 1.0:
+        """The masters, their (shared, float32) gradients unscaled in place. An overflow in the half
+        products stays inf here, so ``grads_finite`` on the masters sees it. Called once per step,
+        after the last micro-batch's backward."""
+        if self.half and self.loss_scale != 1.0:
+            inverse = 1.0 / self.loss_scale
+            for p in self.master.values():
                 p.grad *= inverse
         return self.master
 
