@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from hpc_tp.backend import HUGE_PAGE_TUNABLE, heap_huge_pages_requested, huge_page_bytes
 from hpc_tp.bench import command
 from hpc_tp.bench.step import step_flops
 from hpc_tp.cli import build_parser, main
@@ -26,6 +27,14 @@ def test_flops_follow_gqa_and_swiglu():
 
 
 @pytest.mark.mpi(min_size=1)
+def test_huge_page_request_is_read_from_the_glibc_tunables():
+    assert heap_huge_pages_requested({"GLIBC_TUNABLES": f"glibc.malloc.trim_threshold=1:{HUGE_PAGE_TUNABLE}"})
+    assert not heap_huge_pages_requested({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert not heap_huge_pages_requested({})
+    measured = huge_page_bytes()
+    assert measured is None or 0 <= measured[0] <= measured[1]
+
+
 def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
     path = comm_world.bcast_object(str(tmp_path / "out" / "step.json"))
     assert main(["bench", "step", "--model", "tiny", "--layers", "1", "--seq-len", "8", "--micro-batch", "2",
@@ -37,6 +46,10 @@ def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
         assert (r["tp"], r["layers"], r["hidden"], r["seq_len"], r["micro_batch"]) == (comm_world.size, 1, 32, 8, 2)
         assert r["dtype"] == "float32" and r["threads_per_rank"] == 1 and r["repeats"] == 3
         assert isinstance(r["malloc_retained"], bool)
+        assert r["huge_pages_requested"] == heap_huge_pages_requested()
+        assert len(r["huge_page_bytes"]) == comm_world.size
+        assert all(h is None or 0 <= h[0] <= h[1] for h in r["huge_page_bytes"])
+        assert "huge pages:" in printed
         assert len(r["step_s_all"]) == 3 and min(r["step_s_all"]) > 0
         assert r["step_s"] >= sorted(r["step_s_all"])[1]  # the slowest rank's median, at least rank 0's
         assert r["compute_s"] + r["comm_s"] == pytest.approx(r["step_s"])
