@@ -14,7 +14,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 # One BLAS thread per rank: ranks share the cores.
 export OMP_NUM_THREADS := 1
 export OPENBLAS_NUM_THREADS := 1
-# glibc's heap on transparent huge pages (a tunable read at process start, so exported): W1 4-7% faster.
+# glibc's heap on transparent huge pages (a tunable read at process start, so exported): W1 ~2.5% faster.
 export GLIBC_TUNABLES := $(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1
 MPIEXEC ?= $(if $(MPICC),mpiexec,$(abspath $(VENV))/bin/mpiexec)
 STAMP  := $(VENV)/.installed$(if $(MPICC),-site-mpi)

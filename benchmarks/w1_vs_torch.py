@@ -16,6 +16,9 @@ rank count over the step at each other one.
 
 The MPI launcher is the mpiexec next to this Python (the venv's) unless --mpiexec names another;
 environment variables the launcher needs (e.g. running as root, oversubscription) are passed through.
+Both sides run with glibc's heap on transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, as
+the Makefile and jobs/ set for the engine), the same environment for both; --no-huge-pages leaves the
+tunable out for both.
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--peer", default=os.environ.get("HPC_TP_TORCH_PEER", str(DEFAULT_PEER)),
                    help="the PyTorch peer script (default: $HPC_TP_TORCH_PEER or ../shared/peers/torch_tp_step.py)")
     p.add_argument("--mpiexec", default=None, help="MPI launcher (default: the one next to this Python, else on PATH)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="run both without GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (default: both with it)")
     p.add_argument("--json", metavar="FILE", help="write every round and the summary as JSON")
     args = p.parse_args(argv)
     args.np = [int(n) for n in args.np.split(",")]
@@ -69,9 +74,16 @@ def torch_missing() -> str | None:
     return None
 
 
-def thread_env(threads: int) -> dict:
+def run_env(args) -> dict:
+    """The environment of both sides: ``args.threads`` per rank, and the heap on huge pages unless
+    ``--no-huge-pages`` (either way the same for the engine and the peer)."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.update(OMP_NUM_THREADS=str(args.threads), OPENBLAS_NUM_THREADS=str(args.threads),
+               MKL_NUM_THREADS=str(args.threads))
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
+    if not args.no_huge_pages:
+        tunables.append("glibc.malloc.hugetlb=1")
+    env["GLIBC_TUNABLES"] = ":".join(tunables)
     return env
 
 
@@ -80,7 +92,7 @@ def run_engine(mpiexec: str, ranks: int, args) -> dict:
         out = Path(tmp) / "step.json"
         cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "hpc_tp.cli", "bench", "step", "--model", "w1",
                "--threads", str(args.threads), "--repeats", str(args.repeats), "--json", str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=thread_env(args.threads), cwd=REPO)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=run_env(args), cwd=REPO)
         if done.returncode:
             raise SystemExit(f"engine failed ({' '.join(cmd)}):\n{done.stdout}{done.stderr}")
         return json.loads(out.read_text())
@@ -90,7 +102,7 @@ def run_peer(ranks: int, args) -> float:
     """The peer's median step in seconds."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", args.peer,
            *W1_PEER_ARGS, "--iters", str(args.repeats), "--threads", str(args.threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=thread_env(args.threads))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=run_env(args))
     found = PEER_LINE.search(done.stdout)
     if done.returncode or not found:
         raise SystemExit(f"peer failed ({' '.join(cmd)}):\n{done.stdout}{done.stderr}")
@@ -128,7 +140,8 @@ def main(argv=None) -> int:
         summary[ranks] = {key: statistics.median(r[key] for r in mine)
                           for key in ("engine_step_s", "engine_mfu", "engine_comm_s", "gemm_peak_per_rank",
                                       "peer_step_s", "peer_over_engine") if key in mine[0]}
-    print(f"\nW1 summary (median of {args.rounds} rounds, {args.threads} thread(s) per rank; machine may be shared):")
+    print(f"\nW1 summary (median of {args.rounds} rounds, {args.threads} thread(s) per rank, "
+          f"{'without' if args.no_huge_pages else 'with'} huge pages for both; machine may be shared):")
     for ranks, s in summary.items():
         line = (f"  tp={ranks}: engine {s['engine_step_s'] * 1e3:.1f} ms, MFU {s['engine_mfu'] * 100:.1f}% "
                 f"(GEMM peak {s['gemm_peak_per_rank'] / 1e9:.1f} GFLOP/s per rank)")

@@ -93,7 +93,7 @@ def retain_freed_memory() -> bool:
 
 
 # glibc backs its heap with transparent huge pages (madvise) under this tunable; it is read at process
-# start, so launchers export it (the Makefile, jobs/*.sbatch). W1 at tp=2: 4-7% faster (NOTES.md item 35).
+# start, so launchers export it (the Makefile, jobs/*.sbatch). W1 at tp=2: ~2.5% faster (NOTES.md item 35).
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 
 

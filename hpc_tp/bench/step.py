@@ -32,7 +32,7 @@ back to the OS and maps big arrays fresh, so every step page-faults ~100 MB in a
 24k faults and 0.1-0.2 s of system time per step, ~10% of the step). With
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment (the Makefile and jobs/*.sbatch export
 it) glibc also asks for transparent huge pages for that heap, and the record says how much of each
-rank's memory ended up on them: W1 at tp=2 runs 4-7% faster so (fewer TLB misses in the GEMMs that
+rank's memory ended up on them: W1 at tp=2 runs ~2.5% faster so (fewer TLB misses in the GEMMs that
 stream activations from memory).
 """
 from __future__ import annotations
