@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpc_tp.nn import blas
+from hpc_tp.nn import blas, mkl_jit
 
 rng = np.random.default_rng(0)
 M, K, N = 96, 160, 144  # 2.2M multiply-adds: above MIN_MACS, so MKL takes it where installed
@@ -102,6 +102,30 @@ def test_mkl_does_the_large_products(monkeypatch):
     blas.matmul(a[:8, :8], b[:8, :8])  # below MIN_MACS: numpy's
     assert calls == [(M, N, K)]
     assert blas.backend_for("float32") == blas.backend_for("float64") == "mkl" != blas.backend_for("float16")
+
+
+@pytest.mark.skipif(not mkl_jit.AVAILABLE, reason="needs MKL and numba")
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 2e-5)])
+@pytest.mark.parametrize("b_layout", ["row-major", "transposed view"])
+def test_few_rows_against_a_large_matrix_go_by_column_blocks(dtype, tol, b_layout, monkeypatch):
+    """The decode path (a few rows times a matrix past the caches) in column blocks, the last one
+    short, into a strided destination and accumulated, with the size threshold lowered to a test's."""
+    m, k, n = blas.FEW_ROWS, 256, 2 * blas.COLUMN_BLOCK + 48  # above MIN_MACS; blocks of 256, 256 and 48
+    monkeypatch.setattr(blas, "LARGE_OPERAND", k * n)
+    calls = _count_mkl_calls(monkeypatch)
+    blocked = []
+    monkeypatch.setattr(mkl_jit, "column_blocks", lambda *args, column_blocks=mkl_jit.column_blocks: (
+        blocked.append(args[2:5]), column_blocks(*args))[1])
+    a, b = rng.standard_normal((m, k)).astype(dtype), _layouts(k, n, dtype)[b_layout]
+    expected = a.astype("float64") @ b.astype("float64")
+    scale = np.abs(expected).max()
+    wide = np.full((m, n + 8), 3.0, dtype)
+    blas.matmul(a, b, out=wide[:, 4:n + 4])
+    blas.matmul(a, b, out=wide[:, 4:n + 4], accumulate=True)
+    assert np.abs(wide[:, 4:n + 4] - 2 * expected).max() <= 2 * tol * scale
+    assert (wide[:, :4] == 3).all() and (wide[:, n + 4:] == 3).all()
+    blas.matmul(rng.standard_normal((m + 1, k)).astype(dtype), b)  # more rows: one whole call
+    assert blocked == [(m, n, k)] * 2 and calls == [(m + 1, n, k)]
 
 
 def _backend_in_subprocess(value):

@@ -33,6 +33,11 @@ from ..errors import ConfigError
 # Below this many multiply-adds numpy's own call costs less than the ctypes one (64x256x64: numpy 117-124
 # GFLOP/s, MKL 89-111; 256x64x256 and up: MKL ahead).
 MIN_MACS = 1 << 21
+# A few rows times a matrix larger than the caches (decoding: a batch of tokens against the LM head):
+# MKL packs the whole of b for them, so b travels from memory three times. Blocks of b's columns
+# small enough to pack in L2 read it once: W1's head [8, 768] @ [768, 50304] 37 -> 21 ms. Smaller
+# weights stay whole (they pack in cache, and blocking made them slower). NOTES.md item 42.
+FEW_ROWS, LARGE_OPERAND, COLUMN_BLOCK = 32, 32 << 20, 256
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enums (also the numba kernels')
 _LP64, _INT_LIMIT = 0, 2**31  # MKL's 32-bit integer interface: larger sizes go to numpy
 LIBRARY_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
@@ -121,6 +126,15 @@ def _mkl_gemm(a, b, out, beta: float) -> bool:
         return False
     if numpy.may_share_memory(out, a) or numpy.may_share_memory(out, b):
         return False
+    if m <= FEW_ROWS and b.nbytes >= LARGE_OPERAND:
+        from . import mkl_jit  # imports this module: here, not at the top
+
+        if mkl_jit.AVAILABLE:
+            # b's column j starts j elements in (row-major) or j rows in (a transposed view).
+            step = right[1] if right[0] == TRANS else 1
+            mkl_jit.column_blocks(left[0], right[0], m, n, k, a, left[1], b, right[1], step, beta, out, target[1],
+                                  COLUMN_BLOCK)
+            return True
     kernel(ROW_MAJOR, left[0], right[0], m, n, k, 1.0, a.ctypes.data, left[1], b.ctypes.data, right[1],
            beta, out.ctypes.data, target[1])
     return True

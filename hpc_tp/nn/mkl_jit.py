@@ -1,4 +1,4 @@
-"""MKL's GEMM and vector exp, callable from numba kernels (``cpu_attention``).
+"""MKL's GEMM and vector exp, callable from numba kernels (``cpu_attention``, and ``blas``'s few-row products).
 
 A kernel that multiplies small tiles pays a Python call, a ctypes call and numpy's checks per tile
 when it runs from Python; from inside one numba loop it pays only MKL's own call. The symbols are
@@ -65,6 +65,14 @@ if AVAILABLE:
             routine(ROW_MAJOR, trans_a, trans_b, m, n, k, alpha, _address(a, a_at), lda, _address(b, b_at), ldb,
                     beta, _address(c, c_at), ldc)
         return call
+
+    @cpu_kernels.numba.njit(cache=True, nogil=True)
+    def column_blocks(trans_a, trans_b, m, n, k, a, lda, b, ldb, b_step, beta, c, ldc, block):
+        """C = op(A) op(B) + beta C, ``block`` columns of B and C at a time (``b_step``: elements
+        between B's columns); ``blas`` sends few-row products against a large B here."""
+        for start in range(0, n, block):
+            gemm(trans_a, trans_b, m, min(block, n - start), k, 1.0, a, 0, lda, b, start * b_step, ldb,
+                 beta, c, start, ldc)
 
     @overload(exp, jit_options={"cache": True})
     def _exp_for(n, x, x_at, out, out_at):
