@@ -90,3 +90,28 @@ def test_only_float32_and_float64_numpy_arrays_are_fused():
     assert cpu_kernels.fused(np.zeros(4, "float32")) and cpu_kernels.fused(np.zeros(4))
     assert not cpu_kernels.fused(np.zeros(4, "float16"))
     assert not cpu_kernels.fused([0.0, 1.0])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_scatter_add_rows_matches_add_at_bit_for_bit(monkeypatch, dtype):
+    """Repeated rows summed in token order, as numpy's add.at does; values of another dtype cast;
+    [B, T] rows with [B, T, H] values (BERT's token types) as well as flat ones."""
+    table, values = arrays(dtype, (9, 24), (4, 5, 24))
+    rows = np.random.default_rng(1).integers(0, 9, (4, 5))
+    rows[0, :3] = 2  # one row hit several times
+    for r, v in ((rows, values), (rows.reshape(-1), values.reshape(-1, 24).astype("float64"))):
+        fused, composed = both_paths(monkeypatch, lambda: _scattered(table, r, v))
+        assert fused.dtype == table.dtype and np.array_equal(fused, composed)
+
+
+def _scattered(table, rows, values):
+    out = table.copy()
+    F.scatter_add_rows(out, rows, values)
+    return out
+
+
+@pytest.mark.parametrize("bad", [9, -1])
+def test_scatter_add_rows_refuses_a_row_outside_the_table(bad):
+    table = np.zeros((9, 4))
+    with pytest.raises(IndexError):
+        F.scatter_add_rows(table, np.array([0, bad]), np.ones((2, 4)))

@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..module import Module, ModuleList, Parameter, replicated
 from ..nn.attention import ParallelAttention
 from ..nn.dropout import Dropout
+from ..nn.functional import scatter_add_rows
 from ..nn.mlp import ParallelMLP
 from ..nn.norms import LayerNorm
 from ..tensor_parallel.random import DropoutRNG
@@ -103,5 +104,5 @@ class BertModel(Module):
         dx = self.embed_norm.backward(self._drop_embed.backward(dx, drop_ctx), norm_ctx)
         self.pos.grad[:dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
         if self.cfg.type_vocab_size:
-            backend.xp_of(dx).add.at(self.type_embed.grad, type_ids, dx.astype(self.type_embed.grad.dtype, copy=False))
+            scatter_add_rows(self.type_embed.grad, type_ids, dx)
         self.embed.backward(dx, embed_ctx)

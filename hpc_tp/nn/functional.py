@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import numpy
+
 from ..backend import xp_of
 from . import cpu_kernels, cuda_kernels
 
@@ -195,6 +197,15 @@ def softmax_backward(dp, p):
     ds = dp - row_dot
     ds *= p
     return ds
+
+
+def scatter_add_rows(target, rows, values):
+    """``target[rows[t]] += values[t]`` for every t, repeated rows summed in order: the gradient of a
+    row lookup (embeddings) and the sum of routed rows (MoE). ``target`` [N, H], ``rows`` [T] ints,
+    ``values`` [T, H], cast to ``target``'s dtype."""
+    if cpu_kernels.fused(target) and isinstance(values, numpy.ndarray) and isinstance(rows, numpy.ndarray):
+        return cpu_kernels.scatter_add_rows(target, rows, values)
+    xp_of(target).add.at(target, rows, values.astype(target.dtype, copy=False))
 
 
 def rope_tables(positions, inv_freq, dtype):

@@ -95,7 +95,7 @@ class MoEMLP(Module):
         expert_ctxs = [c for _, c in results]
         y_rows = self._dispatcher.combine([y for y, _ in results], plan, xs.shape[1], xs.dtype)
         y = xp.zeros_like(xs)
-        xp.add.at(y, plan.token, gates[plan.token, plan.choice][:, None] * y_rows)
+        F.scatter_add_rows(y, plan.token, gates[plan.token, plan.choice][:, None] * y_rows)
         share = xp.asarray(plan.assignments / (plan.group_tokens * self.top_k))  # f_e
         if self.count_stats:
             self._count(plan, float(self.num_experts * share @ xp.asarray(plan.group_prob_sum / plan.group_tokens)))
@@ -125,7 +125,7 @@ class MoEMLP(Module):
         d_inputs = self._dispatcher.dispatch(d_rows * gates[plan.token, plan.choice][:, None], plan)
         d_expert_in = [e.backward(g, c) for e, g, c in zip(self.experts, d_inputs, expert_ctxs)]
         dx = xp.zeros_like(xs)
-        xp.add.at(dx, plan.token, self._dispatcher.combine(d_expert_in, plan, xs.shape[1], xs.dtype))
+        F.scatter_add_rows(dx, plan.token, self._dispatcher.combine(d_expert_in, plan, xs.shape[1], xs.dtype))
         if self.top_k > 1:  # through gates = chosen / sum(chosen)
             total = chosen.sum(axis=1, keepdims=True)
             dchosen = dgates / total - (dgates * chosen).sum(axis=1, keepdims=True) / total ** 2

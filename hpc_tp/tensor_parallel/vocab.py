@@ -11,6 +11,7 @@ from __future__ import annotations
 from .. import backend
 from ..comm.base import Communicator
 from ..module import Module, Parameter, split
+from ..nn.functional import scatter_add_rows
 from .layers import add_weight_grad, product
 
 IGNORE_INDEX = -100
@@ -38,9 +39,8 @@ class VocabParallelEmbedding(Module):
 
     def backward(self, dy, ctx):
         local, outside = ctx
-        xp = backend.xp_of(dy)
         keep = ~outside
-        xp.add.at(self.weight.grad, local[keep], dy[keep].astype(self.weight.grad.dtype, copy=False))
+        scatter_add_rows(self.weight.grad, local[keep], dy[keep])
         return None
 
 
