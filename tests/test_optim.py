@@ -233,3 +233,53 @@ def test_bucketer_reports_misuse():
     bucketer.finish()
     with pytest.raises(ConfigError):
         GradBucketer({}, grid.dp, bucket_bytes=0)
+
+
+def _adamw_run(dtype, fused: bool, monkeypatch, steps: int = 3):
+    """Parameters after ``steps`` AdamW updates: a decayed weight, a column block of a fused
+    weight (a strided view) and a bias, with numba's loops or with numpy's code."""
+    from hpc_tp.train import cpu_optim
+
+    monkeypatch.setattr(cpu_optim, "ENABLED", fused and cpu_optim.ENABLED)
+    rng = np.random.default_rng(0)
+    buffer = rng.standard_normal((6, 10)).astype(dtype)
+    params = {"w": Parameter(rng.standard_normal((4, 6)).astype(dtype), replicated((4, 6), 1)),
+              "qkv.k": Parameter(buffer[:, 3:7], replicated((6, 4), 1)),
+              "b": Parameter(rng.standard_normal(6).astype(dtype), replicated((6,), 1), decay=False)}
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    for step in range(steps):
+        for p in params.values():
+            p.grad[...] = rng.standard_normal(p.grad.shape)
+        opt.step(lr=1e-2 / (step + 1))
+    return [p.data.copy() for p in params.values()] + [buffer.copy()]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_adamw_gives_numpys_bits(dtype, monkeypatch):
+    from hpc_tp.train import cpu_optim
+
+    if not cpu_optim.ENABLED:
+        pytest.skip("numba is not installed (or HPC_TP_CPU_KERNELS=0)")
+    fused, composed = _adamw_run(dtype, True, monkeypatch), _adamw_run(dtype, False, monkeypatch)
+    for a, b in zip(fused, composed, strict=True):
+        assert a.dtype == np.dtype(dtype) and np.array_equal(a, b)
+    assert not np.array_equal(fused[-1][:, :3], fused[-1][:, 3:7])  # the view was updated in its buffer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_norm_and_finiteness_checks(dtype):
+    from hpc_tp.train import cpu_optim
+
+    if not cpu_optim.ENABLED:
+        pytest.skip("numba is not installed (or HPC_TP_CPU_KERNELS=0)")
+    x = np.random.default_rng(1).standard_normal((9, 40)).astype(dtype)
+    for view in (x, x[:, 5:17], x[3]):
+        assert cpu_optim.fused(view)
+        exact = float((view.astype("float64") ** 2).sum())
+        assert cpu_optim.sum_of_squares(view) == pytest.approx(exact, rel=1e-13)
+        assert cpu_optim.all_finite(view)
+    for bad in (np.inf, -np.inf, np.nan):
+        y = x.copy()
+        y[4, 20] = bad
+        assert not cpu_optim.all_finite(y) and cpu_optim.all_finite(y[:4])
+    assert not cpu_optim.fused(x[:, ::2]) and not cpu_optim.fused(x.astype("float16"))

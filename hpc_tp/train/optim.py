@@ -13,6 +13,7 @@ from typing import NamedTuple
 from .. import backend
 from ..errors import ConfigError
 from ..module import Parameter, Partition
+from . import cpu_optim
 
 
 class StateTensor(NamedTuple):
@@ -50,8 +51,12 @@ class AdamW:
         root_correction2 = math.sqrt(1 - beta2 ** self.step_count)
         for name, p in self.params.items():
             xp, g, m, v = backend.xp_of(p.data), p.grad, self.exp_avg[name], self.exp_avg_sq[name]
-            if p.decay and self.weight_decay:
-                p.data *= 1 - lr * self.weight_decay
+            decay = 1 - lr * self.weight_decay if p.decay and self.weight_decay else 1.0
+            if cpu_optim.fused(p.data, g, m, v):
+                cpu_optim.adamw(p.data, g, m, v, decay, beta1, beta2, root_correction2, self.eps, step_size)
+                continue
+            if decay != 1.0:
+                p.data *= decay
             m *= beta1
             m += (1 - beta1) * g
             v *= beta2
@@ -91,9 +96,12 @@ def global_grad_norm(named_params: dict[str, Parameter], grid, skip=frozenset())
     for name, p in named_params.items():
         if name in skip:
             continue
-        g = p.grad.astype("float64", copy=False)
-        # Summed on the gradient's device; the one transfer to the host happens below.
-        square = (g * g).sum() / p.partition.replicas
+        if cpu_optim.fused(p.grad):
+            square = cpu_optim.sum_of_squares(p.grad) / p.partition.replicas
+        else:
+            g = p.grad.astype("float64", copy=False)
+            # Summed on the gradient's device; the one transfer to the host happens below.
+            square = (g * g).sum() / p.partition.replicas
         if is_expert_parameter(name):
             experts = experts + square
         else:
@@ -121,5 +129,6 @@ def clip_grads(named_params: dict[str, Parameter], max_norm: float, grid, skip=f
 
 def grads_finite(named_params: dict[str, Parameter], grid) -> bool:
     """True when no gradient on any rank holds an inf or NaN; every rank gets the same answer."""
-    finite = all(bool(backend.xp_of(p.grad).isfinite(p.grad).all()) for p in named_params.values())
+    finite = all(cpu_optim.all_finite(p.grad) if cpu_optim.fused(p.grad)
+                 else bool(backend.xp_of(p.grad).isfinite(p.grad).all()) for p in named_params.values())
     return grid.world.all_reduce_scalar(1.0 if finite else 0.0, op="min") == 1.0
