@@ -3,8 +3,9 @@ numpy arrays whose rows have unit stride; cupy and other layouts take ``optim``'
 
 An optimizer step is bound by memory traffic: AdamW reads the parameter, its gradient and two states
 and writes three of them back, and numpy's version makes ~15 passes with its temporaries where one
-suffices; the gradient norm widened every gradient to a float64 copy before squaring it. W1 at tp=2
-(~34M parameters a rank): AdamW 81 -> ~40 ms, the norm 35 -> ~7 ms (NOTES.md item 44).
+suffices (clipping, a factor on the gradient, rides along); the gradient norm widened every gradient
+to a float64 copy before squaring it. W1 at tp=2 (~34M parameters a rank): AdamW 81 -> 51 ms, the
+norm 35 -> 9.5 ms (NOTES.md items 44-45).
 
 ``adamw`` runs numpy's operations in numpy's order on scalars of the array's dtype, without
 ``fastmath``, so it gives the same bits as the composed update; the sums may reassociate.
@@ -34,11 +35,11 @@ def _plain(function):
 
 
 @_plain
-def _adamw(p, g, m, v, decay, beta1, c1, beta2, c2, root_correction2, eps, step_size):
+def _adamw(p, g, m, v, grad_scale, decay, beta1, c1, beta2, c2, root_correction2, eps, step_size):
     rows, n = p.shape
     for r in range(rows):
         for i in range(n):
-            grad = g[r, i]
+            grad = g[r, i] * grad_scale
             mean = m[r, i] * beta1 + c1 * grad
             var = v[r, i] * beta2 + c2 * grad * grad
             m[r, i] = mean
@@ -46,11 +47,12 @@ def _adamw(p, g, m, v, decay, beta1, c1, beta2, c2, root_correction2, eps, step_
             p[r, i] = p[r, i] * decay - mean / (numpy.sqrt(var) / root_correction2 + eps) * step_size
 
 
-def adamw(p, g, m, v, decay, beta1, beta2, root_correction2, eps, step_size):
-    """``optim.AdamW``'s update of one parameter, in place (``decay``: 1 - lr * weight decay, or 1)."""
+def adamw(p, g, m, v, grad_scale, decay, beta1, beta2, root_correction2, eps, step_size):
+    """``optim.AdamW``'s update of one parameter, in place, from ``g * grad_scale`` (``decay``:
+    1 - lr * weight decay, or 1)."""
     cast = p.dtype.type
-    _adamw(_2d(p), _2d(g), _2d(m), _2d(v), cast(decay), cast(beta1), cast(1 - beta1), cast(beta2), cast(1 - beta2),
-           cast(root_correction2), cast(eps), cast(step_size))
+    _adamw(_2d(p), _2d(g), _2d(m), _2d(v), cast(grad_scale), cast(decay), cast(beta1), cast(1 - beta1), cast(beta2),
+           cast(1 - beta2), cast(root_correction2), cast(eps), cast(step_size))
 
 
 @_jit
@@ -67,18 +69,3 @@ def _sum_of_squares(x):
 def sum_of_squares(x) -> float:
     """sum(x**2) accumulated in float64, in one read of ``x``."""
     return _sum_of_squares(_2d(x))
-
-
-@_jit
-def _finite_probe(x):
-    total = 0.0
-    rows, n = x.shape
-    for r in range(rows):
-        for i in range(n):
-            total += x[r, i] * 0.0  # inf * 0 and NaN * 0 are NaN, which the sum keeps
-    return total
-
-
-def all_finite(x) -> bool:
-    """No inf or NaN in ``x``, in one read and without a boolean temporary."""
-    return _finite_probe(_2d(x)) == 0.0

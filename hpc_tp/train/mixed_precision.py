@@ -92,7 +92,7 @@ class MixedPrecision:
 
     def grads(self) -> dict[str, Parameter]:
         """The masters, their (shared, float32) gradients unscaled in place. An overflow in the half
-        products stays inf here, so ``grads_finite`` on the masters sees it. Called once per step,
+        products stays inf here, so the global gradient norm of the masters is inf. Called once per step,
         after the last micro-batch's backward."""
         if self.half and self.loss_scale != 1.0:
             inverse = 1.0 / self.loss_scale

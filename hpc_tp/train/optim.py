@@ -42,8 +42,10 @@ class AdamW:
         self.exp_avg_sq = {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in self.params.items()}
         self.step_count = 0
 
-    def step(self, lr: float | None = None):
-        """One update with ``lr`` (default: the constructor's), e.g. from ``schedule.lr_at``."""
+    def step(self, lr: float | None = None, grad_scale: float = 1.0):
+        """One update with ``lr`` (default: the constructor's), e.g. from ``schedule.lr_at``, of the
+        gradients times ``grad_scale`` (``clip_coefficient``: clipping inside the update's one pass
+        rather than a pass of its own)."""
         lr = self.lr if lr is None else lr
         beta1, beta2 = self.betas
         self.step_count += 1
@@ -53,8 +55,10 @@ class AdamW:
             xp, g, m, v = backend.xp_of(p.data), p.grad, self.exp_avg[name], self.exp_avg_sq[name]
             decay = 1 - lr * self.weight_decay if p.decay and self.weight_decay else 1.0
             if cpu_optim.fused(p.data, g, m, v):
-                cpu_optim.adamw(p.data, g, m, v, decay, beta1, beta2, root_correction2, self.eps, step_size)
+                cpu_optim.adamw(p.data, g, m, v, grad_scale, decay, beta1, beta2, root_correction2, self.eps, step_size)
                 continue
+            if grad_scale != 1.0:
+                g = g * grad_scale
             if decay != 1.0:
                 p.data *= decay
             m *= beta1
@@ -115,20 +119,16 @@ def global_grad_norm(named_params: dict[str, Parameter], grid, skip=frozenset())
     return math.sqrt(buffer[0] + buffer[1])
 
 
-def clip_grads(named_params: dict[str, Parameter], max_norm: float, grid, skip=frozenset()) -> float:
-    """Scale every gradient in place so the global norm is at most ``max_norm`` (<= 0: never).
-    Returns the norm before clipping; ``skip`` as in ``global_grad_norm`` (skipped gradients are
-    still scaled, so the copies of a tied parameter stay equal)."""
-    norm = global_grad_norm(named_params, grid, skip)
-    if 0 < max_norm < norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in named_params.values():
-            p.grad *= scale
-    return norm
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor that brings gradients of global norm ``norm`` down to ``max_norm`` (<= 0: never),
+    for ``AdamW.step(grad_scale=...)``; 1 when they are within it."""
+    return max_norm / (norm + 1e-6) if 0 < max_norm < norm else 1.0
 
 
-def grads_finite(named_params: dict[str, Parameter], grid) -> bool:
-    """True when no gradient on any rank holds an inf or NaN; every rank gets the same answer."""
-    finite = all(cpu_optim.all_finite(p.grad) if cpu_optim.fused(p.grad)
-                 else bool(backend.xp_of(p.grad).isfinite(p.grad).all()) for p in named_params.values())
+def agree_finite(grid, *values: float) -> bool:
+    """True on every rank when every rank's ``values`` are finite. With the global gradient norm
+    among them this is the step's fault check: the norm is inf or NaN exactly when some counted
+    gradient is (a float64 sum of float32 squares cannot overflow; float64 gradients would need
+    elements past 1e150)."""
+    finite = all(math.isfinite(v) for v in values)
     return grid.world.all_reduce_scalar(1.0 if finite else 0.0, op="min") == 1.0

@@ -20,7 +20,6 @@ Faults (see hpc_tp.comm.watchdog for hangs):
 """
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
@@ -46,7 +45,7 @@ from .expert_parallel import check_expert_parallel, moe_metrics, moe_summary
 from .grad_sync import ExpertAwareBucketer
 from .metrics import MetricsLogger
 from .mixed_precision import MixedPrecision
-from .optim import AdamW, clip_grads, grads_finite
+from .optim import AdamW, agree_finite, clip_coefficient, global_grad_norm
 from .preemption import StopRequest
 from .progress import Progress, format_duration
 from .schedule import lr_at
@@ -180,11 +179,12 @@ class Trainer:
         loss_sum = self._forward_backward(ids, targets, self.precision.loss_scale / tokens)  # fp16: scaled grads
         loss = grid.dp.all_reduce_scalar(loss_sum) / tokens
         grads = self.precision.grads()  # float32, unscaled (the parameters themselves at float32/64)
-        finite = grads_finite(grads, grid) and math.isfinite(loss)  # the loss is the same on every rank
-        norm = clip_grads(grads, s.clip_grad, grid, self.tied_copies) if finite else float("nan")
+        norm = global_grad_norm(grads, grid, self.tied_copies)  # inf/NaN when a gradient is
+        finite = agree_finite(grid, norm, loss)  # the loss is the same on every rank
+        norm = norm if finite else float("nan")
         lr = lr_at(self.step, s.lr, s.warmup_steps, s.steps, s.min_lr_ratio)
         if finite:  # a step with an inf/NaN gradient is skipped on every rank alike
-            self.optimizer.step(lr)
+            self.optimizer.step(lr, grad_scale=clip_coefficient(norm, s.clip_grad))
         scaling = self.precision.record(finite, loss)  # before update() halves the scale
         self.precision.update(finite)  # half weights from the masters; fp16: the loss scale
         self.model.zero_grad()
