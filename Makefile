@@ -15,7 +15,8 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMP_NUM_THREADS := 1
 export OPENBLAS_NUM_THREADS := 1
 # glibc's heap on transparent huge pages (a tunable read at process start, so exported): W1 ~2.5% faster.
-export GLIBC_TUNABLES := $(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1
+# A hugetlb setting already in GLIBC_TUNABLES is kept as it is.
+export GLIBC_TUNABLES := $(if $(findstring glibc.malloc.hugetlb=,$(GLIBC_TUNABLES)),$(GLIBC_TUNABLES),$(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1)
 MPIEXEC ?= $(if $(MPICC),mpiexec,$(abspath $(VENV))/bin/mpiexec)
 STAMP  := $(VENV)/.installed$(if $(MPICC),-site-mpi)
 # How the package goes into $(VENV): editable for a checkout; install-prefix passes EDITABLE= (a real copy).

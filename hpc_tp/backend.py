@@ -113,8 +113,11 @@ def huge_page_bytes() -> tuple[int, int] | None:
 
 
 def heap_huge_pages_requested(environ=os.environ) -> bool:
-    """True when this process was started with ``HUGE_PAGE_TUNABLE`` in GLIBC_TUNABLES."""
-    return HUGE_PAGE_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":")
+    """True when this process was started with ``HUGE_PAGE_TUNABLE`` as GLIBC_TUNABLES' last word on
+    ``glibc.malloc.hugetlb`` (glibc takes the last; glibc before 2.35 ignores it)."""
+    setting = HUGE_PAGE_TUNABLE.split("=")[0] + "="
+    said = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith(setting)]
+    return bool(said) and said[-1] == HUGE_PAGE_TUNABLE
 
 
 def xp_of(array):

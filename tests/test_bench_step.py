@@ -26,15 +26,16 @@ def test_flops_follow_gqa_and_swiglu():
     assert step_flops(cfg, batch=2, seq=10) == 3 * forward
 
 
-@pytest.mark.mpi(min_size=1)
 def test_huge_page_request_is_read_from_the_glibc_tunables():
     assert heap_huge_pages_requested({"GLIBC_TUNABLES": f"glibc.malloc.trim_threshold=1:{HUGE_PAGE_TUNABLE}"})
     assert not heap_huge_pages_requested({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert not heap_huge_pages_requested({"GLIBC_TUNABLES": f"{HUGE_PAGE_TUNABLE}:glibc.malloc.hugetlb=0"})  # last wins
     assert not heap_huge_pages_requested({})
     measured = huge_page_bytes()
     assert measured is None or 0 <= measured[0] <= measured[1]
 
 
+@pytest.mark.mpi(min_size=1)
 def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
     path = comm_world.bcast_object(str(tmp_path / "out" / "step.json"))
     assert main(["bench", "step", "--model", "tiny", "--layers", "1", "--seq-len", "8", "--micro-batch", "2",

@@ -115,3 +115,12 @@ def test_scatter_add_rows_refuses_a_row_outside_the_table(bad):
     table = np.zeros((9, 4))
     with pytest.raises(IndexError):
         F.scatter_add_rows(table, np.array([0, bad]), np.ones((2, 4)))
+
+
+def test_scatter_add_rows_leaves_other_shapes_to_add_at():
+    """Values that do not match the rows (broadcast ones, a wider row) never reach the unchecked loop."""
+    table = np.zeros((9, 4))
+    F.scatter_add_rows(table, np.array([0, 1, 1]), np.ones(4))  # broadcast: add.at's meaning
+    assert table[0].tolist() == [1.0] * 4 and table[1].tolist() == [2.0] * 4 and table[2:].sum() == 0
+    with pytest.raises(ValueError):
+        F.scatter_add_rows(table, np.array([0, 1]), np.ones((2, 6)))

@@ -201,9 +201,11 @@ def softmax_backward(dp, p):
 
 def scatter_add_rows(target, rows, values):
     """``target[rows[t]] += values[t]`` for every t, repeated rows summed in order: the gradient of a
-    row lookup (embeddings) and the sum of routed rows (MoE). ``target`` [N, H], ``rows`` [T] ints,
-    ``values`` [T, H], cast to ``target``'s dtype."""
-    if cpu_kernels.fused(target) and isinstance(values, numpy.ndarray) and isinstance(rows, numpy.ndarray):
+    row lookup (embeddings) and the sum of routed rows (MoE). ``target`` [N, H], ``rows`` integer
+    indices of any shape S (in [0, N): the fused loop refuses a negative one, which add.at would
+    wrap), ``values`` [*S, H], cast to ``target``'s dtype. Other shapes take add.at's broadcasting."""
+    if (cpu_kernels.fused(target) and isinstance(values, numpy.ndarray) and isinstance(rows, numpy.ndarray)
+            and rows.dtype.kind in "iu" and target.ndim == 2 and values.shape == rows.shape + target.shape[1:]):
         return cpu_kernels.scatter_add_rows(target, rows, values)
     xp_of(target).add.at(target, rows, values.astype(target.dtype, copy=False))
 
