@@ -86,6 +86,30 @@ def test_vocab_parallel_cross_entropy_padding_never_leaks():
     assert np.all(g_ref[~keep] == 0)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_cross_entropy_row_blocks_and_overwrite_keep_the_bits(dtype, monkeypatch):
+    """Blocks of one row, of three, or all rows at once, into a copy or into the logits' own buffer:
+    the same loss and gradient to the last bit (numpy's operations per row are the same)."""
+    from hpc_tp.tensor_parallel import vocab
+
+    tp, _ = tp_and_reference()
+    logits = (same_random(5, B * T, 29) * 4).astype(dtype)
+    targets = np.random.default_rng(5).integers(0, 29, B * T)
+    targets[::3] = -100
+    local = -(-29 // tp.size)
+    mine = np.ascontiguousarray(np.pad(logits, ((0, 0), (0, local * tp.size - 29)))[:, tp.rank * local:(tp.rank + 1) * local])
+    results = []
+    for block_bytes, overwrite in ((1 << 40, False), (1, False), (3 * local * mine.itemsize, True)):
+        monkeypatch.setattr(vocab, "ROW_BLOCK_BYTES", block_bytes)
+        ce, given = VocabParallelCrossEntropy(29, tp), mine.copy()
+        loss, count, ctx = ce.forward(given, targets, overwrite=overwrite)
+        grad = ce.backward(ctx, 0.25)
+        assert (grad is given.reshape(grad.shape) or np.shares_memory(grad, given)) == overwrite
+        results.append((loss, count, grad.copy()))
+    for loss, count, grad in results[1:]:
+        assert (loss, count) == results[0][:2] and np.array_equal(grad, results[0][2])
+
+
 ATTN_CASES = {
     "mha-causal": dict(n_heads=4, n_kv_heads=4, causal=True),
     "gqa-kv2": dict(n_heads=4, n_kv_heads=2, causal=True),          # kv replicated when tp = 4

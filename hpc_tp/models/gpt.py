@@ -126,7 +126,7 @@ class GPTModel(Module):
 
     def head_forward(self, x, targets):
         logits, lctx = self.logits_forward(x)
-        loss_sum, count, loss_ctx = self._loss.forward(logits, targets)
+        loss_sum, count, loss_ctx = self._loss.forward(logits, targets, overwrite=True)  # logits: the head's own product
         return loss_sum, count, (lctx, loss_ctx)
 
     def head_backward(self, ctx, scale: float):

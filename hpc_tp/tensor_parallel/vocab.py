@@ -8,6 +8,8 @@ columns are set to -inf, so they can never win the max or take probability mass.
 """
 from __future__ import annotations
 
+import numpy
+
 from .. import backend
 from ..comm.base import Communicator
 from ..module import Module, Parameter, split
@@ -73,23 +75,28 @@ class VocabParallelCrossEntropy:
         self.vocab_start = min(comm.rank * local, vocab_size)
         self.vocab_valid = min(local, vocab_size - self.vocab_start)
 
-    def forward(self, logits_local, targets):
+    def forward(self, logits_local, targets, overwrite: bool = False):
+        """``overwrite``: the logits are this call's to reuse (the LM head's fresh product), so the
+        softmax numerators are made in their buffer instead of a copy."""
         xp = backend.xp_of(logits_local)
         # Half-precision logits are widened: a float16 sum of exponentials or of the batch's token
         # losses passes 65504 (e.g. 8192 tokens at loss 10) and the step would be lost as inf.
         work = logits_local.dtype if logits_local.dtype.itemsize >= 4 else "float32"
-        logits = logits_local.reshape(-1, logits_local.shape[-1]).astype(work)  # a copy
+        logits = logits_local.reshape(-1, logits_local.shape[-1])
+        logits = logits if overwrite and logits.dtype == work and logits.flags.c_contiguous else logits.astype(work)
         targets = targets.reshape(-1)
         logits[:, self.vocab_valid:] = -xp.inf
         row_max = self.comm.all_reduce(logits.max(axis=1), op="max")
-        logits -= row_max[:, None]
         local_t = targets - self.vocab_start
         mine = (local_t >= 0) & (local_t < self.vocab_valid)
-        rows = xp.arange(targets.shape[0])
+        picked = xp.where(mine, local_t, 0)
         sums = xp.zeros((2, targets.shape[0]), dtype=logits.dtype)
-        sums[1] = xp.where(mine, logits[rows, xp.where(mine, local_t, 0)], 0.0)
-        xp.exp(logits, out=logits)  # logits now holds exp(z - max): the softmax numerators
-        sums[0] = logits.sum(axis=1)
+        for rows in _row_blocks(logits):  # numpy's operations, a block of rows at a time while it is in cache
+            block = logits[rows]
+            block -= row_max[rows, None]
+            sums[1, rows] = xp.where(mine[rows], block[xp.arange(block.shape[0]), picked[rows]], 0.0)
+            xp.exp(block, out=block)  # block now holds exp(z - max): the softmax numerators
+            sums[0, rows] = block.sum(axis=1)
         self.comm.all_reduce(sums)  # sum of exponentials and target logit, in one message
         valid = targets != IGNORE_INDEX
         token_loss = xp.where(valid, xp.log(sums[0]) - sums[1], 0.0)
@@ -97,11 +104,28 @@ class VocabParallelCrossEntropy:
         return float(token_loss.sum()), int(valid.sum()), ctx
 
     def backward(self, ctx, scale: float):
-        """Gradient of ``scale * sum(token losses)`` with respect to the local logits."""
+        """Gradient of ``scale * sum(token losses)`` with respect to the local logits, in the
+        numerators' buffer."""
         probs, sum_exp, local_t, target_here, valid, shape, dtype = ctx
         xp = backend.xp_of(probs)
-        probs /= sum_exp[:, None]
-        rows = xp.nonzero(target_here)[0]
-        probs[rows, local_t[rows]] -= 1.0
-        probs *= xp.where(valid, scale, 0.0)[:, None]
+        row_scale = xp.where(valid, scale, 0.0)
+        for rows in _row_blocks(probs):
+            block = probs[rows]
+            block /= sum_exp[rows, None]
+            hit = xp.nonzero(target_here[rows])[0]
+            block[hit, local_t[rows][hit]] -= 1.0
+            block *= row_scale[rows, None]
         return probs.reshape(shape).astype(dtype, copy=False)
+
+
+ROW_BLOCK_BYTES = 1 << 20  # a block of logit rows small enough that its passes run in L2 (NOTES.md item 46)
+
+
+def _row_blocks(logits):
+    """Slices of ``logits``' rows of about ``ROW_BLOCK_BYTES`` each on the CPU; all rows at once on a
+    device (one kernel per operation is what a GPU wants)."""
+    rows = logits.shape[0]
+    if not isinstance(logits, numpy.ndarray):
+        return [slice(0, rows)]
+    step = max(1, ROW_BLOCK_BYTES // max(1, logits.shape[1] * logits.itemsize))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
