@@ -76,9 +76,10 @@ def retain_freed_memory() -> bool:
     """Keep freed memory in this process's heap (glibc only; elsewhere nothing changes). A step
     frees and reallocates the same activations every time; by default glibc hands the heap top
     back to the OS and maps big arrays fresh, so every step page-faults them in again (W1 at tp=2:
-    ~10% of the step). Arrays up to 32 MiB (glibc's largest threshold) come from the heap, and the
-    heap is never trimmed: the resident size stays at the peak every step reaches anyway.
-    True if applied."""
+    ~10% of the step). Every array comes from the heap, the large ones too (glibc would map anything
+    over its largest threshold, 32 MiB, fresh each time: a 103 MB logits buffer was page-faulted in
+    every step, NOTES.md item 47), and the heap is never trimmed: the resident size stays at the peak
+    every step reaches anyway. True if applied."""
     import ctypes
     import sys
 
@@ -88,8 +89,9 @@ def retain_freed_memory() -> bool:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (e.g. musl)
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4  # malloc.h
+    return (bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+            and bool(mallopt(m_mmap_max, 0)))
 
 
 # glibc backs its heap with transparent huge pages (madvise) under this tunable; it is read at process
