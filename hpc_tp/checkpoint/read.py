@@ -27,7 +27,10 @@ def load_checkpoint(path_or_root, tensors: dict, grid) -> dict:
     Collective over the grid: a missing tensor, a shape mismatch, a missing shard file or a
     checksum mismatch on any rank raises ConfigError on every rank.
     """
-    return run_everywhere(grid.world, lambda: _load(path_or_root, tensors))
+    meta = run_everywhere(grid.world, lambda: _load(path_or_root, tensors))
+    if tensors:
+        backend.release_free_memory()  # the whole tensors read (and a new model's first draws) are no longer needed
+    return meta
 
 
 def _load(path_or_root, tensors: dict) -> dict:

@@ -77,7 +77,8 @@ class VocabParallelCrossEntropy:
 
     def forward(self, logits_local, targets, overwrite: bool = False):
         """``overwrite``: the logits are this call's to reuse (the LM head's fresh product), so the
-        softmax numerators are made in their buffer instead of a copy."""
+        softmax numerators are made in their buffer instead of a copy (half-precision or strided
+        logits are still copied: widened, or made contiguous)."""
         xp = backend.xp_of(logits_local)
         # Half-precision logits are widened: a float16 sum of exponentials or of the batch's token
         # losses passes 65504 (e.g. 8192 tokens at loss 10) and the step would be lost as inf.

@@ -107,6 +107,7 @@ class Trainer:
         self.sampler = DistributedSampler(len(self.dataset), s.global_batch, grid.coords.dp, grid.dp_size, s.seed)
         self.step = 0
         self.messages: list[str] = []
+        backend.release_free_memory()  # the parameters' first draws (full tensors, float64) are gone
 
     # -- set-up ------------------------------------------------------------------------------------------
     def _planned(self, world) -> TrainSettings:
