@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy
 
-from ..nn.cpu_kernels import DTYPES, ENABLED, _jit, numba
+from ..nn.cpu_kernels import DTYPES, ENABLED, _jit, _rows, numba
 
 
 def fused(*arrays) -> bool:
@@ -23,10 +23,6 @@ def fused(*arrays) -> bool:
     first = arrays[0]
     return ENABLED and all(isinstance(a, numpy.ndarray) and a.dtype == first.dtype and a.dtype in DTYPES
                            and 1 <= a.ndim <= 2 and a.strides[-1] == a.itemsize for a in arrays)
-
-
-def _2d(x):
-    return x.reshape(1, -1) if x.ndim == 1 else x
 
 
 def _plain(function):
@@ -51,8 +47,8 @@ def adamw(p, g, m, v, grad_scale, decay, beta1, beta2, root_correction2, eps, st
     """``optim.AdamW``'s update of one parameter, in place, from ``g * grad_scale`` (``decay``:
     1 - lr * weight decay, or 1)."""
     cast = p.dtype.type
-    _adamw(_2d(p), _2d(g), _2d(m), _2d(v), cast(grad_scale), cast(decay), cast(beta1), cast(1 - beta1), cast(beta2),
-           cast(1 - beta2), cast(root_correction2), cast(eps), cast(step_size))
+    _adamw(_rows(p), _rows(g), _rows(m), _rows(v), cast(grad_scale), cast(decay), cast(beta1), cast(1 - beta1),
+           cast(beta2), cast(1 - beta2), cast(root_correction2), cast(eps), cast(step_size))
 
 
 @_jit
@@ -68,4 +64,4 @@ def _sum_of_squares(x):
 
 def sum_of_squares(x) -> float:
     """sum(x**2) accumulated in float64, in one read of ``x``."""
-    return _sum_of_squares(_2d(x))
+    return _sum_of_squares(_rows(x))
