@@ -11,8 +11,11 @@ The ctx (not the module) holds saved activations, so several micro-batches can b
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
+
+import numpy
 
 from . import backend
 
@@ -77,8 +80,6 @@ def split(shape, axis: int, parts: int, index: int, replicas: int = 1, group: st
 
 def gather_full(local, partition: Partition, comm):
     """The logical tensor reassembled from every rank's unpadded piece (for checks and exports)."""
-    import numpy
-
     pieces = comm.allgather_object((partition.local_slice(), backend.to_numpy(local[partition.valid_local()])))
     full = numpy.zeros(partition.full_shape, dtype=local.dtype)
     for index, piece in pieces:
@@ -90,9 +91,83 @@ def grad_buffer(data):
     """A zeroed gradient for ``data``: float32 when ``data`` is float16/bfloat16, as Megatron-LM's
     main_grad. Micro-batches, bias and norm sums over tokens, and the replicas' sums then add up in
     float32, not in a format with 8 or 11 significant bits; the half products themselves are
-    unchanged. Other dtypes keep their own."""
+    unchanged. Other dtypes keep their own. Inside ``with GradArena(...)`` it is a slice of the arena."""
     dtype = "float32" if data.dtype.itemsize < 4 else data.dtype
-    return backend.xp_of(data).zeros(data.shape, dtype=dtype)
+    xp = backend.xp_of(data)
+    if GradArena.active is not None:
+        return GradArena.active.zeros(data.shape, dtype, xp)
+    return xp.zeros(data.shape, dtype=dtype)
+
+
+class GradArena:
+    """Gradients stored back to back in flat chunks of ``chunk_bytes`` (one dtype per chunk; a
+    larger gradient gets a chunk of its own), so that a data-parallel bucket is one slice of a chunk
+    and is all-reduced in place: no copy into a bucket and back, and no second gradient-sized buffer
+    (Megatron-LM's contiguous gradient buffer, PyTorch DDP's gradient views). Every ``grad_buffer``
+    made inside ``with GradArena(chunk_bytes) as arena:`` comes from it. A chunk is allocated
+    uninitialised and only the slices handed out are zeroed, so on the CPU the unused end of the
+    last chunk never becomes resident."""
+
+    active: GradArena | None = None
+
+    def __init__(self, chunk_bytes: int):
+        if not chunk_bytes > 0:
+            from .errors import ConfigError
+            raise ConfigError(f"gradient bucket size {chunk_bytes!r} bytes must be > 0")
+        self.chunk_bytes = chunk_bytes
+        self.chunks: list = []
+        self.used: list[int] = []  # elements handed out of each chunk
+        self._open: dict = {}  # dtype -> index of the chunk that small gradients of it go to
+
+    def __enter__(self) -> GradArena:
+        if GradArena.active is not None:
+            raise RuntimeError("GradArena blocks do not nest")
+        GradArena.active = self
+        return self
+
+    def __exit__(self, *exc):
+        GradArena.active = None
+
+    def zeros(self, shape, dtype, xp):
+        dtype = numpy.dtype(dtype)
+        size = math.prod(shape)
+        if size * dtype.itemsize >= self.chunk_bytes:
+            index = self._new_chunk(size, dtype, xp)
+        else:
+            index = self._open.get(dtype)
+            if index is None or (self.used[index] + size) * dtype.itemsize > self.chunk_bytes:
+                index = self._open[dtype] = self._new_chunk(self.chunk_bytes // dtype.itemsize, dtype, xp)
+        start = self.used[index]
+        self.used[index] += size
+        view = self.chunks[index][start:start + size].reshape(shape)
+        view[...] = 0
+        return view
+
+    def _new_chunk(self, size: int, dtype, xp) -> int:
+        self.chunks.append(xp.empty(size, dtype=dtype))
+        self.used.append(0)
+        return len(self.chunks) - 1
+
+    def zero(self):
+        """Every gradient in the arena back to zero: one contiguous pass over each chunk's used part
+        (``Module.zero_grad`` goes parameter by parameter, column block by column block)."""
+        for chunk, used in zip(self.chunks, self.used):
+            chunk[:used] = 0
+
+    def locate(self, array) -> tuple[int, int, int]:
+        """(chunk index, start, stop): the elements of a chunk that ``array`` (a gradient, or a
+        strided view into a fused one) spans; ValueError if it is not in this arena."""
+        low = _address(array)
+        span = sum((n - 1) * s for n, s in zip(array.shape, array.strides)) + array.itemsize if array.size else 0
+        for index, chunk in enumerate(self.chunks):
+            offset = low - _address(chunk)
+            if chunk.dtype == array.dtype and 0 <= offset and offset + span <= chunk.nbytes:
+                return index, offset // array.itemsize, (offset + span) // array.itemsize
+        raise ValueError("a gradient outside the GradArena: build the model inside `with GradArena(...)`")
+
+
+def _address(array) -> int:
+    return array.ctypes.data if isinstance(array, numpy.ndarray) else array.data.ptr
 
 
 class Parameter:

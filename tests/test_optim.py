@@ -10,7 +10,7 @@ from conftest import world_size
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid, factorizations
-from hpc_tp.module import Parameter, replicated, split
+from hpc_tp.module import GradArena, Parameter, grad_buffer, replicated, split
 from hpc_tp.train.grad_sync import GradBucketer, all_reduce_grads
 from hpc_tp.train.optim import AdamW, agree_finite, clip_coefficient, global_grad_norm
 from hpc_tp.train.schedule import lr_at
@@ -187,20 +187,22 @@ def test_lr_schedule_rejects_bad_arguments(args):
 
 # -- data-parallel gradient buckets -----------------------------------------------------------------------
 
-def _dp_params(rank: int) -> dict:
-    """Gradients that differ per rank, two of them non-contiguous views of one fused buffer, one float32."""
-    fused_grad = np.zeros((4, 6))
-    named = {
-        "fused.a": Parameter(np.zeros((4, 2)), replicated((4, 2), 1), grad=fused_grad[:, :2]),
-        "fused.b": Parameter(np.zeros((4, 4)), replicated((4, 4), 1), grad=fused_grad[:, 2:]),
-        "half": Parameter(np.zeros((3, 3), np.float32), replicated((3, 3), 1)),
-        "w1": Parameter(np.zeros((5, 3)), replicated((5, 3), 1)),
-        "w2": Parameter(np.zeros((2, 2)), replicated((2, 2), 1)),
-        "w3": Parameter(np.zeros((7,)), replicated((7,), 1)),
-    }
+def _dp_params(rank: int) -> tuple[dict, GradArena]:
+    """Gradients that differ per rank, in an arena of 128-byte chunks: two of them non-contiguous
+    views of one fused buffer (192 bytes: a chunk of its own), one float32 (a chunk of its dtype)."""
+    with GradArena(128) as arena:
+        fused_grad = grad_buffer(np.zeros((4, 6)))
+        named = {
+            "fused.a": Parameter(np.zeros((4, 2)), replicated((4, 2), 1), grad=fused_grad[:, :2]),
+            "fused.b": Parameter(np.zeros((4, 4)), replicated((4, 4), 1), grad=fused_grad[:, 2:]),
+            "half": Parameter(np.zeros((3, 3), np.float32), replicated((3, 3), 1)),
+            "w1": Parameter(np.zeros((5, 3)), replicated((5, 3), 1)),  # 120 bytes: w2 starts a new chunk
+            "w2": Parameter(np.zeros((2, 2)), replicated((2, 2), 1)),
+            "w3": Parameter(np.zeros((7,)), replicated((7,), 1)),
+        }
     for name, p in named.items():
         p.grad[...] = _full(name, p.grad.shape, rank)
-    return named
+    return named, arena
 
 
 def _launched(bucket) -> bool:
@@ -211,10 +213,10 @@ def _launched(bucket) -> bool:
 def test_bucketer_overlapped_and_plain_paths_give_the_mean_over_ranks(average):
     grid = ProcessGrid(tp=1, dp=world_size())
     dp, rank = grid.dp.size, grid.dp.rank
-    overlapped, plain = _dp_params(rank), _dp_params(rank)
-    bucketer = GradBucketer(overlapped, grid.dp, bucket_bytes=128, average=average)
-    assert len(bucketer.buckets) >= 4
-    assert bucketer.buckets[0].names[0] == "w3"  # reverse registration order: backward's order
+    (overlapped, arena), (plain, plain_arena) = _dp_params(rank), _dp_params(rank)
+    bucketer = GradBucketer(overlapped, grid.dp, arena, average=average)
+    # Reverse allocation order (backward's), a fused gradient whole in one bucket.
+    assert [b.names for b in bucketer.buckets] == [["w3", "w2"], ["w1"], ["half"], ["fused.b", "fused.a"]]
 
     bucketer.start()
     first, second = bucketer.buckets[:2]
@@ -227,7 +229,7 @@ def test_bucketer_overlapped_and_plain_paths_give_the_mean_over_ranks(average):
     for name in rest[:-1]:  # the last is never marked: finish() sends it anyway
         bucketer.mark_ready(name)
     bucketer.finish()
-    all_reduce_grads(plain, grid.dp, average=average, bucket_bytes=128)
+    all_reduce_grads(plain, grid.dp, plain_arena, average=average)
 
     for name, p in overlapped.items():
         expected = sum(_full(name, p.grad.shape, r) for r in range(dp)) / (dp if average else 1)
@@ -235,9 +237,42 @@ def test_bucketer_overlapped_and_plain_paths_give_the_mean_over_ranks(average):
         np.testing.assert_array_equal(p.grad, plain[name].grad, err_msg=name)
 
 
+def test_buckets_are_the_gradients_own_storage():
+    """A bucket is the arena's memory under its gradients, exactly: summed in place, nothing copied."""
+    named, arena = _dp_params(0)
+    bucketer = GradBucketer(named, ProcessGrid(tp=1, dp=world_size()).dp, arena)
+    for bucket in bucketer.buckets:
+        grads = [named[name].grad for name in bucket.names]
+        assert all(np.shares_memory(g, bucket.flat) for g in grads)
+        assert sum(g.size for g in grads) == bucket.flat.size  # no gap, no overlap
+        assert bucket.flat.base is arena.chunks[arena.locate(grads[0])[0]]
+
+
+def test_grad_arena_chunks_and_misuse():
+    with GradArena(64) as arena:
+        a, b = grad_buffer(np.ones(5)), grad_buffer(np.ones(3))  # 40 + 24 bytes: one chunk
+        big = grad_buffer(np.ones((3, 4), np.float16))  # a float32 gradient of 48 bytes: its own dtype's chunk
+        c = grad_buffer(np.ones(1))  # 8 more float64 bytes do not fit: a new chunk
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with GradArena(64):
+                pass
+    assert big.dtype == np.float32 and not any(x.any() for x in (a, b, big, c))
+    assert [arena.locate(x) for x in (a, b, big, c)] == [(0, 0, 5), (0, 5, 8), (1, 0, 12), (2, 0, 1)]
+    assert arena.locate(big[:, 1:3]) == (1, 1, 11)  # a strided view spans from its first element to its last
+    a[...], big[...], c[...] = 1, 2, 3
+    arena.zero()
+    assert not any(x.any() for x in (a, big, c))
+    assert grad_buffer(np.ones(2)).base is None  # outside the block: a plain array
+    with pytest.raises(ValueError, match="outside the GradArena"):
+        arena.locate(np.zeros(5))
+    with pytest.raises(ConfigError, match="must be > 0"):
+        GradArena(0)
+
+
 def test_bucketer_reports_misuse():
     grid = ProcessGrid(tp=1, dp=world_size())
-    bucketer = GradBucketer(_dp_params(grid.dp.rank), grid.dp, bucket_bytes=128)
+    named, arena = _dp_params(grid.dp.rank)
+    bucketer = GradBucketer(named, grid.dp, arena)
     with pytest.raises(RuntimeError, match="before start"):
         bucketer.mark_ready("w1")
     bucketer.start()
@@ -247,8 +282,8 @@ def test_bucketer_reports_misuse():
     with pytest.raises(RuntimeError, match="twice"):
         bucketer.mark_ready("w1")
     bucketer.finish()
-    with pytest.raises(ConfigError):
-        GradBucketer({}, grid.dp, bucket_bytes=0)
+    with pytest.raises(ValueError, match="outside the GradArena"):
+        GradBucketer({"w": Parameter(np.zeros(3), replicated((3,), 1))}, grid.dp, GradArena(128))
 
 
 def _adamw_run(dtype, fused: bool, monkeypatch, steps: int = 3):

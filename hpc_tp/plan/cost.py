@@ -327,7 +327,7 @@ def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, clust
         if kind(s) not in kinds:
             k = kinds[kind(s)] = _stage(cfg, layout, seq, m, stage_layers, s, cluster, calibration, network, mem_bw,
                                         per_node)
-            k["memory"] = stage_memory(cfg, layout.tp, layout.dp, layout.pp, s, stage_layers, layout.micro_batch,
+            k["memory"] = stage_memory(cfg, layout.tp, layout.pp, s, stage_layers, layout.micro_batch,
                                        seq, m, layout.schedule, layout.recompute, precision, ENGINE, layout.ep)
             k["stage"] = s  # the first of its kind holds the most micro-batches in flight
         stage_times.append(kinds[kind(s)]["micro"])

@@ -4,8 +4,8 @@ Parameters are counted the way the engine allocates them, tensor by tensor: colu
 weights and vocabulary blocks split over tp (the vocabulary padded to ``ceil(V / tp)`` rows),
 norm gains and row-parallel biases replicated, K/V heads replicated on ``tp / kv_heads`` ranks
 when tp exceeds the KV head count, a tied LM head on a later pipeline stage holding its own copy
-of the embedding. Gradients and AdamW's two moments have the parameters' shapes; a data-parallel
-group of more than one also holds the flat gradient buckets (one more gradient-sized copy).
+of the embedding. Gradients and AdamW's two moments have the parameters' shapes (the
+data-parallel buckets are the gradients' own storage, ``module.GradArena``: no copy).
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4): list every tensor a layer keeps for backward. Per layer and
@@ -206,7 +206,7 @@ def in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
 @dataclass(frozen=True)
 class StageMemory:
     params: int            # bytes of parameters
-    grads: int             # gradients, plus the dp buckets' copy when dp > 1
+    grads: int             # gradients (the dp buckets sum them in place)
     optimizer: int         # AdamW moments (and fp32 master weights in mixed precision)
     activations: int       # held for backward by the micro-batches in flight
     recompute_peak: int    # one layer rebuilt in backward (recomputation only)
@@ -220,11 +220,10 @@ class StageMemory:
         return self.params + self.grads + self.optimizer
 
 
-def stage_memory(cfg: ModelConfig, tp: int, dp: int, pp: int, stage: int, layers: range, micro_batch: int,
+def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, micro_batch: int,
                  seq: int, micro_batches: int, schedule: str, recompute: bool, precision,
                  saved: SavedTensors = ENGINE, ep: int = 1) -> StageMemory:
-    """``layers``: the stage's global layer indices. Gradient buckets: a copy of the dense gradients
-    when dp > 1, of the experts' when their expert-dp group (dp / ep) has more than one rank."""
+    """``layers``: the stage's global layer indices."""
     first, last = stage == 0, stage == pp - 1
     params = stage_params(cfg, tp, layers, first, last, ep)
     elem = precision.activation_bytes
@@ -239,9 +238,7 @@ def stage_memory(cfg: ModelConfig, tp: int, dp: int, pp: int, stage: int, layers
         per_micro += embedding_activation_bytes(micro_batch, seq)
     if last:
         per_micro += head_activation_bytes(cfg, micro_batch, seq, tp, elem)
-    experts = expert_params(cfg, tp, layers, ep)
-    copied = (params - experts if dp > 1 else 0) + (experts if dp // ep > 1 else 0)
-    return StageMemory(params * precision.param_bytes, (params + copied) * precision.grad_bytes,
+    return StageMemory(params * precision.param_bytes, params * precision.grad_bytes,
                        params * precision.optimizer_bytes,
                        in_flight(schedule, pp, stage, micro_batches) * per_micro, rebuilt)
 

@@ -1,52 +1,44 @@
-"""Data-parallel gradient all-reduce in flat buckets, overlapped with backward.
+"""Data-parallel gradient all-reduce in buckets, in place, overlapped with backward.
 
-Parameters are grouped, in reverse order of registration (about the order backward produces
-their gradients), into contiguous buckets of at most ``bucket_bytes`` (a larger parameter gets
-a bucket of its own). During backward the trainer calls ``mark_ready(*names)`` once gradients
-are final (after the last micro-batch); a bucket whose gradients are all final is packed and
-launched with ``iall_reduce`` while backward goes on. ``finish()`` launches what is left, waits
-and writes the results back into ``p.grad`` (views into fused buffers included).
+The model's gradients live in a ``GradArena`` (``hpc_tp.module``): flat chunks of
+``DEFAULT_BUCKET_BYTES``, filled in the order the layers allocate them. A bucket is a contiguous
+run of one chunk, so its all-reduce reads and writes the gradients where they are: no copy into
+a flat buffer and back, no second gradient-sized buffer. Buckets go in reverse order of
+allocation (about the order backward produces gradients). A fused layer's gradient (QKV,
+gate/up) is one piece of storage whose segments are strided views: it always falls in one bucket.
 
-    bucketer = GradBucketer(model.state(), grid.dp)
+During backward the trainer calls ``mark_ready(*names)`` once gradients are final (after the last
+micro-batch); a bucket whose gradients are all final is launched with ``iall_reduce`` while
+backward goes on. ``finish()`` launches what is left and waits.
+
+    with GradArena(DEFAULT_BUCKET_BYTES) as arena:
+        model = build_stage(...)
+    bucketer = GradBucketer(model.state(), grid.dp, arena)
     bucketer.start()
     ... backward, calling bucketer.mark_ready(*names_of_the_layer_just_done) ...
     bucketer.finish()
 
 Non-blocking collectives match by the order they are issued, so buckets are launched strictly
 in bucket order: one that completes early waits for those before it. Every dp rank builds the
-same buckets from the same names, so the collectives line up whatever order its gradients come
-in. With a dp group of one nothing is packed or sent.
+same model, so the same buckets, and the collectives line up whatever order its gradients come
+in. With a dp group of one nothing is sent.
 """
 from __future__ import annotations
 
-from .. import backend
-from ..errors import ConfigError
-from ..module import Parameter
+from ..module import GradArena, Parameter
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class _Bucket:
-    def __init__(self, named: list[tuple[str, Parameter]]):
-        self.names = [name for name, _ in named]
-        self.params = [p for _, p in named]
-        self.numel = sum(p.grad.size for p in self.params)
-        self.flat = None  # allocated at the first launch, so a dp group of one never holds a copy
+    """The gradients ``names``, which together fill ``flat``: a contiguous slice of an arena chunk."""
+
+    def __init__(self, names: list[str], flat):
+        self.names, self.flat = names, flat
         self.pending: set[str] = set()
         self.request = None
 
-    def _views(self):
-        offset = 0
-        for p in self.params:
-            yield p.grad, self.flat[offset:offset + p.grad.size].reshape(p.grad.shape)
-            offset += p.grad.size
-
     def launch(self, comm):
-        if self.flat is None:
-            grad = self.params[0].grad
-            self.flat = backend.xp_of(grad).empty(self.numel, dtype=grad.dtype)
-        for grad, packed in self._views():
-            packed[...] = grad
         self.request = comm.iall_reduce(self.flat)
 
     def complete(self, divisor: int | None):
@@ -54,34 +46,36 @@ class _Bucket:
         self.request = None
         if divisor is not None:
             self.flat /= divisor
-        for grad, packed in self._views():
-            grad[...] = packed
 
 
-def _build_buckets(named: list[tuple[str, Parameter]], bucket_bytes: int) -> list[_Bucket]:
-    buckets, current, nbytes = [], [], 0
-    for name, p in named:
-        # One dtype per bucket: the flat buffer is a single array.
-        if current and (nbytes + p.grad.nbytes > bucket_bytes or p.grad.dtype != current[0][1].grad.dtype):
-            buckets.append(_Bucket(current))
-            current, nbytes = [], 0
-        current.append((name, p))
-        nbytes += p.grad.nbytes
-    if current:
-        buckets.append(_Bucket(current))
-    return buckets
+def _build_buckets(named: dict[str, Parameter], arena: GradArena) -> list[_Bucket]:
+    """Pieces of storage (a plain gradient, or a fused one with all its views) in arena order, then
+    runs of adjacent pieces in one chunk, last first."""
+    located = sorted((arena.locate(p.grad), name) for name, p in named.items())
+    pieces: list[list] = []  # [chunk, start, stop, names]
+    for (chunk, start, stop), name in located:
+        if pieces and pieces[-1][0] == chunk and start < pieces[-1][2]:  # views of one fused gradient
+            pieces[-1][2] = max(pieces[-1][2], stop)
+            pieces[-1][3].append(name)
+        else:
+            pieces.append([chunk, start, stop, [name]])
+    runs: list[list] = []
+    for piece in pieces:
+        if runs and runs[-1][0] == piece[0] and runs[-1][2] == piece[1]:
+            runs[-1][2] = piece[2]
+            runs[-1][3] += piece[3]
+        else:
+            runs.append(piece)
+    return [_Bucket(names[::-1], arena.chunks[chunk][start:stop]) for chunk, start, stop, names in runs[::-1]]
 
 
 class GradBucketer:
     """``average=True`` divides the sums by the dp size (the mean gradient, for a loss averaged
     per rank); ``average=False`` keeps the sums (for a loss already scaled by the global count)."""
 
-    def __init__(self, named_params: dict[str, Parameter], dp_comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 average: bool = True):
-        if not bucket_bytes > 0:
-            raise ConfigError(f"gradient bucket size {bucket_bytes!r} bytes must be > 0")
+    def __init__(self, named_params: dict[str, Parameter], dp_comm, arena: GradArena, average: bool = True):
         self.comm, self.average = dp_comm, average
-        self.buckets = _build_buckets(list(named_params.items())[::-1], bucket_bytes)
+        self.buckets = _build_buckets(named_params, arena)
         self._bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
         self._next = None  # index of the next bucket to launch; None outside start() .. finish()
 
@@ -107,7 +101,7 @@ class GradBucketer:
         self._launch(stop_at_pending=True)
 
     def finish(self):
-        """Launch what is left (gradients never marked go as they are), wait, write back into ``p.grad``."""
+        """Launch what is left (gradients never marked go as they are) and wait for every bucket."""
         if self._next is None:
             raise RuntimeError("GradBucketer.finish() called before start()")
         self._launch(stop_at_pending=False)
@@ -137,13 +131,13 @@ class ExpertAwareBucketer:
     group, each expert's over ``grid.expert_dp`` (the ranks that hold that same expert; every other
     dp rank holds other experts). Same interface as ``GradBucketer``, sums (``average=False``)."""
 
-    def __init__(self, named_params: dict[str, Parameter], grid, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, named_params: dict[str, Parameter], grid, arena: GradArena):
         from ..nn.moe import is_expert_parameter
 
         experts = {n: p for n, p in named_params.items() if is_expert_parameter(n)}
         dense = {n: p for n, p in named_params.items() if n not in experts}
-        self.parts = [GradBucketer(dense, grid.dp, bucket_bytes, average=False),
-                      GradBucketer(experts, grid.expert_dp, bucket_bytes, average=False)]
+        self.parts = [GradBucketer(dense, grid.dp, arena, average=False),
+                      GradBucketer(experts, grid.expert_dp, arena, average=False)]
         self._part_of = {name: part for part in self.parts for name in part._bucket_of}
 
     def start(self):
@@ -164,8 +158,7 @@ class ExpertAwareBucketer:
             part.finish()
 
 
-def all_reduce_grads(named_params: dict[str, Parameter], dp_comm, average: bool = True,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+def all_reduce_grads(named_params: dict[str, Parameter], dp_comm, arena: GradArena, average: bool = True):
     """Plain path (no overlap): the same buckets and collectives as the overlapped one, so the
     numbers are bit-identical."""
-    GradBucketer(named_params, dp_comm, bucket_bytes, average).all_reduce()
+    GradBucketer(named_params, dp_comm, arena, average).all_reduce()

@@ -34,6 +34,7 @@ from ..comm import use_device
 from ..comm.watchdog import WatchedCommunicator, watched
 from ..errors import ConfigError
 from ..grid import ProcessGrid
+from ..module import GradArena
 from ..models import load_config
 from ..models.config import PRESETS, ModelConfig
 from ..pipeline import build_stage, parse_pp_layers, pipeline_forward_backward, sync_tied_embeddings, tied_copy_names
@@ -42,7 +43,7 @@ from ..tensor_parallel.vocab import IGNORE_INDEX
 from .data import DistributedSampler, TaskDataset, build_dataset
 from .evaluate import heldout_accuracy
 from .expert_parallel import check_expert_parallel, moe_metrics, moe_summary
-from .grad_sync import ExpertAwareBucketer
+from .grad_sync import DEFAULT_BUCKET_BYTES, ExpertAwareBucketer
 from .metrics import MetricsLogger
 from .mixed_precision import MixedPrecision
 from .optim import AdamW, agree_finite, clip_coefficient, global_grad_norm
@@ -95,14 +96,15 @@ class Trainer:
             check_sequence_divisible(self.seq_len, grid.tp_size)
         self.dataset = build_dataset(s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank,
                                      barrier=grid.world.barrier)
-        self.model = self._build_model()
+        with GradArena(DEFAULT_BUCKET_BYTES) as self.grad_arena:  # the dp buckets all-reduce gradients in place
+            self.model = self._build_model()
         self.params = self.model.state()
         self.precision = MixedPrecision(self.params, s.dtype)  # float32 masters of half weights (else the same)
         if s.init:
             load_checkpoint(s.init, self.precision.master, grid)
             self.precision.sync_model()
         self.optimizer = AdamW(self.precision.master, s.lr, weight_decay=s.weight_decay)
-        self.bucketer = ExpertAwareBucketer(self.params, grid)
+        self.bucketer = ExpertAwareBucketer(self.params, grid, self.grad_arena)
         self.tied_copies = tied_copy_names(self.model, grid)  # counted once, on the first stage
         self.sampler = DistributedSampler(len(self.dataset), s.global_batch, grid.coords.dp, grid.dp_size, s.seed)
         self.step = 0
@@ -188,7 +190,7 @@ class Trainer:
             self.optimizer.step(lr, grad_scale=clip_coefficient(norm, s.clip_grad))
         scaling = self.precision.record(finite, loss)  # before update() halves the scale
         self.precision.update(finite)  # half weights from the masters; fp16: the loss scale
-        self.model.zero_grad()
+        self.grad_arena.zero()  # every gradient of the model, chunk by chunk
         self.step += 1
         elapsed = time.perf_counter() - started
         comm = self._comm_seconds() - comm_before
