@@ -1,4 +1,6 @@
 """`hpc-tp bench checkpoint`: the record's structure, and that the timed load really restores the tensors."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -15,8 +17,12 @@ def test_checkpoint_benchmark_reports_both_paths(tmp_path):
     grid = ProcessGrid(tp=comm.size, world=comm)
     model = GPTModel(load_config("tiny", vocab_size=258), grid.tp, dtype="float32", seed=3)
     before = {name: p.data.copy() for name, p in model.state().items()}
-    record = benchmark_checkpoint(grid, model, AdamW(model.state(), lr=1e-3), comm.bcast_object(str(tmp_path)),
-                                  repeats=2)
+    folder = Path(comm.bcast_object(str(tmp_path)))  # rank 0's folder for every rank
+    if comm.rank == 0:
+        (folder / "mine.txt").write_text("the user's")  # --dir may hold anything: it is left alone
+    record = benchmark_checkpoint(grid, model, AdamW(model.state(), lr=1e-3), folder, repeats=2)
+    comm.barrier()
+    assert [p.name for p in folder.iterdir()] == ["mine.txt"] and (folder / "mine.txt").read_text() == "the user's"
     assert record["ranks"] == comm.size and record["tensors"] == 3 * len(before)
     expected = sum(int(np.prod(p.partition.full_shape)) * 4 for p in model.state().values()) * 3
     assert record["logical_bytes"] == expected

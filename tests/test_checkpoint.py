@@ -235,6 +235,36 @@ def test_inspect_shows_config_tensors_and_verification(comm_world, root, everywh
     assert {t["name"]: tuple(t["shape"]) for t in info["tensors"]} == {n: s for n, (s, _) in SPECS.items()}
 
 
+@mpi
+def test_a_resave_that_dies_between_its_renames_keeps_the_old_step(comm_world, root, everywhere):
+    first = save_checkpoint(root, 1, make_tensors(everywhere), {"version": 1}, everywhere)
+    comm_world.barrier()
+    if comm_world.rank == 0:  # the state a crash right after setting step 1 aside leaves
+        os.rename(first, root / ".old-step-000001")
+        (root / ".tmp-step-000001").mkdir()
+    comm_world.barrier()
+    assert latest_checkpoint(root) == root / ".old-step-000001"
+    tensors = make_tensors(everywhere, fill=False)
+    assert load_checkpoint(root, tensors, everywhere) == {"version": 1}
+    assert_hold_full_tensors(tensors)
+    save_checkpoint(root, 1, make_tensors(everywhere), {"version": 2}, everywhere)  # the rerun replaces it
+    assert sorted(os.listdir(root)) == ["latest", "step-000001"]
+    assert load_checkpoint(root, make_tensors(everywhere, fill=False), everywhere) == {"version": 2}
+
+
+@mpi
+def test_a_truncated_master_file_is_one_clear_error(comm_world, root, alone, everywhere):
+    path = save_checkpoint(root, 1, make_tensors(everywhere), {}, everywhere)
+    comm_world.barrier()
+    if comm_world.rank == 0:
+        os.truncate(path / "master.h5", (path / "master.h5").stat().st_size // 2)
+    comm_world.barrier()
+    with pytest.raises(ConfigError, match="master.h5: .*truncated"):
+        describe_checkpoint(path)
+    with pytest.raises(ConfigError, match="truncated"):
+        load_checkpoint(path, make_tensors(alone, fill=False), alone)
+
+
 def test_latest_falls_back_to_the_highest_complete_step(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     for step, complete in ((1, True), (3, True), (4, False)):

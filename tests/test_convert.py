@@ -411,6 +411,19 @@ def test_bfloat16_source_is_widened_exactly(tmp_path):
     assert np.abs(got - k.T).max() <= np.abs(k).max() / 128  # bfloat16 keeps 8 significant bits
 
 
+def test_narrowing_to_bfloat16_rounds_to_nearest_even_and_keeps_nan_inf():
+    from hpc_tp.checkpoint.importers.bfloat16 import bfloat16_to_float32, float32_to_bfloat16_bytes
+
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF, 0x7F800000, 0xFF800000,
+                     0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001], dtype="<u4")
+    halves = np.frombuffer(float32_to_bfloat16_bytes(bits.view("<f4")), "<u2")
+    # ties to even (down, up), above the tie, overflow to inf, +-inf, then four NaNs (the last three
+    # would wrap or carry into the exponent if rounded as numbers)
+    assert halves[:6].tolist() == [0x3F80, 0x3F82, 0x3F81, 0x7F80, 0x7F80, 0xFF80]
+    back = bfloat16_to_float32(halves.tobytes(), halves.shape)
+    assert np.isnan(back[6:]).all() and np.signbit(back[6:]).tolist() == [False, False, True, False]
+
+
 def test_conversion_reads_one_tensor_at_a_time(tmp_path, monkeypatch):
     """When a source tensor is read, at most the previous one is still alive: the model is never in memory."""
     import gc
@@ -442,6 +455,17 @@ def convert_error(source, output) -> str:
     message = str(e.value)
     assert "\n" not in message
     return message
+
+
+@pytest.mark.parametrize("key, value, expected", [("hidden_size", "16", "an integer"),
+                                                   ("num_hidden_layers", 2.5, "an integer"),
+                                                   ("rope_theta", "1e4", "a number")])
+def test_a_config_value_of_the_wrong_type_is_named(tmp_path, key, value, expected):
+    config, tensors = llama_source()
+    write_hf(tmp_path / "hf", {**config, key: value}, tensors)
+    message = convert_error(tmp_path / "hf", tmp_path / "ckpt")
+    assert f"{key}={value!r}: expected {expected}" in message and "config.json" in message
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_unknown_architecture(tmp_path):

@@ -1,4 +1,6 @@
 """The whole model at tp = world size equals the one-process model: loss, logits and every gradient."""
+import re
+
 import numpy as np
 import pytest
 
@@ -69,6 +71,29 @@ def test_heads_not_divisible_error_lists_working_tp():
     with pytest.raises(ConfigError, match="unknown model config keys: hiden"):
         ModelConfig.from_dict({"hiden": 3})
     del self_comm
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(tie_embeddings="False"), "tie_embeddings='False': expected true or false"),
+    (dict(causal=1), "causal=1: expected true or false"),
+    (dict(dropout="0.1"), "dropout='0.1': expected a probability 0 <= p < 1"),
+    (dict(attn_dropout=1.0), "attn_dropout=1.0: expected a probability"),
+    (dict(init_std="x"), "init_std='x': expected a number > 0"),
+    (dict(norm_eps=-1), "norm_eps=-1: expected a number > 0"),
+    (dict(rope_theta=float("nan")), "rope_theta=nan: expected a number > 0"),
+    (dict(rope_scaling=[8.0]), "rope_scaling=[8.0]: expected an object or null"),
+    (dict(num_experts=2, capacity_factor="1"), "capacity_factor='1': expected a number > 0"),
+])
+def test_config_values_of_the_wrong_type_or_range_are_one_clear_line(values, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_dict(values)
+
+
+def test_set_reads_true_and_false_as_python_and_json_spell_them():
+    from hpc_tp.models.config import parse_overrides
+
+    assert parse_overrides(["bias=False", "causal=true", "tie_embeddings=True", "norm=rmsnorm", "dropout=0.1"]) == {
+        "bias": False, "causal": True, "tie_embeddings": True, "norm": "rmsnorm", "dropout": 0.1}
 
 
 def test_sequence_longer_than_context_is_clear_error():

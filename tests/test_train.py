@@ -229,6 +229,15 @@ def test_resume_refuses_another_model(tmp_path):
         Trainer(settings(steps=4, save=str(tmp_path), resume=True, seed=1), self_comm()).run()
 
 
+def test_resume_may_turn_sequence_parallelism_on_or_off(tmp_path):
+    """A layout, not a model: the checkpoint holds the same tensors either way."""
+    dropout = settings().model_overrides
+    Trainer(settings(steps=2, warmup=1, save=str(tmp_path), model_overrides={**dropout, "sequence_parallel": True}),
+            self_comm()).run()
+    resumed = Trainer(settings(steps=3, warmup=1, save=str(tmp_path), resume=True), self_comm()).run()
+    assert [r["step"] for r in resumed.records] == [3]
+
+
 def test_settings_round_trip_through_the_command_line():
     import argparse
 

@@ -18,26 +18,35 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--model", default="gpt2", help="preset name or JSON config (default %(default)s)")
     parser.add_argument("--layers", type=int, help="number of blocks (default: the model's n_layers)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default %(default)s")
-    parser.add_argument("--dir", default="io/out/bench-checkpoint", help="scratch folder, shared by all ranks "
-                                                                         "(default %(default)s; emptied first)")
+    parser.add_argument("--dir", default="io/out/bench-checkpoint",
+                        help="folder shared by all ranks (default %(default)s); the run writes into a fresh "
+                             "bench-checkpoint-* folder inside it and removes only that")
     parser.add_argument("--repeats", type=int, default=3, help="timed saves and loads (default %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the record as JSON (rank 0)")
 
 
 def benchmark_checkpoint(grid, model, optimizer, folder, repeats: int = 3) -> dict:
-    """Median seconds and MB/s of save_checkpoint / load_checkpoint and of np.save / np.load."""
+    """Median seconds and MB/s of save_checkpoint / load_checkpoint and of np.save / np.load, in a
+    fresh folder inside ``folder`` (whatever else ``folder`` holds is left alone)."""
     import shutil
+    import tempfile
     import time
     from pathlib import Path
 
     import numpy
 
     from ..checkpoint import load_checkpoint, save_checkpoint
+    from ..checkpoint.collective import run_everywhere
 
     world = grid.world
     tensors = {**model.state(), **optimizer.state_tensors()}
     logical = sum(int(numpy.prod(t.partition.full_shape)) * t.data.itemsize for t in tensors.values())
-    folder = Path(folder)
+
+    def scratch_folder() -> str:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return tempfile.mkdtemp(prefix="bench-checkpoint-", dir=folder)
+
+    folder = Path(world.bcast_object(run_everywhere(world, lambda: scratch_folder() if world.rank == 0 else None)))
 
     def timed(action) -> float:
         world.barrier()
@@ -57,9 +66,6 @@ def benchmark_checkpoint(grid, model, optimizer, folder, repeats: int = 3) -> di
         for i, t in enumerate(tensors.values()):
             t.data[...] = numpy.load(plain / f"{i}.npy")
 
-    if world.rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-    world.barrier()
     times = {"save": [], "load": [], "np_save": [], "np_load": []}
     for step in range(repeats):
         times["save"].append(timed(lambda: save_checkpoint(folder / "hdf5", step, tensors, {"step": step}, grid, keep=1)))

@@ -26,8 +26,10 @@ MASTER = "master.h5"
 SHARDS = "shards"
 POINTER = "latest"
 TEMP_PREFIX = ".tmp-"
+SET_ASIDE_PREFIX = ".old-"  # a step folder while a new save of the same step takes its name
 RESERVED = {MASTER, SHARDS}
 _STEP_FOLDER = re.compile(r"step-(\d+)")
+_SET_ASIDE_FOLDER = re.compile(re.escape(SET_ASIDE_PREFIX) + r"step-(\d+)")
 
 
 def step_folder_name(step: int) -> str:
@@ -68,12 +70,17 @@ def fsync(path):
 
 
 def step_folders(root) -> list[Path]:
-    """Complete step folders under ``root``, oldest step first."""
+    """Step folders under ``root``, oldest step first. A step whose folder a re-save set aside and
+    never replaced (the process died between its two renames) is found under its set-aside name."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_FOLDER.fullmatch(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    found = {}
+    for pattern in (_STEP_FOLDER, _SET_ASIDE_FOLDER):  # the step's own folder wins
+        for p in root.iterdir():
+            if (m := pattern.fullmatch(p.name)) and p.is_dir():
+                found.setdefault(int(m.group(1)), p)
+    return [found[step] for step in sorted(found)]
 
 
 def latest_checkpoint(root_dir) -> Path | None:

@@ -150,13 +150,17 @@ def describe_checkpoint(path) -> dict:
     folder = resolve_checkpoint(path)
     if not h5py.is_hdf5(folder / MASTER):  # else h5py's OSError and a traceback
         raise ConfigError(f"checkpoint {folder}: {MASTER} is not an HDF5 file (corrupted, or not a checkpoint)")
-    with h5py.File(folder / MASTER, "r") as f:
-        meta = _header(f)
-        tensors = [{"name": name, "shape": list(ds.shape),
-                    "split_axis": None if int(ds.attrs["split_axis"]) < 0 else int(ds.attrs["split_axis"]),
-                    "dtype": str(ds.attrs["dtype"]), "bytes": int(ds.size * ds.dtype.itemsize),
-                    "pieces": len(ds.virtual_sources()) if ds.is_virtual else 1}
-                   for name, ds in f["tensors"].items()]
-        return {"path": str(folder), "step": int(f.attrs["step"]), "format_version": int(f.attrs["format_version"]),
-                "saved_layout": json.loads(f.attrs["saved_layout"]), "files": sorted(json.loads(f.attrs["files"])),
-                "meta": meta, "tensors": tensors}
+    try:
+        with h5py.File(folder / MASTER, "r") as f:
+            meta = _header(f)
+            tensors = [{"name": name, "shape": list(ds.shape),
+                        "split_axis": None if int(ds.attrs["split_axis"]) < 0 else int(ds.attrs["split_axis"]),
+                        "dtype": str(ds.attrs["dtype"]), "bytes": int(ds.size * ds.dtype.itemsize),
+                        "pieces": len(ds.virtual_sources()) if ds.is_virtual else 1}
+                       for name, ds in f["tensors"].items()]
+            return {"path": str(folder), "step": int(f.attrs["step"]),
+                    "format_version": int(f.attrs["format_version"]),
+                    "saved_layout": json.loads(f.attrs["saved_layout"]),
+                    "files": sorted(json.loads(f.attrs["files"])), "meta": meta, "tensors": tensors}
+    except OSError as e:  # a truncated or damaged file can still pass is_hdf5
+        raise ConfigError(f"checkpoint {folder}: {MASTER}: {e}") from None

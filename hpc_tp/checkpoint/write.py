@@ -24,8 +24,8 @@ import numpy
 from .. import backend
 from ..errors import ConfigError
 from .collective import CheckpointError, run_everywhere
-from .format import (FORMAT, FORMAT_VERSION, MASTER, POINTER, RESERVED, SHARDS, TEMP_PREFIX, checksum_axis, fsync,
-                     region, shard_name, step_folder_name, step_folders, unit_checksums)
+from .format import (FORMAT, FORMAT_VERSION, MASTER, POINTER, RESERVED, SET_ASIDE_PREFIX, SHARDS, TEMP_PREFIX,
+                     checksum_axis, fsync, region, shard_name, step_folder_name, step_folders, unit_checksums)
 
 # Parallel HDF5 lets every rank write straight into one file; serial HDF5 needs a shard file per
 # rank, joined by virtual datasets.
@@ -249,11 +249,12 @@ def _shard_checksums(temp: Path, plans: dict) -> dict[str, numpy.ndarray]:
 
 def _publish(temp: Path, final: Path):
     """Rename the complete temp folder into place, then move the pointer. A folder of the same
-    step is set aside first and deleted only once the new one is in place."""
+    step is set aside first and deleted only once the new one is in place (a crash in between
+    leaves it set aside, where ``step_folders`` still finds it)."""
     for folder in (temp / SHARDS, temp):
         if folder.is_dir():
             fsync(folder)
-    set_aside = final.with_name(f".old-{final.name}")
+    set_aside = final.with_name(f"{SET_ASIDE_PREFIX}{final.name}")
     displaced = final.exists()
     if displaced:
         shutil.rmtree(set_aside, ignore_errors=True)

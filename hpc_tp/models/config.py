@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu")
 POSITIONS = ("learned", "rope")
 FAMILIES = ("gpt", "bert")  # decoder LM (models/gpt.py) or post-LN encoder (models/bert.py)
+SWITCHES = ("tie_embeddings", "bias", "causal", "sequence_parallel")
 
 
 @dataclass
@@ -68,10 +70,22 @@ class ModelConfig:
             raise ConfigError(f"model config n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.position == "rope" and (self.hidden // self.n_heads) % 2:
             raise ConfigError(f"rope needs an even head size, got {self.hidden // self.n_heads}")
-        self._validate_moe()
+        for name in SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected true or false")
+        self._check_number("norm_eps", lambda v: v > 0, "a number > 0")
+        self._check_number("rope_theta", lambda v: v > 0, "a number > 0")
+        self._check_number("init_std", lambda v: v > 0, "a number > 0")
         for name in ("dropout", "attn_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected 0 <= p < 1")
+            self._check_number(name, lambda v: 0 <= v < 1, "a probability 0 <= p < 1")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ConfigError(f"model config rope_scaling={self.rope_scaling!r}: expected an object or null")
+        self._validate_moe()
+
+    def _check_number(self, name: str, allowed, expected: str):
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not allowed(value):
+            raise ConfigError(f"model config {name}={value!r}: expected {expected}")
 
     def _validate_moe(self):
         if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
@@ -85,10 +99,8 @@ class ModelConfig:
                 raise ConfigError(f"model config {name}={value!r}: expected a positive integer")
         if self.top_k > self.num_experts:
             raise ConfigError(f"model config top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        if not self.capacity_factor > 0:
-            raise ConfigError(f"model config capacity_factor={self.capacity_factor!r}: expected a number > 0")
-        if not self.aux_loss_coef >= 0:
-            raise ConfigError(f"model config aux_loss_coef={self.aux_loss_coef!r}: expected a number >= 0")
+        self._check_number("capacity_factor", lambda v: v > 0, "a number > 0")
+        self._check_number("aux_loss_coef", lambda v: v >= 0, "a number >= 0")
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
@@ -163,15 +175,15 @@ def load_config(spec: str, **overrides) -> ModelConfig:
 
 
 def parse_overrides(items) -> dict:
-    """``--set KEY=VALUE`` items as a dict of config fields; VALUE is read as JSON, a bare word
-    stays a string (``--set norm=rmsnorm``)."""
+    """``--set KEY=VALUE`` items as a dict of config fields; VALUE is read as JSON (True and False
+    as Python spells them too), a bare word stays a string (``--set norm=rmsnorm``)."""
     overrides = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set dropout=0.1")
         try:
-            overrides[key] = json.loads(value)
+            overrides[key] = json.loads(value.lower() if value in ("True", "False") else value)
         except json.JSONDecodeError:
             overrides[key] = value
     return overrides

@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import backend
@@ -115,7 +115,6 @@ class Trainer:
     def _planned(self, world) -> TrainSettings:
         """The settings with the planner's fastest layout (hpc_tp.plan) for this world and model;
         the planner is arithmetic, so every rank reaches the same answer without a message."""
-        import dataclasses
 
         from ..plan import choose_layout
 
@@ -132,7 +131,7 @@ class Trainer:
                   f"{choice['micro_batch']}{' recompute' if choice['recompute'] else ''} {choice['schedule']}: "
                   f"{choice['reason']}", flush=True)
         layout = {k: choice[k] for k in ("tp", "pp", "dp", "micro_batch", "recompute", "schedule")}
-        return dataclasses.replace(s, plan=None, **layout)
+        return replace(s, plan=None, **layout)
 
     def _tokenizer(self):
         s = self.settings
@@ -251,7 +250,8 @@ class Trainer:
 
     def _load(self, folder: Path):
         meta = load_checkpoint(folder, {}, self.grid)  # the header first: a clear error before any tensor
-        saved = ModelConfig.from_dict(meta["config"])
+        # Sequence parallelism is a layout, not a model: a run may resume with it on or off.
+        saved = replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=self.cfg.sequence_parallel)
         if saved != self.cfg:
             changed = sorted(k for k, v in saved.to_dict().items() if self.cfg.to_dict().get(k) != v)
             raise ConfigError(f"checkpoint {folder} holds another model ({', '.join(changed)} differ): "

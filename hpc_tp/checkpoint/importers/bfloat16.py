@@ -12,6 +12,10 @@ def bfloat16_to_float32(raw: numpy.ndarray, shape) -> numpy.ndarray:
 
 
 def float32_to_bfloat16_bytes(values: numpy.ndarray) -> bytes:
-    bits = numpy.ascontiguousarray(values, dtype="<f4").view(numpy.uint32)
+    values = numpy.ascontiguousarray(values, dtype="<f4")
+    bits = values.view(numpy.uint32)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    # A NaN's payload can carry the rounding into the exponent (or past 32 bits): keep its upper
+    # half, made quiet, so it stays a NaN of its sign.
+    rounded = numpy.where(numpy.isnan(values), (bits >> 16) | 0x0040, rounded)
     return rounded.astype("<u2").tobytes()

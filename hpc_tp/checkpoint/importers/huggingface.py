@@ -10,6 +10,7 @@ is still zero. The same rule tables serve import and export (``export_layout``).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy
@@ -104,6 +105,13 @@ def _json(path: Path) -> dict:
     return values
 
 
+# Sizes and constants the importers compute with: a value of another JSON type is the file's error.
+_INTEGER_KEYS = {"vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+                 "intermediate_size", "max_position_embeddings", "head_dim", "type_vocab_size", "n_embd", "n_layer",
+                 "n_head", "n_inner", "n_positions"}
+_NUMBER_KEYS = {"rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "rope_theta"}
+
+
 class ConfigFile:
     """config.json with errors that name the file and the key."""
 
@@ -113,11 +121,19 @@ class ConfigFile:
     def __getitem__(self, key):
         if self.values.get(key) is None:
             raise ConfigError(f"{self.path}: missing key {key!r}")
-        return self.values[key]
+        return self._checked(key, self.values[key])
 
     def get(self, key, default=None):
         value = self.values.get(key)
-        return default if value is None else value
+        return default if value is None else self._checked(key, value)
+
+    def _checked(self, key, value):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key in _INTEGER_KEYS and not (number and math.isfinite(value) and value == int(value)):
+            raise ConfigError(f"{self.path}: {key}={value!r}: expected an integer")
+        if key in _NUMBER_KEYS and not number:
+            raise ConfigError(f"{self.path}: {key}={value!r}: expected a number")
+        return int(value) if key in _INTEGER_KEYS else value
 
 
 # -- configs ------------------------------------------------------------------------------------------
