@@ -148,12 +148,6 @@ class GradArena:
         self.used.append(0)
         return len(self.chunks) - 1
 
-    def zero(self):
-        """Every gradient in the arena back to zero: one contiguous pass over each chunk's used part
-        (``Module.zero_grad`` goes parameter by parameter, column block by column block)."""
-        for chunk, used in zip(self.chunks, self.used):
-            chunk[:used] = 0
-
     def locate(self, array) -> tuple[int, int, int]:
         """(chunk index, start, stop): the elements of a chunk that ``array`` (a gradient, or a
         strided view into a fused one) spans; ValueError if it is not in this arena."""

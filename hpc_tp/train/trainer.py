@@ -189,7 +189,7 @@ class Trainer:
             self.optimizer.step(lr, grad_scale=clip_coefficient(norm, s.clip_grad))
         scaling = self.precision.record(finite, loss)  # before update() halves the scale
         self.precision.update(finite)  # half weights from the masters; fp16: the loss scale
-        self.grad_arena.zero()  # every gradient of the model, chunk by chunk
+        self.model.zero_grad()
         self.step += 1
         elapsed = time.perf_counter() - started
         comm = self._comm_seconds() - comm_before
