@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hpc_tp.comm.mpi import self_comm
+from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.module import gather_full
 from hpc_tp.nn import attention
@@ -126,6 +127,33 @@ def test_top_k_and_top_p_limit_the_choices():
     assert picks == {1, 5}
     assert next_token(logits, SamplingParams(), rng) == 1
     assert {next_token(logits, SamplingParams(temperature=1.0, top_p=1e-9), rng) for _ in range(50)} == {1}
+    # a temperature so small that logits / T overflows acts as greedy (it gave the last id, NaN odds)
+    assert {next_token(logits, SamplingParams(temperature=1e-310, top_k=3), rng) for _ in range(20)} == {1}
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama-gqa"])
+def test_a_request_past_the_context_is_refused_before_any_cache_is_sized(model):
+    """RoPE included: 10**15 new tokens once asked the KV cache for petabytes and took the server down."""
+    from hpc_tp.serve.generate import check_request
+
+    cfg = ModelConfig(**CONFIGS[model])
+    check_request([1] * 30, SamplingParams(max_new_tokens=3), cfg)  # 32 positions: fits
+    for prompt, new in ((30, 4), (2, 10**15), (40, 1)):
+        with pytest.raises(ConfigError, match="positions; the model has max_seq_len 32"):
+            check_request([1] * prompt, SamplingParams(max_new_tokens=new), cfg)
+
+
+def test_a_cancelled_row_stops_and_the_batch_ends_with_the_others():
+    engine = Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
+    prompts, params = [list(b"abandoned"), list(b"kept")], [SamplingParams(max_new_tokens=20),
+                                                            SamplingParams(max_new_tokens=4)]
+    alone, _ = engine.generate([prompts[1]], [params[1]])
+    infer, calls = engine.model.infer, []
+    engine.model.infer = lambda *args: calls.append(1) or infer(*args)
+    got, _ = engine.generate(prompts, params, cancelled=lambda row: row == 0)
+    assert got[0].finish_reason == "cancelled" and got[0].ids == []
+    assert (got[1].ids, got[1].finish_reason) == (alone[0].ids, alone[0].finish_reason)
+    assert len(calls) <= 4  # prefill and 3 decode steps for the kept row's 4 tokens, not 20 steps
 
 
 def test_stop_string_eos_and_streamed_text():
@@ -253,7 +281,7 @@ def test_generate_command_serves_a_jsonl_batch(tmp_path, tp_flag):
     folder = comm.bcast_object(tmp_path if comm.rank == 0 else None)  # one folder for every rank
     grid = ProcessGrid(tp=comm.size, world=comm)
     ckpt = write_checkpoint(folder / "ckpt", "llama-gqa", grid, ByteTokenizer())
-    texts = ["Hello", "tensor parallel", "x", "a longer prompt than the others", "ok"]
+    texts = ["Hello", "tensor parallel", "x", "a longer prompt than others", "ok"]  # within max_seq_len 32
     lines = [{"prompt": t, "id": f"p{i}"} for i, t in enumerate(texts)]
     lines[1]["max_new_tokens"] = 3
     lines[2].update(temperature=0.8, seed=5)

@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -81,7 +82,9 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path):
         malformed = {b"{not json": "body is not JSON",
                      b'{"prompt": "hi", "max_tokens": 0}': "max_tokens=0: expected an integer >= 1",
                      b'{"prompt": ["a", "b"]}': "prompt must be a string",
-                     b'{"prompt": "hi", "temprature": 0.5}': "unknown fields temprature"}
+                     b'{"prompt": "hi", "temprature": 0.5}': "unknown fields temprature",
+                     b'{"prompt": "\\ud800"}': "text is not valid Unicode",  # a lone surrogate
+                     b"[" * 100000 + b"]" * 100000: "nested too deeply"}
         with ThreadPoolExecutor(max_workers=N_REQUESTS + len(malformed)) as pool:
             bad = [pool.submit(_post, port, body) for body in malformed]
             good = [pool.submit(_post, port, body) for body in bodies]
@@ -98,6 +101,10 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path):
             assert (text, finish) == (expected.text, expected.finish_reason), f"request {i}"
             assert usage["completion_tokens"] == len(expected.ids) and len(usage["kv_cache_bytes_per_rank"]) == 2
         assert _post(port, b"{}", path="/v1/other")[0] == 404
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as raw:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n")
+            assert raw.recv(4096).startswith(b"HTTP/1.0 413")
+        idle = socket.create_connection(("127.0.0.1", port), timeout=60)  # sends nothing: must not stall the stop
         # SIGTERM while streamed requests are open: they are answered in full, then every rank exits 0
         late = [json.dumps({"prompt": p, "max_tokens": 12, "temperature": 0, "stream": True}).encode()
                 for p in prompts[:3]]
@@ -109,6 +116,7 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path):
         for response, expected in zip(opened, want_late):
             assert _text_of("text/event-stream", response.read().decode())[:2] == (expected.text, expected.finish_reason)
         assert proc.wait(timeout=30) == 0
+        idle.close()
         reader.join(timeout=10)
         output = "".join(lines.get_nowait() for _ in range(lines.qsize()))
         assert f"{N_REQUESTS + len(late)} requests answered" in output

@@ -95,7 +95,9 @@ def check_request(prompt_ids: list[int], params: SamplingParams, cfg, names: dic
     if bad:
         raise ConfigError(f"prompt token id {bad[0]} is outside the model's vocabulary of {cfg.vocab_size}")
     needed = len(prompt_ids) + params.max_new_tokens - 1  # the last new token is never fed back
-    if cfg.position == "learned" and needed > cfg.max_seq_len:
+    # RoPE has no table to run out of, but max_seq_len is the context the model declares (and what
+    # bounds the KV cache a request may ask for), as vLLM's max_model_len.
+    if needed > cfg.max_seq_len:
         limit = (names or {}).get("max_new_tokens", "max_new_tokens")
         raise ConfigError(f"prompt of {len(prompt_ids)} tokens + {limit} {params.max_new_tokens} needs "
                           f"{needed} positions; the model has max_seq_len {cfg.max_seq_len}")
@@ -119,10 +121,11 @@ class Engine:
         self.model, self.comm, self.tokenizer = model, model.comm, tokenizer
         self.pad_id = next((i for i in (tokenizer.pad_id, tokenizer.eos_id) if i is not None), 0)
 
-    def generate(self, prompts=None, params=None, on_text=None):
+    def generate(self, prompts=None, params=None, on_text=None, cancelled=None):
         """Collective. On tp rank 0: ``prompts`` (lists of token ids) and one SamplingParams each;
         ``on_text(row, text, finish_reason)`` receives each row's text as it becomes final (the
-        reason is None until the row's last call). Returns
+        reason is None until the row's last call); a row for which ``cancelled(row)`` turns true
+        stops there (finish reason "cancelled"), and the batch ends once every row has. Returns
         (completions, BatchMetrics) on rank 0 and None elsewhere."""
         comm, model, xp = self.comm, self.model, backend.xp
         prompts, params = comm.bcast_object((prompts, params) if comm.rank == 0 else None)
@@ -139,7 +142,7 @@ class Engine:
         for step in range(steps):
             chosen = numpy.full(batch + 1, self.pad_id, dtype=numpy.int64)  # the ids, then "all finished"
             if comm.rank == 0:
-                self._sample(backend.to_numpy(logits), rows, chosen, on_text)
+                self._sample(backend.to_numpy(logits), rows, chosen, on_text, cancelled)
             comm.broadcast(chosen)
             first = first or time.perf_counter()
             if chosen[batch] or step == steps - 1:
@@ -162,9 +165,11 @@ class Engine:
                                   _rate(len(r.ids) - 1, r.done_at - first)) for r, n in zip(rows, lens)]
         return completions, metrics
 
-    def _sample(self, logits, rows, chosen, on_text):
+    def _sample(self, logits, rows, chosen, on_text, cancelled):
         now = time.perf_counter()
         for i, row in enumerate(rows):
+            if row.finish is None and cancelled is not None and cancelled(i):
+                row.finish, row.done_at = "cancelled", now
             if row.finish is not None:
                 continue
             row.add(next_token(logits[i], row.params, row.rng))

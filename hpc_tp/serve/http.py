@@ -3,13 +3,17 @@ hand batches of jobs to the decoding loop, answer each as JSON or as server-sent
 
 Handler threads never touch the model: they turn a request into a ``Job`` (token ids and sampling
 parameters) and wait on its event queue, which the decoding loop fills with text pieces and, at
-the end, the completion. A request that fails a check is answered 400 with the reason at once.
+the end, the completion. A request that fails a check is answered 400 with the reason at once. A
+client that goes away marks its job cancelled, and the decoding loop drops its row; a connection
+that sends nothing for IDLE_TIMEOUT_S is closed, so it cannot hold up a graceful shutdown.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import queue
+import select
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +23,8 @@ from .generate import check_request
 from .sampling import SamplingParams
 
 _FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user"}
+MAX_BODY_BYTES = 16 * 2**20
+IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is closed
 
 
 class Job:
@@ -26,6 +32,7 @@ class Job:
         self.ids, self.params, self.stream = ids, params, stream
         self.arrived = time.perf_counter()
         self.events: queue.Queue = queue.Queue()
+        self.cancelled = False  # the client went away: nobody reads what is decoded for it
 
     def text(self, piece: str):
         if self.stream and piece:
@@ -39,8 +46,10 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int) -> Job:
     """A Job, or ConfigError with the reason the request is refused."""
     try:
         request = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ConfigError(f"body is not JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError("body is not JSON this server reads: nested too deeply") from None
     if not isinstance(request, dict):
         raise ConfigError("body must be a JSON object")
     unknown = sorted(set(request) - _FIELDS)
@@ -141,6 +150,7 @@ class _CountingServer(ThreadingHTTPServer):
 def _handler(app: CompletionServer):
     class Handler(BaseHTTPRequestHandler):
         server_version = "hpc-tp"
+        timeout = IDLE_TIMEOUT_S  # on the socket: reads and writes that stall this long fail
 
         def log_message(self, format, *args):  # one line per request on a busy server is noise
             pass
@@ -159,19 +169,50 @@ def _handler(app: CompletionServer):
             if not length.isdigit():
                 self._error(400, f"Content-Length {length!r} is not a number of bytes")
                 return
+            if int(length) > MAX_BODY_BYTES:
+                self._error(413, f"Content-Length {length}: a request body may hold at most {MAX_BODY_BYTES} bytes")
+                return
             try:
-                job = parse_request(self.rfile.read(int(length)), app.tokenizer, app.cfg, app.default_max_tokens)
+                body = self.rfile.read(int(length))
+            except OSError:  # stalled past the timeout, or gone: nobody to answer
+                self.close_connection = True
+                return
+            try:
+                job = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens)
             except ConfigError as e:
                 self._error(400, str(e))
                 return
+            except Exception as e:  # a bug: the client still gets an answer, the log the traceback
+                self._error(500, f"internal error: {type(e).__name__}: {e}")
+                raise
             job_id = next(app._ids)
             app.jobs.put(job)
-            (self._stream if job.stream else self._answer)(job, job_id)
+            try:
+                (self._stream if job.stream else self._answer)(job, job_id)
+            except OSError:  # the client went away mid-answer
+                job.cancelled, self.close_connection = True, True
+                return
             app._count(answered=1)
 
         def _answer(self, job: Job, job_id: int):
-            _, completion, metrics, queued_s = job.events.get()
+            while True:
+                try:
+                    _, completion, metrics, queued_s = job.events.get(timeout=0.5)
+                    break
+                except queue.Empty:
+                    if self._client_gone():
+                        raise ConnectionResetError("the client closed the connection")
             self._json(200, app.response(job_id, completion, metrics, queued_s, None))
+
+        def _client_gone(self) -> bool:
+            """A request is complete once read, so a readable socket now means the peer closed it."""
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            if not readable:
+                return False
+            try:
+                return not self.connection.recv(1, socket.MSG_PEEK)
+            except OSError:
+                return True
 
         def _stream(self, job: Job, job_id: int):
             self.send_response(200)

@@ -48,7 +48,8 @@ def next_token(logits, params: SamplingParams, rng: numpy.random.Generator) -> i
     """One token id from one row of logits [V] (a host float array)."""
     if params.temperature == 0:
         return int(numpy.argmax(logits))
-    z = numpy.asarray(logits, dtype=numpy.float64) / params.temperature
+    z = numpy.asarray(logits, dtype=numpy.float64)
+    z = (z - z.max()) / params.temperature  # the largest is 0: a tiny temperature gives -inf, never inf - inf
     if 0 < params.top_k < z.size:
         kth = numpy.partition(z, -params.top_k)[-params.top_k]
         z = numpy.where(z >= kth, z, -numpy.inf)

@@ -87,6 +87,7 @@ def _serve_batch(engine, jobs):
     engine.comm.bcast_object("batch")
     started = time.perf_counter()
     completions, metrics = engine.generate([j.ids for j in jobs], [j.params for j in jobs],
-                                           on_text=lambda row, piece, finish: jobs[row].text(piece))
+                                           on_text=lambda row, piece, finish: jobs[row].text(piece),
+                                           cancelled=lambda row: jobs[row].cancelled)
     for job, completion in zip(jobs, completions):
         job.finish(completion, metrics, queued_s=started - job.arrived)
