@@ -1,4 +1,5 @@
 """The whole model at tp = world size equals the one-process model: loss, logits and every gradient."""
+import dataclasses
 import re
 
 import numpy as np
@@ -34,6 +35,24 @@ def test_model_matches_single_process(name):
     par.backward(ctx_par, 1.0 / n_par)
     assert_grads_match(par, one, tp, 1e-10)
     assert max_rel_err(par.logits(ids), one.logits(ids)) <= 1e-10
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_micro_batches_accumulate_as_in_one_process(kv_heads, sequence_parallel):
+    """Three micro-batches summed into the gradients. K/V heads fewer than the tp ranks are
+    replicated, and only each micro-batch's increment may be summed over the replicas: the whole
+    accumulated gradient once was, at every micro-batch (micro-batch i counted 2**(m-i) times)."""
+    tp, ref = tp_and_reference()
+    cfg = ModelConfig(**dict(CONFIGS["llama-gqa"], n_kv_heads=kv_heads))
+    par = GPTModel(dataclasses.replace(cfg, sequence_parallel=sequence_parallel), tp, seed=3)
+    one = GPTModel(cfg, ref, seed=3)
+    for seed in range(3):
+        ids, targets = lm_batch(seed, t=8)
+        for model in (par, one):
+            loss, count, ctx = model.forward(ids, targets)
+            model.backward(ctx, 1.0 / count)
+    assert_grads_match(par, one, tp, 1e-10)
 
 
 def test_parameter_bytes_per_rank():

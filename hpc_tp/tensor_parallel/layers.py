@@ -108,21 +108,29 @@ class ColumnParallelLinear(Module):
         dx = product(dy2, self._weight.T)
         # f's backward all-reduce of the input gradient runs while the weight gradient is computed.
         pending = self.comm.iall_reduce(dx) if self.comm.size > 1 else None
-        add_weight_grad(self._weight_grad, x2, dy2)
-        if self._bias_grad is not None:
-            self._bias_grad += dy2.sum(axis=0, dtype=self._bias_grad.dtype)
-        self._sum_over_replicas()
+        self._add_param_grads(x2, dy2)
         if pending is not None:
             dx = pending.wait()
         return dx.reshape(x.shape)
 
-    def _sum_over_replicas(self):
-        for seg, cols in zip(self.segments, self.columns):
-            if seg.replica_comm is not None and seg.replica_comm.size > 1:
-                # Each replica saw only its own query heads' share of this K/V gradient.
-                self._weight_grad[:, cols] = seg.replica_comm.all_reduce(self._weight_grad[:, cols].copy())
-                if self._bias_grad is not None:
-                    self._bias_grad[cols] = seg.replica_comm.all_reduce(self._bias_grad[cols].copy())
+    def _add_param_grads(self, x2, dy2):
+        """This micro-batch's weight and bias gradients, added into the buffers. A K/V segment
+        held by several replicas (tp > kv heads) saw only its own query heads' share: its
+        increment alone is summed over the replicas, then what earlier micro-batches left is
+        added back (summing the accumulated gradient would count each earlier micro-batch again)."""
+        replicated = [(seg.replica_comm, cols) for seg, cols in zip(self.segments, self.columns)
+                      if seg.replica_comm is not None and seg.replica_comm.size > 1]
+        buffers = [b for b in (self._weight_grad, self._bias_grad) if b is not None]
+        earlier = [[b[..., cols].copy() for b in buffers] for _, cols in replicated]
+        for _, cols in replicated:
+            for b in buffers:
+                b[..., cols] = 0
+        add_weight_grad(self._weight_grad, x2, dy2)
+        if self._bias_grad is not None:
+            self._bias_grad += dy2.sum(axis=0, dtype=self._bias_grad.dtype)
+        for (comm, cols), kept in zip(replicated, earlier):
+            for b, before in zip(buffers, kept):
+                b[..., cols] = comm.all_reduce(b[..., cols].copy()) + before
 
 
 class RowParallelLinear(Module):

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from .layers import ColumnParallelLinear, RowParallelLinear, _flat, add_weight_grad, product
+from .layers import ColumnParallelLinear, RowParallelLinear, _flat, product
 from .mappings import local_chunk
 
 SEQUENCE_AXIS = 1  # hidden states are [batch, sequence, hidden]
@@ -57,10 +57,7 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
         x = gather_sequence(x_shard, self.comm)  # gathered again rather than kept: activations / tp
         dy2, x2 = _flat(dy), _flat(x)
         dx = product(dy2, self._weight.T).reshape(x.shape)
-        add_weight_grad(self._weight_grad, x2, dy2)
-        if self._bias_grad is not None:
-            self._bias_grad += dy2.sum(axis=0, dtype=self._bias_grad.dtype)
-        self._sum_over_replicas()
+        self._add_param_grads(x2, dy2)
         return reduce_scatter_sequence(dx, self.comm)
 
 
