@@ -27,6 +27,7 @@ def run(args) -> int:
     from .train.data import build_dataset
     from .train.tokenizer import ByteTokenizer
 
+    _check_arguments(args)
     check_launch()
     tp, alone = world(), self_comm()
     select_device(args.device, tp)
@@ -52,6 +53,16 @@ def run(args) -> int:
               f"{len(errors)} quantities compared, worst relative error {errors[worst]:.2e} ({worst}) -> "
               f"{'OK' if ok else 'MISMATCH'} (tolerance {args.tolerance:g})")
     return 0 if ok else 1
+
+
+def _check_arguments(args):
+    """Every rank runs this alike, so a bad value fails them all with one line."""
+    from .errors import ConfigError
+
+    if args.batch < 1:  # the loss is divided by the batch's token count
+        raise ConfigError(f"--batch {args.batch}: expected a positive integer")
+    if not 0 <= args.tolerance < float("inf"):  # nan would compare false and report MISMATCH
+        raise ConfigError(f"--tolerance {args.tolerance}: expected a finite relative error >= 0")
 
 
 def _rel(a, b, floor=1e-300):

@@ -113,6 +113,39 @@ def test_settings_of_the_fault_handling_are_checked():
             Trainer(settings(**change), self_comm())
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_new_run_never_saves_over_an_earlier_one(tmp_path):
+    """Without --resume, every rank refuses a --save folder holding checkpoints, before any step;
+    with it, the run continues there."""
+    from hpc_tp.errors import ConfigError
+
+    comm = world()
+    root = Path(shared_tmp(tmp_path, comm)) / "ckpt"
+    Trainer(settings(tp=comm.size, steps=2, warmup=1, save=str(root)), comm).run()
+    for save in (root, root / "step-000002"):  # a root of checkpoints, or one checkpoint (e.g. --init's)
+        with pytest.raises(ConfigError, match=r"already holds checkpoints \(latest: step-000002\): pass --resume"):
+            Trainer(settings(tp=comm.size, steps=2, warmup=1, save=str(save)), comm)
+    resumed = Trainer(settings(tp=comm.size, steps=3, warmup=1, save=str(root), resume=True), comm).run()
+    assert [r["step"] for r in resumed.records] == [3]
+    assert (root / "latest").read_text().strip() == "step-000003"
+
+
+def test_output_checks_create_nothing(tmp_path):
+    from hpc_tp.errors import ConfigError
+    from hpc_tp.paths import check_output_file, check_output_folder
+
+    check_output_folder(tmp_path / "new" / "deeper", "--save")  # folders the writer will create
+    check_output_file(tmp_path / "new" / "m.jsonl", "--log")
+    (tmp_path / "afile").write_text("kept")
+    for check, path, message in [(check_output_file, tmp_path, "is a folder: expected a file"),
+                                 (check_output_folder, tmp_path / "afile", "is a file: expected a folder"),
+                                 (check_output_file, tmp_path / "afile" / "x", "afile is not a folder"),
+                                 (check_output_folder, "/proc/x/y", "cannot create files in /proc")]:
+        with pytest.raises(ConfigError, match=message):
+            check(path, "--out")
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]  # no probe file, no folder left behind
+
+
 # -- bad input on the command line ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -142,7 +175,9 @@ def files(tmp_path_factory):
 
 BAD_INPUT = [
     ("train --steps 0", "--steps 0: expected a positive integer"),
-    ("train --lr nan", "--lr nan: expected a number > 0"),
+    ("train --lr nan", "--lr nan: expected a finite number > 0"),
+    ("train --lr inf", "--lr inf: expected a finite number > 0"),
+    ("train --clip-grad nan", "--clip-grad nan: expected a finite number >= 0"),
     ("train --comm-timeout -1", "--comm-timeout -1.0: expected seconds >= 0"),
     ("train --max-bad-steps -1", "--max-bad-steps -1: expected an integer >= 0"),
     ("train --model nosuch", "--model 'nosuch' is neither a preset"),
@@ -156,6 +191,13 @@ BAD_INPUT = [
     ("train --init ckcorrupt", "checksum mismatch"),
     ("train --save bad.jsonl", "--save bad.jsonl is a file: expected a folder"),
     ("train --log emptydir", "--log emptydir is a folder: expected a file"),
+    ("train --save bad.jsonl/ck", "--save bad.jsonl/ck: bad.jsonl is not a folder"),
+    ("train --save /proc/ck", "--save /proc/ck: cannot create files in /proc"),
+    ("train --save ck", "--save ck already holds checkpoints (latest: step-000002): pass --resume"),
+    ("train --init ck --save ck", "--save ck already holds checkpoints"),
+    ("train --log bad.jsonl/m.jsonl", "--log bad.jsonl/m.jsonl: bad.jsonl is not a folder"),
+    ("train --log /proc/m.jsonl", "--log /proc/m.jsonl: cannot create files in /proc"),
+    ("train --data bad.jsonl --cache-dir bad.jsonl/c", "--cache-dir bad.jsonl/c: bad.jsonl is not a folder"),
     ("train --pp-layers a,b", "--pp-layers 'a,b': expected comma-separated layer counts"),
     ("generate --ckpt garbage --prompt hi", "checkpoint garbage: "),
     ("generate --ckpt ckcorrupt --prompt hi", "checksum mismatch"),
@@ -163,22 +205,37 @@ BAD_INPUT = [
     ("generate --ckpt ck --prompts empty.jsonl", "--prompts empty.jsonl: no prompts in it"),
     ("generate --ckpt ck --prompt hi --top-p 2", "top_p=2.0: expected a number in (0, 1]"),
     ("generate --ckpt ck --prompt hi --max-new-tokens 1000", "needs 1001 positions"),
+    ("generate --ckpt ck --prompts empty.jsonl --out emptydir", "--out emptydir is a folder: expected a file"),
+    ("generate --ckpt ck --prompt hi --tp 0", "--tp 0: expected a positive integer"),
+    ("embed --ckpt ck --text hi --out bad.jsonl/e.jsonl", "--out bad.jsonl/e.jsonl: bad.jsonl is not a folder"),
     ("convert emptydir -o out", "emptydir: no config.json"),
     ("convert hf -o out", "hf/config.json: cannot read it as JSON"),
     ("convert bad.gguf -o out", "bad.gguf: not a GGUF file"),
+    ("convert hf -o bad.jsonl/out", "--output bad.jsonl/out: bad.jsonl is not a folder"),
     ("inspect garbage", "checkpoint garbage: master.h5 is not an HDF5 file"),
     ("inspect emptydir", "emptydir is neither a checkpoint folder"),
     ("export garbage -o out", "checkpoint garbage: master.h5 is not an HDF5 file"),
     ("export ck -o ck", "output ck already exists"),
+    ("export ck -o bad.jsonl/out", "--output bad.jsonl/out: bad.jsonl is not a folder"),
     ("plot empty.jsonl", "metrics log empty.jsonl: the metrics log is empty"),
     ("plot bad.jsonl", "metrics log bad.jsonl:1: not a JSON line"),
     ("plot m.jsonl --metric nosuch", "no record has both 'step' and 'nosuch'"),
     ("plot m.jsonl -o bad.jsonl", "--output bad.jsonl: expected an image file ending in one of"),
+    ("plot m.jsonl -o bad.jsonl/loss.png", "--output bad.jsonl/loss.png: bad.jsonl is not a folder"),
     ("bench comm --sizes abc", "size 'abc': expected a positive whole number"),
     ("bench comm --json emptydir", "--json emptydir is a folder"),
+    ("bench comm --json bad.jsonl/c.json", "--json bad.jsonl/c.json: bad.jsonl is not a folder"),
+    ("bench step --json /proc/s.json", "--json /proc/s.json: cannot create files in /proc"),
     ("bench step --layers 0", "--layers 0: expected a positive whole number"),
     ("bench decode --prompt-len 100000", "exceeds the model's max_seq_len"),
     ("bench checkpoint --dir bad.jsonl", "--dir bad.jsonl is a file"),
+    ("plan --json emptydir", "--json emptydir is a folder: expected a file"),
+    ("plan --serve-batch -1", "--serve-batch -1: expected a positive whole number"),
+    ("plan --micro-batch 0", "--micro-batch 0: expected a positive whole number"),
+    ("plan --efficiency 5", "--efficiency 5.0: expected a share of the peak FLOP/s in (0, 1]"),
+    ("verify --batch 0", "--batch 0: expected a positive integer"),
+    ("verify --tolerance nan", "--tolerance nan: expected a finite relative error >= 0"),
+    ("verify --tolerance -1", "--tolerance -1.0: expected a finite relative error >= 0"),
 ]
 
 
@@ -189,10 +246,12 @@ def test_bad_input_is_one_clear_line_and_overwrites_nothing(files, command, mess
     from hpc_tp import cli
 
     monkeypatch.chdir(files)
-    before = {p: p.read_bytes() for p in files.rglob("*") if p.is_file() and "cache" not in p.parts}
-    steps = (["--steps", "2"] if "--steps" not in command else []) + ["--cache-dir", "cache"]
+    paths = lambda: {p for p in files.rglob("*") if "cache" not in p.parts}  # noqa: E731
+    before, listed = {p: p.read_bytes() for p in paths() if p.is_file()}, paths()
+    steps = (["--steps", "2"] if "--steps" not in command else []) + (["--cache-dir", "cache"]
+                                                                       if "--cache-dir" not in command else [])
     steps = steps if command.startswith("train") else []
     assert cli.main(command.split() + steps) != 0
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpc-tp: error:")]
     assert len(errors) == 1 and message in errors[0], errors
-    assert {p: p.read_bytes() for p in before} == before and not (files / "out").exists()
+    assert {p: p.read_bytes() for p in before} == before and paths() == listed  # nothing new, not even a probe

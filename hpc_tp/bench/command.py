@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..paths import check_output_file, check_output_folder
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -61,10 +62,10 @@ def add_arguments(parser):
 
 def run(args) -> int:
     # Paths first: a benchmark that ran for minutes must not end in a traceback about its output.
-    if getattr(args, "json", None) and Path(args.json).is_dir():
-        raise ConfigError(f"--json {args.json} is a folder: expected a file to write")
-    if getattr(args, "dir", None) and Path(args.dir).exists() and not Path(args.dir).is_dir():
-        raise ConfigError(f"--dir {args.dir} is a file: expected a scratch folder")
+    if getattr(args, "json", None):
+        check_output_file(args.json, "--json")
+    if getattr(args, "dir", None):
+        check_output_folder(args.dir, "--dir")
     return args._benchmark(args)
 
 

@@ -24,11 +24,13 @@ def add_arguments(parser):
 def run(args) -> int:
     from ..comm.mpi import world
     from ..errors import ConfigError
+    from ..paths import check_output_folder
     from .importers import open_source
 
     if world().size > 1:
         raise ConfigError(f"hpc-tp convert runs as one process (started with {world().size} ranks); "
                           "the checkpoint it writes loads at any tp")
+    check_output_folder(args.output, "--output")
     imported = open_source(args.source)
     folder = replace_folder(args.output, args.force, lambda temp: write_checkpoint(imported, temp))
     cfg = imported.config

@@ -30,9 +30,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from ..paths import check_output_folder
     from .convert import replace_folder
     from .read import describe_checkpoint
 
+    check_output_folder(args.output, "--output")
     info = describe_checkpoint(args.checkpoint)
     folder = replace_folder(args.output, args.force, lambda temp: export(info, temp, args.arch, args.dtype))
     print(f"exported {info['path']} -> {folder}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -60,8 +61,10 @@ def build_cluster(args):
 
     for flag in ("gpus", "gpus_per_node", "device_mem", "device_flops", "efficiency", "intra_bw", "inter_bw"):
         value = getattr(args, flag)
-        if value is not None and not value > 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} {value}: expected a number > 0")
+        if value is not None and not 0 < value < math.inf:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: expected a finite number > 0")
+    if args.efficiency is not None and args.efficiency > 1:  # a share: above 1 would beat the peak
+        raise ConfigError(f"--efficiency {args.efficiency}: expected a share of the peak FLOP/s in (0, 1]")
     scale = lambda value, unit: None if value is None else value * unit  # noqa: E731
     precision = None if args.precision is None else (MIXED_BF16 if args.precision == "bf16"
                                                      else engine_precision(args.precision))
@@ -74,10 +77,18 @@ def build_cluster(args):
 def run(args) -> int:
     from ..errors import ConfigError
     from ..models.config import load_config, parse_overrides
+    from ..paths import check_output_file
 
     overrides = parse_overrides(args.model_overrides)
+    for flag, value in (("global-batch", args.global_batch), ("seq-len", args.seq_len), ("top", args.top),
+                        ("serve-batch", args.serve_batch), *(("micro-batch", m) for m in args.micro_batch or []),
+                        *(("ep", e) for e in args.ep or [])):
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag} {value}: expected a positive whole number")
     if args.validate:
         return _validate(args, overrides)
+    if args.json:
+        check_output_file(args.json, "--json")
     from .calibration import load_calibration
     from .report import format_plan, plan_json
     from .search import search
@@ -86,10 +97,6 @@ def run(args) -> int:
     cfg = load_config(args.model, **overrides)
     seq = args.seq_len or cfg.max_seq_len
     gpus = args.gpus or cluster.devices_per_node
-    for flag, value in (("global-batch", args.global_batch), ("seq-len", seq), ("top", args.top),
-                        *(("ep", e) for e in args.ep or [])):
-        if value < 1:
-            raise ConfigError(f"--{flag} {value}: expected a positive whole number")
     if args.ep and not cfg.num_experts and max(args.ep) > 1:
         raise ConfigError(f"--ep {max(args.ep)}: model {args.model} has no experts (num_experts=0)")
     calibration = load_calibration(args.calibration) if args.calibration else None

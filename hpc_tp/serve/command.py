@@ -65,6 +65,8 @@ def open_checkpoint(args):
     from ..launch import check_launch, install_abort_on_exception
     from ..models import ModelConfig
 
+    if args.tp is not None and args.tp < 1:
+        raise ConfigError(f"--tp {args.tp}: expected a positive integer (default: the world size)")
     check_launch()
     install_abort_on_exception()
     grid = ProcessGrid(tp=args.tp or _world_size(), pp=1)
@@ -100,9 +102,12 @@ def _world_size() -> int:
 
 def run(args) -> int:
     from ..errors import ConfigError
+    from ..paths import check_output_file
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
+    if args.out is not None:  # every rank, though rank 0 alone writes it: they fail together
+        check_output_file(args.out, "--out")
     grid, model, tokenizer = load_for_inference(args)
     world = grid.world
     requests = []  # texts stay on rank 0: the others receive token ids and sampling parameters

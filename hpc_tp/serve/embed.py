@@ -33,10 +33,13 @@ def add_arguments(parser):
 def run(args) -> int:
     from .. import backend
     from ..errors import ConfigError
+    from ..paths import check_output_file
     from .command import _on_rank0
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
+    if args.out is not None:  # every rank, though rank 0 alone writes it: they fail together
+        check_output_file(args.out, "--out")
     grid, model, tokenizer = load_encoder(args)
     world = grid.world
     rows = _on_rank0(world, lambda: read_inputs(args, tokenizer, model.cfg))
@@ -165,4 +168,5 @@ def _write(args, records: list[dict]):
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # as generate --out: a new folder is fine
         Path(args.out).write_text(text)

@@ -17,8 +17,10 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from ..paths import check_output_file
     from .metrics import read_metrics
 
+    check_output_file(args.output, "--output")
     curves = {path: _curve(read_metrics(path), path, args.metric) for path in args.logs}
     try:
         import matplotlib

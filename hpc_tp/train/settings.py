@@ -2,10 +2,12 @@
 tests fill directly. ``check`` rejects impossible values with one line naming the value."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..paths import check_output_file, check_output_folder
 from .mixed_precision import resolve_dtype
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")  # the half ones: mixed precision (train/mixed_precision.py)
@@ -77,21 +79,30 @@ class TrainSettings:
             raise ConfigError(f"--plan {self.plan!r}: expected auto")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ConfigError(f"--schedule {self.schedule!r}: expected 1f1b or gpipe")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr {self.lr!r}: expected a number > 0")
-        if self.clip_grad < 0 or self.weight_decay < 0:
-            raise ConfigError(f"--clip-grad {self.clip_grad} and --weight-decay {self.weight_decay} must be >= 0")
+        if not 0 < self.lr < math.inf:  # also false for nan: a nan or inf rate makes every weight nan
+            raise ConfigError(f"--lr {self.lr!r}: expected a finite number > 0")
+        for flag, value in {"clip-grad": self.clip_grad, "weight-decay": self.weight_decay,
+                            "min-lr-ratio": self.min_lr_ratio}.items():
+            if not 0 <= value < math.inf:
+                raise ConfigError(f"--{flag} {value!r}: expected a finite number >= 0")
         if self.resume and not self.save:
             raise ConfigError("--resume needs --save DIR (the folder it resumes from)")
         if not isinstance(self.comm_timeout, (int, float)) or not 0 <= self.comm_timeout < float("inf"):
             raise ConfigError(f"--comm-timeout {self.comm_timeout!r}: expected seconds >= 0 (0: no watchdog)")
-        for flag, path, folder in (("save", self.save, True), ("log", self.log, False),
-                                   ("cache-dir", self.cache_dir, True)):
-            if path is not None and Path(path).exists() and Path(path).is_dir() != folder:
-                raise ConfigError(f"--{flag} {path} is a {'file' if folder else 'folder'}: expected a "
-                                  f"{'folder' if folder else 'file'}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ConfigError(f"--seq-len {self.seq_len!r}: expected a positive integer")
+        self._check_outputs()
+
+    def _check_outputs(self):
+        """Where the run writes, checked before it trains: a bad path would otherwise end it after the work."""
+        if self.log is not None:
+            check_output_file(self.log, "--log")
+        if self.data not in (None, "demo") or self.comm_timeout:  # the tokenized corpus, the watchdog's status files
+            check_output_folder(self.cache_dir, "--cache-dir")
+        if self.save is not None:
+            check_output_folder(self.save, "--save")
+            if not self.resume:
+                _check_no_earlier_run(self.save)
 
     @property
     def warmup_steps(self) -> int:
@@ -112,3 +123,17 @@ class TrainSettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _check_no_earlier_run(save: str):
+    """A run without --resume starts at step 0: saved into the folder of an earlier run (--init's
+    checkpoint or its root included), it would overwrite that run's checkpoints and could move its
+    ``latest`` back to an older step."""
+    from ..checkpoint.format import MASTER, latest_checkpoint, step_folders  # here: h5py would slow `hpc-tp --help`
+
+    folder = Path(save)
+    latest = folder if (folder / MASTER).is_file() else latest_checkpoint(folder)
+    if latest is not None or step_folders(folder):
+        held = f" (latest: {latest.name})" if latest is not None else ""
+        raise ConfigError(f"--save {save} already holds checkpoints{held}: pass --resume to continue that run, "
+                          "or --save a new folder")
