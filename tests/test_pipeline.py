@@ -61,7 +61,7 @@ def reference(cfg, batches):
     model = GPTModel(cfg, self_comm(), dtype="float64", seed=SEED)
     scale, loss, count = token_scale(batches), 0.0, 0
     for index, (ids, targets) in enumerate(batches):
-        model.rng.set_position(STEP, index, 0)
+        model.rng.set_position(STEP, index * len(ids))
         loss_sum, tokens, ctx = model.forward(ids, targets)
         model.backward(ctx, scale)
         loss, count = loss + loss_sum, count + tokens
@@ -89,7 +89,7 @@ def run_pipeline(cfg, layout, batches, schedule, recompute=False, layers=None):
 
     stats = PipelineStats()
     loss, count = pipeline_forward_backward(model, batches[first:first + m], grid, token_scale(batches), schedule,
-                                            recompute, on_grads_final, step=STEP, first_micro_batch=first,
+                                            recompute, on_grads_final, step=STEP, first_sample=first * len(batches[0][0]),
                                             stats=stats)
     bucketer.finish()
     # Reported gradients were already final: the buckets (summed in place) hold the sums of what was reported.

@@ -164,6 +164,17 @@ def test_resume_is_bit_identical_and_works_under_another_layout(tmp_path):
         assert np.max(np.abs(moved - whole[6:]) / whole[6:]) < 1e-9
 
 
+@pytest.mark.mpi(min_size=2)
+def test_dropout_drops_the_same_elements_however_the_batch_is_split():
+    """Masks are keyed by each sample's place in the global batch, not by micro-batch or dp rank:
+    the default split (one piece per dp rank at pp=1, 2*pp pieces at pp>1) changes nothing."""
+    comm = world()
+    whole = losses(settings(micro_batch=None, steps=4), self_comm())  # one piece of 8
+    for split in (settings(micro_batch=1, steps=4), settings(micro_batch=None, steps=4, dp=comm.size)):
+        got = losses(split, self_comm() if split.dp is None else comm)
+        assert np.max(np.abs(got - whole) / whole) < 1e-9, (split.micro_batch, split.dp)
+
+
 def _truncate_to(root, step, comm):
     """Point ``latest`` back at ``step`` and drop later checkpoints, as if the run had stopped there."""
     from pathlib import Path

@@ -155,7 +155,7 @@ class ParallelAttention(Module):
         """One mask per local head, keyed by the global head index: the same draw at any tp."""
         xp = backend.xp
         b, hk, g, tq, tk = shape
-        masks = [keep_mask(self.rng.generator("attn", self.layer_id, self.head_start + h), (b, tq, tk), self.dropout, dtype)
+        masks = [keep_mask(self.rng, ("attn", self.layer_id, self.head_start + h), (b, tq, tk), self.dropout, dtype)
                  for h in range(hk * g)]
         return xp.stack(masks, axis=1).reshape(shape)
 

@@ -1,14 +1,21 @@
-"""Dropout whose masks come from ``DropoutRNG`` keyed by site, so they do not depend on tp."""
+"""Dropout whose masks come from ``DropoutRNG`` keyed by site and sample, so they depend on
+neither tp nor how the batch is cut into micro-batches and over dp ranks."""
 from __future__ import annotations
+
+import numpy
 
 from .. import backend
 from ..tensor_parallel.random import DropoutRNG
 
 
-def keep_mask(generator, shape, p: float, dtype):
-    """Scaled keep mask: 1/(1-p) where kept, 0 where dropped. Drawn on the host (the generator is
-    keyed by site, the same on any device), then put where the activations are."""
-    return backend.xp.asarray((generator.random(shape) >= p).astype(dtype) / (1.0 - p))
+def keep_mask(rng: DropoutRNG, what: tuple, shape, p: float, dtype):
+    """Scaled keep mask of a [samples, ...] activation: 1/(1-p) where kept, 0 where dropped. Each
+    sample's part is drawn from its own generator (keyed by ``what`` and the sample), on the host,
+    then put where the activations are."""
+    draws = numpy.empty(shape)
+    for part, generator in zip(draws, rng.generators(shape[0], *what)):
+        generator.random(out=part)
+    return backend.xp.asarray((draws >= p).astype(dtype) / (1.0 - p))
 
 
 class Dropout:
@@ -24,7 +31,7 @@ class Dropout:
     def forward(self, x):
         if not self.active:
             return x, None
-        mask = keep_mask(self.rng.generator(*self.site), x.shape, self.p, x.dtype)
+        mask = keep_mask(self.rng, self.site, x.shape, self.p, x.dtype)
         return x * mask, mask
 
     def backward(self, dy, mask):

@@ -23,7 +23,7 @@ class SequenceShardDropout(Dropout):
             return x, None
         shape = list(x.shape)
         shape[SEQUENCE_AXIS] *= self.comm.size
-        mask = local_chunk(keep_mask(self.rng.generator(*self.site), tuple(shape), self.p, x.dtype),
+        mask = local_chunk(keep_mask(self.rng, self.site, tuple(shape), self.p, x.dtype),
                            self.comm, SEQUENCE_AXIS).copy()
         return x * mask, mask
 

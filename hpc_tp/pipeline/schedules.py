@@ -57,12 +57,13 @@ class PipelineStats:
 
 def pipeline_forward_backward(model, micro_batches, grid, scale: float, schedule: str = "1f1b",
                               recompute: bool = False, on_grads_final=None, step: int = 0,
-                              first_micro_batch: int = 0, stats: PipelineStats | None = None):
+                              first_sample: int = 0, stats: PipelineStats | None = None):
     """Forward and backward of this dp rank's ``micro_batches`` (a list of (ids, targets)) through
     the pipeline; gradients of ``scale * loss_sum`` accumulate into ``p.grad``.
 
-    Returns (loss_sum, token_count) of this dp rank, the same on every stage. Dropout of
-    micro-batch i draws at position (step, first_micro_batch + i, 0). ``on_grads_final(names)``
+    Returns (loss_sum, token_count) of this dp rank, the same on every stage. ``first_sample`` is
+    the global batch index of this dp rank's first sequence: dropout masks are drawn per sample
+    at (step, sample). ``on_grads_final(names)``
     is called once for every parameter, per block and for the embedding and head, as soon as
     its gradient is final for the step. With pp = 1 this is a plain loop over micro-batches.
     """
@@ -74,7 +75,7 @@ def pipeline_forward_backward(model, micro_batches, grid, scale: float, schedule
     if len(shapes) > 1:  # message buffers are sized from the first micro-batch, on every stage
         raise ValueError(f"micro-batches of a pipeline step must share one shape, got {sorted(shapes)}")
     t0 = time.perf_counter()
-    runner = _StageRunner(model, micro_batches, grid, scale, recompute, on_grads_final, step, first_micro_batch)
+    runner = _StageRunner(model, micro_batches, grid, scale, recompute, on_grads_final, step, first_sample)
     for op, i in SCHEDULES[schedule](len(micro_batches), grid.pp_size, grid.coords.pp):
         (runner.forward if op == FORWARD else runner.backward)(i)
     busy = runner.op_seconds - runner.link.wait_seconds
@@ -106,9 +107,9 @@ def stage_parameter_groups(model) -> dict[str, list[str]]:
 
 
 class _StageRunner:
-    def __init__(self, model, micro_batches, grid, scale, recompute, on_grads_final, step, first_micro_batch):
+    def __init__(self, model, micro_batches, grid, scale, recompute, on_grads_final, step, first_sample):
         self.model, self.micro_batches, self.scale, self.recompute = model, micro_batches, scale, recompute
-        self.on_grads_final, self.step, self.first_micro_batch = on_grads_final, step, first_micro_batch
+        self.on_grads_final, self.step, self.first_sample = on_grads_final, step, first_sample
         self.is_first, self.is_last = grid.is_first_stage, grid.is_last_stage
         self.link = StageLink(grid.pp, model.hidden_shape(*numpy.shape(micro_batches[0][0])),
                               backend.xp.dtype(model.dtype))
@@ -124,7 +125,7 @@ class _StageRunner:
             self.link.post_activation_receive(0)
 
     def _at(self, i):
-        self.model.rng.set_position(self.step, self.first_micro_batch + i, 0)
+        self.model.rng.set_position(self.step, self.first_sample + i * len(self.micro_batches[0][0]))
 
     def forward(self, i):
         t0 = time.perf_counter()

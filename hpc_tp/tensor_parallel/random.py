@@ -1,9 +1,10 @@
 """Dropout randomness that does not depend on the layout.
 
-A mask is drawn from a generator keyed by *what* it covers (layer, site, global head index)
-and *when* (step, micro-batch, data-parallel rank), never by the tp rank. So ranks that hold
-replicated activations draw identical masks, ranks that hold different heads draw different
-ones, and tp=N drops exactly the elements tp=1 drops.
+A mask is drawn sample by sample, from generators keyed by *what* it covers (layer, site, global
+head index) and *when*: the step, and the sample's index in the step's global batch. Never by the
+tp rank, the dp rank or the micro-batch. So ranks that hold replicated activations draw identical
+masks, ranks that hold different heads draw different ones, and every layout and every split of
+the batch into micro-batches drops exactly the elements one process drops.
 """
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import numpy
 class DropoutRNG:
     def __init__(self, seed: int):
         self.seed = seed
-        self.when = (0, 0, 0)
+        self.step, self.first_sample = 0, 0
         self.training = True  # evaluation and serving turn dropout off
 
-    def set_position(self, step: int, micro_batch: int, dp_rank: int):
-        self.when = (step, micro_batch, dp_rank)
+    def set_position(self, step: int, first_sample: int):
+        """The step, and the global batch index of the first sample about to run."""
+        self.step, self.first_sample = step, first_sample
 
-    def generator(self, *what) -> numpy.random.Generator:
-        keys = [self.seed, *self.when] + [k if isinstance(k, int) else zlib.crc32(str(k).encode()) for k in what]
-        return numpy.random.Generator(numpy.random.Philox(numpy.random.SeedSequence(keys)))
+    def generators(self, samples: int, *what) -> list[numpy.random.Generator]:
+        """One generator for each of ``samples`` consecutive samples from the position on."""
+        site = [k if isinstance(k, int) else zlib.crc32(str(k).encode()) for k in what]
+        return [numpy.random.Generator(numpy.random.Philox(numpy.random.SeedSequence(
+            [self.seed, self.step, self.first_sample + i, *site]))) for i in range(samples)]

@@ -207,7 +207,7 @@ class Trainer:
         loss_sum, _ = pipeline_forward_backward(
             self.model, batches, grid, scale, s.schedule, s.recompute,
             on_grads_final=lambda names: self.bucketer.mark_ready(*names),
-            step=self.step, first_micro_batch=grid.coords.dp * len(batches))
+            step=self.step, first_sample=grid.coords.dp * len(ids))
         self.bucketer.finish()
         sync_tied_embeddings(self.model, grid)
         return loss_sum
