@@ -372,6 +372,26 @@ def test_convert_export_convert_is_exact(tmp_path, source):
             assert np.array_equal(f.get_tensor(name), value), name
 
 
+def test_export_refuses_what_the_format_cannot_hold(tmp_path):
+    config, tensors = llama_source()
+    tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = 1e5  # beyond float16's 65504
+    write_hf(tmp_path / "hf", config, tensors)
+    main(["convert", str(tmp_path / "hf"), "-o", str(tmp_path / "ckpt")])
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.up_proj\.weight: values up to 1e\+05 overflow F16"):
+        export.run(cli_args(checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "out"), arch=None,
+                            dtype="float16", force=False))
+    assert not (tmp_path / "out").exists()
+    from hpc_tp.checkpoint import save_checkpoint
+    from hpc_tp.comm.mpi import self_comm
+
+    moe = ModelConfig(vocab_size=37, hidden=16, n_layers=1, n_heads=2, max_seq_len=8, num_experts=2)
+    grid = ProcessGrid(tp=1, world=self_comm())
+    save_checkpoint(tmp_path / "moe", 0, GPTModel(moe, grid.tp).state(), {"config": moe.to_dict()}, grid)
+    with pytest.raises(ConfigError, match=r"Mixture-of-Experts model \(num_experts=2\)"):
+        export.run(cli_args(checkpoint=str(tmp_path / "moe"), output=str(tmp_path / "out"), arch=None,
+                            dtype="stored", force=False))
+
+
 def test_export_refuses_a_nonzero_bias_qwen2_has_no_place_for(tmp_path):
     config, tensors = llama_source(qwen=True)
     write_hf(tmp_path / "hf", config, tensors)

@@ -229,6 +229,7 @@ BAD_INPUT = [
     ("bench step --layers 0", "--layers 0: expected a positive whole number"),
     ("bench decode --prompt-len 100000", "exceeds the model's max_seq_len"),
     ("bench checkpoint --dir bad.jsonl", "--dir bad.jsonl is a file"),
+    ("serve --ckpt ck --batch-window-ms nan", "--batch-window-ms nan"),
     ("plan --json emptydir", "--json emptydir is a folder: expected a file"),
     ("plan --serve-batch -1", "--serve-batch -1: expected a positive whole number"),
     ("plan --micro-batch 0", "--micro-batch 0: expected a positive whole number"),

@@ -56,6 +56,9 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     cfg = ModelConfig.from_dict(meta["config"])
     if cfg.family != "gpt":
         raise ConfigError(f"checkpoint {info['path']} is a {cfg.family} model; export supports gpt2, llama and qwen2")
+    if cfg.num_experts:
+        raise ConfigError(f"checkpoint {info['path']} is a Mixture-of-Experts model (num_experts={cfg.num_experts}); "
+                          "export writes dense gpt2, llama and qwen2 models")
     architecture = architecture or meta.get("source", {}).get("architecture")
     if architecture not in ("gpt2", "llama", "qwen2"):
         architecture = "gpt2" if cfg.position == "learned" else "llama"
@@ -126,6 +129,7 @@ def write_safetensors(path: Path, entries: list[tuple]):
     comes from the shapes alone, then each tensor's little-endian bytes in header order."""
     import numpy
 
+    from ..errors import ConfigError
     from .importers.bfloat16 import float32_to_bfloat16_bytes
 
     header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -143,7 +147,12 @@ def write_safetensors(path: Path, entries: list[tuple]):
                 raise AssertionError(f"{name}: produced {values.shape}, header says {shape}")
             if code == "BF16":
                 out.write(float32_to_bfloat16_bytes(values))
-            else:
-                out.write(numpy.ascontiguousarray(values, dtype=f"<f{_ITEMSIZE[code]}").tobytes())
+                continue
+            with numpy.errstate(over="ignore"):  # checked just below, with the tensor's name
+                narrowed = numpy.ascontiguousarray(values, dtype=f"<f{_ITEMSIZE[code]}")
+            if numpy.isinf(narrowed).any() and numpy.isfinite(values).all():
+                raise ConfigError(f"tensor {name}: values up to {numpy.abs(values).max():.4g} overflow {code} "
+                                  f"(largest {numpy.finfo(narrowed.dtype).max:.4g}); export with --dtype float32 or bfloat16")
+            out.write(narrowed.tobytes())
         out.flush()
         os.fsync(out.fileno())

@@ -42,7 +42,7 @@ def run(args) -> int:
     from .command import load_for_inference
     from .generate import Engine
 
-    if args.max_batch < 1 or args.batch_window_ms < 0 or not 0 <= args.port < 65536:
+    if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
         raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
                           "expected a batch >= 1, a window >= 0 and a port in 0..65535")
     grid, model, tokenizer = load_for_inference(args)
