@@ -233,5 +233,44 @@ def test_embed_errors_are_one_line(shared_dir, comm_world):
     if comm_world.rank == 0:
         bad.write_text('{"ids": [2, 3]}\n{"ids": [2, 999]}\n')
     comm_world.barrier()
-    with pytest.raises(ConfigError, match=r"line 2: token ids must be integers in \[0, 50\)"):
+    with pytest.raises(ConfigError, match=r'line 2: "ids" must be a list of integers in \[0, 50\), got 999 at index 1'):
         embed.run(embed_args(ckpt, inputs=str(bad)))
+
+
+@mpi
+@pytest.mark.parametrize("lines, message", [
+    ('{"ids": 7}', r'line 1: "ids" must be a list of integers in \[0, 50\), got 7$'),
+    ('{"ids": [2, true]}', r'line 1: "ids" must be a list of integers in \[0, 50\), got true at index 1$'),
+    ('{"ids": [2, 3], "type_ids": null}', r'line 1: "type_ids" must be a list of integers in \[0, 2\), got null$'),
+    ('{"ids": [2, 3], "type_ids": [0]}', r"line 1: 1 type_ids for 2 tokens$"),
+    ('{"ids": [2, 3], "id": [1]}', r'line 1: "id" \[1\]: expected a string or an integer$'),
+    ('{"ids": [2, 3], "id": 1}\n{"ids": [2, 4], "id": 1.0}', r'line 2: "id" 1.0: expected a string or an integer$'),
+    ('{"ids": [2, 3], "id": 1}\n{"ids": [2, 4], "id": 1}', r'line 2: "id" 1 is used twice'),
+    ('{"text": 5}', r'line 1: "text" 5: expected a string$'),
+    ('{"text": "\\ud800"}', r"line 1: text is not valid Unicode: surrogates not allowed at character 0$"),
+    (json.dumps({"ids": [2] * 30}), r"line 1: 30 tokens; expected 1 to max_seq_len=24$"),
+], ids=["ids-not-a-list", "ids-bool", "type-ids-null", "type-ids-short", "id-list", "id-float", "id-twice",
+        "text-not-a-string", "text-lone-surrogate", "ids-too-long"])
+def test_embed_refuses_a_malformed_line_on_every_rank(shared_dir, comm_world, lines, message):
+    """A wrong type was a TypeError traceback and an MPI abort: now one line naming the line and the field."""
+    ckpt, _ = converted(shared_dir, comm_world)
+    bad = shared_dir / "bad.jsonl"
+    if comm_world.rank == 0:
+        bad.write_text(lines + "\n")
+    comm_world.barrier()
+    with pytest.raises(ConfigError, match=message) as error:
+        embed.run(embed_args(ckpt, inputs=str(bad)))
+    assert "\n" not in str(error.value)
+
+
+@mpi
+def test_embed_refuses_a_text_longer_than_the_context(shared_dir, comm_world):
+    """As over-long ids: a text is never cut to max_seq_len silently (it was, whatever its length)."""
+    ckpt, _ = converted(shared_dir, comm_world)
+    long = " ".join(["w5"] * (CONTEXT - 1))  # with [CLS] and [SEP]: one token too many
+    with pytest.raises(ConfigError, match=rf"^--text 2: {CONTEXT + 1} tokens; expected 1 to max_seq_len={CONTEXT}$"):
+        embed.run(embed_args(ckpt, text=["w1 w2", long]))
+    out = shared_dir / "out.jsonl"
+    assert embed.run(embed_args(ckpt, text=[" ".join(["w5"] * (CONTEXT - 2))], out=str(out))) == 0
+    if comm_world.rank == 0:
+        assert json.loads(out.read_text())["tokens"] == CONTEXT

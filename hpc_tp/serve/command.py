@@ -9,9 +9,9 @@ prompts and writes the results; the others receive token ids by broadcast. With 
 the world is cut into data-parallel replicas that take turns over the batches.
 
 A prompts line is {"prompt": TEXT} plus optional "id" and per-line overrides of the sampling
-flags (max_new_tokens, temperature, top_k, top_p, seed, stop). An output line adds the completion,
-its finish reason, token counts, time to first token, decode tokens/s and the batch's metrics
-(per-rank KV-cache bytes, communication time).
+flags (max_new_tokens, temperature, top_k, top_p, seed, stop: a string or a list). An output line
+adds the completion, its finish reason, token counts, time to first token, decode tokens/s and the
+batch's metrics (per-rank KV-cache bytes, communication time).
 """
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ def sampling_defaults(args) -> dict:
 def open_checkpoint(args):
     """(grid, checkpoint folder, ModelConfig) for ``args.ckpt`` at ``--tp`` (default: the world) on
     ``--device``: the start every inference command shares. Collective over the world."""
+    from dataclasses import replace
+
     from .. import backend
     from ..checkpoint import load_checkpoint
     from ..checkpoint.format import resolve_checkpoint
@@ -75,7 +77,8 @@ def open_checkpoint(args):
     meta = load_checkpoint(folder, {}, grid)
     if not isinstance(meta.get("config"), dict):
         raise ConfigError(f"checkpoint {folder} has no model config (meta['config']); was it written by hpc-tp?")
-    return grid, folder, ModelConfig.from_dict(meta["config"])
+    # Sequence parallelism is a training layout of the same weights; the KV-cache path runs without it.
+    return grid, folder, replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=False)
 
 
 def load_for_inference(args):
@@ -178,6 +181,8 @@ def _read_requests(args, tokenizer) -> list[dict]:
             if unknown:
                 raise ConfigError(f"--prompts {path} line {n}: unknown keys {', '.join(unknown)}; "
                                   f"known: prompt, id, {', '.join(SAMPLING_KEYS)}")
+            if isinstance(line.get("stop"), str):  # one stop string, as the HTTP API takes it
+                line["stop"] = [line["stop"]]
             lines.append(line)
         if not lines:
             raise ConfigError(f"--prompts {path}: no prompts in it (expected JSON lines)")

@@ -10,7 +10,8 @@ padding is masked out of attention and out of the pooling. A sentence embedding 
 its real tokens' final states, L2-normalised. With tp < world size the data-parallel replicas
 take turns over the batches.
 
-An input line is {"text": TEXT} or {"ids": [token ids]}, with optional "id" and "type_ids".
+An input line is {"text": TEXT} or {"ids": [token ids]}, with optional "id" (a string or an integer)
+and "type_ids"; more tokens than the model's max_seq_len are an error, for a text too.
 An output line: {"id", "tokens", "embedding"} and, with --token-states, "token_states" [T, hidden].
 """
 from __future__ import annotations
@@ -81,7 +82,7 @@ def load_encoder(args):
 
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         tokenizer.no_padding()  # a tokenizer.json may pad to a fixed length: batches are padded and masked here
-        tokenizer.enable_truncation(cfg.max_seq_len)
+        tokenizer.no_truncation()  # a text longer than max_seq_len is an error (read_inputs), never cut short
     return grid, model, tokenizer
 
 
@@ -91,47 +92,83 @@ def read_inputs(args, tokenizer, cfg) -> list[dict]:
 
     from ..errors import ConfigError
     from ..jsonl import read_json_lines
+    from ..train.tokenizer import _utf8 as utf8
 
     if args.text is not None:
-        lines, where = [{"text": t} for t in args.text], "--text"
+        lines = [(f"--text {n}", {"text": t}) for n, t in enumerate(args.text, start=1)]
     else:
         path = Path(args.inputs)
-        lines, where = [], None
+        lines = []
         for n, line in read_json_lines(path, "--inputs"):
             if ("text" in line) == ("ids" in line) or set(line) - set(INPUT_KEYS):
                 got = f"keys {sorted(line)}"
                 raise ConfigError(f'--inputs {path} line {n}: expected an object with "text" or "ids" '
                                   f"(and optional id, type_ids), got {got}")
-            line["_where"] = f"--inputs {path} line {n}"
-            lines.append(line)
-    rows = []
-    for n, line in enumerate(lines):
-        label = line.get("_where", where)
+            lines.append((f"--inputs {path} line {n}", line))
+    rows, seen = [], set()
+    for n, (label, line) in enumerate(lines):
+        row_id = line.get("id", n)
+        if not (isinstance(row_id, str) or _integer(row_id)):  # it orders the results and is written back
+            raise ConfigError(f'{label}: "id" {_show(row_id)}: expected a string or an integer')
+        if row_id in seen:
+            raise ConfigError(f'{label}: "id" {_show(row_id)} is used twice; expected unique ids '
+                              "(a line without one has its 0-based position)")
+        seen.add(row_id)
         if "text" in line:
+            if not isinstance(line["text"], str):
+                raise ConfigError(f'{label}: "text" {_show(line["text"])}: expected a string')
             if tokenizer is None:
                 raise ConfigError(f"{label}: the checkpoint has no tokenizer.json; give token ids ({{\"ids\": [...]}})")
-            encoding = tokenizer.encode(str(line["text"]))
-            ids, type_ids = encoding.ids, line.get("type_ids", encoding.type_ids)
+            try:
+                utf8(line["text"])  # a lone surrogate ("\\ud800") would be the tokenizer's TypeError
+            except ConfigError as e:
+                raise ConfigError(f"{label}: {e}") from None
+            encoding = tokenizer.encode(line["text"])
+            ids, type_ids = encoding.ids, encoding.type_ids
         else:
-            ids, type_ids = line["ids"], line.get("type_ids", [0] * len(line["ids"]))
+            ids = line["ids"]
+            type_ids = [0] * len(ids) if isinstance(ids, list) else []  # a bad "ids" is named first
+        type_ids = line.get("type_ids", type_ids)
         _check_row(label, ids, type_ids, cfg)
-        rows.append({"id": line.get("id", n), "ids": [int(i) for i in ids], "type_ids": [int(i) for i in type_ids]})
-    if len({row["id"] for row in rows}) != len(rows):
-        raise ConfigError("input ids (the \"id\" keys) must be unique")
+        rows.append({"id": row_id, "ids": list(ids), "type_ids": list(type_ids)})
     return rows
 
 
 def _check_row(label: str, ids, type_ids, cfg):
     from ..errors import ConfigError
 
-    if not ids or len(ids) > cfg.max_seq_len:
+    _check_integers(label, "ids", ids, cfg.vocab_size)
+    _check_integers(label, "type_ids", type_ids, max(cfg.type_vocab_size, 1))
+    if not ids or len(ids) > cfg.max_seq_len:  # a text too: it is not cut short silently
         raise ConfigError(f"{label}: {len(ids)} tokens; expected 1 to max_seq_len={cfg.max_seq_len}")
     if len(type_ids) != len(ids):
         raise ConfigError(f"{label}: {len(type_ids)} type_ids for {len(ids)} tokens")
-    if not all(isinstance(i, int) and 0 <= i < cfg.vocab_size for i in ids):
-        raise ConfigError(f"{label}: token ids must be integers in [0, {cfg.vocab_size})")
-    if not all(isinstance(i, int) and 0 <= i < max(cfg.type_vocab_size, 1) for i in type_ids):
-        raise ConfigError(f"{label}: type_ids must be integers in [0, {max(cfg.type_vocab_size, 1)})")
+
+
+def _check_integers(label: str, field: str, values, bound: int):
+    """ConfigError naming the field and its first bad value unless ``values`` is a list of integers in [0, bound)."""
+    from ..errors import ConfigError
+
+    if not isinstance(values, list):
+        got = _show(values)
+    else:
+        bad = next((i for i, v in enumerate(values) if not (_integer(v) and 0 <= v < bound)), None)
+        if bad is None:
+            return
+        got = f"{_show(values[bad])} at index {bad}"
+    raise ConfigError(f'{label}: "{field}" must be a list of integers in [0, {bound}), got {got}')
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value, limit: int = 40) -> str:
+    """A JSON value as the user wrote it, cut short to stay on one line."""
+    import json
+
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def pad_batch(rows: list[dict], pad_id: int):

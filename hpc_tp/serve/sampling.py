@@ -33,7 +33,7 @@ class SamplingParams:
                   ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
                                                  and self.seed >= 0), "an integer >= 0"),
                   ("stop", isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-                   "a list of non-empty strings"))
+                   "a non-empty string or a list of them"))
         for name, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"{(names or {}).get(name, name)}={getattr(self, name)!r}: expected {expected}")
@@ -49,7 +49,8 @@ def next_token(logits, params: SamplingParams, rng: numpy.random.Generator) -> i
     if params.temperature == 0:
         return int(numpy.argmax(logits))
     z = numpy.asarray(logits, dtype=numpy.float64)
-    z = (z - z.max()) / params.temperature  # the largest is 0: a tiny temperature gives -inf, never inf - inf
+    with numpy.errstate(over="ignore"):  # the largest is 0: a tiny temperature gives -inf, never inf - inf
+        z = (z - z.max()) / params.temperature
     if 0 < params.top_k < z.size:
         kth = numpy.partition(z, -params.top_k)[-params.top_k]
         z = numpy.where(z >= kth, z, -numpy.inf)

@@ -49,23 +49,15 @@ class _Bucket:
 
 
 def _build_buckets(named: dict[str, Parameter], arena: GradArena) -> list[_Bucket]:
-    """Pieces of storage (a plain gradient, or a fused one with all its views) in arena order, then
-    runs of adjacent pieces in one chunk, last first."""
-    located = sorted((arena.locate(p.grad), name) for name, p in named.items())
-    pieces: list[list] = []  # [chunk, start, stop, names]
-    for (chunk, start, stop), name in located:
-        if pieces and pieces[-1][0] == chunk and start < pieces[-1][2]:  # views of one fused gradient
-            pieces[-1][2] = max(pieces[-1][2], stop)
-            pieces[-1][3].append(name)
+    """Runs of storage in one chunk that the gradients fill without a gap (the strided views of a
+    fused gradient overlap one another: one run holds them all), last run first."""
+    runs: list[list] = []  # [chunk, start, stop, names]
+    for (chunk, start, stop), name in sorted((arena.locate(p.grad), name) for name, p in named.items()):
+        if runs and runs[-1][0] == chunk and start <= runs[-1][2]:
+            runs[-1][2] = max(runs[-1][2], stop)
+            runs[-1][3].append(name)
         else:
-            pieces.append([chunk, start, stop, [name]])
-    runs: list[list] = []
-    for piece in pieces:
-        if runs and runs[-1][0] == piece[0] and runs[-1][2] == piece[1]:
-            runs[-1][2] = piece[2]
-            runs[-1][3] += piece[3]
-        else:
-            runs.append(piece)
+            runs.append([chunk, start, stop, [name]])
     return [_Bucket(names[::-1], arena.chunks[chunk][start:stop]) for chunk, start, stop, names in runs[::-1]]
 
 
