@@ -12,10 +12,11 @@ def keep_mask(rng: DropoutRNG, what: tuple, shape, p: float, dtype):
     """Scaled keep mask of a [samples, ...] activation: 1/(1-p) where kept, 0 where dropped. Each
     sample's part is drawn from its own generator (keyed by ``what`` and the sample), on the host,
     then put where the activations are."""
-    draws = numpy.empty(shape)
-    for part, generator in zip(draws, rng.generators(shape[0], *what)):
-        generator.random(out=part)
-    return backend.xp.asarray((draws >= p).astype(dtype) / (1.0 - p))
+    mask = numpy.empty(shape, dtype)
+    for part, generator in zip(mask, rng.generators(shape[0], *what)):
+        part[...] = generator.random(shape[1:]) >= p  # one sample's draws at a time: no [B, ...] float64 array
+    mask /= 1.0 - p
+    return backend.xp.asarray(mask)
 
 
 class Dropout:
