@@ -48,13 +48,13 @@ class ProcessGrid:
         for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name} {value!r} must be a positive integer")
+        fits = f"layouts that fit: {', '.join(f'{t}x{p}x{d}' for t, p, d in factorizations(world.size))}"
         if dp is None:
             if world.size % (tp * pp):
-                raise ConfigError(f"world size {world.size} is not divisible by tp*pp = {tp}*{pp}")
+                raise ConfigError(f"world size {world.size} is not divisible by tp*pp = {tp}*{pp}; {fits}")
             dp = world.size // (tp * pp)
         if tp * pp * dp != world.size:
-            raise ConfigError(f"world size {world.size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
-                              f"layouts that fit: {', '.join(f'{t}x{p}x{d}' for t, p, d in factorizations(world.size))}")
+            raise ConfigError(f"world size {world.size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; {fits}")
         self.world, self.tp_size, self.pp_size, self.dp_size = world, tp, pp, dp
         self.ranks = numpy.arange(world.size).reshape(dp, pp, tp)
         d, p, t = (int(i[0]) for i in numpy.nonzero(self.ranks == world.rank))

@@ -23,6 +23,7 @@ def mpi_train(n: int, *flags: str, timeout: int = 120) -> subprocess.CompletedPr
 
 @pytest.mark.parametrize("flags, message", [
     (["--tp", "2", "--dp", "2"], "world size 2 != tp*pp*dp = 2*1*2 = 4; layouts that fit: "),
+    (["--tp", "3"], "world size 2 is not divisible by tp*pp = 3*1; layouts that fit: 1x1x2, 1x2x1, 2x1x1"),
     (["--global-batch", "12", "--micro-batch", "4"], "--global-batch 12 is not divisible by --micro-batch 4 x dp 2 = 8"),
     (["--data", "no/such/corpus.txt"], "corpus no/such/corpus.txt does not exist"),
     (["--seq-len", "64"], "--seq-len 64 is longer than the model's context: max_seq_len 32 (--model demo)"),
