@@ -265,6 +265,57 @@ def test_a_truncated_master_file_is_one_clear_error(comm_world, root, alone, eve
         load_checkpoint(path, make_tensors(alone, fill=False), alone)
 
 
+class _FlushRecorder:
+    """An h5py file that notes its collective calls (this h5py has no MPI driver: opened plainly)."""
+
+    open_plainly = h5py.File
+
+    def __init__(self, path, mode="r", driver=None, comm=None):
+        self.file, self.calls = _FlushRecorder.open_plainly(path, mode), [driver]
+        _FlushRecorder.last = self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.calls.append("close")
+        self.file.close()
+
+    def flush(self):
+        self.calls.append("flush")
+        self.file.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __getitem__(self, key):
+        return self.file[key]
+
+
+def test_the_parallel_hdf5_path_writes_one_file_and_a_failed_piece_still_closes_it(tmp_path, monkeypatch):
+    """The one-file path (parallel HDF5 builds) at one rank: it loads and verifies like the shard
+    path; a rank whose piece fails still reaches the collective flush and close (else, at several
+    ranks, the others would wait there forever), then the save fails and step 1 stays."""
+    grid = ProcessGrid(tp=1, world=self_comm())
+    monkeypatch.setattr(checkpoint_write, "COLLECTIVE_IO", True)
+    monkeypatch.setattr(checkpoint_write.h5py, "File", _FlushRecorder)
+    path = save_checkpoint(tmp_path, 1, make_tensors(grid), {"v": 1}, grid)
+    monkeypatch.undo()
+    assert _FlushRecorder.last.calls == ["mpio", "flush", "close"] and not (path / "shards").exists()
+    assert verify_checkpoint(path) == []
+    tensors = make_tensors(grid, fill=False)
+    assert load_checkpoint(path, tensors, grid) == {"v": 1}
+    assert_hold_full_tensors(tensors)
+
+    monkeypatch.setattr(checkpoint_write, "COLLECTIVE_IO", True)
+    monkeypatch.setattr(checkpoint_write.h5py, "File", _FlushRecorder)
+    monkeypatch.setattr(checkpoint_write, "_piece_values", lambda tensor: (_ for _ in ()).throw(OSError("device lost")))
+    with pytest.raises(CheckpointError, match="device lost"):
+        save_checkpoint(tmp_path, 2, make_tensors(grid), {"v": 2}, grid)
+    assert _FlushRecorder.last.calls == ["mpio", "flush", "close"]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000001"]
+
+
 def test_latest_falls_back_to_the_highest_complete_step(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     for step, complete in ((1, True), (3, True), (4, False)):

@@ -184,18 +184,26 @@ def _write_shard(path: Path, mine: list, tensors: dict):
 
 def _write_one_file(temp: Path, plans: dict, mine: list, tensors: dict, attrs: dict | None, comm):
     """Parallel HDF5: creating datasets and attributes is collective (every rank, same order and
-    values); each rank then writes its own pieces into them."""
+    values); each rank then writes its own pieces into them (independent writes). A rank whose
+    piece fails still takes part in the collective flush and close, and raises after them: leaving
+    the file early would leave the other ranks waiting in the flush."""
     attrs = comm.bcast_object(attrs)
+    failure = None
     with h5py.File(temp / MASTER, "w", driver="mpio", comm=comm.comm) as f:
         _start_master(f, attrs)
         for plan in plans.values():
             _describe(f.create_dataset(f"tensors/{plan.name}", plan.shape, plan.dtype), plan)
             f.create_dataset(f"checksums/{plan.name}", (plan.shape[plan.axis],), numpy.uint32)
         for plan, piece in mine:
-            values = _piece_values(tensors[plan.name])
-            f[f"tensors/{plan.name}"][plan.region(piece)] = values
-            f[f"checksums/{plan.name}"][piece.start:piece.stop] = unit_checksums(values, plan.axis)
+            try:
+                values = _piece_values(tensors[plan.name])
+                f[f"tensors/{plan.name}"][plan.region(piece)] = values
+                f[f"checksums/{plan.name}"][piece.start:piece.stop] = unit_checksums(values, plan.axis)
+            except Exception as e:  # reported once the collective calls below are done
+                failure = failure or e
         f.flush()  # MPI_File_sync: the collective fsync
+    if failure is not None:
+        raise failure
 
 
 def _finish(temp: Path, final: Path, plans: dict, attrs: dict, keep: int):
