@@ -158,6 +158,7 @@ def files(tmp_path_factory):
     (folder / "emptydir").mkdir()
     (folder / "bad.jsonl").write_text("not json\n")
     (folder / "empty.jsonl").write_text("")
+    (folder / "surrogate.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "\\ud800"}\n')  # a lone surrogate
     (folder / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
     (folder / "bad.gguf").write_bytes(bytes(range(256)) * 4)
     (folder / "hf").mkdir()
@@ -203,6 +204,7 @@ BAD_INPUT = [
     ("generate --ckpt ckcorrupt --prompt hi", "checksum mismatch"),
     ("generate --ckpt ck --prompts bad.jsonl", "--prompts bad.jsonl:1: not a JSON line"),
     ("generate --ckpt ck --prompts empty.jsonl", "--prompts empty.jsonl: no prompts in it"),
+    ("generate --ckpt ck --prompts surrogate.jsonl", "prompt 2: text is not valid Unicode"),
     ("generate --ckpt ck --prompt hi --top-p 2", "top_p=2.0: expected a number in (0, 1]"),
     ("generate --ckpt ck --prompt hi --max-new-tokens 1000", "needs 1001 positions"),
     ("generate --ckpt ck --prompts empty.jsonl --out emptydir", "--out emptydir is a folder: expected a file"),

@@ -186,9 +186,18 @@ def _read_requests(args, tokenizer) -> list[dict]:
             lines.append(line)
         if not lines:
             raise ConfigError(f"--prompts {path}: no prompts in it (expected JSON lines)")
-    return [{"id": line.get("id", n), "prompt": line["prompt"], "ids": tokenizer.encode(line["prompt"]),
+    return [{"id": line.get("id", n), "prompt": line["prompt"], "ids": _encoded(tokenizer, line["prompt"], n + 1),
              "sampling": {**defaults, **{k: line[k] for k in SAMPLING_KEYS if k in line}}}
             for n, line in enumerate(lines)]
+
+
+def _encoded(tokenizer, prompt: str, n: int) -> list[int]:
+    from ..errors import ConfigError
+
+    try:
+        return tokenizer.encode(prompt)
+    except ConfigError as e:  # a prompt no encoding holds (a lone surrogate): say which
+        raise ConfigError(f"prompt {n}: {e}") from None
 
 
 def _record(request: dict, completion, metrics) -> dict:
