@@ -211,3 +211,12 @@ def test_tp2_on_the_device_equals_tp1(comm_world):
     error, transport = G.tp_equality(comm_world)
     assert transport != "nccl" or cupy.cuda.runtime.getDeviceCount() > 1
     assert error <= G.TP_TOL
+
+
+def test_a_check_that_fails_without_a_message_is_a_row_not_a_crash(tmp_path):
+    """gpu-check runs on a lent machine in a few minutes: one bad check must not end the table."""
+    report = G.Report(out=tmp_path)
+    report.check("silent", "1e-9", lambda: (_ for _ in ()).throw(AssertionError()))
+    report.check("next", "1e-9", lambda: G._bounded(0.0, 1e-9))
+    assert [(row["check"], row["result"], row["detail"]) for row in report.checks] == [
+        ("silent", "FAIL", "AssertionError: "), ("next", "ok", "")]

@@ -13,7 +13,7 @@ from hpc_tp.comm.nccl import HostStagedCommunicator, choose_transport, cuda_awar
 
 @pytest.mark.parametrize("places, nccl, aware, p2p, expected", [
     ([("a", 0), ("a", 1)], True, False, False, "nccl"),            # one node, own devices
-    ([("a", 0)], True, False, False, "nccl"),                      # a group of one is a valid NCCL group
+    ([("a", 0)], True, False, False, "mpi"),                       # a group of one calls nothing
     ([("a", 0), ("a", 0)], True, True, False, "mpi-cuda-aware"),   # NCCL refuses one device twice
     ([("a", 0), ("a", 0)], True, False, False, "mpi-staged"),
     ([("a", 0), ("b", 0)], True, True, False, "mpi-cuda-aware"),   # across nodes: MPI

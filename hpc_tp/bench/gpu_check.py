@@ -313,7 +313,8 @@ class Report:
         except ModuleNotFoundError as error:  # a package this machine lacks: not a failure of the backend
             result, measured, detail = "skipped", "", f"needs {error.name} (make gpu-deps, see README)"
         except Exception as error:  # noqa: BLE001: the table says what broke, the next check still runs
-            result, measured, detail = "FAIL", "", f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            first_line = (str(error).splitlines() or [""])[0]  # an exception may carry no message at all
+            result, measured, detail = "FAIL", "", f"{type(error).__name__}: {first_line[:160]}"
         row = dict(check=name, result=result, measured=measured, bound=bound, detail=detail,
                    seconds=round(time.perf_counter() - started, 1))
         self.checks.append(row)

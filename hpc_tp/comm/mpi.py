@@ -12,7 +12,7 @@ import numpy
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from .base import Communicator, Request
+from .base import Communicator, Done, Request
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -93,6 +93,8 @@ class MPICommunicator(Communicator):
         return x
 
     def iall_reduce(self, x, op: str = "sum") -> Request:
+        if self.size == 1:  # as all_reduce: no MPI call, so no device buffer reaches an MPI that cannot read it
+            return Done(x)
         buf = _ready(x.astype("float32") if _bfloat16(x) else x)
         req = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op])
         return _MPIRequest(req, buf, self, buf.nbytes, copy_back=None if buf is x else x)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import numpy
 
-from .base import Communicator, Request
+from .base import Communicator, Done, Request
 
 TRANSPORTS = ("nccl", "mpi-cuda-aware", "mpi-staged", "mpi")
 
@@ -35,18 +35,6 @@ def _cupy():
 
 def _on_host(x) -> bool:
     return x is None or isinstance(x, (numpy.ndarray, numpy.generic))
-
-
-class _Done(Request):
-    """A request whose work is already queued on the stream (or done): ``wait`` runs ``finish``."""
-
-    def __init__(self, result, finish=None):
-        self.result, self.finish = result, finish
-
-    def wait(self):
-        if self.finish is not None:
-            self.finish()
-        return self.result
 
 
 class NCCLCommunicator(Communicator):
@@ -135,7 +123,7 @@ class NCCLCommunicator(Communicator):
             self.all_reduce(x, op)
         finally:
             self.blocking = blocking
-        return _Done(x, self._wait_stream)
+        return Done(x, self._wait_stream)
 
     def _wait_stream(self):
         if self.blocking:
@@ -202,7 +190,7 @@ class NCCLCommunicator(Communicator):
             return self._host_call("isend", x, dest, tag)
         buf = _cupy().ascontiguousarray(x)
         self._pending.append(("send", buf, dest))
-        return _Done(None, lambda: self._p2p_wait(buf.nbytes))
+        return Done(None, lambda: self._p2p_wait(buf.nbytes))
 
     def irecv(self, buf, source: int, tag: int = 0) -> Request:
         if _on_host(buf):
@@ -210,7 +198,7 @@ class NCCLCommunicator(Communicator):
         if not buf.flags.c_contiguous:
             raise ValueError("irecv: the receive buffer must be C-contiguous (NCCL writes it in place)")
         self._pending.append(("recv", buf, source))
-        return _Done(buf, lambda: self._p2p_wait(buf.nbytes))
+        return Done(buf, lambda: self._p2p_wait(buf.nbytes))
 
     def _p2p_wait(self, nbytes: int):
         with self._launch(nbytes):
@@ -263,7 +251,7 @@ class HostStagedCommunicator(Communicator):
         return self._staged("all_reduce", x, op, in_place=True)
 
     def iall_reduce(self, x, op: str = "sum") -> Request:
-        return _Done(self.all_reduce(x, op))
+        return Done(self.all_reduce(x, op))
 
     def all_gather(self, x, axis: int = 0):
         return self._staged("all_gather", x, axis)
@@ -289,7 +277,7 @@ class HostStagedCommunicator(Communicator):
         def finish():
             request.wait()
             buf.set(staging)
-        return _Done(buf, finish)
+        return Done(buf, finish)
 
     def barrier(self):
         self.inner.barrier()
@@ -318,9 +306,11 @@ def choose_transport(places: list[tuple[str, int]], cuda: bool, nccl: bool, cuda
     NCCL only where every rank is on one node, each on its own device (NCCL refuses one device
     twice in a communicator) and the group is not a point-to-point one (p2p=True: pipeline
     sends, whose MPI tags NCCL cannot keep apart). Otherwise MPI, given device pointers where
-    it is CUDA-aware and host copies where not. 'mpi' when there are no device arrays at all.
+    it is CUDA-aware and host copies where not. 'mpi' when there are no device arrays at all, and
+    for a group of one rank: its collectives return without a call, so it needs no communicator
+    (a trainer's dp, ep and expert-dp groups are often one rank: no NCCL set-up for them).
     """
-    if not cuda:
+    if not cuda or len(places) == 1:
         return "mpi"
     one_node = len({host for host, _ in places}) == 1
     own_devices = len(set(places)) == len(places)

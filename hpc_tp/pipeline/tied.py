@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import weakref
 
+from .. import backend
+
 TIED_NAME = "embed.weight"
 
 _pairs = weakref.WeakKeyDictionary()  # grid -> its first/last stage group (None on middle stages)
@@ -22,6 +24,10 @@ def _pair_group(grid):
         # Ranks outside any pair get a group of their own (a colour nobody shares).
         color = grid.coords.dp * grid.tp_size + grid.coords.tp if ends else grid.world.size + grid.world.rank
         group = grid.world.split(color=color, key=grid.coords.pp)
+        if backend.device == "cuda":  # device gradients: a transport that carries them, as the grid's groups get
+            from ..comm.nccl import device_communicator
+
+            group = device_communicator(group)
         _pairs[grid] = group if ends else None
     return _pairs[grid]
 
