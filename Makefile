@@ -84,12 +84,11 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	PY=$(if $(wildcard $(PY)),$(abspath $(PY)),python3) bash jobs/gpu_check.sh $(GPU_CHECK_ARGS)
 
-# Wheels for a GPU machine without a package index (tokenizers for the training check, ml_dtypes for
-# bfloat16), unpacked where jobs/gpu_check.sh looks: io/cache/gpu-deps-$(GPU_PYTHON).
+# Wheels for a GPU machine without a package index (tokenizers, ml_dtypes, mpi4py and Open MPI's library
+# and mpiexec), unpacked where jobs/gpu_check.sh looks: io/cache/gpu-deps-$(GPU_PYTHON).
 GPU_PYTHON ?= 3.12
-gpu-deps:
-	$(PY) -m pip install -q --target io/cache/gpu-deps-$(GPU_PYTHON) --python-version $(GPU_PYTHON) \
-	    --only-binary=:all: --no-deps tokenizers ml_dtypes
+gpu-deps: $(STAMP)
+	PY=$(abspath $(PY)) GPU_PYTHON=$(GPU_PYTHON) bash jobs/gpu_deps.sh
 
 clean:
 	rm -rf $(VENV) io/out build *.egg-info
