@@ -35,7 +35,8 @@ def test_log_written_by_rank_0_with_every_ranks_memory(comm_world, tmp_path):
 
 def test_logger_without_path_still_returns_record(comm_self):
     record = MetricsLogger(None, comm_self).log({"step": 3})
-    assert record["step"] == 3 and record["peak_mem_bytes"] == [peak_memory_bytes()]
+    (peak,) = record["peak_mem_bytes"]
+    assert record["step"] == 3 and 0 < peak <= peak_memory_bytes()  # a peak only grows (run alone, it did here)
 
 
 def test_peak_memory_is_plausible():
@@ -64,12 +65,13 @@ def test_progress_prints_after_interval_between_multiples():
     assert out.getvalue().startswith("step 7/1000 ")
 
 
-def test_progress_disabled_is_silent():
+def test_progress_disabled_prints_no_step_lines_but_still_the_messages():
+    """--no-progress: no step lines, but "stopped by ...", "rolled back to ..." still reach the log."""
     out = io.StringIO()
     progress = Progress(10, enabled=False, every=1, stream=out)
     progress.update(1, 1.0, 1.0)
-    progress.write("hello")
-    assert out.getvalue() == ""
+    progress.write("rolled back")
+    assert out.getvalue() == "rolled back\n"
 
 
 def test_progress_bar_on_a_terminal():

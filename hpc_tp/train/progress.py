@@ -26,7 +26,8 @@ def format_duration(seconds: float) -> str:
 
 class Progress:
     """``update(step, ...)`` takes the number of steps done so far; ``start_step`` is where a resumed
-    run began, so the rate and the ETA count only this run's steps. Disabled (other ranks), it is silent."""
+    run began, so the rate and the ETA count only this run's steps. Disabled (other ranks, or
+    --no-progress), it prints no step lines; ``write`` still prints."""
 
     def __init__(self, total_steps: int, enabled: bool = True, *, start_step: int = 0, every: int | None = None,
                  interval_s: float = 10.0, stream=None):
@@ -60,9 +61,8 @@ class Progress:
         return format_duration((now - self._started) / done * max(self.total_steps - step, 0))
 
     def write(self, message: str):
-        """A message on its own line; on a terminal the bar is redrawn below it."""
-        if not self.enabled:
-            return
+        """A message on its own line, also where the step lines are off (its caller decides who
+        speaks); on a terminal the bar is redrawn below it."""
         if self._bar is not None:
             self._bar.write(message, file=self.stream)
         else:
