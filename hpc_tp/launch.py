@@ -38,6 +38,15 @@ def world_rank() -> int:
 # After install_abort_on_exception: a duplicate of COMM_WORLD on which failing ranks agree (see report_error).
 _failure_comm = None
 AGREE_SECONDS = 10.0  # how long a rank with a user error waits for the others to report the same
+_agree_seconds = AGREE_SECONDS
+
+
+def agree_within(seconds: float):
+    """Wait at most ``seconds`` (and never longer than before) for the other ranks to share a user
+    error. A collective watchdog asks for half its timeout: waiting longer, this rank would go
+    silent while the others' watchdog aborts the job for it, its error never printed."""
+    global _agree_seconds
+    _agree_seconds = min(_agree_seconds, seconds)
 
 
 def report_error(error: Exception):
@@ -45,10 +54,11 @@ def report_error(error: Exception):
 
     After ``install_abort_on_exception``, the ranks first agree on it (a non-blocking barrier on a
     communicator of their own): a rank whose error the others do not share within ``AGREE_SECONDS``
+    (less under a collective watchdog: ``agree_within``)
     prints it with its rank and aborts the job, because returning would leave it waiting in
     ``MPI_Finalize`` for ranks that wait in a collective for it.
     """
-    if _failure_comm is not None and not _all_ranks_agree(_failure_comm, AGREE_SECONDS):
+    if _failure_comm is not None and not _all_ranks_agree(_failure_comm, _agree_seconds):
         sys.stderr.write(f"hpc-tp: error: rank {world_rank()}: {error} (the other ranks did not fail alike: "
                          "aborting the job)\n")
         sys.stderr.flush()

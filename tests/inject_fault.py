@@ -2,7 +2,8 @@
 
     mpiexec -n 4 python tests/inject_fault.py FAULT RANK STEP train --tp 2 ...
 
-The fault strikes rank RANK just before the trainer computes step STEP + 1:
+The fault strikes rank RANK just before the trainer computes step STEP + 1 (STEP -1: during the
+trainer's set-up, as it builds the dataset):
 - raise: the rank's next tensor-parallel all-reduce raises RuntimeError("injected fault")
 - sleep: the rank stops calling collectives (sleeps for ten minutes)
 - skip: the rank skips its next all-reduce over the world (returns without communicating)
@@ -10,6 +11,7 @@ The fault strikes rank RANK just before the trainer computes step STEP + 1:
 - kill: the rank kills itself with SIGKILL
 - config: the rank alone raises a ConfigError (a user error the others do not see), and waits
   only a second for the others to agree on it
+- user-error: the same, waiting as long as the engine decides
 """
 import os
 import signal
@@ -50,8 +52,9 @@ def strike(trainer, fault):
         trainer.grid.tp.all_reduce(numpy.zeros(2))
     elif fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif fault == "config":
-        launch.AGREE_SECONDS = 1.0
+    elif fault in ("config", "user-error"):
+        if fault == "config":
+            launch.agree_within(1.0)
         raise ConfigError("injected user error")
     else:
         raise SystemExit(f"unknown fault {fault!r}")
@@ -67,6 +70,17 @@ def main():
         return train_step(self)
 
     Trainer.train_step = faulty_step
+    if step < 0:
+        from hpc_tp.train import trainer as trainer_module
+
+        build_dataset = trainer_module.build_dataset
+
+        def faulty_build(*args, **kwargs):
+            if MPI.COMM_WORLD.Get_rank() == rank:
+                strike(None, fault)
+            return build_dataset(*args, **kwargs)
+
+        trainer_module.build_dataset = faulty_build
     return cli.main(sys.argv[4:])
 
 

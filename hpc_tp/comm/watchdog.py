@@ -151,6 +151,9 @@ class Watchdog:
         """Publish status into ``folder`` (shared by every rank) and abort on an overdue operation."""
         if self.timeout <= 0 or self._thread is not None:
             return
+        from ..launch import agree_within
+
+        agree_within(self.timeout / 2)  # a rank's own error is printed before the others' watchdog fires
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._stop.clear()
