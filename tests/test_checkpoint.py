@@ -265,6 +265,18 @@ def test_a_truncated_master_file_is_one_clear_error(comm_world, root, alone, eve
         load_checkpoint(path, make_tensors(alone, fill=False), alone)
 
 
+def test_a_file_system_without_room_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """HDF5 crashes on a full disk (a write error at close), and the half-written folder would fill
+    it: the save measures what it will write against the free space first."""
+    grid = ProcessGrid(tp=1, world=self_comm())
+    first = save_checkpoint(tmp_path, 1, make_tensors(grid), {"v": 1}, grid)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint_write.shutil, "disk_usage", lambda path: usage._replace(free=2**20))
+    with pytest.raises(ConfigError, match=r"checkpoint step 2: [\d.]+ MiB to write, 1\.0 MiB free in "):
+        save_checkpoint(tmp_path, 2, make_tensors(grid), {"v": 2}, grid)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000001"] and latest_checkpoint(tmp_path) == first
+
+
 class _FlushRecorder:
     """An h5py file that notes its collective calls (this h5py has no MPI driver: opened plainly)."""
 

@@ -11,6 +11,7 @@ A failure anywhere makes every rank raise and removes the temp folder; earlier s
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import warnings
@@ -77,7 +78,8 @@ def save_checkpoint(root_dir, step: int, tensors: dict, meta: dict, grid, keep: 
     plans = _plan(comm.allgather_object(claims))
     mine = _pieces_by_rank(plans).get(comm.rank, [])
     try:
-        attrs = run_everywhere(comm, lambda: _prepare(temp, step, meta, files or {}, grid) if comm.rank == 0 else None)
+        attrs = run_everywhere(comm, lambda: _prepare(temp, step, meta, files or {}, grid, _bytes(plans))
+                               if comm.rank == 0 else None)
         if COLLECTIVE_IO:
             run_everywhere(comm, lambda: _write_one_file(temp, plans, mine, tensors, attrs, comm))
         else:
@@ -153,8 +155,20 @@ def _piece_values(tensor) -> numpy.ndarray:
     return numpy.ascontiguousarray(backend.to_numpy(tensor.data[tensor.partition.valid_local()]))
 
 
-def _prepare(temp: Path, step: int, meta: dict, files: dict[str, bytes], grid) -> dict:
-    """Start an empty temp folder holding the extra files; return the master's root attributes."""
+def _bytes(plans: dict) -> int:
+    """What the save writes: every tensor once, and its checksums."""
+    return sum(math.prod(p.shape) * numpy.dtype(p.dtype).itemsize + 4 * p.shape[p.axis] for p in plans.values())
+
+
+def _prepare(temp: Path, step: int, meta: dict, files: dict[str, bytes], grid, tensor_bytes: int) -> dict:
+    """Start an empty temp folder holding the extra files; return the master's root attributes.
+    A file system without room for the checkpoint is refused first: HDF5 does not fail cleanly on a
+    full disk (a write error at close crashes it), and the half-written folder would fill it."""
+    needed = tensor_bytes + sum(len(content) for content in files.values()) + 2**20  # + HDF5's own bytes
+    free = shutil.disk_usage(_existing(temp)).free
+    if free < needed:
+        raise ConfigError(f"checkpoint step {step}: {needed / 2**20:.1f} MiB to write, {free / 2**20:.1f} MiB free "
+                          f"in {temp.parent}")
     attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step), "meta": json.dumps(meta),
              "saved_layout": json.dumps({"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size})}
     for name in files:
@@ -169,6 +183,12 @@ def _prepare(temp: Path, step: int, meta: dict, files: dict[str, bytes], grid) -
         fsync(temp / name)
     attrs["files"] = json.dumps({name: zlib.crc32(content) for name, content in files.items()})
     return attrs
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _write_shard(path: Path, mine: list, tensors: dict):
