@@ -58,8 +58,9 @@ def layernorm_forward(x, gain, bias, eps):
 def layernorm_backward(dy, gain, saved):
     if fast := _fused("layernorm_backward", dy, row=True):
         return fast(dy, gain, saved)
-    if _half(dy):
-        return tuple(g.astype(dy.dtype) for g in layernorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1])))
+    if _half(dy):  # computed in float32; the gain and bias gradients stay float32, as their buffers are
+        dx, dgain, dbias = layernorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1]))
+        return dx.astype(dy.dtype), dgain, dbias
     xp = xp_of(dy)
     xhat, rstd = saved
     lead = tuple(range(dy.ndim - 1))
@@ -93,8 +94,9 @@ def rmsnorm_forward(x, gain, eps):
 def rmsnorm_backward(dy, gain, saved):
     if fast := _fused("rmsnorm_backward", dy, row=True):
         return fast(dy, gain, saved)
-    if _half(dy):
-        return tuple(g.astype(dy.dtype) for g in rmsnorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1])))
+    if _half(dy):  # as layernorm_backward: the gain gradient stays float32
+        dx, dgain = rmsnorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1]))
+        return dx.astype(dy.dtype), dgain
     xhat, rrms = saved
     dgain = (dy * xhat).sum(axis=tuple(range(dy.ndim - 1)))
     g = dy * gain
