@@ -2,8 +2,7 @@
 
     mpiexec -n 4 python tests/inject_fault.py FAULT RANK STEP train --tp 2 ...
 
-The fault strikes rank RANK just before the trainer computes step STEP + 1 (STEP -1: during the
-trainer's set-up, as it builds the dataset):
+The fault strikes rank RANK just before the trainer computes step STEP + 1:
 - raise: the rank's next tensor-parallel all-reduce raises RuntimeError("injected fault")
 - sleep: the rank stops calling collectives (sleeps for ten minutes)
 - skip: the rank skips its next all-reduce over the world (returns without communicating)
@@ -70,17 +69,6 @@ def main():
         return train_step(self)
 
     Trainer.train_step = faulty_step
-    if step < 0:
-        from hpc_tp.train import trainer as trainer_module
-
-        build_dataset = trainer_module.build_dataset
-
-        def faulty_build(*args, **kwargs):
-            if MPI.COMM_WORLD.Get_rank() == rank:
-                strike(None, fault)
-            return build_dataset(*args, **kwargs)
-
-        trainer_module.build_dataset = faulty_build
     return cli.main(sys.argv[4:])
 
 

@@ -143,6 +143,21 @@ def test_a_request_past_the_context_is_refused_before_any_cache_is_sized(model):
             check_request([1] * prompt, SamplingParams(max_new_tokens=new), cfg)
 
 
+def test_decoding_never_drops():
+    """A checkpoint trained with dropout decodes as the same weights without it (the model's
+    dropout switch, on by default for training, is off inside every inference call)."""
+    plain = _model("llama-gqa", self_comm())
+    dropped = GPTModel(ModelConfig(**dict(CONFIGS["llama-gqa"], dropout=0.5, attn_dropout=0.5)), self_comm(),
+                       dtype="float64", seed=0)
+    for name, p in dropped.state().items():
+        p.data[...] = plain.state()[name].data
+    assert dropped.rng.training
+    prompts, params = [list(b"same weights")], [SamplingParams(max_new_tokens=6)]
+    want, _ = Engine(plain, ByteTokenizer()).generate(prompts, params)
+    got, _ = Engine(dropped, ByteTokenizer()).generate(prompts, params)
+    assert got[0].ids == want[0].ids and dropped.rng.training  # switched back after each call
+
+
 def test_a_cancelled_row_stops_and_the_batch_ends_with_the_others():
     engine = Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
     prompts, params = [list(b"abandoned"), list(b"kept")], [SamplingParams(max_new_tokens=20),

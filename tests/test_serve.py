@@ -104,6 +104,7 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path):
         with socket.create_connection(("127.0.0.1", port), timeout=60) as raw:
             raw.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n")
             assert raw.recv(4096).startswith(b"HTTP/1.0 413")
+        assert _post(port, b" " * (16 * 2**20 + 1))[0] == 413  # a client sending the body still reads the answer
         idle = socket.create_connection(("127.0.0.1", port), timeout=60)  # sends nothing: must not stall the stop
         # SIGTERM while streamed requests are open: they are answered in full, then every rank exits 0
         late = [json.dumps({"prompt": p, "max_tokens": 12, "temperature": 0, "stream": True}).encode()

@@ -162,18 +162,6 @@ def test_a_user_error_on_one_rank_aborts_instead_of_waiting_in_finalize(tmp_path
                       "aborting the job)"], run.stderr
 
 
-def test_a_rank_stuck_in_the_set_up_is_named_by_the_watchdog(tmp_path):
-    """Tokenizing a corpus on a hung file system, before the first step: the others wait at the
-    dataset's barrier, and the watchdog (armed before the set-up) aborts the job naming the rank."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
-    run = inject("sleep", 1, -1, "--comm-timeout", "2", "--data", str(corpus), "--seq-len", "16", cache=tmp_path)
-    assert run.returncode != 0
-    lines = hpc_tp_lines(run)
-    assert lines and lines[0].startswith("hpc-tp: collective timeout: ") and lines[0].endswith(
-        "missing: rank 1; aborting the job"), run.stderr
-
-
 def test_a_user_error_on_one_rank_is_printed_before_the_watchdog_fires(tmp_path):
     """The failing rank waits for the others' agreement less than the watchdog's timeout, so its own
     line says why, rather than the others' watchdog reporting it as frozen."""

@@ -186,11 +186,16 @@ class GPTModel(Module):
         K/V to ``cache`` (a ``serve.kv_cache.KVCache``). ``key_mask`` [B, cache.length + T] marks the
         real tokens among the filled slots and the new ones. Prefill is one call with the (padded)
         prompts, each decode step one call with T = 1. Returns full-vocabulary logits (gathered over
-        tp) of the last position [B, V], or of every position [B, T, V] with ``all_positions``."""
+        tp) of the last position [B, V], or of every position [B, T, V] with ``all_positions``.
+        Decoding never drops: dropout is off for the call, whatever the model was trained with."""
         if self._sequence_comm is not None:
             raise ConfigError("sequence_parallel is for training: serve the checkpoint with sequence_parallel false")
-        x, _ = self.embed_forward(ids, positions)
-        for i, block in enumerate(self.layers):
-            x, _ = block.forward(x, key_mask, positions, cache.layer(i))
+        training, self.rng.training = self.rng.training, False
+        try:
+            x, _ = self.embed_forward(ids, positions)
+            for i, block in enumerate(self.layers):
+                x, _ = block.forward(x, key_mask, positions, cache.layer(i))
+        finally:
+            self.rng.training = training
         cache.advance(ids.shape[1])
         return self._full_logits(x if all_positions else x[:, -1])

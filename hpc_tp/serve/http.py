@@ -166,11 +166,12 @@ def _handler(app: CompletionServer):
                 self._error(404, f"no such endpoint: POST {self.path} (use /v1/completions)")
                 return
             length = self.headers.get("Content-Length") or "0"
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):
                 self._error(400, f"Content-Length {length!r} is not a number of bytes")
                 return
             if int(length) > MAX_BODY_BYTES:
                 self._error(413, f"Content-Length {length}: a request body may hold at most {MAX_BODY_BYTES} bytes")
+                self._discard(min(int(length), 4 * MAX_BODY_BYTES))
                 return
             try:
                 body = self.rfile.read(int(length))
@@ -203,6 +204,16 @@ def _handler(app: CompletionServer):
                     if self._client_gone():
                         raise ConnectionResetError("the client closed the connection")
             self._json(200, app.response(job_id, completion, metrics, queued_s, None))
+
+        def _discard(self, nbytes: int):
+            """Read and drop a body that is not wanted, so the client, still sending it, can read the
+            answer: closing with unread bytes would reset the connection under it."""
+            self.close_connection = True
+            try:
+                while nbytes > 0 and (chunk := self.rfile.read1(min(nbytes, 2**20))):
+                    nbytes -= len(chunk)
+            except OSError:  # gone, or stalled past the timeout: nothing more to do for it
+                pass
 
         def _client_gone(self) -> bool:
             """A request is complete once read, so a readable socket now means the peer closed it."""

@@ -80,22 +80,12 @@ class Trainer:
         planned = bool(s.plan)
         if planned:  # builds the tokenizer and the model config on the way
             self.settings = s = self._planned(world)
-        self.grid = ProcessGrid(s.tp, s.pp, s.dp, world, ep=s.ep)
+        self.grid = grid = ProcessGrid(s.tp, s.pp, s.dp, world, ep=s.ep)
         for axis in GROUPS:  # reports name groups "tp [0, 1]" rather than "group [0, 1]"
-            getattr(self.grid, axis).label = axis
-        self.is_main = self.grid.world.rank == 0
-        # The set-up is watched too: a rank stuck tokenizing a corpus on a hung file system, or reading
-        # the --init checkpoint, would otherwise leave the others waiting at the next barrier for good.
-        self._status_folder = self._start_watchdog()
-        try:
-            self._set_up(planned)
-        finally:
-            self.watchdog.stop()
-
-    def _set_up(self, planned: bool):
-        s, grid = self.settings, self.grid
+            getattr(grid, axis).label = axis
         self.transports = use_device(s.device, grid)  # before any array: the backend, each group's transport
         self.micro_batch = s.micro_batch_for(grid.dp_size, grid.pp_size)
+        self.is_main = grid.world.rank == 0
         if not planned:
             self.init_meta = load_checkpoint(s.init, {}, grid) if s.init else None
             self.tokenizer = self._tokenizer()
@@ -304,8 +294,10 @@ class Trainer:
         return self.grid.world.watchdog
 
     def _start_watchdog(self) -> Path | None:
-        """The watchdog thread (with --comm-timeout): status files in a folder of the cache dir, which
-        every rank sees (corpora need it shared too); the folder, or None when there is no timeout."""
+        """The watchdog thread for the run (with --comm-timeout): status files in a folder of the cache
+        dir, which every rank sees (corpora need it shared too); the folder, or None when there is no
+        timeout. Not during the set-up: rank 0 may tokenize a corpus for hours while the others wait,
+        and no timeout tells that from a hung file system."""
         if not self.settings.comm_timeout:
             return None
         world = self.grid.world
@@ -317,16 +309,15 @@ class Trainer:
     # -- the whole run --------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         """Train to ``steps`` (resuming, rolling back, stopping on a signal as the settings say)."""
-        if self._status_folder is not None:
-            self.watchdog.start(self._status_folder)
+        status_folder = self._start_watchdog()
         try:
             result = self._run()
         finally:
             self.watchdog.stop()
-        if self._status_folder is not None:  # a clean end: nobody needs the ranks' last words
+        if status_folder is not None:  # a clean end: nobody needs the ranks' last words
             self.grid.world.barrier()
             if self.is_main:
-                shutil.rmtree(self._status_folder, ignore_errors=True)
+                shutil.rmtree(status_folder, ignore_errors=True)
         return result
 
     def _run(self) -> TrainResult:
