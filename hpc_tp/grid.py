@@ -30,6 +30,10 @@ def factorizations(world: int) -> list[tuple[int, int, int]]:
             for p in range(1, world // t + 1) if (world // t) % p == 0]
 
 
+def _layouts_that_fit(world: int) -> str:
+    return f"layouts that fit: {', '.join(f'{t}x{p}x{d}' for t, p, d in factorizations(world))}"
+
+
 @dataclass
 class Coordinates:
     dp: int
@@ -48,13 +52,14 @@ class ProcessGrid:
         for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name} {value!r} must be a positive integer")
-        fits = f"layouts that fit: {', '.join(f'{t}x{p}x{d}' for t, p, d in factorizations(world.size))}"
         if dp is None:
             if world.size % (tp * pp):
-                raise ConfigError(f"world size {world.size} is not divisible by tp*pp = {tp}*{pp}; {fits}")
+                raise ConfigError(f"world size {world.size} is not divisible by tp*pp = {tp}*{pp}; "
+                                  f"{_layouts_that_fit(world.size)}")
             dp = world.size // (tp * pp)
         if tp * pp * dp != world.size:
-            raise ConfigError(f"world size {world.size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; {fits}")
+            raise ConfigError(f"world size {world.size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
+                              f"{_layouts_that_fit(world.size)}")
         self.world, self.tp_size, self.pp_size, self.dp_size = world, tp, pp, dp
         self.ranks = numpy.arange(world.size).reshape(dp, pp, tp)
         d, p, t = (int(i[0]) for i in numpy.nonzero(self.ranks == world.rank))

@@ -30,10 +30,17 @@ def check_output_folder(path, flag: str):
     _check_writable(path, path, flag)
 
 
+def nearest_existing(path) -> Path:
+    """``path`` itself if it exists, else its nearest ancestor that does (what a writer creating
+    ``path`` would write into, and whose file system it would fill)."""
+    path = Path(path)
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _check_writable(folder: Path, path: Path, flag: str):
-    existing = folder
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(folder)
     if not os.path.isdir(existing):
         raise ConfigError(f"{flag} {path}: {existing} is not a folder")
     # A probe file, not os.access: for root, os.access says yes to folders such as /proc that take no file.

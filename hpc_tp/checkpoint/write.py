@@ -24,6 +24,7 @@ import numpy
 
 from .. import backend
 from ..errors import ConfigError
+from ..paths import nearest_existing
 from .collective import CheckpointError, run_everywhere
 from .format import (FORMAT, FORMAT_VERSION, MASTER, POINTER, RESERVED, SET_ASIDE_PREFIX, SHARDS, TEMP_PREFIX,
                      checksum_axis, fsync, region, shard_name, step_folder_name, step_folders, unit_checksums)
@@ -165,7 +166,7 @@ def _prepare(temp: Path, step: int, meta: dict, files: dict[str, bytes], grid, t
     A file system without room for the checkpoint is refused first: HDF5 does not fail cleanly on a
     full disk (a write error at close crashes it), and the half-written folder would fill it."""
     needed = tensor_bytes + sum(len(content) for content in files.values()) + 2**20  # + HDF5's own bytes
-    free = shutil.disk_usage(_existing(temp)).free
+    free = shutil.disk_usage(nearest_existing(temp)).free
     if free < needed:
         raise ConfigError(f"checkpoint step {step}: {needed / 2**20:.1f} MiB to write, {free / 2**20:.1f} MiB free "
                           f"in {temp.parent}")
@@ -183,12 +184,6 @@ def _prepare(temp: Path, step: int, meta: dict, files: dict[str, bytes], grid, t
         fsync(temp / name)
     attrs["files"] = json.dumps({name: zlib.crc32(content) for name, content in files.items()})
     return attrs
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def _write_shard(path: Path, mine: list, tensors: dict):

@@ -92,7 +92,7 @@ def read_inputs(args, tokenizer, cfg) -> list[dict]:
 
     from ..errors import ConfigError
     from ..jsonl import read_json_lines
-    from ..train.tokenizer import _utf8 as utf8
+    from ..train.tokenizer import utf8
 
     if args.text is not None:
         lines = [(f"--text {n}", {"text": t}) for n, t in enumerate(args.text, start=1)]

@@ -23,7 +23,7 @@ _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>",
 _PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
 
 
-def _utf8(text: str) -> bytes:
+def utf8(text: str) -> bytes:
     """``text`` as UTF-8; a string no encoding can hold (a lone surrogate, as JSON's "\\ud800"
     gives) is the input's error."""
     try:
@@ -42,7 +42,7 @@ class ByteTokenizer:
     identity = "bytes-v1"
 
     def encode(self, text: str) -> list[int]:
-        return list(_utf8(text))
+        return list(utf8(text))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
@@ -79,7 +79,7 @@ class HFTokenizer:
 
     # Special tokens are the pipeline's business (it appends eos itself), so none are added here.
     def encode(self, text: str) -> list[int]:
-        _utf8(text)  # the Rust library cannot take a lone surrogate either
+        utf8(text)  # the Rust library cannot take a lone surrogate either
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -222,12 +222,8 @@ class Trainer:
         if (not isinstance(self.dataset, TaskDataset) or self.grid.pp_size > 1 or self.cfg.sequence_parallel
                 or self.grid.ep_size > 1):
             return None
-        self.model.rng.training = False
-        try:
-            with self.model.uncounted():
-                return heldout_accuracy(self.model, self.dataset.task, self.tokenizer, self.settings.eval_problems)
-        finally:
-            self.model.rng.training = True
+        with self.model.uncounted():  # decoded through GPTModel.infer, which never drops
+            return heldout_accuracy(self.model, self.dataset.task, self.tokenizer, self.settings.eval_problems)
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict:
