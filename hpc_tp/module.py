@@ -164,6 +164,22 @@ def _address(array) -> int:
     return array.ctypes.data if isinstance(array, numpy.ndarray) else array.data.ptr
 
 
+def strided_like(buffer, view, base):
+    """``buffer`` (1-D, one element per element of the 1-D ``base``) seen the way ``view`` sees
+    ``base``: the same offset, shape and strides in elements. A gradient's ``view`` into an arena run
+    ``base`` gives the same parameter's place in a flat copy of that run (values, optimizer states,
+    labels), whatever its strides."""
+    if buffer.shape != base.shape or base.ndim != 1:
+        raise ValueError(f"strided_like: a 1-D buffer of {base.shape} elements, not {buffer.shape}")
+    offset = (_address(view) - _address(base)) // view.itemsize
+    strides = tuple(s // view.itemsize * buffer.itemsize for s in view.strides)
+    if isinstance(buffer, numpy.ndarray):
+        return numpy.lib.stride_tricks.as_strided(buffer[offset:], view.shape, strides)
+    import cupy
+
+    return cupy.lib.stride_tricks.as_strided(buffer[offset:], view.shape, strides)
+
+
 class Parameter:
     """This rank's slice of a logical tensor, its gradient, and how it is partitioned.
 

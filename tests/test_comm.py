@@ -81,6 +81,37 @@ def test_gather_and_scatter_along_any_axis(dtype, axis):
     assert part.dtype == dtype and part.flags.c_contiguous and np.array_equal(part.astype("float64"), want)
 
 
+@pytest.mark.parametrize("length", [1, 7, 64])
+@pytest.mark.parametrize("native", [True, False], ids=["mpi", "generic"])
+def test_flat_reduce_scatter_and_all_gather_are_adjoint(length, native):
+    """ZeRO's pair on pieces of unequal size (some empty when the buffer is shorter than the
+    group): the values, and <RS x, y> == <x, AG y> summed over the ranks. ``generic`` is the
+    Communicator's own form (all-reduce based), which the NCCL and host-staged transports use."""
+    from hpc_tp.comm.base import Communicator
+    from hpc_tp.train.grad_sync import shard_counts
+
+    comm = world()
+    n, r = comm.size, comm.rank
+    call = (lambda name: getattr(comm, name)) if native else (lambda name: getattr(Communicator, name).__get__(comm))
+    counts = shard_counts(length, n)
+    assert sum(counts) == length and all(c >= 0 for c in counts)
+    start = sum(counts[:r])
+    xs = [np.random.default_rng(rank).standard_normal(length) for rank in range(n)]
+    summed = xs[r].copy()
+    piece = call("ireduce_scatter_flat")(summed, counts).wait()
+    assert piece.shape == (counts[r],) and np.shares_memory(piece, summed[:1]) or not counts[r]  # in place, in front
+    np.testing.assert_allclose(piece, sum(xs)[start:start + counts[r]], rtol=1e-14)
+    y = np.random.default_rng(100 + r).standard_normal(counts[r])
+    gathered = np.full(length, np.nan)
+    gathered[start:start + counts[r]] = y
+    assert call("iall_gather_flat")(gathered, counts).wait() is gathered
+    ys = comm.allgather_object(y)
+    assert np.array_equal(gathered, np.concatenate(ys))  # every piece exactly, on every rank
+    lhs = comm.all_reduce_scalar(float(np.dot(piece, y)))
+    rhs = comm.all_reduce_scalar(float(np.dot(xs[r], gathered)))
+    assert abs(lhs - rhs) <= 1e-12 * max(abs(lhs), 1.0), (lhs, rhs)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
 def test_point_to_point_ring(dtype):
     comm = world()

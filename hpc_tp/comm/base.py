@@ -36,14 +36,16 @@ class Request(ABC):
 
 
 class Done(Request):
-    """A request whose work is already done (or queued on the device stream): ``wait`` runs ``finish``."""
+    """A request whose work is done, queued on the device stream, or left to ``finish``, which
+    ``wait`` runs once (MPI's collectives run there)."""
 
     def __init__(self, result, finish=None):
         self.result, self.finish = result, finish
 
     def wait(self):
-        if self.finish is not None:
-            self.finish()
+        finish, self.finish = self.finish, None  # once: a second wait must not run a collective again
+        if finish is not None:
+            finish()
         return self.result
 
 
@@ -65,7 +67,8 @@ class Communicator(ABC):
 
     @abstractmethod
     def iall_reduce(self, x, op: str = "sum") -> Request:
-        """Non-blocking in-place all-reduce; ``wait()`` returns ``x``."""
+        """Non-blocking in-place all-reduce; ``wait()`` returns ``x``. Non-blocking collectives must
+        be waited in the order they were posted: a transport may run them inside ``wait`` (MPI does)."""
 
     @abstractmethod
     def all_gather(self, x, axis: int = 0):
@@ -74,6 +77,34 @@ class Communicator(ABC):
     @abstractmethod
     def reduce_scatter(self, x, axis: int = 0):
         """Sum ``x`` over the group and return this rank's equal piece along ``axis``."""
+
+    def ireduce_scatter_flat(self, x, counts) -> Request:
+        """Non-blocking, in place: the 1-D ``x`` summed over the group, of which this rank receives
+        its piece (``counts[rank]`` elements from offset ``sum(counts[:rank])``; pieces may differ in
+        size), in ``x[:counts[rank]]``, MPI's in-place convention; ``wait()`` returns that view. The
+        rest of ``x`` is left undefined. The adjoint of ``iall_gather_flat``; ZeRO's gradient sum.
+
+        This generic form is an all-reduce and a copy (twice the traffic of a reduce-scatter);
+        transports with a native one override it."""
+        start, count = sum(counts[:self.rank]), counts[self.rank]
+        request = self.iall_reduce(x)
+
+        def finish():
+            request.wait()
+            if start:
+                x[:count] = x[start:start + count].copy()  # the two may overlap
+        return Done(x[:count], finish)
+
+    def iall_gather_flat(self, x, counts) -> Request:
+        """Non-blocking, in place: every rank's piece of the 1-D ``x`` (as ``ireduce_scatter_flat``
+        cuts it) copied to every rank; ``wait()`` returns ``x``. ZeRO's parameter gather.
+
+        Generic form: the other pieces zeroed, then an all-reduce (a sum with one non-zero term
+        is exact; a -0.0 comes back as +0.0)."""
+        start = sum(counts[:self.rank])
+        x[:start] = 0
+        x[start + counts[self.rank]:] = 0
+        return self.iall_reduce(x)
 
     @abstractmethod
     def broadcast(self, x, root: int = 0):

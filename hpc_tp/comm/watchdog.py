@@ -344,11 +344,21 @@ class WatchedCommunicator(Communicator):
         return self._call(f"all_reduce({op})", x, self.inner.all_reduce, x, op)
 
     def iall_reduce(self, x, op: str = "sum") -> Request:
-        request = self._call(f"iall_reduce({op})", x, self.inner.iall_reduce, x, op)
+        return self._posted(f"iall_reduce({op})", x, self.inner.iall_reduce, x, op)
+
+    def _posted(self, name: str, x, function, *args) -> Request:
+        """A non-blocking collective: posting it is watched, and so is its ``wait``."""
+        request = self._call(name, x, function, *args)
         posted = self.watchdog.last
-        waited = Operation(f"wait iall_reduce({op})", posted.group, posted.seq, posted.shape, posted.dtype,
+        waited = Operation(f"wait {name}", posted.group, posted.seq, posted.shape, posted.dtype,
                            members=posted.members)
         return _WatchedRequest(request, self.watchdog, waited)
+
+    def ireduce_scatter_flat(self, x, counts) -> Request:
+        return self._posted("ireduce_scatter_flat", x, self.inner.ireduce_scatter_flat, x, counts)
+
+    def iall_gather_flat(self, x, counts) -> Request:
+        return self._posted("iall_gather_flat", x, self.inner.iall_gather_flat, x, counts)
 
     def all_gather(self, x, axis: int = 0):
         return self._call(f"all_gather(axis={axis})", x, self.inner.all_gather, x, axis)

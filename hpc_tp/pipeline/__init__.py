@@ -7,8 +7,8 @@ streamed through them by a GPipe or 1F1B schedule with non-blocking point-to-poi
 """
 from .partition import balanced_layers, build_stage, layers_from_counts, parse_pp_layers, stage_costs, stage_layers
 from .schedules import SCHEDULES, PipelineStats, pipeline_forward_backward, stage_parameter_groups
-from .tied import sync_tied_embeddings, tied_copy_names
+from .tied import sync_tied_embeddings, tied_copy_names, tied_names
 
 __all__ = ["SCHEDULES", "PipelineStats", "balanced_layers", "build_stage", "layers_from_counts", "parse_pp_layers",
            "pipeline_forward_backward", "stage_costs", "stage_layers", "stage_parameter_groups",
-           "sync_tied_embeddings", "tied_copy_names"]
+           "sync_tied_embeddings", "tied_copy_names", "tied_names"]

@@ -42,6 +42,13 @@ def sync_tied_embeddings(model, grid):
         group.all_reduce(dict(model.named_parameters())[TIED_NAME].grad)
 
 
+def tied_names(model, grid) -> frozenset:
+    """Names this rank holds a tied copy of (on the first and last stage of pp > 1): their gradient
+    is summed across stages after the dp sync, so the optimizer must see it whole."""
+    tied = model.cfg.tie_embeddings and grid.pp_size > 1 and TIED_NAME in dict(model.named_parameters())
+    return frozenset([TIED_NAME]) if tied else frozenset()
+
+
 def tied_copy_names(model, grid) -> frozenset:
     """Names whose gradient this rank must leave out of the global norm: the last stage's copy."""
     tied_copy = model.cfg.tie_embeddings and grid.pp_size > 1 and grid.is_last_stage

@@ -31,21 +31,43 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class _Bucket:
-    """The gradients ``names``, which together fill ``flat``: a contiguous slice of an arena chunk."""
+    """The gradients ``names``, which together fill ``flat``: a contiguous slice of an arena chunk.
+
+    Sharded (ZeRO, ``train/distributed_optim.py``): ``flat`` is cut into one piece per rank of the
+    group, ``counts`` long (``shard_counts``), and only this rank's piece of the sum is kept: a
+    reduce-scatter instead of the all-reduce, half its traffic. It lands in place at the front of
+    ``flat`` (MPI's convention), ``shard``, whichever piece it is; ``start`` is where the piece
+    belongs."""
 
     def __init__(self, names: list[str], flat):
         self.names, self.flat = names, flat
         self.pending: set[str] = set()
         self.request = None
+        self.counts = self.shard = None
+
+    def make_shard(self, comm):
+        self.counts = shard_counts(self.flat.size, comm.size)
+        self.start = sum(self.counts[:comm.rank])
+        self.shard = self.flat[:self.counts[comm.rank]]
 
     def launch(self, comm):
-        self.request = comm.iall_reduce(self.flat)
+        if self.shard is None:
+            self.request = comm.iall_reduce(self.flat)
+        else:
+            self.request = comm.ireduce_scatter_flat(self.flat, self.counts)
 
     def complete(self, divisor: int | None):
         self.request.wait()
         self.request = None
         if divisor is not None:
-            self.flat /= divisor
+            (self.flat if self.shard is None else self.shard)[...] /= divisor
+
+
+def shard_counts(length: int, ranks: int) -> list[int]:
+    """``length`` elements in ``ranks`` consecutive pieces of ceil(length / ranks), the last ones
+    shorter (possibly empty): rank r's share of a sharded bucket."""
+    piece = -(-length // ranks)
+    return [max(0, min(piece, length - r * piece)) for r in range(ranks)]
 
 
 def _build_buckets(named: dict[str, Parameter], arena: GradArena) -> list[_Bucket]:
@@ -65,9 +87,13 @@ class GradBucketer:
     """``average=True`` divides the sums by the dp size (the mean gradient, for a loss averaged
     per rank); ``average=False`` keeps the sums (for a loss already scaled by the global count)."""
 
-    def __init__(self, named_params: dict[str, Parameter], dp_comm, arena: GradArena, average: bool = True):
+    def __init__(self, named_params: dict[str, Parameter], dp_comm, arena: GradArena, average: bool = True,
+                 shard: bool = False):
         self.comm, self.average = dp_comm, average
         self.buckets = _build_buckets(named_params, arena)
+        if shard:
+            for bucket in self.buckets:
+                bucket.make_shard(dp_comm)
         self._bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
         self._next = None  # index of the next bucket to launch; None outside start() .. finish()
 
@@ -121,15 +147,23 @@ class GradBucketer:
 class ExpertAwareBucketer:
     """The trainer's gradient sync under expert parallelism: dense gradients summed over the dp
     group, each expert's over ``grid.expert_dp`` (the ranks that hold that same expert; every other
-    dp rank holds other experts). Same interface as ``GradBucketer``, sums (``average=False``)."""
+    dp rank holds other experts). Same interface as ``GradBucketer``, sums (``average=False``).
 
-    def __init__(self, named_params: dict[str, Parameter], grid, arena: GradArena):
+    ``shard=True`` (ZeRO-1): the buckets are reduce-scattered, save those of ``whole``, which are
+    all-reduced as before (the tied embedding of pp > 1, summed across stages after this sync)."""
+
+    def __init__(self, named_params: dict[str, Parameter], grid, arena: GradArena, shard: bool = False,
+                 whole=frozenset()):
         from ..nn.moe import is_expert_parameter
 
-        experts = {n: p for n, p in named_params.items() if is_expert_parameter(n)}
-        dense = {n: p for n, p in named_params.items() if n not in experts}
-        self.parts = [GradBucketer(dense, grid.dp, arena, average=False),
-                      GradBucketer(experts, grid.expert_dp, arena, average=False)]
+        def part(names, comm, sharded):
+            return GradBucketer({n: named_params[n] for n in names}, comm, arena, average=False, shard=sharded)
+
+        experts = [n for n in named_params if is_expert_parameter(n)]
+        dense = [n for n in named_params if n not in experts and not (shard and n in whole)]
+        self.parts = [part(dense, grid.dp, shard), part(experts, grid.expert_dp, shard)]
+        if shard and whole:
+            self.parts.append(part([n for n in named_params if n in whole], grid.dp, False))
         self._part_of = {name: part for part in self.parts for name in part._bucket_of}
 
     def start(self):

@@ -1,8 +1,9 @@
 """Mixed precision: the model computes in float16 or bfloat16, the optimizer updates float32 masters.
 
-    model weights (half) --forward/backward, loss x S--> half gradients
-      -> masters' gradients = float32(gradient) / S      (``MixedPrecision.grads``)
-      -> finite check, grad-norm clip, AdamW on the float32 masters
+    model weights (half) --forward/backward, loss x S--> products in half, summed in float32
+      -> the masters' gradients are those float32 sums   (``module.grad_buffer``)
+      -> norm x 1/S, finite check, AdamW on the masters of gradient x 1/S x clip
+         (S is a power of two: unscaling inside those passes is exact and costs no pass of its own)
       -> model weights = half(masters)                    (``MixedPrecision.update``)
 
 float16 keeps 5 exponent bits, so small gradients flush to zero unless the loss is scaled up
@@ -72,9 +73,11 @@ class LossScaler:
 class MixedPrecision:
     """float32 masters for the half-precision ``params`` (name -> Parameter, updated in place: a
     parameter may be a view into a fused buffer). ``master`` is what the optimizer, the grad-norm
-    clip and checkpoints see."""
+    clip and checkpoints see. ``sharded``: names whose masters the distributed optimizer holds in
+    its pieces (``ShardedAdamW.masters``); ``master`` maps them to the model's own parameters."""
 
-    def __init__(self, params: dict[str, Parameter], dtype: str, scaler: LossScaler | None = None):
+    def __init__(self, params: dict[str, Parameter], dtype: str, scaler: LossScaler | None = None,
+                 sharded=frozenset()):
         self.model = dict(params)
         self.half = dtype in HALF
         self.scaler = scaler if scaler is not None else LossScaler() if dtype == "float16" else None
@@ -83,22 +86,13 @@ class MixedPrecision:
             return
         # The model's gradients are float32 already (module.grad_buffer): the masters use them as
         # they are, unscaled in place, rather than holding a second float32 copy.
-        self.master = {name: Parameter(p.data.astype("float32"), p.partition, decay=p.decay, grad=p.grad)
+        self.master = {name: p if name in sharded else
+                       Parameter(p.data.astype("float32"), p.partition, decay=p.decay, grad=p.grad)
                        for name, p in self.model.items()}
 
     @property
     def loss_scale(self) -> float:
         return 1.0 if self.scaler is None else self.scaler.scale
-
-    def grads(self) -> dict[str, Parameter]:
-        """The masters, their (shared, float32) gradients unscaled in place. An overflow in the half
-        products stays inf here, so the global gradient norm of the masters is inf. Called once per step,
-        after the last micro-batch's backward."""
-        if self.half and self.loss_scale != 1.0:
-            inverse = 1.0 / self.loss_scale
-            for p in self.master.values():
-                p.grad *= inverse
-        return self.master
 
     def overflow_absorbed(self, finite: bool, loss: float) -> bool:
         """A skipped step that is float16 loss scaling at work, not a fault: the loss is finite, only
@@ -123,7 +117,8 @@ class MixedPrecision:
     def sync_model(self):
         if self.half:
             for name, p in self.model.items():
-                p.data[...] = self.master[name].data
+                if self.master[name] is not p:
+                    p.data[...] = self.master[name].data
 
     def state(self) -> dict:
         """For the checkpoint's metadata (the scale a resumed run continues from)."""

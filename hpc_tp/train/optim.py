@@ -38,39 +38,63 @@ class AdamW:
             raise ConfigError(f"AdamW weight decay {weight_decay!r} must be >= 0")
         self.params = dict(named_params)
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.step_count = 0
+        self._make_states()
+
+    def _make_states(self):
         self.exp_avg = {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in self.params.items()}
         self.exp_avg_sq = {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in self.params.items()}
-        self.step_count = 0
 
     def step(self, lr: float | None = None, grad_scale: float = 1.0):
         """One update with ``lr`` (default: the constructor's), e.g. from ``schedule.lr_at``, of the
-        gradients times ``grad_scale`` (``clip_coefficient``: clipping inside the update's one pass
-        rather than a pass of its own)."""
+        gradients times ``grad_scale`` (``clip_coefficient``, and 1/S for a loss scaled by S: both
+        inside the update's one pass rather than passes of their own)."""
+        self._advance(lr)
+        for name, p in self.params.items():
+            self._update(p.data, p.grad, self.exp_avg[name], self.exp_avg_sq[name], p.decay, grad_scale)
+
+    def _advance(self, lr: float | None):
+        """Start a step (``_update`` reads its constants); ``lr`` None: the constructor's."""
         lr = self.lr if lr is None else lr
         beta1, beta2 = self.betas
         self.step_count += 1
-        step_size = lr / (1 - beta1 ** self.step_count)
-        root_correction2 = math.sqrt(1 - beta2 ** self.step_count)
-        for name, p in self.params.items():
-            xp, g, m, v = backend.xp_of(p.data), p.grad, self.exp_avg[name], self.exp_avg_sq[name]
-            decay = 1 - lr * self.weight_decay if p.decay and self.weight_decay else 1.0
-            if cpu_optim.fused(p.data, g, m, v):
-                cpu_optim.adamw(p.data, g, m, v, grad_scale, decay, beta1, beta2, root_correction2, self.eps, step_size)
-                continue
-            if grad_scale != 1.0:
-                g = g * grad_scale
-            if decay != 1.0:
-                p.data *= decay
-            m *= beta1
-            m += (1 - beta1) * g
-            v *= beta2
-            v += (1 - beta2) * g * g
-            update = xp.sqrt(v)
-            update /= root_correction2
-            update += self.eps
-            xp.divide(m, update, out=update)
-            update *= step_size
-            p.data -= update
+        self._constants = (lr, lr / (1 - beta1 ** self.step_count), math.sqrt(1 - beta2 ** self.step_count))
+
+    def _update(self, data, g, m, v, decays: bool, grad_scale: float):
+        """AdamW on one array (a parameter, or a piece of flat storage) and its states, in place."""
+        lr, step_size, root_correction2 = self._constants
+        beta1, beta2 = self.betas
+        decay = 1 - lr * self.weight_decay if decays and self.weight_decay else 1.0
+        if cpu_optim.fused(data, g, m, v):
+            cpu_optim.adamw(data, g, m, v, grad_scale, decay, beta1, beta2, root_correction2, self.eps, step_size)
+            return
+        xp = backend.xp_of(data)
+        if grad_scale != 1.0:
+            g = g * grad_scale
+        if decay != 1.0:
+            data *= decay
+        m *= beta1
+        m += (1 - beta1) * g
+        v *= beta2
+        v += (1 - beta2) * g * g
+        update = xp.sqrt(v)
+        update /= root_correction2
+        update += self.eps
+        xp.divide(m, update, out=update)
+        update *= step_size
+        data -= update
+
+    def grad_norm(self, grid, skip=frozenset(), scale: float = 1.0) -> float:
+        """``global_grad_norm`` of the gradients times ``scale`` (1/S for a loss scaled by S)."""
+        return global_grad_norm(self.params, grid, skip) * scale
+
+    def masters(self, params: dict[str, Parameter]) -> dict[str, Parameter]:
+        """The parameters as checkpoints hold them (``ShardedAdamW`` gathers its pieces): ``params``."""
+        return params
+
+    def loaded(self, tensors: dict):
+        """A checkpoint was read into ``tensors`` (``masters`` and ``state_tensors``): written in place,
+        nothing to do (``ShardedAdamW`` takes its pieces here)."""
 
     def state_tensors(self) -> dict[str, StateTensor]:
         """``optim.exp_avg.<name>`` and ``optim.exp_avg_sq.<name>`` for checkpoints; loading writes
@@ -92,24 +116,39 @@ def global_grad_norm(named_params: dict[str, Parameter], grid, skip=frozenset())
     ``skip``: names whose gradient this rank must not count because another pipeline stage
     counts it, e.g. the last stage's copy of embeddings tied to the first stage's.
     """
-    import numpy
+    return reduce_squares(*local_squares(named_params, skip), grid)
 
+
+def local_squares(named_params: dict[str, Parameter], skip=frozenset()) -> tuple:
+    """This rank's sums of squared gradients, each divided by its replicas: (dense, MoE experts)."""
     from ..nn.moe import is_expert_parameter
 
     dense = experts = 0.0
     for name, p in named_params.items():
         if name in skip:
             continue
-        if cpu_optim.fused(p.grad):
-            square = cpu_optim.sum_of_squares(p.grad) / p.partition.replicas
-        else:
-            g = p.grad.astype("float64", copy=False)
-            # Summed on the gradient's device; the one transfer to the host happens below.
-            square = (g * g).sum() / p.partition.replicas
+        square = sum_of_squares(p.grad) / p.partition.replicas
         if is_expert_parameter(name):
             experts = experts + square
         else:
             dense = dense + square
+    return dense, experts
+
+
+def sum_of_squares(g):
+    """sum(g**2) in float64; on the gradient's device (a cupy scalar: the one transfer to the host
+    is ``reduce_squares``'s)."""
+    if cpu_optim.fused(g):
+        return cpu_optim.sum_of_squares(g)
+    g = g.astype("float64", copy=False)
+    return (g * g).sum()
+
+
+def reduce_squares(dense, experts, grid) -> float:
+    """The global norm from this rank's weighted sums of squares (dense, MoE experts): summed over tp
+    and pp, the experts also over ep (where the dense sum is the same on every ep rank: counted once)."""
+    import numpy
+
     buffer = numpy.array([float(dense), float(experts)])
     grid.tp.all_reduce(buffer)
     grid.pp.all_reduce(buffer)

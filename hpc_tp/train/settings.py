@@ -36,6 +36,7 @@ class TrainSettings:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     clip_grad: float = 1.0
+    distributed_optimizer: bool = False  # ZeRO-1: AdamW states sharded over dp (train/distributed_optim.py)
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"  # "cuda": cupy, one GPU per node-local rank

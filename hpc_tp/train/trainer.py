@@ -37,7 +37,8 @@ from ..grid import ProcessGrid
 from ..module import GradArena
 from ..models import load_config
 from ..models.config import PRESETS, ModelConfig
-from ..pipeline import build_stage, parse_pp_layers, pipeline_forward_backward, sync_tied_embeddings, tied_copy_names
+from ..pipeline import (build_stage, parse_pp_layers, pipeline_forward_backward, sync_tied_embeddings, tied_copy_names,
+                        tied_names)
 from ..tensor_parallel.sequence_parallel import check_sequence_divisible
 from ..tensor_parallel.vocab import IGNORE_INDEX
 from .data import DistributedSampler, TaskDataset, build_dataset
@@ -46,7 +47,8 @@ from .expert_parallel import check_expert_parallel, moe_metrics, moe_summary
 from .grad_sync import DEFAULT_BUCKET_BYTES, ExpertAwareBucketer
 from .metrics import MetricsLogger
 from .mixed_precision import MixedPrecision
-from .optim import AdamW, agree_finite, clip_coefficient, global_grad_norm
+from .distributed_optim import ShardedAdamW
+from .optim import AdamW, agree_finite, clip_coefficient
 from .preemption import StopRequest
 from .progress import Progress, format_duration
 from .schedule import lr_at
@@ -99,12 +101,19 @@ class Trainer:
         with GradArena(DEFAULT_BUCKET_BYTES) as self.grad_arena:  # the dp buckets all-reduce gradients in place
             self.model = self._build_model()
         self.params = self.model.state()
-        self.precision = MixedPrecision(self.params, s.dtype)  # float32 masters of half weights (else the same)
+        whole = tied_names(self.model, grid)  # summed across stages after the dp sync: never sharded
+        sharded = frozenset(self.params) - whole if s.distributed_optimizer else frozenset()
+        # float32 masters of half weights (the same parameters at float32/64; ZeRO's pieces hold the sharded ones)
+        self.precision = MixedPrecision(self.params, s.dtype, sharded=sharded)
+        self.bucketer = ExpertAwareBucketer(self.params, grid, self.grad_arena, shard=bool(sharded), whole=whole)
+        optimizer = ShardedAdamW(self.precision.master, self.bucketer, s.lr, weight_decay=s.weight_decay) \
+            if sharded else AdamW(self.precision.master, s.lr, weight_decay=s.weight_decay)
+        self.optimizer = optimizer
         if s.init:
-            load_checkpoint(s.init, self.precision.master, grid)
+            masters = optimizer.masters(self.precision.master)
+            load_checkpoint(s.init, masters, grid)
+            optimizer.loaded(masters)
             self.precision.sync_model()
-        self.optimizer = AdamW(self.precision.master, s.lr, weight_decay=s.weight_decay)
-        self.bucketer = ExpertAwareBucketer(self.params, grid, self.grad_arena)
         self.tied_copies = tied_copy_names(self.model, grid)  # counted once, on the first stage
         self.sampler = DistributedSampler(len(self.dataset), s.global_batch, grid.coords.dp, grid.dp_size, s.seed)
         self.step = 0
@@ -180,13 +189,13 @@ class Trainer:
             raise ConfigError(f"step {self.step}: the global batch has no target tokens to learn from")
         loss_sum = self._forward_backward(ids, targets, self.precision.loss_scale / tokens)  # fp16: scaled grads
         loss = grid.dp.all_reduce_scalar(loss_sum) / tokens
-        grads = self.precision.grads()  # float32, unscaled (the parameters themselves at float32/64)
-        norm = global_grad_norm(grads, grid, self.tied_copies)  # inf/NaN when a gradient is
+        unscale = 1.0 / self.precision.loss_scale  # a power of two: unscaling inside the passes is exact
+        norm = self.optimizer.grad_norm(grid, self.tied_copies, unscale)  # inf/NaN when a gradient is
         finite = agree_finite(grid, norm, loss)  # the loss is the same on every rank
         norm = norm if finite else float("nan")
         lr = lr_at(self.step, s.lr, s.warmup_steps, s.steps, s.min_lr_ratio)
         if finite:  # a step with an inf/NaN gradient is skipped on every rank alike
-            self.optimizer.step(lr, grad_scale=clip_coefficient(norm, s.clip_grad))
+            self.optimizer.step(lr, grad_scale=unscale * clip_coefficient(norm, s.clip_grad))
         scaling = self.precision.record(finite, loss)  # before update() halves the scale
         self.precision.update(finite)  # half weights from the masters; fp16: the loss scale
         self.model.zero_grad()
@@ -227,7 +236,7 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict:
-        return {**self.precision.master, **self.optimizer.state_tensors()}
+        return {**self.optimizer.masters(self.precision.master), **self.optimizer.state_tensors()}
 
     def save(self) -> Path:
         s = self.settings
@@ -259,7 +268,9 @@ class Trainer:
         if meta["seq_len"] != self.seq_len:
             raise ConfigError(f"checkpoint {folder} was trained with --seq-len {meta['seq_len']}, "
                               f"this run asks {self.seq_len}")
-        load_checkpoint(folder, self.checkpoint_tensors(), self.grid)
+        tensors = self.checkpoint_tensors()
+        load_checkpoint(folder, tensors, self.grid)
+        self.optimizer.loaded(tensors)
         self.step = int(meta["step"])
         self.optimizer.step_count = int(meta["optimizer"]["step_count"])
         self.precision.sync_model()

@@ -1,0 +1,187 @@
+"""ZeRO-1 (Megatron-LM's distributed optimizer): AdamW with its states sharded over data parallelism.
+
+Every dp rank holds the same parameters, so plain data parallelism keeps dp copies of Adam's two
+moments and updates every element dp times. Here each rank owns one piece of every gradient bucket
+(``grad_sync``: reduce-scatter instead of all-reduce, so only its piece is summed), keeps the
+moments and the parameters' values for that piece alone, updates it, and an all-gather of the
+updated pieces, in place in the bucket's storage, gives every rank the whole new parameters:
+
+    reduce-scatter(grad buckets) -> norm of the pieces, summed over dp -> AdamW on the piece
+    -> all-gather(updated pieces) -> parameters
+
+The traffic is the all-reduce's (a reduce-scatter and an all-gather); the states take 1/dp of the
+memory, and the update 1/dp of the time.
+
+A piece is a run of the arena's flat gradient storage, where each parameter's gradient sits at an
+offset with its own strides (a fused layer's views interleave). ``module.strided_like`` sees a flat
+copy of the run the way the gradient sees the arena, so values, moments and a checkpoint's arrays
+move between a parameter's shape and the flat layout by one assignment. Each element is labelled
+with what the update needs of its parameter: weight decay or not, and how many tp ranks hold it
+(the norm counts it once); a piece is updated run of one label by run.
+
+The numbers are AdamW's, element for element: the same formula on the same values (only the sums
+over dp and the norm's terms may be associated differently). Checkpoints hold whole states in the
+parameters' shapes, gathered at save, so a run saved with ZeRO resumes without it and at any
+layout, and the other way round.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy
+
+from .. import backend
+from ..module import Parameter, strided_like
+from .optim import AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares
+
+
+class _Run(NamedTuple):
+    start: int  # [start, stop) of the piece
+    stop: int
+    decay: bool
+    weight: float  # 1 / replicas: its share of the gradient norm
+
+
+class _Piece:
+    """This rank's piece of one sharded bucket: the masters' values, the moments and the labelled runs."""
+
+    def __init__(self, bucket, params: dict[str, Parameter], comm):
+        self.bucket, self.comm = bucket, comm
+        self.params = [(name, params[name]) for name in bucket.names]
+        self.start, count = bucket.start, bucket.counts[comm.rank]
+        xp = backend.xp_of(bucket.flat)
+        self.master = xp.empty(count, dtype=bucket.flat.dtype)
+        self.exp_avg, self.exp_avg_sq = xp.zeros_like(self.master), xp.zeros_like(self.master)
+        self.runs = self._runs()
+        self.take(self.master, {name: p.data for name, p in self.params})
+
+    def _runs(self) -> list[_Run]:
+        kinds: list[tuple] = [None]  # label 0: storage no parameter sees (not updated, not counted)
+        labels = numpy.zeros(self.bucket.flat.size, dtype=numpy.int32)  # on the host, for a device bucket too
+        for _, p in self.params:
+            kind = (p.decay, 1.0 / p.partition.replicas)
+            if kind not in kinds:
+                kinds.append(kind)
+            strided_like(labels, p.grad, self.bucket.flat)[...] = kinds.index(kind)
+        piece = labels[self.start:self.start + self.master.size]
+        edges = [0, *(numpy.flatnonzero(numpy.diff(piece)) + 1).tolist(), piece.size]
+        return [_Run(a, b, *kinds[piece[a]]) for a, b in zip(edges, edges[1:]) if b > a and piece[a]]
+
+    def image(self, flat, p: Parameter):
+        """``p``'s elements in ``flat``, a copy laid out like the bucket's storage."""
+        return strided_like(flat, p.grad, self.bucket.flat)
+
+    def gathered(self, piece):
+        """A bucket-sized array whose every rank's piece is that rank's ``piece`` (collective)."""
+        flat = backend.xp_of(piece).empty_like(self.bucket.flat)
+        flat[self.start:self.start + piece.size] = piece
+        return self.comm.iall_gather_flat(flat, self.bucket.counts).wait()
+
+    def take(self, piece, arrays: dict[str, object]):
+        """``piece`` = this rank's part of the parameter-shaped ``arrays``."""
+        flat = backend.xp_of(piece).empty_like(self.bucket.flat)
+        for name, p in self.params:
+            self.image(flat, p)[...] = arrays[name]
+        piece[...] = flat[self.start:self.start + piece.size]
+
+
+class ShardedAdamW(AdamW):
+    """AdamW over ``named_params`` (the masters) whose gradients ``bucketer`` (an
+    ``ExpertAwareBucketer`` made with ``shard=True``) reduce-scatters. Parameters in buckets it
+    all-reduces whole (the tied embedding of pp > 1) keep whole states, as in ``AdamW``."""
+
+    def __init__(self, named_params: dict[str, Parameter], bucketer, lr: float, **kwargs):
+        self._bucketer = bucketer
+        super().__init__(named_params, lr, **kwargs)
+
+    def _make_states(self):
+        from ..nn.moe import is_expert_parameter
+
+        self.pieces: list[tuple[_Piece, bool]] = []  # (piece, of MoE experts)
+        self._groups = {}
+        whole: dict[str, Parameter] = {}
+        for part in self._bucketer.parts:
+            for bucket in part.buckets:
+                if bucket.shard is None:
+                    whole.update({name: self.params[name] for name in bucket.names})
+                else:
+                    experts = is_expert_parameter(bucket.names[0])
+                    self.pieces.append((_Piece(bucket, self.params, part.comm), experts))
+                    self._groups[experts] = part.comm  # the dp group its squares are summed over
+        self.whole = whole
+        self.exp_avg = {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in whole.items()}
+        self.exp_avg_sq = {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in whole.items()}
+
+    def step(self, lr: float | None = None, grad_scale: float = 1.0):
+        self._advance(lr)
+        gathers = []
+        for piece, _ in self.pieces:
+            for run in piece.runs:
+                window = slice(run.start, run.stop)
+                self._update(piece.master[window], piece.bucket.shard[window], piece.exp_avg[window],
+                             piece.exp_avg_sq[window], run.decay, grad_scale)
+            # The gradients are spent: the bucket's storage carries the new values to every rank.
+            bucket = piece.bucket
+            bucket.flat[piece.start:piece.start + piece.master.size] = piece.master
+            gathers.append(piece.comm.iall_gather_flat(bucket.flat, bucket.counts))
+        for name, p in self.whole.items():
+            self._update(p.data, p.grad, self.exp_avg[name], self.exp_avg_sq[name], p.decay, grad_scale)
+        for (piece, _), gather in zip(self.pieces, gathers):
+            gather.wait()
+            for _, p in piece.params:
+                p.data[...] = piece.image(piece.bucket.flat, p)
+
+    def grad_norm(self, grid, skip=frozenset(), scale: float = 1.0) -> float:
+        """The global norm: the pieces' squares summed over their dp groups, the whole ones' as
+        ``global_grad_norm`` counts them. ``skip`` may only name whole parameters."""
+        sharded = {name for piece, _ in self.pieces for name, _ in piece.params}
+        if skip & sharded:
+            raise ValueError(f"ShardedAdamW.grad_norm: {sorted(skip & sharded)} are sharded; only whole "
+                             "parameters can be left out")
+        partial = {False: 0.0, True: 0.0}  # this rank's pieces: dense, MoE experts
+        for piece, experts in self.pieces:
+            partial[experts] += sum(float(sum_of_squares(piece.bucket.shard[run.start:run.stop])) * run.weight
+                                    for run in piece.runs)
+        summed = [self._groups[kind].all_reduce_scalar(partial[kind]) if kind in self._groups else 0.0
+                  for kind in (False, True)]
+        whole = local_squares(self.whole, skip)
+        return reduce_squares(summed[0] + float(whole[0]), summed[1] + float(whole[1]), grid) * scale
+
+    def state_tensors(self) -> dict[str, StateTensor]:
+        """Whole states in the parameters' shapes, gathered from every rank's pieces (collective over
+        the dp groups: call it on every rank). The arrays are copies: a checkpoint read into them
+        reaches the optimizer through ``loaded``."""
+        states = super().state_tensors()  # the whole parameters' own arrays
+        for piece, _ in self.pieces:
+            for kind, values in (("exp_avg", piece.exp_avg), ("exp_avg_sq", piece.exp_avg_sq)):
+                flat = piece.gathered(values)
+                for name, p in piece.params:
+                    states[f"optim.{kind}.{name}"] = StateTensor(piece.image(flat, p).copy(), p.partition)
+        return states
+
+    def masters(self, params: dict[str, Parameter]) -> dict[str, Parameter]:
+        """The masters as checkpoints hold them: the parameters themselves where they are the masters
+        (float32/64 models), whole float32 copies gathered from the pieces where the model is half
+        (collective over the dp groups)."""
+        masters = dict(params)
+        for piece, _ in self.pieces:
+            if piece.master.dtype == piece.params[0][1].data.dtype:
+                continue
+            flat = piece.gathered(piece.master)
+            for name, p in piece.params:
+                masters[name] = Parameter(piece.image(flat, p).copy(), p.partition, grad=p.grad, decay=p.decay)
+        return masters
+
+    def loaded(self, tensors: dict):
+        """After a checkpoint was read into ``tensors`` (``masters`` and, on a resume, ``state_tensors``):
+        this rank's pieces of the values and moments taken from them, and a half model's weights
+        rounded from the masters."""
+        for piece, _ in self.pieces:
+            for kind, values in (("exp_avg", piece.exp_avg), ("exp_avg_sq", piece.exp_avg_sq)):
+                names = [f"optim.{kind}.{name}" for name, _ in piece.params]
+                if all(name in tensors for name in names):  # --init reads weights only: the moments stay 0
+                    piece.take(values, {name: tensors[key].data for (name, _), key in zip(piece.params, names)})
+            piece.take(piece.master, {name: tensors[name].data for name, _ in piece.params})
+            for name, p in piece.params:
+                if tensors[name] is not p:
+                    p.data[...] = tensors[name].data

@@ -1,0 +1,151 @@
+"""ZeRO-1 (``--distributed-optimizer``): the same training as plain AdamW in every layout, states
+sharded over dp, checkpoints that load with or without it."""
+import numpy as np
+import pytest
+
+from hpc_tp.comm.mpi import self_comm, world
+from hpc_tp.module import GradArena, Parameter, replicated, split
+from hpc_tp.train.distributed_optim import ShardedAdamW
+from hpc_tp.train.grad_sync import ExpertAwareBucketer
+from hpc_tp.train.optim import AdamW
+from hpc_tp.train.trainer import Trainer
+from test_train import MOE, _truncate_to, moe_settings, settings, shared_tmp
+
+# (tp, pp, dp, ep) per world size, each with a model that exercises one part of the sharding:
+# fused QKV with K/V columns replicated over tp (GQA, 1 kv head at tp=2), tied embeddings kept whole
+# at pp > 1, MoE experts sharded over expert_dp.
+GQA = {"n_kv_heads": 1, "dropout": 0.1}
+TIED = {"n_layers": 4}
+LAYOUTS = {1: [(1, 1, 1, 1, GQA)],
+           2: [(1, 1, 2, 1, GQA), (1, 2, 1, 1, TIED)],
+           4: [(1, 1, 4, 1, GQA), (2, 1, 2, 1, GQA), (1, 2, 2, 1, TIED), (1, 1, 4, 2, MOE)]}
+
+
+def _run(comm, zero, tp, pp, dp, ep, model):
+    make = moe_settings if model is MOE else settings
+    trainer = Trainer(make(tp=tp, pp=pp, dp=dp, ep=ep, steps=5, warmup=1, micro_batch=8 // dp // 2 or 1,
+                           model_overrides=model, distributed_optimizer=zero), comm)
+    return trainer, trainer.run().records
+
+
+@pytest.mark.mpi(min_size=1)
+def test_distributed_optimizer_trains_like_adamw():
+    """Losses, gradient norms and every final parameter as plain AdamW's in the same layout (only
+    sums are associated differently), and the states of each rank 1/dp of the whole."""
+    comm = world()
+    for tp, pp, dp, ep, model in LAYOUTS.get(comm.size, []):
+        plain, plain_records = _run(comm, False, tp, pp, dp, ep, model)
+        zero, zero_records = _run(comm, True, tp, pp, dp, ep, model)
+        assert isinstance(zero.optimizer, ShardedAdamW)
+        for key in ("loss", "grad_norm"):
+            got, want = np.array([r[key] for r in zero_records]), np.array([r[key] for r in plain_records])
+            assert np.max(np.abs(got - want) / np.abs(want)) < 1e-12, (tp, pp, dp, ep, key)
+        for name, p in zero.params.items():
+            np.testing.assert_allclose(p.data, plain.params[name].data, rtol=1e-12, atol=1e-14, err_msg=name)
+        held = sum(piece.exp_avg.size for piece, _ in zero.optimizer.pieces)
+        whole = sum(p.data.size for n, p in zero.params.items() if n not in zero.optimizer.whole)
+        group = dp // ep if model is MOE else dp  # experts are sharded over expert_dp
+        assert whole // dp <= held <= whole // group + len(zero.optimizer.pieces), (held, whole, dp)
+        assert set(zero.optimizer.whole) == ({"embed.weight"} if pp > 1 else set())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_checkpoints_move_between_sharded_and_whole_states(tmp_path):
+    """Saved with ZeRO at dp=world, resumed without it at tp=world, and the other way round: each
+    continues the uninterrupted run (the checkpoint holds whole states, not one rank's pieces)."""
+    comm = world()
+    root = shared_tmp(tmp_path, comm)
+    model = {"dropout": 0.0, "attn_dropout": 0.0}
+    sharded = dict(dp=comm.size, micro_batch=8 // comm.size, distributed_optimizer=True)
+    whole_states = dict(tp=comm.size, micro_batch=8 // comm.size)
+    uninterrupted = np.array([r["loss"] for r in Trainer(settings(model_overrides=model, **whole_states), comm)
+                              .run().records])
+    for saver, resumer, folder in ((sharded, whole_states, f"{root}/zero"), (whole_states, sharded, f"{root}/plain")):
+        Trainer(settings(model_overrides=model, save=folder, save_every=6, **saver), comm).run()
+        _truncate_to(folder, 6, comm)
+        tail = np.array([r["loss"] for r in Trainer(settings(model_overrides=model, save=folder, resume=True,
+                                                             **resumer), comm).run().records])
+        assert len(tail) == 6 and np.max(np.abs(tail - uninterrupted[6:]) / uninterrupted[6:]) < 1e-9, (saver, resumer)
+
+
+def test_pieces_of_strided_fused_gradients_update_like_whole_parameters():
+    """Three parameters whose gradients interleave as column blocks of one fused buffer (QKV), with
+    different decay and replicas, beside a plain one: the flat runs update them as AdamW updates
+    each whole parameter, and the norm weighs each by its replicas."""
+    from hpc_tp.grid import ProcessGrid
+    from hpc_tp.module import grad_buffer
+
+    rng = np.random.default_rng(0)
+
+    def model():
+        with GradArena(4096) as arena:
+            fused = rng.standard_normal((5, 9))
+            grads = grad_buffer(fused)
+            params = {f"qkv{i}": Parameter(fused[:, 3 * i:3 * i + 3], split((5, 6), 1, 2, 0, replicas=1 + i),
+                                           grad=grads[:, 3 * i:3 * i + 3], decay=i != 1) for i in range(3)}
+            params["bias"] = Parameter(rng.standard_normal(4), replicated((4,), 2), decay=False)
+        return params, arena
+
+    grid = ProcessGrid(1, 1, 1, world=self_comm())
+    (plain_params, _), (zero_params, arena) = model(), model()
+    for name, p in zero_params.items():  # the same values and gradients in both
+        p.data[...] = plain_params[name].data
+    plain = AdamW(plain_params, lr=0.1)
+    zero = ShardedAdamW(zero_params, ExpertAwareBucketer(zero_params, grid, arena, shard=True), lr=0.1)
+    assert len(zero.pieces) == 1 and len(zero.pieces[0][0].runs) > 3  # the fused rows alternate decay
+    for step in range(3):
+        for name, p in plain_params.items():
+            p.grad[...] = zero_params[name].grad[...] = np.random.default_rng(step).standard_normal(p.shape)
+        assert zero.grad_norm(grid) == pytest.approx(plain.grad_norm(grid), rel=1e-14)
+        plain.step(grad_scale=0.5)
+        zero.step(grad_scale=0.5)
+        for name, p in zero_params.items():
+            np.testing.assert_array_equal(p.data, plain_params[name].data, err_msg=name)
+    states = zero.state_tensors()
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for name, array in getattr(plain, kind).items():
+            np.testing.assert_array_equal(states[f"optim.{kind}.{name}"].data, array)
+
+
+def test_distributed_optimizer_is_a_command_line_switch():
+    from hpc_tp.cli import build_parser
+    from hpc_tp.train.command import settings_from_args
+
+    args = build_parser().parse_args(["train", "--distributed-optimizer"])
+    assert settings_from_args(args).distributed_optimizer is True
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_masters_live_in_the_pieces(tmp_path, dtype):
+    """Mixed precision with ZeRO: the float32 masters exist only as each rank's pieces (no whole
+    float32 copy per rank), train as plain AdamW's masters do, and a checkpoint holds them whole:
+    saved with ZeRO, resumed without it, the run goes on as the uninterrupted one."""
+    from hpc_tp.train.mixed_precision import LossScaler
+
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    comm = world()
+    folder = f"{shared_tmp(tmp_path, comm)}/half"
+    layout = dict(dp=comm.size, micro_batch=8 // comm.size, dtype=dtype, steps=6, warmup=1,
+                  model_overrides={"dropout": 0.0, "attn_dropout": 0.0})
+    records = {}
+    for zero in (False, True):
+        trainer = Trainer(settings(distributed_optimizer=zero, save=f"{folder}-{zero}", save_every=3, **layout), comm)
+        if trainer.precision.scaler is not None:
+            trainer.precision.scaler = LossScaler(scale=2.0 ** 10)  # no overflow in this short run
+        records[zero] = trainer.run().records
+        if zero:  # the sharded names have no float32 copy beside the pieces
+            assert all(trainer.precision.master[n] is p for n, p in trainer.params.items())
+            masters = trainer.optimizer.masters(trainer.precision.master)
+            assert all(m.data.dtype == np.float32 for m in masters.values())
+    for key in ("loss", "grad_norm"):
+        got, want = (np.array([r[key] for r in records[zero]]) for zero in (True, False))
+        assert np.max(np.abs(got - want) / np.abs(want)) < 1e-6, key
+    _truncate_to(f"{folder}-True", 3, comm)
+    tail = Trainer(settings(distributed_optimizer=False, save=f"{folder}-True", resume=True, **layout), comm)
+    if tail.precision.scaler is not None:
+        tail.precision.scaler = LossScaler(scale=2.0 ** 10)
+    losses = np.array([r["loss"] for r in tail.run().records])
+    want = np.array([r["loss"] for r in records[True][3:]])
+    assert np.max(np.abs(losses - want) / want) < 1e-6
