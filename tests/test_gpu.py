@@ -213,6 +213,22 @@ def test_tp2_on_the_device_equals_tp1(comm_world):
     assert error <= G.TP_TOL
 
 
+@device_test
+@pytest.mark.mpi(min_size=2)
+def test_zero_on_the_device_trains_like_adamw(comm_world):
+    pair = comm_world.split(color=comm_world.rank // 2, key=comm_world.rank)
+    if pair.size == 2:
+        assert G.zero_equality(pair) <= G.TP_TOL
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_zero_row_measures_a_difference_on_the_cpu(comm_world):
+    """The gpu-check row's own logic, on the CPU: two ranks, ZeRO-1 against AdamW."""
+    pair = comm_world.split(color=comm_world.rank // 2, key=comm_world.rank)
+    if pair.size == 2:
+        assert 0 <= G.zero_equality(pair, device="cpu") <= G.TP_TOL
+
+
 def test_a_check_that_fails_without_a_message_is_a_row_not_a_crash(tmp_path):
     """gpu-check runs on a lent machine in a few minutes: one bad check must not end the table."""
     report = G.Report(out=tmp_path)

@@ -3,8 +3,8 @@ on one machine in well under 5 minutes, as a short table.
 
 1. environment: card, driver and runtime, cupy, NCCL, ml_dtypes, MPI (CUDA-aware or not), mpiexec;
 2. checks, each a measured number against its bound: the fused kernels against numpy (float64 and
-   float32), tp=2 against tp=1 on the device in float64 (2 ranks sharing the card through MPI,
-   only where ``mpiexec`` works), training steps on the device against the CPU (float64), and
+   float32), tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks
+   sharing the card through MPI, only where ``mpiexec`` works), training steps on the device against the CPU (float64), and
    mixed precision (float16, bfloat16 where ml_dtypes is) against float32 on the device;
 3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
    (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
@@ -222,6 +222,22 @@ def _mpiexec_2(*command: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+def zero_equality(world, steps: int = 3, device: str = "cuda") -> float:
+    """Worst relative loss difference of ``steps`` demo steps at dp = 2 (``world``: two ranks) with
+    the distributed optimizer against plain AdamW, float64 on ``device`` (on the GPU its
+    reduce-scatter and all-gather go through the device transport)."""
+    from ..train.settings import TrainSettings
+    from ..train.trainer import Trainer
+
+    losses = []
+    for zero in (False, True):
+        settings = TrainSettings(device=device, dtype="float64", dp=2, steps=10, global_batch=8, progress=False,
+                                 samples=0, distributed_optimizer=zero)
+        trainer = Trainer(settings, world=world)
+        losses.append([trainer.train_step()["loss"] for _ in range(steps)])
+    return max(abs(a - b) / abs(b) for a, b in zip(*losses))
+
+
 def _last_line(done: subprocess.CompletedProcess) -> str:
     """The line that says what went wrong: the last error line, else the last line with words."""
     lines = [line.strip() for line in (done.stdout + "\n" + done.stderr).splitlines() if any(c.isalpha() for c in line)]
@@ -229,36 +245,42 @@ def _last_line(done: subprocess.CompletedProcess) -> str:
     return ((errors or lines or ["no output"])[-1])[:160]
 
 
-def _run_tp_worker(timeout: float = 90) -> tuple[str, str, str]:
-    """tp=2 vs tp=1 under ``mpiexec -n 2`` (this module, --tp-worker): skipped where mpiexec cannot
-    start two ranks of this Python (probed first), FAIL where it can and the check does not pass."""
+def _run_pair_worker(timeout: float = 150) -> dict[str, tuple[str, str, str]]:
+    """The two-rank checks under ``mpiexec -n 2`` (this module, --pair-worker), a row for each of
+    "tp" and "zero": skipped where mpiexec cannot start two ranks of this Python (probed first),
+    FAIL where it can and a check does not pass."""
+    def both(*row):
+        return {"tp": row, "zero": row}
+
     if _mpiexec() is None:
-        return "skipped", "", "no mpiexec"
+        return both("skipped", "", "no mpiexec")
     try:
         probe = _mpiexec_2("-c", "from mpi4py import MPI; assert MPI.COMM_WORLD.Get_size() == 2", timeout=20)
     except subprocess.TimeoutExpired:
-        return "skipped", "", "mpiexec -n 2 hangs here (20 s probe)"
+        return both("skipped", "", "mpiexec -n 2 hangs here (20 s probe)")
     if probe.returncode:
-        return "skipped", "", f"mpiexec -n 2 does not run here: {_last_line(probe)}"
+        return both("skipped", "", f"mpiexec -n 2 does not run here: {_last_line(probe)}")
     try:
-        done = _mpiexec_2("-m", "hpc_tp.bench.gpu_check", "--tp-worker", timeout=timeout)
+        done = _mpiexec_2("-m", "hpc_tp.bench.gpu_check", "--pair-worker", timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "FAIL", "", f"mpiexec -n 2 did not finish in {timeout:.0f} s"
+        return both("FAIL", "", f"mpiexec -n 2 did not finish in {timeout:.0f} s")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
-        return "FAIL", "", f"exit {done.returncode}: {_last_line(done)}"
+        return both("FAIL", "", f"exit {done.returncode}: {_last_line(done)}")
     report = json.loads(lines[-1])
-    return _bounded(report["error"], TP_TOL, f"2 ranks on one card via {report['transport']}")
+    return {"tp": _bounded(report["tp_error"], TP_TOL, f"2 ranks on one card via {report['transport']}"),
+            "zero": _bounded(report["zero_error"], TP_TOL, "dp=2 on one card, 3 demo steps")}
 
 
-def _tp_worker() -> int:
+def _pair_worker() -> int:
     from ..comm.mpi import world
 
     comm = world()
     backend.use("cuda", comm.split_node().rank)
-    error, transport = tp_equality(comm)
+    tp_error, transport = tp_equality(comm)
+    zero_error = zero_equality(comm)
     if comm.rank == 0:
-        print(json.dumps({"error": error, "transport": transport}), flush=True)
+        print(json.dumps({"tp_error": tp_error, "transport": transport, "zero_error": zero_error}), flush=True)
     return 0
 
 
@@ -332,7 +354,15 @@ def _bounded(value: float, bound: float, detail: str = ""):
 
 def run_checks(report: Report):
     # First, while this process has not started MPI: a singleton MPI parent can confuse a child mpiexec.
-    report.check("tp=2 vs tp=1 on the device, float64", f"{TP_TOL:.0e}", _run_tp_worker)
+    pair = {}
+
+    def pair_row(key):
+        if not pair:  # one mpiexec for both rows; if it raises, the second row does not start it again
+            pair.update(tp=("FAIL", "", "the two-rank worker raised"), zero=("FAIL", "", "the two-rank worker raised"))
+            pair.update(_run_pair_worker())
+        return pair[key]
+    report.check("tp=2 vs tp=1 on the device, float64", f"{TP_TOL:.0e}", lambda: pair_row("tp"))
+    report.check("ZeRO-1 vs AdamW, dp=2, float64", f"{TP_TOL:.0e}", lambda: pair_row("zero"))
     for dtype in ("float64", "float32"):
         def kernels(dtype=dtype):
             errors = kernel_errors(dtype)
@@ -416,10 +446,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.md/.json (default $OUT)")
     parser.add_argument("--no-bench", action="store_true", help="checks only")
-    parser.add_argument("--tp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pair-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.tp_worker:
-        return _tp_worker()
+    if args.pair_worker:
+        return _pair_worker()
     from ..errors import ConfigError
 
     try:

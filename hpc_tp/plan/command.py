@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                       help="only these expert-parallel sizes for MoE models (repeatable; default: every divisor of dp)")
     work.add_argument("--sequence-parallel", choices=("search", "on", "off"), default="search",
                       help="sequence parallelism at tp > 1: try both (default), always, never")
+    work.add_argument("--distributed-optimizer", action="store_true",
+                      help="ZeRO-1 where dp > 1 (hpc-tp train --distributed-optimizer): optimizer states and "
+                           "masters sharded over dp")
     work.add_argument("--serve-batch", type=int, metavar="N",
                       help="also show serving memory: weights and KV cache of N sequences of --seq-len, per tp")
     out = parser.add_argument_group("output")
@@ -102,7 +105,7 @@ def run(args) -> int:
     calibration = load_calibration(args.calibration) if args.calibration else None
     sp = {"search": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]
     plan = search(cfg, gpus, args.global_batch, seq, cluster, calibration, micro_batches=args.micro_batch,
-                  sequence_parallel=sp, eps=args.ep)
+                  sequence_parallel=sp, eps=args.ep, distributed_optimizer=args.distributed_optimizer)
     print(format_plan(plan, cfg, args.model, cluster, gpus, args.global_batch, seq, calibration, args.top,
                       args.serve_batch))
     if args.json:

@@ -129,6 +129,11 @@ class Layout:
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     ep: int = 1  # expert parallelism, carved out of dp
+    distributed_optimizer: bool = False  # ZeRO-1: optimizer states and masters sharded over dp
+
+    @property
+    def optimizer_shards(self) -> int:
+        return self.dp if self.distributed_optimizer else 1
 
     @property
     def world(self) -> int:
@@ -154,7 +159,8 @@ class Layout:
 
     def describe(self) -> str:
         extras = [f"ep={self.ep}" if self.ep > 1 else "", "sp" if self.sequence_parallel else "",
-                  "recompute" if self.recompute else "", self.schedule if self.pp > 1 else ""]
+                  "recompute" if self.recompute else "", self.schedule if self.pp > 1 else "",
+                  "zero1" if self.distributed_optimizer else ""]
         return " ".join([f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch={self.micro_batch}",
                          *[e for e in extras if e]])
 
@@ -328,7 +334,8 @@ def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, clust
             k = kinds[kind(s)] = _stage(cfg, layout, seq, m, stage_layers, s, cluster, calibration, network, mem_bw,
                                         per_node)
             k["memory"] = stage_memory(cfg, layout.tp, layout.pp, s, stage_layers, layout.micro_batch,
-                                       seq, m, layout.schedule, layout.recompute, precision, ENGINE, layout.ep)
+                                       seq, m, layout.schedule, layout.recompute, precision, ENGINE, layout.ep,
+                                       layout.optimizer_shards)
             k["stage"] = s  # the first of its kind holds the most micro-batches in flight
         stage_times.append(kinds[kind(s)]["micro"])
 
@@ -378,4 +385,12 @@ def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, clu
     return dict(compute=compute * m, comms=comms, in_pipeline=in_pipeline,
                 after=sum(c.seconds for c in comms if not c.per_micro_batch),
                 micro=compute + sum(in_pipeline.values()) / m,
-                update=UPDATE_PASSES * params * precision.training_bytes_per_param / mem_bw)
+                update=UPDATE_PASSES * params * _update_bytes(precision, layout.optimizer_shards) / mem_bw)
+
+
+def _update_bytes(precision, shards: int) -> float:
+    """Bytes per parameter the optimizer step streams: everything once, or with ZeRO its pieces'
+    share plus the gathered values written into the parameters."""
+    if shards == 1:
+        return precision.training_bytes_per_param
+    return precision.param_bytes + (precision.grad_bytes + precision.sharded_optimizer_bytes) / shards

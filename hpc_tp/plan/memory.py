@@ -222,8 +222,10 @@ class StageMemory:
 
 def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, micro_batch: int,
                  seq: int, micro_batches: int, schedule: str, recompute: bool, precision,
-                 saved: SavedTensors = ENGINE, ep: int = 1) -> StageMemory:
-    """``layers``: the stage's global layer indices."""
+                 saved: SavedTensors = ENGINE, ep: int = 1, optimizer_shards: int = 1) -> StageMemory:
+    """``layers``: the stage's global layer indices; ``optimizer_shards``: dp with the distributed
+    optimizer (its pieces: ``Precision.sharded_optimizer_bytes`` / dp; the tied embedding of pp > 1,
+    kept whole, is counted as sharded too), else 1."""
     first, last = stage == 0, stage == pp - 1
     params = stage_params(cfg, tp, layers, first, last, ep)
     elem = precision.activation_bytes
@@ -238,8 +240,9 @@ def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, 
         per_micro += embedding_activation_bytes(micro_batch, seq)
     if last:
         per_micro += head_activation_bytes(cfg, micro_batch, seq, tp, elem)
-    return StageMemory(params * precision.param_bytes, params * precision.grad_bytes,
-                       params * precision.optimizer_bytes,
+    optimizer = precision.optimizer_bytes if optimizer_shards == 1 else \
+        precision.sharded_optimizer_bytes / optimizer_shards
+    return StageMemory(params * precision.param_bytes, params * precision.grad_bytes, int(params * optimizer),
                        in_flight(schedule, pp, stage, micro_batches) * per_micro, rebuilt)
 
 

@@ -85,10 +85,10 @@ def variants(cfg: ModelConfig, tp: int, dp: int, sequence_parallel, eps):
 
 def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, calibration=None,
            micro_batches=None, recompute=(False, True), schedules=("1f1b", "gpipe"),
-           sequence_parallel=(False, True), eps=None) -> Plan:
+           sequence_parallel=(False, True), eps=None, distributed_optimizer: bool = False) -> Plan:
     """Every layout of ``world`` ranks; ``micro_batches``: the sizes to try (default: every divisor);
     ``sequence_parallel``: the settings to try; ``eps``: the expert-parallel sizes (default: every
-    divisor of dp, for MoE models)."""
+    divisor of dp, for MoE models); ``distributed_optimizer``: ZeRO-1 wherever dp > 1."""
     if seq > cfg.max_seq_len and cfg.position == "learned":
         raise ConfigError(f"--seq-len {seq} is longer than the model's learned positions (max_seq_len "
                           f"{cfg.max_seq_len})")
@@ -112,8 +112,8 @@ def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, c
                     continue
                 for again in recompute:
                     for schedule in schedules if pp > 1 else schedules[:1]:
-                        _consider(plan, cfg, Layout(tp, pp, dp, micro, again, schedule, sp, ep), global_batch, seq,
-                                  cluster, calibration, splits[pp])
+                        layout = Layout(tp, pp, dp, micro, again, schedule, sp, ep, distributed_optimizer and dp > 1)
+                        _consider(plan, cfg, layout, global_batch, seq, cluster, calibration, splits[pp])
     plan.ranked.sort(key=lambda p: (p.step_s, p.peak_memory))
     return plan
 
@@ -144,10 +144,11 @@ def explain(best: Prediction, plan: Plan) -> str:
 
 
 def choose_layout(cfg: ModelConfig, world_size: int, global_batch: int, seq_len: int, cluster="cpu-2core",
-                  calibration=None, ep: int = 1) -> dict:
+                  calibration=None, ep: int = 1, distributed_optimizer: bool = False) -> dict:
     """The top plan as the trainer's settings: tp, pp, dp, micro_batch, recompute, schedule, reason.
     ``cluster``: a preset name or a ``Cluster``; ``calibration``: a ``Calibration`` or JSON paths;
-    ``ep``: the expert-parallel size the run asked for (only layouts whose dp it divides)."""
+    ``ep``: the expert-parallel size the run asked for (only layouts whose dp it divides);
+    ``distributed_optimizer``: whether the run shards its optimizer (its memory and update time)."""
     from .calibration import Calibration, load_calibration
     from .clusters import get_cluster
 
@@ -156,7 +157,7 @@ def choose_layout(cfg: ModelConfig, world_size: int, global_batch: int, seq_len:
         calibration = load_calibration([calibration] if isinstance(calibration, str) else calibration)
     # The trainer takes sequence parallelism from the model config and ep from its own settings.
     plan = search(cfg, world_size, global_batch, seq_len, cluster, calibration,
-                  sequence_parallel=(cfg.sequence_parallel,), eps=(ep,))
+                  sequence_parallel=(cfg.sequence_parallel,), eps=(ep,), distributed_optimizer=distributed_optimizer)
     if not plan.ranked:
         counts = ", ".join(f"{n} {kind}" for kind, n in plan.reasons().items())
         example = min(plan.rejected, key=lambda r: r.kind != "memory").reason if plan.rejected else "none"

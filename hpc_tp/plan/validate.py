@@ -71,6 +71,7 @@ def measure_layout(world, model: str, overrides: dict, layout: Layout, global_ba
     settings = TrainSettings(model=model, model_overrides=overrides, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                              ep=layout.ep, micro_batch=layout.micro_batch, global_batch=global_batch, seq_len=seq,
                              steps=steps + warmup, dtype=dtype, recompute=layout.recompute, schedule=layout.schedule,
+                             distributed_optimizer=layout.distributed_optimizer,
                              progress=False)
     trainer = Trainer(settings, world)
     times, comms = [], []

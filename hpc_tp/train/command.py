@@ -50,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     opt.add_argument("--clip-grad", type=float, default=d.clip_grad, help="global grad-norm clip (0: off)")
     opt.add_argument("--seed", type=int, default=d.seed)
     opt.add_argument("--distributed-optimizer", action="store_true",
-                     help="ZeRO-1: AdamW's states sharded over the dp ranks (gradients reduce-scattered, "
-                          "parameters all-gathered); the same numbers, 1/dp of the optimizer memory")
+                     help="ZeRO-1 at dp > 1: AdamW's states and float32 masters sharded over the dp ranks "
+                          "(gradients reduce-scattered, parameters all-gathered); the same numbers, 1/dp of "
+                          "the optimizer memory")
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=d.data, help="'demo' (embedded 2-digit addition), a .txt file or a folder")
     data.add_argument("--tokenizer", default=None,

@@ -102,7 +102,7 @@ class Trainer:
             self.model = self._build_model()
         self.params = self.model.state()
         whole = tied_names(self.model, grid)  # summed across stages after the dp sync: never sharded
-        sharded = frozenset(self.params) - whole if s.distributed_optimizer else frozenset()
+        sharded = frozenset(self.params) - whole if s.distributed_optimizer and grid.dp_size > 1 else frozenset()
         # float32 masters of half weights (the same parameters at float32/64; ZeRO's pieces hold the sharded ones)
         self.precision = MixedPrecision(self.params, s.dtype, sharded=sharded)
         self.bucketer = ExpertAwareBucketer(self.params, grid, self.grad_arena, shard=bool(sharded), whole=whole)
@@ -134,7 +134,7 @@ class Trainer:
         self.init_meta, self.tokenizer = None, self._tokenizer()
         self.cfg = self._model_config()
         choice = choose_layout(self.cfg, world.size, s.global_batch, self._seq_len(), cluster=s.plan_cluster,
-                               ep=s.ep)
+                               ep=s.ep, distributed_optimizer=s.distributed_optimizer)
         if world.rank == 0:
             print(f"--plan auto: tp={choice['tp']} pp={choice['pp']} dp={choice['dp']} micro-batch "
                   f"{choice['micro_batch']}{' recompute' if choice['recompute'] else ''} {choice['schedule']}: "
