@@ -87,16 +87,34 @@ def gather_full(local, partition: Partition, comm):
     return full
 
 
+def grad_dtype(dtype):
+    """float32 for float16/bfloat16 parameters (``grad_buffer``), else their own dtype."""
+    dtype = numpy.dtype(dtype)
+    return numpy.dtype("float32") if dtype.itemsize < 4 else dtype
+
+
 def grad_buffer(data):
     """A zeroed gradient for ``data``: float32 when ``data`` is float16/bfloat16, as Megatron-LM's
     main_grad. Micro-batches, bias and norm sums over tokens, and the replicas' sums then add up in
     float32, not in a format with 8 or 11 significant bits; the half products themselves are
-    unchanged. Other dtypes keep their own. Inside ``with GradArena(...)`` it is a slice of the arena."""
-    dtype = "float32" if data.dtype.itemsize < 4 else data.dtype
+    unchanged. Other dtypes keep their own. Inside ``with GradArena(...)`` it is a slice of the arena
+    (for ``data`` from ``param_buffer``, the slice beside it)."""
     xp = backend.xp_of(data)
     if GradArena.active is not None:
-        return GradArena.active.zeros(data.shape, dtype, xp)
-    return xp.zeros(data.shape, dtype=dtype)
+        paired = GradArena.active.gradient_of(data)
+        return paired if paired is not None else GradArena.active.zeros(data.shape, grad_dtype(data.dtype), xp)
+    return xp.zeros(data.shape, dtype=grad_dtype(data.dtype))
+
+
+def param_buffer(shape, dtype, fill: float = 0.0):
+    """Storage for a parameter, filled with ``fill``. Inside ``with GradArena(..., params=True)`` it
+    is a slot of the arena's parameter chunks, element for element beside the gradient
+    ``grad_buffer`` then gives it, so a gradient bucket's parameters are one contiguous run too:
+    the distributed optimizer gathers the updated values straight into them."""
+    xp = backend.xp
+    if GradArena.active is not None and GradArena.active.params:
+        return GradArena.active.param_slot(tuple(numpy.atleast_1d(shape)), numpy.dtype(dtype), xp, fill)
+    return xp.full(shape, fill, dtype=dtype)
 
 
 class GradArena:
@@ -106,18 +124,25 @@ class GradArena:
     (Megatron-LM's contiguous gradient buffer, PyTorch DDP's gradient views). Every ``grad_buffer``
     made inside ``with GradArena(chunk_bytes) as arena:`` comes from it. A chunk is allocated
     uninitialised and only the slices handed out are zeroed, so on the CPU the unused end of the
-    last chunk never becomes resident."""
+    last chunk never becomes resident.
+
+    ``params=True``: ``param_buffer`` lays the parameters out the same way, in ``param_chunks``
+    (chunk i holds, at each offset, the parameter element whose gradient is at that offset of
+    chunk i)."""
 
     active: GradArena | None = None
 
-    def __init__(self, chunk_bytes: int):
+    def __init__(self, chunk_bytes: int, params: bool = False):
         if not chunk_bytes > 0:
             from .errors import ConfigError
             raise ConfigError(f"gradient bucket size {chunk_bytes!r} bytes must be > 0")
         self.chunk_bytes = chunk_bytes
         self.chunks: list = []
         self.used: list[int] = []  # elements handed out of each chunk
-        self._open: dict = {}  # dtype -> index of the chunk that small gradients of it go to
+        self._open: dict = {}  # (gradient dtype, parameter dtype) -> the chunk small gradients of it go to
+        self.params = params
+        self.param_chunks: list = []  # with params: one per chunk (None where no parameter slot was made)
+        self._paired: dict = {}  # address of a parameter slot -> its gradient
 
     def __enter__(self) -> GradArena:
         if GradArena.active is not None:
@@ -129,39 +154,70 @@ class GradArena:
         GradArena.active = None
 
     def zeros(self, shape, dtype, xp):
-        dtype = numpy.dtype(dtype)
-        size = math.prod(shape)
-        if size * dtype.itemsize >= self.chunk_bytes:
-            index = self._new_chunk(size, dtype, xp)
-        else:
-            index = self._open.get(dtype)
-            if index is None or (self.used[index] + size) * dtype.itemsize > self.chunk_bytes:
-                index = self._open[dtype] = self._new_chunk(self.chunk_bytes // dtype.itemsize, dtype, xp)
-        start = self.used[index]
-        self.used[index] += size
-        view = self.chunks[index][start:start + size].reshape(shape)
+        index, start = self._take(shape, numpy.dtype(dtype), None, xp)
+        view = self.chunks[index][start:start + math.prod(shape)].reshape(shape)
         view[...] = 0
         return view
 
+    def param_slot(self, shape, dtype, xp, fill: float = 0.0):
+        """A parameter's storage and, remembered for ``gradient_of``, its zeroed gradient beside it."""
+        index, start = self._take(shape, grad_dtype(dtype), dtype, xp)
+        if self.param_chunks[index] is None:
+            self.param_chunks[index] = xp.empty(self.chunks[index].size, dtype=dtype)
+        size = math.prod(shape)
+        data = self.param_chunks[index][start:start + size].reshape(shape)
+        data[...] = fill
+        grad = self.chunks[index][start:start + size].reshape(shape)
+        grad[...] = 0
+        self._paired[address(data)] = grad
+        return data
+
+    def gradient_of(self, data):
+        """The gradient ``param_slot`` made beside ``data`` (the whole slot only), else None."""
+        grad = self._paired.get(address(data)) if data.size else None
+        return grad if grad is not None and grad.shape == data.shape else None
+
+    def _take(self, shape, dtype, param_dtype, xp) -> tuple[int, int]:
+        """(chunk, offset) of ``shape`` new elements of ``dtype``; a parameter slot goes to a chunk of
+        its own parameter dtype."""
+        size, key = math.prod(shape), (dtype, param_dtype)
+        if size * dtype.itemsize >= self.chunk_bytes:
+            index = self._new_chunk(size, dtype, xp)
+        else:
+            index = self._open.get(key)
+            if index is None or (self.used[index] + size) * dtype.itemsize > self.chunk_bytes:
+                index = self._open[key] = self._new_chunk(self.chunk_bytes // dtype.itemsize, dtype, xp)
+        start = self.used[index]
+        self.used[index] += size
+        return index, start
+
     def _new_chunk(self, size: int, dtype, xp) -> int:
         self.chunks.append(xp.empty(size, dtype=dtype))
+        self.param_chunks.append(None)
         self.used.append(0)
         return len(self.chunks) - 1
 
     def locate(self, array) -> tuple[int, int, int]:
         """(chunk index, start, stop): the elements of a chunk that ``array`` (a gradient, or a
         strided view into a fused one) spans; ValueError if it is not in this arena."""
-        low = _address(array)
+        low = address(array)
         span = sum((n - 1) * s for n, s in zip(array.shape, array.strides)) + array.itemsize if array.size else 0
         for index, chunk in enumerate(self.chunks):
-            offset = low - _address(chunk)
+            offset = low - address(chunk)
             if chunk.dtype == array.dtype and 0 <= offset and offset + span <= chunk.nbytes:
                 return index, offset // array.itemsize, (offset + span) // array.itemsize
         raise ValueError("a gradient outside the GradArena: build the model inside `with GradArena(...)`")
 
 
-def _address(array) -> int:
+def address(array) -> int:
+    """Where ``array``'s first element lives (host or device)."""
     return array.ctypes.data if isinstance(array, numpy.ndarray) else array.data.ptr
+
+
+def same_view(a, b) -> bool:
+    """``a`` and ``b`` are the same elements of the same memory."""
+    return (a.shape == b.shape and a.strides == b.strides and a.dtype.itemsize == b.dtype.itemsize
+            and (a.size == 0 or address(a) == address(b)))
 
 
 def strided_like(buffer, view, base):
@@ -171,7 +227,7 @@ def strided_like(buffer, view, base):
     labels), whatever its strides."""
     if buffer.shape != base.shape or base.ndim != 1:
         raise ValueError(f"strided_like: a 1-D buffer of {base.shape} elements, not {buffer.shape}")
-    offset = (_address(view) - _address(base)) // view.itemsize
+    offset = (address(view) - address(base)) // view.itemsize
     strides = tuple(s // view.itemsize * buffer.itemsize for s in view.strides)
     if isinstance(buffer, numpy.ndarray):
         return numpy.lib.stride_tricks.as_strided(buffer[offset:], view.shape, strides)

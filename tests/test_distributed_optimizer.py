@@ -36,6 +36,7 @@ def test_distributed_optimizer_trains_like_adamw():
         plain, plain_records = _run(comm, False, tp, pp, dp, ep, model)
         zero, zero_records = _run(comm, True, tp, pp, dp, ep, model)
         assert isinstance(zero.optimizer, ShardedAdamW)
+        assert all(piece.values is not None for piece, _ in zero.optimizer.pieces)  # gathered into the parameters
         for key in ("loss", "grad_norm"):
             got, want = np.array([r[key] for r in zero_records]), np.array([r[key] for r in plain_records])
             assert np.max(np.abs(got - want) / np.abs(want)) < 1e-12, (tp, pp, dp, ep, key)
@@ -69,22 +70,26 @@ def test_checkpoints_move_between_sharded_and_whole_states(tmp_path):
         assert len(tail) == 6 and np.max(np.abs(tail - uninterrupted[6:]) / uninterrupted[6:]) < 1e-9, (saver, resumer)
 
 
-def test_pieces_of_strided_fused_gradients_update_like_whole_parameters():
+@pytest.mark.parametrize("laid_out", [False, True], ids=["copied", "in-place"])
+def test_pieces_of_strided_fused_gradients_update_like_whole_parameters(laid_out):
     """Three parameters whose gradients interleave as column blocks of one fused buffer (QKV), with
     different decay and replicas, beside a plain one: the flat runs update them as AdamW updates
-    each whole parameter, and the norm weighs each by its replicas."""
+    each whole parameter, and the norm weighs each by its replicas. ``in-place``: the parameters
+    laid out beside their gradients (``GradArena(params=True)``), their pieces updated where they are."""
     from hpc_tp.grid import ProcessGrid
-    from hpc_tp.module import grad_buffer
+    from hpc_tp.module import grad_buffer, param_buffer
 
     rng = np.random.default_rng(0)
 
     def model():
-        with GradArena(4096) as arena:
-            fused = rng.standard_normal((5, 9))
+        with GradArena(4096, params=laid_out) as arena:
+            fused = param_buffer((5, 9), "float64")
+            fused[...] = rng.standard_normal((5, 9))
             grads = grad_buffer(fused)
             params = {f"qkv{i}": Parameter(fused[:, 3 * i:3 * i + 3], split((5, 6), 1, 2, 0, replicas=1 + i),
                                            grad=grads[:, 3 * i:3 * i + 3], decay=i != 1) for i in range(3)}
-            params["bias"] = Parameter(rng.standard_normal(4), replicated((4,), 2), decay=False)
+            params["bias"] = Parameter(param_buffer(4, "float64"), replicated((4,), 2), decay=False)
+            params["bias"].data[...] = rng.standard_normal(4)
         return params, arena
 
     grid = ProcessGrid(1, 1, 1, world=self_comm())
@@ -94,6 +99,7 @@ def test_pieces_of_strided_fused_gradients_update_like_whole_parameters():
     plain = AdamW(plain_params, lr=0.1)
     zero = ShardedAdamW(zero_params, ExpertAwareBucketer(zero_params, grid, arena, shard=True), lr=0.1)
     assert len(zero.pieces) == 1 and len(zero.pieces[0][0].runs) > 3  # the fused rows alternate decay
+    assert (zero.pieces[0][0].values is not None) == laid_out
     for step in range(3):
         for name, p in plain_params.items():
             p.grad[...] = zero_params[name].grad[...] = np.random.default_rng(step).standard_normal(p.shape)
@@ -138,6 +144,8 @@ def test_half_precision_masters_live_in_the_pieces(tmp_path, dtype):
         records[zero] = trainer.run().records
         if zero:  # the sharded names have no float32 copy beside the pieces
             assert all(trainer.precision.master[n] is p for n, p in trainer.params.items())
+            assert all(piece.values is not None and piece.values.dtype.itemsize == 2
+                       for piece, _ in trainer.optimizer.pieces)
             masters = trainer.optimizer.masters(trainer.precision.master)
             assert all(m.data.dtype == np.float32 for m in masters.values())
     for key in ("loss", "grad_norm"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..module import Module, ModuleList, Parameter, replicated
+from ..module import Module, ModuleList, Parameter, param_buffer, replicated
 from ..nn.attention import ParallelAttention
 from ..nn.dropout import Dropout
 from ..nn.functional import scatter_add_rows
@@ -62,14 +62,13 @@ class BertModel(Module):
             raise ConfigError("a BERT encoder needs family='bert', causal=False, position='learned', "
                               f"norm='layernorm'; got family={cfg.family!r}, causal={cfg.causal}, "
                               f"position={cfg.position!r}, norm={cfg.norm!r}")
-        xp = backend.xp
         self.cfg, self.comm, self.dtype = cfg, comm, dtype
         self.rng = DropoutRNG(seed)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, comm, dtype)
-        self.pos = Parameter(xp.zeros((cfg.max_seq_len, cfg.hidden), dtype=dtype),
+        self.pos = Parameter(param_buffer((cfg.max_seq_len, cfg.hidden), dtype),
                              replicated((cfg.max_seq_len, cfg.hidden), comm.size))
         if cfg.type_vocab_size:
-            self.type_embed = Parameter(xp.zeros((cfg.type_vocab_size, cfg.hidden), dtype=dtype),
+            self.type_embed = Parameter(param_buffer((cfg.type_vocab_size, cfg.hidden), dtype),
                                         replicated((cfg.type_vocab_size, cfg.hidden), comm.size))
         self.embed_norm = LayerNorm(cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self._drop_embed = Dropout(cfg.dropout, self.rng, ("embed",))

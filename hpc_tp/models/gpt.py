@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from .. import backend
 from ..comm.base import Communicator
-from ..module import Module, ModuleList, Parameter, replicated, split
+from ..module import Module, ModuleList, Parameter, param_buffer, replicated, split
 from ..errors import ConfigError
 from ..nn.block import TransformerBlock
 from ..nn.moe import MoEMLP
@@ -34,7 +33,6 @@ class GPTModel(Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype="float64", seed: int = 0,
                  layers: range | None = None, has_embedding: bool = True, has_head: bool = True,
                  ep_comm: Communicator | None = None):
-        xp = backend.xp
         self.cfg, self.comm, self.dtype = cfg, comm, dtype
         self.rng = DropoutRNG(seed)
         self.layer_ids = range(cfg.n_layers) if layers is None else layers
@@ -45,7 +43,7 @@ class GPTModel(Module):
         if has_embedding or (has_head and cfg.tie_embeddings):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, comm, dtype)
         if has_embedding and cfg.position == "learned":
-            self.pos = Parameter(xp.zeros((cfg.max_seq_len, cfg.hidden), dtype=dtype),
+            self.pos = Parameter(param_buffer((cfg.max_seq_len, cfg.hidden), dtype),
                                  replicated((cfg.max_seq_len, cfg.hidden), comm.size))
         self.layers = ModuleList(TransformerBlock(cfg, comm, i, self.rng, dtype, ep_comm) for i in self.layer_ids)
         self._sequence_comm = comm if cfg.sequence_parallel and comm.size > 1 else None
@@ -54,7 +52,7 @@ class GPTModel(Module):
             if cfg.tie_embeddings:
                 self.head = VocabParallelLMHead(self.embed.weight, comm, owns_weight=False)
             else:
-                weight = Parameter(xp.zeros((-(-cfg.vocab_size // comm.size), cfg.hidden), dtype=dtype),
+                weight = Parameter(param_buffer((-(-cfg.vocab_size // comm.size), cfg.hidden), dtype),
                                    split((cfg.vocab_size, cfg.hidden), 0, comm.size, comm.rank))
                 self.head = VocabParallelLMHead(weight, comm, owns_weight=True)
             self._loss = VocabParallelCrossEntropy(cfg.vocab_size, comm)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .. import backend
 from ..comm.base import Communicator
-from ..module import Module, ModuleList, Parameter, replicated
+from ..module import Module, ModuleList, Parameter, param_buffer, replicated
 from ..tensor_parallel.experts import ExpertDispatcher
 from ..tensor_parallel.sequence_parallel import gather_sequence, scatter_sequence
 from . import functional as F
@@ -67,7 +67,7 @@ class MoEMLP(Module):
         self.num_experts, self.top_k, self.aux_loss_coef = num_experts, top_k, aux_loss_coef
         self._comm = comm
         self._dispatcher = ExpertDispatcher(num_experts, ep_comm, capacity_factor)
-        self.router = Parameter(backend.xp.zeros((hidden, num_experts), dtype=dtype),
+        self.router = Parameter(param_buffer((hidden, num_experts), dtype),
                                 replicated((hidden, num_experts), comm.size))
         self.experts = LocalExperts([ParallelMLP(hidden, ffn_hidden, comm, activation, bias, dtype)
                                      for _ in range(self._dispatcher.local_experts)], self._dispatcher.first_expert)

@@ -2,17 +2,15 @@
 so their gains are replicated too and their gradients come out identical on every tp rank."""
 from __future__ import annotations
 
-from .. import backend
-from ..module import Module, Parameter, replicated
+from ..module import Module, Parameter, param_buffer, replicated
 from . import functional as F
 
 
 class LayerNorm(Module):
     def __init__(self, hidden: int, replicas: int, eps: float = 1e-5, bias: bool = True, dtype="float64"):
-        xp = backend.xp
         self.eps = eps
-        self.weight = Parameter(xp.ones(hidden, dtype=dtype), replicated((hidden,), replicas), decay=False)
-        self.bias = Parameter(xp.zeros(hidden, dtype=dtype), replicated((hidden,), replicas), decay=False) if bias else None
+        self.weight = Parameter(param_buffer(hidden, dtype, 1.0), replicated((hidden,), replicas), decay=False)
+        self.bias = Parameter(param_buffer(hidden, dtype), replicated((hidden,), replicas), decay=False) if bias else None
 
     def forward(self, x):
         return F.layernorm_forward(x, self.weight.data, None if self.bias is None else self.bias.data, self.eps)
@@ -28,7 +26,7 @@ class LayerNorm(Module):
 class RMSNorm(Module):
     def __init__(self, hidden: int, replicas: int, eps: float = 1e-6, dtype="float64"):
         self.eps = eps
-        self.weight = Parameter(backend.xp.ones(hidden, dtype=dtype), replicated((hidden,), replicas), decay=False)
+        self.weight = Parameter(param_buffer(hidden, dtype, 1.0), replicated((hidden,), replicas), decay=False)
 
     def forward(self, x):
         return F.rmsnorm_forward(x, self.weight.data, self.eps)

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..module import Module, Parameter, grad_buffer, replicated, split
+from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
 from ..nn import blas
 from .mappings import local_chunk
 
@@ -65,13 +64,12 @@ class ColumnParallelLinear(Module):
             segments = [Segment("", out_features, comm.size, comm.rank)]
         if gather_output and (len(segments) > 1 or segments[0].parts != comm.size):
             raise ValueError("gather_output needs a single segment split over the whole tp group")
-        xp = backend.xp
         self.comm, self.gather_output, self.segments = comm, gather_output, segments
         widths = [s.full // s.parts for s in segments]
         self.out_local = sum(widths)
-        self._weight = xp.zeros((in_features, self.out_local), dtype=dtype)
+        self._weight = param_buffer((in_features, self.out_local), dtype)
         self._weight_grad = grad_buffer(self._weight)
-        self._bias = xp.zeros(self.out_local, dtype=dtype) if bias else None
+        self._bias = param_buffer(self.out_local, dtype) if bias else None
         self._bias_grad = grad_buffer(self._bias) if bias else None
         self.params: list[tuple[str, Parameter]] = []
         self.columns: list[slice] = []
@@ -138,11 +136,10 @@ class RowParallelLinear(Module):
                  input_is_parallel: bool = True, dtype="float64"):
         if in_features % comm.size:
             raise ConfigError(f"input size {in_features} is not divisible by tensor-parallel size {comm.size}")
-        xp = backend.xp
         self.comm, self.input_is_parallel = comm, input_is_parallel
-        self.weight = Parameter(xp.zeros((in_features // comm.size, out_features), dtype=dtype),
+        self.weight = Parameter(param_buffer((in_features // comm.size, out_features), dtype),
                                 split((in_features, out_features), 0, comm.size, comm.rank))
-        self.bias = (Parameter(xp.zeros(out_features, dtype=dtype), replicated((out_features,), comm.size), decay=False)
+        self.bias = (Parameter(param_buffer(out_features, dtype), replicated((out_features,), comm.size), decay=False)
                      if bias else None)
 
     def forward(self, x):

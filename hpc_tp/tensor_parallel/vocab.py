@@ -12,7 +12,7 @@ import numpy
 
 from .. import backend
 from ..comm.base import Communicator
-from ..module import Module, Parameter, split
+from ..module import Module, Parameter, param_buffer, split
 from ..nn.functional import scatter_add_rows
 from .layers import add_weight_grad, product
 
@@ -22,7 +22,7 @@ IGNORE_INDEX = -100
 class VocabParallelEmbedding(Module):
     def __init__(self, vocab_size: int, hidden: int, comm: Communicator, dtype="float64"):
         self.comm, self.vocab_size = comm, vocab_size
-        self.weight = Parameter(backend.xp.zeros((-(-vocab_size // comm.size), hidden), dtype=dtype),
+        self.weight = Parameter(param_buffer((-(-vocab_size // comm.size), hidden), dtype),
                                 split((vocab_size, hidden), 0, comm.size, comm.rank))
         self.vocab_start, stop = self.weight.partition.local_range()
         self.vocab_local = stop - self.vocab_start

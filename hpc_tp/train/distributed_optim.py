@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy
 
 from .. import backend
-from ..module import Parameter, strided_like
+from ..module import Parameter, same_view, strided_like
 from .optim import AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares
 
 
@@ -43,17 +43,41 @@ class _Run(NamedTuple):
 
 
 class _Piece:
-    """This rank's piece of one sharded bucket: the masters' values, the moments and the labelled runs."""
+    """This rank's piece of one sharded bucket: the masters' values, the moments and the labelled runs.
+
+    ``values``: the bucket's parameters as one run of the arena's parameter chunks, where the model
+    was built in ``GradArena(..., params=True)`` (else None). Then the updated values are gathered
+    straight into the parameters, and at float32/64 the master piece is the parameters' own piece."""
 
     def __init__(self, bucket, params: dict[str, Parameter], comm):
         self.bucket, self.comm = bucket, comm
         self.params = [(name, params[name]) for name in bucket.names]
         self.start, count = bucket.start, bucket.counts[comm.rank]
+        self.values = bucket.values if bucket.values is not None and all(
+            same_view(self.image(bucket.values, p), p.data) for _, p in self.params) else None
         xp = backend.xp_of(bucket.flat)
-        self.master = xp.empty(count, dtype=bucket.flat.dtype)
+        if self.values is not None and self.values.dtype == bucket.flat.dtype:
+            self.master = self.values[self.start:self.start + count]
+        else:
+            self.master = xp.empty(count, dtype=bucket.flat.dtype)
+            self.take(self.master, {name: p.data for name, p in self.params})
         self.exp_avg, self.exp_avg_sq = xp.zeros_like(self.master), xp.zeros_like(self.master)
         self.runs = self._runs()
-        self.take(self.master, {name: p.data for name, p in self.params})
+
+    def publish(self) -> object:
+        """Post the all-gather that brings every rank's updated piece into the parameters (or, without
+        ``values``, into the spent gradient bucket, for ``unpack``); returns its request."""
+        target = self.bucket.flat if self.values is None else self.values
+        piece = target[self.start:self.start + self.master.size]
+        if piece is not self.master and not same_view(piece, self.master):
+            piece[...] = self.master  # a half model's weights rounded from their float32 masters
+        return self.comm.iall_gather_flat(target, self.bucket.counts)
+
+    def unpack(self):
+        """After ``publish``'s gather: the parameters from the bucket (nothing where they are ``values``)."""
+        if self.values is None:
+            for _, p in self.params:
+                p.data[...] = self.image(self.bucket.flat, p)
 
     def _runs(self) -> list[_Run]:
         kinds: list[tuple] = [None]  # label 0: storage no parameter sees (not updated, not counted)
@@ -120,16 +144,12 @@ class ShardedAdamW(AdamW):
                 window = slice(run.start, run.stop)
                 self._update(piece.master[window], piece.bucket.shard[window], piece.exp_avg[window],
                              piece.exp_avg_sq[window], run.decay, grad_scale)
-            # The gradients are spent: the bucket's storage carries the new values to every rank.
-            bucket = piece.bucket
-            bucket.flat[piece.start:piece.start + piece.master.size] = piece.master
-            gathers.append(piece.comm.iall_gather_flat(bucket.flat, bucket.counts))
+            gathers.append(piece.publish())
         for name, p in self.whole.items():
             self._update(p.data, p.grad, self.exp_avg[name], self.exp_avg_sq[name], p.decay, grad_scale)
         for (piece, _), gather in zip(self.pieces, gathers):
             gather.wait()
-            for _, p in piece.params:
-                p.data[...] = piece.image(piece.bucket.flat, p)
+            piece.unpack()
 
     def grad_norm(self, grid, skip=frozenset(), scale: float = 1.0) -> float:
         """The global norm: the pieces' squares summed over their dp groups, the whole ones' as

@@ -39,8 +39,8 @@ class _Bucket:
     ``flat`` (MPI's convention), ``shard``, whichever piece it is; ``start`` is where the piece
     belongs."""
 
-    def __init__(self, names: list[str], flat):
-        self.names, self.flat = names, flat
+    def __init__(self, names: list[str], flat, values=None):
+        self.names, self.flat, self.values = names, flat, values  # values: the parameters' run (GradArena params)
         self.pending: set[str] = set()
         self.request = None
         self.counts = self.shard = None
@@ -80,7 +80,9 @@ def _build_buckets(named: dict[str, Parameter], arena: GradArena) -> list[_Bucke
             runs[-1][3].append(name)
         else:
             runs.append([chunk, start, stop, [name]])
-    return [_Bucket(names[::-1], arena.chunks[chunk][start:stop]) for chunk, start, stop, names in runs[::-1]]
+    return [_Bucket(names[::-1], arena.chunks[chunk][start:stop],
+                    None if arena.param_chunks[chunk] is None else arena.param_chunks[chunk][start:stop])
+            for chunk, start, stop, names in runs[::-1]]
 
 
 class GradBucketer:

@@ -98,7 +98,9 @@ class Trainer:
             check_sequence_divisible(self.seq_len, grid.tp_size)
         self.dataset = build_dataset(s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank,
                                      barrier=grid.world.barrier)
-        with GradArena(DEFAULT_BUCKET_BYTES) as self.grad_arena:  # the dp buckets all-reduce gradients in place
+        # The dp buckets sum gradients in place; with ZeRO the parameters are laid out beside them, so the
+        # updated pieces are gathered straight into the parameters.
+        with GradArena(DEFAULT_BUCKET_BYTES, params=s.distributed_optimizer) as self.grad_arena:
             self.model = self._build_model()
         self.params = self.model.state()
         whole = tied_names(self.model, grid)  # summed across stages after the dp sync: never sharded
