@@ -35,7 +35,7 @@ def test_distributed_optimizer_trains_like_adamw():
     for tp, pp, dp, ep, model in LAYOUTS.get(comm.size, []):
         plain, plain_records = _run(comm, False, tp, pp, dp, ep, model)
         zero, zero_records = _run(comm, True, tp, pp, dp, ep, model)
-        assert isinstance(zero.optimizer, ShardedAdamW)
+        assert isinstance(zero.optimizer, ShardedAdamW) and "(ZeRO-1)" in zero._describe()
         assert all(piece.values is not None for piece, _ in zero.optimizer.pieces)  # gathered into the parameters
         for key in ("loss", "grad_norm"):
             got, want = np.array([r[key] for r in zero_records]), np.array([r[key] for r in plain_records])
@@ -47,8 +47,9 @@ def test_distributed_optimizer_trains_like_adamw():
         group = dp // ep if model is MOE else dp  # experts are sharded over expert_dp
         assert whole // dp <= held <= whole // group + len(zero.optimizer.pieces), (held, whole, dp)
         assert set(zero.optimizer.whole) == ({"embed.weight"} if pp > 1 else set())
-    if comm.size > 1:  # dp = 1 has nothing to shard: plain AdamW
-        assert type(Trainer(settings(tp=comm.size, distributed_optimizer=True), comm).optimizer) is AdamW
+    if comm.size > 1:  # dp = 1 has nothing to shard: plain AdamW, and the run says so
+        alone = Trainer(settings(tp=comm.size, distributed_optimizer=True), comm)
+        assert type(alone.optimizer) is AdamW and "nothing to shard at dp=1" in alone._describe()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -70,8 +71,9 @@ def test_checkpoints_move_between_sharded_and_whole_states(tmp_path):
         assert len(tail) == 6 and np.max(np.abs(tail - uninterrupted[6:]) / uninterrupted[6:]) < 1e-9, (saver, resumer)
 
 
+@pytest.mark.parametrize("rows", [5, 9], ids=["norm-runs", "norm-per-element"])
 @pytest.mark.parametrize("laid_out", [False, True], ids=["copied", "in-place"])
-def test_pieces_of_strided_fused_gradients_update_like_whole_parameters(laid_out):
+def test_pieces_of_strided_fused_gradients_update_like_whole_parameters(laid_out, rows):
     """Three parameters whose gradients interleave as column blocks of one fused buffer (QKV), with
     different decay and replicas, beside a plain one: the flat runs update them as AdamW updates
     each whole parameter, and the norm weighs each by its replicas. ``in-place``: the parameters
@@ -83,10 +85,10 @@ def test_pieces_of_strided_fused_gradients_update_like_whole_parameters(laid_out
 
     def model():
         with GradArena(4096, params=laid_out) as arena:
-            fused = param_buffer((5, 9), "float64")
-            fused[...] = rng.standard_normal((5, 9))
+            fused = param_buffer((rows, 9), "float64")
+            fused[...] = rng.standard_normal((rows, 9))
             grads = grad_buffer(fused)
-            params = {f"qkv{i}": Parameter(fused[:, 3 * i:3 * i + 3], split((5, 6), 1, 2, 0, replicas=1 + i),
+            params = {f"qkv{i}": Parameter(fused[:, 3 * i:3 * i + 3], split((rows, 6), 1, 2, 0, replicas=1 + i),
                                            grad=grads[:, 3 * i:3 * i + 3], decay=i != 1) for i in range(3)}
             params["bias"] = Parameter(param_buffer(4, "float64"), replicated((4,), 2), decay=False)
             params["bias"].data[...] = rng.standard_normal(4)
@@ -100,6 +102,7 @@ def test_pieces_of_strided_fused_gradients_update_like_whole_parameters(laid_out
     zero = ShardedAdamW(zero_params, ExpertAwareBucketer(zero_params, grid, arena, shard=True), lr=0.1)
     assert len(zero.pieces) == 1 and len(zero.pieces[0][0].runs) > 3  # the fused rows alternate decay
     assert (zero.pieces[0][0].values is not None) == laid_out
+    assert (zero.pieces[0][0].replicas is not None) == (rows == 9)  # 3 * rows + 1 runs of one replica count
     for step in range(3):
         for name, p in plain_params.items():
             p.grad[...] = zero_params[name].grad[...] = np.random.default_rng(step).standard_normal(p.shape)

@@ -33,17 +33,10 @@ class Precision:
     grad_bytes: int
     optimizer_bytes: int   # per parameter: master copy (if any) and the two AdamW moments
     activation_bytes: int  # per saved activation element
-    masters: bool = False  # optimizer_bytes include a float32 master copy (mixed precision)
 
     @property
     def training_bytes_per_param(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
-
-    @property
-    def sharded_optimizer_bytes(self) -> int:
-        """What the distributed optimizer's pieces hold per parameter (before dividing by dp): the
-        moments and the masters, which at float32/64 are a copy of the parameters' values."""
-        return self.optimizer_bytes + (0 if self.masters else self.param_bytes)
 
 
 def engine_precision(dtype: str = "float32") -> Precision:
@@ -54,7 +47,7 @@ def engine_precision(dtype: str = "float32") -> Precision:
     return Precision(dtype, size, size, 2 * size, size)
 
 
-MIXED_BF16 = Precision("bf16 mixed", 2, 4, 12, 2, masters=True)
+MIXED_BF16 = Precision("bf16 mixed", 2, 4, 12, 2)
 
 
 @dataclass(frozen=True)

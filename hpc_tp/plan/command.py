@@ -126,7 +126,8 @@ def _validate(args, overrides) -> int:
     comm = world()
     micro = (args.micro_batch or [2])[0]
     rows, calibration = validate(comm, args.model, overrides, args.global_batch, args.seq_len or 64, micro,
-                                 cluster=args.cluster, steps=args.steps, repeats=args.rounds)
+                                 cluster=args.cluster, steps=args.steps, repeats=args.rounds,
+                                 distributed_optimizer=args.distributed_optimizer)
     if comm.rank == 0:
         print(f"hpc-tp plan --validate: {comm.size} ranks, calibrated here: {calibration.describe()}")
         print(format_rows(rows))

@@ -64,8 +64,8 @@ import numpy
 from ..models.config import ModelConfig
 from ..pipeline.partition import balanced_layers, stage_costs
 from ..train.grad_sync import DEFAULT_BUCKET_BYTES
-from .memory import (ENGINE, Routing, expert_params, kv_heads_local, norm_params, stage_memory, stage_params,
-                     vocab_rows)
+from .memory import (ENGINE, Routing, expert_params, kv_heads_local, norm_params, optimizer_bytes_per_rank,
+                     stage_memory, stage_params, vocab_rows)
 
 UPDATE_PASSES = 11  # numpy AdamW (about 33 array passes), grad norm, finite check, zeroing: / 4 arrays
 
@@ -385,12 +385,16 @@ def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, clu
     return dict(compute=compute * m, comms=comms, in_pipeline=in_pipeline,
                 after=sum(c.seconds for c in comms if not c.per_micro_batch),
                 micro=compute + sum(in_pipeline.values()) / m,
-                update=UPDATE_PASSES * params * _update_bytes(precision, layout.optimizer_shards) / mem_bw)
+                update=UPDATE_PASSES * _update_bytes(params, expert_params(cfg, layout.tp, layers, layout.ep),
+                                                     precision, layout) / mem_bw)
 
 
-def _update_bytes(precision, shards: int) -> float:
-    """Bytes per parameter the optimizer step streams: everything once, or with ZeRO its pieces'
-    share plus the gathered values written into the parameters."""
+def _update_bytes(params: int, experts: int, precision, layout: Layout) -> float:
+    """Bytes the optimizer step streams: every parameter's once, or with ZeRO the pieces' share of
+    gradients and states (``optimizer_bytes_per_rank``) plus the gathered values in the parameters."""
+    shards = layout.optimizer_shards
     if shards == 1:
-        return precision.training_bytes_per_param
-    return precision.param_bytes + (precision.grad_bytes + precision.sharded_optimizer_bytes) / shards
+        return params * precision.training_bytes_per_param
+    grads = precision.grad_bytes * ((params - experts) / shards + experts / max(1, shards // layout.ep))
+    return params * precision.param_bytes + grads + optimizer_bytes_per_rank(params, experts, precision, shards,
+                                                                             layout.ep)

@@ -102,6 +102,18 @@ def expert_params(cfg: ModelConfig, tp: int, layers: range, ep: int) -> int:
     return sum(cfg.is_moe_layer(i) for i in layers) * (cfg.num_experts // ep) * mlp_params(cfg, tp)
 
 
+def optimizer_bytes_per_rank(params: int, experts: int, precision, shards: int = 1, ep: int = 1) -> int:
+    """Optimizer bytes of a rank holding ``params`` elements, ``experts`` of them MoE experts'. With the
+    distributed optimizer (``shards`` = dp > 1) its pieces hold the optimizer bytes (moments, and
+    the masters of mixed precision; at float32/64 the parameters are their own masters) of each
+    element over the group that shares the parameter: dp for dense ones, dp / ep for experts (the
+    tied embedding of pp > 1, which stays whole, is counted as sharded too)."""
+    per = precision.optimizer_bytes
+    if shards == 1:
+        return params * per
+    return int((params - experts) * per / shards + experts * per / max(1, shards // ep))
+
+
 def stage_params(cfg: ModelConfig, tp: int, layers: range, first: bool, last: bool, ep: int = 1) -> int:
     """Parameter elements one rank of a stage holds (``GPTModel.local_bytes() / itemsize``);
     ``layers``: the stage's global layer indices."""
@@ -224,8 +236,7 @@ def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, 
                  seq: int, micro_batches: int, schedule: str, recompute: bool, precision,
                  saved: SavedTensors = ENGINE, ep: int = 1, optimizer_shards: int = 1) -> StageMemory:
     """``layers``: the stage's global layer indices; ``optimizer_shards``: dp with the distributed
-    optimizer (its pieces: ``Precision.sharded_optimizer_bytes`` / dp; the tied embedding of pp > 1,
-    kept whole, is counted as sharded too), else 1."""
+    optimizer (``optimizer_bytes_per_rank``), else 1."""
     first, last = stage == 0, stage == pp - 1
     params = stage_params(cfg, tp, layers, first, last, ep)
     elem = precision.activation_bytes
@@ -240,9 +251,8 @@ def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, 
         per_micro += embedding_activation_bytes(micro_batch, seq)
     if last:
         per_micro += head_activation_bytes(cfg, micro_batch, seq, tp, elem)
-    optimizer = precision.optimizer_bytes if optimizer_shards == 1 else \
-        precision.sharded_optimizer_bytes / optimizer_shards
-    return StageMemory(params * precision.param_bytes, params * precision.grad_bytes, int(params * optimizer),
+    optimizer = optimizer_bytes_per_rank(params, expert_params(cfg, tp, layers, ep), precision, optimizer_shards, ep)
+    return StageMemory(params * precision.param_bytes, params * precision.grad_bytes, optimizer,
                        in_flight(schedule, pp, stage, micro_batches) * per_micro, rebuilt)
 
 

@@ -80,17 +80,17 @@ def measure_layout(world, model: str, overrides: dict, layout: Layout, global_ba
         if i >= warmup:
             times.append(max(world.allgather_object(record["step_s"])))
             comms.append(max(world.allgather_object(record["comm_s"])))
-    optimizer = sum(a.nbytes for states in (trainer.optimizer.exp_avg, trainer.optimizer.exp_avg_sq)
-                    for a in states.values())
-    states = world.allgather_object((trainer.grid.coords.pp, trainer.model.local_bytes(), optimizer))
+    states = world.allgather_object((trainer.grid.coords.pp, trainer.model.local_bytes(),
+                                     trainer.optimizer.state_bytes()))
     return dict(step_s=median(times), comm_s=median(comms), cfg=trainer.cfg, states=states)
 
 
 def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, seq: int = 32,
              micro_batch: int = 4, layouts=None, dtype: str = "float32", cluster="cpu-2core",
-             steps: int = 3, repeats: int = 3, warmup: int = 1) -> tuple[list[dict], Calibration]:
+             steps: int = 3, repeats: int = 3, warmup: int = 1,
+             distributed_optimizer: bool = False) -> tuple[list[dict], Calibration]:
     """Predicted against measured for ``layouts`` (default: every tp x pp x dp of the world that
-    the model allows). Returns (rows, the last round's calibration); a row has the layout,
+    the model allows, with ZeRO-1 at dp > 1 if ``distributed_optimizer``). Returns (rows, the last round's calibration); a row has the layout,
     predicted_s and measured_s (medians over rounds), error (the median over rounds of predicted /
     measured, minus 1), errors (each round's), measured_comm_s, and the predicted and measured
     parameter + optimizer bytes of the busiest rank."""
@@ -103,7 +103,8 @@ def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, 
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster
     cluster = cluster.with_overrides(precision=engine_precision(dtype))
     if layouts is None:
-        layouts = [Layout(t, p, d, micro_batch, sequence_parallel=sp)
+        layouts = [Layout(t, p, d, micro_batch, sequence_parallel=sp,
+                          distributed_optimizer=distributed_optimizer and d > 1)
                    for t, p, d in factorizations(world.size)
                    if structural_reason(cfg, t, p, d, global_batch) is None and global_batch % (d * micro_batch) == 0
                    for sp, ep in variants(cfg, t, d, (cfg.sequence_parallel,), (1,))

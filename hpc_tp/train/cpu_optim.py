@@ -65,3 +65,17 @@ def _sum_of_squares(x):
 def sum_of_squares(x) -> float:
     """sum(x**2) accumulated in float64, in one read of ``x``."""
     return _sum_of_squares(_rows(x))
+
+
+@_jit
+def _weighted_sum_of_squares(x, replicas):
+    total = 0.0
+    for i in range(x.size):
+        value = numpy.float64(x[i])
+        total += value * value / replicas[i]
+    return total
+
+
+def weighted_sum_of_squares(x, replicas) -> float:
+    """sum(x**2 / replicas) in float64 for 1-D ``x`` and an integer count per element."""
+    return _weighted_sum_of_squares(x, replicas)

@@ -16,8 +16,9 @@ A piece is a run of the arena's flat gradient storage, where each parameter's gr
 offset with its own strides (a fused layer's views interleave). ``module.strided_like`` sees a flat
 copy of the run the way the gradient sees the arena, so values, moments and a checkpoint's arrays
 move between a parameter's shape and the flat layout by one assignment. Each element is labelled
-with what the update needs of its parameter: weight decay or not, and how many tp ranks hold it
-(the norm counts it once); a piece is updated run of one label by run.
+with what the step needs of its parameter: weight decay or not (the piece is updated run by run
+of one decay), and how many tp ranks hold it (the norm divides its square by that: per run, or
+per element where runs are many, as with GQA's replicated K/V columns in every row of QKV).
 
 The numbers are AdamW's, element for element: the same formula on the same values (only the sums
 over dp and the norm's terms may be associated differently). Checkpoints hold whole states in the
@@ -32,14 +33,17 @@ import numpy
 
 from .. import backend
 from ..module import Parameter, same_view, strided_like
-from .optim import AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares
+from .optim import AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares, weighted_sum_of_squares
 
 
 class _Run(NamedTuple):
     start: int  # [start, stop) of the piece
     stop: int
-    decay: bool
-    weight: float  # 1 / replicas: its share of the gradient norm
+    label: object  # decay (bool) for the update; replicas (int) for the norm
+
+# Past this many runs of one replica count in a piece (GQA's K/V columns replicated over tp alternate
+# with Q's in every row of a fused QKV gradient), the norm reads the replica count per element.
+MAX_NORM_RUNS = 16
 
 
 class _Piece:
@@ -62,14 +66,14 @@ class _Piece:
             self.master = xp.empty(count, dtype=bucket.flat.dtype)
             self.take(self.master, {name: p.data for name, p in self.params})
         self.exp_avg, self.exp_avg_sq = xp.zeros_like(self.master), xp.zeros_like(self.master)
-        self.runs = self._runs()
+        self.runs, self.norm_runs, self.replicas = self._label()
 
     def publish(self) -> object:
         """Post the all-gather that brings every rank's updated piece into the parameters (or, without
         ``values``, into the spent gradient bucket, for ``unpack``); returns its request."""
         target = self.bucket.flat if self.values is None else self.values
         piece = target[self.start:self.start + self.master.size]
-        if piece is not self.master and not same_view(piece, self.master):
+        if not same_view(piece, self.master):
             piece[...] = self.master  # a half model's weights rounded from their float32 masters
         return self.comm.iall_gather_flat(target, self.bucket.counts)
 
@@ -79,17 +83,28 @@ class _Piece:
             for _, p in self.params:
                 p.data[...] = self.image(self.bucket.flat, p)
 
-    def _runs(self) -> list[_Run]:
-        kinds: list[tuple] = [None]  # label 0: storage no parameter sees (not updated, not counted)
-        labels = numpy.zeros(self.bucket.flat.size, dtype=numpy.int32)  # on the host, for a device bucket too
+    def _label(self):
+        """The piece's runs of one weight decay (the update), and of one replica count (the norm), or,
+        where those are many, the replica count of every element. Storage no parameter sees is in
+        neither (not updated, not counted)."""
+        labels = numpy.zeros((2, self.bucket.flat.size), dtype=numpy.int32)  # on the host, for a device bucket too
         for _, p in self.params:
-            kind = (p.decay, 1.0 / p.partition.replicas)
-            if kind not in kinds:
-                kinds.append(kind)
-            strided_like(labels, p.grad, self.bucket.flat)[...] = kinds.index(kind)
-        piece = labels[self.start:self.start + self.master.size]
-        edges = [0, *(numpy.flatnonzero(numpy.diff(piece)) + 1).tolist(), piece.size]
-        return [_Run(a, b, *kinds[piece[a]]) for a, b in zip(edges, edges[1:]) if b > a and piece[a]]
+            strided_like(labels[0], p.grad, self.bucket.flat)[...] = 1 + p.decay
+            strided_like(labels[1], p.grad, self.bucket.flat)[...] = p.partition.replicas
+        piece = labels[:, self.start:self.start + self.master.size]
+        runs = [_Run(a, b, label == 2) for a, b, label in _runs(piece[0])]
+        norm_runs = _runs(piece[1])
+        if len(norm_runs) <= MAX_NORM_RUNS:
+            return runs, norm_runs, None
+        return runs, None, backend.xp.asarray(piece[1].astype(numpy.uint16))
+
+    def squares(self):
+        """This rank's share of the squared gradient norm: each element's square over its replicas
+        (a device scalar on the GPU: no transfer here)."""
+        shard = self.bucket.shard
+        if self.replicas is not None:
+            return weighted_sum_of_squares(shard, self.replicas)
+        return sum(sum_of_squares(shard[a:b]) / replicas for a, b, replicas in self.norm_runs)
 
     def image(self, flat, p: Parameter):
         """``p``'s elements in ``flat``, a copy laid out like the bucket's storage."""
@@ -107,6 +122,12 @@ class _Piece:
         for name, p in self.params:
             self.image(flat, p)[...] = arrays[name]
         piece[...] = flat[self.start:self.start + piece.size]
+
+
+def _runs(labels) -> list[_Run]:
+    """[start, stop, label) of each run of one non-zero label."""
+    edges = [0, *(numpy.flatnonzero(numpy.diff(labels)) + 1).tolist(), labels.size]
+    return [_Run(a, b, int(labels[a])) for a, b in zip(edges, edges[1:]) if b > a and labels[a]]
 
 
 class ShardedAdamW(AdamW):
@@ -143,13 +164,18 @@ class ShardedAdamW(AdamW):
             for run in piece.runs:
                 window = slice(run.start, run.stop)
                 self._update(piece.master[window], piece.bucket.shard[window], piece.exp_avg[window],
-                             piece.exp_avg_sq[window], run.decay, grad_scale)
+                             piece.exp_avg_sq[window], run.label, grad_scale)
             gathers.append(piece.publish())
         for name, p in self.whole.items():
             self._update(p.data, p.grad, self.exp_avg[name], self.exp_avg_sq[name], p.decay, grad_scale)
         for (piece, _), gather in zip(self.pieces, gathers):
             gather.wait()
             piece.unpack()
+
+    def state_bytes(self) -> int:
+        pieces = sum(a.nbytes for piece, _ in self.pieces for a in (piece.exp_avg, piece.exp_avg_sq))
+        masters = sum(piece.master.nbytes for piece, _ in self.pieces if piece.master.base is None)
+        return super().state_bytes() + pieces + masters
 
     def grad_norm(self, grid, skip=frozenset(), scale: float = 1.0) -> float:
         """The global norm: the pieces' squares summed over their dp groups, the whole ones' as
@@ -160,9 +186,8 @@ class ShardedAdamW(AdamW):
                              "parameters can be left out")
         partial = {False: 0.0, True: 0.0}  # this rank's pieces: dense, MoE experts
         for piece, experts in self.pieces:
-            partial[experts] += sum(float(sum_of_squares(piece.bucket.shard[run.start:run.stop])) * run.weight
-                                    for run in piece.runs)
-        summed = [self._groups[kind].all_reduce_scalar(partial[kind]) if kind in self._groups else 0.0
+            partial[experts] = partial[experts] + piece.squares()
+        summed = [self._groups[kind].all_reduce_scalar(float(partial[kind])) if kind in self._groups else 0.0
                   for kind in (False, True)]
         whole = local_squares(self.whole, skip)
         return reduce_squares(summed[0] + float(whole[0]), summed[1] + float(whole[1]), grid) * scale

@@ -90,8 +90,11 @@ class GradBucketer:
     per rank); ``average=False`` keeps the sums (for a loss already scaled by the global count)."""
 
     def __init__(self, named_params: dict[str, Parameter], dp_comm, arena: GradArena, average: bool = True,
-                 shard: bool = False):
+                 shard: bool = False, posted: list | None = None):
         self.comm, self.average = dp_comm, average
+        # Buckets launched and not yet waited, in posting order; bucketers that post on one
+        # communicator share it (``ExpertAwareBucketer``), so waits follow posts across them too.
+        self.posted = [] if posted is None else posted
         self.buckets = _build_buckets(named_params, arena)
         if shard:
             for bucket in self.buckets:
@@ -122,13 +125,14 @@ class GradBucketer:
 
     def finish(self):
         """Launch what is left (gradients never marked go as they are) and wait for every bucket."""
+        self.launch_rest()
+        wait_posted(self.posted)
+
+    def launch_rest(self):
+        """End the step's launches: what is left goes now (to be waited with ``wait_posted``)."""
         if self._next is None:
             raise RuntimeError("GradBucketer.finish() called before start()")
         self._launch(stop_at_pending=False)
-        divisor = self.comm.size if self.average else None
-        for bucket in self.buckets:
-            if bucket.request is not None:
-                bucket.complete(divisor)
         self._next = None
 
     def all_reduce(self):
@@ -143,7 +147,15 @@ class GradBucketer:
                 return
             if self.comm.size > 1:
                 bucket.launch(self.comm)
+                self.posted.append((bucket, self.comm.size if self.average else None))
             self._next += 1
+
+
+def wait_posted(posted: list):
+    """Wait for the launched buckets in the order they were posted (the Communicator's rule)."""
+    for bucket, divisor in posted:
+        bucket.complete(divisor)
+    posted.clear()
 
 
 class ExpertAwareBucketer:
@@ -158,8 +170,11 @@ class ExpertAwareBucketer:
                  whole=frozenset()):
         from ..nn.moe import is_expert_parameter
 
+        self.posted: list = []
+
         def part(names, comm, sharded):
-            return GradBucketer({n: named_params[n] for n in names}, comm, arena, average=False, shard=sharded)
+            return GradBucketer({n: named_params[n] for n in names}, comm, arena, average=False, shard=sharded,
+                                posted=self.posted)
 
         experts = [n for n in named_params if is_expert_parameter(n)]
         dense = [n for n in named_params if n not in experts and not (shard and n in whole)]
@@ -183,7 +198,8 @@ class ExpertAwareBucketer:
 
     def finish(self):
         for part in self.parts:
-            part.finish()
+            part.launch_rest()
+        wait_posted(self.posted)
 
 
 def all_reduce_grads(named_params: dict[str, Parameter], dp_comm, arena: GradArena, average: bool = True):

@@ -84,6 +84,10 @@ class AdamW:
         update *= step_size
         data -= update
 
+    def state_bytes(self) -> int:
+        """What the optimizer holds beyond the parameters: the moments (and, sharded, master pieces)."""
+        return sum(a.nbytes for states in (self.exp_avg, self.exp_avg_sq) for a in states.values())
+
     def grad_norm(self, grid, skip=frozenset(), scale: float = 1.0) -> float:
         """``global_grad_norm`` of the gradients times ``scale`` (1/S for a loss scaled by S)."""
         return global_grad_norm(self.params, grid, skip) * scale
@@ -142,6 +146,14 @@ def sum_of_squares(g):
         return cpu_optim.sum_of_squares(g)
     g = g.astype("float64", copy=False)
     return (g * g).sum()
+
+
+def weighted_sum_of_squares(g, replicas):
+    """sum(g**2 / replicas) in float64 (``replicas``: one count per element)."""
+    if cpu_optim.fused(g) and isinstance(replicas, type(g)):
+        return cpu_optim.weighted_sum_of_squares(g, replicas)
+    g = g.astype("float64", copy=False)
+    return (g * g / replicas).sum()
 
 
 def reduce_squares(dense, experts, grid) -> float:

@@ -386,7 +386,14 @@ class Trainer:
         return (f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}) "
                 f"on tp={g.tp_size} pp={g.pp_size} dp={g.dp_size}{f' ep={g.ep_size}' if g.ep_size > 1 else ''}, "
                 f"{self.settings.dtype}, data {self.settings.data}, "
-                f"global batch {self.settings.global_batch} x {self.seq_len} tokens")
+                f"global batch {self.settings.global_batch} x {self.seq_len} tokens{self._optimizer_note()}")
+
+    def _optimizer_note(self) -> str:
+        if not self.settings.distributed_optimizer:
+            return ""
+        if isinstance(self.optimizer, ShardedAdamW):
+            return f", AdamW sharded over dp={self.grid.dp_size} (ZeRO-1)"
+        return ", plain AdamW (--distributed-optimizer has nothing to shard at dp=1)"
 
     def _report(self, result: TrainResult, seconds: float, steps: int):
         if result.records:
