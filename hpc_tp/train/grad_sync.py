@@ -64,10 +64,11 @@ class _Bucket:
 
 
 def shard_counts(length: int, ranks: int) -> list[int]:
-    """``length`` elements in ``ranks`` consecutive pieces of ceil(length / ranks), the last ones
-    shorter (possibly empty): rank r's share of a sharded bucket."""
-    piece = -(-length // ranks)
-    return [max(0, min(piece, length - r * piece)) for r in range(ranks)]
+    """``length`` elements in ``ranks`` consecutive pieces that differ by at most one element (the
+    first ``length % ranks`` one longer; empty only when the bucket is shorter than the group):
+    rank r's share of a sharded bucket."""
+    piece, longer = divmod(length, ranks)
+    return [piece + (r < longer) for r in range(ranks)]
 
 
 def _build_buckets(named: dict[str, Parameter], arena: GradArena) -> list[_Bucket]:
