@@ -4,8 +4,8 @@ on one machine in well under 5 minutes, as a short table.
 1. environment: card, driver and runtime, cupy, NCCL, ml_dtypes, MPI (CUDA-aware or not), mpiexec;
 2. checks, each a measured number against its bound: the fused kernels against numpy (float64 and
    float32), tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks
-   sharing the card through MPI, only where ``mpiexec`` works), training steps on the device against the CPU (float64), and
-   mixed precision (float16, bfloat16 where ml_dtypes is) against float32 on the device;
+   sharing the card through MPI, only where ``mpiexec`` works), training steps on the device against
+   the CPU (float64), and mixed precision (float16, bfloat16 where ml_dtypes is) against float32 on the device;
 3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
    (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
    measured large-GEMM peak.

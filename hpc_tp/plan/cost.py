@@ -64,8 +64,8 @@ import numpy
 from ..models.config import ModelConfig
 from ..pipeline.partition import balanced_layers, stage_costs
 from ..train.grad_sync import DEFAULT_BUCKET_BYTES
-from .memory import (ENGINE, Routing, expert_params, kv_heads_local, norm_params, optimizer_bytes_per_rank,
-                     stage_memory, stage_params, vocab_rows)
+from .memory import (ENGINE, Routing, expert_params, kv_heads_local, norm_params, sharded_elements, stage_memory,
+                     stage_params, vocab_rows)
 
 UPDATE_PASSES = 11  # numpy AdamW (about 33 array passes), grad norm, finite check, zeroing: / 4 arrays
 
@@ -390,11 +390,7 @@ def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, clu
 
 
 def _update_bytes(params: int, experts: int, precision, layout: Layout) -> float:
-    """Bytes the optimizer step streams: every parameter's once, or with ZeRO the pieces' share of
-    gradients and states (``optimizer_bytes_per_rank``) plus the gathered values in the parameters."""
-    shards = layout.optimizer_shards
-    if shards == 1:
-        return params * precision.training_bytes_per_param
-    grads = precision.grad_bytes * ((params - experts) / shards + experts / max(1, shards // layout.ep))
-    return params * precision.param_bytes + grads + optimizer_bytes_per_rank(params, experts, precision, shards,
-                                                                             layout.ep)
+    """Bytes the optimizer step streams: the gradients and states of the elements this rank owns
+    (all of them without ZeRO; ``sharded_elements``) and every parameter it writes."""
+    owned = sharded_elements(params, experts, layout.optimizer_shards, layout.ep)
+    return params * precision.param_bytes + owned * (precision.grad_bytes + precision.optimizer_bytes)

@@ -102,16 +102,18 @@ def expert_params(cfg: ModelConfig, tp: int, layers: range, ep: int) -> int:
     return sum(cfg.is_moe_layer(i) for i in layers) * (cfg.num_experts // ep) * mlp_params(cfg, tp)
 
 
+def sharded_elements(params: int, experts: int, shards: int = 1, ep: int = 1) -> float:
+    """Of a rank's ``params`` elements (``experts`` of them MoE experts'), those whose optimizer work it
+    owns. With the distributed optimizer (``shards`` = dp > 1) each element is owned by one rank of
+    the group that shares it: dp for dense parameters, dp / ep for experts (the tied embedding of
+    pp > 1, which stays whole, is counted as sharded too); else every element."""
+    return (params - experts) / shards + experts / max(1, shards // ep)
+
+
 def optimizer_bytes_per_rank(params: int, experts: int, precision, shards: int = 1, ep: int = 1) -> int:
-    """Optimizer bytes of a rank holding ``params`` elements, ``experts`` of them MoE experts'. With the
-    distributed optimizer (``shards`` = dp > 1) its pieces hold the optimizer bytes (moments, and
-    the masters of mixed precision; at float32/64 the parameters are their own masters) of each
-    element over the group that shares the parameter: dp for dense ones, dp / ep for experts (the
-    tied embedding of pp > 1, which stays whole, is counted as sharded too)."""
-    per = precision.optimizer_bytes
-    if shards == 1:
-        return params * per
-    return int((params - experts) * per / shards + experts * per / max(1, shards // ep))
+    """Optimizer bytes of such a rank: moments, and the masters of mixed precision (at float32/64 the
+    parameters are their own masters), for the elements it owns (``sharded_elements``)."""
+    return int(sharded_elements(params, experts, shards, ep) * precision.optimizer_bytes)
 
 
 def stage_params(cfg: ModelConfig, tp: int, layers: range, first: bool, last: bool, ep: int = 1) -> int:

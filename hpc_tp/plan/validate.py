@@ -90,10 +90,10 @@ def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, 
              steps: int = 3, repeats: int = 3, warmup: int = 1,
              distributed_optimizer: bool = False) -> tuple[list[dict], Calibration]:
     """Predicted against measured for ``layouts`` (default: every tp x pp x dp of the world that
-    the model allows, with ZeRO-1 at dp > 1 if ``distributed_optimizer``). Returns (rows, the last round's calibration); a row has the layout,
-    predicted_s and measured_s (medians over rounds), error (the median over rounds of predicted /
-    measured, minus 1), errors (each round's), measured_comm_s, and the predicted and measured
-    parameter + optimizer bytes of the busiest rank."""
+    the model allows, with ZeRO-1 at dp > 1 if ``distributed_optimizer``). Returns (rows, the last
+    round's calibration); a row has the layout, predicted_s and measured_s (medians over rounds),
+    error (the median over rounds of predicted / measured, minus 1), errors (each round's),
+    measured_comm_s, and the predicted and measured parameter + optimizer bytes of the busiest rank."""
     from ..models.config import load_config
     from .clusters import engine_precision, get_cluster
     from .search import structural_reason, variant_reason, variants

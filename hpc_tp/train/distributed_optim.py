@@ -33,7 +33,8 @@ import numpy
 
 from .. import backend
 from ..module import Parameter, same_view, strided_like
-from .optim import AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares, weighted_sum_of_squares
+from .optim import (AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares, weighted_sum_of_squares,
+                    zero_states)
 
 
 class _Run(NamedTuple):
@@ -110,11 +111,13 @@ class _Piece:
         """``p``'s elements in ``flat``, a copy laid out like the bucket's storage."""
         return strided_like(flat, p.grad, self.bucket.flat)
 
-    def gathered(self, piece):
-        """A bucket-sized array whose every rank's piece is that rank's ``piece`` (collective)."""
+    def spread(self, piece) -> dict[str, object]:
+        """Every rank's ``piece`` gathered (collective) into whole arrays in the parameters' shapes,
+        name -> copy: the inverse of ``take``."""
         flat = backend.xp_of(piece).empty_like(self.bucket.flat)
         flat[self.start:self.start + piece.size] = piece
-        return self.comm.iall_gather_flat(flat, self.bucket.counts).wait()
+        self.comm.iall_gather_flat(flat, self.bucket.counts).wait()
+        return {name: self.image(flat, p).copy() for name, p in self.params}
 
     def take(self, piece, arrays: dict[str, object]):
         """``piece`` = this rank's part of the parameter-shaped ``arrays``."""
@@ -154,8 +157,7 @@ class ShardedAdamW(AdamW):
                     self.pieces.append((_Piece(bucket, self.params, part.comm), experts))
                     self._groups[experts] = part.comm  # the dp group its squares are summed over
         self.whole = whole
-        self.exp_avg = {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in whole.items()}
-        self.exp_avg_sq = {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in whole.items()}
+        self.exp_avg, self.exp_avg_sq = zero_states(whole), zero_states(whole)
 
     def step(self, lr: float | None = None, grad_scale: float = 1.0):
         self._advance(lr)
@@ -180,10 +182,10 @@ class ShardedAdamW(AdamW):
     def grad_norm(self, grid, skip=frozenset(), scale: float = 1.0) -> float:
         """The global norm: the pieces' squares summed over their dp groups, the whole ones' as
         ``global_grad_norm`` counts them. ``skip`` may only name whole parameters."""
-        sharded = {name for piece, _ in self.pieces for name, _ in piece.params}
-        if skip & sharded:
-            raise ValueError(f"ShardedAdamW.grad_norm: {sorted(skip & sharded)} are sharded; only whole "
-                             "parameters can be left out")
+        sharded = skip & self._bucketer.sharded_names
+        if sharded:
+            raise ValueError(f"ShardedAdamW.grad_norm: {sorted(sharded)} are sharded; only whole parameters can be "
+                             "left out")
         partial = {False: 0.0, True: 0.0}  # this rank's pieces: dense, MoE experts
         for piece, experts in self.pieces:
             partial[experts] = partial[experts] + piece.squares()
@@ -199,9 +201,8 @@ class ShardedAdamW(AdamW):
         states = super().state_tensors()  # the whole parameters' own arrays
         for piece, _ in self.pieces:
             for kind, values in (("exp_avg", piece.exp_avg), ("exp_avg_sq", piece.exp_avg_sq)):
-                flat = piece.gathered(values)
-                for name, p in piece.params:
-                    states[f"optim.{kind}.{name}"] = StateTensor(piece.image(flat, p).copy(), p.partition)
+                for name, array in piece.spread(values).items():
+                    states[f"optim.{kind}.{name}"] = StateTensor(array, self.params[name].partition)
         return states
 
     def masters(self, params: dict[str, Parameter]) -> dict[str, Parameter]:
@@ -212,9 +213,9 @@ class ShardedAdamW(AdamW):
         for piece, _ in self.pieces:
             if piece.master.dtype == piece.params[0][1].data.dtype:
                 continue
-            flat = piece.gathered(piece.master)
-            for name, p in piece.params:
-                masters[name] = Parameter(piece.image(flat, p).copy(), p.partition, grad=p.grad, decay=p.decay)
+            for name, array in piece.spread(piece.master).items():
+                p = self.params[name]
+                masters[name] = Parameter(array, p.partition, grad=p.grad, decay=p.decay)
         return masters
 
     def loaded(self, tensors: dict):

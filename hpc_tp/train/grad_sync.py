@@ -183,6 +183,9 @@ class ExpertAwareBucketer:
         if shard and whole:
             self.parts.append(part([n for n in named_params if n in whole], grid.dp, False))
         self._part_of = {name: part for part in self.parts for name in part._bucket_of}
+        # The names whose buckets are reduce-scattered: the ones the distributed optimizer holds in pieces.
+        self.sharded_names = frozenset(name for part in self.parts for bucket in part.buckets
+                                       if bucket.shard is not None for name in bucket.names)
 
     def start(self):
         for part in self.parts:

@@ -42,8 +42,7 @@ class AdamW:
         self._make_states()
 
     def _make_states(self):
-        self.exp_avg = {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in self.params.items()}
-        self.exp_avg_sq = {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in self.params.items()}
+        self.exp_avg, self.exp_avg_sq = zero_states(self.params), zero_states(self.params)
 
     def step(self, lr: float | None = None, grad_scale: float = 1.0):
         """One update with ``lr`` (default: the constructor's), e.g. from ``schedule.lr_at``, of the
@@ -108,6 +107,11 @@ class AdamW:
             for name, array in arrays.items():
                 states[f"optim.{kind}.{name}"] = StateTensor(array, self.params[name].partition)
         return states
+
+
+def zero_states(params: dict[str, Parameter]) -> dict:
+    """A zeroed moment per parameter, in its shape and dtype."""
+    return {name: backend.xp_of(p.data).zeros_like(p.data) for name, p in params.items()}
 
 
 def global_grad_norm(named_params: dict[str, Parameter], grid, skip=frozenset()) -> float:

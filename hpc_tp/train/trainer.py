@@ -103,13 +103,16 @@ class Trainer:
         with GradArena(DEFAULT_BUCKET_BYTES, params=s.distributed_optimizer) as self.grad_arena:
             self.model = self._build_model()
         self.params = self.model.state()
-        whole = tied_names(self.model, grid)  # summed across stages after the dp sync: never sharded
-        sharded = frozenset(self.params) - whole if s.distributed_optimizer and grid.dp_size > 1 else frozenset()
+        # The tied embedding of pp > 1 is summed across stages after the dp sync: never sharded.
+        self.bucketer = ExpertAwareBucketer(self.params, grid, self.grad_arena, whole=tied_names(self.model, grid),
+                                            shard=s.distributed_optimizer and grid.dp_size > 1)
+        sharded = self.bucketer.sharded_names
         # float32 masters of half weights (the same parameters at float32/64; ZeRO's pieces hold the sharded ones)
         self.precision = MixedPrecision(self.params, s.dtype, sharded=sharded)
-        self.bucketer = ExpertAwareBucketer(self.params, grid, self.grad_arena, shard=bool(sharded), whole=whole)
-        optimizer = ShardedAdamW(self.precision.master, self.bucketer, s.lr, weight_decay=s.weight_decay) \
-            if sharded else AdamW(self.precision.master, s.lr, weight_decay=s.weight_decay)
+        if sharded:
+            optimizer = ShardedAdamW(self.precision.master, self.bucketer, s.lr, weight_decay=s.weight_decay)
+        else:
+            optimizer = AdamW(self.precision.master, s.lr, weight_decay=s.weight_decay)
         self.optimizer = optimizer
         if s.init:
             masters = optimizer.masters(self.precision.master)
