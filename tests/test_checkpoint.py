@@ -5,14 +5,15 @@ import os
 import shutil
 import tempfile
 import zlib
+from functools import partial
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
-from hpc_tp.checkpoint import (CheckpointError, describe_checkpoint, latest_checkpoint, load_checkpoint,
-                               save_checkpoint, verify_checkpoint)
+from hpc_tp.checkpoint import (CheckpointError, StreamedTensor, describe_checkpoint, latest_checkpoint,
+                               load_checkpoint, save_checkpoint, verify_checkpoint)
 from hpc_tp.checkpoint import write as checkpoint_write
 from hpc_tp.cli import main
 from hpc_tp.comm.mpi import self_comm
@@ -69,6 +70,20 @@ def assert_hold_full_tensors(tensors):
         expected = Parameter(np.zeros(tensor.data.shape, tensor.data.dtype), tensor.partition)
         expected.load_full(full_tensor(name))
         assert np.array_equal(tensor.data, expected.data), name
+
+
+def as_streamed(tensors, fetched: list) -> dict:
+    """``tensors`` as StreamedTensors that note each fetch in ``fetched`` and load into the tensors'
+    own data, in reverse name order (not the order a save plans in)."""
+    def fetch(name):
+        fetched.append(name)
+        return tensors[name].data
+
+    def store(name, local):
+        tensors[name].data[...] = local
+
+    return {name: StreamedTensor(tensors[name].partition, tensors[name].data.dtype, partial(fetch, name),
+                                 partial(store, name)) for name in sorted(tensors, reverse=True)}
 
 
 @pytest.fixture
@@ -171,10 +186,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint(comm_world, root, everywhe
     first = save_checkpoint(root, 1, make_tensors(everywhere), {"version": 1}, everywhere)
     real_piece_values = checkpoint_write._piece_values
 
-    def fail_on_last_rank(tensor):
+    def fail_on_last_rank(data, partition):
         if comm_world.rank == comm_world.size - 1:
             raise OSError("disk full (injected)")
-        return real_piece_values(tensor)
+        return real_piece_values(data, partition)
 
     monkeypatch.setattr(checkpoint_write, "_piece_values", fail_on_last_rank)
     for step in (2, 1):  # a new step, and over the existing one
@@ -189,6 +204,34 @@ def test_a_failed_save_leaves_the_previous_checkpoint(comm_world, root, everywhe
     save_checkpoint(root, 1, make_tensors(everywhere), {"version": 2}, everywhere)
     assert sorted(os.listdir(root)) == ["latest", "step-000001"]
     assert load_checkpoint(root, make_tensors(everywhere, fill=False), everywhere) == {"version": 2}
+
+
+@mpi
+def test_streamed_tensors_are_fetched_by_every_rank_in_order_and_stored_on_load(comm_world, root, everywhere,
+                                                                                 monkeypatch):
+    """Every rank fetches every streamed tensor once per save, in the order given, though only dp
+    rank 0 writes (a fetch may be a collective), and so even when the writer fails at its first
+    piece; the checkpoint is the one plain tensors make, and a load at another layout hands each
+    tensor its local array (padding zero)."""
+    grid = ProcessGrid(tp=1, dp=comm_world.size, world=comm_world)
+    tensors, fetched = make_tensors(grid), []
+    path = save_checkpoint(root, 1, as_streamed(tensors, fetched), {"v": 1}, grid)
+    assert fetched == sorted(tensors, reverse=True) and verify_checkpoint(path) == []
+    loaded = make_tensors(everywhere, fill=False)
+    assert load_checkpoint(path, as_streamed(loaded, []), everywhere) == {"v": 1}
+    assert_hold_full_tensors(loaded)
+
+    def fail_on_rank_0(*args):
+        if comm_world.rank == 0:
+            raise OSError("disk full (injected)")
+        return real_piece_values(*args)
+
+    real_piece_values = checkpoint_write._piece_values
+    monkeypatch.setattr(checkpoint_write, "_piece_values", fail_on_rank_0)
+    fetched.clear()
+    with pytest.raises(CheckpointError, match="rank 0: OSError: disk full"):
+        save_checkpoint(root, 2, as_streamed(tensors, fetched), {"v": 2}, grid)
+    assert fetched == sorted(tensors, reverse=True) and latest_checkpoint(root) == path
 
 
 @mpi
@@ -321,11 +364,29 @@ def test_the_parallel_hdf5_path_writes_one_file_and_a_failed_piece_still_closes_
 
     monkeypatch.setattr(checkpoint_write, "COLLECTIVE_IO", True)
     monkeypatch.setattr(checkpoint_write.h5py, "File", _FlushRecorder)
-    monkeypatch.setattr(checkpoint_write, "_piece_values", lambda tensor: (_ for _ in ()).throw(OSError("device lost")))
+    monkeypatch.setattr(checkpoint_write, "_piece_values", lambda *args: (_ for _ in ()).throw(OSError("device lost")))
     with pytest.raises(CheckpointError, match="device lost"):
         save_checkpoint(tmp_path, 2, make_tensors(grid), {"v": 2}, grid)
     assert _FlushRecorder.last.calls == ["mpio", "flush", "close"]
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-000001"]
+
+
+def test_the_parallel_hdf5_path_fetches_every_streamed_tensor_though_a_write_failed(tmp_path, monkeypatch):
+    """The one-file path writes streamed tensors as plain ones, and a rank whose first write fails
+    still fetches the rest (its peers may wait in those fetches) before the collective flush."""
+    grid = ProcessGrid(tp=1, world=self_comm())
+    tensors, fetched = make_tensors(grid), []
+    monkeypatch.setattr(checkpoint_write, "COLLECTIVE_IO", True)
+    monkeypatch.setattr(checkpoint_write.h5py, "File", _FlushRecorder)
+    path = save_checkpoint(tmp_path, 1, as_streamed(tensors, fetched), {"v": 1}, grid)
+    monkeypatch.setattr(checkpoint_write, "_piece_values", lambda *args: (_ for _ in ()).throw(OSError("device lost")))
+    with pytest.raises(CheckpointError, match="device lost"):
+        save_checkpoint(tmp_path, 2, as_streamed(tensors, fetched), {"v": 2}, grid)
+    assert fetched == 2 * sorted(tensors, reverse=True) and _FlushRecorder.last.calls == ["mpio", "flush", "close"]
+    monkeypatch.undo()
+    loaded = make_tensors(grid, fill=False)
+    assert load_checkpoint(path, loaded, grid) == {"v": 1} and verify_checkpoint(path) == []
+    assert_hold_full_tensors(loaded)
 
 
 def test_latest_falls_back_to_the_highest_complete_step(tmp_path):

@@ -6,6 +6,11 @@ into any (tp, pp, dp) layout. The format is specified in io/CHECKPOINT_FORMAT.md
     latest_checkpoint(root) -> folder | None
     verify_checkpoint(folder_or_root) -> list of problems (empty: good)
 
+A tensor is any object with ``.data`` (this rank's local array, padding included) and
+``.partition`` (``module.Partition``), or a ``StreamedTensor`` (``.streamed``): data made on
+demand while it is saved and handed over as it is loaded, for states a distributed optimizer
+holds only in pieces (saving and loading then hold one such tensor's data at a time).
+
 Names are imported on first use, so ``hpc-tp --help`` (which imports ``checkpoint.inspect``)
 does not pay for h5py.
 """
@@ -18,6 +23,7 @@ _HOMES = {
     "describe_checkpoint": ".read",
     "latest_checkpoint": ".format",
     "CheckpointError": ".collective",
+    "StreamedTensor": ".streamed",
 }
 
 __all__ = sorted(_HOMES)

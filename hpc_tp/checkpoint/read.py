@@ -2,7 +2,8 @@
 
 Loading has one code path for every layout: each rank reads the hyperslab of the logical tensor
 its partition names, checks the crc32 of every index it read, and copies it into its local
-data (padding past the logical end left zero).
+data (padding past the logical end left zero), or, for a ``StreamedTensor``, hands it over as a
+local array of its own: one tensor at a time, whatever holds it after.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .. import backend
 from ..errors import ConfigError
 from .collective import run_everywhere
 from .format import FORMAT, FORMAT_VERSION, MASTER, SourceCheck, region, resolve_checkpoint, unit_checksums
+from .streamed import StreamedTensor
 
 _VERIFY_BLOCK_BYTES = 64 << 20  # verify reads a tensor in blocks of about this size
 
@@ -62,8 +64,14 @@ def _fill(f, name: str, tensor, sources: SourceCheck):
     aligned = part.axis == axis
     start, stop = part.local_range() if aligned else (0, ds.shape[axis])
     values = read_verified(f, name, start, stop)
-    tensor.data[...] = 0
-    tensor.data[part.valid_local()] = backend.xp_of(tensor.data).asarray(values if aligned else values[part.local_slice()])
+    mine = values if aligned else values[part.local_slice()]
+    if isinstance(tensor, StreamedTensor):
+        local = numpy.zeros(part.local_shape, tensor.dtype)
+        local[part.valid_local()] = mine
+        tensor.store(local)
+    else:
+        tensor.data[...] = 0
+        tensor.data[part.valid_local()] = backend.xp_of(tensor.data).asarray(mine)
 
 
 def read_verified(f, name: str, start: int, stop: int) -> numpy.ndarray:

@@ -3,7 +3,9 @@
     1. agree on a plan: who writes which piece of which tensor (each piece once, pieces tile
        every tensor exactly);
     2. rank 0 starts ROOT/.tmp-step-N (extra files included);
-    3. writers write their pieces (serial HDF5: one shard file each; parallel HDF5: one file);
+    3. writers write their pieces (serial HDF5: one shard file each; parallel HDF5: one file),
+       tensor by tensor in the order of ``tensors``; every rank fetches each ``StreamedTensor`` on
+       the way, writer or not (``streamed.py``: a fetch may be a collective of its group);
     4. rank 0 builds the master file of virtual datasets, renames the folder into place, moves
        the ``latest`` pointer, prunes old steps.
 A failure anywhere makes every rank raise and removes the temp folder; earlier steps are untouched.
@@ -28,6 +30,7 @@ from ..paths import nearest_existing
 from .collective import CheckpointError, run_everywhere
 from .format import (FORMAT, FORMAT_VERSION, MASTER, POINTER, RESERVED, SET_ASIDE_PREFIX, SHARDS, TEMP_PREFIX,
                      checksum_axis, fsync, region, shard_name, step_folder_name, step_folders, unit_checksums)
+from .streamed import StreamedTensor
 
 # Parallel HDF5 lets every rank write straight into one file; serial HDF5 needs a shard file per
 # rank, joined by virtual datasets.
@@ -63,7 +66,8 @@ class TensorPlan:
 
 def save_checkpoint(root_dir, step: int, tensors: dict, meta: dict, grid, keep: int = 3,
                     files: dict[str, bytes] | None = None) -> Path:
-    """Save ``tensors`` (name -> object with ``.data`` and ``.partition``) and ``meta`` as step ``step``.
+    """Save ``tensors`` (name -> object with ``.data`` and ``.partition``, or a ``StreamedTensor``) and
+    ``meta`` as step ``step``.
 
     Collective over the whole grid. ``meta`` (JSON) is taken from world rank 0, as are ``files``
     (name -> bytes, stored next to master.h5). The ``keep`` highest steps stay (``keep`` < 1: all);
@@ -110,7 +114,8 @@ def _claims(tensors: dict, grid) -> list[tuple]:
             raise ConfigError(f"tensor {name!r} is a scalar: keep scalars in meta")
         if grid.coords.tp % part.replicas == 0:
             start, stop = part.local_range() if part.axis is not None else (0, part.full_shape[0])
-            claims.append((name, tuple(part.full_shape), part.axis, str(tensor.data.dtype), start, stop))
+            dtype = tensor.dtype if isinstance(tensor, StreamedTensor) else tensor.data.dtype
+            claims.append((name, tuple(part.full_shape), part.axis, str(numpy.dtype(dtype)), start, stop))
     return claims
 
 
@@ -151,9 +156,40 @@ def _pieces_by_rank(plans: dict[str, TensorPlan]) -> dict[int, list[tuple[Tensor
     return by_rank
 
 
-def _piece_values(tensor) -> numpy.ndarray:
-    """This rank's piece of the logical tensor as a contiguous host array, padding left out."""
-    return numpy.ascontiguousarray(backend.to_numpy(tensor.data[tensor.partition.valid_local()]))
+def _piece_values(data, partition) -> numpy.ndarray:
+    """This rank's piece of the logical tensor (``data``: its local array) as a contiguous host
+    array, padding left out."""
+    return numpy.ascontiguousarray(backend.to_numpy(data[partition.valid_local()]))
+
+
+class _InOrder:
+    """This rank's pieces with their values, tensor by tensor in the order of ``tensors``. Every
+    streamed tensor is fetched on the way, written here or not, and leaving the ``with`` block,
+    even on a failed write, fetches the rest: a fetch may be a collective, and no peer may be left
+    waiting in it. The fetched data goes before the next fetch, so one is held at a time."""
+
+    def __init__(self, tensors: dict, mine: list):
+        self._tensors, self._names = tensors, iter(tensors)
+        self._mine = {plan.name: (plan, piece) for plan, piece in mine}
+
+    def __enter__(self):
+        return self
+
+    def __iter__(self):
+        return self._walk(self._mine)
+
+    def __exit__(self, *exc):
+        for _ in self._walk({}):
+            pass
+
+    def _walk(self, mine: dict):
+        for name in self._names:
+            tensor = self._tensors[name]
+            streamed = isinstance(tensor, StreamedTensor)
+            if name in mine:
+                yield *mine[name], _piece_values(tensor.fetch() if streamed else tensor.data, tensor.partition)
+            elif streamed:
+                tensor.fetch()
 
 
 def _bytes(plans: dict) -> int:
@@ -187,21 +223,21 @@ def _prepare(temp: Path, step: int, meta: dict, files: dict[str, bytes], grid, t
 
 
 def _write_shard(path: Path, mine: list, tensors: dict):
-    if not mine:
-        return
-    with h5py.File(path, "w") as f:
-        for plan, _ in mine:
-            values = _piece_values(tensors[plan.name])
-            f.create_dataset(f"tensors/{plan.name}", data=values)
-            f.create_dataset(f"checksums/{plan.name}", data=unit_checksums(values, plan.axis))
-    fsync(path)
+    """Serial HDF5: this rank's pieces into a shard file of its own (none where it writes nothing)."""
+    with _InOrder(tensors, mine) as pieces:
+        if mine:
+            with h5py.File(path, "w") as f:
+                for plan, _, values in pieces:
+                    f.create_dataset(f"tensors/{plan.name}", data=values)
+                    f.create_dataset(f"checksums/{plan.name}", data=unit_checksums(values, plan.axis))
+            fsync(path)
 
 
 def _write_one_file(temp: Path, plans: dict, mine: list, tensors: dict, attrs: dict | None, comm):
     """Parallel HDF5: creating datasets and attributes is collective (every rank, same order and
     values); each rank then writes its own pieces into them (independent writes). A rank whose
-    piece fails still takes part in the collective flush and close, and raises after them: leaving
-    the file early would leave the other ranks waiting in the flush."""
+    write fails still takes part in the fetches and the collective flush and close, and raises
+    after them: leaving early would leave the other ranks waiting there."""
     attrs = comm.bcast_object(attrs)
     failure = None
     with h5py.File(temp / MASTER, "w", driver="mpio", comm=comm.comm) as f:
@@ -209,13 +245,13 @@ def _write_one_file(temp: Path, plans: dict, mine: list, tensors: dict, attrs: d
         for plan in plans.values():
             _describe(f.create_dataset(f"tensors/{plan.name}", plan.shape, plan.dtype), plan)
             f.create_dataset(f"checksums/{plan.name}", (plan.shape[plan.axis],), numpy.uint32)
-        for plan, piece in mine:
-            try:
-                values = _piece_values(tensors[plan.name])
-                f[f"tensors/{plan.name}"][plan.region(piece)] = values
-                f[f"checksums/{plan.name}"][piece.start:piece.stop] = unit_checksums(values, plan.axis)
-            except Exception as e:  # reported once the collective calls below are done
-                failure = failure or e
+        try:
+            with _InOrder(tensors, mine) as pieces:
+                for plan, piece, values in pieces:
+                    f[f"tensors/{plan.name}"][plan.region(piece)] = values
+                    f[f"checksums/{plan.name}"][piece.start:piece.stop] = unit_checksums(values, plan.axis)
+        except Exception as e:  # reported once the collective calls below are done
+            failure = e
         f.flush()  # MPI_File_sync: the collective fsync
     if failure is not None:
         raise failure

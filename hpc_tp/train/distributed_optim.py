@@ -22,16 +22,20 @@ per element where runs are many, as with GQA's replicated K/V columns in every r
 
 The numbers are AdamW's, element for element: the same formula on the same values (only the sums
 over dp and the norm's terms may be associated differently). Checkpoints hold whole states in the
-parameters' shapes, gathered at save, so a run saved with ZeRO resumes without it and at any
-layout, and the other way round.
+parameters' shapes, so a run saved with ZeRO resumes without it and at any layout, and the other
+way round; they stream them (``checkpoint.StreamedTensor``): a save gathers one bucket's state at
+a time, a load hands each rank the tensors to take its pieces from, so neither holds the whole
+states a rank was spared.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import numpy
 
 from .. import backend
+from ..checkpoint.streamed import StreamedTensor
 from ..module import Parameter, same_view, strided_like
 from .optim import (AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares, weighted_sum_of_squares,
                     zero_states)
@@ -111,13 +115,19 @@ class _Piece:
         """``p``'s elements in ``flat``, a copy laid out like the bucket's storage."""
         return strided_like(flat, p.grad, self.bucket.flat)
 
-    def spread(self, piece) -> dict[str, object]:
-        """Every rank's ``piece`` gathered (collective) into whole arrays in the parameters' shapes,
-        name -> copy: the inverse of ``take``."""
+    @property
+    def separate_master(self) -> bool:
+        """The masters are a copy of their own (a half model's float32 ones, or parameters not laid
+        out in the arena), not the parameters' own piece."""
+        return self.master.base is None
+
+    def gather(self, piece):
+        """Every rank's ``piece`` (collective over the group) in one array laid out like the bucket:
+        the inverse of ``take``."""
         flat = backend.xp_of(piece).empty_like(self.bucket.flat)
         flat[self.start:self.start + piece.size] = piece
         self.comm.iall_gather_flat(flat, self.bucket.counts).wait()
-        return {name: self.image(flat, p).copy() for name, p in self.params}
+        return flat
 
     def take(self, piece, arrays: dict[str, object]):
         """``piece`` = this rank's part of the parameter-shaped ``arrays``."""
@@ -125,6 +135,50 @@ class _Piece:
         for name, p in self.params:
             self.image(flat, p)[...] = arrays[name]
         piece[...] = flat[self.start:self.start + piece.size]
+
+
+class _Streamed:
+    """One of a piece's states (a moment, or separate masters) as checkpoint tensors in the
+    parameters' shapes (``checkpoint.StreamedTensor``), one bucket at a time. Saving, the first
+    fetch gathers the bucket (the checkpoint fetches in the same order on every rank of the group)
+    and the last lets it go. Loading, each stored tensor fills its place in a bucket-sized array
+    and the last takes this rank's piece from it; ``to_params``: the parameters get the loaded
+    values too (rounded, in a half model), as they would holding the masters themselves."""
+
+    def __init__(self, piece: _Piece, state, to_params: bool = False):
+        self.piece, self.state, self.to_params = piece, state, to_params
+        self.flat, self.left = None, 0  # the bucket being fetched or stored; how many of its tensors are to come
+
+    def tensors(self, prefix: str) -> dict[str, StreamedTensor]:
+        return {prefix + name: StreamedTensor(p.partition, self.state.dtype, partial(self._fetch, p),
+                                              partial(self._store, p)) for name, p in self.piece.params}
+
+    def _fetch(self, p: Parameter):
+        if not self.left:
+            self._begin(self.piece.gather(self.state))
+        local = self.piece.image(self.flat, p)
+        self._done()
+        return local
+
+    def _store(self, p: Parameter, local):
+        xp = backend.xp_of(self.state)
+        if not self.left:
+            self._begin(xp.empty_like(self.piece.bucket.flat))
+        local = xp.asarray(local)
+        self.piece.image(self.flat, p)[...] = local
+        if self.to_params:
+            p.data[...] = local
+        if self.left == 1:
+            self.state[...] = self.flat[self.piece.start:self.piece.start + self.state.size]
+        self._done()
+
+    def _begin(self, flat):
+        self.flat, self.left = flat, len(self.piece.params)
+
+    def _done(self):
+        self.left -= 1
+        if not self.left:
+            self.flat = None
 
 
 def _runs(labels) -> list[_Run]:
@@ -176,7 +230,7 @@ class ShardedAdamW(AdamW):
 
     def state_bytes(self) -> int:
         pieces = sum(a.nbytes for piece, _ in self.pieces for a in (piece.exp_avg, piece.exp_avg_sq))
-        masters = sum(piece.master.nbytes for piece, _ in self.pieces if piece.master.base is None)
+        masters = sum(piece.master.nbytes for piece, _ in self.pieces if piece.separate_master)
         return super().state_bytes() + pieces + masters
 
     def grad_norm(self, grid, skip=frozenset(), scale: float = 1.0) -> float:
@@ -194,40 +248,22 @@ class ShardedAdamW(AdamW):
         whole = local_squares(self.whole, skip)
         return reduce_squares(summed[0] + float(whole[0]), summed[1] + float(whole[1]), grid) * scale
 
-    def state_tensors(self) -> dict[str, StateTensor]:
-        """Whole states in the parameters' shapes, gathered from every rank's pieces (collective over
-        the dp groups: call it on every rank). The arrays are copies: a checkpoint read into them
-        reaches the optimizer through ``loaded``."""
-        states = super().state_tensors()  # the whole parameters' own arrays
+    def state_tensors(self) -> dict[str, StateTensor | StreamedTensor]:
+        """Whole states in the parameters' shapes: the whole parameters' own arrays, and the pieces'
+        streamed (a save gathers them bucket by bucket over the dp groups: save on every rank; a
+        load takes each rank's pieces from what it reads, no collective)."""
+        states = super().state_tensors()
         for piece, _ in self.pieces:
-            for kind, values in (("exp_avg", piece.exp_avg), ("exp_avg_sq", piece.exp_avg_sq)):
-                for name, array in piece.spread(values).items():
-                    states[f"optim.{kind}.{name}"] = StateTensor(array, self.params[name].partition)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                states.update(_Streamed(piece, getattr(piece, kind)).tensors(f"optim.{kind}."))
         return states
 
-    def masters(self, params: dict[str, Parameter]) -> dict[str, Parameter]:
+    def masters(self, params: dict[str, Parameter]) -> dict[str, Parameter | StreamedTensor]:
         """The masters as checkpoints hold them: the parameters themselves where they are the masters
-        (float32/64 models), whole float32 copies gathered from the pieces where the model is half
-        (collective over the dp groups)."""
-        masters = dict(params)
+        (float32/64 models), streamed from the pieces where the masters are separate (``separate_master``),
+        the streamed ones last, bucket by bucket."""
+        streamed = {}
         for piece, _ in self.pieces:
-            if piece.master.dtype == piece.params[0][1].data.dtype:
-                continue
-            for name, array in piece.spread(piece.master).items():
-                p = self.params[name]
-                masters[name] = Parameter(array, p.partition, grad=p.grad, decay=p.decay)
-        return masters
-
-    def loaded(self, tensors: dict):
-        """After a checkpoint was read into ``tensors`` (``masters`` and, on a resume, ``state_tensors``):
-        this rank's pieces of the values and moments taken from them, and a half model's weights
-        rounded from the masters."""
-        for piece, _ in self.pieces:
-            for kind, values in (("exp_avg", piece.exp_avg), ("exp_avg_sq", piece.exp_avg_sq)):
-                names = [f"optim.{kind}.{name}" for name, _ in piece.params]
-                if all(name in tensors for name in names):  # --init reads weights only: the moments stay 0
-                    piece.take(values, {name: tensors[key].data for (name, _), key in zip(piece.params, names)})
-            piece.take(piece.master, {name: tensors[name].data for name, _ in piece.params})
-            for name, p in piece.params:
-                if tensors[name] is not p:
-                    p.data[...] = tensors[name].data
+            if piece.separate_master:
+                streamed.update(_Streamed(piece, piece.master, to_params=True).tensors(""))
+        return {**{name: p for name, p in params.items() if name not in streamed}, **streamed}

@@ -92,12 +92,8 @@ class AdamW:
         return global_grad_norm(self.params, grid, skip) * scale
 
     def masters(self, params: dict[str, Parameter]) -> dict[str, Parameter]:
-        """The parameters as checkpoints hold them (``ShardedAdamW`` gathers its pieces): ``params``."""
+        """The parameters as checkpoints hold them (``ShardedAdamW`` streams its pieces): ``params``."""
         return params
-
-    def loaded(self, tensors: dict):
-        """A checkpoint was read into ``tensors`` (``masters`` and ``state_tensors``): written in place,
-        nothing to do (``ShardedAdamW`` takes its pieces here)."""
 
     def state_tensors(self) -> dict[str, StateTensor]:
         """``optim.exp_avg.<name>`` and ``optim.exp_avg_sq.<name>`` for checkpoints; loading writes

@@ -115,9 +115,7 @@ class Trainer:
             optimizer = AdamW(self.precision.master, s.lr, weight_decay=s.weight_decay)
         self.optimizer = optimizer
         if s.init:
-            masters = optimizer.masters(self.precision.master)
-            load_checkpoint(s.init, masters, grid)
-            optimizer.loaded(masters)
+            load_checkpoint(s.init, optimizer.masters(self.precision.master), grid)
             self.precision.sync_model()
         self.tied_copies = tied_copy_names(self.model, grid)  # counted once, on the first stage
         self.sampler = DistributedSampler(len(self.dataset), s.global_batch, grid.coords.dp, grid.dp_size, s.seed)
@@ -241,6 +239,8 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict:
+        """What a checkpoint holds: the masters and the optimizer's states, whole; ZeRO's streamed
+        (fetched and stored one at a time by the save and the load)."""
         return {**self.optimizer.masters(self.precision.master), **self.optimizer.state_tensors()}
 
     def save(self) -> Path:
@@ -273,9 +273,7 @@ class Trainer:
         if meta["seq_len"] != self.seq_len:
             raise ConfigError(f"checkpoint {folder} was trained with --seq-len {meta['seq_len']}, "
                               f"this run asks {self.seq_len}")
-        tensors = self.checkpoint_tensors()
-        load_checkpoint(folder, tensors, self.grid)
-        self.optimizer.loaded(tensors)
+        load_checkpoint(folder, self.checkpoint_tensors(), self.grid)
         self.step = int(meta["step"])
         self.optimizer.step_count = int(meta["optimizer"]["step_count"])
         self.precision.sync_model()

@@ -1,0 +1,32 @@
+"""StreamedTensor: a checkpoint tensor whose data exists only while the checkpoint handles it.
+
+A distributed optimizer holds each state as pieces spread over its data-parallel group, yet a
+checkpoint holds it whole, in its parameter's shape. Gathering every state at once would need the
+room the sharding saved; a streamed tensor makes its data on demand instead, one at a time:
+
+- ``save_checkpoint`` calls ``fetch()`` once per save on every rank, in the order of the
+  ``tensors`` dict, whether or not this rank writes it (a fetch may be a collective over a group
+  of ranks: each rank of the group must pass the same streamed tensors in the same order). It
+  returns this rank's local array (``partition.local_shape``), used while the tensor is written
+  and dropped before the next one is fetched. After a failed write the remaining tensors are
+  still fetched, then the save fails on every rank.
+- ``load_checkpoint`` calls ``store(local)`` once per load, with this rank's local array (a host
+  array of ``partition.local_shape`` and ``dtype``, padding zero), where an ordinary tensor is
+  written in place. No collective: every rank reads the file itself.
+
+Without MPI or h5py, so that the optimizer can make them without importing the writer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..module import Partition
+
+
+@dataclass(frozen=True)
+class StreamedTensor:
+    partition: Partition
+    dtype: object  # the stored dtype (a numpy dtype or its name)
+    fetch: Callable[[], object]
+    store: Callable[[object], None]
