@@ -59,17 +59,18 @@ def test_distributed_optimizer_trains_like_adamw():
 @pytest.mark.mpi(min_size=2)
 def test_checkpoints_move_between_sharded_and_whole_states(tmp_path):
     """Saved with ZeRO at dp=world, resumed with it and without it at tp=world, and the other way round
-    (at 4 ranks also ZeRO at tp=2 dp=2 both ways): each continues the uninterrupted run (the checkpoint
-    holds whole states, not one rank's pieces)."""
+    (at 4 ranks also ZeRO at tp=2 dp=2 both ways, and at pp=2 dp=2, the tied embedding whole): each
+    continues the uninterrupted run (the checkpoint holds whole states, not one rank's pieces)."""
     comm = world()
     root = shared_tmp(tmp_path, comm)
     model = {"dropout": 0.0, "attn_dropout": 0.0}
     sharded = dict(dp=comm.size, micro_batch=8 // comm.size, distributed_optimizer=True)
     whole_states = dict(tp=comm.size, micro_batch=8 // comm.size)
     mixed = dict(tp=2, dp=comm.size // 2, micro_batch=8 // comm.size, distributed_optimizer=True)
+    piped = dict(mixed, tp=1, pp=2)
     runs = [(sharded, [whole_states, sharded]), (whole_states, [sharded])]
     if comm.size == 4:
-        runs += [(mixed, [sharded]), (sharded, [mixed])]
+        runs += [(mixed, [sharded]), (sharded, [mixed]), (piped, [sharded])]
     uninterrupted = np.array([r["loss"] for r in Trainer(settings(model_overrides=model, **whole_states), comm)
                               .run().records])
     for index, (saver, resumers) in enumerate(runs):
@@ -81,6 +82,23 @@ def test_checkpoints_move_between_sharded_and_whole_states(tmp_path):
                                                                  **resumer), comm).run().records])
             assert len(tail) == 6 and np.max(np.abs(tail - uninterrupted[6:]) / uninterrupted[6:]) < 1e-9, (saver,
                                                                                                             resumer)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_moe_checkpoints_stream_dense_and_expert_states(tmp_path):
+    """MoE at dp=world, ep=2: dense buckets are sharded over dp, experts' over expert_dp, so a save
+    runs the gathers of two groups in turn. Saved with ZeRO, resumed with it and without it, the
+    run goes on as the uninterrupted one."""
+    comm = world()
+    folder = f"{shared_tmp(tmp_path, comm)}/moe"
+    layout = dict(dp=comm.size, ep=2, micro_batch=8 // comm.size)
+    whole = np.array([r["loss"] for r in Trainer(moe_settings(**layout), comm).run().records])
+    Trainer(moe_settings(save=folder, save_every=2, distributed_optimizer=True, **layout), comm).run()
+    for zero in (True, False):
+        _truncate_to(folder, 2, comm)
+        tail = np.array([r["loss"] for r in Trainer(moe_settings(save=folder, resume=True, distributed_optimizer=zero,
+                                                                 **layout), comm).run().records])
+        assert len(tail) == 2 and np.max(np.abs(tail - whole[2:]) / whole[2:]) < 1e-9, zero
 
 
 def _moments(trainer) -> list:
