@@ -145,9 +145,10 @@ def test_a_save_and_a_resume_hold_a_bucket_of_states_at_a_time(tmp_path, monkeyp
 
 @pytest.mark.mpi(min_size=2)
 def test_a_write_failing_mid_save_fails_every_rank_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    """The writing rank fails at its third piece, after gathers have begun: every rank raises (the
-    others were not left waiting in a gather: this test would time out), the checkpoint saved before
-    stays the latest and good, and the run can save again (every rank went through the same gathers)."""
+    """The writing rank fails at its third moment, in the middle of the streamed states (the weights
+    come first): every rank raises (the others were not left waiting in a gather: this test would
+    time out), the checkpoint saved before stays the latest and good, and the run can save again
+    (every rank went through the same gathers)."""
     comm = world()
     root = f"{shared_tmp(tmp_path, comm)}/failing"
     trainer = Trainer(settings(dp=comm.size, micro_batch=8 // comm.size, steps=3, warmup=1, save=root,
@@ -159,7 +160,7 @@ def test_a_write_failing_mid_save_fails_every_rank_and_keeps_the_last_checkpoint
 
     def failing(data, partition):
         written.append(partition)
-        if comm.rank == 0 and len(written) == 3:
+        if comm.rank == 0 and len(written) == len(trainer.params) + 3:
             raise OSError("disk full (injected)")
         return real(data, partition)
 
