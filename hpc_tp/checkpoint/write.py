@@ -188,7 +188,7 @@ class _InOrder:
             streamed = isinstance(tensor, StreamedTensor)
             if name in mine:
                 yield *mine[name], _piece_values(tensor.fetch() if streamed else tensor.data, tensor.partition)
-            elif streamed:
+            elif streamed:  # written by another rank, or by none of this group: the fetch is still its collective
                 tensor.fetch()
 
 
