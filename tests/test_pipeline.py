@@ -3,8 +3,9 @@
 At 4 ranks: 1x4x1, 2x2x1 and 1x2x2; at 2 ranks: 1x2x1 (tp x pp x dp). Each layout runs GPipe and
 1F1B, with and without activation recomputation, with dropout and tied embeddings, on a model
 whose layer count pp does not divide (some stages get one layer) and with fewer micro-batches
-than stages at pp = 4; sequence parallelism and MoE layers go through the pipeline too. The
-reference is one process looping over the same micro-batches with the same dropout positions.
+than stages at pp = 4; the interleaved 1F1B schedule runs the same layouts with 2 virtual stages
+per rank (3 and 4 at pp = 2); sequence parallelism and MoE layers go through the pipeline too.
+The reference is one process looping over the same micro-batches with the same dropout positions.
 """
 import dataclasses
 import math
@@ -18,9 +19,10 @@ from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.module import GradArena
-from hpc_tp.pipeline import (PipelineStats, build_stage, layers_from_counts, parse_pp_layers,
-                             pipeline_forward_backward, stage_layers, sync_tied_embeddings, tied_copy_names)
-from hpc_tp.pipeline.schedules import BACKWARD, FORWARD, SCHEDULES
+from hpc_tp.pipeline import (PipelineStats, balanced_layers, build_stage, layers_from_counts, model_chunks, parse_pp_layers,
+                             pipeline_forward_backward, stage_layers, stage_ops, sync_tied_embeddings,
+                             tied_copy_names)
+from hpc_tp.pipeline.schedules import BACKWARD, FORWARD
 from hpc_tp.train.grad_sync import GradBucketer
 from hpc_tp.train.optim import global_grad_norm
 from hpc_tp.verify import gradient_errors
@@ -29,6 +31,8 @@ TOL = 1e-9
 SEED, STEP = 3, 7
 MICRO, SEQ = 2, 6
 LAYOUTS = {2: [(1, 2, 1)], 4: [(1, 4, 1), (2, 2, 1), (1, 2, 2)]}  # (tp, pp, dp) by world size
+# (tp, pp, dp, virtual stages) by world size, for the interleaved schedule.
+INTERLEAVED = {2: [(1, 2, 1, 2), (1, 2, 1, 3), (1, 2, 1, 4)], 4: [(1, 4, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2)]}
 
 # Dropout everywhere, tied embeddings, 5 layers (uneven at pp = 2 and 4).
 GPT = ModelConfig(vocab_size=37, hidden=16, n_layers=5, n_heads=2, max_seq_len=8, dropout=0.1, attn_dropout=0.1)
@@ -39,6 +43,10 @@ LLAMA = ModelConfig(vocab_size=29, hidden=16, n_layers=4, n_heads=2, n_kv_heads=
 
 def layouts():
     return LAYOUTS.get(world().size, [])
+
+
+def interleaved_layouts():
+    return INTERLEAVED.get(world().size, [])
 
 
 def make_micro_batches(cfg, count, seed=0):
@@ -68,12 +76,12 @@ def reference(cfg, batches):
     return model, loss, count
 
 
-def run_pipeline(cfg, layout, batches, schedule, recompute=False, layers=None):
+def run_pipeline(cfg, layout, batches, schedule, recompute=False, layers=None, virtual_stages=1):
     """This rank's stage after one step: dp-reduced gradients, tied copies synchronised."""
     tp, pp, dp = layout
     grid = ProcessGrid(tp, pp, dp, world())
     with GradArena(4096) as arena:
-        model = build_stage(cfg, grid, "float64", SEED, layers)
+        model = build_stage(cfg, grid, "float64", SEED, layers, virtual_stages)
     m = len(batches) // dp
     first = grid.coords.dp * m
     bucketer = GradBucketer(model.state(), grid.dp, arena, average=False)
@@ -129,17 +137,39 @@ def test_pipeline_matches_one_process(schedule, recompute):
         check_against_reference(GPT, batches, grid, model, loss, count)
 
 
+# Interleaved: 9 layers in pp * V chunks (uneven at every V), 2 * pp micro-batches per dp rank.
+GPT9 = dataclasses.replace(GPT, n_layers=9)
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_untied_llama_one_micro_batch_explicit_split(schedule):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_interleaved_pipeline_matches_one_process(recompute):
+    for tp, pp, dp, v in interleaved_layouts():
+        batches = make_micro_batches(GPT9, 2 * pp * dp)
+        grid, model, loss, count, _ = run_pipeline(GPT9, (tp, pp, dp), batches, "1f1b", recompute, virtual_stages=v)
+        chunks = balanced_layers(GPT9, pp, virtual_stages=v)
+        assert [[model.layer_ids[p] for p in c] for c in model_chunks(model)] == \
+            [list(c) for c in chunks[grid.coords.pp::pp]]
+        check_against_reference(GPT9, batches, grid, model, loss, count)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule, virtual_stages", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])
+def test_untied_llama_one_micro_batch_explicit_split(schedule, virtual_stages):
     for layout in layouts():
-        pp = layout[1]
-        layers = parse_pp_layers("3,1" if pp == 2 else "1,1,1,1", LLAMA.n_layers, pp)
-        batches = make_micro_batches(LLAMA, layout[2], seed=1)  # one micro-batch per dp rank
-        grid, model, loss, count, _ = run_pipeline(LLAMA, layout, batches, schedule, layers=layers)
-        assert list(model.layer_ids) == list(layers[grid.coords.pp])
+        pp, cfg = layout[1], LLAMA
+        if virtual_stages == 1:
+            layers = parse_pp_layers("3,1" if pp == 2 else "1,1,1,1", LLAMA.n_layers, pp)
+            batches = make_micro_batches(LLAMA, layout[2], seed=1)  # one micro-batch per dp rank
+        else:  # pp micro-batches per dp rank: the fewest the interleaved schedule takes
+            cfg = dataclasses.replace(LLAMA, n_layers=2 * pp + 1)
+            layers = parse_pp_layers(",".join(["2"] + ["1"] * (2 * pp - 1)), cfg.n_layers, pp, virtual_stages)
+            batches = make_micro_batches(cfg, pp * layout[2], seed=1)
+        grid, model, loss, count, _ = run_pipeline(cfg, layout, batches, schedule, layers=layers,
+                                                   virtual_stages=virtual_stages)
+        assert list(model.layer_ids) == [i for r in layers[grid.coords.pp::pp] for i in r]
         assert tied_copy_names(model, grid) == frozenset()
-        check_against_reference(LLAMA, batches, grid, model, loss, count)
+        check_against_reference(cfg, batches, grid, model, loss, count)
 
 
 # Sequence parallelism: stages exchange sequence shards [B, T/tp, H] (a whole-sequence message would not fit
@@ -149,15 +179,20 @@ SP_MOE = dataclasses.replace(SP_GPT, num_experts=4, top_k=2, moe_every=2, capaci
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("virtual_stages", [1, 2])
 @pytest.mark.parametrize("cfg", [SP_GPT, SP_MOE], ids=["sequence-parallel", "sequence-parallel-moe"])
-def test_sequence_parallel_pipeline_matches_one_process(cfg):
+def test_sequence_parallel_pipeline_matches_one_process(cfg, virtual_stages):
     for layout in layouts():
-        batches = make_micro_batches(cfg, 3 * layout[2])
-        grid, model, loss, count, _ = run_pipeline(cfg, layout, batches, "1f1b", recompute=True)
+        if layout[1] * virtual_stages > cfg.n_layers:
+            continue
+        batches = make_micro_batches(cfg, 3 * layout[2] if virtual_stages == 1 else 2 * layout[1] * layout[2])
+        m = len(batches) // layout[2]
+        grid, model, loss, count, _ = run_pipeline(cfg, layout, batches, "1f1b", recompute=True,
+                                                   virtual_stages=virtual_stages)
         assert model.hidden_shape(MICRO, SEQ) == (MICRO, SEQ // layout[0], cfg.hidden)
         check_against_reference(cfg, batches, grid, model, loss, count)
         for moe in model.moe_layers():  # a forward rerun by recomputation is not counted twice
-            assert moe.stats.forwards == 3
+            assert moe.stats.forwards == m
 
 
 @pytest.mark.mpi(min_size=2)
@@ -177,6 +212,19 @@ def test_activation_peak_per_stage():
     assert peaks["gpipe", False].peak_bytes * (pp - stage) == peaks["1f1b", False].peak_bytes * m
     assert peaks["1f1b", True].peak_micro_batches == pp - stage
     assert peaks["1f1b", True].peak_bytes < peaks["1f1b", False].peak_bytes
+
+
+@pytest.mark.mpi(min_size=2)
+def test_interleaved_activation_peak():
+    """Interleaving keeps more passes alive, each through a chunk of 1/V of the rank's layers:
+    2 (pp-1-stage) + (V-1) pp + 1 of them, as the symbolic replay counts."""
+    tp, pp, dp = layouts()[0]
+    v, m = 2, 2 * pp
+    cfg = dataclasses.replace(GPT, n_layers=pp * v)  # one layer per chunk
+    batches = make_micro_batches(cfg, m * dp)
+    grid, _, _, _, stats = run_pipeline(cfg, (tp, pp, dp), batches, "1f1b", virtual_stages=v)
+    expected = _replay(pp, m, v)[grid.coords.pp]
+    assert stats.peak_micro_batches == expected == 2 * (pp - 1 - grid.coords.pp) + (v - 1) * pp + 1
 
 
 @pytest.mark.mpi(min_size=2)
@@ -218,9 +266,13 @@ def test_single_stage_is_a_plain_micro_batch_loop(schedule, recompute):
     assert stats.peak_micro_batches == (3 if schedule == "gpipe" else 1)
 
 
-def _replay(schedule, pp, m):
-    """Run every stage's op list against its neighbours' messages; returns the peak alive per stage."""
-    ops = [SCHEDULES[schedule](m, pp, s) for s in range(pp)]
+def _replay(pp, m, chunks=1, schedule="1f1b"):
+    """Run every rank's op list against its neighbours' messages; returns the peak alive per rank.
+    A pass of chunk c on rank s is virtual stage c * pp + s: its forward needs the forward of the
+    virtual stage before (rank s - 1, or the last rank's chunk c - 1), its backward the backward of
+    the one after, and the last virtual stage's backward its own forward."""
+    ops = [stage_ops(schedule, m, pp, s, chunks) for s in range(pp)]
+    last = pp * chunks - 1
     done = [set() for _ in range(pp)]
     position, alive, peak = [0] * pp, [0] * pp, [0] * pp
     while any(position[s] < len(ops[s]) for s in range(pp)):
@@ -228,18 +280,23 @@ def _replay(schedule, pp, m):
         for s in range(pp):
             if position[s] == len(ops[s]):
                 continue
-            op, i = ops[s][position[s]]
-            needs = (s - 1, FORWARD) if op == FORWARD else (s + 1, BACKWARD)
-            if 0 <= needs[0] < pp and (needs[1], i) not in done[needs[0]]:
+            op, c, i = ops[s][position[s]]
+            stage = c * pp + s
+            if op == FORWARD:
+                needs = (FORWARD, stage - 1) if stage > 0 else None
+            else:
+                needs = (FORWARD, stage) if stage == last else (BACKWARD, stage + 1)
+            if needs is not None and (needs[0], needs[1] // pp, i) not in done[needs[1] % pp]:
                 continue
-            done[s].add((op, i))
+            done[s].add((op, c, i))
             position[s] += 1
             alive[s] += 1 if op == FORWARD else -1
             peak[s] = max(peak[s], alive[s])
             progressed = True
-        assert progressed, f"{schedule} deadlocks at pp={pp}, m={m}: stages stopped at {position}"
+        assert progressed, f"{schedule} deadlocks at pp={pp}, V={chunks}, m={m}: ranks stopped at {position}"
     for s in range(pp):
-        assert sorted(ops[s]) == sorted([(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)])
+        assert sorted(ops[s]) == sorted((op, c, i) for op in (FORWARD, BACKWARD) for c in range(chunks)
+                                        for i in range(m))
     return peak
 
 
@@ -247,9 +304,18 @@ def _replay(schedule, pp, m):
 def test_schedules_never_deadlock_and_bound_activations(schedule):
     for pp in range(1, 7):
         for m in range(1, 10):
-            peak = _replay(schedule, pp, m)
+            peak = _replay(pp, m, schedule=schedule)
             expected = [m] * pp if schedule == "gpipe" else [min(pp - s, m) for s in range(pp)]
             assert peak == expected, (pp, m, peak)
+
+
+def test_interleaved_schedule_never_deadlocks_and_bounds_activations():
+    for pp in range(2, 7):
+        for chunks in range(2, 5):
+            for m in range(pp, 4 * pp + 1, pp):
+                peak = _replay(pp, m, chunks)
+                assert peak == [min(2 * (pp - 1 - s) + (chunks - 1) * pp + 1, m * chunks) for s in range(pp)], \
+                    (pp, chunks, m, peak)
 
 
 def test_bubble_formula():
@@ -284,6 +350,11 @@ def test_stage_split():
     (lambda: parse_pp_layers("3,3", 5, 2), ["6 layers", "has 5"]),
     (lambda: parse_pp_layers("5,0", 5, 2), ["positive"]),
     (lambda: pipeline_forward_backward(None, [None], None, 1.0, schedule="zb"), ["zb", "gpipe", "1f1b"]),
+    (lambda: parse_pp_layers("3,2", 5, 2, 2), ["2 stages", "--pp 2 x --virtual-stages 2 is 4 chunks"]),
+    (lambda: stage_ops("1f1b", 3, 2, 0, 2), ["3 micro-batches", "--virtual-stages 2", "multiple of --pp 2"]),
+    (lambda: stage_ops("gpipe", 4, 2, 0, 2), ["--schedule gpipe", "--virtual-stages 2 needs --schedule 1f1b"]),
+    (lambda: build_stage(GPT, ProcessGrid(1, 1, 1, world()), virtual_stages=2), ["--virtual-stages 2", "--pp > 1"]),
+    (lambda: build_stage(GPT, ProcessGrid(1, 1, 1, world()), virtual_stages=0), ["--virtual-stages 0", "positive"]),
 ])
 def test_stage_split_errors_name_the_values(call, words):
     with pytest.raises(ConfigError) as error:

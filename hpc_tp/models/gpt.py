@@ -13,6 +13,7 @@ their load-balancing term joins (``backward`` sets it, and so does the pipeline 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 from ..comm.base import Communicator
@@ -31,7 +32,7 @@ from .init import initialize
 
 class GPTModel(Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype="float64", seed: int = 0,
-                 layers: range | None = None, has_embedding: bool = True, has_head: bool = True,
+                 layers: Sequence[int] | None = None, has_embedding: bool = True, has_head: bool = True,
                  ep_comm: Communicator | None = None):
         self.cfg, self.comm, self.dtype = cfg, comm, dtype
         self.rng = DropoutRNG(seed)

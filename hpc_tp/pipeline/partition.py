@@ -1,10 +1,16 @@
-"""Stage partition: which contiguous layers each pipeline stage runs, and the stage's model.
+"""Stage partition: which layers each pipeline rank runs, and the rank's model.
 
-A pipeline is as fast as its slowest stage, so layers are split to balance an estimate of each
-stage's work: the blocks' forward flops per token, plus the embedding on the first stage and
+The model is cut into pp * V contiguous chunks (V virtual stages per rank, ``--virtual-stages``;
+V = 1: one chunk per rank, its stage). Rank r holds chunks r, r + pp, r + 2 pp, ...: with V > 1
+its layers are not contiguous, which is what lets the interleaved schedule pass a micro-batch
+around the ring V times in smaller steps. Parameter names keep the whole model's layer indices,
+so a checkpoint does not depend on the layout.
+
+A pipeline is as fast as its slowest chunk, so layers are split to balance an estimate of each
+chunk's work: the blocks' forward flops per token, plus the embedding on the first chunk and
 the final norm, LM head and cross entropy on the last (for a small model with a large
 vocabulary the head can weigh as much as several blocks). An explicit split (``--pp-layers
-3,2,3``) overrides the estimate. Every stage runs at least one block.
+3,2,3``, one count per chunk) overrides the estimate. Every chunk runs at least one block.
 """
 from __future__ import annotations
 
@@ -76,18 +82,34 @@ def _best_split(n_layers, pp, value, combine):
     return best[0][0], stops
 
 
-def balanced_layers(cfg: ModelConfig, pp: int, seq_len: int | None = None) -> list[range]:
-    """The default split of ``cfg`` into ``pp`` stages, from ``stage_costs``."""
+def check_virtual_stages(virtual_stages, pp: int, n_layers: int):
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ConfigError(f"--virtual-stages {virtual_stages!r}: expected a positive integer")
+    if virtual_stages > 1 and pp == 1:
+        raise ConfigError(f"--virtual-stages {virtual_stages} needs a pipeline (--pp > 1): one rank runs "
+                          "its layers in one piece")
+    if virtual_stages > 1 and pp * virtual_stages > n_layers:
+        raise ConfigError(f"--pp {pp} x --virtual-stages {virtual_stages} = {pp * virtual_stages} chunks is more "
+                          f"than the model's {n_layers} layers: every chunk needs at least one layer")
+
+
+def balanced_layers(cfg: ModelConfig, pp: int, seq_len: int | None = None, virtual_stages: int = 1) -> list[range]:
+    """The default split of ``cfg`` into ``pp * virtual_stages`` chunks, from ``stage_costs``."""
+    check_virtual_stages(virtual_stages, pp, cfg.n_layers)
     embedding, block, head = stage_costs(cfg, seq_len)
-    return stage_layers(cfg.n_layers, pp, [block] * cfg.n_layers, first_extra=embedding, last_extra=head)
+    return stage_layers(cfg.n_layers, pp * virtual_stages, [block] * cfg.n_layers, first_extra=embedding,
+                        last_extra=head)
 
 
-def layers_from_counts(counts, n_layers: int, pp: int) -> list[range]:
-    """Ranges from an explicit number of layers per stage, checked against the model and --pp."""
+def layers_from_counts(counts, n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]:
+    """Ranges from an explicit number of layers per chunk, checked against the model, --pp and
+    --virtual-stages."""
     counts = list(counts)
     shown = ",".join(str(c) for c in counts)
-    if len(counts) != pp:
-        raise ConfigError(f"--pp-layers {shown} names {len(counts)} stages but --pp is {pp}")
+    if len(counts) != pp * virtual_stages:
+        expected = f"--pp is {pp}" if virtual_stages == 1 else \
+            f"--pp {pp} x --virtual-stages {virtual_stages} is {pp * virtual_stages} chunks"
+        raise ConfigError(f"--pp-layers {shown} names {len(counts)} stages but {expected}")
     if any(not isinstance(c, int) or c < 1 for c in counts):
         raise ConfigError(f"--pp-layers {shown}: every stage needs a positive whole number of layers")
     if sum(counts) != n_layers:
@@ -99,28 +121,48 @@ def layers_from_counts(counts, n_layers: int, pp: int) -> list[range]:
     return ranges
 
 
-def parse_pp_layers(spec: str, n_layers: int, pp: int) -> list[range]:
+def parse_pp_layers(spec: str, n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]:
     """``"3,2,3"`` -> [range(0, 3), range(3, 5), range(5, 8)]."""
     try:
         counts = [int(part) for part in spec.split(",")]
     except ValueError:
-        raise ConfigError(f"--pp-layers {spec!r}: expected comma-separated layer counts, one per stage, "
-                          f"e.g. 3,2,3") from None
-    return layers_from_counts(counts, n_layers, pp)
+        raise ConfigError(f"--pp-layers {spec!r}: expected comma-separated layer counts, one per stage "
+                          f"(per chunk with --virtual-stages), e.g. 3,2,3") from None
+    return layers_from_counts(counts, n_layers, pp, virtual_stages)
 
 
-def build_stage(cfg: ModelConfig, grid, dtype="float64", seed: int = 0, layers_per_stage=None) -> GPTModel:
-    """This rank's stage of the model: its layers, the embedding on the first stage, the final
-    norm, head and loss on the last; MoE experts spread over the grid's ep group.
-    ``layers_per_stage``: None (balanced by cost), a list of layer counts, or a list of ranges
-    (as ``stage_layers`` gives)."""
+def rank_layers(chunks: list[range], pp: int, rank: int) -> list[int]:
+    """The layers of ``rank``: chunks rank, rank + pp, ... of the whole model's ``chunks``."""
+    return [layer for chunk in chunks[rank::pp] for layer in chunk]
+
+
+def model_chunks(model) -> list[list[int]]:
+    """Positions in ``model.layers`` of each of the rank's chunks: the runs of consecutive layer
+    indices (two chunks of one rank are pp > 1 chunks apart, never adjacent)."""
+    chunks = []
+    for position, layer in enumerate(model.layer_ids):
+        if chunks and model.layer_ids[position - 1] == layer - 1:
+            chunks[-1].append(position)
+        else:
+            chunks.append([position])
+    return chunks
+
+
+def build_stage(cfg: ModelConfig, grid, dtype="float64", seed: int = 0, layers_per_stage=None,
+                virtual_stages: int = 1) -> GPTModel:
+    """This rank's part of the model: its chunks' layers, the embedding on the first rank (first
+    chunk), the final norm, head and loss on the last (last chunk); MoE experts spread over the
+    grid's ep group. ``layers_per_stage``: None (balanced by cost), a list of layer counts, or a
+    list of ranges (as ``stage_layers`` gives), one per chunk."""
+    pp = grid.pp_size
+    check_virtual_stages(virtual_stages, pp, cfg.n_layers)
     if layers_per_stage is None:
-        ranges = balanced_layers(cfg, grid.pp_size)
+        ranges = balanced_layers(cfg, pp, virtual_stages=virtual_stages)
     elif all(isinstance(r, range) for r in layers_per_stage):
-        ranges = layers_from_counts([len(r) for r in layers_per_stage], cfg.n_layers, grid.pp_size)
+        ranges = layers_from_counts([len(r) for r in layers_per_stage], cfg.n_layers, pp, virtual_stages)
         if list(layers_per_stage) != ranges:
             raise ConfigError(f"stage layer ranges {list(layers_per_stage)} are not contiguous from layer 0")
     else:
-        ranges = layers_from_counts(layers_per_stage, cfg.n_layers, grid.pp_size)
-    return GPTModel(cfg, grid.tp, dtype=dtype, seed=seed, layers=ranges[grid.coords.pp],
+        ranges = layers_from_counts(layers_per_stage, cfg.n_layers, pp, virtual_stages)
+    return GPTModel(cfg, grid.tp, dtype=dtype, seed=seed, layers=rank_layers(ranges, pp, grid.coords.pp),
                     has_embedding=grid.is_first_stage, has_head=grid.is_last_stage, ep_comm=grid.ep)
