@@ -143,6 +143,37 @@ def test_pipeline_layouts_train_like_one_process(schedule):
         assert np.max(np.abs(losses(run, comm) - alone) / alone) < 1e-9, (tp, pp, dp)
 
 
+INTERLEAVED_LAYOUTS = {2: [(1, 2, 1)], 4: [(1, 2, 2), (2, 2, 1)]}  # (tp, pp, dp) at 2 virtual stages per rank
+
+
+@pytest.mark.mpi(min_size=2)
+def test_interleaved_layouts_train_like_one_process():
+    comm = world()
+    four_layers = {"n_layers": 4, "dropout": 0.1, "attn_dropout": 0.1}  # 4 chunks at pp=2: one layer each
+    alone = losses(settings(model_overrides=four_layers, steps=6), self_comm())
+    for tp, pp, dp in INTERLEAVED_LAYOUTS.get(comm.size, []):
+        run = settings(model_overrides=four_layers, steps=6, tp=tp, pp=pp, dp=dp, virtual_stages=2, recompute=tp == 1)
+        assert np.max(np.abs(losses(run, comm) - alone) / alone) < 1e-9, (tp, pp, dp)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_interleaved_checkpoints_resume_under_other_layouts(tmp_path):
+    """Parameter names keep the whole model's layer indices: what pp=2 x V=2 saved, pp=2 x V=1 and
+    pp=1 continue, and pp=2 x V=2 continues what pp=1 saved, each as the uninterrupted run."""
+    comm = world()
+    root = shared_tmp(tmp_path, comm)
+    four_layers = {"n_layers": 4, "dropout": 0.1, "attn_dropout": 0.1}
+    whole = losses(settings(model_overrides=four_layers, steps=6), self_comm())
+    interleaved = dict(pp=2, dp=comm.size // 2, virtual_stages=2)
+    staged, flat = dict(pp=2, dp=comm.size // 2), dict(dp=comm.size)
+    for index, (saver, resumer) in enumerate(((interleaved, staged), (interleaved, flat), (flat, interleaved))):
+        folder = f"{root}/{index}"
+        Trainer(settings(model_overrides=four_layers, steps=6, save=folder, save_every=3, **saver), comm).run()
+        _truncate_to(folder, 3, comm)
+        tail = losses(settings(model_overrides=four_layers, steps=6, save=folder, resume=True, **resumer), comm)
+        assert len(tail) == 3 and np.max(np.abs(tail - whole[3:]) / whole[3:]) < 1e-9, (saver, resumer)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_resume_is_bit_identical_and_works_under_another_layout(tmp_path):
     comm = world()
@@ -216,6 +247,9 @@ def test_bad_settings_name_the_value():
              "--dtype 'int8': expected one of float32, float64": dict(dtype="int8"),
              "--resume needs --save DIR": dict(resume=True),
              "--ep 0: expected a positive integer": dict(ep=0),
+             "--virtual-stages 2 runs the interleaved 1F1B schedule: use --schedule 1f1b, not gpipe":
+                 dict(virtual_stages=2, schedule="gpipe"),
+             "--virtual-stages 2 needs a pipeline (--pp > 1)": dict(virtual_stages=2),
              "--ep 2 must divide the data-parallel size 1": dict(ep=2, model_overrides=MOE)}
     for message, change in cases.items():
         with pytest.raises(ConfigError) as e:
@@ -247,6 +281,13 @@ def test_resume_may_turn_sequence_parallelism_on_or_off(tmp_path):
             self_comm()).run()
     resumed = Trainer(settings(steps=3, warmup=1, save=str(tmp_path), resume=True), self_comm()).run()
     assert [r["step"] for r in resumed.records] == [3]
+
+
+def test_interleaved_needs_micro_batches_a_multiple_of_pp():
+    assert settings(global_batch=8, micro_batch=1, virtual_stages=2).micro_batch_for(1, 4) == 1
+    with pytest.raises(ConfigError, match=r"/ \(--micro-batch 1 x dp 1\) = 6 micro-batches per step: the interleaved "
+                                          r"schedule \(--virtual-stages 2\) needs a multiple of --pp 4"):
+        settings(global_batch=6, micro_batch=1, virtual_stages=2).micro_batch_for(1, 4)
 
 
 def test_settings_round_trip_through_the_command_line():

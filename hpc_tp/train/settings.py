@@ -24,6 +24,7 @@ class TrainSettings:
     ep: int = 1  # expert-parallel size (MoE): carved out of dp, must divide dp and num_experts
     pp_layers: str | None = None  # e.g. "3,2,3": blocks per stage (default: balanced by a cost estimate)
     schedule: str = "1f1b"
+    virtual_stages: int = 1  # model chunks per pipeline rank: > 1 runs 1F1B interleaved (pipeline/schedules.py)
     plan: str | None = None  # "auto": tp, pp, dp, micro-batch, recompute and schedule from hpc_tp.plan
     plan_cluster: str = "cpu-2core"  # the planner's cluster preset
     recompute: bool = False
@@ -59,6 +60,7 @@ class TrainSettings:
 
     def check(self):
         positive = {"micro-batch": 1 if self.micro_batch is None else self.micro_batch, "ep": self.ep,
+                    "virtual-stages": self.virtual_stages,
                     "global-batch": self.global_batch, "steps": self.steps,
                     "eval-problems": self.eval_problems}
         for flag, value in positive.items():
@@ -80,6 +82,9 @@ class TrainSettings:
             raise ConfigError(f"--plan {self.plan!r}: expected auto")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ConfigError(f"--schedule {self.schedule!r}: expected 1f1b or gpipe")
+        if self.virtual_stages > 1 and self.schedule != "1f1b":
+            raise ConfigError(f"--virtual-stages {self.virtual_stages} runs the interleaved 1F1B schedule: "
+                              f"use --schedule 1f1b, not {self.schedule}")
         if not 0 < self.lr < math.inf:  # also false for nan: a nan or inf rate makes every weight nan
             raise ConfigError(f"--lr {self.lr!r}: expected a finite number > 0")
         for flag, value in {"clip-grad": self.clip_grad, "weight-decay": self.weight_decay,
@@ -120,6 +125,11 @@ class TrainSettings:
         if self.global_batch % (micro * dp):
             raise ConfigError(f"--global-batch {self.global_batch} is not divisible by --micro-batch "
                               f"{micro} x dp {dp} = {micro * dp}")
+        count = self.global_batch // (micro * dp)
+        if self.virtual_stages > 1 and count % pp:
+            raise ConfigError(f"--global-batch {self.global_batch} / (--micro-batch {micro} x dp {dp}) = {count} "
+                              f"micro-batches per step: the interleaved schedule (--virtual-stages "
+                              f"{self.virtual_stages}) needs a multiple of --pp {pp}")
         return micro
 
     def to_dict(self) -> dict:

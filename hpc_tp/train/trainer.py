@@ -179,8 +179,10 @@ class Trainer:
 
     def _build_model(self):
         s = self.settings
-        layers = None if s.pp_layers is None else parse_pp_layers(s.pp_layers, self.cfg.n_layers, s.pp)
-        return build_stage(self.cfg, self.grid, dtype=s.dtype, seed=s.seed, layers_per_stage=layers)
+        layers = None if s.pp_layers is None else parse_pp_layers(s.pp_layers, self.cfg.n_layers, s.pp,
+                                                                  s.virtual_stages)
+        return build_stage(self.cfg, self.grid, dtype=s.dtype, seed=s.seed, layers_per_stage=layers,
+                           virtual_stages=s.virtual_stages)
 
     # -- one optimizer step ---------------------------------------------------------------------------
     def train_step(self) -> dict:
