@@ -9,6 +9,7 @@ The reference is one process looping over the same micro-batches with the same d
 """
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -252,6 +253,18 @@ def test_bubble_benchmark_reports_every_stage():
         assert r["formula"] == (pp - 1) / (3 + pp - 1)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_bubble_benchmark_measures_virtual_stages_side_by_side():
+    tp, pp, dp = layouts()[0]
+    grid = ProcessGrid(tp, pp, dp, world())
+    records = measure_bubble(GPT9, grid, micro_batches=4, micro_batch=2, seq_len=4, schedule="1f1b", repeats=1,
+                             warmup=0, virtual_stages=(1, 2))
+    assert [(r["virtual_stages"], r["stage"]) for r in records] == [(v, s) for v in (1, 2) for s in range(pp)]
+    for v in (1, 2):
+        assert sum(r["layers"] for r in records if r["virtual_stages"] == v) == GPT9.n_layers
+    assert [r["formula"] for r in records if r["stage"] == 0] == [(pp - 1) / (4 + pp - 1), (pp - 1) / (8 + pp - 1)]
+
+
 # -- one process ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -322,6 +335,7 @@ def test_bubble_formula():
     assert bubble_formula(1, 5) == 0.0
     assert bubble_formula(4, 1) == 0.75
     assert bubble_formula(2, 8) == 1 / 9
+    assert bubble_formula(2, 8, virtual_stages=2) == 1 / 17
 
 
 def test_micro_batches_of_different_shapes_are_refused():
@@ -364,10 +378,17 @@ def test_stage_split_errors_name_the_values(call, words):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_bench_pipeline_command_reports_every_stage(capsys):
+def test_bench_pipeline_command_reports_every_stage(capsys, tmp_path):
+    import json
+
     from hpc_tp.cli import main
 
-    assert main(["bench", "pipeline", "--model", "tiny", "--pp", "2", "--micro-batches", "2", "--repeats", "1"]) == 0
+    config = world().bcast_object(str(tmp_path / "four-layers.json"))  # 4 chunks at pp=2, V=2
+    if world().rank == 0:
+        Path(config).write_text(json.dumps(dict(hidden=32, n_layers=4, n_heads=4, max_seq_len=64)))
+    world().barrier()
+    assert main(["bench", "pipeline", "--model", config, "--pp", "2", "--micro-batches", "2", "--repeats", "1",
+                 "--schedule", "1f1b", "--virtual-stages", "1,2"]) == 0
     if world().rank == 0:
         out = capsys.readouterr().out
-        assert "formula idle (p-1)/(m+p-1)" in out and out.count("  stage ") == 2
+        assert "1f1b, pp=2, V=2, m=2: formula idle (p-1)/(V*m+p-1) = 0.200" in out and out.count("  stage ") == 4
