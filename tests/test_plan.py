@@ -411,3 +411,32 @@ def test_replicated_kv_gradients_are_summed_over_their_replicas(bias):
     assert all(c.ranks == 2 and c.count == 2 * cfg.n_layers * m and c.group == "tp" for c in found.values())
     assert not [c for c in stage_collectives(cfg, Layout(2, 1, 1, 1), 8, range(cfg.n_layers), True, True, m, 4, 4)
                 if "replicated" in c.what]
+
+
+def test_interleaved_bubble_is_a_vth_of_1f1b():
+    """V chunks per rank: the fill and drain pass through 1/V of a stage, so with (all but) equal
+    stages the bubble is (p-1)/(V m) of the ideal time instead of (p-1)/m, for V times the p2p
+    messages; the first rank keeps pp + (pp-1)/V micro-batches' activations instead of pp."""
+    cfg, cluster = load_config("gpt2", vocab_size=64), get_cluster("dgx-a100")  # a cheap head: equal stages
+    m, pp = 8, 4
+    one, three = (predict(cfg, Layout(1, pp, 1, 1, virtual_stages=v), m, 1024, cluster) for v in (1, 3))
+    assert one.layers == three.layers == [3] * pp
+    for p, v in ((one, 1), (three, 3)):  # against m times a stage's time (three's has 3x the p2p)
+        ideal = p.step_s - p.bubble_s - p.dp_s - p.update_s
+        assert p.bubble_s == pytest.approx((pp - 1) / (v * m) * ideal, rel=0.02)
+    assert three.bubble_s < one.bubble_s / 2.5
+    assert three.step_s < one.step_s
+    (p2p_one,), (p2p_three,) = ([c for c in p.collectives if c.op == "p2p"] for p in (one, three))
+    assert p2p_three.count == 3 * p2p_one.count == 3 * 2 * m
+    assert three.memory[0].activations == pytest.approx(one.memory[0].activations * (pp + (pp - 1) / 3) / pp,
+                                                        rel=1e-9)
+    assert "1f1b V=3" in three.layout.describe()
+
+
+def test_search_tries_virtual_stages_where_the_engine_runs_them():
+    cfg = ModelConfig(vocab_size=258, hidden=48, n_layers=4, n_heads=6, max_seq_len=32)
+    ranked = search(cfg, 2, 8, 32, get_cluster("cpu-2core"), virtual_stages=(1, 2, 3)).ranked
+    interleaved = [p.layout for p in ranked if p.layout.virtual_stages > 1]
+    assert interleaved and all(lay.virtual_stages == 2 and lay.pp == 2 and lay.schedule == "1f1b"
+                               and (8 // (lay.dp * lay.micro_batch)) % lay.pp == 0 for lay in interleaved)
+    assert len({p.layout.virtual_stages for p in search(cfg, 2, 8, 32, get_cluster("cpu-2core")).ranked}) == 1

@@ -85,24 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (default %(default)s)")
 
 
-def parse_virtual_stages(spec: str) -> tuple[int, ...]:
-    from ..errors import ConfigError
-
-    try:
-        counts = tuple(int(part) for part in spec.split(","))
-    except ValueError:
-        raise ConfigError(f"--virtual-stages {spec!r}: expected comma-separated positive integers, e.g. 1,2") from None
-    if any(v < 1 for v in counts):
-        raise ConfigError(f"--virtual-stages {spec}: every count must be a positive integer")
-    return counts
-
-
 def run(args) -> int:
     from ..comm.mpi import world
     from ..errors import ConfigError
     from ..grid import ProcessGrid
     from ..launch import check_launch
     from ..models import load_config
+    from ..pipeline.partition import parse_virtual_stages
 
     for flag in ("micro_batches", "micro_batch", "seq_len", "repeats"):
         if getattr(args, flag) < 1:

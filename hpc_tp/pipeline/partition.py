@@ -131,6 +131,17 @@ def parse_pp_layers(spec: str, n_layers: int, pp: int, virtual_stages: int = 1) 
     return layers_from_counts(counts, n_layers, pp, virtual_stages)
 
 
+def parse_virtual_stages(spec: str) -> tuple[int, ...]:
+    """``"1,2"`` -> (1, 2): the chunk counts a benchmark or the planner tries."""
+    try:
+        counts = tuple(int(part) for part in spec.split(","))
+    except ValueError:
+        raise ConfigError(f"--virtual-stages {spec!r}: expected comma-separated positive integers, e.g. 1,2") from None
+    if any(v < 1 for v in counts):
+        raise ConfigError(f"--virtual-stages {spec}: every count must be a positive integer")
+    return counts
+
+
 def rank_layers(chunks: list[range], pp: int, rank: int) -> list[int]:
     """The layers of ``rank``: chunks rank, rank + pp, ... of the whole model's ``chunks``."""
     return [layer for chunk in chunks[rank::pp] for layer in chunk]

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     work.add_argument("--distributed-optimizer", action="store_true",
                       help="ZeRO-1 where dp > 1 (hpc-tp train --distributed-optimizer): optimizer states and "
                            "masters sharded over dp")
+    work.add_argument("--virtual-stages", default="1", metavar="V[,V...]",
+                      help="model chunks per pipeline rank to try with 1f1b, e.g. 1,2,4 (hpc-tp train "
+                           "--virtual-stages: interleaved 1F1B); default %(default)s")
     work.add_argument("--serve-batch", type=int, metavar="N",
                       help="also show serving memory: weights and KV cache of N sequences of --seq-len, per tp")
     out = parser.add_argument_group("output")
@@ -81,6 +84,7 @@ def run(args) -> int:
     from ..errors import ConfigError
     from ..models.config import load_config, parse_overrides
     from ..paths import check_output_file
+    from ..pipeline.partition import parse_virtual_stages
 
     overrides = parse_overrides(args.model_overrides)
     for flag, value in (("global-batch", args.global_batch), ("seq-len", args.seq_len), ("top", args.top),
@@ -88,6 +92,7 @@ def run(args) -> int:
                         *(("ep", e) for e in args.ep or [])):
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} {value}: expected a positive whole number")
+    virtual_stages = parse_virtual_stages(args.virtual_stages)
     if args.validate:
         return _validate(args, overrides)
     if args.json:
@@ -105,7 +110,8 @@ def run(args) -> int:
     calibration = load_calibration(args.calibration) if args.calibration else None
     sp = {"search": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]
     plan = search(cfg, gpus, args.global_batch, seq, cluster, calibration, micro_batches=args.micro_batch,
-                  sequence_parallel=sp, eps=args.ep, distributed_optimizer=args.distributed_optimizer)
+                  sequence_parallel=sp, eps=args.ep, distributed_optimizer=args.distributed_optimizer,
+                  virtual_stages=virtual_stages)
     print(format_plan(plan, cfg, args.model, cluster, gpus, args.global_batch, seq, calibration, args.top,
                       args.serve_batch))
     if args.json:

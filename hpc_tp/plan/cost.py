@@ -1,4 +1,4 @@
-"""Predicted step time of a (tp, pp, dp, micro-batch, recompute, schedule, sp, ep) layout.
+"""Predicted step time of a (tp, pp, dp, micro-batch, recompute, schedule, sp, ep, V) layout.
 
 Compute. Forward FLOPs per token come from ``pipeline.partition.stage_costs`` (the estimate the
 stage split balances): per block 2 x (QKV, output, MLP weights) + 4 s h for scores and P V,
@@ -48,7 +48,9 @@ crosses the inter-node link, the rest stay inside a node.
 Pipeline. With per-micro-batch stage times T_s (forward + backward, their tp collectives and
 p2p) and m micro-batches, a step takes sum_s T_s + (m - 1) max_s T_s: the slowest stage works
 m times, the others add the fill and drain. For equal stages that is (m + p - 1) T, the bubble
-(p - 1) / m of the ideal m T. Collectives are counted as not overlapped with compute: on CPU MPI
+(p - 1) / m of the ideal m T. With V virtual stages per rank (interleaved 1F1B) the fill and
+drain go through chunks of 1/V of a stage: sum_s T_s / V + (m - 1/V) max_s T_s, for equal stages
+(m + (p - 1) / V) T, the bubble (p - 1) / (V m), for V times the p2p messages. Collectives are counted as not overlapped with compute: on CPU MPI
 nothing progresses outside an MPI call, and it keeps the plan on the safe side on GPUs.
 
 Update. AdamW, clipping and zeroing are elementwise: ``UPDATE_PASSES`` reads and writes of the
@@ -62,7 +64,7 @@ from dataclasses import dataclass, field, replace
 import numpy
 
 from ..models.config import ModelConfig
-from ..pipeline.partition import balanced_layers, stage_costs
+from ..pipeline.partition import balanced_layers, rank_layers, stage_costs
 from ..train.grad_sync import DEFAULT_BUCKET_BYTES
 from .memory import (ENGINE, Routing, expert_params, kv_heads_local, norm_params, sharded_elements, stage_memory,
                      stage_params, vocab_rows)
@@ -130,6 +132,7 @@ class Layout:
     sequence_parallel: bool = False
     ep: int = 1  # expert parallelism, carved out of dp
     distributed_optimizer: bool = False  # ZeRO-1: optimizer states and masters sharded over dp
+    virtual_stages: int = 1  # model chunks per pipeline rank: > 1 is interleaved 1F1B
 
     @property
     def optimizer_shards(self) -> int:
@@ -160,6 +163,7 @@ class Layout:
     def describe(self) -> str:
         extras = [f"ep={self.ep}" if self.ep > 1 else "", "sp" if self.sequence_parallel else "",
                   "recompute" if self.recompute else "", self.schedule if self.pp > 1 else "",
+                  f"V={self.virtual_stages}" if self.virtual_stages > 1 else "",
                   "zero1" if self.distributed_optimizer else ""]
         return " ".join([f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch={self.micro_batch}",
                          *[e for e in extras if e]])
@@ -282,8 +286,8 @@ def stage_collectives(cfg: ModelConfig, layout: Layout, seq: int, layers: range,
         out.append(Collective("ep", "all_to_all", ep * piece * cfg.hidden * elem, moe * (4 + 2 * again) * m,
                               "MoE dispatch and combine, forward and backward"))
     if layout.pp > 1:
-        out.append(Collective("pp", "p2p", activation // (tp if layout.sequence_parallel else 1), 2 * m,
-                              "activation forward, gradient backward"))
+        out.append(Collective("pp", "p2p", activation // (tp if layout.sequence_parallel else 1),
+                              2 * m * layout.virtual_stages, "activation forward, gradient backward (per chunk)"))
         out.append(Collective("pp", "all_reduce", 16, 2, "loss broadcast, grad norm", False))
         if cfg.tie_embeddings and (first or last):  # pipeline/tied.py: the two copies' gradients summed
             out.append(Collective("pp", "all_reduce", vocab_rows(cfg, tp) * cfg.hidden * grad_bytes, 1,
@@ -306,23 +310,25 @@ def stage_collectives(cfg: ModelConfig, layout: Layout, seq: int, layers: range,
 
 
 def stage_ranges(counts: list[int]) -> list[range]:
-    """Contiguous layer indices from layers per stage."""
+    """Contiguous layer indices from layers per stage (or chunk)."""
     starts = numpy.cumsum([0, *counts])
     return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
 
 
 def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, cluster, calibration=None,
             layers=None) -> Prediction:
-    """The layout's step time, its parts and memory per stage. ``layers``: blocks per stage (default:
-    the engine's balanced split, ``balanced_layers``). The layout's sequence_parallel replaces the
-    config's."""
+    """The layout's step time, its parts and memory per stage. ``layers``: blocks per chunk, pp *
+    virtual_stages of them (default: the engine's balanced split, ``balanced_layers``). The layout's
+    sequence_parallel replaces the config's."""
     cfg = replace(cfg, sequence_parallel=layout.sequence_parallel)
     precision = cluster.precision
     per_node = min(layout.world, cluster.devices_per_node)
     network = calibration.network(cluster, layout.tp) if calibration is not None else Network.of_cluster(cluster)
     mem_bw = calibration.mem_bw if calibration is not None and calibration.mem_bw else cluster.rank_mem_bw(per_node)
     m = global_batch // (layout.dp * layout.micro_batch)
-    ranges = stage_ranges(layers or [len(r) for r in balanced_layers(cfg, layout.pp)])
+    v = layout.virtual_stages
+    chunks = stage_ranges(layers or [len(r) for r in balanced_layers(cfg, layout.pp, virtual_stages=v)])
+    ranges = [rank_layers(chunks, layout.pp, s) for s in range(layout.pp)]  # each rank's layers
 
     # Stages with the same layer count, MoE layers and role cost the same: each kind is computed once.
     def kind(s):
@@ -335,12 +341,12 @@ def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, clust
                                         per_node)
             k["memory"] = stage_memory(cfg, layout.tp, layout.pp, s, stage_layers, layout.micro_batch,
                                        seq, m, layout.schedule, layout.recompute, precision, ENGINE, layout.ep,
-                                       layout.optimizer_shards)
+                                       layout.optimizer_shards, v)
             k["stage"] = s  # the first of its kind holds the most micro-batches in flight
         stage_times.append(kinds[kind(s)]["micro"])
 
     slowest = max(range(len(ranges)), key=lambda s: stage_times[s])
-    pipeline = sum(stage_times) + (m - 1) * stage_times[slowest]
+    pipeline = sum(stage_times) / v + (m - 1 / v) * stage_times[slowest]
     worst = kinds[kind(slowest)]
     dp_s = max(k["after"] for k in kinds.values())
     update_s = max(k["update"] for k in kinds.values())
@@ -366,9 +372,9 @@ def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, clu
         return (flops_per_token * tokens - router) / layout.tp + router
 
     flops = per_rank(forward_flops_per_token(cfg, seq, layers, first, last, rows))
-    # A pipeline stage computes m of the m + pp - 1 slots of a step and waits in the others (MPI
-    # yields the core when ranks outnumber cores): on average fewer ranks share the cores.
-    busy = per_node * m / (m + layout.pp - 1)
+    # A pipeline stage computes m of the m + (pp - 1) / V stage times a step lasts and waits in the
+    # rest (MPI yields the core when ranks outnumber cores): on average fewer ranks share the cores.
+    busy = per_node * m / (m + (layout.pp - 1) / layout.virtual_stages)
     rate = (calibration.rank_flops(cluster, per_node, flops, layout.tp, busy) if calibration is not None
             else cluster.rank_flops(busy))
     recomputed = per_rank(forward_flops_per_token(cfg, seq, layers, False, False, rows))

@@ -212,8 +212,12 @@ def head_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int,
     return floats * elem + sb * (INDEX_BYTES + 2)
 
 
-def in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak."""
+def in_flight(schedule: str, pp: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations a stage holds at its peak. Interleaved (V > 1): passes through
+    a chunk, each 1/V of the stage's layers, 2 (pp-1-stage) + (V-1) pp + 1 of them at the end of the
+    warm-up (pipeline/schedules.py), e.g. pp + (pp-1)/V stages' worth on the first."""
+    if virtual_stages > 1:
+        return min(2 * (pp - 1 - stage) + (virtual_stages - 1) * pp + 1, micro_batches * virtual_stages) / virtual_stages
     return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
 
 
@@ -236,9 +240,10 @@ class StageMemory:
 
 def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, micro_batch: int,
                  seq: int, micro_batches: int, schedule: str, recompute: bool, precision,
-                 saved: SavedTensors = ENGINE, ep: int = 1, optimizer_shards: int = 1) -> StageMemory:
-    """``layers``: the stage's global layer indices; ``optimizer_shards``: dp with the distributed
-    optimizer (``optimizer_bytes_per_rank``), else 1."""
+                 saved: SavedTensors = ENGINE, ep: int = 1, optimizer_shards: int = 1,
+                 virtual_stages: int = 1) -> StageMemory:
+    """``layers``: the stage's global layer indices (all its chunks'); ``optimizer_shards``: dp with
+    the distributed optimizer (``optimizer_bytes_per_rank``), else 1."""
     first, last = stage == 0, stage == pp - 1
     params = stage_params(cfg, tp, layers, first, last, ep)
     elem = precision.activation_bytes
@@ -255,7 +260,7 @@ def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, 
         per_micro += head_activation_bytes(cfg, micro_batch, seq, tp, elem)
     optimizer = optimizer_bytes_per_rank(params, expert_params(cfg, tp, layers, ep), precision, optimizer_shards, ep)
     return StageMemory(params * precision.param_bytes, params * precision.grad_bytes, optimizer,
-                       in_flight(schedule, pp, stage, micro_batches) * per_micro, rebuilt)
+                       round(in_flight(schedule, pp, stage, micro_batches, virtual_stages) * per_micro), rebuilt)
 
 
 def kv_cache_bytes(cfg: ModelConfig, tp: int, n_layers: int, batch: int, max_len: int, elem: int) -> int:

@@ -85,10 +85,13 @@ def variants(cfg: ModelConfig, tp: int, dp: int, sequence_parallel, eps):
 
 def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, calibration=None,
            micro_batches=None, recompute=(False, True), schedules=("1f1b", "gpipe"),
-           sequence_parallel=(False, True), eps=None, distributed_optimizer: bool = False) -> Plan:
+           sequence_parallel=(False, True), eps=None, distributed_optimizer: bool = False,
+           virtual_stages=(1,)) -> Plan:
     """Every layout of ``world`` ranks; ``micro_batches``: the sizes to try (default: every divisor);
     ``sequence_parallel``: the settings to try; ``eps``: the expert-parallel sizes (default: every
-    divisor of dp, for MoE models); ``distributed_optimizer``: ZeRO-1 wherever dp > 1."""
+    divisor of dp, for MoE models); ``distributed_optimizer``: ZeRO-1 wherever dp > 1;
+    ``virtual_stages``: the chunk counts per rank to try with 1F1B, where the engine runs them
+    (pp > 1, pp * V <= layers, micro-batches a multiple of pp)."""
     if seq > cfg.max_seq_len and cfg.position == "learned":
         raise ConfigError(f"--seq-len {seq} is longer than the model's learned positions (max_seq_len "
                           f"{cfg.max_seq_len})")
@@ -99,8 +102,6 @@ def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, c
         if why is not None:
             plan.rejected.append(Rejected(base, why[1], why[0]))
             continue
-        if pp not in splits:
-            splits[pp] = [len(r) for r in balanced_layers(cfg, pp)]
         for sp, ep in variants(cfg, tp, dp, sequence_parallel, eps):
             variant = {**base, "sequence_parallel": sp, "ep": ep}
             why = variant_reason(cfg, tp, dp, seq, sp, ep)
@@ -112,10 +113,20 @@ def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, c
                     continue
                 for again in recompute:
                     for schedule in schedules if pp > 1 else schedules[:1]:
-                        layout = Layout(tp, pp, dp, micro, again, schedule, sp, ep, distributed_optimizer and dp > 1)
-                        _consider(plan, cfg, layout, global_batch, seq, cluster, calibration, splits[pp])
+                        for v in _chunk_counts(cfg, pp, global_batch // (dp * micro), schedule, virtual_stages):
+                            if (pp, v) not in splits:
+                                splits[pp, v] = [len(r) for r in balanced_layers(cfg, pp, virtual_stages=v)]
+                            layout = Layout(tp, pp, dp, micro, again, schedule, sp, ep,
+                                            distributed_optimizer and dp > 1, v)
+                            _consider(plan, cfg, layout, global_batch, seq, cluster, calibration, splits[pp, v])
     plan.ranked.sort(key=lambda p: (p.step_s, p.peak_memory))
     return plan
+
+
+def _chunk_counts(cfg, pp: int, micro_batches: int, schedule: str, virtual_stages) -> list[int]:
+    """The V of ``virtual_stages`` the engine can run for this layout (V = 1 always)."""
+    interleaves = pp > 1 and schedule == "1f1b" and micro_batches % pp == 0
+    return [v for v in virtual_stages if v == 1 or (interleaves and pp * v <= cfg.n_layers)]
 
 
 def _consider(plan: Plan, cfg, layout: Layout, global_batch: int, seq: int, cluster, calibration, split):
