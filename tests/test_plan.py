@@ -16,6 +16,7 @@ from hpc_tp.models.config import ModelConfig, load_config
 from hpc_tp.nn import attention
 from hpc_tp.nn.attention import heads_fit
 from hpc_tp.pipeline import PipelineStats, balanced_layers, build_stage, pipeline_forward_backward
+from hpc_tp.pipeline.partition import rank_layers
 from hpc_tp.plan import choose_layout, search
 from hpc_tp.plan.calibration import from_comm_records, from_step_records, load_calibration
 from hpc_tp.plan.clusters import CLUSTERS, engine_precision, get_cluster
@@ -98,18 +99,19 @@ def test_distributed_optimizer_bytes_are_the_engines(name):
     assert any("zero1" in p.layout.describe() for p in layout)
 
 
-def held_activations(cfg, tp, pp, dp, ep, schedule, recompute):
+def held_activations(cfg, tp, pp, dp, ep, schedule, recompute, virtual_stages=1):
     """(predicted, measured) activation bytes of this rank's stage over a few micro-batches."""
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, cfg.vocab_size, (MICRO, SEQ)), rng.integers(0, cfg.vocab_size, (MICRO, SEQ)))
                for _ in range(MICRO_BATCHES)]
     grid = ProcessGrid(tp, pp, dp, world(), ep=ep)
-    model = build_stage(cfg, grid, "float64")
+    model = build_stage(cfg, grid, "float64", virtual_stages=virtual_stages)
     stats = PipelineStats()
     m = MICRO_BATCHES // dp
     pipeline_forward_backward(model, batches[grid.coords.dp * m:][:m], grid, 1.0, schedule, recompute, stats=stats)
-    predicted = stage_memory(cfg, tp, pp, grid.coords.pp, balanced_layers(cfg, pp)[grid.coords.pp], MICRO, SEQ,
-                             m, schedule, recompute, engine_precision("float64"), ep=ep)
+    layers = rank_layers(balanced_layers(cfg, pp, virtual_stages=virtual_stages), pp, grid.coords.pp)
+    predicted = stage_memory(cfg, tp, pp, grid.coords.pp, layers, MICRO, SEQ, m, schedule, recompute,
+                             engine_precision("float64"), ep=ep)
     return predicted.activations, stats.peak_bytes
 
 
@@ -127,6 +129,19 @@ def test_activation_bytes_are_what_the_pipeline_holds(name, schedule, recompute,
     for tp, pp, dp, ep in engine_layouts(cfg):
         predicted, measured = held_activations(cfg, tp, pp, dp, ep, schedule, recompute)
         assert predicted == measured, (tp, pp, dp, ep, world().rank)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_interleaved_activation_bytes_are_what_the_pipeline_holds(recompute, monkeypatch):
+    """Two chunks per rank: the passes alive at the peak mix chunks of different cost (the first
+    holds the embedding, the last the head), replayed from the schedule."""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 3)
+    for cfg in (LLAMA, replace(GPT, n_layers=6)):
+        for tp, pp, dp, ep in engine_layouts(cfg):
+            if pp > 1 and 2 * pp <= cfg.n_layers and (MICRO_BATCHES // dp) % pp == 0:
+                predicted, measured = held_activations(cfg, tp, pp, dp, ep, "1f1b", recompute, virtual_stages=2)
+                assert predicted == measured, (cfg.n_layers, tp, pp, dp, world().rank)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -428,8 +443,9 @@ def test_interleaved_bubble_is_a_vth_of_1f1b():
     assert three.step_s < one.step_s
     (p2p_one,), (p2p_three,) = ([c for c in p.collectives if c.op == "p2p"] for p in (one, three))
     assert p2p_three.count == 3 * p2p_one.count == 3 * 2 * m
+    # Up to the embedding's bytes, which only chunk 0's passes keep.
     assert three.memory[0].activations == pytest.approx(one.memory[0].activations * (pp + (pp - 1) / 3) / pp,
-                                                        rel=1e-9)
+                                                        rel=1e-4)
     assert "1f1b V=3" in three.layout.describe()
 
 

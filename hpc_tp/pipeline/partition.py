@@ -147,16 +147,21 @@ def rank_layers(chunks: list[range], pp: int, rank: int) -> list[int]:
     return [layer for chunk in chunks[rank::pp] for layer in chunk]
 
 
-def model_chunks(model) -> list[list[int]]:
-    """Positions in ``model.layers`` of each of the rank's chunks: the runs of consecutive layer
-    indices (two chunks of one rank are pp > 1 chunks apart, never adjacent)."""
+def chunk_runs(layer_ids) -> list[list[int]]:
+    """Positions in ``layer_ids`` (a rank's layers, in order) of each of its chunks: the runs of
+    consecutive layer indices (two chunks of one rank are pp > 1 chunks apart, never adjacent)."""
     chunks = []
-    for position, layer in enumerate(model.layer_ids):
-        if chunks and model.layer_ids[position - 1] == layer - 1:
+    for position, layer in enumerate(layer_ids):
+        if chunks and layer_ids[position - 1] == layer - 1:
             chunks[-1].append(position)
         else:
             chunks.append([position])
     return chunks
+
+
+def model_chunks(model) -> list[list[int]]:
+    """Positions in ``model.layers`` of each of the rank's chunks."""
+    return chunk_runs(model.layer_ids)
 
 
 def build_stage(cfg: ModelConfig, grid, dtype="float64", seed: int = 0, layers_per_stage=None,

@@ -341,7 +341,7 @@ def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, clust
                                         per_node)
             k["memory"] = stage_memory(cfg, layout.tp, layout.pp, s, stage_layers, layout.micro_batch,
                                        seq, m, layout.schedule, layout.recompute, precision, ENGINE, layout.ep,
-                                       layout.optimizer_shards, v)
+                                       layout.optimizer_shards)
             k["stage"] = s  # the first of its kind holds the most micro-batches in flight
         stage_times.append(kinds[kind(s)]["micro"])
 

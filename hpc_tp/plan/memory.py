@@ -42,9 +42,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..models.config import ModelConfig
 from ..nn.attention import saved_score_elements
+from ..pipeline.partition import chunk_runs
+from ..pipeline.schedules import FORWARD, stage_ops
 
 INDEX_BYTES = 8  # token ids, their per-rank offsets, the router's top-k order (int64)
 
@@ -212,13 +215,18 @@ def head_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int,
     return floats * elem + sb * (INDEX_BYTES + 2)
 
 
-def in_flight(schedule: str, pp: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Micro-batches whose activations a stage holds at its peak. Interleaved (V > 1): passes through
-    a chunk, each 1/V of the stage's layers, 2 (pp-1-stage) + (V-1) pp + 1 of them at the end of the
-    warm-up (pipeline/schedules.py), e.g. pp + (pp-1)/V stages' worth on the first."""
-    if virtual_stages > 1:
-        return min(2 * (pp - 1 - stage) + (virtual_stages - 1) * pp + 1, micro_batches * virtual_stages) / virtual_stages
-    return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
+@lru_cache(maxsize=None)
+def alive_mixes(schedule: str, pp: int, stage: int, micro_batches: int, chunks: int) -> frozenset:
+    """How many passes of each chunk hold activations after each forward of the stage's op list
+    (pipeline/schedules.py), the distinct mixes only: the peak is after some forward. One chunk:
+    GPipe's m, 1F1B's min(pp - stage, m); interleaved, 2 (pp-1-stage) + (V-1) pp + 1 passes of
+    1/V of the stage each, their mix changing as backwards free the last chunks first."""
+    alive, mixes = [0] * chunks, set()
+    for op, chunk, _ in stage_ops(schedule, micro_batches, pp, stage, chunks):
+        alive[chunk] += 1 if op == FORWARD else -1
+        if op == FORWARD:
+            mixes.add(tuple(alive))
+    return frozenset(mixes)
 
 
 @dataclass(frozen=True)
@@ -240,27 +248,28 @@ class StageMemory:
 
 def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, micro_batch: int,
                  seq: int, micro_batches: int, schedule: str, recompute: bool, precision,
-                 saved: SavedTensors = ENGINE, ep: int = 1, optimizer_shards: int = 1,
-                 virtual_stages: int = 1) -> StageMemory:
-    """``layers``: the stage's global layer indices (all its chunks'); ``optimizer_shards``: dp with
-    the distributed optimizer (``optimizer_bytes_per_rank``), else 1."""
+                 saved: SavedTensors = ENGINE, ep: int = 1, optimizer_shards: int = 1) -> StageMemory:
+    """``layers``: the stage's global layer indices (with virtual stages its chunks', whose runs of
+    consecutive indices are the chunks); ``optimizer_shards``: dp with the distributed optimizer
+    (``optimizer_bytes_per_rank``), else 1."""
     first, last = stage == 0, stage == pp - 1
     params = stage_params(cfg, tp, layers, first, last, ep)
     elem = precision.activation_bytes
-    kept = [layer_activation_bytes(cfg, micro_batch, seq, tp, elem, saved, i, ep) for i in layers]
-    if recompute:
-        rows = micro_batch * seq // (tp if sequence_sharded(cfg, tp) else 1)
-        per_micro = len(layers) * rows * cfg.hidden * elem  # each block's input
-        rebuilt = max(kept, default=0)
-    else:
-        per_micro, rebuilt = sum(kept), 0
+    layers = list(layers)
+    chunks = [[layers[p] for p in run] for run in chunk_runs(layers)]  # V > 1: interleaved, per chunk
+    kept = [[layer_activation_bytes(cfg, micro_batch, seq, tp, elem, saved, i, ep) for i in chunk] for chunk in chunks]
+    rows = micro_batch * seq // (tp if sequence_sharded(cfg, tp) else 1)
+    # A micro-batch's pass through a chunk keeps each block's input (recompute) or all it saves.
+    per_pass = [len(chunk) * rows * cfg.hidden * elem if recompute else sum(k) for chunk, k in zip(chunks, kept)]
+    rebuilt = max(max(k) for k in kept) if recompute else 0
     if first:
-        per_micro += embedding_activation_bytes(micro_batch, seq)
+        per_pass[0] += embedding_activation_bytes(micro_batch, seq)
     if last:
-        per_micro += head_activation_bytes(cfg, micro_batch, seq, tp, elem)
+        per_pass[-1] += head_activation_bytes(cfg, micro_batch, seq, tp, elem)
+    activations = max(sum(n * b for n, b in zip(mix, per_pass))
+                      for mix in alive_mixes(schedule, pp, stage, micro_batches, len(chunks)))
     optimizer = optimizer_bytes_per_rank(params, expert_params(cfg, tp, layers, ep), precision, optimizer_shards, ep)
-    return StageMemory(params * precision.param_bytes, params * precision.grad_bytes, optimizer,
-                       round(in_flight(schedule, pp, stage, micro_batches, virtual_stages) * per_micro), rebuilt)
+    return StageMemory(params * precision.param_bytes, params * precision.grad_bytes, optimizer, activations, rebuilt)
 
 
 def kv_cache_bytes(cfg: ModelConfig, tp: int, n_layers: int, batch: int, max_len: int, elem: int) -> int:
