@@ -20,9 +20,9 @@ from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.module import GradArena
-from hpc_tp.pipeline import (PipelineStats, balanced_layers, build_stage, layers_from_counts, model_chunks, parse_pp_layers,
-                             pipeline_forward_backward, stage_layers, stage_ops, sync_tied_embeddings,
-                             tied_copy_names)
+from hpc_tp.pipeline import (PipelineStats, balanced_layers, build_stage, layers_from_counts, model_chunks,
+                             parse_pp_layers, pipeline_forward_backward, stage_layers, stage_ops,
+                             sync_tied_embeddings, tied_copy_names)
 from hpc_tp.pipeline.schedules import BACKWARD, FORWARD
 from hpc_tp.train.grad_sync import GradBucketer
 from hpc_tp.train.optim import global_grad_norm

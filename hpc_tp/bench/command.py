@@ -53,7 +53,7 @@ def add_arguments(parser):
     # -- more benchmarks (e.g. `decode`) are added here: a parser with set_defaults(_benchmark=...) --
     for name, help_text in (("decode", "incremental decoding with the KV cache: ms per token, compute/communication"),
                             ("checkpoint", "HDF5 checkpoint save/load MB/s against np.save/np.load of the same bytes"),
-                            ("pipeline", "pipeline bubble: each stage's measured idle fraction against (p-1)/(V*m+p-1)")):
+                            ("pipeline", "pipeline bubble: each stage's measured idle against (p-1)/(V*m+p-1)")):
         module = importlib.import_module(f"hpc_tp.bench.{name}")
         sub = benchmarks.add_parser(name, help=help_text, description=module.__doc__.split("\n\n")[0])
         module.add_arguments(sub)

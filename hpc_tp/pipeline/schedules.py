@@ -71,7 +71,8 @@ def interleaved_one_f_one_b(micro_batches: int, stages: int, stage: int, chunks:
     return ops + [nth(k, BACKWARD) for k in range(passes - warmup, passes)]
 
 
-def stage_ops(schedule: str, micro_batches: int, stages: int, stage: int, chunks: int = 1) -> list[tuple[str, int, int]]:
+def stage_ops(schedule: str, micro_batches: int, stages: int, stage: int,
+              chunks: int = 1) -> list[tuple[str, int, int]]:
     """What ``stage`` runs in a step, in order: (F/B, chunk, micro-batch)."""
     if chunks == 1:
         return [(op, 0, i) for op, i in SCHEDULES[schedule](micro_batches, stages, stage)]

@@ -50,8 +50,9 @@ p2p) and m micro-batches, a step takes sum_s T_s + (m - 1) max_s T_s: the slowes
 m times, the others add the fill and drain. For equal stages that is (m + p - 1) T, the bubble
 (p - 1) / m of the ideal m T. With V virtual stages per rank (interleaved 1F1B) the fill and
 drain go through chunks of 1/V of a stage: sum_s T_s / V + (m - 1/V) max_s T_s, for equal stages
-(m + (p - 1) / V) T, the bubble (p - 1) / (V m), for V times the p2p messages. Collectives are counted as not overlapped with compute: on CPU MPI
-nothing progresses outside an MPI call, and it keeps the plan on the safe side on GPUs.
+(m + (p - 1) / V) T, the bubble (p - 1) / (V m), for V times the p2p messages. Collectives are
+counted as not overlapped with compute: on CPU MPI nothing progresses outside an MPI call, and it
+keeps the plan on the safe side on GPUs.
 
 Update. AdamW, clipping and zeroing are elementwise: ``UPDATE_PASSES`` reads and writes of the
 stage's parameters, gradients and states, at the device's memory bandwidth.
