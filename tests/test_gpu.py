@@ -15,6 +15,7 @@ from hpc_tp import backend
 from hpc_tp.bench import gpu_check as G
 from hpc_tp.nn import cuda_kernels as K
 from hpc_tp.nn import functional as F
+from test_cublas import LAYOUTS, layout
 
 CUDA = backend.cuda_available()
 if CUDA:
@@ -186,20 +187,42 @@ def test_float32_gradient_with_float16_saved_tensors():
 
 
 @device_test
-def test_training_on_the_device_equals_the_cpu_in_float64():
-    cpu, _ = G.train_losses("cpu", "float64")
-    gpu, trainer = G.train_losses("cuda", "float64")
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_cublas_gemm_computes_a_at_b_in_every_layout(name):
+    """The real cuBLAS call for the layouts test_cublas emulates: float64 to rounding, the half types
+    (float32 sums) to their bits, and half inputs summed into a float32 output (a weight gradient)."""
+    from hpc_tp.nn import cublas
+
+    a, b = layout(name, cupy.asarray)
+    want = np.matmul(*layout(name))
+    assert G._rel(cublas.gemm(a, b, cupy.full(want.shape, cupy.nan)), want) < 1e-13
+    halves = [np.dtype("float16")] + ([] if G._bfloat16_missing() else [np.dtype(__import__("ml_dtypes").bfloat16)])
+    for half in halves:
+        low = a.astype(half), b.astype(half)
+        exact = np.matmul(*(x.astype(cupy.float64).get() for x in low))  # the rounded inputs' true product
+        assert G._rel(cublas.gemm(*low, cupy.empty(want.shape, half)), exact) < 1e-2, half
+        total = cupy.ones(want.shape, cupy.float32)
+        cublas.gemm(*low, total, accumulate=True)
+        assert G._rel(total, exact + 1) < 1e-5, half
+
+
+@device_test
+@pytest.mark.parametrize("model", [{}, G.MOE], ids=["dense", "moe"])
+def test_training_on_the_device_equals_the_cpu_in_float64(model):
+    cpu, _ = G.train_losses("cpu", "float64", **model)
+    gpu, trainer = G.train_losses("cuda", "float64", **model)
     assert all(isinstance(p.data, cupy.ndarray) for p in trainer.params.values())
     assert max(abs(a - b) / b for a, b in zip(gpu, cpu)) <= G.TP_TOL, (gpu, cpu)
 
 
 @device_test
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_mixed_precision_on_the_device_follows_float32(dtype):
+@pytest.mark.parametrize("dtype, model", [("float16", {}), ("bfloat16", {}), ("bfloat16", G.MOE)],
+                         ids=["float16", "bfloat16", "bfloat16-moe"])
+def test_mixed_precision_on_the_device_follows_float32(dtype, model):
     if dtype == "bfloat16" and G._bfloat16_missing():
         pytest.skip(G._bfloat16_missing())
-    full, _ = G.train_losses("cuda", "float32", steps=5)
-    half, trainer = G.train_losses("cuda", dtype, steps=5, loss_scale=2.0 ** 10)
+    full, _ = G.train_losses("cuda", "float32", steps=5, **model)
+    half, trainer = G.train_losses("cuda", dtype, steps=5, loss_scale=2.0 ** 10, **model)
     assert all(p.data.dtype == np.float32 for p in trainer.precision.master.values())
     assert max(abs(a - b) / b for a, b in zip(half, full)) <= G.MIXED_TOL[dtype] and half[-1] < half[0]
 

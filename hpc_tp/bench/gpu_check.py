@@ -35,6 +35,7 @@ TP_TOL = 1e-9
 # Worst per-step loss drift from float32 over 5 demo steps (numpy float16 on the CPU: 5e-4);
 # bfloat16 keeps 8 mantissa bits to float16's 11.
 MIXED_TOL = {"float16": 1e-2, "bfloat16": 5e-2}
+MOE = {"num_experts": 4, "top_k": 2}  # every MLP a Mixture of Experts: routing, dispatch and combine on the device
 W1_ROWS = ((4, 256), (32, 256))  # (micro-batch, seq): the CPU benchmark's shape, then one a GPU fills
 
 
@@ -88,16 +89,19 @@ def kernel_errors(dtype: str, rows: int = 37, n: int = 300) -> dict[str, float]:
     return errors
 
 
-def train_losses(device: str, dtype: str, steps: int = 3, loss_scale: float | None = None) -> tuple[list, object]:
+def train_losses(device: str, dtype: str, steps: int = 3, loss_scale: float | None = None,
+                 **model) -> tuple[list, object]:
     """Losses of ``steps`` demo training steps on ``device`` (one process), and the trainer.
     ``loss_scale``: float16's starting scale (default 2^16), low enough that no step overflows
-    when a run is compared step by step with float32 (a skipped step would shift it by one)."""
+    when a run is compared step by step with float32 (a skipped step would shift it by one).
+    ``model``: overrides of the demo model's config (``MOE``: Mixture-of-Experts MLPs)."""
     from ..comm.mpi import self_comm
     from ..train.mixed_precision import LossScaler
     from ..train.settings import TrainSettings
     from ..train.trainer import Trainer
 
-    settings = TrainSettings(device=device, dtype=dtype, steps=10, global_batch=8, progress=False, samples=0)
+    settings = TrainSettings(device=device, dtype=dtype, steps=10, global_batch=8, progress=False, samples=0,
+                             model_overrides=model)
     trainer = Trainer(settings, world=self_comm())
     if loss_scale is not None and trainer.precision.scaler is not None:
         trainer.precision.scaler = LossScaler(scale=loss_scale)
@@ -371,28 +375,29 @@ def run_checks(report: Report):
                             ", ".join(f"{k} {v:.0e}" for k, v in errors.items()))
         report.check(f"fused kernels vs numpy, {dtype}", f"{KERNEL_TOL[dtype]:.0e}", kernels)
 
-    def training():
-        cpu, _ = train_losses("cpu", "float64")
-        gpu, trainer = train_losses("cuda", "float64")
-        on_device = all(not isinstance(p.data, numpy.ndarray) for p in trainer.params.values())
-        error = max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu))
-        result, measured, _ = _bounded(error, TP_TOL)
-        return (result if on_device else "FAIL"), measured, (
-            f"3 demo steps, losses {', '.join(f'{v:.4f}' for v in gpu)}; groups: {trainer.transports}")
-    report.check("training on the device vs CPU, float64", f"{TP_TOL:.0e}", training)
-    for dtype in ("float16", "bfloat16"):
-        def mixed(dtype=dtype):
+    for label, model in (("", {}), ("MoE ", MOE)):
+        def training(model=model):
+            cpu, _ = train_losses("cpu", "float64", **model)
+            gpu, trainer = train_losses("cuda", "float64", **model)
+            on_device = all(not isinstance(p.data, numpy.ndarray) for p in trainer.params.values())
+            error = max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu))
+            result, measured, _ = _bounded(error, TP_TOL)
+            return (result if on_device else "FAIL"), measured, (
+                f"3 demo steps, losses {', '.join(f'{v:.4f}' for v in gpu)}; groups: {trainer.transports}")
+        report.check(f"{label}training on the device vs CPU, float64", f"{TP_TOL:.0e}", training)
+    for dtype, model in (("float16", {}), ("bfloat16", {}), ("bfloat16", MOE)):
+        def mixed(dtype=dtype, model=model):
             if dtype == "bfloat16" and _bfloat16_missing():
                 return "skipped", "", _bfloat16_missing()
-            full, _ = train_losses("cuda", "float32", steps=5)
-            half, trainer = train_losses("cuda", dtype, steps=5, loss_scale=2.0 ** 10)
+            full, _ = train_losses("cuda", "float32", steps=5, **model)
+            half, trainer = train_losses("cuda", dtype, steps=5, loss_scale=2.0 ** 10, **model)
             fp32_masters = all(p.data.dtype == numpy.float32 for p in trainer.precision.master.values())
             drift = max(abs(a - b) / b for a, b in zip(half, full))
             ok = fp32_masters and half[-1] < half[0] and drift <= MIXED_TOL[dtype]
             return ("ok" if ok else "FAIL"), f"{drift:.1e}", (
                 f"5 steps, loss {half[0]:.3f} -> {half[-1]:.3f} (fp32 {full[0]:.3f} -> {full[-1]:.3f}), "
                 f"loss scale {trainer.precision.loss_scale:g}, fp32 masters: {fp32_masters}")
-        report.check(f"mixed precision {dtype} vs float32", f"{MIXED_TOL[dtype]:.0e}", mixed)
+        report.check(f"{'MoE ' if model else ''}mixed precision {dtype} vs float32", f"{MIXED_TOL[dtype]:.0e}", mixed)
 
 
 def run_benchmarks(report: Report):

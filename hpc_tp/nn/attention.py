@@ -27,7 +27,7 @@ from ..tensor_parallel.layers import Segment
 from ..tensor_parallel.sequence_parallel import linear_classes
 from ..tensor_parallel.random import DropoutRNG
 from ..module import Module
-from . import cpu_attention
+from . import blas, cpu_attention
 from . import functional as F
 from .dropout import keep_mask
 
@@ -229,36 +229,35 @@ def _composed_forward(q, k, v, attn, blocks, bias, mask):
     """The attention core as whole-array numpy/cupy operations over all heads, block by block
     (the fused CPU kernel's reference, and the path for devices and half dtypes);
     returns the softmax outputs per block."""
-    xp = backend.xp_of(q)
     k_t, v5 = k[:, :, None].swapaxes(-1, -2), v[:, :, None]
     probs = []
     for rows, seen in blocks:
-        scores = q[..., rows, :] @ k_t[..., :seen]
+        scores = blas.matmul(q[..., rows, :], k_t[..., :seen])
         if bias is not None:
             scores += bias[..., rows, :seen]
         p = F.softmax_forward(scores)
         probs.append(p)
         if mask is not None:
             p = p * mask[..., rows, :seen]
-        xp.matmul(p, v5[..., :seen, :], out=attn[..., rows, :])
+        blas.matmul(p, v5[..., :seen, :], out=attn[..., rows, :])
     return probs
 
 
 def _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv):
     """dQ (through the query scaling) into ``dq``, dK and dV added into theirs."""
-    xp = backend.xp_of(dattn)
     k5, v_t = k[:, :, None], v[:, :, None].swapaxes(-1, -2)
     grouped = q.shape[2] > 1  # several query heads per KV head: their K/V gradients are summed
     for (rows, seen), p in zip(blocks, probs):
         dout = dattn[..., rows, :]
         keep = None if mask is None else mask[..., rows, :seen]
         dropped = p if keep is None else p * keep
-        dprobs = dout @ v_t[..., :seen]
+        dprobs = blas.matmul(dout, v_t[..., :seen])
         if keep is not None:
             dprobs *= keep
         dscores = F.softmax_backward(dprobs, p)
-        xp.matmul(dscores, k5[..., :seen, :], out=dq[..., rows, :])
-        kv_grads = (dscores.swapaxes(-1, -2) @ q[..., rows, :], dropped.swapaxes(-1, -2) @ dout)
+        blas.matmul(dscores, k5[..., :seen, :], out=dq[..., rows, :])
+        kv_grads = (blas.matmul(dscores.swapaxes(-1, -2), q[..., rows, :]),
+                    blas.matmul(dropped.swapaxes(-1, -2), dout))
         for grad, total in zip(kv_grads, (dk, dv)):
             total[:, :, :seen] += grad.sum(axis=2) if grouped else grad[:, :, 0]
     dq *= 1.0 / math.sqrt(q.shape[-1])

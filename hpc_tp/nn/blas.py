@@ -29,6 +29,7 @@ import numpy
 
 from ..backend import xp_of
 from ..errors import ConfigError
+from . import cublas
 
 # Below this many multiply-adds numpy's own call costs less than the ctypes one (64x256x64: numpy 117-124
 # GFLOP/s, MKL 89-111; 256x64x256 and up: MKL ahead).
@@ -140,12 +141,42 @@ def _mkl_gemm(a, b, out, beta: float) -> bool:
     return True
 
 
+def _device_matmul(a, b, out, accumulate: bool):
+    """``matmul`` for cupy arrays: one dtype per product (numpy's promotion of the two), and cuBLAS
+    called directly (``nn.cublas``) where cupy's matmul has no GEMM (bfloat16), would round a half
+    product before it is summed into a float32 ``out``, or would need a temporary to accumulate."""
+    xp = xp_of(a)
+    dtype = numpy.result_type(a.dtype, b.dtype)
+    a, b = a.astype(dtype, copy=False), b.astype(dtype, copy=False)
+    into_out = out is not None and (out.dtype == dtype or (out.dtype == numpy.float32 and dtype.itemsize == 2))
+    if into_out and (dtype.name == "bfloat16" or out.dtype != dtype or accumulate):
+        return cublas.gemm(a, b, out, accumulate)
+    if into_out:
+        return xp.matmul(a, b, out=out)
+    if dtype.name == "bfloat16":
+        lead = numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        product = cublas.gemm(a, b, xp.empty(lead + (a.shape[-2], b.shape[-1]), dtype))
+    else:
+        product = xp.matmul(a, b)
+    if out is None:
+        return product
+    if accumulate:
+        out += product
+    else:
+        out[...] = product
+    return out
+
+
 def matmul(a, b, out=None, accumulate: bool = False):
-    """``a @ b`` for 2-D arrays, into ``out`` when given (``out += a @ b`` with ``accumulate``)."""
+    """``a @ b`` into ``out`` when given (``out += a @ b`` with ``accumulate``): 2-D arrays, or batches
+    of matrices over broadcast leading dims (attention's heads). MKL takes the 2-D host products it
+    can, cuBLAS or cupy the device ones (``_device_matmul``), numpy the rest."""
+    if xp_of(a) is not numpy:
+        return _device_matmul(a, b, out, accumulate)
     if out is None:
         if accumulate:
             raise ValueError("accumulate needs out")
-        if not (isinstance(a, numpy.ndarray) and a.dtype in _kernels and a.dtype == b.dtype and a.ndim == b.ndim == 2):
+        if not (a.dtype in _kernels and a.dtype == b.dtype and a.ndim == b.ndim == 2):
             return a @ b
         out = numpy.empty((a.shape[0], b.shape[1]), a.dtype)
     if _mkl_gemm(a, b, out, 1.0 if accumulate else 0.0):

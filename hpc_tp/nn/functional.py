@@ -180,6 +180,8 @@ def softmax_forward(scores):
     One full-size array is written (the result); the row statistics are small."""
     if fast := _fused("softmax_forward", scores, row=True):
         return fast(scores)
+    if _half(scores):  # as the norms: float32 row sums (and the device's float32 row kernel)
+        return softmax_forward(scores.astype("float32")).astype(scores.dtype)
     xp = xp_of(scores)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max[~xp.isfinite(row_max)] = 0.0
@@ -194,6 +196,8 @@ def softmax_forward(scores):
 def softmax_backward(dp, p):
     if fast := _fused("softmax_backward", dp, row=True):
         return fast(dp, p)
+    if _half(dp):
+        return softmax_backward(*_widen(dp, p)).astype(dp.dtype)
     xp = xp_of(dp)
     row_dot = xp.einsum("...i,...i->...", dp, p)[..., None]
     ds = dp - row_dot
@@ -209,7 +213,13 @@ def scatter_add_rows(target, rows, values):
     if (cpu_kernels.fused(target) and isinstance(values, numpy.ndarray) and isinstance(rows, numpy.ndarray)
             and rows.dtype.kind in "iu" and target.ndim == 2 and values.shape == rows.shape + target.shape[1:]):
         return cpu_kernels.scatter_add_rows(target, rows, values)
-    xp_of(target).add.at(target, rows, values.astype(target.dtype, copy=False))
+    xp = xp_of(target)
+    if xp is not numpy and target.dtype.name == "bfloat16":  # cupy's add.at has no bfloat16: sum in float32
+        wide = target.astype(numpy.float32)
+        xp.add.at(wide, rows, values.astype(numpy.float32, copy=False))
+        target[...] = wide
+    else:
+        xp.add.at(target, rows, values.astype(target.dtype, copy=False))
 
 
 def rope_tables(positions, inv_freq, dtype):

@@ -26,7 +26,7 @@ from ..comm.base import Communicator
 from ..module import Module, ModuleList, Parameter, param_buffer, replicated
 from ..tensor_parallel.experts import ExpertDispatcher
 from ..tensor_parallel.sequence_parallel import gather_sequence, scatter_sequence
-from . import functional as F
+from . import blas, functional as F
 from .mlp import ParallelMLP
 
 
@@ -79,8 +79,9 @@ class MoEMLP(Module):
         """Router probabilities [N, E], top-k choices [N, k] (ties go to the lower expert id),
         the chosen probabilities and the gates."""
         xp = backend.xp_of(xs)
-        probs = F.softmax_forward(xs @ self.router.data)
-        choices = xp.argsort(-probs, axis=1, kind="stable")[:, :self.top_k]
+        probs = F.softmax_forward(blas.matmul(xs, self.router.data))
+        # Sorted as float32 (exact for the half types): cupy cannot sort bfloat16.
+        choices = xp.argsort(-probs.astype("float32", copy=False), axis=1, kind="stable")[:, :self.top_k]
         chosen = xp.take_along_axis(probs, choices, axis=1)
         gates = chosen / chosen.sum(axis=1, keepdims=True) if self.top_k > 1 else chosen
         return probs, choices, chosen, gates
@@ -135,8 +136,8 @@ class MoEMLP(Module):
         dprobs[xp.arange(probs.shape[0])[:, None], choices] = dchosen  # a token's k experts are distinct
         dprobs += (self.loss_scale * self.aux_loss_coef * self.num_experts) * share[None, :]
         dlogits = F.softmax_backward(dprobs, probs)
-        self.router.grad += xs.T @ dlogits
-        dx += dlogits @ self.router.data.T
+        blas.matmul(xs.T, dlogits, out=self.router.grad, accumulate=True)
+        blas.matmul(dlogits, self.router.data.T, out=dx, accumulate=True)
         return dx.reshape(shape)
 
 

@@ -1,0 +1,120 @@
+"""Device matrix products through cuBLAS's ``GemmStridedBatchedEx``, for what cupy's matmul cannot do.
+
+cupy 14.2 holds bfloat16 arrays (ml_dtypes) but its batched matmul (attention's heads) takes them
+for an integer type and raises (seen on an H200). cuBLAS multiplies bfloat16 with float32 sums, and
+it can also write a float32 product of half-precision inputs, so a weight gradient is summed into
+its float32 buffer unrounded, or add a product into its output (beta = 1) with no temporary.
+``blas`` sends device products here when one of these is asked for.
+
+cuBLAS is column-major: a row-major C = A @ B is the column-major C^T = B^T A^T, so the operands go
+in swapped and a row-major matrix needs no transpose flag. ``plan`` computes the call's arguments from
+shapes and strides alone (tested on the CPU against an emulation of the call); ``gemm`` makes it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy
+
+# CUDA's library_types.h and cublas_api.h (stable ABI values; cupy does not name them all).
+CUDA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
+COMPUTE_32F, COMPUTE_64F = 68, 70
+OP_N, OP_T = 0, 1
+GEMM_DEFAULT = -1
+
+
+class Operand(NamedTuple):
+    array: object  # what the pointer is taken from: the caller's array, or a contiguous copy of it
+    op: int  # OP_N or OP_T, as cuBLAS reads the row-major matrix
+    ld: int  # leading dimension, in elements
+    stride: int  # elements between consecutive matrices of the batch (0: one matrix for all)
+
+
+def _batch_stride(x) -> int | None:
+    """Elements between the matrices of ``x`` (2-D, or 3-D with one batch dim); None where cuBLAS
+    cannot step that way (a negative or misaligned stride)."""
+    if x.ndim == 2 or x.shape[0] == 1:
+        return 0
+    stride = x.strides[0]
+    return stride // x.itemsize if stride >= 0 and stride % x.itemsize == 0 else None
+
+
+def _as_operand(x, lead: tuple[int, ...], xp) -> Operand:
+    """``x`` broadcast to ``lead`` batch dims, as cuBLAS can read it: a row-major matrix (OP_N), a
+    transposed view of one (OP_T), else a contiguous copy."""
+    x = xp.broadcast_to(x, lead + x.shape[-2:])
+    if len(lead) > 1:  # a view where the batch dims merge into one stride, a copy where they do not
+        x = x.reshape((-1,) + x.shape[-2:])
+    rows, cols = x.shape[-2:]
+    row_stride, col_stride = x.strides[-2:]
+    size = x.itemsize
+    batch = _batch_stride(x)
+    if batch is not None and col_stride == size and row_stride % size == 0 and row_stride >= cols * size:
+        return Operand(x, OP_N, max(row_stride // size, 1), batch)
+    if batch is not None and row_stride == size and col_stride % size == 0 and col_stride >= rows * size:
+        return Operand(x, OP_T, max(col_stride // size, 1), batch)
+    x = xp.ascontiguousarray(x)
+    return Operand(x, OP_N, max(cols, 1), rows * cols if x.ndim > 2 and x.shape[0] > 1 else 0)
+
+
+class Plan(NamedTuple):
+    """One ``cublasGemmStridedBatchedEx`` call, as cuBLAS sees it (column-major, operands swapped)."""
+    transa: int
+    transb: int
+    m: int
+    n: int
+    k: int
+    a: Operand  # cuBLAS's A: the caller's b
+    b: Operand  # cuBLAS's B: the caller's a
+    c: object  # the caller's C-contiguous output as (batch, rows, cols), written in place
+    ldc: int  # cuBLAS's C is the caller's transposed: ldc is the caller's row length, m
+    stride_c: int
+    batch: int
+
+
+def plan(a, b, out, xp=numpy) -> Plan:
+    """The call computing ``out (+)= a @ b``: ``a`` [..., m, k], ``b`` [..., k, n] (batch dims broadcast),
+    ``out`` [lead..., m, n] and C-contiguous."""
+    lead = tuple(numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    (m, k), n = a.shape[-2:], b.shape[-1]
+    if b.shape[-2] != k or out.shape != lead + (m, n):
+        raise ValueError(f"matmul: shapes {a.shape} @ {b.shape} -> {out.shape} do not match")
+    if not out.flags.c_contiguous:
+        raise ValueError("cublas.plan: the output must be C-contiguous")
+    left, right = _as_operand(a, lead, xp), _as_operand(b, lead, xp)
+    batch = int(numpy.prod(lead, dtype=numpy.int64))
+    return Plan(right.op, left.op, n, m, k, right, left, out.reshape((batch, m, n)), n, m * n, batch)
+
+
+def _scalar(value: float, compute: int):
+    return numpy.array(value, dtype=numpy.float64 if compute == COMPUTE_64F else numpy.float32)
+
+
+def gemm(a, b, out, accumulate: bool = False):
+    """``out[...] = a @ b`` (``out += a @ b`` with ``accumulate``) on the current stream. ``a`` and ``b``
+    share one dtype; ``out`` has it or float32 (half inputs, float32 sums). Returns ``out``."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    if a.dtype != b.dtype or out.dtype not in (a.dtype, numpy.dtype("float32")):
+        raise TypeError(f"cublas.gemm: {a.dtype} @ {b.dtype} into {out.dtype} is not a product cuBLAS has here")
+    target = out if out.flags.c_contiguous else cupy.empty(out.shape, out.dtype)
+    if accumulate and target is not out:
+        target[...] = out
+    p = plan(a, b, target, cupy)
+    if p.batch and p.m and p.n:
+        compute = COMPUTE_64F if a.dtype == numpy.float64 else COMPUTE_32F
+        alpha, beta = _scalar(1.0, compute), _scalar(1.0 if accumulate else 0.0, compute)
+        if p.k == 0:  # an empty sum: cuBLAS is not asked to scale C by beta
+            if not accumulate:
+                target[...] = 0
+        else:
+            cublas.gemmStridedBatchedEx(
+                cupy.cuda.device.get_cublas_handle(), p.transa, p.transb, p.m, p.n, p.k, alpha.ctypes.data,
+                p.a.array.data.ptr, CUDA_TYPE[a.dtype.name], p.a.ld, p.a.stride,
+                p.b.array.data.ptr, CUDA_TYPE[b.dtype.name], p.b.ld, p.b.stride,
+                beta.ctypes.data, p.c.data.ptr, CUDA_TYPE[out.dtype.name], p.ldc, p.stride_c, p.batch,
+                compute, GEMM_DEFAULT)
+    if target is not out:
+        out[...] = target
+    return out
