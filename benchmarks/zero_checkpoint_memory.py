@@ -7,7 +7,9 @@ The model is hidden 512, 4 layers, 8 heads, FFN 2048 over the byte vocabulary (1
 trained two steps on the demo task (8 x 16 tokens) at dp = world. Each rank prints one JSON line:
 its peak after the two steps (construction included), and for the save and the resume the
 resident memory before and the peak during (Linux's high-water mark, reset through
-/proc/self/clear_refs just before), in MiB. The checkpoint goes to a temporary folder, removed after.
+/proc/self/clear_refs just before), in MiB, the wall time, and the MiB the dp group's collectives
+counted (``Communicator.bytes``: the buffers they filled or sent). The checkpoint goes to a
+temporary folder, removed after.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import gc
 import json
 import shutil
 import tempfile
+import time
 from dataclasses import replace
 
 from hpc_tp.comm.mpi import world
@@ -31,13 +34,14 @@ def memory() -> dict[str, float]:
         return {line.split(":")[0]: int(line.split()[1]) / 1024 for line in f if line.startswith(("VmRSS", "VmHWM"))}
 
 
-def peak_during(work) -> dict[str, float]:
+def peak_during(work, dp) -> dict[str, float]:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark starts again from the resident memory now
-    before = memory()["VmRSS"]
+    before, counted, start = memory()["VmRSS"], dp.bytes, time.perf_counter()
     work()
-    return {"before": round(before, 1), "peak": round(memory()["VmHWM"], 1)}
+    return {"before": round(before, 1), "peak": round(memory()["VmHWM"], 1),
+            "seconds": round(time.perf_counter() - start, 3), "dp_MiB": round((dp.bytes - counted) / 2**20, 1)}
 
 
 def main():
@@ -56,10 +60,10 @@ def main():
             trainer.train_step()
         report = {"rank": comm.rank, "optimizer": type(trainer.optimizer).__name__, "dtype": args.dtype,
                   "parameters_M": round(trainer.cfg.parameter_count() / 1e6, 2),
-                  "steps_peak": round(memory()["VmHWM"], 1), "save": peak_during(trainer.save)}
+                  "steps_peak": round(memory()["VmHWM"], 1), "save": peak_during(trainer.save, trainer.grid.dp)}
         del trainer
         resumer = Trainer(replace(settings, resume=True), comm)
-        report["resume"] = peak_during(resumer.resume)
+        report["resume"] = peak_during(resumer.resume, resumer.grid.dp)
         print(json.dumps(report), flush=True)
     finally:
         comm.barrier()

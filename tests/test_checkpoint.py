@@ -1,7 +1,9 @@
 """Checkpoints: saved at one layout, loaded at another, exactly; plain HDF5 readable from anywhere;
 corruption, a missing shard and a failed save are caught; old steps are pruned; ``hpc-tp inspect``."""
+import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -232,6 +234,22 @@ def test_streamed_tensors_are_fetched_by_every_rank_in_order_and_stored_on_load(
     with pytest.raises(CheckpointError, match="rank 0: OSError: disk full"):
         save_checkpoint(root, 2, as_streamed(tensors, fetched), {"v": 2}, grid)
     assert fetched == sorted(tensors, reverse=True) and latest_checkpoint(root) == path
+
+
+@mpi
+def test_a_writer_whose_fetch_delivers_elsewhere_fails_the_save_on_every_rank(comm_world, root):
+    """A fetch that gathers to one rank returns None on the others; should that be a rank that
+    writes the tensor, the save fails on every rank, after the remaining tensors were fetched (a
+    peer may wait in their gathers), and the checkpoint before stays the latest."""
+    grid = ProcessGrid(tp=1, dp=comm_world.size, world=comm_world)
+    tensors, fetched = make_tensors(grid), []
+    path = save_checkpoint(root, 1, as_streamed(tensors, fetched), {"v": 1}, grid)
+    streamed, fetched[:] = as_streamed(tensors, fetched), []
+    lost = list(streamed)[1]
+    streamed[lost] = dataclasses.replace(streamed[lost], fetch=lambda: fetched.append(lost))  # returns None
+    with pytest.raises(CheckpointError, match=re.escape(f"rank 0: CheckpointError: streamed tensor {lost!r}")):
+        save_checkpoint(root, 2, streamed, {"v": 2}, grid)
+    assert fetched == list(streamed) and latest_checkpoint(root) == path
 
 
 @mpi

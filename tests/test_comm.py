@@ -112,6 +112,44 @@ def test_flat_reduce_scatter_and_all_gather_are_adjoint(length, native):
     assert abs(lhs - rhs) <= 1e-12 * max(abs(lhs), 1.0), (lhs, rhs)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("counts", ["even", "uneven"])
+@pytest.mark.parametrize("root", ["first", "last"])
+@pytest.mark.parametrize("native", [True, False], ids=["mpi", "generic"])
+def test_flat_gather_to_one_rank_is_adjoint_to_a_scatter(dtype, counts, root, native):
+    """The gather to one rank (ZeRO's checkpoint gather) on pieces of any sizes, some empty: root
+    gets every piece bit for bit, the others keep their piece alone; and <G x, y> on root ==
+    <x, S y> summed over the ranks, S scattering root's y into the pieces. ``generic`` is the
+    Communicator's own form (point to point), which the NCCL and host-staged transports use."""
+    from hpc_tp.comm.base import Communicator
+    from hpc_tp.train.grad_sync import shard_counts
+
+    comm = world()
+    n, r = comm.size, comm.rank
+    root = 0 if root == "first" else n - 1
+    gather = comm.igather_flat if native else Communicator.igather_flat.__get__(comm)
+    counts = shard_counts(7, n) if counts == "even" else [(3 * rank + 1) % 5 for rank in range(n)]  # 4: 1, 4, 2, 0
+    length, start = sum(counts), sum(counts[:r])
+    # Small integers: exact in every dtype, so both sides of the identity are exact sums.
+    xs = [np.random.default_rng(rank).integers(-8, 8, counts[rank]).astype(_dtype(dtype)) for rank in range(n)]
+    if r == root:
+        x = np.full(length, np.nan, xs[r].dtype)
+        x[start:start + counts[r]] = xs[r]
+    else:
+        x = xs[r].copy()
+    assert gather(x, counts, root).wait() is x
+    if r == root:
+        assert x.dtype == xs[r].dtype and np.array_equal(x.view(f"u{x.itemsize}"),
+                                                          np.concatenate(xs).view(f"u{x.itemsize}"))
+    else:
+        assert x.shape == (counts[r],) and np.array_equal(x, xs[r])
+    y = comm.broadcast(np.random.default_rng(100).integers(-8, 8, length).astype("float64"), root=root)
+    scattered = y[start:start + counts[r]]  # S y: root's y, this rank's piece of it
+    lhs = comm.all_reduce_scalar(float(np.dot(x.astype("float64"), y)) if r == root else 0.0)
+    rhs = comm.all_reduce_scalar(float(np.dot(xs[r].astype("float64"), scattered)))
+    assert lhs == rhs, (lhs, rhs)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
 def test_point_to_point_ring(dtype):
     comm = world()

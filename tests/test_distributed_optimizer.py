@@ -121,7 +121,8 @@ def test_a_save_and_a_resume_hold_a_bucket_of_states_at_a_time(tmp_path, monkeyp
     """Buckets far smaller than the states (2 MiB at most, the moments 49 MiB): while a ZeRO run
     saves, and while another resumes from it, what is allocated at once stays within a few buckets
     (measured: about 2 while saving, 3 while resuming), where gathering every state, as before, took
-    more than the whole moments. The resumed pieces are the saved ones."""
+    more than the whole moments; the ranks that do not write hold no bucket while saving. The
+    resumed pieces are the saved ones."""
     from hpc_tp.train import trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "DEFAULT_BUCKET_BYTES", 256 << 10)
@@ -139,6 +140,8 @@ def test_a_save_and_a_resume_hold_a_bucket_of_states_at_a_time(tmp_path, monkeyp
     resumer = Trainer(settings(resume=True, **layout), comm)
     peaks["resume"] = _traced_peak(resumer.resume)
     assert all(peak < 5 * unit for peak in peaks.values()), (peaks, unit, moments)
+    if comm.rank:  # the buckets are gathered to the writer alone (measured: 0.12 of one here, 1.1 before)
+        assert peaks["save"] < unit / 2, (peaks, unit)
     for got, want in zip(_moments(resumer), _moments(saver), strict=True):
         np.testing.assert_array_equal(got, want)
 

@@ -114,6 +114,9 @@ class _DeviceArray:
         self.size, self.dtype, self.nbytes = n, np.dtype("float32"), 4 * n
         self.data, self.flags = SimpleNamespace(ptr=id(self)), SimpleNamespace(c_contiguous=True)
 
+    def __getitem__(self, window: slice):
+        return _DeviceArray(len(range(self.size)[window]))
+
 
 class _Host:
     """The NCCL communicator's MPI side (rank 0 of 2): its calls go to the shared log."""
@@ -189,6 +192,45 @@ def test_a_wait_sends_everything_posted_as_one_group(nccl_log):
     received = comm.irecv(_DeviceArray(), 1)
     received.wait()
     assert log == ["groupStart", "send 1", "recv 1", "groupEnd"]
+
+
+def test_a_gather_to_one_rank_moves_device_pieces_point_to_point(nccl_log):
+    """NCCL has no gather: the generic form's receives (as root) and send (elsewhere) go out as
+    groups, in the order the ranks post them."""
+    comm, log = nccl_log
+    comm.igather_flat(_DeviceArray(6), [4, 2], root=0).wait()
+    comm.igather_flat(_DeviceArray(4), [4, 2], root=1).wait()
+    assert log == ["groupStart", "recv 1", "groupEnd", "groupStart", "send 1", "groupEnd"]
+
+
+class _Staged:
+    """A device array as HostStagedCommunicator sees one (not numpy: ``get`` and ``set`` copy)."""
+
+    def __init__(self, array):
+        self.array, self.shape, self.dtype, self.nbytes = array, array.shape, array.dtype, array.nbytes
+
+    def __getitem__(self, window: slice):
+        return _Staged(self.array[window])
+
+    def get(self):
+        return self.array.copy()
+
+    def set(self, host):
+        self.array[...] = host
+
+
+@pytest.mark.mpi(min_size=2)
+def test_host_staged_gathers_device_pieces_to_one_rank(comm_world):
+    n, r = comm_world.size, comm_world.rank
+    counts = [rank % 3 for rank in range(n)]  # 0, 1, 2, 0: some empty
+    whole = np.arange(float(sum(counts)))
+    start = sum(counts[:r])
+    mine = whole[start:start + counts[r]]
+    x = _Staged(np.concatenate([np.full(start, np.nan), mine, np.full(whole.size - start - mine.size, np.nan)])
+                if r == n - 1 else mine.copy())
+    assert HostStagedCommunicator(comm_world).igather_flat(x, counts, root=n - 1).wait() is x
+    if r == n - 1:
+        np.testing.assert_array_equal(x.array, whole)
 
 
 # -- with a GPU -------------------------------------------------------------------------------------------

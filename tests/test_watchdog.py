@@ -67,6 +67,18 @@ def test_debug_mode_names_the_first_divergence_on_every_rank():
     assert comm.all_reduce(np.ones(1))[0] == comm.size  # nothing half-done: the group goes on
 
 
+@pytest.mark.mpi(min_size=2)
+def test_debug_mode_names_a_gather_to_one_rank_by_its_whole_buffer():
+    """Root passes the whole buffer and the others their pieces: the same call on every rank."""
+    comm = watched(world(), debug=True)
+    counts = [2] * comm.size
+    x = np.arange(2.0 * comm.size) if comm.rank == 0 else np.full(2, 2.0 * comm.rank) + [0, 1]
+    assert comm.igather_flat(x, counts).wait() is x
+    assert comm.watchdog.last.call() == f"wait igather_flat(root=0) ({2 * comm.size},) float64"
+    if comm.rank == 0:
+        np.testing.assert_array_equal(x, np.arange(2.0 * comm.size))
+
+
 def test_an_overdue_operation_is_reported_and_aborts(tmp_path):
     aborted = threading.Event()
     watchdog = Watchdog(0, 1, timeout=0.2, period=0.05, abort=lambda code: aborted.set())

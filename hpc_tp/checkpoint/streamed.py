@@ -8,8 +8,10 @@ room the sharding saved; a streamed tensor makes its data on demand instead, one
   ``tensors`` dict, whether or not this rank writes it (a fetch may be a collective over a group
   of ranks: each rank of the group must pass the same streamed tensors in the same order). It
   returns this rank's local array (``partition.local_shape``), used while the tensor is written
-  and dropped before the next one is fetched. After a failed write the remaining tensors are
-  still fetched, then the save fails on every rank.
+  and dropped before the next one is fetched, or None where the fetch gathers it to another rank
+  of its group: only the group's first rank may be handed it, the one the checkpoint writes from
+  (its writers are the first dp ranks; a writer handed None fails the save). After a failed
+  write the remaining tensors are still fetched, then the save fails on every rank.
 - ``load_checkpoint`` calls ``store(local)`` once per load, with this rank's local array (a host
   array of ``partition.local_shape`` and ``dtype``, padding zero), where an ordinary tensor is
   written in place. No collective: every rank reads the file itself.

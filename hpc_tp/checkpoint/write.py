@@ -166,7 +166,8 @@ class _InOrder:
     """This rank's pieces with their values, tensor by tensor in the order of ``tensors``. Every
     streamed tensor is fetched on the way, written here or not, and leaving the ``with`` block,
     even on a failed write, fetches the rest: a fetch may be a collective, and no peer may be left
-    waiting in it. The fetched data goes before the next fetch, so one is held at a time."""
+    waiting in it. The fetched data goes before the next fetch, so one is held at a time (a fetch
+    that gathers may hand it only to the writer: None elsewhere)."""
 
     def __init__(self, tensors: dict, mine: list):
         self._tensors, self._names = tensors, iter(tensors)
@@ -187,9 +188,17 @@ class _InOrder:
             tensor = self._tensors[name]
             streamed = isinstance(tensor, StreamedTensor)
             if name in mine:
-                yield *mine[name], _piece_values(tensor.fetch() if streamed else tensor.data, tensor.partition)
+                yield *mine[name], _piece_values(_fetched(name, tensor) if streamed else tensor.data, tensor.partition)
             elif streamed:  # written by another rank, or by none of this group: the fetch is still its collective
                 tensor.fetch()
+
+
+def _fetched(name: str, tensor: StreamedTensor):
+    data = tensor.fetch()
+    if data is None:  # gathered to another rank of its group (``streamed.py``): nothing here to write
+        raise CheckpointError(f"streamed tensor {name!r}: this rank writes it, but its fetch delivered it to another "
+                              "rank")
+    return data
 
 
 def _bytes(plans: dict) -> int:

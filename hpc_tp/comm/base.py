@@ -11,6 +11,16 @@ import time
 from abc import ABC, abstractmethod
 
 
+# The generic ``igather_flat``'s messages: MPI's least upper bound on tags, far from the pipeline's,
+# which count up from 0.
+GATHER_TAG = 32767
+
+
+def piece_starts(counts) -> list[int]:
+    """Where each rank's piece of a flat buffer begins (pieces of ``counts`` elements, in rank order)."""
+    return [sum(counts[:r]) for r in range(len(counts))]
+
+
 class _Timed:
     """The context ``Communicator.timed`` returns: a plain class, since a generator-based context
     manager costs a few microseconds per call, which is measurable on a 64 KiB all-reduce."""
@@ -105,6 +115,22 @@ class Communicator(ABC):
         x[:start] = 0
         x[start + counts[self.rank]:] = 0
         return self.iall_reduce(x)
+
+    def igather_flat(self, x, counts, root: int = 0) -> Request:
+        """Non-blocking: every rank's piece of a 1-D buffer (as ``ireduce_scatter_flat`` cuts it)
+        to ``root`` alone. On ``root``, ``x`` is the whole buffer with its own piece in place and
+        receives the others'; elsewhere ``x`` is this rank's piece alone (``counts[rank]`` elements),
+        so those ranks hold nothing buffer-sized. ``wait()`` returns ``x``. The adjoint of a
+        scatter; ZeRO's checkpoint gather, to the rank that writes.
+
+        Generic form: each piece sent to root point to point (any transport with ``isend``/``irecv``
+        moves device arrays too)."""
+        if self.rank != root:
+            requests = [self.isend(x, root, GATHER_TAG)] if counts[self.rank] else []
+        else:
+            requests = [self.irecv(x[start:start + count], r, GATHER_TAG)
+                        for r, (start, count) in enumerate(zip(piece_starts(counts), counts)) if r != root and count]
+        return Done(x, lambda: [request.wait() for request in requests])
 
     @abstractmethod
     def broadcast(self, x, root: int = 0):

@@ -51,6 +51,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from .base import Communicator, Request
 
@@ -359,6 +360,11 @@ class WatchedCommunicator(Communicator):
 
     def iall_gather_flat(self, x, counts) -> Request:
         return self._posted("iall_gather_flat", x, self.inner.iall_gather_flat, x, counts)
+
+    def igather_flat(self, x, counts, root: int = 0) -> Request:
+        # Named by the whole buffer, which every rank agrees on (root holds it, the others a piece).
+        whole = SimpleNamespace(shape=(sum(counts),), dtype=x.dtype)
+        return self._posted(f"igather_flat(root={root})", whole, self.inner.igather_flat, x, counts, root)
 
     def all_gather(self, x, axis: int = 0):
         return self._call(f"all_gather(axis={axis})", x, self.inner.all_gather, x, axis)

@@ -24,8 +24,8 @@ The numbers are AdamW's, element for element: the same formula on the same value
 over dp and the norm's terms may be associated differently). Checkpoints hold whole states in the
 parameters' shapes, so a run saved with ZeRO resumes without it and at any layout, and the other
 way round; they stream them (``checkpoint.StreamedTensor``): a save gathers one bucket's state at
-a time, a load hands each rank the tensors to take its pieces from, so neither holds the whole
-states a rank was spared.
+a time to the rank that writes it, a load hands each rank the tensors to take its pieces from, so
+neither holds the whole states a rank was spared.
 """
 from __future__ import annotations
 
@@ -122,12 +122,15 @@ class _Piece:
         return self.master.base is None
 
     def gather(self, piece):
-        """Every rank's ``piece`` (collective over the group) in one array laid out like the bucket:
-        the inverse of ``take``."""
-        flat = backend.xp_of(piece).empty_like(self.bucket.flat)
+        """Every rank's ``piece`` (collective over the group) in one array laid out like the bucket,
+        on the group's first rank (the one a checkpoint writes from), None elsewhere: the other
+        ranks send their piece and hold nothing bucket-sized. The inverse of ``take``."""
+        if self.comm.rank != 0:
+            self.comm.igather_flat(piece, self.bucket.counts).wait()
+            return None
+        flat = backend.xp_of(piece).empty(self.bucket.flat.shape, piece.dtype)  # the dtype the others send
         flat[self.start:self.start + piece.size] = piece
-        self.comm.iall_gather_flat(flat, self.bucket.counts).wait()
-        return flat
+        return self.comm.igather_flat(flat, self.bucket.counts).wait()
 
     def take(self, piece, arrays: dict[str, object]):
         """``piece`` = this rank's part of the parameter-shaped ``arrays``."""
@@ -140,10 +143,11 @@ class _Piece:
 class _Streamed:
     """One of a piece's states (a moment, or separate masters) as checkpoint tensors in the
     parameters' shapes (``checkpoint.StreamedTensor``), one bucket at a time. Saving, the first
-    fetch gathers the bucket (the checkpoint fetches in the same order on every rank of the group)
-    and the last lets it go. Loading, each stored tensor fills its place in a bucket-sized array
-    and the last takes this rank's piece from it; ``to_params``: the parameters get the loaded
-    values too (rounded, in a half model), as they would holding the masters themselves."""
+    fetch gathers the bucket to the group's first rank, the one that writes it (the checkpoint
+    fetches in the same order on every rank of the group; the others only send), and the last lets
+    it go. Loading, each stored tensor fills its place in a bucket-sized array and the last takes
+    this rank's piece from it; ``to_params``: the parameters get the loaded values too (rounded, in
+    a half model), as they would holding the masters themselves."""
 
     def __init__(self, piece: _Piece, state, to_params: bool = False):
         self.piece, self.state, self.to_params = piece, state, to_params
@@ -156,7 +160,7 @@ class _Streamed:
     def _fetch(self, p: Parameter):
         if not self.left:
             self._begin(self.piece.gather(self.state))
-        local = self.piece.image(self.flat, p)
+        local = None if self.flat is None else self.piece.image(self.flat, p)
         self._done()
         return local
 
