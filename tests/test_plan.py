@@ -402,8 +402,20 @@ MEASURED = dict(hidden=192, n_layers=2, n_heads=4, max_seq_len=64)
 # A few layouts per launch keep it short; `hpc-tp plan --validate` measures every one of a world.
 MEASURED_LAYOUTS = {1: [Layout(1, 1, 1, 2)], 2: [Layout(2, 1, 1, 2), Layout(1, 2, 1, 2), Layout(1, 1, 2, 2)],
                     4: [Layout(4, 1, 1, 2), Layout(1, 2, 2, 2)]}
+# Interleaving needs pp x V <= layers: 4 layers run pp = 2 at V = 2, one block per chunk.
+INTERLEAVED = dict(MEASURED, n_layers=4)
+INTERLEAVED_LAYOUTS = {2: [Layout(1, 2, 1, 2, virtual_stages=2)], 4: [Layout(1, 2, 2, 2, virtual_stages=2)]}
+BOUND, ATTEMPTS = 0.25, 3
+# More ranks than cores: the model prices the time-sharing as half the rate per rank, but how long
+# a pipeline stage waits for a descheduled peer is the OS's (and the hypervisor's) call. CI's 2-core
+# VM measured (1,2,2) at -21..-31% three times where this machine gives +2..+5%.
+OVERSUBSCRIBED_BOUND = 0.45
+
+
 @pytest.mark.mpi(min_size=1)
-def test_predicted_step_time_within_25_percent_of_the_trainer():
+@pytest.mark.parametrize("overrides, layouts", [(MEASURED, MEASURED_LAYOUTS), (INTERLEAVED, INTERLEAVED_LAYOUTS)],
+                         ids=["one-chunk", "interleaved"])
+def test_predicted_step_time_within_25_percent_of_the_trainer(overrides, layouts):
     """Each layout's error is the median over 3 rounds of (calibrate, predict, train); a layout
     outside the bound is measured again, up to 3 attempts, and passes if one attempt is within it:
     load from other jobs passes, a model 2x off never does. The bound is 25% where every rank has
@@ -414,11 +426,13 @@ def test_predicted_step_time_within_25_percent_of_the_trainer():
     # The cores the ranks have between them (ranks pinned one per core each see a single one).
     cores = len(set().union(*comm.allgather_object(os.sched_getaffinity(0))))
     bound = BOUND if comm.size <= cores else OVERSUBSCRIBED_BOUND
-    pending, best = list(MEASURED_LAYOUTS.get(comm.size, [])), {}
+    pending, best = list(layouts.get(comm.size, [])), {}
+    if not pending:
+        pytest.skip(f"no layout measured at {comm.size} ranks")
     for attempt in range(ATTEMPTS):
         if not pending:
             break
-        rows, calibration = validate(comm, "tiny", MEASURED, global_batch=8, seq=64, micro_batch=2,
+        rows, calibration = validate(comm, "tiny", overrides, global_batch=8, seq=64, micro_batch=2,
                                      layouts=pending, steps=3, repeats=3)
         if comm.rank == 0:
             print(f"\n{comm.size} ranks, attempt {attempt + 1}, calibrated: {calibration.describe()}\n"
@@ -503,3 +517,14 @@ def test_search_tries_virtual_stages_where_the_engine_runs_them():
                                and (8 // (lay.dp * lay.micro_batch)) % lay.pp == 0 for lay in interleaved)
     assert len({p.layout.virtual_stages for p in search(cfg, 2, 8, 32, get_cluster("cpu-2core")).ranked}) == 1
 
+
+def test_validate_measures_every_virtual_stage_count_the_engine_runs():
+    """``hpc-tp plan --validate --virtual-stages 1,2`` measures each layout once per V it runs."""
+    from hpc_tp.plan.validate import world_layouts
+
+    cfg = load_config("tiny", vocab_size=258, **INTERLEAVED)
+    both = world_layouts(cfg, 4, 8, 64, 2, virtual_stages=(1, 2))
+    # pp = 4 at V = 2 would need 8 layers; tp = 4 divides the 4 heads.
+    assert {(lay.tp, lay.pp, lay.dp, lay.virtual_stages) for lay in both} == {
+        (4, 1, 1, 1), (2, 2, 1, 1), (2, 2, 1, 2), (2, 1, 2, 1), (1, 4, 1, 1), (1, 2, 2, 1), (1, 2, 2, 2), (1, 1, 4, 1)}
+    assert world_layouts(cfg, 4, 8, 64, 2) == [lay for lay in both if lay.virtual_stages == 1]
