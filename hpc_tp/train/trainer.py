@@ -126,7 +126,7 @@ class Trainer:
     # -- set-up ------------------------------------------------------------------------------------------
     def _planned(self, world) -> TrainSettings:
         """The settings with the planner's fastest layout (hpc_tp.plan) for this world and model, its
-        virtual stages included (only the asked ones if --virtual-stages was given); the planner is
+        virtual stages included (only the asked V if --virtual-stages was given); the planner is
         arithmetic, so every rank reaches the same answer without a message."""
 
         from ..plan import choose_layout
