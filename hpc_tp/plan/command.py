@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     out.add_argument("--top", type=int, default=8, help="layouts shown (default %(default)s)")
     out.add_argument("--json", metavar="FILE", help="write the ranked and rejected layouts as JSON")
     out.add_argument("--validate", action="store_true",
-                     help="under mpiexec: calibrate here, train each layout of the world a few steps, "
-                          "print predicted vs measured step time and state bytes")
+                     help="under mpiexec: calibrate here, train each layout of the world (at each "
+                          "--virtual-stages V it runs) a few steps, print predicted vs measured step time "
+                          "and state bytes")
     out.add_argument("--rounds", type=int, default=3,
                      help="--validate: rounds, each calibrating and measuring every layout once (default %(default)s)")
     out.add_argument("--steps", type=int, default=3,
@@ -94,7 +95,7 @@ def run(args) -> int:
             raise ConfigError(f"--{flag} {value}: expected a positive whole number")
     virtual_stages = parse_virtual_stages(args.virtual_stages)
     if args.validate:
-        return _validate(args, overrides)
+        return _validate(args, overrides, virtual_stages)
     if args.json:
         check_output_file(args.json, "--json")
     from .calibration import load_calibration
@@ -123,7 +124,7 @@ def run(args) -> int:
     return 0 if plan.ranked else 1
 
 
-def _validate(args, overrides) -> int:
+def _validate(args, overrides, virtual_stages) -> int:
     from ..comm.mpi import world
     from ..launch import check_launch
     from .validate import format_rows, validate
@@ -133,7 +134,7 @@ def _validate(args, overrides) -> int:
     micro = (args.micro_batch or [2])[0]
     rows, calibration = validate(comm, args.model, overrides, args.global_batch, args.seq_len or 64, micro,
                                  cluster=args.cluster, steps=args.steps, repeats=args.rounds,
-                                 distributed_optimizer=args.distributed_optimizer)
+                                 distributed_optimizer=args.distributed_optimizer, virtual_stages=virtual_stages)
     if comm.rank == 0:
         print(f"hpc-tp plan --validate: {comm.size} ranks, calibrated here: {calibration.describe()}")
         print(format_rows(rows))

@@ -8,7 +8,8 @@ itself would stop with, found before any rank starts: heads (or KV groups, or th
 that tp does not divide, more stages than layers, a global batch that dp does not divide, a
 sequence that tp does not divide under sequence parallelism, experts that ep does not divide,
 and memory beyond the device's. The feasible ones are ranked by predicted step time (then by
-memory); ``choose_layout`` returns the first of those the trainer can run from its settings.
+memory); ``choose_layout`` returns the first of those the trainer can run from its settings,
+interleaved 1F1B (V > 1 chunks per rank) included where the engine runs it.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from ..pipeline.partition import balanced_layers
 from .cost import Layout, Prediction, predict
 
 GiB = 2**30
+# The chunk counts per rank ``choose_layout`` tries by default. Each step up shrinks the bubble by
+# less ((p-1)/(V m)) while the p2p messages grow V-fold, so past 4 the search grows for little.
+AUTO_VIRTUAL_STAGES = (1, 2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, c
                     continue
                 for again in recompute:
                     for schedule in schedules if pp > 1 else schedules[:1]:
-                        for v in _chunk_counts(cfg, pp, global_batch // (dp * micro), schedule, virtual_stages):
+                        for v in chunk_counts(cfg, pp, global_batch // (dp * micro), schedule, virtual_stages):
                             if (pp, v) not in splits:
                                 splits[pp, v] = [len(r) for r in balanced_layers(cfg, pp, virtual_stages=v)]
                             layout = Layout(tp, pp, dp, micro, again, schedule, sp, ep,
@@ -123,7 +127,7 @@ def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, c
     return plan
 
 
-def _chunk_counts(cfg, pp: int, micro_batches: int, schedule: str, virtual_stages) -> list[int]:
+def chunk_counts(cfg, pp: int, micro_batches: int, schedule: str, virtual_stages) -> list[int]:
     """The V of ``virtual_stages`` the engine can run for this layout (V = 1 always)."""
     interleaves = pp > 1 and schedule == "1f1b" and micro_batches % pp == 0
     return [v for v in virtual_stages if v == 1 or (interleaves and pp * v <= cfg.n_layers)]
@@ -155,26 +159,37 @@ def explain(best: Prediction, plan: Plan) -> str:
 
 
 def choose_layout(cfg: ModelConfig, world_size: int, global_batch: int, seq_len: int, cluster="cpu-2core",
-                  calibration=None, ep: int = 1, distributed_optimizer: bool = False) -> dict:
-    """The top plan as the trainer's settings: tp, pp, dp, micro_batch, recompute, schedule, reason.
-    ``cluster``: a preset name or a ``Cluster``; ``calibration``: a ``Calibration`` or JSON paths;
-    ``ep``: the expert-parallel size the run asked for (only layouts whose dp it divides);
-    ``distributed_optimizer``: whether the run shards its optimizer (its memory and update time)."""
+                  calibration=None, ep: int = 1, distributed_optimizer: bool = False,
+                  virtual_stages: int | None = None) -> dict:
+    """The top plan as the trainer's settings: tp, pp, dp, micro_batch, recompute, schedule,
+    virtual_stages, reason. ``cluster``: a preset name or a ``Cluster``; ``calibration``: a
+    ``Calibration`` or JSON paths; ``ep``: the expert-parallel size the run asked for (only layouts
+    whose dp it divides); ``distributed_optimizer``: whether the run shards its optimizer (its memory
+    and update time); ``virtual_stages``: None tries ``AUTO_VIRTUAL_STAGES`` where the engine runs
+    them, a number keeps only the layouts that run that V (so 1: no interleaving)."""
     from .calibration import Calibration, load_calibration
     from .clusters import get_cluster
 
+    if virtual_stages is not None and (not isinstance(virtual_stages, int) or virtual_stages < 1):
+        raise ConfigError(f"--virtual-stages {virtual_stages!r}: expected a positive integer")
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster
     if calibration is not None and not isinstance(calibration, Calibration):
         calibration = load_calibration([calibration] if isinstance(calibration, str) else calibration)
     # The trainer takes sequence parallelism from the model config and ep from its own settings.
     plan = search(cfg, world_size, global_batch, seq_len, cluster, calibration,
-                  sequence_parallel=(cfg.sequence_parallel,), eps=(ep,), distributed_optimizer=distributed_optimizer)
+                  sequence_parallel=(cfg.sequence_parallel,), eps=(ep,), distributed_optimizer=distributed_optimizer,
+                  virtual_stages=AUTO_VIRTUAL_STAGES if virtual_stages is None else (virtual_stages,))
     if not plan.ranked:
         counts = ", ".join(f"{n} {kind}" for kind, n in plan.reasons().items())
-        example = min(plan.rejected, key=lambda r: r.kind != "memory").reason if plan.rejected else "none"
+        rejected = "" if not plan.rejected else \
+            f": rejected {counts} (e.g. {min(plan.rejected, key=lambda r: r.kind != 'memory').reason})"
+        # Layouts that cannot interleave are skipped, not rejected: name the rule they break.
+        asked = "" if virtual_stages in (None, 1) else \
+            (f" at --virtual-stages {virtual_stages}, which needs pp > 1 with pp x {virtual_stages} <= "
+             f"{cfg.n_layers} layers and the micro-batches per step a multiple of pp")
         raise ConfigError(f"no layout of {world_size} ranks can train {cfg.n_layers} layers of hidden {cfg.hidden} "
-                          f"with global batch {global_batch}: rejected {counts} (e.g. {example})")
+                          f"with global batch {global_batch}{asked}{rejected}")
     best = plan.ranked[0]
     lay = best.layout
     return dict(tp=lay.tp, pp=lay.pp, dp=lay.dp, micro_batch=lay.micro_batch, recompute=lay.recompute,
-                schedule=lay.schedule, reason=explain(best, plan))
+                schedule=lay.schedule, virtual_stages=lay.virtual_stages, reason=explain(best, plan))

@@ -3,9 +3,10 @@
 Collective over ``world``. Calibration is measured in-process, with every rank busy at once as
 during training: the communication benchmark (all-reduce and p2p over the world), the
 bandwidth of elementwise work, and a step benchmark of the block stack on groups of the
-layout's tp size. Then the layout trains a few real steps through the trainer
-(``Trainer.train_step``; the first ones warm up and are not timed): its median step time (the
-slowest rank's) is set against the prediction, as are its parameter and AdamW state bytes.
+layout's tp size. Then the layout (interleaved 1F1B too, at V > 1) trains a few real steps
+through the trainer (``Trainer.train_step``; the first ones warm up and are not timed): its
+median step time (the slowest rank's) is set against the prediction, as are its parameter and
+AdamW state bytes.
 
 A shared machine's speed drifts within seconds, so each measurement is paired with a
 calibration taken just before it, and the layouts are measured in rounds (every layout once per
@@ -71,7 +72,7 @@ def measure_layout(world, model: str, overrides: dict, layout: Layout, global_ba
     settings = TrainSettings(model=model, model_overrides=overrides, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                              ep=layout.ep, micro_batch=layout.micro_batch, global_batch=global_batch, seq_len=seq,
                              steps=steps + warmup, dtype=dtype, recompute=layout.recompute, schedule=layout.schedule,
-                             distributed_optimizer=layout.distributed_optimizer,
+                             virtual_stages=layout.virtual_stages, distributed_optimizer=layout.distributed_optimizer,
                              progress=False)
     trainer = Trainer(settings, world)
     times, comms = [], []
@@ -85,30 +86,40 @@ def measure_layout(world, model: str, overrides: dict, layout: Layout, global_ba
     return dict(step_s=median(times), comm_s=median(comms), cfg=trainer.cfg, states=states)
 
 
+def world_layouts(cfg, world_size: int, global_batch: int, seq: int, micro_batch: int,
+                  distributed_optimizer: bool = False, virtual_stages=(1,)) -> list[Layout]:
+    """Every tp x pp x dp of the world that the model allows at this micro-batch (1F1B at pp > 1),
+    with ZeRO-1 at dp > 1 if ``distributed_optimizer``, once per V of ``virtual_stages`` the engine
+    runs there (``search``'s own rule)."""
+    from .search import chunk_counts, structural_reason, variant_reason, variants
+
+    return [Layout(t, p, d, micro_batch, sequence_parallel=sp, distributed_optimizer=distributed_optimizer and d > 1,
+                   virtual_stages=v)
+            for t, p, d in factorizations(world_size)
+            if structural_reason(cfg, t, p, d, global_batch) is None and global_batch % (d * micro_batch) == 0
+            for sp, ep in variants(cfg, t, d, (cfg.sequence_parallel,), (1,))
+            if variant_reason(cfg, t, d, seq, sp, ep) is None
+            for v in chunk_counts(cfg, p, global_batch // (d * micro_batch), "1f1b", virtual_stages)]
+
+
 def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, seq: int = 32,
              micro_batch: int = 4, layouts=None, dtype: str = "float32", cluster="cpu-2core",
-             steps: int = 3, repeats: int = 3, warmup: int = 1,
-             distributed_optimizer: bool = False) -> tuple[list[dict], Calibration]:
-    """Predicted against measured for ``layouts`` (default: every tp x pp x dp of the world that
-    the model allows, with ZeRO-1 at dp > 1 if ``distributed_optimizer``). Returns (rows, the last
-    round's calibration); a row has the layout, predicted_s and measured_s (medians over rounds),
-    error (the median over rounds of predicted / measured, minus 1), errors (each round's),
-    measured_comm_s, and the predicted and measured parameter + optimizer bytes of the busiest rank."""
+             steps: int = 3, repeats: int = 3, warmup: int = 1, distributed_optimizer: bool = False,
+             virtual_stages=(1,)) -> tuple[list[dict], Calibration]:
+    """Predicted against measured for ``layouts`` (default: ``world_layouts``, so interleaved 1F1B
+    at each V of ``virtual_stages`` where it runs). Returns (rows, the last round's calibration); a
+    row has the layout, predicted_s and measured_s (medians over rounds), error (the median over
+    rounds of predicted / measured, minus 1), errors (each round's), measured_comm_s, and the
+    predicted and measured parameter + optimizer bytes of the busiest rank."""
     from ..models.config import load_config
     from .clusters import engine_precision, get_cluster
-    from .search import structural_reason, variant_reason, variants
 
     overrides = dict(overrides or {})
     cfg = load_config(model, **{"vocab_size": 258, **overrides})  # the byte tokenizer's vocabulary
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster
     cluster = cluster.with_overrides(precision=engine_precision(dtype))
     if layouts is None:
-        layouts = [Layout(t, p, d, micro_batch, sequence_parallel=sp,
-                          distributed_optimizer=distributed_optimizer and d > 1)
-                   for t, p, d in factorizations(world.size)
-                   if structural_reason(cfg, t, p, d, global_batch) is None and global_batch % (d * micro_batch) == 0
-                   for sp, ep in variants(cfg, t, d, (cfg.sequence_parallel,), (1,))
-                   if variant_reason(cfg, t, d, seq, sp, ep) is None]
+        layouts = world_layouts(cfg, world.size, global_batch, seq, micro_batch, distributed_optimizer, virtual_stages)
     if not layouts:
         raise ConfigError(f"no layout of {world.size} ranks fits model {model} with global batch {global_batch}")
     if repeats < 1 or steps < 1:
@@ -140,11 +151,11 @@ def _row(layout: Layout, pairs) -> dict:
 
 
 def format_rows(rows) -> str:
-    lines = [f"{'layout':<34} {'predicted':>10} {'measured':>10} {'error':>7} {'per round':>24} "
+    lines = [f"{'layout':<40} {'predicted':>10} {'measured':>10} {'error':>7} {'per round':>24} "
              f"{'states pred/meas':>22}"]
     for r in rows:
         rounds = " ".join(f"{e * 100:+.0f}%" for e in r["errors"])
-        lines.append(f"{r['layout'].describe():<34} {r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
+        lines.append(f"{r['layout'].describe():<40} {r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
                      f"{r['error'] * 100:+6.1f}% {rounds:>24} "
                      f"{r['predicted_state_bytes']:>10}/{r['measured_state_bytes']:<10}")
     return "\n".join(lines)

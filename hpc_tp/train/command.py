@@ -22,16 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser):
                        help="blocks per pipeline stage, or per chunk with --virtual-stages: pp*V counts "
                             "(default: balanced by a cost estimate)")
     model.add_argument("--plan", choices=("auto",), default=None,
-                       help="choose tp/pp/dp, micro-batch, recompute and schedule with the planner (hpc-tp plan)")
+                       help="choose tp/pp/dp, micro-batch, recompute, schedule and virtual stages (1-4) with the "
+                            "planner (hpc-tp plan); an explicit --virtual-stages V limits it to layouts running V")
     model.add_argument("--plan-cluster", default=d.plan_cluster,
                        help="cluster preset the planner assumes (default %(default)s; see hpc-tp plan --help)")
     model.add_argument("--schedule", default=d.schedule, choices=("1f1b", "gpipe"),
                        help="pipeline schedule (1f1b with --virtual-stages > 1: interleaved 1F1B)")
     model.add_argument("--virtual-stages", type=int, default=d.virtual_stages, metavar="V",
-                       help="model chunks per pipeline rank (default 1): V > 1 runs Megatron's interleaved 1F1B, "
-                            "rank r holding chunks r, r+pp, ... of pp*V; the bubble shrinks to (pp-1)/(V*m) for "
-                            "V times the messages; needs --schedule 1f1b, pp*V <= layers and the micro-batches "
-                            "per step a multiple of pp")
+                       help="model chunks per pipeline rank (default 1, or the planner's with --plan auto): V > 1 "
+                            "runs Megatron's interleaved 1F1B, rank r holding chunks r, r+pp, ... of pp*V; the "
+                            "bubble shrinks to (pp-1)/(V*m) for V times the messages; needs --schedule 1f1b, "
+                            "pp*V <= layers and the micro-batches per step a multiple of pp")
     model.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     model.add_argument("--sequence-parallel", action="store_true",
                        help="norms, dropout and residuals on sequence shards (tp > 1; the same as "

@@ -24,8 +24,10 @@ class TrainSettings:
     ep: int = 1  # expert-parallel size (MoE): carved out of dp, must divide dp and num_experts
     pp_layers: str | None = None  # e.g. "3,2,3": blocks per stage (default: balanced by a cost estimate)
     schedule: str = "1f1b"
-    virtual_stages: int = 1  # model chunks per pipeline rank: > 1 runs 1F1B interleaved (pipeline/schedules.py)
-    plan: str | None = None  # "auto": tp, pp, dp, micro-batch, recompute and schedule from hpc_tp.plan
+    # Model chunks per pipeline rank: > 1 runs 1F1B interleaved (pipeline/schedules.py). None: 1, or under
+    # --plan auto the planner's choice; a number under --plan auto limits the planner to that V.
+    virtual_stages: int | None = None
+    plan: str | None = None  # "auto": tp, pp, dp, micro-batch, recompute, schedule and V from hpc_tp.plan
     plan_cluster: str = "cpu-2core"  # the planner's cluster preset
     recompute: bool = False
     micro_batch: int | None = None  # None: the whole dp share at pp=1; 2*pp micro-batches at pp>1
@@ -60,7 +62,7 @@ class TrainSettings:
 
     def check(self):
         positive = {"micro-batch": 1 if self.micro_batch is None else self.micro_batch, "ep": self.ep,
-                    "virtual-stages": self.virtual_stages,
+                    "virtual-stages": self.chunks,
                     "global-batch": self.global_batch, "steps": self.steps,
                     "eval-problems": self.eval_problems}
         for flag, value in positive.items():
@@ -82,7 +84,7 @@ class TrainSettings:
             raise ConfigError(f"--plan {self.plan!r}: expected auto")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ConfigError(f"--schedule {self.schedule!r}: expected 1f1b or gpipe")
-        if self.virtual_stages > 1 and self.schedule != "1f1b":
+        if self.chunks > 1 and self.schedule != "1f1b":
             raise ConfigError(f"--virtual-stages {self.virtual_stages} runs the interleaved 1F1B schedule: "
                               f"use --schedule 1f1b, not {self.schedule}")
         if not 0 < self.lr < math.inf:  # also false for nan: a nan or inf rate makes every weight nan
@@ -111,6 +113,11 @@ class TrainSettings:
                 _check_no_earlier_run(self.save)
 
     @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: ``virtual_stages``, 1 where it was not given."""
+        return 1 if self.virtual_stages is None else self.virtual_stages
+
+    @property
     def warmup_steps(self) -> int:
         return min(100, self.steps // 10) if self.warmup is None else self.warmup
 
@@ -126,7 +133,7 @@ class TrainSettings:
             raise ConfigError(f"--global-batch {self.global_batch} is not divisible by --micro-batch "
                               f"{micro} x dp {dp} = {micro * dp}")
         count = self.global_batch // (micro * dp)
-        if self.virtual_stages > 1 and count % pp:
+        if self.chunks > 1 and count % pp:
             raise ConfigError(f"--global-batch {self.global_batch} / (--micro-batch {micro} x dp {dp}) = {count} "
                               f"micro-batches per step: the interleaved schedule (--virtual-stages "
                               f"{self.virtual_stages}) needs a multiple of --pp {pp}")

@@ -125,8 +125,9 @@ class Trainer:
 
     # -- set-up ------------------------------------------------------------------------------------------
     def _planned(self, world) -> TrainSettings:
-        """The settings with the planner's fastest layout (hpc_tp.plan) for this world and model;
-        the planner is arithmetic, so every rank reaches the same answer without a message."""
+        """The settings with the planner's fastest layout (hpc_tp.plan) for this world and model, its
+        virtual stages included (only the asked V if --virtual-stages was given); the planner is
+        arithmetic, so every rank reaches the same answer without a message."""
 
         from ..plan import choose_layout
 
@@ -137,12 +138,13 @@ class Trainer:
         self.init_meta, self.tokenizer = None, self._tokenizer()
         self.cfg = self._model_config()
         choice = choose_layout(self.cfg, world.size, s.global_batch, self._seq_len(), cluster=s.plan_cluster,
-                               ep=s.ep, distributed_optimizer=s.distributed_optimizer)
+                               ep=s.ep, distributed_optimizer=s.distributed_optimizer,
+                               virtual_stages=s.virtual_stages)
         if world.rank == 0:
             print(f"--plan auto: tp={choice['tp']} pp={choice['pp']} dp={choice['dp']} micro-batch "
-                  f"{choice['micro_batch']}{' recompute' if choice['recompute'] else ''} {choice['schedule']}: "
-                  f"{choice['reason']}", flush=True)
-        layout = {k: choice[k] for k in ("tp", "pp", "dp", "micro_batch", "recompute", "schedule")}
+                  f"{choice['micro_batch']}{' recompute' if choice['recompute'] else ''} {choice['schedule']} "
+                  f"virtual-stages {choice['virtual_stages']}: {choice['reason']}", flush=True)
+        layout = {k: v for k, v in choice.items() if k != "reason"}
         return replace(s, plan=None, **layout)
 
     def _tokenizer(self):
@@ -180,9 +182,9 @@ class Trainer:
     def _build_model(self):
         s = self.settings
         layers = None if s.pp_layers is None else parse_pp_layers(s.pp_layers, self.cfg.n_layers, s.pp,
-                                                                  s.virtual_stages)
+                                                                  s.chunks)
         return build_stage(self.cfg, self.grid, dtype=s.dtype, seed=s.seed, layers_per_stage=layers,
-                           virtual_stages=s.virtual_stages)
+                           virtual_stages=s.chunks)
 
     # -- one optimizer step ---------------------------------------------------------------------------
     def train_step(self) -> dict:
