@@ -140,7 +140,7 @@ class Trainer:
                                ep=s.ep, distributed_optimizer=s.distributed_optimizer)
         if world.rank == 0:
             print(f"--plan auto: tp={choice['tp']} pp={choice['pp']} dp={choice['dp']} micro-batch "
-                  f"{choice['micro_batch']}{' recompute' if choice['recompute'] else ''} {choice['schedule']}: "
+                  f"{choice['micro_batch']} recompute={choice['recompute']} {choice['schedule']}: "
                   f"{choice['reason']}", flush=True)
         layout = {k: choice[k] for k in ("tp", "pp", "dp", "micro_batch", "recompute", "schedule")}
         return replace(s, plan=None, **layout)
