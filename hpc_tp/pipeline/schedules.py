@@ -228,6 +228,7 @@ class _StageRunner:
             else:
                 block_ctx = block_saved
             dx = block.backward(dx, block_ctx)
+            del block_ctx  # else a recomputed set stays alive through the next block's rerun: two at once
             self._final(final, f"layers.{index}")
         if not self.link.has_previous(chunk):
             self.model.embed_backward(dx, embed_ctx)
