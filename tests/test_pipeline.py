@@ -1,7 +1,7 @@
 """Pipeline parallelism: every tp x pp x dp layout gives the losses and gradients of one process.
 
 At 4 ranks: 1x4x1, 2x2x1 and 1x2x2; at 2 ranks: 1x2x1 (tp x pp x dp). Each layout runs GPipe and
-1F1B, with and without activation recomputation, with dropout and tied embeddings, on a model
+1F1B, without, with selective and with full activation recomputation, with dropout and tied embeddings, on a model
 whose layer count pp does not divide (some stages get one layer) and with fewer micro-batches
 than stages at pp = 4; the interleaved 1F1B schedule runs the same layouts with 2 virtual stages
 per rank (3 and 4 at pp = 2); sequence parallelism and MoE layers go through the pipeline too.
@@ -129,7 +129,7 @@ def check_against_reference(cfg, batches, grid, model, loss, count):
 # -- multi-rank: pipeline == one process ---------------------------------------------------------------
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_matches_one_process(schedule, recompute):
     for layout in layouts():

@@ -118,9 +118,9 @@ def held_activations(cfg, tp, pp, dp, ep, schedule, recompute, virtual_stages=1)
 
 
 # GPipe only changes how many micro-batches are in flight: checked on the two dense models.
-SCHEDULES = [("1f1b", False), ("1f1b", True)]
+SCHEDULES = [("1f1b", "none"), ("1f1b", "selective"), ("1f1b", "full")]
 ACTIVATION_CASES = [(name, *case) for name in MODELS for case in SCHEDULES] + [
-    (name, "gpipe", False) for name in ("gpt", "llama")]
+    (name, "gpipe", "none") for name in ("gpt", "llama")]
 
 
 @pytest.mark.mpi(min_size=1)
@@ -134,7 +134,7 @@ def test_activation_bytes_are_what_the_pipeline_holds(name, schedule, recompute,
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_interleaved_activation_bytes_are_what_the_pipeline_holds(recompute, monkeypatch):
     """Two chunks per rank: the passes alive at the peak mix chunks of different cost (the first
     holds the embedding, the last the head), replayed from the schedule."""

@@ -168,6 +168,12 @@ class GPTModel(Module):
         for moe in self.moe_layers():
             moe.loss_scale = scale
 
+    def set_selective_recompute(self, on: bool):
+        """Whether attention recomputes its softmax and dropout masks in backward instead of keeping
+        them (``hpc_tp.recompute``): set by the pipeline for each step's mode."""
+        for block in self.layers:
+            block.attn.recompute_scores = on
+
     def logits(self, ids, key_mask=None):
         """Full-vocabulary logits [B, T, V] (gathered over tp): for evaluation and sampling."""
         x, _ = self.embed_forward(ids)

@@ -15,6 +15,11 @@ Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
 ``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled) and
 ``store(k, v) -> (keys, values)``, which writes this step's rotated K/V heads at slots
 ``offset:offset+T`` and returns every filled slot. Each rank caches only its own K/V heads.
+
+With ``recompute_scores`` (selective recomputation, ``hpc_tp.recompute``) forward keeps neither
+the softmax outputs nor the dropout masks: backward recomputes them from the kept Q and K, the
+masks redrawn from the dropout generator, which the caller sets back to forward's position (as
+the pipeline does for any recomputation).
 """
 from __future__ import annotations
 
@@ -133,6 +138,7 @@ class ParallelAttention(Module):
             replica_comm = comm.split(color=kv_index, key=rank)
         self.kv_local = n_kv_heads // kv_parts
         self.causal, self.dropout, self.rng, self.layer_id = causal, dropout, rng, layer_id
+        self.recompute_scores = False  # selective recomputation (GPTModel.set_selective_recompute)
         self.inv_freq = None if rope_theta is None else rope_inv_freq(d, rope_theta, rope_scaling)
         column, row = linear_classes(sequence_parallel)
         self.qkv = column(hidden, None, comm, bias, segments=[
@@ -184,17 +190,26 @@ class ParallelAttention(Module):
             mask = self._dropout_masks((b, self.kv_local, self.heads_local // self.kv_local, t, keys), x.dtype)
         merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
         attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
-        blocks = query_blocks(t, keys, offset, self.causal)
         fused = cpu_attention.supported(q, k, v, attn, *(() if mask is None else (mask,)))
+        probs = self._core(q, k, v, attn, key_mask, offset, mask, fused)
+        y, out_ctx = self.out.forward(merged)
+        # Selective recomputation keeps what rebuilds the softmax and masks instead: the key mask
+        # ([B, keys], small) and whether dropout ran.
+        kept = (None, None, key_mask, mask is not None) if self.recompute_scores else (probs, mask, None, False)
+        return y, (qkv_ctx, q, k, v, *kept, fused, rope, offset, out_ctx)
+
+    def _core(self, q, k, v, attn, key_mask, offset, mask, fused):
+        """softmax(Q K^T + masks) per query block, returned for backward, and P V (through the
+        dropout ``mask``) into ``attn``; with ``attn`` None only the softmax (recomputation)."""
+        xp = backend.xp_of(q)
+        b, t, keys = q.shape[0], q.shape[3], k.shape[2]
+        blocks = query_blocks(t, keys, offset, self.causal)
         if fused:
             key_bias = None if key_mask is None else xp.where(key_mask.astype(bool), 0.0, -xp.inf)
-            probs = cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, key_bias, mask)
-        else:
-            bias = (attention_bias(b, t, keys, self.causal, key_mask, offset, x.dtype)
-                    if self.causal or key_mask is not None else None)
-            probs = _composed_forward(q, k, v, attn, blocks, bias, mask)
-        y, out_ctx = self.out.forward(merged)
-        return y, (qkv_ctx, q, k, v, probs, fused, mask, rope, offset, out_ctx)
+            return cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, key_bias, mask)
+        bias = (attention_bias(b, t, keys, self.causal, key_mask, offset, q.dtype)
+                if self.causal or key_mask is not None else None)
+        return _composed_forward(q, k, v, attn, blocks, bias, mask)
 
     def _heads_view(self, merged):
         """[B, T, hq*d] seen as [B, hk, g, T, d] (query heads grouped by the KV head they share)."""
@@ -203,7 +218,7 @@ class ParallelAttention(Module):
         return merged.reshape(b, t, hk, self.heads_local // hk, self.head_dim).transpose(0, 2, 3, 1, 4)
 
     def backward(self, dy, ctx):
-        qkv_ctx, q, k, v, probs, fused, mask, rope, offset, out_ctx = ctx
+        qkv_ctx, q, k, v, probs, mask, key_mask, dropped, fused, rope, offset, out_ctx = ctx
         xp = backend.xp_of(dy)
         hk, hq, d = self.kv_local, self.heads_local, self.head_dim
         dmerged = self.out.backward(dy, out_ctx)
@@ -214,11 +229,15 @@ class ParallelAttention(Module):
         dq, dk, dv = self._split_heads(dqkv)
         dk[...] = 0.0
         dv[...] = 0.0
+        if probs is None:  # selective recomputation: the same masks (same generator position), the same softmax
+            mask = self._dropout_masks(q.shape[:4] + (k.shape[2],), q.dtype) if dropped else None
+            probs = self._core(q, k, v, None, key_mask, offset, mask, fused)
         blocks = query_blocks(t, k.shape[2], offset, self.causal)
         if fused:
             cpu_attention.backward(dattn.astype(q.dtype, copy=False), q, k, v, probs, blocks, dq, dk, dv, mask)
         else:
             _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv)
+        del probs, mask  # a recomputed softmax is freed before QKV's backward
         if rope is not None:
             dq[...] = F.rope_apply(dq, *_per_row(rope, dq.ndim), inverse=True)
             dk[...] = F.rope_apply(dk, *_per_row(rope, dk.ndim), inverse=True)
@@ -228,7 +247,7 @@ class ParallelAttention(Module):
 def _composed_forward(q, k, v, attn, blocks, bias, mask):
     """The attention core as whole-array numpy/cupy operations over all heads, block by block
     (the fused CPU kernel's reference, and the path for devices and half dtypes);
-    returns the softmax outputs per block."""
+    returns the softmax outputs per block (only those when ``attn`` is None)."""
     k_t, v5 = k[:, :, None].swapaxes(-1, -2), v[:, :, None]
     probs = []
     for rows, seen in blocks:
@@ -237,6 +256,8 @@ def _composed_forward(q, k, v, attn, blocks, bias, mask):
             scores += bias[..., rows, :seen]
         p = F.softmax_forward(scores)
         probs.append(p)
+        if attn is None:
+            continue
         if mask is not None:
             p = p * mask[..., rows, :seen]
         blas.matmul(p, v5[..., :seen, :], out=attn[..., rows, :])

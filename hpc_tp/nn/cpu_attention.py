@@ -69,12 +69,13 @@ def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, ke
     """Softmax(Q K^T + masks) V into ``out`` ([B, hk, g, T, d] views; K, V [B, hk, keys, d]); Q is
     already scaled. ``key_bias`` [B, keys]: 0 for real keys, -inf for padding; ``keep`` [B, hk, g,
     T, keys]: attention dropout's scaled keep mask, applied to the softmax before P V. Returns
-    the softmax outputs (before dropout), kept for ``backward``."""
+    the softmax outputs (before dropout), kept for ``backward``; ``out`` None: only those
+    (selective recomputation), no P V."""
     starts, seens, tiles = _block_tables(blocks)
     b, hk, g = q.shape[:3]
     probs = numpy.empty(b * hk * g * int(tiles[-1]), dtype=q.dtype)
-    dropped = numpy.empty(_largest_tile(tiles) if keep is not None else 0, dtype=q.dtype)
-    _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal,
+    dropped = numpy.empty(_largest_tile(tiles) if keep is not None and out is not None else 0, dtype=q.dtype)
+    _forward(q, k, v, _none(q.dtype, 5) if out is None else out, probs, starts, seens, tiles, q_offset, causal,
              _none(q.dtype, 2) if key_bias is None else _per_sequence(key_bias, b, k.shape[2], q.dtype),
              _none(q.dtype, 5) if keep is None else keep, dropped)
     return probs
@@ -193,6 +194,8 @@ def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bi
         gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, q, _at(q, b, h, g, first), _ld(q),
              k, _at(k, b, h, 0, 0), _ld(k), 0.0, probs, at, seen)
         _softmax_tile(probs, at, rows, seen, first + q_offset, causal, key_bias, b)
+        if not out.size:
+            continue
         weights, weights_at = probs, at
         if keep.size:
             _drop(probs, at, rows, seen, keep, b, h, g, first, dropped, 0)

@@ -19,8 +19,10 @@ Every rank runs its list in order and blocks only on messages from its neighbour
 produce them in an order that never needs a later op of the waiting rank, so no schedule can
 wait on itself (tests/test_pipeline.py replays every small (pp, V, m) to check).
 
-With ``recompute`` a block keeps only its input: backward reruns its forward first, with the
-dropout generator set back to the micro-batch's position, so the masks are the same ones.
+With ``recompute`` "full" a block keeps only its input: backward reruns its forward first, with
+the dropout generator set back to the micro-batch's position, so the masks are the same ones.
+"selective" keeps everything but attention's softmax outputs and dropout masks, which attention's
+backward recomputes, the generator set back the same way (``hpc_tp.recompute``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import numpy
 
 from .. import backend
 from ..errors import ConfigError
+from ..recompute import recompute_mode
 from .p2p import ACTIVATION, GRADIENT, StageLink
 from .partition import model_chunks
 
@@ -95,10 +98,11 @@ class PipelineStats:
 
 
 def pipeline_forward_backward(model, micro_batches, grid, scale: float, schedule: str = "1f1b",
-                              recompute: bool = False, on_grads_final=None, step: int = 0,
+                              recompute: str | bool = "none", on_grads_final=None, step: int = 0,
                               first_sample: int = 0, stats: PipelineStats | None = None):
     """Forward and backward of this dp rank's ``micro_batches`` (a list of (ids, targets)) through
-    the pipeline; gradients of ``scale * loss_sum`` accumulate into ``p.grad``.
+    the pipeline; gradients of ``scale * loss_sum`` accumulate into ``p.grad``. ``recompute``: a
+    ``hpc_tp.recompute`` mode (or True for full).
 
     Returns (loss_sum, token_count) of this dp rank, the same on every stage. ``first_sample`` is
     the global batch index of this dp rank's first sequence: dropout masks are drawn per sample
@@ -151,7 +155,9 @@ def stage_parameter_groups(model) -> dict[str, list[str]]:
 
 class _StageRunner:
     def __init__(self, model, chunks, micro_batches, grid, scale, recompute, on_grads_final, step, first_sample):
-        self.model, self.micro_batches, self.scale, self.recompute = model, micro_batches, scale, recompute
+        mode = recompute_mode(recompute)
+        self.model, self.micro_batches, self.scale, self.recompute = model, micro_batches, scale, mode == "full"
+        model.set_selective_recompute(mode == "selective")
         self.on_grads_final, self.step, self.first_sample = on_grads_final, step, first_sample
         # Each chunk's blocks with their global layer indices, in forward order.
         self.chunks = [[(model.layer_ids[p], model.layers.items[p]) for p in positions] for positions in chunks]
@@ -222,6 +228,7 @@ class _StageRunner:
             else:
                 block_ctx = block_saved
             dx = block.backward(dx, block_ctx)
+            del block_ctx  # else a recomputed set stays alive through the next block's rerun: two at once
             self._final(final, f"layers.{index}")
         if not self.link.has_previous(chunk):
             self.model.embed_backward(dx, embed_ctx)

@@ -3,7 +3,8 @@
 Compute. Forward FLOPs per token come from ``pipeline.partition.stage_costs`` (the estimate the
 stage split balances): per block 2 x (QKV, output, MLP weights) + 4 s h for scores and P V,
 plus the embedding on the first stage and the head and loss on the last. Backward costs twice
-the forward; full recomputation runs each block's forward once more. A stage's work is split
+the forward; full recomputation runs each block's forward once more, selective recomputation
+only Q K^T (2 s h per token and layer, the softmax rebuilt from it). A stage's work is split
 over its tp ranks, each running at the cluster's (or the calibration's) sustained FLOP/s. An MoE
 layer replaces its MLP by the router (2 h E per token) and the experts' rows: the model FLOPs
 count top_k experts per token; the busiest rank's time counts the rows its experts receive at
@@ -66,6 +67,7 @@ import numpy
 
 from ..models.config import ModelConfig
 from ..pipeline.partition import balanced_layers, rank_layers, stage_costs
+from ..recompute import recompute_mode
 from ..train.grad_sync import DEFAULT_BUCKET_BYTES
 from .memory import (ENGINE, Routing, expert_params, kv_heads_local, norm_params, sharded_elements, stage_memory,
                      stage_params, vocab_rows)
@@ -128,12 +130,15 @@ class Layout:
     pp: int
     dp: int
     micro_batch: int
-    recompute: bool = False
+    recompute: str = "none"  # a hpc_tp.recompute mode (True/False accepted: full/none)
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     ep: int = 1  # expert parallelism, carved out of dp
     distributed_optimizer: bool = False  # ZeRO-1: optimizer states and masters sharded over dp
     virtual_stages: int = 1  # model chunks per pipeline rank: > 1 is interleaved 1F1B
+
+    def __post_init__(self):
+        object.__setattr__(self, "recompute", recompute_mode(self.recompute))
 
     @property
     def optimizer_shards(self) -> int:
@@ -163,7 +168,8 @@ class Layout:
 
     def describe(self) -> str:
         extras = [f"ep={self.ep}" if self.ep > 1 else "", "sp" if self.sequence_parallel else "",
-                  "recompute" if self.recompute else "", self.schedule if self.pp > 1 else "",
+                  {"none": "", "selective": "selective", "full": "recompute"}[self.recompute],
+                  self.schedule if self.pp > 1 else "",
                   f"V={self.virtual_stages}" if self.virtual_stages > 1 else "",
                   "zero1" if self.distributed_optimizer else ""]
         return " ".join([f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch={self.micro_batch}",
@@ -227,7 +233,7 @@ def router_flops_per_token(cfg: ModelConfig, layers: range) -> float:
 def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, last: bool, m: int,
                     elem: int) -> list:
     """The tp group's messages (module docstring): plain, or sequence-parallel, and the experts'."""
-    tp, again = layout.tp, 1 if layout.recompute else 0
+    tp, again = layout.tp, 1 if layout.recompute == "full" else 0
     tokens = layout.micro_batch * seq
     activation = tokens * cfg.hidden * elem
     moe = sum(cfg.is_moe_layer(i) for i in layers)
@@ -277,7 +283,7 @@ def stage_collectives(cfg: ModelConfig, layout: Layout, seq: int, layers: range,
     tokens = layout.micro_batch * seq
     activation = tokens * cfg.hidden * elem
     moe = sum(cfg.is_moe_layer(i) for i in layers)
-    again = 1 if layout.recompute else 0
+    again = 1 if layout.recompute == "full" else 0
     out = _tp_collectives(cfg, layout, seq, layers, first, last, m, elem) if tp > 1 else []
     if moe and ep > 1:
         routing = Routing.bound(cfg, tokens, ep)
@@ -378,8 +384,9 @@ def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, clu
     busy = per_node * m / (m + (layout.pp - 1) / layout.virtual_stages)
     rate = (calibration.rank_flops(cluster, per_node, flops, layout.tp, busy) if calibration is not None
             else cluster.rank_flops(busy))
-    recomputed = per_rank(forward_flops_per_token(cfg, seq, layers, False, False, rows))
-    compute = (3 * flops + (recomputed if layout.recompute else 0.0)) / rate
+    recomputed = {"none": 0.0, "full": per_rank(forward_flops_per_token(cfg, seq, layers, False, False, rows)),
+                  "selective": 2.0 * seq * cfg.hidden * len(layers) * tokens / layout.tp}[layout.recompute]
+    compute = (3 * flops + recomputed) / rate
     comms = [replace(c, seconds=c.count * network.time(c.op, c.ranks or layout.group_size(c.group), c.nbytes,
                                                        layout.spans_nodes(c.group, cluster.devices_per_node)))
              for c in stage_collectives(cfg, layout, seq, layers, first, last, m, precision.activation_bytes,

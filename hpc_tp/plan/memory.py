@@ -15,7 +15,9 @@ dropout masks and no sequence parallelism, their list sums to
     s b h (10 + 24 / t) + 5 a s^2 b / t  bytes        (34 s b h + 5 a s^2 b at t = 1)
 
 of which 4 s b h elements (the two norm inputs, the QKV and MLP inputs) are replicated over tp.
-With full recomputation a layer keeps only its input, s b h elements. ``MEGATRON`` reproduces
+With full recomputation a layer keeps only its input, s b h elements; with selective recomputation
+everything but the 5 a s^2 b / t of softmax and dropout (``attention_score_bytes``), which backward
+rebuilds one layer at a time. ``MEGATRON`` reproduces
 the paper's list; ``ENGINE`` is this engine's (tests/test_plan.py checks it byte for byte against
 what the pipeline holds): the GeLU/SiLU kernels also keep their tanh/cdf/sigmoid (4 s b h / t
 more), dropout keeps no separate output but masks in the activation dtype, norms add their row
@@ -36,7 +38,8 @@ and each local expert's MLP activations for the rows it received. The layer sees
 sequence (with sequence parallelism it gathers its input first and keeps the gathered copy).
 
 A pipeline stage holds the activations of the micro-batches in flight: all m with GPipe,
-``min(pp - stage, m)`` with 1F1B; with recomputation, backward rebuilds one layer's full set.
+``min(pp - stage, m)`` with 1F1B; with recomputation, backward rebuilds one layer's full set
+(selective: its softmax and masks).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from ..models.config import ModelConfig
 from ..nn.attention import saved_score_elements
 from ..pipeline.partition import chunk_runs
 from ..pipeline.schedules import FORWARD, stage_ops
+from ..recompute import recompute_mode
 
 INDEX_BYTES = 8  # token ids, their per-rank offsets, the router's top-k order (int64)
 
@@ -168,21 +172,33 @@ def moe_saved_bytes(cfg: ModelConfig, routing: Routing, tp: int, elem: int, save
     return floats * elem + n * experts * INDEX_BYTES + experts * 8  # top-k order; load shares (float64)
 
 
+def attention_score_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int,
+                          saved: SavedTensors = ENGINE) -> int:
+    """The softmax outputs and attention-dropout tensors of one layer and micro-batch: what
+    selective recomputation does not keep."""
+    scores = micro_batch * (cfg.n_heads // tp) * seq * seq
+    kept = micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal) if (
+        saved.causal_blocks) else scores
+    total = kept * elem
+    if cfg.attn_dropout > 0 or saved.always_dropout:
+        mask = elem if saved.mask_bytes is None else saved.mask_bytes
+        total += scores * (mask + (elem if saved.keeps_dropout_output else 0))
+    return total
+
+
 def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int,
-                           saved: SavedTensors = ENGINE, layer: int = 0, ep: int = 1) -> int:
-    """Bytes block ``layer`` keeps for backward for one micro-batch (the list in the module docstring)."""
+                           saved: SavedTensors = ENGINE, layer: int = 0, ep: int = 1, selective: bool = False) -> int:
+    """Bytes block ``layer`` keeps for backward for one micro-batch (the list in the module docstring);
+    ``selective``: without ``attention_score_bytes``."""
     sb, h, d = micro_batch * seq, cfg.hidden, cfg.head_dim
     shard = sb // tp if sequence_sharded(cfg, tp) else sb  # rows of the norm / dropout / residual tensors
     moe = cfg.is_moe_layer(layer)
     q, kv = cfg.n_heads // tp * d, kv_heads_local(cfg, tp) * d
     mask = elem if saved.mask_bytes is None else saved.mask_bytes
-    scores = micro_batch * (cfg.n_heads // tp) * seq * seq
     elements = shard * 2 * h    # the two norms' saved inputs (xhat)
     elements += shard * h       # the QKV input (norm output): replicated over tp without SP
     elements += (sb if moe else shard) * h  # the MLP's input; an MoE layer keeps the whole sequence's
     elements += sb * (q + 2 * kv + q)       # Q, K, V and the output projection's input
-    elements += micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal) if (
-        saved.causal_blocks) else scores  # softmax
     if cfg.position == "rope":
         elements += sb * (q + kv)  # rotated Q and K are new arrays (V stays a view of QKV)
         if saved.row_statistics:
@@ -194,8 +210,8 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int
     total = elements * elem
     if moe:
         total += moe_saved_bytes(cfg, Routing.bound(cfg, sb, ep), tp, elem, saved)
-    if cfg.attn_dropout > 0 or saved.always_dropout:
-        total += scores * (mask + (elem if saved.keeps_dropout_output else 0))
+    if not selective:
+        total += attention_score_bytes(cfg, micro_batch, seq, tp, elem, saved)
     if cfg.dropout > 0 or saved.always_dropout:
         total += 2 * shard * h * mask  # after attention and after the MLP
     return total
@@ -235,7 +251,7 @@ class StageMemory:
     grads: int             # gradients (the dp buckets sum them in place)
     optimizer: int         # AdamW moments (and fp32 master weights in mixed precision)
     activations: int       # held for backward by the micro-batches in flight
-    recompute_peak: int    # one layer rebuilt in backward (recomputation only)
+    recompute_peak: int    # one layer's set (full recomputation) or softmax (selective) rebuilt in backward
 
     @property
     def total(self) -> int:
@@ -247,21 +263,24 @@ class StageMemory:
 
 
 def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, micro_batch: int,
-                 seq: int, micro_batches: int, schedule: str, recompute: bool, precision,
+                 seq: int, micro_batches: int, schedule: str, recompute: str | bool, precision,
                  saved: SavedTensors = ENGINE, ep: int = 1, optimizer_shards: int = 1) -> StageMemory:
     """``layers``: the stage's global layer indices (with virtual stages its chunks', whose runs of
     consecutive indices are the chunks); ``optimizer_shards``: dp with the distributed optimizer
-    (``optimizer_bytes_per_rank``), else 1."""
+    (``optimizer_bytes_per_rank``), else 1; ``recompute``: a ``hpc_tp.recompute`` mode."""
     first, last = stage == 0, stage == pp - 1
     params = stage_params(cfg, tp, layers, first, last, ep)
     elem = precision.activation_bytes
     layers = list(layers)
     chunks = [[layers[p] for p in run] for run in chunk_runs(layers)]  # V > 1: interleaved, per chunk
-    kept = [[layer_activation_bytes(cfg, micro_batch, seq, tp, elem, saved, i, ep) for i in chunk] for chunk in chunks]
+    mode = recompute_mode(recompute)
+    kept = [[layer_activation_bytes(cfg, micro_batch, seq, tp, elem, saved, i, ep, mode == "selective")
+             for i in chunk] for chunk in chunks]
     rows = micro_batch * seq // (tp if sequence_sharded(cfg, tp) else 1)
-    # A micro-batch's pass through a chunk keeps each block's input (recompute) or all it saves.
-    per_pass = [len(chunk) * rows * cfg.hidden * elem if recompute else sum(k) for chunk, k in zip(chunks, kept)]
-    rebuilt = max(max(k) for k in kept) if recompute else 0
+    # A micro-batch's pass through a chunk keeps each block's input (full recomputation) or all it saves.
+    per_pass = [len(chunk) * rows * cfg.hidden * elem if mode == "full" else sum(k) for chunk, k in zip(chunks, kept)]
+    rebuilt = {"none": 0, "full": max(max(k) for k in kept),
+               "selective": attention_score_bytes(cfg, micro_batch, seq, tp, elem, saved)}[mode]
     if first:
         per_pass[0] += embedding_activation_bytes(micro_batch, seq)
     if last:

@@ -88,7 +88,7 @@ def variants(cfg: ModelConfig, tp: int, dp: int, sequence_parallel, eps):
 
 
 def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, calibration=None,
-           micro_batches=None, recompute=(False, True), schedules=("1f1b", "gpipe"),
+           micro_batches=None, recompute=("none", "selective", "full"), schedules=("1f1b", "gpipe"),
            sequence_parallel=(False, True), eps=None, distributed_optimizer: bool = False,
            virtual_stages=(1,)) -> Plan:
     """Every layout of ``world`` ranks; ``micro_batches``: the sizes to try (default: every divisor);

@@ -5,6 +5,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser):
+    from ..recompute import MODES
     from .settings import TrainSettings
 
     d = TrainSettings()
@@ -33,7 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser):
                             "runs Megatron's interleaved 1F1B, rank r holding chunks r, r+pp, ... of pp*V; the "
                             "bubble shrinks to (pp-1)/(V*m) for V times the messages; needs --schedule 1f1b, "
                             "pp*V <= layers and the micro-batches per step a multiple of pp")
-    model.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    model.add_argument("--recompute", nargs="?", const="full", default=d.recompute, choices=MODES,
+                       help="recompute activations in backward: full (the default when given alone) keeps "
+                            "each block's input only; selective drops attention's softmax and dropout masks "
+                            "and recomputes them (a few percent more FLOPs)")
     model.add_argument("--sequence-parallel", action="store_true",
                        help="norms, dropout and residuals on sequence shards (tp > 1; the same as "
                             "--set sequence_parallel=true)")

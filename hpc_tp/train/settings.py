@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..paths import check_output_file, check_output_folder
+from ..recompute import recompute_mode
 from .mixed_precision import resolve_dtype
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")  # the half ones: mixed precision (train/mixed_precision.py)
@@ -29,7 +30,7 @@ class TrainSettings:
     virtual_stages: int | None = None
     plan: str | None = None  # "auto": tp, pp, dp, micro-batch, recompute, schedule and V from hpc_tp.plan
     plan_cluster: str = "cpu-2core"  # the planner's cluster preset
-    recompute: bool = False
+    recompute: str = "none"  # "none", "selective" or "full" (hpc_tp.recompute); True/False: full/none
     micro_batch: int | None = None  # None: the whole dp share at pp=1; 2*pp micro-batches at pp>1
     global_batch: int = 64
     seq_len: int | None = None  # None: 16 for the demo task, the model's max_seq_len for a corpus
@@ -82,6 +83,7 @@ class TrainSettings:
         resolve_dtype(self.dtype)  # bfloat16 without ml_dtypes: one clear line
         if self.plan not in (None, "auto"):
             raise ConfigError(f"--plan {self.plan!r}: expected auto")
+        self.recompute = recompute_mode(self.recompute)  # the boolean spelling becomes its mode
         if self.schedule not in ("1f1b", "gpipe"):
             raise ConfigError(f"--schedule {self.schedule!r}: expected 1f1b or gpipe")
         if self.chunks > 1 and self.schedule != "1f1b":

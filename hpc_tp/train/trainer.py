@@ -142,7 +142,7 @@ class Trainer:
                                virtual_stages=s.virtual_stages)
         if world.rank == 0:
             print(f"--plan auto: tp={choice['tp']} pp={choice['pp']} dp={choice['dp']} micro-batch "
-                  f"{choice['micro_batch']}{' recompute' if choice['recompute'] else ''} {choice['schedule']} "
+                  f"{choice['micro_batch']} recompute={choice['recompute']} {choice['schedule']} "
                   f"virtual-stages {choice['virtual_stages']}: {choice['reason']}", flush=True)
         layout = {k: v for k, v in choice.items() if k != "reason"}
         return replace(s, plan=None, **layout)
