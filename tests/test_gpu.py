@@ -15,6 +15,7 @@ from hpc_tp import backend
 from hpc_tp.bench import gpu_check as G
 from hpc_tp.nn import cuda_kernels as K
 from hpc_tp.nn import functional as F
+from hpc_tp.train.mixed_precision import resolve_dtype
 from test_cublas import LAYOUTS, layout
 
 CUDA = backend.cuda_available()
@@ -196,7 +197,7 @@ def test_cublas_gemm_computes_a_at_b_in_every_layout(name):
     a, b = layout(name, cupy.asarray)
     want = np.matmul(*layout(name))
     assert G._rel(cublas.gemm(a, b, cupy.full(want.shape, cupy.nan)), want) < 1e-13
-    halves = [np.dtype("float16")] + ([] if G._bfloat16_missing() else [np.dtype(__import__("ml_dtypes").bfloat16)])
+    halves = [np.dtype("float16")] + ([] if G._bfloat16_missing() else [resolve_dtype("bfloat16")])
     for half in halves:
         low = a.astype(half), b.astype(half)
         exact = np.matmul(*(x.astype(cupy.float64).get() for x in low))  # the rounded inputs' true product
