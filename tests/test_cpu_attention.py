@@ -45,9 +45,13 @@ def both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, dropout=0.
             probs = [p.reshape(b, hk, g, rows.stop - rows.start, seen)
                      for p, (rows, seen) in zip(np.split(probs.reshape(b, hk, g, -1), _tile_ends(blocks), axis=-1), blocks)]
         else:
-            bias = attention_bias(b, t, keys, causal, key_mask, offset, dtype) if causal or key_mask is not None else None
-            probs = attention._composed_forward(q, k, v, out, blocks, bias, keep)
+            bias = None if key_mask is None else attention_bias(b, t, keys, False, key_mask, offset, dtype)
+            probs = attention._composed_forward(q, k, v, out, blocks, bias, keep, offset if causal else None)
             attention._composed_backward(dout, q, k, v, probs, blocks, keep, dq, dk, dv)
+            if causal:  # the softmax's causal mask is the added -inf bias it replaces, to the bit
+                whole = attention_bias(b, t, keys, True, key_mask, offset, dtype)
+                by_bias = attention._composed_forward(q, k, v, np.empty_like(out), blocks, whole, keep, None)
+                assert all(np.array_equal(x, y) for x, y in zip(probs, by_bias))
         results.append((out, probs, dq, dk, dv))
     return results
 

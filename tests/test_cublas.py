@@ -1,4 +1,4 @@
-"""The cuBLAS call's arguments (``nn.cublas.plan``) checked without a device: an emulation of
+"""The cuBLAS call's arguments (``nn.cublas.plan`` and its cache, ``arguments``) checked without a device: an emulation of
 ``cublasGemmStridedBatchedEx`` reads the operands' memory as cuBLAS would (column-major, leading
 dimensions, batch strides) and must give ``a @ b`` for every layout the engine passes.
 
@@ -10,20 +10,21 @@ from numpy.lib.stride_tricks import as_strided
 from hpc_tp.nn import cublas
 
 
-def _read(operand, rows, cols, batch):
-    """``batch`` column-major rows x cols matrices as cuBLAS reads them from ``operand``."""
-    x, size = operand.array, operand.array.itemsize
-    return as_strided(x, (batch, rows, cols), (operand.stride * size, size, operand.ld * size), writeable=False)
+def _read(x, ld, stride, rows, cols, batch):
+    """``batch`` column-major rows x cols matrices as cuBLAS reads them from ``x``."""
+    size = x.itemsize
+    return as_strided(x, (batch, rows, cols), (stride * size, size, ld * size), writeable=False)
 
 
-def emulate(p):
-    """What cuBLAS computes for plan ``p``: the column-major m x n C = op(A) op(B), for each matrix of the batch."""
-    a = _read(p.a, *((p.m, p.k) if p.transa == cublas.OP_N else (p.k, p.m)), p.batch)
-    b = _read(p.b, *((p.k, p.n) if p.transb == cublas.OP_N else (p.n, p.k)), p.batch)
-    op_a = a if p.transa == cublas.OP_N else a.swapaxes(-1, -2)
-    op_b = b if p.transb == cublas.OP_N else b.swapaxes(-1, -2)
-    size = p.c.itemsize
-    c = as_strided(p.c, (p.batch, p.m, p.n), (p.stride_c * size, size, p.ldc * size))
+def emulate(g, left, right, out):
+    """What cuBLAS computes for geometry ``g`` on arrays ``left`` (its A) and ``right`` (its B): the
+    column-major m x n C = op(A) op(B) into ``out``, for each matrix of the batch."""
+    a = _read(left, g.lda, g.stride_a, *((g.m, g.k) if g.transa == cublas.OP_N else (g.k, g.m)), g.batch)
+    b = _read(right, g.ldb, g.stride_b, *((g.k, g.n) if g.transb == cublas.OP_N else (g.n, g.k)), g.batch)
+    op_a = a if g.transa == cublas.OP_N else a.swapaxes(-1, -2)
+    op_b = b if g.transb == cublas.OP_N else b.swapaxes(-1, -2)
+    size = out.itemsize
+    c = as_strided(out, (g.batch, g.m, g.n), (g.stride_c * size, size, g.ldc * size))
     c[...] = op_a @ op_b
 
 
@@ -45,19 +46,24 @@ LAYOUTS = {
 }
 
 
-def layout(name, to=np.asarray):
+def layout(name, to=np.asarray, seed=0):
     """The operands of ``LAYOUTS[name]``, their buffers made by ``to`` (cupy.asarray: on the device)."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     return LAYOUTS[name](lambda *shape: to(rng.standard_normal(shape)))
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_plan_computes_a_at_b(name):
-    a, b = layout(name)
-    want = a @ b
-    out = np.full(want.shape, np.nan)
-    emulate(cublas.plan(a, b, out))
-    np.testing.assert_allclose(out, want, rtol=1e-13, atol=1e-13)
+def test_arguments_compute_a_at_b_planned_and_from_the_cache(name, monkeypatch):
+    """The first product plans; a second one on other arrays laid out alike reuses the geometry with
+    its own arrays (copied where the first one's were)."""
+    monkeypatch.setattr(cublas, "_GEOMETRIES", {})
+    for seed in (0, 1):
+        a, b = layout(name, seed=seed)
+        want = a @ b
+        out = np.full(want.shape, np.nan)
+        emulate(*cublas.arguments(a, b, out), out)
+        np.testing.assert_allclose(out, want, rtol=1e-13, atol=1e-13)
+        assert len(cublas._GEOMETRIES) == 1
 
 
 def test_plan_keeps_views_and_copies_only_what_cublas_cannot_step():

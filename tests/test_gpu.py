@@ -207,6 +207,34 @@ def test_cublas_gemm_computes_a_at_b_in_every_layout(name):
         assert G._rel(total, exact + 1) < 1e-5, half
 
 
+def _attention_pass(device: str, t: int, padded: bool) -> list:
+    """Output, input gradient and parameter gradients of one causal GQA + RoPE attention layer on
+    ``device`` (float64, host copies)."""
+    from hpc_tp.comm.mpi import self_comm
+    from hpc_tp.models.init import initialize
+    from hpc_tp.nn.attention import ParallelAttention
+
+    backend.use(device)
+    layer = ParallelAttention(32, 4, 2, self_comm(), rope_theta=10000.0, dtype="float64")
+    initialize(layer, std=0.3, n_layers=1, seed=5)
+    rng = np.random.default_rng(0)
+    x, dy = (backend.xp.asarray(rng.standard_normal((2, t, 32))) for _ in range(2))
+    key_mask = np.ones((2, t), "int64")
+    key_mask[1, t - 20:] = 0
+    y, ctx = layer.forward(x, key_mask=backend.xp.asarray(key_mask) if padded else None)
+    dx = layer.backward(dy, ctx)
+    return [backend.to_numpy(a) for a in (y, dx, *(p.grad for _, p in layer.named_parameters()))]
+
+
+@device_test
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_in_device_blocks_equals_the_cpu_blocks(padded):
+    """T = 300: two causal blocks on the device (256 queries, then 44), five on the CPU (64 each)."""
+    cpu = _attention_pass("cpu", 300, padded)
+    gpu = _attention_pass("cuda", 300, padded)
+    assert max(G._rel(g, c) for g, c in zip(gpu, cpu)) <= 1e-12
+
+
 @device_test
 @pytest.mark.parametrize("model", [{}, G.MOE], ids=["dense", "moe"])
 def test_training_on_the_device_equals_the_cpu_in_float64(model):

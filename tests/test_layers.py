@@ -159,12 +159,25 @@ def test_transformer_block_with_dropout(style, query_block):
     _check(tp, par, one, same_random(8, B, T, H))
 
 
-@pytest.mark.parametrize("q_len, k_len, offset", [(7, 7, 0), (5, 12, 7), (200, 200, 0), (130, 140, 10)])
-def test_query_blocks_see_exactly_the_causal_keys(q_len, k_len, offset):
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("q_len, k_len, offset", [(7, 7, 0), (5, 12, 7), (200, 200, 0), (130, 140, 10),
+                                                  (1100, 1100, 0)])
+def test_query_blocks_see_exactly_the_causal_keys(q_len, k_len, offset, on_device):
     rows = []
-    for block, seen in attention.query_blocks(q_len, k_len, offset, causal=True):
+    for block, seen in attention.query_blocks(q_len, k_len, offset, causal=True, on_device=on_device):
         rows += list(range(block.start, block.stop))
         assert seen == min(k_len, block.stop + offset)  # the block's last query sees keys 0 .. its position
+        assert block.stop - block.start <= attention.query_block(on_device)
     assert rows == list(range(q_len))
-    if q_len > attention.QUERY_BLOCK:
-        assert attention.saved_score_elements(q_len, k_len, True) < q_len * k_len
+    if q_len > attention.query_block(on_device):
+        assert attention.saved_score_elements(q_len, k_len, True, on_device) < q_len * k_len
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_softmax_causal_offset_is_the_added_bias_to_the_bit(dtype, offset):
+    from hpc_tp.nn import functional as F
+
+    scores = np.random.default_rng(0).standard_normal((2, 3, 6, 9)).astype(dtype)
+    bias = attention.attention_bias(1, 6, 9, True, None, offset, dtype)[0]  # [1, 1, 6, 9]
+    assert np.array_equal(F.softmax_forward(scores, causal_offset=offset), F.softmax_forward(scores + bias))

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 
+import numpy
+
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
@@ -61,22 +63,33 @@ def attention_bias(batch, q_len, k_len, causal: bool, key_mask, q_offset: int, d
     return xp.where(allowed, 0.0, -xp.inf).astype(dtype)[:, None, None]
 
 
-QUERY_BLOCK = 64  # causal attention runs in blocks of this many queries
+# Causal attention runs in blocks of this many queries. On a CPU small tiles stay in cache and skip
+# most of the masked triangle. On a GPU each block costs a dozen kernel launches, each tens of
+# microseconds of host time, which bound a W1 step on an H200 (NOTES.md, session 10): blocks of 256
+# queries (W1's whole sequence), whose masked tiles cost the card less than the launches they save.
+QUERY_BLOCK, DEVICE_QUERY_BLOCK = 64, 256
 
 
-def query_blocks(q_len: int, k_len: int, q_offset: int, causal: bool) -> list[tuple[slice, int]]:
+def query_block(on_device: bool) -> int:
+    """Queries per causal block for arrays on a GPU or on the host (read at call time: tests shrink them)."""
+    return DEVICE_QUERY_BLOCK if on_device else QUERY_BLOCK
+
+
+def query_blocks(q_len: int, k_len: int, q_offset: int, causal: bool,
+                 on_device: bool = False) -> list[tuple[slice, int]]:
     """(query rows, keys they may see) per block: with a causal mask a block of queries needs only
     the keys up to its last query's position, so blocks of 64 skip most of the masked upper
     triangle (T = 256: 10 of 16 tiles are computed). Without one, the whole square in one block."""
-    if not causal or q_len <= QUERY_BLOCK:
+    block = query_block(on_device)
+    if not causal or q_len <= block:
         return [(slice(0, q_len), k_len)]
-    return [(slice(start, min(start + QUERY_BLOCK, q_len)), min(k_len, min(start + QUERY_BLOCK, q_len) + q_offset))
-            for start in range(0, q_len, QUERY_BLOCK)]
+    return [(slice(start, min(start + block, q_len)), min(k_len, min(start + block, q_len) + q_offset))
+            for start in range(0, q_len, block)]
 
 
-def saved_score_elements(q_len: int, k_len: int, causal: bool) -> int:
+def saved_score_elements(q_len: int, k_len: int, causal: bool, on_device: bool = False) -> int:
     """Softmax outputs attention keeps per head and sequence (the blocks of ``query_blocks``)."""
-    return sum((rows.stop - rows.start) * seen for rows, seen in query_blocks(q_len, k_len, 0, causal))
+    return sum((rows.stop - rows.start) * seen for rows, seen in query_blocks(q_len, k_len, 0, causal, on_device))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None):
@@ -203,13 +216,12 @@ class ParallelAttention(Module):
         dropout ``mask``) into ``attn``; with ``attn`` None only the softmax (recomputation)."""
         xp = backend.xp_of(q)
         b, t, keys = q.shape[0], q.shape[3], k.shape[2]
-        blocks = query_blocks(t, keys, offset, self.causal)
+        blocks = query_blocks(t, keys, offset, self.causal, on_device=xp is not numpy)
         if fused:
             key_bias = None if key_mask is None else xp.where(key_mask.astype(bool), 0.0, -xp.inf)
             return cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, key_bias, mask)
-        bias = (attention_bias(b, t, keys, self.causal, key_mask, offset, q.dtype)
-                if self.causal or key_mask is not None else None)
-        return _composed_forward(q, k, v, attn, blocks, bias, mask)
+        bias = None if key_mask is None else attention_bias(b, t, keys, False, key_mask, offset, q.dtype)
+        return _composed_forward(q, k, v, attn, blocks, bias, mask, offset if self.causal else None)
 
     def _heads_view(self, merged):
         """[B, T, hq*d] seen as [B, hk, g, T, d] (query heads grouped by the KV head they share)."""
@@ -232,7 +244,7 @@ class ParallelAttention(Module):
         if probs is None:  # selective recomputation: the same masks (same generator position), the same softmax
             mask = self._dropout_masks(q.shape[:4] + (k.shape[2],), q.dtype) if dropped else None
             probs = self._core(q, k, v, None, key_mask, offset, mask, fused)
-        blocks = query_blocks(t, k.shape[2], offset, self.causal)
+        blocks = query_blocks(t, k.shape[2], offset, self.causal, on_device=xp is not numpy)
         if fused:
             cpu_attention.backward(dattn.astype(q.dtype, copy=False), q, k, v, probs, blocks, dq, dk, dv, mask)
         else:
@@ -244,17 +256,18 @@ class ParallelAttention(Module):
         return self.qkv.backward(dqkv, qkv_ctx)
 
 
-def _composed_forward(q, k, v, attn, blocks, bias, mask):
+def _composed_forward(q, k, v, attn, blocks, bias, mask, causal_offset):
     """The attention core as whole-array numpy/cupy operations over all heads, block by block
-    (the fused CPU kernel's reference, and the path for devices and half dtypes);
-    returns the softmax outputs per block (only those when ``attn`` is None)."""
+    (the fused CPU kernel's reference, and the path for devices and half dtypes); ``bias``: the
+    key-padding mask, the causal one applied by the softmax from ``causal_offset`` (None: not
+    causal). Returns the softmax outputs per block (only those when ``attn`` is None)."""
     k_t, v5 = k[:, :, None].swapaxes(-1, -2), v[:, :, None]
     probs = []
     for rows, seen in blocks:
         scores = blas.matmul(q[..., rows, :], k_t[..., :seen])
         if bias is not None:
             scores += bias[..., rows, :seen]
-        p = F.softmax_forward(scores)
+        p = F.softmax_forward(scores, None if causal_offset is None else causal_offset + rows.start)
         probs.append(p)
         if attn is None:
             continue

@@ -9,8 +9,8 @@ turns it off (an A/B, or a site that must use its own BLAS).
 ``matmul(a, b, out, accumulate)`` is ``out[...] = a @ b`` or ``out += a @ b`` for 2-D arrays: MKL
 reads a transposed view as it is (no copy) and accumulates with beta = 1, so a weight gradient is
 summed into its buffer without a temporary. Anything MKL cannot take as it is (other dtypes,
-cupy arrays, strided views, small products where numpy's call is cheaper) goes to numpy, which
-gives the same product to rounding.
+strided views, small products where numpy's call is cheaper) goes to numpy, which gives the same
+product to rounding; cupy arrays go to cuBLAS (``nn.cublas``).
 
 Threads: MKL's OpenMP layer reads ``MKL_NUM_THREADS`` or ``OMP_NUM_THREADS`` as OpenBLAS reads
 ``OPENBLAS_NUM_THREADS`` or ``OMP_NUM_THREADS`` (the Makefile and the tests set 1: ranks share the
@@ -142,22 +142,22 @@ def _mkl_gemm(a, b, out, beta: float) -> bool:
 
 
 def _device_matmul(a, b, out, accumulate: bool):
-    """``matmul`` for cupy arrays: one dtype per product (numpy's promotion of the two), and cuBLAS
-    called directly (``nn.cublas``) where cupy's matmul has no GEMM (bfloat16), would round a half
-    product before it is summed into a float32 ``out``, or would need a temporary to accumulate."""
+    """``matmul`` for cupy arrays: one dtype per product (numpy's promotion of the two), through
+    cuBLAS directly (``nn.cublas``): cupy's matmul has no bfloat16 GEMM, would round a half product
+    before it is summed into a float32 ``out``, needs a temporary to accumulate, and plans every
+    call anew in Python where ``cublas`` keeps the plan of each layout it has seen."""
     xp = xp_of(a)
-    dtype = numpy.result_type(a.dtype, b.dtype)
-    a, b = a.astype(dtype, copy=False), b.astype(dtype, copy=False)
-    into_out = out is not None and (out.dtype == dtype or (out.dtype == numpy.float32 and dtype.itemsize == 2))
-    if into_out and (dtype.name == "bfloat16" or out.dtype != dtype or accumulate):
+    dtype = a.dtype
+    if b.dtype != dtype:
+        dtype = numpy.result_type(a.dtype, b.dtype)
+        a, b = a.astype(dtype, copy=False), b.astype(dtype, copy=False)
+    if cublas.cuda_type(dtype) is None or a.ndim < 2 or b.ndim < 2:  # integers, vectors: cupy's own
+        product = xp.matmul(a, b)
+    elif out is not None and (out.dtype == dtype or (out.dtype == numpy.float32 and dtype.itemsize == 2)):
         return cublas.gemm(a, b, out, accumulate)
-    if into_out:
-        return xp.matmul(a, b, out=out)
-    if dtype.name == "bfloat16":
+    else:
         lead = numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         product = cublas.gemm(a, b, xp.empty(lead + (a.shape[-2], b.shape[-1]), dtype))
-    else:
-        product = xp.matmul(a, b)
     if out is None:
         return product
     if accumulate:

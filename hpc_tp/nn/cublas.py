@@ -19,6 +19,15 @@ import numpy
 # CUDA's library_types.h and cublas_api.h (stable ABI values; cupy does not name them all).
 CUDA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
 COMPUTE_32F, COMPUTE_64F = 68, 70
+_TYPE_OF: dict = {}  # dtype -> CUDA_TYPE value: ``dtype.name`` costs microseconds of Python a call
+
+
+def cuda_type(dtype) -> int | None:
+    """cuBLAS's code for ``dtype``; None for a dtype it has no GEMM in here."""
+    try:
+        return _TYPE_OF[dtype]
+    except KeyError:
+        return _TYPE_OF.setdefault(dtype, CUDA_TYPE.get(numpy.dtype(dtype).name))
 OP_N, OP_T = 0, 1
 GEMM_DEFAULT = -1
 
@@ -86,8 +95,62 @@ def plan(a, b, out, xp=numpy) -> Plan:
     return Plan(right.op, left.op, n, m, k, right, left, out.reshape((batch, m, n)), n, m * n, batch)
 
 
-def _scalar(value: float, compute: int):
-    return numpy.array(value, dtype=numpy.float64 if compute == COMPUTE_64F else numpy.float32)
+class Geometry(NamedTuple):
+    """A plan without its arrays: the same for any operands of the same shapes, strides and dtypes."""
+    transa: int
+    transb: int
+    m: int
+    n: int
+    k: int
+    lda: int
+    stride_a: int
+    ldb: int
+    stride_b: int
+    ldc: int
+    stride_c: int
+    batch: int
+
+
+def _address(x) -> int:
+    return x.data.ptr if hasattr(x.data, "ptr") else x.ctypes.data  # cupy, numpy
+
+
+def _contiguous(x, lead, xp):
+    """The copy ``_as_operand`` makes of an operand cuBLAS cannot step through as it is."""
+    return xp.ascontiguousarray(xp.broadcast_to(x, lead + x.shape[-2:]))
+
+
+# Geometry by (shapes, strides, dtypes), and whether each operand had to be copied: planning costs
+# tens of microseconds of Python a product, as much as the call (NOTES.md, session 10). Bounded,
+# as decoding meets a new key length every step.
+_GEOMETRIES: dict = {}
+CACHE_LIMIT = 4096
+
+
+def arguments(a, b, out, xp=numpy) -> tuple[Geometry, object, object]:
+    """(geometry, cuBLAS's A array, cuBLAS's B array) for ``out (+)= a @ b``: ``plan``'s, or the
+    geometry kept from an earlier product of operands laid out alike, with this product's arrays
+    (copied where that one's were)."""
+    key = (a.shape, a.strides, b.shape, b.strides, out.shape, a.dtype, b.dtype, out.dtype)
+    if (kept := _GEOMETRIES.get(key)) is not None:
+        geometry, lead, copy_a, copy_b = kept
+        return (geometry, _contiguous(b, lead, xp) if copy_b else b,
+                _contiguous(a, lead, xp) if copy_a else a)
+    p = plan(a, b, out, xp)
+    geometry = Geometry(p.transa, p.transb, p.m, p.n, p.k, p.a.ld, p.a.stride, p.b.ld, p.b.stride, p.ldc,
+                        p.stride_c, p.batch)
+    if len(_GEOMETRIES) >= CACHE_LIMIT:
+        _GEOMETRIES.clear()
+    # A view of an operand starts at the operand's first element; a copy elsewhere.
+    lead = tuple(numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    _GEOMETRIES[key] = (geometry, lead, _address(p.b.array) != _address(a), _address(p.a.array) != _address(b))
+    return geometry, p.a.array, p.b.array
+
+
+_FLOAT32 = numpy.dtype("float32")
+# alpha and beta as cuBLAS reads them (host pointers), by compute type.
+_SCALARS = {compute: {value: numpy.array(value, dtype=dtype) for value in (0.0, 1.0)}
+            for compute, dtype in ((COMPUTE_32F, numpy.float32), (COMPUTE_64F, numpy.float64))}
 
 
 def gemm(a, b, out, accumulate: bool = False):
@@ -96,25 +159,25 @@ def gemm(a, b, out, accumulate: bool = False):
     import cupy
     from cupy_backends.cuda.libs import cublas
 
-    if a.dtype != b.dtype or out.dtype not in (a.dtype, numpy.dtype("float32")):
+    if a.dtype != b.dtype or out.dtype not in (a.dtype, _FLOAT32):
         raise TypeError(f"cublas.gemm: {a.dtype} @ {b.dtype} into {out.dtype} is not a product cuBLAS has here")
     target = out if out.flags.c_contiguous else cupy.empty(out.shape, out.dtype)
     if accumulate and target is not out:
         target[...] = out
-    p = plan(a, b, target, cupy)
-    if p.batch and p.m and p.n:
+    g, left, right = arguments(a, b, target, cupy)
+    if g.batch and g.m and g.n:
         compute = COMPUTE_64F if a.dtype == numpy.float64 else COMPUTE_32F
-        alpha, beta = _scalar(1.0, compute), _scalar(1.0 if accumulate else 0.0, compute)
-        if p.k == 0:  # an empty sum: cuBLAS is not asked to scale C by beta
+        if g.k == 0:  # an empty sum: cuBLAS is not asked to scale C by beta
             if not accumulate:
                 target[...] = 0
         else:
+            scalars = _SCALARS[compute]
             cublas.gemmStridedBatchedEx(
-                cupy.cuda.device.get_cublas_handle(), p.transa, p.transb, p.m, p.n, p.k, alpha.ctypes.data,
-                p.a.array.data.ptr, CUDA_TYPE[a.dtype.name], p.a.ld, p.a.stride,
-                p.b.array.data.ptr, CUDA_TYPE[b.dtype.name], p.b.ld, p.b.stride,
-                beta.ctypes.data, p.c.data.ptr, CUDA_TYPE[out.dtype.name], p.ldc, p.stride_c, p.batch,
-                compute, GEMM_DEFAULT)
+                cupy.cuda.device.get_cublas_handle(), g.transa, g.transb, g.m, g.n, g.k, scalars[1.0].ctypes.data,
+                left.data.ptr, cuda_type(a.dtype), g.lda, g.stride_a,
+                right.data.ptr, cuda_type(b.dtype), g.ldb, g.stride_b,
+                scalars[1.0 if accumulate else 0.0].ctypes.data, target.data.ptr, cuda_type(out.dtype), g.ldc,
+                g.stride_c, g.batch, compute, GEMM_DEFAULT)
     if target is not out:
         out[...] = target
     return out

@@ -175,14 +175,22 @@ def silu_backward(dy, saved):
     return dy * sig * (1.0 + x * (1.0 - sig))
 
 
-def softmax_forward(scores):
+def softmax_forward(scores, causal_offset: int | None = None):
     """Softmax over the last axis; rows that are entirely -inf (fully masked) give zeros, not NaN.
-    One full-size array is written (the result); the row statistics are small."""
+    One full-size array is written (the result); the row statistics are small. ``causal_offset``:
+    scores [..., Tq, Tk] where query i sees only keys j <= i + offset, masked as an added -inf
+    bias would (the device kernel skips them in place; elsewhere they are set to -inf first)."""
+    if causal_offset is not None and cuda_kernels.fused(scores, row=True):
+        return cuda_kernels.softmax_forward(scores, causal_offset)
+    if _half(scores):  # as the norms: float32 row sums (and the device's float32 row kernel)
+        return softmax_forward(scores.astype("float32"), causal_offset).astype(scores.dtype)
+    xp = xp_of(scores)
+    if causal_offset is not None:
+        tq, tk = scores.shape[-2:]
+        hidden = xp.arange(tk)[None, :] > xp.arange(causal_offset, causal_offset + tq)[:, None]
+        scores = xp.where(hidden, -xp.inf, scores).astype(scores.dtype, copy=False)
     if fast := _fused("softmax_forward", scores, row=True):
         return fast(scores)
-    if _half(scores):  # as the norms: float32 row sums (and the device's float32 row kernel)
-        return softmax_forward(scores.astype("float32")).astype(scores.dtype)
-    xp = xp_of(scores)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max[~xp.isfinite(row_max)] = 0.0
     p = scores - row_max

@@ -69,7 +69,7 @@ from ..models.config import ModelConfig
 from ..pipeline.partition import balanced_layers, rank_layers, stage_costs
 from ..recompute import recompute_mode
 from ..train.grad_sync import DEFAULT_BUCKET_BYTES
-from .memory import (ENGINE, Routing, expert_params, kv_heads_local, norm_params, sharded_elements, stage_memory,
+from .memory import (ENGINE, ENGINE_ON_GPU, Routing, expert_params, kv_heads_local, norm_params, sharded_elements, stage_memory,
                      stage_params, vocab_rows)
 
 UPDATE_PASSES = 11  # numpy AdamW (about 33 array passes), grad norm, finite check, zeroing: / 4 arrays
@@ -329,6 +329,7 @@ def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, clust
     sequence_parallel replaces the config's."""
     cfg = replace(cfg, sequence_parallel=layout.sequence_parallel)
     precision = cluster.precision
+    saved = ENGINE if cluster.compute_units is not None else ENGINE_ON_GPU  # CPU nodes name their cores
     per_node = min(layout.world, cluster.devices_per_node)
     network = calibration.network(cluster, layout.tp) if calibration is not None else Network.of_cluster(cluster)
     mem_bw = calibration.mem_bw if calibration is not None and calibration.mem_bw else cluster.rank_mem_bw(per_node)
@@ -347,7 +348,7 @@ def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, clust
             k = kinds[kind(s)] = _stage(cfg, layout, seq, m, stage_layers, s, cluster, calibration, network, mem_bw,
                                         per_node)
             k["memory"] = stage_memory(cfg, layout.tp, layout.pp, s, stage_layers, layout.micro_batch,
-                                       seq, m, layout.schedule, layout.recompute, precision, ENGINE, layout.ep,
+                                       seq, m, layout.schedule, layout.recompute, precision, saved, layout.ep,
                                        layout.optimizer_shards)
             k["stage"] = s  # the first of its kind holds the most micro-batches in flight
         stage_times.append(kinds[kind(s)]["micro"])

@@ -18,8 +18,8 @@ of which 4 s b h elements (the two norm inputs, the QKV and MLP inputs) are repl
 With full recomputation a layer keeps only its input, s b h elements; with selective recomputation
 everything but the 5 a s^2 b / t of softmax and dropout (``attention_score_bytes``), which backward
 rebuilds one layer at a time. ``MEGATRON`` reproduces
-the paper's list; ``ENGINE`` is this engine's (tests/test_plan.py checks it byte for byte against
-what the pipeline holds): the GeLU/SiLU kernels also keep their tanh/cdf/sigmoid (4 s b h / t
+the paper's list; ``ENGINE`` is this engine's on a CPU (tests/test_plan.py checks it byte for byte
+against what the pipeline holds), ``ENGINE_ON_GPU`` its GPU path (causal softmax in larger blocks): the GeLU/SiLU kernels also keep their tanh/cdf/sigmoid (4 s b h / t
 more), dropout keeps no separate output but masks in the activation dtype, norms add their row
 statistics, RoPE its tables. Grouped-query attention and SwiGLU change the K/V and MLP terms.
 
@@ -44,7 +44,7 @@ A pipeline stage holds the activations of the micro-batches in flight: all m wit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..models.config import ModelConfig
@@ -67,10 +67,12 @@ class SavedTensors:
     row_statistics: bool       # norms keep per-row 1/std; RoPE keeps its cos/sin tables
     always_dropout: bool       # count dropout masks whatever the config (the paper's models use dropout)
     causal_blocks: bool        # causal softmax kept only for the query blocks' visible keys (nn.attention)
+    on_device: bool = False    # the GPU path: larger query blocks (nn.attention.DEVICE_QUERY_BLOCK)
 
 
 MEGATRON = SavedTensors("megatron", 1, True, False, False, True, False)
 ENGINE = SavedTensors("engine", None, False, True, True, False, True)
+ENGINE_ON_GPU = replace(ENGINE, name="engine on a GPU", on_device=True)
 
 
 def kv_heads_local(cfg: ModelConfig, tp: int) -> int:
@@ -177,7 +179,7 @@ def attention_score_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int,
     """The softmax outputs and attention-dropout tensors of one layer and micro-batch: what
     selective recomputation does not keep."""
     scores = micro_batch * (cfg.n_heads // tp) * seq * seq
-    kept = micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal) if (
+    kept = micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal, saved.on_device) if (
         saved.causal_blocks) else scores
     total = kept * elem
     if cfg.attn_dropout > 0 or saved.always_dropout:
