@@ -236,6 +236,30 @@ def test_attention_in_device_blocks_equals_the_cpu_blocks(padded):
 
 
 @device_test
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
+    """Greedy generation with the KV cache (a left-padded prefill, then a token a step) on the device
+    picks the CPU's tokens, and the device's logits of the whole sequences equal the CPU's (float64)."""
+    from hpc_tp.comm.mpi import self_comm
+    from hpc_tp.serve.generate import Engine
+    from hpc_tp.serve.sampling import SamplingParams
+    from hpc_tp.train.tokenizer import ByteTokenizer
+    from test_generate import PROMPTS, _model
+
+    params = [SamplingParams(max_new_tokens=n) for n in (6, 3, 6, 5)]
+    ids, logits = {}, {}
+    for device in ("cpu", "cuda"):
+        backend.use(device)
+        model = _model(name, self_comm())
+        out = Engine(model, ByteTokenizer()).generate(PROMPTS, params)
+        ids[device] = [c.ids for c in out[0]]
+        sequence = backend.xp.asarray([PROMPTS[0] + ids[device][0]])
+        logits[device] = backend.to_numpy(model.logits(sequence))
+    assert ids["cuda"] == ids["cpu"]
+    assert G._rel(logits["cuda"], logits["cpu"]) <= 1e-12
+
+
+@device_test
 @pytest.mark.parametrize("model", [{}, G.MOE], ids=["dense", "moe"])
 def test_training_on_the_device_equals_the_cpu_in_float64(model):
     cpu, _ = G.train_losses("cpu", "float64", **model)

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default %(default)s")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="array backend: cuda puts each rank on its node-local GPU (default %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the record as JSON (rank 0)")
 
 
@@ -35,28 +37,33 @@ def benchmark_decode(comm, cfg, batch: int, prompt_len: int, new_tokens: int, dt
 
     import numpy
 
+    from .. import backend
     from ..models.gpt import GPTModel
     from ..serve.kv_cache import KVCache
 
+    xp = backend.xp
     model = GPTModel(cfg, comm, dtype=dtype, seed=seed)
     total = prompt_len + warmup + new_tokens
     cache = KVCache.for_model(model, batch, total)
-    key_mask = numpy.ones((batch, total), dtype=bool)
-    ids = numpy.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, prompt_len))
-    positions = numpy.broadcast_to(numpy.arange(prompt_len), ids.shape)
+    key_mask = xp.ones((batch, total), dtype=bool)
+    ids = xp.asarray(numpy.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, prompt_len)))
+    positions = xp.broadcast_to(xp.arange(prompt_len), ids.shape)
     # An untimed prefill into a scratch cache first: the first call loads the kernels and maps memory
     # (W1, batch 1: ~500 ms against ~65 ms after), which is start-up, not prefill.
     model.infer(ids, positions, key_mask[:, :prompt_len], KVCache.for_model(model, batch, prompt_len))
+    backend.synchronize()  # a device's queue drained: each figure is work done, not work launched
     comm.barrier()
     start = perf_counter()
     logits = model.infer(ids, positions, key_mask[:, :prompt_len], cache)
+    backend.synchronize()
     prefill = perf_counter() - start
     steps, comms = [], []
     for s in range(warmup + new_tokens):
         pos = prompt_len + s
         start, comm_start = perf_counter(), comm.seconds
         token = logits.argmax(axis=-1)[:, None]
-        logits = model.infer(token, numpy.full((batch, 1), pos), key_mask[:, :pos + 1], cache)
+        logits = model.infer(token, xp.full((batch, 1), pos), key_mask[:, :pos + 1], cache)
+        backend.synchronize()
         if s >= warmup:
             steps.append(perf_counter() - start)
             comms.append(comm.seconds - comm_start)
@@ -91,6 +98,7 @@ def run(args) -> int:
     if args.warmup < 0:
         raise ConfigError(f"--warmup {args.warmup}: expected 0 or more")
     check_launch()
+    from ..comm import select_device
     from ..comm.mpi import world
     from ..models.config import load_config
     from ..nn.attention import check_heads
@@ -101,6 +109,7 @@ def run(args) -> int:
         raise ConfigError(f"--prompt-len {args.prompt_len} + --warmup {args.warmup} + --new-tokens {args.new_tokens} "
                           f"exceeds the model's max_seq_len {cfg.max_seq_len}")
     comm = world()
+    select_device(args.device, comm)
     record = benchmark_decode(comm, cfg, args.batch, args.prompt_len, args.new_tokens, args.dtype, args.warmup)
     if comm.rank == 0:
         print("hpc-tp bench decode: " + format_record(record), flush=True)
