@@ -77,7 +77,7 @@ def assert_hold_full_tensors(tensors):
 def as_streamed(tensors, fetched: list) -> dict:
     """``tensors`` as StreamedTensors that note each fetch in ``fetched`` and load into the tensors'
     own data, in reverse name order (not the order a save plans in)."""
-    def fetch(name):
+    def fetch(name, failed):
         fetched.append(name)
         return tensors[name].data
 
@@ -246,7 +246,7 @@ def test_a_writer_whose_fetch_delivers_elsewhere_fails_the_save_on_every_rank(co
     path = save_checkpoint(root, 1, as_streamed(tensors, fetched), {"v": 1}, grid)
     streamed, fetched[:] = as_streamed(tensors, fetched), []
     lost = list(streamed)[1]
-    streamed[lost] = dataclasses.replace(streamed[lost], fetch=lambda: fetched.append(lost))  # returns None
+    streamed[lost] = dataclasses.replace(streamed[lost], fetch=lambda failed: fetched.append(lost))  # returns None
     with pytest.raises(CheckpointError, match=re.escape(f"rank 0: CheckpointError: streamed tensor {lost!r}")):
         save_checkpoint(root, 2, streamed, {"v": 2}, grid)
     assert fetched == list(streamed) and latest_checkpoint(root) == path

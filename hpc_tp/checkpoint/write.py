@@ -166,12 +166,16 @@ class _InOrder:
     """This rank's pieces with their values, tensor by tensor in the order of ``tensors``. Every
     streamed tensor is fetched on the way, written here or not, and leaving the ``with`` block,
     even on a failed write, fetches the rest: a fetch may be a collective, and no peer may be left
-    waiting in it. The fetched data goes before the next fetch, so one is held at a time (a fetch
-    that gathers may hand it only to the writer: None elsewhere)."""
+    waiting in it. Once this rank failed (a write, a fetch), or learned from a fetch that a peer
+    did, nothing more is written and the rest are fetched as failed: each collective fetch then
+    only tells its group (no data moves), and the first error is raised when the walk is done
+    (``streamed.py``). The fetched data goes before the next fetch, so one is held at a time (a
+    fetch that gathers may hand it only to the writer: None elsewhere)."""
 
     def __init__(self, tensors: dict, mine: list):
         self._tensors, self._names = tensors, iter(tensors)
         self._mine = {plan.name: (plan, piece) for plan, piece in mine}
+        self._failure: BaseException | None = None  # the first error this rank raised or learned of
 
     def __enter__(self):
         return self
@@ -179,22 +183,34 @@ class _InOrder:
     def __iter__(self):
         return self._walk(self._mine)
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, error, traceback):
+        if self._failure is None:
+            self._failure = error
         for _ in self._walk({}):
             pass
+        if error is None and self._failure is not None:
+            raise self._failure
 
     def _walk(self, mine: dict):
         for name in self._names:
             tensor = self._tensors[name]
             streamed = isinstance(tensor, StreamedTensor)
-            if name in mine:
-                yield *mine[name], _piece_values(_fetched(name, tensor) if streamed else tensor.data, tensor.partition)
-            elif streamed:  # written by another rank, or by none of this group: the fetch is still its collective
-                tensor.fetch()
+            data = self._fetch(tensor) if streamed else tensor.data
+            if name in mine and self._failure is None:
+                yield *mine[name], _piece_values(_fetched(name, data) if streamed else data, tensor.partition)
+
+    def _fetch(self, tensor: StreamedTensor):
+        """The fetch's data, or None where it failed (its error kept, if the first)."""
+        failed = self._failure is not None
+        try:
+            return tensor.fetch(failed)
+        except Exception as e:  # raised when the walk is done: the peers still wait in the fetches to come
+            if not failed:
+                self._failure = e
+            return None
 
 
-def _fetched(name: str, tensor: StreamedTensor):
-    data = tensor.fetch()
+def _fetched(name: str, data):
     if data is None:  # gathered to another rank of its group (``streamed.py``): nothing here to write
         raise CheckpointError(f"streamed tensor {name!r}: this rank writes it, but its fetch delivered it to another "
                               "rank")

@@ -24,8 +24,9 @@ The numbers are AdamW's, element for element: the same formula on the same value
 over dp and the norm's terms may be associated differently). Checkpoints hold whole states in the
 parameters' shapes, so a run saved with ZeRO resumes without it and at any layout, and the other
 way round; they stream them (``checkpoint.StreamedTensor``): a save gathers one bucket's state at
-a time to the rank that writes it, a load hands each rank the tensors to take its pieces from, so
-neither holds the whole states a rank was spared.
+a time to the rank that writes it (the group first agrees that no rank failed, so a failure on one
+rank fails the save on all within a bucket, not at the communication timeout), a load hands each
+rank the tensors to take its pieces from, so neither holds the whole states a rank was spared.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ from typing import NamedTuple
 import numpy
 
 from .. import backend
+from ..checkpoint.collective import PeerFailure, first_failed
 from ..checkpoint.streamed import StreamedTensor
-from ..module import Parameter, same_view, strided_like
+from ..module import Parameter, address, same_view, strided_like
 from .optim import (AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares, weighted_sum_of_squares,
                     zero_states)
 
@@ -121,23 +123,50 @@ class _Piece:
         out in the arena), not the parameters' own piece."""
         return self.master.base is None
 
-    def gather(self, piece):
+    def gather(self, piece, failed: bool = False):
         """Every rank's ``piece`` (collective over the group) in one array laid out like the bucket,
         on the group's first rank (the one a checkpoint writes from), None elsewhere: the other
-        ranks send their piece and hold nothing bucket-sized. The inverse of ``take``."""
+        ranks send their piece and hold nothing bucket-sized. The inverse of ``take``.
+
+        First the group agrees that every rank is ready (``first_failed``): where one ``failed``
+        before (its checkpoint's write) or fails making its part (the writer's bucket, out of
+        memory), nothing moves and every rank raises, the failing one its own error, the others
+        ``PeerFailure``, rather than wait in a gather a rank never joins."""
+        error, outgoing = None, None
+        if not failed:
+            try:
+                outgoing = self._outgoing(piece)
+            except Exception as e:
+                error = e
+        lowest = first_failed(self.comm, failed or error is not None)
+        if error is not None:
+            raise error
+        if lowest is not None:
+            group = getattr(self.comm, "group", f"its group of {self.comm.size}")
+            raise PeerFailure(f"rank {lowest} of {group} failed: this rank's checkpoint gathers were called off")
+        gathered = self.comm.igather_flat(outgoing, self.bucket.counts).wait()
+        return gathered if self.comm.rank == 0 else None
+
+    def _outgoing(self, piece):
+        """What this rank passes to the gather: on the first rank the bucket with its own piece in
+        place (the others' arrive around it), elsewhere the piece."""
         if self.comm.rank != 0:
-            self.comm.igather_flat(piece, self.bucket.counts).wait()
-            return None
+            return piece
         flat = backend.xp_of(piece).empty(self.bucket.flat.shape, piece.dtype)  # the dtype the others send
         flat[self.start:self.start + piece.size] = piece
-        return self.comm.igather_flat(flat, self.bucket.counts).wait()
+        return flat
 
     def take(self, piece, arrays: dict[str, object]):
         """``piece`` = this rank's part of the parameter-shaped ``arrays``."""
-        flat = backend.xp_of(piece).empty_like(self.bucket.flat)
         for name, p in self.params:
-            self.image(flat, p)[...] = arrays[name]
-        piece[...] = flat[self.start:self.start + piece.size]
+            self.place(piece, p, arrays[name])
+
+    def place(self, piece, p: Parameter, values):
+        """Into ``piece`` (this rank's part of an array laid out like the bucket), the elements of
+        ``values`` (``p``'s shape) whose place in the bucket falls in it: nothing bucket-sized."""
+        base, view = self.bucket.flat, p.grad
+        offset = (address(view) - address(base)) // view.itemsize
+        _place(piece, self.start, values, offset, tuple(s // view.itemsize for s in view.strides))
 
 
 class _Streamed:
@@ -145,44 +174,71 @@ class _Streamed:
     parameters' shapes (``checkpoint.StreamedTensor``), one bucket at a time. Saving, the first
     fetch gathers the bucket to the group's first rank, the one that writes it (the checkpoint
     fetches in the same order on every rank of the group; the others only send), and the last lets
-    it go. Loading, each stored tensor fills its place in a bucket-sized array and the last takes
-    this rank's piece from it; ``to_params``: the parameters get the loaded values too (rounded, in
-    a half model), as they would holding the masters themselves."""
+    it go. Loading, each stored tensor puts the elements that fall in this rank's piece straight
+    into the state (nothing bucket-sized); ``to_params``: the parameters get the loaded values too
+    (rounded, in a half model), as they would holding the masters themselves."""
 
     def __init__(self, piece: _Piece, state, to_params: bool = False):
         self.piece, self.state, self.to_params = piece, state, to_params
-        self.flat, self.left = None, 0  # the bucket being fetched or stored; how many of its tensors are to come
+        self.flat, self.left = None, 0  # the bucket being fetched; how many of its tensors are to come
 
     def tensors(self, prefix: str) -> dict[str, StreamedTensor]:
         return {prefix + name: StreamedTensor(p.partition, self.state.dtype, partial(self._fetch, p),
                                               partial(self._store, p)) for name, p in self.piece.params}
 
-    def _fetch(self, p: Parameter):
-        if not self.left:
-            self._begin(self.piece.gather(self.state))
-        local = None if self.flat is None else self.piece.image(self.flat, p)
-        self._done()
-        return local
+    def _fetch(self, p: Parameter, failed: bool = False):
+        try:
+            if not self.left:
+                self.flat, self.left = None, len(self.piece.params)
+                self.flat = self.piece.gather(self.state, failed)
+            return None if self.flat is None else self.piece.image(self.flat, p)
+        finally:  # counted even where the gather raised: the next bucket starts where the group's does
+            self._done()
 
     def _store(self, p: Parameter, local):
-        xp = backend.xp_of(self.state)
-        if not self.left:
-            self._begin(xp.empty_like(self.piece.bucket.flat))
-        local = xp.asarray(local)
-        self.piece.image(self.flat, p)[...] = local
+        local = backend.xp_of(self.state).asarray(local)
+        self.piece.place(self.state, p, local)
         if self.to_params:
             p.data[...] = local
-        if self.left == 1:
-            self.state[...] = self.flat[self.piece.start:self.piece.start + self.state.size]
-        self._done()
-
-    def _begin(self, flat):
-        self.flat, self.left = flat, len(self.piece.params)
 
     def _done(self):
         self.left -= 1
         if not self.left:
             self.flat = None
+
+
+def _place(piece, start: int, values, offset: int, strides: tuple):
+    """``piece[k - start] = values[i]`` for every index ``i`` of ``values`` whose place ``k = offset +
+    i . strides`` (in elements) lies in ``[start, start + piece.size)``. The places must nest as a
+    gradient's view into its arena run does (a block of rows of a wider buffer, or a run): positive
+    strides, each at least what one index of its axis spans. The indices wholly inside are one
+    strided view of ``piece``; at most two of the first axis straddle an edge, placed one axis down."""
+    stop = start + piece.size
+    last = offset + sum((n - 1) * s for n, s in zip(values.shape, strides))  # the last element's place
+    if values.size == 0 or last < start or offset >= stop:
+        return
+    if start <= offset and last < stop:
+        _as_strided(piece, offset - start, values.shape, strides)[...] = values
+        return
+    n, step = values.shape[0], strides[0]
+    if n == 1:  # any stride: the axis has one index
+        return _place(piece, start, values[0], offset, strides[1:])
+    span = last - offset - (n - 1) * step + 1  # the places one index of the first axis covers
+    if step < span or step <= 0:
+        raise ValueError(f"_place: strides {strides} of shape {values.shape} do not nest")
+    inside = range(max(0, -(-(start - offset) // step)), min(n, (stop - span - offset) // step + 1))
+    if inside:
+        _as_strided(piece, offset + inside.start * step - start, (len(inside), *values.shape[1:]),
+                    strides)[...] = values[inside.start:inside.stop]
+    for i in sorted({(start - offset) // step, (stop - 1 - offset) // step}):
+        if 0 <= i < n and i not in inside:
+            _place(piece, start, values[i], offset + i * step, strides[1:])
+
+
+def _as_strided(buffer, offset: int, shape: tuple, strides: tuple):
+    """A view of the 1-D ``buffer`` from element ``offset``, with ``strides`` in elements."""
+    strides = tuple(s * buffer.itemsize for s in strides)
+    return backend.xp_of(buffer).lib.stride_tricks.as_strided(buffer[offset:], shape, strides)
 
 
 def _runs(labels) -> list[_Run]:
