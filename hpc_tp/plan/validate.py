@@ -151,11 +151,12 @@ def _row(layout: Layout, pairs) -> dict:
 
 
 def format_rows(rows) -> str:
-    lines = [f"{'layout':<40} {'predicted':>10} {'measured':>10} {'error':>7} {'per round':>24} "
+    lines = [f"{'layout':<36} {'V':>2} {'predicted':>10} {'measured':>10} {'error':>7} {'per round':>24} "
              f"{'states pred/meas':>22}"]
     for r in rows:
         rounds = " ".join(f"{e * 100:+.0f}%" for e in r["errors"])
-        lines.append(f"{r['layout'].describe():<40} {r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
+        lines.append(f"{r['layout'].describe(chunks=False):<36} {r['layout'].chunks_shown:>2} "
+                     f"{r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
                      f"{r['error'] * 100:+6.1f}% {rounds:>24} "
                      f"{r['predicted_state_bytes']:>10}/{r['measured_state_bytes']:<10}")
     return "\n".join(lines)
