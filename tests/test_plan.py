@@ -455,6 +455,10 @@ MEASURED_LAYOUTS = {1: [Layout(1, 1, 1, 2)], 2: [Layout(2, 1, 1, 2), Layout(1, 2
 INTERLEAVED = dict(MEASURED, n_layers=4)
 INTERLEAVED_LAYOUTS = {2: [Layout(1, 2, 1, 2, virtual_stages=2)], 4: [Layout(1, 2, 2, 2, virtual_stages=2)]}
 BOUND, ATTEMPTS = 0.25, 3
+# Rounds per attempt, each (calibrate, train, calibrate) and set against the prediction: the error is
+# their median. The interleaved case measures one layout a launch, so it affords 5: under load one
+# round in three strays by 30-50% either way (NOTES item NN), and a median of 5 needs three of them.
+ROUNDS = {"one-chunk": 3, "interleaved": 5}
 # More ranks than cores: the model prices the time-sharing as half the rate per rank, but how long
 # a pipeline stage waits for a descheduled peer is the OS's (and the hypervisor's) call. CI's 2-core
 # VM measured (1,2,2) at -21..-31% three times where this machine gives +2..+5%.
@@ -462,10 +466,12 @@ OVERSUBSCRIBED_BOUND = 0.45
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("overrides, layouts", [(MEASURED, MEASURED_LAYOUTS), (INTERLEAVED, INTERLEAVED_LAYOUTS)],
+@pytest.mark.parametrize("case, overrides, layouts", [("one-chunk", MEASURED, MEASURED_LAYOUTS),
+                                                     ("interleaved", INTERLEAVED, INTERLEAVED_LAYOUTS)],
                          ids=["one-chunk", "interleaved"])
-def test_predicted_step_time_within_25_percent_of_the_trainer(overrides, layouts):
-    """Each layout's error is the median over 3 rounds of (calibrate, predict, train); a layout
+def test_predicted_step_time_within_25_percent_of_the_trainer(case, overrides, layouts):
+    """Each layout's error is the median over 3 (interleaved: 5) rounds of (calibrate, train,
+    calibrate, predict); a layout
     outside the bound is measured again, up to 3 attempts, and passes if one attempt is within it:
     load from other jobs passes, a model 2x off never does. The bound is 25% where every rank has
     a core (on 2 cores: four layouts of 1 and 2 ranks), 45% where ranks outnumber cores."""
@@ -482,7 +488,7 @@ def test_predicted_step_time_within_25_percent_of_the_trainer(overrides, layouts
         if not pending:
             break
         rows, calibration = validate(comm, "tiny", overrides, global_batch=8, seq=64, micro_batch=2,
-                                     layouts=pending, steps=3, repeats=3)
+                                     layouts=pending, steps=3, repeats=ROUNDS[case])
         if comm.rank == 0:
             print(f"\n{comm.size} ranks, attempt {attempt + 1}, calibrated: {calibration.describe()}\n"
                   f"{format_rows(rows)}")
