@@ -377,6 +377,55 @@ def test_plan_command_prints_and_writes_json(tmp_path, capsys):
     assert top["tp"] * top["pp"] * top["dp"] == 16 and top["tp"] <= 8
 
 
+def plan_rows(out: str) -> list[list[str]]:
+    """The ranked table's rows of ``hpc-tp plan``'s output, split into words."""
+    return [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()
+            and "tp=" in line]
+
+
+BUBBLY_ARGS = ["plan", "--model", "tiny", "--set", "hidden=192", "--set", "n_layers=8", "--set", "n_heads=3",
+               "--set", "max_seq_len=32", "--gpus", "2", "--cluster", "cpu-2core", "--global-batch", "2",
+               "--seq-len", "32"]
+
+
+@pytest.mark.parametrize("argv, chunks", [([], {"1", "2", "3", "4"}), (["--virtual-stages", "1"], {"1"}),
+                                          (["--virtual-stages", "1,3"], {"1", "3"})],
+                         ids=["default-as-plan-auto", "one-chunk", "a-list"])
+def test_plan_command_searches_virtual_stages_as_plan_auto_does(argv, chunks, tmp_path, capsys):
+    """Plain ``hpc-tp plan`` tries V = 1..4 where the engine interleaves, as ``--plan auto`` does, and
+    its top row is ``choose_layout``'s; ``--virtual-stages`` limits it. V is its own column."""
+    path = tmp_path / "plan.json"
+    assert main([*BUBBLY_ARGS, *argv, "--top", "100", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = plan_rows(out)
+    shown = {row[-9] for row in rows}  # V, step, tokens/s, TFLOP/s, GiB, (states + act), bubble
+    pipelined = {str(r["virtual_stages"]) for r in json.loads(path.read_text())["ranked"] if r["pp"] > 1}
+    assert shown - {"-"} == pipelined == chunks, out
+    assert not any("V=" in word for row in rows for word in row)  # V only in its column
+    if not argv:
+        cfg = load_config("tiny", hidden=192, n_layers=8, n_heads=3, max_seq_len=32)
+        top = json.loads(path.read_text())["ranked"][0]
+        choice = choose_layout(cfg, 2, 2, 32)
+        assert {k: top[k] for k in choice if k != "reason"} == {k: v for k, v in choice.items() if k != "reason"}
+        assert "in 4 chunks each" in out
+
+
+def test_plan_validate_measures_the_virtual_stages_it_would_plan(monkeypatch, capsys):
+    """``plan --validate`` hands ``validate`` the same V as the plan: 1..4 unless --virtual-stages says."""
+    import hpc_tp.launch
+    import hpc_tp.plan.validate
+    from hpc_tp.plan.calibration import Calibration
+    from hpc_tp.plan.search import AUTO_VIRTUAL_STAGES
+
+    asked = []
+    monkeypatch.setattr(hpc_tp.launch, "check_launch", lambda: None)
+    monkeypatch.setattr(hpc_tp.plan.validate, "validate",
+                        lambda *a, virtual_stages, **k: asked.append(virtual_stages) or ([], Calibration()))
+    for argv in ([], ["--virtual-stages", "2"]):
+        assert main(["plan", "--model", "tiny", "--validate", *argv]) == 0
+    assert asked == [AUTO_VIRTUAL_STAGES, (2,)]
+
+
 @pytest.mark.parametrize("argv, message", [(["--gpus", "0"], "--gpus 0"), (["--cluster", "nope"], "nope"),
                                            (["--set", "oops"], "KEY=VALUE"), (["--global-batch", "0"], "global-batch"),
                                            (["--ep", "0"], "--ep 0"), (["--ep", "2"], "has no experts")])
@@ -406,6 +455,10 @@ MEASURED_LAYOUTS = {1: [Layout(1, 1, 1, 2)], 2: [Layout(2, 1, 1, 2), Layout(1, 2
 INTERLEAVED = dict(MEASURED, n_layers=4)
 INTERLEAVED_LAYOUTS = {2: [Layout(1, 2, 1, 2, virtual_stages=2)], 4: [Layout(1, 2, 2, 2, virtual_stages=2)]}
 BOUND, ATTEMPTS = 0.25, 3
+# Rounds per attempt, each (calibrate, train, calibrate) and set against the prediction: the error is
+# their median. The interleaved case measures one layout a launch, so it affords 5: under load one
+# round in three strays by 30-50% either way (NOTES item NN), and a median of 5 needs three of them.
+ROUNDS = {"one-chunk": 3, "interleaved": 5}
 # More ranks than cores: the model prices the time-sharing as half the rate per rank, but how long
 # a pipeline stage waits for a descheduled peer is the OS's (and the hypervisor's) call. CI's 2-core
 # VM measured (1,2,2) at -21..-31% three times where this machine gives +2..+5%.
@@ -413,10 +466,12 @@ OVERSUBSCRIBED_BOUND = 0.45
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("overrides, layouts", [(MEASURED, MEASURED_LAYOUTS), (INTERLEAVED, INTERLEAVED_LAYOUTS)],
+@pytest.mark.parametrize("case, overrides, layouts", [("one-chunk", MEASURED, MEASURED_LAYOUTS),
+                                                     ("interleaved", INTERLEAVED, INTERLEAVED_LAYOUTS)],
                          ids=["one-chunk", "interleaved"])
-def test_predicted_step_time_within_25_percent_of_the_trainer(overrides, layouts):
-    """Each layout's error is the median over 3 rounds of (calibrate, predict, train); a layout
+def test_predicted_step_time_within_25_percent_of_the_trainer(case, overrides, layouts):
+    """Each layout's error is the median over 3 (interleaved: 5) rounds of (calibrate, train,
+    calibrate, predict); a layout
     outside the bound is measured again, up to 3 attempts, and passes if one attempt is within it:
     load from other jobs passes, a model 2x off never does. The bound is 25% where every rank has
     a core (on 2 cores: four layouts of 1 and 2 ranks), 45% where ranks outnumber cores."""
@@ -433,7 +488,7 @@ def test_predicted_step_time_within_25_percent_of_the_trainer(overrides, layouts
         if not pending:
             break
         rows, calibration = validate(comm, "tiny", overrides, global_batch=8, seq=64, micro_batch=2,
-                                     layouts=pending, steps=3, repeats=3)
+                                     layouts=pending, steps=3, repeats=ROUNDS[case])
         if comm.rank == 0:
             print(f"\n{comm.size} ranks, attempt {attempt + 1}, calibrated: {calibration.describe()}\n"
                   f"{format_rows(rows)}")

@@ -48,6 +48,32 @@ def test_batch_log_gets_plain_progress_lines(tmp_path):
     assert [r["step"] for r in read_metrics(log) if "loss" in r] == list(range(1, 7))
 
 
+@pytest.mark.parametrize("flags, layout", [
+    (["--pp", "2", "--virtual-stages", "2"], "on tp=1 pp=2 dp=1 micro-batch=2 1f1b V=2, 4 micro-batches a step,"),
+    (["--pp", "2", "--schedule", "gpipe", "--recompute", "selective"],
+     "on tp=1 pp=2 dp=1 micro-batch=2 selective gpipe, 4 micro-batches a step,"),
+    (["--tp", "2", "--sequence-parallel"], "on tp=2 pp=1 dp=1 micro-batch=8 sp, 1 micro-batch a step,"),
+], ids=["interleaved", "gpipe", "tp"])
+def test_start_up_line_names_the_schedule_as_plan_does(flags, layout):
+    """The "training ..." line shows the layout as `hpc-tp plan` prints it: the schedule, V and the
+    micro-batches a step at pp > 1, sequence parallelism and recomputation when on."""
+    run = mpi_train(2, "--model", "tiny", "--set", "n_layers=4", "--global-batch", "8", "--steps", "1",
+                    "--eval-problems", "2", "--no-progress", *flags)
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"^training .*\(4 layers, hidden 32\) " + re.escape(layout), run.stdout, re.M), run.stdout
+
+
+def test_plan_auto_line_shows_the_chosen_virtual_stages():
+    """--plan auto prints its choice as the plan's table and the start-up line do (V included)."""
+    run = mpi_train(2, "--model", "tiny", "--set", "n_layers=8", "--set", "hidden=192", "--set", "n_heads=3",
+                    "--global-batch", "2", "--seq-len", "32", "--steps", "1", "--eval-problems", "2",
+                    "--no-progress", "--plan", "auto")
+    assert run.returncode == 0, run.stderr
+    chosen = re.search(r"^--plan auto: (tp=1 pp=2 dp=1 micro-batch=1 1f1b V=\d, 2 micro-batches a step): fastest",
+                       run.stdout, re.M)
+    assert chosen and f"on {chosen[1]}," in run.stdout, run.stdout
+
+
 @pytest.mark.timeout(1500)  # a few minutes on an idle 2-core machine, ten under load
 def test_make_run_learns_the_embedded_task(tmp_path):
     """The README's first command: trains 2-digit addition at tp=2 and passes the bar on held-out problems."""

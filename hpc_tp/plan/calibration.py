@@ -49,7 +49,7 @@ class Calibration:
     links: dict = field(default_factory=dict)   # op -> Link, measured
     link_ranks: int = 0                         # ranks of the communication benchmark
     steps: list = field(default_factory=list)   # StepRate
-    mem_bw: float | None = None                 # bytes/s of elementwise work per rank, if measured
+    mem_bw: float | None = None                 # bytes/s of the update per rank (as cost.py counts them), if measured
     sources: list = field(default_factory=list)
 
     def network(self, cluster, tp: int | None = None) -> Network:
@@ -89,7 +89,7 @@ class Calibration:
         parts += [f"compute {s.rate / 1e9:.1f} GFLOP/s per rank ({s.ranks} ranks, tp={s.tp}, "
                   f"{s.forward_flops / 1e9:.2f} GFLOP forward per micro-batch)" for s in self.steps]
         if self.mem_bw:
-            parts.append(f"elementwise {self.mem_bw / 1e9:.1f} GB/s per rank")
+            parts.append(f"update {self.mem_bw / 1e9:.1f} GB/s per rank")
         return "; ".join(parts)
 
 

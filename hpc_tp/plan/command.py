@@ -43,9 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     work.add_argument("--distributed-optimizer", action="store_true",
                       help="ZeRO-1 where dp > 1 (hpc-tp train --distributed-optimizer): optimizer states and "
                            "masters sharded over dp")
-    work.add_argument("--virtual-stages", default="1", metavar="V[,V...]",
-                      help="model chunks per pipeline rank to try with 1f1b, e.g. 1,2,4 (hpc-tp train "
-                           "--virtual-stages: interleaved 1F1B); default %(default)s")
+    work.add_argument("--virtual-stages", metavar="V[,V...]",
+                      help="model chunks per pipeline rank to try with 1f1b (hpc-tp train --virtual-stages: "
+                           "interleaved 1F1B), e.g. 1,2; default 1-4 where the engine interleaves, as "
+                           "--plan auto does; 1: no interleaving")
     work.add_argument("--serve-batch", type=int, metavar="N",
                       help="also show serving memory: weights and KV cache of N sequences of --seq-len, per tp")
     out = parser.add_argument_group("output")
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     out.add_argument("--json", metavar="FILE", help="write the ranked and rejected layouts as JSON")
     out.add_argument("--validate", action="store_true",
                      help="under mpiexec: calibrate here, train each layout of the world (at each "
-                          "--virtual-stages V it runs) a few steps, print predicted vs measured step time "
+                          "virtual-stage count V it runs) a few steps, print predicted vs measured step time "
                           "and state bytes")
     out.add_argument("--rounds", type=int, default=3,
                      help="--validate: rounds, each calibrating and measuring every layout once (default %(default)s)")
@@ -86,6 +87,7 @@ def run(args) -> int:
     from ..models.config import load_config, parse_overrides
     from ..paths import check_output_file
     from ..pipeline.partition import parse_virtual_stages
+    from .search import AUTO_VIRTUAL_STAGES
 
     overrides = parse_overrides(args.model_overrides)
     for flag, value in (("global-batch", args.global_batch), ("seq-len", args.seq_len), ("top", args.top),
@@ -93,7 +95,8 @@ def run(args) -> int:
                         *(("ep", e) for e in args.ep or [])):
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} {value}: expected a positive whole number")
-    virtual_stages = parse_virtual_stages(args.virtual_stages)
+    # The same V as --plan auto unless the flag limits them: plain, --json and --validate alike.
+    virtual_stages = AUTO_VIRTUAL_STAGES if args.virtual_stages is None else parse_virtual_stages(args.virtual_stages)
     if args.validate:
         return _validate(args, overrides, virtual_stages)
     if args.json:

@@ -166,14 +166,21 @@ class Layout:
         axis = {"dp": 1, "expert_dp": 0, "ep": 1, "pp": 2, "tp": 3}[group]
         return bool((nodes.max(axis=axis) != nodes.min(axis=axis)).any())
 
-    def describe(self) -> str:
+    def describe(self, chunks: bool = True) -> str:
+        """``tp=1 pp=2 dp=1 micro-batch=2 1f1b V=2``: V with every 1F1B pipeline, so that V=1 says it
+        does not interleave; ``chunks`` False leaves V out (a table's own column)."""
         extras = [f"ep={self.ep}" if self.ep > 1 else "", "sp" if self.sequence_parallel else "",
                   {"none": "", "selective": "selective", "full": "recompute"}[self.recompute],
                   self.schedule if self.pp > 1 else "",
-                  f"V={self.virtual_stages}" if self.virtual_stages > 1 else "",
+                  f"V={self.virtual_stages}" if chunks and self.pp > 1 and self.schedule == "1f1b" else "",
                   "zero1" if self.distributed_optimizer else ""]
         return " ".join([f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch={self.micro_batch}",
                          *[e for e in extras if e]])
+
+    @property
+    def chunks_shown(self) -> str:
+        """V for a table's column: the chunks per rank where there is a pipeline, else '-'."""
+        return str(self.virtual_stages) if self.pp > 1 else "-"
 
 
 @dataclass(frozen=True)

@@ -36,19 +36,23 @@ def format_plan(plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: i
              + (f"calibrated: {calibration.describe()}" if calibration is not None
                 else "datasheet numbers, no calibration")]
     if plan.ranked:
-        lines.append(f"  {'#':>3}  {'layout':<46} {'step s':>9} {'tokens/s':>9} {'TFLOP/s/dev':>11} "
+        shown = plan.ranked[:top]
+        width = max(40, *(len(p.layout.describe(chunks=False)) for p in shown))
+        lines.append(f"  {'#':>3}  {'layout':<{width}} {'V':>2} {'step s':>9} {'tokens/s':>9} {'TFLOP/s/dev':>11} "
                      f"{'GiB/dev (states + act)':>24} {'bubble':>7}")
-        for i, p in enumerate(plan.ranked[:top], 1):
+        for i, p in enumerate(shown, 1):
             stage = max(p.memory, key=lambda s: p.memory[s].total)
             m = p.memory[stage]
             memory = f"{m.total / GiB:.1f} ({m.model_states / GiB:.1f} + {(m.total - m.model_states) / GiB:.1f})"
-            lines.append(f"  {i:>3}  {p.layout.describe():<46} {p.step_s:>9.4g} {_count(p.tokens_per_s):>9} "
-                         f"{p.model_flops_per_device / 1e12:>11.4g} {memory:>24} {p.bubble_s / p.step_s * 100:>6.1f}%")
+            lines.append(f"  {i:>3}  {p.layout.describe(chunks=False):<{width}} {p.layout.chunks_shown:>2} "
+                         f"{p.step_s:>9.4g} {_count(p.tokens_per_s):>9} {p.model_flops_per_device / 1e12:>11.4g} "
+                         f"{memory:>24} {p.bubble_s / p.step_s * 100:>6.1f}%")
         best = plan.ranked[0]
         ep = f"ep {best.ep_s:.4g} s, " if best.ep_s else ""
         lines.append(f"  top plan, busiest stage, per step: compute {best.compute_s:.4g} s, tp {best.tp_s:.4g} s, "
                      f"pp {best.pp_s:.4g} s, {ep}bubble {best.bubble_s:.4g} s, dp and step reductions {best.dp_s:.4g} s, "
-                     f"update {best.update_s:.4g} s; layers per stage {best.layers}")
+                     f"update {best.update_s:.4g} s; layers per stage {best.layers}"
+                     + (f" in {best.layout.virtual_stages} chunks each" if best.layout.virtual_stages > 1 else ""))
         for c in best.collectives:
             lines.append(f"    {c.group:<5} {c.op:<10} {c.nbytes / 2**20:>10.3f} MiB x {c.count:<6} {c.seconds:>9.4g} s"
                          f"  {c.what}")

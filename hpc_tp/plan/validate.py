@@ -1,17 +1,18 @@
 """Check the planner against the engine on the ranks of this run: calibrate, predict, measure.
 
 Collective over ``world``. Calibration is measured in-process, with every rank busy at once as
-during training: the communication benchmark (all-reduce and p2p over the world), the
-bandwidth of elementwise work, and a step benchmark of the block stack on groups of the
-layout's tp size. Then the layout (interleaved 1F1B too, at V > 1) trains a few real steps
+during training: the communication benchmark (all-reduce and p2p over the world), the engine's
+optimizer update (``measure_update_bw``), and a step benchmark of the block stack on groups of
+the layout's tp size. Then the layout (interleaved 1F1B too, at V > 1) trains a few real steps
 through the trainer (``Trainer.train_step``; the first ones warm up and are not timed): its
 median step time (the slowest rank's) is set against the prediction, as are its parameter and
 AdamW state bytes.
 
-A shared machine's speed drifts within seconds, so each measurement is paired with a
-calibration taken just before it, and the layouts are measured in rounds (every layout once per
-round, ``repeats`` rounds): a layout's error is the median over rounds of predicted / measured,
-each pair taken at the same moment, which a burst of load on one round does not move.
+A shared machine's speed drifts within seconds, so the compute rate is measured just before and
+just after each layout's steps and the prediction takes their mean (load that starts or stops
+during the steps then moves both sides), and the layouts are measured in rounds (every layout
+once per round, ``repeats`` rounds): a layout's error is the median over rounds of predicted /
+measured, each pair taken at the same moment, which a burst of load on one round does not move.
 """
 from __future__ import annotations
 
@@ -29,17 +30,33 @@ from .cost import Layout, predict
 COMM_SIZES = [2**k for k in range(6, 23, 2)]  # 64 B .. 4 MiB
 
 
-def measure_mem_bw(world, nbytes: int = 16 << 20, repeats: int = 5) -> float:
-    """Bytes/s per rank of ``c = a + b`` on arrays larger than the caches, all ranks at once."""
-    a, b = numpy.ones(nbytes // 4, numpy.float32), numpy.ones(nbytes // 4, numpy.float32)
-    c = numpy.empty_like(a)
+def measure_update_bw(world, elements: int = 1 << 20, repeats: int = 5, dtype: str = "float32") -> float:
+    """The update's rate per rank, all ranks at once, as the bytes/s the cost model divides its update
+    bytes by: the engine's own AdamW step, gradient sum of squares and zeroing (``train/optim.py``;
+    on CPU one fused loop each, ``train/cpu_optim.py``) on ``elements`` parameters, timed, against
+    ``UPDATE_PASSES`` x the bytes ``cost._update_bytes`` counts for them. An elementwise ``c = a + b``
+    would not do: the fused AdamW makes one pass where the model counts numpy's eleven, and its
+    square roots and divisions, left unfused for exact bits, bound it on some CPUs."""
+    from ..module import Parameter, Partition
+    from ..train.optim import AdamW, sum_of_squares
+    from .clusters import engine_precision
+    from .cost import UPDATE_PASSES, _update_bytes
+
+    shape = (elements // 1024, 1024)
+    param = Parameter(numpy.ones(shape, dtype), Partition(shape))
+    param.grad[...] = 1e-3
+    optimizer = AdamW({"p": param}, 1e-3)
     seconds = []
     for _ in range(repeats + 1):
         world.comm.Barrier()
         start = perf_counter()
-        numpy.add(a, b, out=c)
+        sum_of_squares(param.grad)
+        optimizer.step()
+        param.grad[...] = 0
         seconds.append(perf_counter() - start)
-    return 3 * a.nbytes / max(world.allgather_object(median(seconds[1:])))
+        param.grad[...] = 1e-3
+    modelled = UPDATE_PASSES * _update_bytes(param.data.size, 0, engine_precision(dtype), Layout(1, 1, 1, 1))
+    return modelled / max(world.allgather_object(median(seconds[1:])))
 
 
 def measure_links(world) -> Calibration:
@@ -84,6 +101,12 @@ def measure_layout(world, model: str, overrides: dict, layout: Layout, global_ba
     states = world.allgather_object((trainer.grid.coords.pp, trainer.model.local_bytes(),
                                      trainer.optimizer.state_bytes()))
     return dict(step_s=median(times), comm_s=median(comms), cfg=trainer.cfg, states=states)
+
+
+def bracket(before, after):
+    """The compute rate over a measurement from the rates just before and just after it: the mean of
+    their step times (a harmonic mean of the rates), and of their time in collectives."""
+    return replace(before, rate=2 / (1 / before.rate + 1 / after.rate), comm_s=(before.comm_s + after.comm_s) / 2)
 
 
 def world_layouts(cfg, world_size: int, global_batch: int, seq: int, micro_batch: int,
@@ -131,12 +154,12 @@ def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, 
     for _ in range(repeats):
         calibration = measure_links(world)
         for layout in layouts:
-            rate = measure_step_rate(world, plain, layout.tp, layout.micro_batch, seq, dtype)
+            before = measure_step_rate(world, plain, layout.tp, layout.micro_batch, seq, dtype)
+            calibration.mem_bw = measure_update_bw(world, dtype=dtype)
+            measured = measure_layout(world, model, overrides, layout, global_batch, seq, dtype, steps, warmup)
+            rate = bracket(before, measure_step_rate(world, plain, layout.tp, layout.micro_batch, seq, dtype))
             calibration.steps = [s for s in calibration.steps if s.tp != layout.tp] + [rate]
-            calibration.mem_bw = measure_mem_bw(world)
-            predicted = predict(cfg, layout, global_batch, seq, cluster, calibration)
-            pairs[layout].append((predicted, measure_layout(world, model, overrides, layout, global_batch, seq,
-                                                            dtype, steps, warmup)))
+            pairs[layout].append((predict(cfg, layout, global_batch, seq, cluster, calibration), measured))
     return [_row(layout, pairs[layout]) for layout in layouts], calibration
 
 
@@ -151,11 +174,12 @@ def _row(layout: Layout, pairs) -> dict:
 
 
 def format_rows(rows) -> str:
-    lines = [f"{'layout':<40} {'predicted':>10} {'measured':>10} {'error':>7} {'per round':>24} "
+    lines = [f"{'layout':<36} {'V':>2} {'predicted':>10} {'measured':>10} {'error':>7} {'per round':>24} "
              f"{'states pred/meas':>22}"]
     for r in rows:
         rounds = " ".join(f"{e * 100:+.0f}%" for e in r["errors"])
-        lines.append(f"{r['layout'].describe():<40} {r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
+        lines.append(f"{r['layout'].describe(chunks=False):<36} {r['layout'].chunks_shown:>2} "
+                     f"{r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
                      f"{r['error'] * 100:+6.1f}% {rounds:>24} "
                      f"{r['predicted_state_bytes']:>10}/{r['measured_state_bytes']:<10}")
     return "\n".join(lines)

@@ -140,12 +140,12 @@ class Trainer:
         choice = choose_layout(self.cfg, world.size, s.global_batch, self._seq_len(), cluster=s.plan_cluster,
                                ep=s.ep, distributed_optimizer=s.distributed_optimizer,
                                virtual_stages=s.virtual_stages)
-        if world.rank == 0:
-            print(f"--plan auto: tp={choice['tp']} pp={choice['pp']} dp={choice['dp']} micro-batch "
-                  f"{choice['micro_batch']} recompute={choice['recompute']} {choice['schedule']} "
-                  f"virtual-stages {choice['virtual_stages']}: {choice['reason']}", flush=True)
         layout = {k: v for k, v in choice.items() if k != "reason"}
-        return replace(s, plan=None, **layout)
+        planned = replace(s, plan=None, **layout)
+        if world.rank == 0:
+            print(f"--plan auto: {describe_layout(planned, self.cfg, choice['tp'], choice['pp'], choice['dp'])}: "
+                  f"{choice['reason']}", flush=True)
+        return planned
 
     def _tokenizer(self):
         s = self.settings
@@ -389,7 +389,7 @@ class Trainer:
     def _describe(self) -> str:
         g, cfg = self.grid, self.cfg
         return (f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}) "
-                f"on tp={g.tp_size} pp={g.pp_size} dp={g.dp_size}{f' ep={g.ep_size}' if g.ep_size > 1 else ''}, "
+                f"on {describe_layout(self.settings, cfg, g.tp_size, g.pp_size, g.dp_size)}, "
                 f"{self.settings.dtype}, data {self.settings.data}, "
                 f"global batch {self.settings.global_batch} x {self.seq_len} tokens{self._optimizer_note()}")
 
@@ -419,6 +419,19 @@ class Trainer:
         self.messages.append(message)
         if self.is_main:
             (self._say_to or (lambda m: print(m, flush=True)))(message)
+
+
+def describe_layout(settings: TrainSettings, cfg: ModelConfig, tp: int, pp: int, dp: int) -> str:
+    """The layout as ``hpc-tp plan`` prints it (schedule and V at pp > 1, ep, sp, recompute), and the
+    micro-batches a step runs: ``tp=1 pp=2 dp=1 micro-batch=2 1f1b V=2, 4 micro-batches a step``.
+    ZeRO-1 is left to the line's optimizer note."""
+    from ..plan.cost import Layout
+
+    micro = settings.micro_batch_for(dp, pp)
+    count = settings.global_batch // (dp * micro)
+    layout = Layout(tp, pp, dp, micro, settings.recompute, settings.schedule, cfg.sequence_parallel, settings.ep,
+                    virtual_stages=settings.chunks)
+    return f"{layout.describe()}, {count} micro-batch{'es' if count > 1 else ''} a step"
 
 
 def _watched_world(world, settings: TrainSettings) -> WatchedCommunicator:
