@@ -23,6 +23,7 @@ the pipeline does for any recomputation).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy
@@ -80,7 +81,10 @@ def query_blocks(q_len: int, k_len: int, q_offset: int, causal: bool,
     """(query rows, keys they may see) per block: with a causal mask a block of queries needs only
     the keys up to its last query's position, so blocks of 64 skip most of the masked upper
     triangle (T = 256: 10 of 16 tiles are computed). Without one, the whole square in one block."""
-    block = query_block(on_device)
+    return _blocks(q_len, k_len, q_offset, causal, query_block(on_device))
+
+
+def _blocks(q_len: int, k_len: int, q_offset: int, causal: bool, block: int) -> list[tuple[slice, int]]:
     if not causal or q_len <= block:
         return [(slice(0, q_len), k_len)]
     return [(slice(start, min(start + block, q_len)), min(k_len, min(start + block, q_len) + q_offset))
@@ -89,7 +93,12 @@ def query_blocks(q_len: int, k_len: int, q_offset: int, causal: bool,
 
 def saved_score_elements(q_len: int, k_len: int, causal: bool, on_device: bool = False) -> int:
     """Softmax outputs attention keeps per head and sequence (the blocks of ``query_blocks``)."""
-    return sum((rows.stop - rows.start) * seen for rows, seen in query_blocks(q_len, k_len, 0, causal, on_device))
+    return _saved_elements(q_len, k_len, causal, query_block(on_device))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks for every layout it tries: most of a 175B search's time
+def _saved_elements(q_len: int, k_len: int, causal: bool, block: int) -> int:
+    return sum((rows.stop - rows.start) * seen for rows, seen in _blocks(q_len, k_len, 0, causal, block))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None):
