@@ -1,8 +1,9 @@
 """Step time and peak memory of one training step with --recompute none, selective and full.
 
-    mpiexec -n 1 python benchmarks/recompute_memory.py [--hidden 256 --seq-len 256 --layers 4 ...]
+    mpiexec -n 1 python benchmarks/recompute_memory.py [--hidden 256 --seq-len 256 --layers 4 --attn-dropout 0 ...]
 
-The whole model (embedding, blocks, head and loss; tp = world size, dropout 0.1 everywhere) runs
+The whole model (embedding, blocks, head and loss; tp = world size, dropout 0.1 everywhere unless
+``--attn-dropout`` says otherwise for attention's) runs
 one micro-batch forward and backward through the pipeline engine. The three modes alternate step
 by step, so a slow spell of a shared machine falls on all of them. Peak memory is the most array
 bytes alive during a separate step traced by ``tracemalloc`` (numpy reports its buffers to it),
@@ -38,11 +39,12 @@ def main():
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attn-dropout", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     comm = world()
     cfg = ModelConfig(vocab_size=258, hidden=args.hidden, n_layers=args.layers, n_heads=args.heads,
-                      max_seq_len=args.seq_len, dropout=0.1, attn_dropout=0.1)
+                      max_seq_len=args.seq_len, dropout=0.1, attn_dropout=args.attn_dropout)
     grid = ProcessGrid(comm.size, 1, 1, comm)
     model = build_stage(cfg, grid, args.dtype)
     rng = numpy.random.default_rng(0)
@@ -73,7 +75,8 @@ def main():
         if comm.rank == 0:
             print(json.dumps(dict(mode=mode, tp=grid.tp_size, hidden=args.hidden, heads=args.heads, layers=args.layers,
                                   seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
-                                  step_ms=round(slowest * 1e3, 1), peak_step_mib=round(peak / 2**20, 2),
+                                  attn_dropout=args.attn_dropout, step_ms=round(slowest * 1e3, 1),
+                                  peak_step_mib=round(peak / 2**20, 2),
                                   predicted_mib=round((predicted.activations + predicted.recompute_peak) / 2**20, 2))),
                   flush=True)
 

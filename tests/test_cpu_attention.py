@@ -1,8 +1,10 @@
 """The fused attention core (hpc_tp/nn/cpu_attention.py: numba loop, MKL tiles) gives the composed
 numpy path's numbers: output, saved softmax and dQ/dK/dV, float64 within 1e-12 and float32 within
 1e-5, on strided views of a QKV buffer, grouped-query heads, a cache offset, key padding (fully
-masked rows included), attention dropout and no mask; and a whole attention layer (with and
-without rope, with dropout) is the same either way."""
+masked rows included), attention dropout and no mask; both paths give the same numbers again when
+forward keeps only the rows' log-sum-exp and backward recomputes the softmax from it (selective
+recomputation); and a whole attention layer (with and without rope, with dropout) is the same
+either way."""
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from hpc_tp.comm.mpi import world
 from hpc_tp.nn import attention, cpu_attention, mkl_jit
 from hpc_tp.nn.attention import ParallelAttention, attention_bias, query_blocks
 from hpc_tp.tensor_parallel.random import DropoutRNG
+from hpc_tp.train.mixed_precision import resolve_dtype
 
 pytestmark = pytest.mark.skipif(not mkl_jit.AVAILABLE, reason="needs numba and MKL (hpc_tp[mkl])")
 TOL = {"float64": 1e-12, "float32": 1e-5}
@@ -25,35 +28,49 @@ def heads(buffer, width, hk, g, d):
     return buffer[..., width:width + hk * g * d].reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
 
 
-def both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, dropout=0.0, seed=0):
+def inputs(dtype, b, hk, g, t, keys, d, dropout=0.0, seed=0):
+    """Q (a strided view, as the layer has it), K, V, dO and a dropout keep mask (or None)."""
     rng = np.random.default_rng(seed)
-    qkv = rng.standard_normal((b, t, hk * g * d)).astype(dtype)  # Q as a view, as the layer has it
+    qkv = rng.standard_normal((b, t, hk * g * d)).astype(dtype)
     q = heads(qkv, 0, hk, g, d)
     k, v = (rng.standard_normal((b, hk, keys, d)).astype(dtype) for _ in range(2))
     dout = rng.standard_normal(q.shape).astype(dtype)
     keep = None if not dropout else ((rng.random((b, hk, g, t, keys)) >= dropout) / (1 - dropout)).astype(dtype)
+    return q, k, v, dout, keep
+
+
+def core(fused, statistics, q, k, v, dout, keep, causal, offset, key_mask):
+    """(out, what forward kept, dq, dk, dv) on one path; ``statistics``: the selective
+    recomputation's (forward keeps the rows' log-sum-exp, backward recomputes the softmax)."""
+    (b, hk, g, t, d), keys, dtype = q.shape, k.shape[2], q.dtype
     blocks = query_blocks(t, keys, offset, causal)
-    results = []
-    for fused in (True, False):
-        merged = np.empty((b, t, hk * g * d), dtype)
-        out = heads(merged, 0, hk, g, d)
-        dq, dk, dv = np.empty_like(q), np.zeros_like(k), np.zeros_like(v)
-        if fused:
-            key_bias = None if key_mask is None else np.where(key_mask.astype(bool), 0.0, -np.inf)
-            probs = cpu_attention.forward(q, k, v, out, blocks, offset, causal, key_bias, keep)
-            cpu_attention.backward(dout, q, k, v, probs, blocks, dq, dk, dv, keep)
-            probs = [p.reshape(b, hk, g, rows.stop - rows.start, seen)
-                     for p, (rows, seen) in zip(np.split(probs.reshape(b, hk, g, -1), _tile_ends(blocks), axis=-1), blocks)]
+    out = heads(np.empty((b, t, hk * g * d), dtype), 0, hk, g, d)
+    dq, dk, dv = np.empty_like(q), np.zeros_like(k), np.zeros_like(v)
+    if fused:
+        key_bias = None if key_mask is None else np.where(key_mask.astype(bool), 0.0, -np.inf)
+        kept = cpu_attention.forward(q, k, v, out, blocks, offset, causal, key_bias, keep, statistics)
+        if statistics:
+            cpu_attention.backward_recompute(dout, q, k, v, kept, blocks, offset, causal, key_bias, dq, dk, dv, keep)
         else:
-            bias = None if key_mask is None else attention_bias(b, t, keys, False, key_mask, offset, dtype)
-            probs = attention._composed_forward(q, k, v, out, blocks, bias, keep, offset if causal else None)
-            attention._composed_backward(dout, q, k, v, probs, blocks, keep, dq, dk, dv)
-            if causal:  # the softmax's causal mask is the added -inf bias it replaces, to the bit
-                whole = attention_bias(b, t, keys, True, key_mask, offset, dtype)
-                by_bias = attention._composed_forward(q, k, v, np.empty_like(out), blocks, whole, keep, None)
-                assert all(np.array_equal(x, y) for x, y in zip(probs, by_bias))
-        results.append((out, probs, dq, dk, dv))
-    return results
+            cpu_attention.backward(dout, q, k, v, kept, blocks, dq, dk, dv, keep)
+            kept = [p.reshape(b, hk, g, rows.stop - rows.start, seen)
+                    for p, (rows, seen) in zip(np.split(kept.reshape(b, hk, g, -1), _tile_ends(blocks), axis=-1), blocks)]
+    else:
+        masks = (None if key_mask is None else attention_bias(b, t, keys, False, key_mask, offset, dtype),
+                 offset if causal else None)
+        kept = attention._composed_forward(q, k, v, out, blocks, masks, keep, statistics)
+        attention._composed_backward(dout, q, k, v, None if statistics else kept, blocks, keep, dq, dk, dv,
+                                     (kept, masks) if statistics else None)
+        if causal and not statistics:  # the softmax's causal mask is the added -inf bias it replaces, to the bit
+            whole = attention_bias(b, t, keys, True, key_mask, offset, dtype)
+            by_bias = attention._composed_forward(q, k, v, np.empty_like(out), blocks, (whole, None), keep)
+            assert all(np.array_equal(x, y) for x, y in zip(kept, by_bias))
+    return out, kept, dq, dk, dv
+
+
+def both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, dropout=0.0, seed=0):
+    q, k, v, dout, keep = inputs(dtype, b, hk, g, t, keys, d, dropout, seed)
+    return [core(fused, False, q, k, v, dout, keep, causal, offset, key_mask) for fused in (True, False)]
 
 
 def _tile_ends(blocks):
@@ -83,6 +100,63 @@ def test_fused_core_matches_composed(dtype, case):
         assert got.shape == want.shape and rel_err(got, want) <= TOL[dtype]
     if padding == "padded":
         assert not out[0].any() and not dq[0].any() and not dk[0].any() and not dv[0].any()
+
+
+def reference_lse(q, k, causal, offset, key_mask):
+    """log(sum(exp(scores))) of each query row over the keys it may see, whole-array numpy; -inf
+    for a row that may see none."""
+    (b, hk, g, t, _), keys = q.shape, k.shape[2]
+    scores = np.einsum("bhgtd,bhkd->bhgtk", q.astype("float64"), k.astype("float64"))
+    if causal or key_mask is not None:
+        scores = scores + attention_bias(b, t, keys, causal, key_mask, offset, "float64")
+    top = scores.max(axis=-1, keepdims=True)
+    shift = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        return (shift + np.log(np.exp(scores - shift).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", CASES)
+def test_recomputing_from_row_statistics_matches_the_kept_softmax(case, dtype, fused):
+    """Selective recomputation's forward keeps each row's log-sum-exp ([B, hk, g, T], +inf for a
+    fully masked row) and its backward rebuilds every tile from it: the output and dQ, dK, dV equal
+    the path that keeps the softmax, and fully masked rows still give zeros, not NaN."""
+    b, hk, g, t, keys, d, causal, offset, padding = CASES[case]
+    key_mask, dropout = None, 0.3 if padding == "dropout" else 0.0
+    if padding == "padded":
+        key_mask = (np.random.default_rng(1).random((b, keys)) > 0.3).astype("int64")
+        key_mask[0, :] = 0
+    q, k, v, dout, keep = inputs(dtype, b, hk, g, t, keys, d, dropout)
+    out, _, *grads = core(fused, False, q, k, v, dout, keep, causal, offset, key_mask)
+    again, lse, *again_grads = core(fused, True, q, k, v, dout, keep, causal, offset, key_mask)
+    assert lse.shape == q.shape[:4] and lse.dtype == q.dtype
+    want = reference_lse(q, k, causal, offset, key_mask)
+    masked = np.isneginf(want)
+    assert np.array_equal(np.isposinf(lse), masked) and masked.any() == (padding == "padded")
+    assert np.max(np.abs(lse[~masked] - want[~masked])) <= TOL[dtype] * np.max(np.abs(want[~masked]))
+    for got, expected in zip((again, *again_grads), (out, *grads)):
+        assert np.isfinite(got).all() and rel_err(got, expected) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", CASES)
+def test_half_precision_recomputation_keeps_float32_statistics(case, dtype):
+    """Half dtypes run the composed path, whose softmax is computed in float32: the rows'
+    log-sum-exp are kept in float32 (a half one would shift whole rows), forward's output is
+    unchanged and the gradients differ from keeping the softmax by less than the dtype's rounding."""
+    b, hk, g, t, keys, d, causal, offset, padding = CASES[case]
+    key_mask, dropout = None, 0.3 if padding == "dropout" else 0.0
+    if padding == "padded":
+        key_mask = (np.random.default_rng(1).random((b, keys)) > 0.3).astype("int64")
+        key_mask[0, :] = 0
+    arrays = [None if a is None else a.astype(resolve_dtype(dtype))
+              for a in inputs("float32", b, hk, g, t, keys, d, dropout)]
+    out, _, *grads = core(False, False, *arrays, causal, offset, key_mask)
+    again, lse, *again_grads = core(False, True, *arrays, causal, offset, key_mask)
+    assert lse.dtype == np.float32 and np.array_equal(again, out)
+    for got, want in zip(again_grads, grads):
+        assert np.isfinite(got.astype("float32")).all() and rel_err(got, want.astype("float64")) <= 2e-3
 
 
 def test_only_views_mkl_can_read_are_fused():

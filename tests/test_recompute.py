@@ -1,11 +1,12 @@
 """Selective recomputation (``hpc_tp.recompute``) gives the numbers of no recomputation.
 
-Attention keeps Q, K, V but neither its softmax nor its dropout masks, and rebuilds both in
-backward: the whole model's loss and every gradient must match a run that keeps them, at tp =
-world size (1, 2, 4), with and without dropout, causal (in several query blocks) and not, with
-grouped-query attention and RoPE, through the fused CPU kernel and the composed path; and the
-trainer's losses and gradient norms must match over a few steps. Then the planner's side: the
-memory it predicts and the settings that ask for it.
+Attention keeps Q, K, V and each query row's log-sum-exp but neither its softmax nor its dropout
+masks, and rebuilds both in backward, block by block: the whole model's loss and every gradient
+must match a run that keeps them, at tp = world size (1, 2, 4), with and without dropout, causal
+(in several query blocks) and not, with grouped-query attention and RoPE, through the fused CPU
+kernel and the composed path; one layer likewise with key padding (a fully masked sequence
+included); and the trainer's losses and gradient norms must match over a few steps. Then the
+planner's side: the memory it predicts and the settings that ask for it.
 """
 import argparse
 from dataclasses import replace
@@ -22,7 +23,9 @@ from hpc_tp.nn import attention, cpu_attention
 from hpc_tp.pipeline import build_stage, pipeline_forward_backward
 from hpc_tp.plan.clusters import engine_precision, get_cluster
 from hpc_tp.plan.cost import Layout, predict
-from hpc_tp.plan.memory import MEGATRON, layer_activation_bytes, stage_memory
+from hpc_tp.plan.memory import (MEGATRON, attention_mask_bytes, attention_score_bytes, layer_activation_bytes,
+                                stage_memory)
+from hpc_tp.tensor_parallel.random import DropoutRNG
 from hpc_tp.train.command import add_arguments, settings_from_args
 from hpc_tp.train.settings import TrainSettings
 from hpc_tp.train.trainer import Trainer
@@ -72,6 +75,38 @@ def test_selective_recompute_gives_the_gradients_of_none(variant, fused, monkeyp
     check_modes_agree(replace(BASE, **VARIANTS[variant]), ProcessGrid(world().size, 1, 1, world()))
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_selective_attention_with_key_padding(causal, fused, monkeypatch):
+    """One grouped-query attention layer (RoPE, attention dropout) over key-padded sequences, one of
+    them all padding (its rows fully masked): keeping only the rows' log-sum-exp gives the output,
+    input gradient and parameter gradients of keeping the softmax, on this rank's heads."""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 5)
+    if not fused:
+        monkeypatch.setattr(cpu_attention, "supported", lambda *arrays: False)
+    rng = np.random.default_rng(4)
+    layer = attention.ParallelAttention(32, 4, 2, world(), causal=causal, rope_theta=10000.0, dropout=0.1,
+                                        rng=DropoutRNG(7), dtype="float64")
+    for _, p in layer.named_parameters():
+        p.data[...] = rng.standard_normal(p.data.shape) * 0.3
+    x, dy = rng.standard_normal((3, SEQ, 32)), rng.standard_normal((3, SEQ, 32))
+    key_mask = (rng.random((3, SEQ)) > 0.3).astype("int64")
+    key_mask[1] = 0
+
+    def run(selective):
+        layer.recompute_scores = selective
+        for _, p in layer.named_parameters():
+            p.grad[...] = 0.0
+        y, ctx = layer.forward(x, key_mask=key_mask)
+        dx = layer.backward(dy, ctx)
+        return [y, dx] + [p.grad.copy() for _, p in layer.named_parameters()]
+
+    kept = run(False)
+    for got, want in zip(run(True), kept, strict=True):
+        assert np.isfinite(got).all() and np.max(np.abs(got - want)) <= TOL * max(1.0, np.max(np.abs(want)))
+
+
 @pytest.mark.skipif(not backend.cuda_available(), reason="no CUDA device (cupy missing or no GPU visible)")
 @pytest.mark.parametrize("variant", ["dropout", "gqa rope"])
 def test_selective_recompute_on_the_device(variant, monkeypatch):
@@ -105,12 +140,21 @@ def test_selective_keeps_all_but_the_scores():
     cfg = ModelConfig(vocab_size=64, hidden=h, n_layers=1, n_heads=a, max_seq_len=s)
     for t in (1, 2, 4):
         assert layer_activation_bytes(cfg, b, s, t, 2, MEGATRON, selective=True) == s * b * h * (10 + 24 // t)
+    # The engine keeps each query row's log-sum-exp instead: a b s / t values, float32 at least.
+    for t, elem in ((1, 8), (2, 4), (4, 2)):
+        assert (layer_activation_bytes(cfg, b, s, t, elem, selective=True)
+                == layer_activation_bytes(cfg, b, s, t, elem) - attention_score_bytes(cfg, b, s, t, elem)
+                + b * a // t * s * max(elem, 4))
     gpt2, precision = load_config("gpt2"), engine_precision("float32")
-    kept = {mode: stage_memory(gpt2, 1, 1, 0, range(12), 4, 1024, 1, "1f1b", mode, precision)
-            for mode in ("none", "selective", "full")}
-    assert kept["full"].activations < kept["selective"].activations < kept["none"].activations
-    # The recomputed softmax of one layer is alive in backward: less than full recomputation rebuilds.
-    assert 0 < kept["selective"].recompute_peak < kept["full"].recompute_peak
+    for attn_dropout in (0.0, 0.1):
+        cfg = replace(gpt2, attn_dropout=attn_dropout)
+        kept = {mode: stage_memory(cfg, 1, 1, 0, range(12), 4, 1024, 1, "1f1b", mode, precision)
+                for mode in ("none", "selective", "full")}
+        assert kept["full"].activations < kept["selective"].activations < kept["none"].activations
+        # Backward makes the softmax again block by block: of one layer only its redrawn dropout masks are whole.
+        assert kept["selective"].recompute_peak == attention_mask_bytes(cfg, 4, 1024, 1, 4)
+        assert kept["selective"].recompute_peak == (12 * 1024 * 1024 * 4 * 4 if attn_dropout else 0)
+        assert kept["selective"].recompute_peak < kept["full"].recompute_peak
 
 
 def test_selective_costs_between_none_and_full():

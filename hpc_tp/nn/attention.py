@@ -17,9 +17,12 @@ Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
 ``offset:offset+T`` and returns every filled slot. Each rank caches only its own K/V heads.
 
 With ``recompute_scores`` (selective recomputation, ``hpc_tp.recompute``) forward keeps neither
-the softmax outputs nor the dropout masks: backward recomputes them from the kept Q and K, the
-masks redrawn from the dropout generator, which the caller sets back to forward's position (as
-the pipeline does for any recomputation).
+the softmax outputs nor the dropout masks, only each query row's log-sum-exp ([B, hk, g, T], in
+float32 at least): backward makes each block's softmax again from the kept Q and K right before
+using it, exp(Q K^T + masks - lse) (the FlashAttention statistics, tile by tile in the fused
+kernel, block by block in the composed path), so no layer's whole softmax is ever rebuilt. The
+dropout masks are redrawn whole from the dropout generator, which the caller sets back to
+forward's position (as the pipeline does for any recomputation).
 """
 from __future__ import annotations
 
@@ -180,12 +183,14 @@ class ParallelAttention(Module):
         return q, k, v
 
     def _dropout_masks(self, shape, dtype):
-        """One mask per local head, keyed by the global head index: the same draw at any tp."""
-        xp = backend.xp
+        """One mask per local head, keyed by the global head index: the same draw at any tp. Written
+        head by head into one array: stacking a list of them held the layer's masks twice."""
         b, hk, g, tq, tk = shape
-        masks = [keep_mask(self.rng, ("attn", self.layer_id, self.head_start + h), (b, tq, tk), self.dropout, dtype)
-                 for h in range(hk * g)]
-        return xp.stack(masks, axis=1).reshape(shape)
+        masks = backend.xp.empty(shape, dtype)
+        for h in range(hk * g):
+            masks[:, h // g, h % g] = keep_mask(self.rng, ("attn", self.layer_id, self.head_start + h), (b, tq, tk),
+                                                self.dropout, dtype)
+        return masks
 
     def forward(self, x, key_mask=None, positions=None, cache=None):
         """``positions`` [T] or [B, T] (per row: padded batches); ``key_mask`` [B, keys] covers every
@@ -213,24 +218,31 @@ class ParallelAttention(Module):
         merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
         attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
         fused = cpu_attention.supported(q, k, v, attn, *(() if mask is None else (mask,)))
-        probs = self._core(q, k, v, attn, key_mask, offset, mask, fused)
+        saved = self._core(q, k, v, attn, key_mask, offset, mask, fused, self.recompute_scores)
         y, out_ctx = self.out.forward(merged)
-        # Selective recomputation keeps what rebuilds the softmax and masks instead: the key mask
-        # ([B, keys], small) and whether dropout ran.
-        kept = (None, None, key_mask, mask is not None) if self.recompute_scores else (probs, mask, None, False)
+        # Selective recomputation keeps what rebuilds the softmax and masks instead: the rows'
+        # log-sum-exp, the key mask ([B, keys], small) and whether dropout ran.
+        kept = (None, saved, None, key_mask, mask is not None) if self.recompute_scores else (
+            saved, None, mask, None, False)
         return y, (qkv_ctx, q, k, v, *kept, fused, rope, offset, out_ctx)
 
-    def _core(self, q, k, v, attn, key_mask, offset, mask, fused):
+    def _core(self, q, k, v, attn, key_mask, offset, mask, fused, statistics=False):
         """softmax(Q K^T + masks) per query block, returned for backward, and P V (through the
-        dropout ``mask``) into ``attn``; with ``attn`` None only the softmax (recomputation)."""
-        xp = backend.xp_of(q)
-        b, t, keys = q.shape[0], q.shape[3], k.shape[2]
-        blocks = query_blocks(t, keys, offset, self.causal, on_device=xp is not numpy)
+        dropout ``mask``) into ``attn``; with ``statistics`` the rows' log-sum-exp [B, hk, g, T] is
+        returned instead of the softmax (selective recomputation)."""
+        t, keys = q.shape[3], k.shape[2]
+        blocks = query_blocks(t, keys, offset, self.causal, on_device=backend.xp_of(q) is not numpy)
         if fused:
-            key_bias = None if key_mask is None else xp.where(key_mask.astype(bool), 0.0, -xp.inf)
-            return cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, key_bias, mask)
-        bias = None if key_mask is None else attention_bias(b, t, keys, False, key_mask, offset, q.dtype)
-        return _composed_forward(q, k, v, attn, blocks, bias, mask, offset if self.causal else None)
+            return cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, _key_bias(key_mask), mask,
+                                         statistics)
+        return _composed_forward(q, k, v, attn, blocks, self._masks(q, keys, key_mask, offset), mask, statistics)
+
+    def _masks(self, q, keys, key_mask, offset):
+        """The composed path's masks: the key padding as an additive bias (``attention_bias``; None
+        without padding) and the causal mask's offset for the softmax (None: not causal)."""
+        bias = None if key_mask is None else attention_bias(q.shape[0], q.shape[3], keys, False, key_mask, offset,
+                                                            q.dtype)
+        return bias, offset if self.causal else None
 
     def _heads_view(self, merged):
         """[B, T, hq*d] seen as [B, hk, g, T, d] (query heads grouped by the KV head they share)."""
@@ -239,7 +251,7 @@ class ParallelAttention(Module):
         return merged.reshape(b, t, hk, self.heads_local // hk, self.head_dim).transpose(0, 2, 3, 1, 4)
 
     def backward(self, dy, ctx):
-        qkv_ctx, q, k, v, probs, mask, key_mask, dropped, fused, rope, offset, out_ctx = ctx
+        qkv_ctx, q, k, v, probs, lse, mask, key_mask, dropped, fused, rope, offset, out_ctx = ctx
         xp = backend.xp_of(dy)
         hk, hq, d = self.kv_local, self.heads_local, self.head_dim
         dmerged = self.out.backward(dy, out_ctx)
@@ -250,47 +262,105 @@ class ParallelAttention(Module):
         dq, dk, dv = self._split_heads(dqkv)
         dk[...] = 0.0
         dv[...] = 0.0
-        if probs is None:  # selective recomputation: the same masks (same generator position), the same softmax
-            mask = self._dropout_masks(q.shape[:4] + (k.shape[2],), q.dtype) if dropped else None
-            probs = self._core(q, k, v, None, key_mask, offset, mask, fused)
-        blocks = query_blocks(t, k.shape[2], offset, self.causal, on_device=xp is not numpy)
-        if fused:
+        keys = k.shape[2]
+        blocks = query_blocks(t, keys, offset, self.causal, on_device=xp is not numpy)
+        if lse is not None:  # selective recomputation: the same masks (same generator position)
+            mask = self._dropout_masks(q.shape[:4] + (keys,), q.dtype) if dropped else None
+        if fused and lse is not None:
+            cpu_attention.backward_recompute(dattn.astype(q.dtype, copy=False), q, k, v, lse, blocks, offset,
+                                             self.causal, _key_bias(key_mask), dq, dk, dv, mask)
+        elif fused:
             cpu_attention.backward(dattn.astype(q.dtype, copy=False), q, k, v, probs, blocks, dq, dk, dv, mask)
         else:
-            _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv)
-        del probs, mask  # a recomputed softmax is freed before QKV's backward
+            recompute = None if lse is None else (lse, self._masks(q, keys, key_mask, offset))
+            _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv, recompute)
+        del probs, mask  # a redrawn dropout mask is freed before QKV's backward
         if rope is not None:
             dq[...] = F.rope_apply(dq, *_per_row(rope, dq.ndim), inverse=True)
             dk[...] = F.rope_apply(dk, *_per_row(rope, dk.ndim), inverse=True)
         return self.qkv.backward(dqkv, qkv_ctx)
 
 
-def _composed_forward(q, k, v, attn, blocks, bias, mask, causal_offset):
+def _key_bias(key_mask):
+    """The fused kernel's padding mask [B, keys]: 0 for real keys, -inf for padding (None: none)."""
+    if key_mask is None:
+        return None
+    xp = backend.xp_of(key_mask)
+    return xp.where(key_mask.astype(bool), 0.0, -xp.inf)
+
+
+def _scores(q, k_t, rows, seen, bias):
+    """Q K^T (+ the additive mask) of one query block."""
+    scores = blas.matmul(q[..., rows, :], k_t[..., :seen])
+    if bias is not None:
+        scores += bias[..., rows, :seen]
+    return scores
+
+
+def statistics_dtype(dtype) -> str:
+    """The rows' log-sum-exp are kept in float32 at least: a half-precision one would shift a whole
+    row's recomputed softmax by its rounding (bfloat16: up to 0.4%)."""
+    return "float64" if dtype.itemsize >= 8 else "float32"
+
+
+def _composed_forward(q, k, v, attn, blocks, masks, mask, statistics=False):
     """The attention core as whole-array numpy/cupy operations over all heads, block by block
-    (the fused CPU kernel's reference, and the path for devices and half dtypes); ``bias``: the
-    key-padding mask, the causal one applied by the softmax from ``causal_offset`` (None: not
-    causal). Returns the softmax outputs per block (only those when ``attn`` is None)."""
+    (the fused CPU kernel's reference, and the path for devices and half dtypes); ``masks``: the
+    key-padding bias and the causal offset (``ParallelAttention._masks``), the causal mask applied
+    by the softmax. Returns the softmax outputs per block, or with ``statistics`` the rows'
+    log-sum-exp [B, hk, g, T]."""
+    xp = backend.xp_of(q)
+    bias, causal_offset = masks
     k_t, v5 = k[:, :, None].swapaxes(-1, -2), v[:, :, None]
-    probs = []
+    kept = xp.empty(q.shape[:4], dtype=statistics_dtype(q.dtype)) if statistics else []
     for rows, seen in blocks:
-        scores = blas.matmul(q[..., rows, :], k_t[..., :seen])
-        if bias is not None:
-            scores += bias[..., rows, :seen]
-        p = F.softmax_forward(scores, None if causal_offset is None else causal_offset + rows.start)
-        probs.append(p)
-        if attn is None:
-            continue
+        scores = _scores(q, k_t, rows, seen, bias)
+        causal = None if causal_offset is None else causal_offset + rows.start
+        if statistics:  # the softmax in the statistics' dtype (as ``softmax_forward`` widens half ones anyway)
+            wide = scores.astype(kept.dtype, copy=False)
+            p = F.softmax_forward(wide, causal)
+            kept[..., rows] = _log_sum_exp(wide, p)
+            p = p.astype(scores.dtype, copy=False)
+        else:
+            p = F.softmax_forward(scores, causal)
+            kept.append(p)
         if mask is not None:
             p = p * mask[..., rows, :seen]
         blas.matmul(p, v5[..., :seen, :], out=attn[..., rows, :])
-    return probs
+    return kept
 
 
-def _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv):
-    """dQ (through the query scaling) into ``dq``, dK and dV added into theirs."""
+def _log_sum_exp(scores, p):
+    """Each row's log(sum(exp(scores))) over its visible keys, from its softmax ``p`` without
+    another exp: at the row's largest score s, p = exp(0) / sum, so the log-sum-exp is s - log(p).
+    +inf for a fully masked row (p all 0), whose recomputed exp(scores - lse) are then 0 too."""
+    xp = backend.xp_of(p)
+    top = p.argmax(axis=-1)[..., None]
+    largest, at_top = xp.take_along_axis(scores, top, -1)[..., 0], xp.take_along_axis(p, top, -1)[..., 0]
+    visible = at_top > 0
+    return xp.where(visible, largest - xp.log(xp.where(visible, at_top, 1)), xp.inf)
+
+
+def _recomputed_softmax(q, k_t, rows, seen, recompute):
+    """Forward's softmax of one block again, exp(Q K^T + masks - lse), from the rows' log-sum-exp."""
+    lse, (bias, causal_offset) = recompute
+    xp = backend.xp_of(q)
+    scores = _scores(q, k_t, rows, seen, bias)
+    if causal_offset is not None:
+        scores = F.causal_masked(scores, causal_offset + rows.start)
+    wide = scores.astype(lse.dtype, copy=False)
+    wide -= lse[..., rows, None]
+    return xp.exp(wide, out=wide).astype(scores.dtype, copy=False)
+
+
+def _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv, recompute=None):
+    """dQ (through the query scaling) into ``dq``, dK and dV added into theirs; ``recompute`` (lse,
+    masks): each block's softmax made again from forward's statistics instead of read from ``probs``."""
     k5, v_t = k[:, :, None], v[:, :, None].swapaxes(-1, -2)
+    k_t = k5.swapaxes(-1, -2)
     grouped = q.shape[2] > 1  # several query heads per KV head: their K/V gradients are summed
-    for (rows, seen), p in zip(blocks, probs):
+    for block, (rows, seen) in enumerate(blocks):
+        p = probs[block] if recompute is None else _recomputed_softmax(q, k_t, rows, seen, recompute)
         dout = dattn[..., rows, :]
         keep = None if mask is None else mask[..., rows, :seen]
         dropped = p if keep is None else p * keep

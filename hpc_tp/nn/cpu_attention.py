@@ -15,6 +15,13 @@ Fully masked rows give zeros, as the composed softmax does. Attention dropout mu
 tile by its block of the keep mask on its way into P V (and the backward likewise), as the composed
 path does. Used for float32/float64 numpy arrays where ``mkl_jit.AVAILABLE``; otherwise the
 composed path runs.
+
+Selective recomputation (``forward(..., statistics=True)``, ``backward_recompute``) keeps no
+softmax tile: forward makes each tile in one scratch tile and keeps only its rows' log-sum-exp
+(``lse``, [B, hk, g, T]: the largest visible score plus the log of the row's sum, +inf for a fully
+masked row); backward makes each tile again right before using it, with the same MKL product and
+masks, as exp(S + key bias - lse) (the FlashAttention backward's statistics; no row maxima or sums
+to recompute), so neither pass holds more than a few tiles besides Q, K, V and the dropout mask.
 """
 from __future__ import annotations
 
@@ -65,30 +72,48 @@ def _per_sequence(key_bias, batch: int, keys: int, dtype):
     return numpy.ascontiguousarray(numpy.broadcast_to(key_bias, (batch, keys)), dtype=dtype)
 
 
-def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, keep=None):
+def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, keep=None, statistics=False):
     """Softmax(Q K^T + masks) V into ``out`` ([B, hk, g, T, d] views; K, V [B, hk, keys, d]); Q is
     already scaled. ``key_bias`` [B, keys]: 0 for real keys, -inf for padding; ``keep`` [B, hk, g,
     T, keys]: attention dropout's scaled keep mask, applied to the softmax before P V. Returns
-    the softmax outputs (before dropout), kept for ``backward``; ``out`` None: only those
-    (selective recomputation), no P V."""
+    the softmax outputs (before dropout), kept for ``backward``, or with ``statistics`` the rows'
+    log-sum-exp [B, hk, g, T] instead, for ``backward_recompute``."""
     starts, seens, tiles = _block_tables(blocks)
-    b, hk, g = q.shape[:3]
-    probs = numpy.empty(b * hk * g * int(tiles[-1]), dtype=q.dtype)
-    dropped = numpy.empty(_largest_tile(tiles) if keep is not None and out is not None else 0, dtype=q.dtype)
-    _forward(q, k, v, _none(q.dtype, 5) if out is None else out, probs, starts, seens, tiles, q_offset, causal,
-             _none(q.dtype, 2) if key_bias is None else _per_sequence(key_bias, b, k.shape[2], q.dtype),
-             _none(q.dtype, 5) if keep is None else keep, dropped)
-    return probs
+    b, hk, g, t = q.shape[:4]
+    lse = numpy.empty((b, hk, g, t) if statistics else (0,) * 4, dtype=q.dtype)
+    probs = numpy.empty(_largest_tile(tiles) if statistics else b * hk * g * int(tiles[-1]), dtype=q.dtype)
+    dropped = numpy.empty(_largest_tile(tiles) if keep is not None else 0, dtype=q.dtype)
+    _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal,
+             _key_bias(key_bias, b, k.shape[2], q.dtype), _none(q.dtype, 5) if keep is None else keep, dropped,
+             lse.reshape(-1))
+    return lse if statistics else probs
 
 
 def backward(dout, q, k, v, probs, blocks, dq, dk, dv, keep=None):
     """dQ (times 1/sqrt(d): Q was scaled in forward), and dK, dV added into their (zeroed) views;
     ``keep`` is forward's dropout mask."""
+    _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, _none(q.dtype, 1), 0, False, None)
+
+
+def backward_recompute(dout, q, k, v, lse, blocks, q_offset: int, causal: bool, key_bias, dq, dk, dv, keep=None):
+    """``backward`` from forward's row statistics (``forward(..., statistics=True)``) instead of its
+    softmax: each tile is made again from Q K^T, forward's masks and ``lse`` where it is used."""
+    _backward_call(dout, q, k, v, _none(q.dtype, 1), blocks, dq, dk, dv, keep, lse.reshape(-1), q_offset, causal,
+                   key_bias)
+
+
+def _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, lse, q_offset, causal, key_bias):
+    """Scratch: dP (then dS), the dropped softmax tile with ``keep``, the recomputed one with ``lse``."""
     starts, seens, tiles = _block_tables(blocks)
     largest = _largest_tile(tiles)
-    scratch = numpy.empty(largest * (2 if keep is not None else 1), dtype=dout.dtype)
+    scratch = numpy.empty(largest * (1 + (keep is not None) + (lse.size > 0)), dtype=dout.dtype)
     _backward(dout, q, k, v, probs, starts, seens, tiles, 1.0 / math.sqrt(q.shape[-1]), dq, dk, dv,
-              _none(dout.dtype, 5) if keep is None else keep, scratch, largest)
+              _none(dout.dtype, 5) if keep is None else keep, scratch, largest, lse, q_offset, causal,
+              _key_bias(key_bias, q.shape[0], k.shape[2], dout.dtype))
+
+
+def _key_bias(key_bias, batch: int, keys: int, dtype):
+    return _none(dtype, 2) if key_bias is None else _per_sequence(key_bias, batch, keys, dtype)
 
 
 @_jit
@@ -128,18 +153,26 @@ if numba is not None:
 
 
 @_jit
-def _softmax_tile(p, at, rows, seen, first_query, causal, key_bias, batch):
-    """Row-wise softmax of the [rows, seen] tile at ``p[at:]``, in place; query r sits at absolute
-    position ``first_query + r`` and may see keys up to it when ``causal``. (Loops index a 2-D
-    view from 0: offsets that LLVM cannot prove non-negative keep it from vectorizing.)"""
+def _exp_tile(p, at, rows, seen, first_query, causal, key_bias, batch, lse, lse_at, recompute):
+    """exp(S + key bias - shift) of the [rows, seen] tile of scores at ``p[at:]``, in place, 0 where
+    the causal mask hides a key; query r sits at absolute position ``first_query + r`` and may see
+    keys up to it when ``causal``. Each row's shift is its largest visible score (0 when there is
+    none), stored at ``lse[lse_at + r]`` when ``lse`` is not empty; with ``recompute`` it is read
+    from there instead (forward's log-sum-exp: the tile is then forward's softmax again).
+    (Loops index a 2-D view from 0: offsets that LLVM cannot prove non-negative keep it from vectorizing.)"""
     tile = p[at:at + rows * seen].reshape((rows, seen))
     for r in range(rows):
         limit = min(seen, first_query + r + 1) if causal else seen
         if key_bias.shape[0]:
             for j in range(limit):
                 tile[r, j] += key_bias[batch, j]
-        top = _row_max(tile[r], limit)
-        shift = top if math.isfinite(top) else 0.0
+        if recompute:
+            shift = lse[lse_at + r]  # +inf for a fully masked row: every exp is 0, as forward made it
+        else:
+            top = _row_max(tile[r], limit)
+            shift = top if math.isfinite(top) else 0.0
+            if lse.size:
+                lse[lse_at + r] = shift
         for j in range(limit):
             tile[r, j] -= shift
         for j in range(limit, seen):
@@ -149,6 +182,20 @@ def _softmax_tile(p, at, rows, seen, first_query, causal, key_bias, batch):
         for r in range(rows):
             for j in range(min(seen, first_query + r + 1), seen):
                 tile[r, j] = 0.0
+
+
+@_jit
+def _softmax_tile(p, at, rows, seen, first_query, causal, key_bias, batch, lse, lse_at):
+    """Row-wise softmax of the tile (``_exp_tile``'s arguments), in place; with ``lse`` not empty
+    each row's log-sum-exp into it (+inf for a fully masked row, whose outputs are 0)."""
+    _exp_tile(p, at, rows, seen, first_query, causal, key_bias, batch, lse, lse_at, False)
+    tile = p[at:at + rows * seen].reshape((rows, seen))
+    if lse.size:
+        for r in range(rows):
+            total = 0.0
+            for j in range(seen):
+                total += tile[r, j]
+            lse[lse_at + r] = lse[lse_at + r] + math.log(total) if total > 0.0 else math.inf
     _softmax_normalize(tile)
 
 
@@ -170,11 +217,13 @@ def _softmax_tile_backward(ds, p, at, rows, seen):
 @_jit
 def _tile(index, q, starts, seens, tiles):
     """The ``index``-th (batch, kv head, query head of its group, query block) of the loop, with the
-    block's rows, the keys it sees and where its softmax tile is kept."""
-    _, nk, ng, _, _ = q.shape
+    block's rows, the keys it sees, where its softmax tile is kept and where its rows' statistics are."""
+    _, nk, ng, t, _ = q.shape
     block, head = index % seens.size, index // seens.size
     b, h, g = head // (nk * ng), (head // ng) % nk, head % ng
-    return b, h, g, starts[block], starts[block + 1] - starts[block], seens[block], head * tiles[-1] + tiles[block]
+    first = starts[block]
+    return (b, h, g, first, starts[block + 1] - first, seens[block], head * tiles[-1] + tiles[block],
+            head * t + first)
 
 
 @_jit
@@ -187,15 +236,21 @@ def _drop(p, at, rows, seen, keep, b, h, g, first, out, out_at):
 
 
 @_jit
-def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bias, keep, dropped):
+def _scores(q, k, b, h, g, first, rows, seen, p, at):
+    """S = Q K^T of one tile into ``p[at:]`` (Q already scaled)."""
+    gemm(NO_TRANS, TRANS, rows, seen, q.shape[-1], 1.0, q, _at(q, b, h, g, first), _ld(q),
+         k, _at(k, b, h, 0, 0), _ld(k), 0.0, p, at, seen)
+
+
+@_jit
+def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bias, keep, dropped, lse):
     d = q.shape[-1]
     for index in range(q.shape[0] * q.shape[1] * q.shape[2] * seens.size):
-        b, h, g, first, rows, seen, at = _tile(index, q, starts, seens, tiles)
-        gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, q, _at(q, b, h, g, first), _ld(q),
-             k, _at(k, b, h, 0, 0), _ld(k), 0.0, probs, at, seen)
-        _softmax_tile(probs, at, rows, seen, first + q_offset, causal, key_bias, b)
-        if not out.size:
-            continue
+        b, h, g, first, rows, seen, at, lse_at = _tile(index, q, starts, seens, tiles)
+        if lse.size:
+            at = 0  # only the rows' statistics are kept: every tile in the same scratch
+        _scores(q, k, b, h, g, first, rows, seen, probs, at)
+        _softmax_tile(probs, at, rows, seen, first + q_offset, causal, key_bias, b, lse, lse_at)
         weights, weights_at = probs, at
         if keep.size:
             _drop(probs, at, rows, seen, keep, b, h, g, first, dropped, 0)
@@ -205,20 +260,26 @@ def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bi
 
 
 @_jit
-def _backward(dout, q, k, v, probs, starts, seens, tiles, scale, dq, dk, dv, keep, scratch, largest):
+def _backward(dout, q, k, v, probs, starts, seens, tiles, scale, dq, dk, dv, keep, scratch, largest, lse, q_offset,
+              causal, key_bias):
     d = q.shape[-1]
     for index in range(q.shape[0] * q.shape[1] * q.shape[2] * seens.size):
-        b, h, g, first, rows, seen, at = _tile(index, q, starts, seens, tiles)
+        b, h, g, first, rows, seen, at, lse_at = _tile(index, q, starts, seens, tiles)
         dout_at, q_at = _at(dout, b, h, g, first), _at(q, b, h, g, first)
         k_at, v_at = _at(k, b, h, 0, 0), _at(v, b, h, 0, 0)
+        p = probs
+        if lse.size:  # selective recomputation: forward's softmax tile again, in the scratch's last tile
+            p, at = scratch, scratch.size - largest
+            _scores(q, k, b, h, g, first, rows, seen, p, at)
+            _exp_tile(p, at, rows, seen, first + q_offset, causal, key_bias, b, lse, lse_at, True)
         # dP = dO V^T (through the dropout mask), then dS = P (dP - rowsum(dP P)) in the same scratch tile
         gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, dout, dout_at, _ld(dout), v, v_at, _ld(v), 0.0, scratch, 0, seen)
-        weights, weights_at = probs, at
+        weights, weights_at = p, at
         if keep.size:
             _drop(scratch, 0, rows, seen, keep, b, h, g, first, scratch, 0)
-            _drop(probs, at, rows, seen, keep, b, h, g, first, scratch, largest)
+            _drop(p, at, rows, seen, keep, b, h, g, first, scratch, largest)
             weights, weights_at = scratch, largest
-        _softmax_tile_backward(scratch, probs, at, rows, seen)
+        _softmax_tile_backward(scratch, p, at, rows, seen)
         gemm(NO_TRANS, NO_TRANS, rows, d, seen, scale, scratch, 0, seen, k, k_at, _ld(k),
              0.0, dq, _at(dq, b, h, g, first), _ld(dq))
         gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, scratch, 0, seen, q, q_at, _ld(q), 1.0, dk, _at(dk, b, h, 0, 0), _ld(dk))

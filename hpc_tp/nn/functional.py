@@ -186,9 +186,7 @@ def softmax_forward(scores, causal_offset: int | None = None):
         return softmax_forward(scores.astype("float32"), causal_offset).astype(scores.dtype)
     xp = xp_of(scores)
     if causal_offset is not None:
-        tq, tk = scores.shape[-2:]
-        hidden = xp.arange(tk)[None, :] > xp.arange(causal_offset, causal_offset + tq)[:, None]
-        scores = xp.where(hidden, -xp.inf, scores).astype(scores.dtype, copy=False)
+        scores = causal_masked(scores, causal_offset)
     if fast := _fused("softmax_forward", scores, row=True):
         return fast(scores)
     row_max = scores.max(axis=-1, keepdims=True)
@@ -199,6 +197,14 @@ def softmax_forward(scores, causal_offset: int | None = None):
     total[total == 0] = 1.0
     p *= xp.divide(1.0, total, out=total)
     return p
+
+
+def causal_masked(scores, offset: int):
+    """``scores`` [..., Tq, Tk] with -inf where key j is after query i's position i + ``offset``."""
+    xp = xp_of(scores)
+    tq, tk = scores.shape[-2:]
+    hidden = xp.arange(tk)[None, :] > xp.arange(offset, offset + tq)[:, None]
+    return xp.where(hidden, -xp.inf, scores).astype(scores.dtype, copy=False)
 
 
 def softmax_backward(dp, p):

@@ -16,12 +16,14 @@ dropout masks and no sequence parallelism, their list sums to
 
 of which 4 s b h elements (the two norm inputs, the QKV and MLP inputs) are replicated over tp.
 With full recomputation a layer keeps only its input, s b h elements; with selective recomputation
-everything but the 5 a s^2 b / t of softmax and dropout (``attention_score_bytes``), which backward
-rebuilds one layer at a time. ``MEGATRON`` reproduces
-the paper's list; ``ENGINE`` is this engine's on a CPU (tests/test_plan.py checks it byte for byte
-against what the pipeline holds), ``ENGINE_ON_GPU`` its GPU path (causal softmax in larger blocks): the GeLU/SiLU kernels also keep their tanh/cdf/sigmoid (4 s b h / t
-more), dropout keeps no separate output but masks in the activation dtype, norms add their row
-statistics, RoPE its tables. Grouped-query attention and SwiGLU change the K/V and MLP terms.
+everything but the 5 a s^2 b / t of softmax and dropout (``attention_score_bytes``). ``MEGATRON``
+reproduces the paper's list; ``ENGINE`` is this engine's on a CPU (tests/test_plan.py checks it
+byte for byte against what the pipeline holds), ``ENGINE_ON_GPU`` its GPU path (the causal softmax
+kept in larger blocks): the GeLU/SiLU kernels also keep their tanh/cdf/sigmoid (4 s b h / t more),
+dropout keeps no separate output but masks in the activation dtype, norms add their row
+statistics, RoPE its tables, selective recomputation each query row's log-sum-exp (a b s / t
+values, in float32 at least), from which backward makes the softmax again block by block.
+Grouped-query attention and SwiGLU change the K/V and MLP terms.
 
 Sequence parallelism (``cfg.sequence_parallel`` at tp > 1) runs the norms, dropout and residuals
 on a 1/t slice of the sequence and the column-parallel layers keep only their input's slice, so
@@ -39,7 +41,7 @@ sequence (with sequence parallelism it gathers its input first and keeps the gat
 
 A pipeline stage holds the activations of the micro-batches in flight: all m with GPipe,
 ``min(pp - stage, m)`` with 1F1B; with recomputation, backward rebuilds one layer's full set
-(selective: its softmax and masks).
+(selective: only its attention-dropout masks, redrawn whole; the softmax is never whole again).
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ class SavedTensors:
     mask_bytes: int | None     # bytes per dropout-mask element; None: the activation dtype's
     keeps_dropout_output: bool # attention keeps dropout(softmax) besides softmax and the mask
     activation_aux: bool       # the activation kernel keeps an extra tensor of its input's size
-    row_statistics: bool       # norms keep per-row 1/std; RoPE keeps its cos/sin tables
+    row_statistics: bool       # norms keep per-row 1/std, selective attention its log-sum-exp; RoPE its cos/sin tables
     always_dropout: bool       # count dropout masks whatever the config (the paper's models use dropout)
     causal_blocks: bool        # causal softmax kept only for the query blocks' visible keys (nn.attention)
     on_device: bool = False    # the GPU path: larger query blocks (nn.attention.DEVICE_QUERY_BLOCK)
@@ -181,17 +183,34 @@ def attention_score_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int,
     scores = micro_batch * (cfg.n_heads // tp) * seq * seq
     kept = micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal, saved.on_device) if (
         saved.causal_blocks) else scores
-    total = kept * elem
-    if cfg.attn_dropout > 0 or saved.always_dropout:
-        mask = elem if saved.mask_bytes is None else saved.mask_bytes
-        total += scores * (mask + (elem if saved.keeps_dropout_output else 0))
-    return total
+    dropout_output = scores * elem if saved.keeps_dropout_output and attention_dropout(cfg, saved) else 0
+    return kept * elem + attention_mask_bytes(cfg, micro_batch, seq, tp, elem, saved) + dropout_output
+
+
+def attention_dropout(cfg: ModelConfig, saved: SavedTensors) -> bool:
+    return cfg.attn_dropout > 0 or saved.always_dropout
+
+
+def attention_mask_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int,
+                         saved: SavedTensors = ENGINE) -> int:
+    """One layer's attention-dropout masks (0 without attention dropout): selective recomputation
+    redraws them whole in backward."""
+    if not attention_dropout(cfg, saved):
+        return 0
+    return micro_batch * (cfg.n_heads // tp) * seq * seq * (elem if saved.mask_bytes is None else saved.mask_bytes)
+
+
+def softmax_statistics_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int) -> int:
+    """The log-sum-exp of each query row selective recomputation keeps instead of the softmax
+    (``nn.attention.statistics_dtype``: float32 at least)."""
+    return micro_batch * (cfg.n_heads // tp) * seq * max(elem, 4)
 
 
 def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int,
                            saved: SavedTensors = ENGINE, layer: int = 0, ep: int = 1, selective: bool = False) -> int:
     """Bytes block ``layer`` keeps for backward for one micro-batch (the list in the module docstring);
-    ``selective``: without ``attention_score_bytes``."""
+    ``selective``: without ``attention_score_bytes`` (with the rows' log-sum-exp where ``saved``
+    counts row statistics)."""
     sb, h, d = micro_batch * seq, cfg.hidden, cfg.head_dim
     shard = sb // tp if sequence_sharded(cfg, tp) else sb  # rows of the norm / dropout / residual tensors
     moe = cfg.is_moe_layer(layer)
@@ -214,6 +233,8 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int
         total += moe_saved_bytes(cfg, Routing.bound(cfg, sb, ep), tp, elem, saved)
     if not selective:
         total += attention_score_bytes(cfg, micro_batch, seq, tp, elem, saved)
+    elif saved.row_statistics:
+        total += softmax_statistics_bytes(cfg, micro_batch, seq, tp, elem)
     if cfg.dropout > 0 or saved.always_dropout:
         total += 2 * shard * h * mask  # after attention and after the MLP
     return total
@@ -253,7 +274,7 @@ class StageMemory:
     grads: int             # gradients (the dp buckets sum them in place)
     optimizer: int         # AdamW moments (and fp32 master weights in mixed precision)
     activations: int       # held for backward by the micro-batches in flight
-    recompute_peak: int    # one layer's set (full recomputation) or softmax (selective) rebuilt in backward
+    recompute_peak: int    # one layer's set (full recomputation) or dropout masks (selective) rebuilt in backward
 
     @property
     def total(self) -> int:
@@ -282,7 +303,7 @@ def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, 
     # A micro-batch's pass through a chunk keeps each block's input (full recomputation) or all it saves.
     per_pass = [len(chunk) * rows * cfg.hidden * elem if mode == "full" else sum(k) for chunk, k in zip(chunks, kept)]
     rebuilt = {"none": 0, "full": max(max(k) for k in kept),
-               "selective": attention_score_bytes(cfg, micro_batch, seq, tp, elem, saved)}[mode]
+               "selective": attention_mask_bytes(cfg, micro_batch, seq, tp, elem, saved)}[mode]
     if first:
         per_pass[0] += embedding_activation_bytes(micro_batch, seq)
     if last:
