@@ -61,7 +61,7 @@ def attention_bias(batch, q_len, k_len, causal: bool, key_mask, q_offset: int, d
     xp = backend.xp
     allowed = xp.ones((1, q_len, k_len), dtype=bool)
     if causal:
-        allowed = allowed & (xp.arange(k_len)[None, :] <= (xp.arange(q_len) + q_offset)[:, None])[None]
+        allowed = allowed & ~F.causal_hidden(q_len, k_len, q_offset, xp)[None]
     if key_mask is not None:
         allowed = allowed & (key_mask.astype(bool)[:, None, :])
     return xp.where(allowed, 0.0, -xp.inf).astype(dtype)[:, None, None]
@@ -233,7 +233,7 @@ class ParallelAttention(Module):
         t, keys = q.shape[3], k.shape[2]
         blocks = query_blocks(t, keys, offset, self.causal, on_device=backend.xp_of(q) is not numpy)
         if fused:
-            return cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, _key_bias(key_mask), mask,
+            return cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, _padding_bias(key_mask), mask,
                                          statistics)
         return _composed_forward(q, k, v, attn, blocks, self._masks(q, keys, key_mask, offset), mask, statistics)
 
@@ -268,7 +268,7 @@ class ParallelAttention(Module):
             mask = self._dropout_masks(q.shape[:4] + (keys,), q.dtype) if dropped else None
         if fused and lse is not None:
             cpu_attention.backward_recompute(dattn.astype(q.dtype, copy=False), q, k, v, lse, blocks, offset,
-                                             self.causal, _key_bias(key_mask), dq, dk, dv, mask)
+                                             self.causal, _padding_bias(key_mask), dq, dk, dv, mask)
         elif fused:
             cpu_attention.backward(dattn.astype(q.dtype, copy=False), q, k, v, probs, blocks, dq, dk, dv, mask)
         else:
@@ -281,7 +281,7 @@ class ParallelAttention(Module):
         return self.qkv.backward(dqkv, qkv_ctx)
 
 
-def _key_bias(key_mask):
+def _padding_bias(key_mask):
     """The fused kernel's padding mask [B, keys]: 0 for real keys, -inf for padding (None: none)."""
     if key_mask is None:
         return None

@@ -19,6 +19,8 @@ import numpy
 # CUDA's library_types.h and cublas_api.h (stable ABI values; cupy does not name them all).
 CUDA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
 COMPUTE_32F, COMPUTE_64F = 68, 70
+OP_N, OP_T = 0, 1
+GEMM_DEFAULT = -1
 _TYPE_OF: dict = {}  # dtype -> CUDA_TYPE value: ``dtype.name`` costs microseconds of Python a call
 
 
@@ -28,8 +30,6 @@ def cuda_type(dtype) -> int | None:
         return _TYPE_OF[dtype]
     except KeyError:
         return _TYPE_OF.setdefault(dtype, CUDA_TYPE.get(numpy.dtype(dtype).name))
-OP_N, OP_T = 0, 1
-GEMM_DEFAULT = -1
 
 
 class Operand(NamedTuple):

@@ -199,12 +199,15 @@ def softmax_forward(scores, causal_offset: int | None = None):
     return p
 
 
+def causal_hidden(q_len: int, k_len: int, offset: int, xp):
+    """[Tq, Tk]: True where key j comes after query i's position i + ``offset`` (the causal mask)."""
+    return xp.arange(k_len)[None, :] > xp.arange(offset, offset + q_len)[:, None]
+
+
 def causal_masked(scores, offset: int):
-    """``scores`` [..., Tq, Tk] with -inf where key j is after query i's position i + ``offset``."""
+    """``scores`` [..., Tq, Tk] with -inf where ``causal_hidden`` hides the key."""
     xp = xp_of(scores)
-    tq, tk = scores.shape[-2:]
-    hidden = xp.arange(tk)[None, :] > xp.arange(offset, offset + tq)[:, None]
-    return xp.where(hidden, -xp.inf, scores).astype(scores.dtype, copy=False)
+    return xp.where(causal_hidden(*scores.shape[-2:], offset, xp), -xp.inf, scores).astype(scores.dtype, copy=False)
 
 
 def softmax_backward(dp, p):
