@@ -13,6 +13,7 @@ from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.module import gather_full
 from hpc_tp.nn import attention
 from hpc_tp.nn.attention import rope_inv_freq
+from hpc_tp.serve.decoding import FixedStep, GrowingStep, decode_stepper
 from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache
 from hpc_tp.serve.sampling import SamplingParams, next_token
@@ -35,8 +36,11 @@ PROMPTS = [[5, 17, 99, 3, 250], [42, 7], [1, 2, 3, 4, 5, 6, 7], [200]]
 
 
 def _model(name, comm, seed=4):
-    # Larger weights than the training init, so logits vary and greedy choices are far from ties.
-    model = GPTModel(ModelConfig(**CONFIGS[name]), comm, seed=seed)
+    return larger_weights(GPTModel(ModelConfig(**CONFIGS[name]), comm, seed=seed))
+
+
+def larger_weights(model):
+    """Larger weights than the training init, so logits vary and greedy choices are far from ties."""
     for i, (name, p) in enumerate(model.named_parameters()):
         gain = "norm" in name and name.endswith("weight")
         p.load_full(np.random.default_rng(100 + i).standard_normal(p.partition.full_shape) * 0.3 + gain)
@@ -66,6 +70,27 @@ def test_cached_logits_equal_full_forward_at_every_position(name, query_block, m
         full = model.logits(seq)[0]
         cached = np.concatenate([steps[0][i, width - len(prompt):]] + [step[i] for step in steps[1:]])
         assert max_rel_err(cached, full) <= 1e-10, f"row {i}"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fixed_shape_decode_steps_equal_growing_ones(name):
+    """The steps a CUDA graph replays (all slots attended, the slot, positions and mask moved on by the
+    step itself) give the growing steps' logits and fill the cache alike, here eagerly."""
+    tp, _ = tp_and_reference()
+    model, new = _model(name, tp), 5
+    follow = np.random.default_rng(2).integers(0, V, (len(PROMPTS), new))
+    lens = np.array([len(p) for p in PROMPTS])
+    runs = {}
+    for stepper in (GrowingStep, FixedStep):
+        tokens, key_mask, positions = left_pad(PROMPTS, new, pad_id=0)
+        cache = KVCache.for_model(model, len(PROMPTS), tokens.shape[1] + new)
+        model.infer(tokens, positions, key_mask[:, :tokens.shape[1]], cache)
+        step = stepper(model, cache, key_mask, lens)
+        runs[stepper] = [step.step(follow[:, s]) for s in range(new)], cache
+    (growing, cache), (fixed, fixed_cache) = runs[GrowingStep], runs[FixedStep]
+    assert max(max_rel_err(f, g) for f, g in zip(fixed, growing)) <= 1e-12
+    assert fixed_cache.length == cache.length and max_rel_err(fixed_cache.v, cache.v) <= 1e-12
+    assert decode_stepper(model, cache, None, lens).__class__ is GrowingStep  # graphs are for a GPU
 
 
 def test_kv_cache_holds_only_this_ranks_heads():

@@ -260,6 +260,17 @@ def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
 
 
 @device_test
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_a_captured_decode_step_replays_the_cpu_steps(name):
+    """The fixed-shape decode step, captured as a CUDA graph at its first step: every replay gives the
+    CPU's growing steps' logits (float64), at each replay's own slot and positions."""
+    from test_generate import CONFIGS, PROMPTS, larger_weights
+
+    error, replayed = G.decode_replay_error(CONFIGS[name], PROMPTS, weights=larger_weights)
+    assert replayed and error <= 1e-12
+
+
+@device_test
 @pytest.mark.parametrize("model", [{}, G.MOE], ids=["dense", "moe"])
 def test_training_on_the_device_equals_the_cpu_in_float64(model):
     cpu, _ = G.train_losses("cpu", "float64", **model)

@@ -26,12 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default %(default)s")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="array backend: cuda puts each rank on its node-local GPU (default %(default)s)")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a GPU at tp=1, replay each decode step as a captured CUDA graph (default on)")
     parser.add_argument("--json", metavar="FILE", help="also write the record as JSON (rank 0)")
 
 
 def benchmark_decode(comm, cfg, batch: int, prompt_len: int, new_tokens: int, dtype: str = "float32",
-                     warmup: int = 3, seed: int = 0) -> dict:
-    """One record (the same on every rank) for ``cfg`` split over ``comm`` (tp = comm.size)."""
+                     warmup: int = 3, seed: int = 0, graphs: bool = True) -> dict:
+    """One record (the same on every rank) for ``cfg`` split over ``comm`` (tp = comm.size); ``graphs``:
+    replay a captured CUDA graph per step where ``serve.decoding`` can (a GPU at tp = 1)."""
     from statistics import median
     from time import perf_counter
 
@@ -39,39 +42,43 @@ def benchmark_decode(comm, cfg, batch: int, prompt_len: int, new_tokens: int, dt
 
     from .. import backend
     from ..models.gpt import GPTModel
+    from ..serve.decoding import decode_stepper
     from ..serve.kv_cache import KVCache
 
     xp = backend.xp
     model = GPTModel(cfg, comm, dtype=dtype, seed=seed)
     total = prompt_len + warmup + new_tokens
     cache = KVCache.for_model(model, batch, total)
-    key_mask = xp.ones((batch, total), dtype=bool)
+    key_mask = numpy.zeros((batch, total), dtype=bool)
+    key_mask[:, :prompt_len] = True
+    prompt_mask = xp.asarray(key_mask[:, :prompt_len])
     ids = xp.asarray(numpy.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, prompt_len)))
     positions = xp.broadcast_to(xp.arange(prompt_len), ids.shape)
     # An untimed prefill into a scratch cache first: the first call loads the kernels and maps memory
     # (W1, batch 1: ~500 ms against ~65 ms after), which is start-up, not prefill.
-    model.infer(ids, positions, key_mask[:, :prompt_len], KVCache.for_model(model, batch, prompt_len))
+    model.infer(ids, positions, prompt_mask, KVCache.for_model(model, batch, prompt_len))
     backend.synchronize()  # a device's queue drained: each figure is work done, not work launched
     comm.barrier()
     start = perf_counter()
-    logits = model.infer(ids, positions, key_mask[:, :prompt_len], cache)
+    logits = model.infer(ids, positions, prompt_mask, cache)
     backend.synchronize()
     prefill = perf_counter() - start
+    stepper = decode_stepper(model, cache, key_mask, numpy.full(batch, prompt_len), graphs)
     steps, comms = [], []
-    for s in range(warmup + new_tokens):
-        pos = prompt_len + s
+    for s in range(warmup + new_tokens):  # the first step of a graph captures it: a warm-up one
         start, comm_start = perf_counter(), comm.seconds
-        token = logits.argmax(axis=-1)[:, None]
-        logits = model.infer(token, xp.full((batch, 1), pos), key_mask[:, :pos + 1], cache)
+        logits = stepper.step(logits.argmax(axis=-1))
         backend.synchronize()
         if s >= warmup:
             steps.append(perf_counter() - start)
             comms.append(comm.seconds - comm_start)
+    stepper.close()
     per_rank = comm.allgather_object((median(steps), median(comms), prefill, cache.nbytes))
     step_s, comm_s, prefill_s, kv_bytes = max(per_rank, key=lambda r: r[0])
     return {"tp": comm.size, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
             "prefill_s": max(r[2] for r in per_rank), "token_s": step_s, "compute_s": step_s - comm_s,
             "comm_s": comm_s, "tokens_per_s": batch / step_s, "kv_cache_bytes_per_rank": [r[3] for r in per_rank],
+            "cuda_graph": stepper.uses_graph,
             "weight_bytes_per_rank": model.local_bytes()}
 
 
@@ -81,7 +88,8 @@ def format_record(r: dict) -> str:
             f"{r['token_s'] * ms:.2f} ms/token step (compute {r['compute_s'] * ms:.2f}, comm {r['comm_s'] * ms:.2f}), "
             f"{r['tokens_per_s']:.1f} tokens/s, prefill {r['prefill_s'] * ms:.1f} ms, "
             f"KV cache {r['kv_cache_bytes_per_rank'][0] / 2**20:.2f} MiB/rank, "
-            f"weights {r['weight_bytes_per_rank'] / 2**20:.1f} MiB/rank")
+            f"weights {r['weight_bytes_per_rank'] / 2**20:.1f} MiB/rank"
+            + (", CUDA graph" if r.get("cuda_graph") else ""))
 
 
 def run(args) -> int:
@@ -110,7 +118,8 @@ def run(args) -> int:
                           f"exceeds the model's max_seq_len {cfg.max_seq_len}")
     comm = world()
     select_device(args.device, comm)
-    record = benchmark_decode(comm, cfg, args.batch, args.prompt_len, args.new_tokens, args.dtype, args.warmup)
+    record = benchmark_decode(comm, cfg, args.batch, args.prompt_len, args.new_tokens, args.dtype, args.warmup,
+                              graphs=args.cuda_graph)
     if comm.rank == 0:
         print("hpc-tp bench decode: " + format_record(record), flush=True)
         if args.json:

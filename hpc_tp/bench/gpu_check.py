@@ -5,10 +5,11 @@ on one machine in well under 5 minutes, as a short table.
 2. checks, each a measured number against its bound: the fused kernels against numpy (float64 and
    float32), tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks
    sharing the card through MPI, only where ``mpiexec`` works), training steps on the device against
-   the CPU (float64), and mixed precision (float16, bfloat16 where ml_dtypes is) against float32 on the device;
+   the CPU (float64), decode steps replayed from a captured CUDA graph against the CPU's (float64),
+   and mixed precision (float16, bfloat16 where ml_dtypes is) against float32 on the device;
 3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
    (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
-   measured large-GEMM peak.
+   measured large-GEMM peak; then W1 decode steps with and without a CUDA graph (``bench decode``).
 
 The table goes to stdout and, with ``--out DIR`` or ``$OUT``, to DIR/gpu_check.md and .json.
 Exit status: 0 when every check passed, and also when there is no CUDA device (the only line
@@ -136,6 +137,52 @@ def tp_equality(world, transport: str | None = None) -> tuple[float, str]:
     errors = gradient_errors(par, one, tp)
     errors["loss"] = abs(loss_par - loss_one) / abs(loss_one)
     return max(errors.values()), transport
+
+
+# A Llama-style decoder (GQA, RoPE, SwiGLU, RMSNorm) and left-padded prompts of unequal lengths.
+DECODE_MODEL = dict(vocab_size=258, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
+                    norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+DECODE_PROMPTS = ([5, 17, 99, 3, 250], [42, 7], [1, 2, 3, 4, 5, 6, 7], [200])
+
+
+def decode_replay_error(config: dict = DECODE_MODEL, prompts=DECODE_PROMPTS, steps: int = 6,
+                        weights=None) -> tuple[float, bool]:
+    """Decode steps after a left-padded prefill, float64, one process: the device's fixed-shape step
+    captured as a CUDA graph at its first step and replayed for the rest (``serve.decoding``), against
+    the CPU's growing steps on the same ids. (worst relative logit error, whether the graph replayed).
+    ``weights(model)``: sets the model's weights (default: its own seeded initialization)."""
+    from ..comm.mpi import self_comm
+    from ..models import GPTModel, ModelConfig
+    from ..serve.decoding import FixedStep, GrowingStep
+    from ..serve.generate import left_pad
+    from ..serve.kv_cache import KVCache
+
+    follow = numpy.random.default_rng(2).integers(0, config["vocab_size"], (len(prompts), steps))
+    lens = numpy.array([len(p) for p in prompts])
+    logits, replayed = {}, False
+    for device in ("cpu", "cuda"):
+        backend.use(device)
+        xp, model = backend.xp, GPTModel(ModelConfig(**config), self_comm(), dtype="float64", seed=3)
+        if weights is not None:
+            weights(model)
+        tokens, key_mask, positions = left_pad([list(p) for p in prompts], steps, pad_id=0)
+        cache = KVCache.for_model(model, len(prompts), tokens.shape[1] + steps)
+        model.infer(xp.asarray(tokens), xp.asarray(positions), xp.asarray(key_mask[:, :tokens.shape[1]]), cache)
+        stepper = (FixedStep(model, cache, key_mask, lens, capture=True) if device == "cuda"
+                   else GrowingStep(model, cache, key_mask, lens))
+        logits[device] = [backend.to_numpy(stepper.step(follow[:, s])) for s in range(steps)]  # a replay overwrites
+        replayed = replayed or stepper.uses_graph
+        stepper.close()
+    return max(_rel(g, c) for g, c in zip(logits["cuda"], logits["cpu"])), replayed
+
+
+def decode_timings(batch: int, graphs: bool) -> dict:
+    """``bench decode``'s record for W1, prompt 64, 32 timed tokens, float32, one process."""
+    from ..comm.mpi import self_comm
+    from ..models.config import load_config
+    from .decode import benchmark_decode
+
+    return benchmark_decode(self_comm(), load_config("w1"), batch, 64, 32, "float32", warmup=3, graphs=graphs)
 
 
 def card_peak(dtype: str, size: int = 8192, repeats: int = 5) -> float:
@@ -314,6 +361,7 @@ class Report:
         self.env, self.out = list(env), out
         self.checks: list[dict] = []
         self.bench: list[dict] = []
+        self.decode: list[dict] = []
         self.started = time.perf_counter()
 
     def save(self):
@@ -322,13 +370,17 @@ class Report:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "gpu_check.md").write_text(self.text())
         (self.out / "gpu_check.json").write_text(json.dumps({"environment": dict(self.env), "checks": self.checks,
-                                                             "w1": self.bench}, indent=1) + "\n")
+                                                             "w1": self.bench, "w1_decode": self.decode}, indent=1) + "\n")
 
     def text(self) -> str:
         return markdown(self.env, self) + f"\ntotal {time.perf_counter() - self.started:.0f} s\n"
 
     def add_bench(self, row: dict):
         self.bench.append(row)
+        self.save()
+
+    def add_decode(self, row: dict):
+        self.decode.append(row)
         self.save()
 
     def check(self, name: str, bound: str, run):
@@ -385,6 +437,12 @@ def run_checks(report: Report):
             return (result if on_device else "FAIL"), measured, (
                 f"3 demo steps, losses {', '.join(f'{v:.4f}' for v in gpu)}; groups: {trainer.transports}")
         report.check(f"{label}training on the device vs CPU, float64", f"{TP_TOL:.0e}", training)
+    def decoding():
+        error, replayed = decode_replay_error()
+        result, measured, _ = _bounded(error, TP_TOL)
+        return (result if replayed else "FAIL"), measured, (
+            "6 steps replayed from one captured CUDA graph" if replayed else "the capture failed: steps ran eagerly")
+    report.check("decode steps as a CUDA graph vs CPU, float64", f"{TP_TOL:.0e}", decoding)
     for dtype, model in (("float16", {}), ("bfloat16", {}), ("bfloat16", MOE)):
         def mixed(dtype=dtype, model=model):
             if dtype == "bfloat16" and _bfloat16_missing():
@@ -427,6 +485,29 @@ def run_benchmarks(report: Report):
                   f"{row['card_gemm_tflops']:.1f} TFLOP/s", flush=True)
 
 
+def run_decode_benchmarks(report: Report, batches=(1, 8, 64)):
+    """W1 decode steps without and with a CUDA graph, alternating in this one process."""
+    for batch in batches:
+        row = {"batch": batch}
+        try:
+            for graphs in (False, True):
+                r = decode_timings(batch, graphs)
+                row["graph_ms" if graphs else "eager_ms"] = r["token_s"] * 1e3
+                row["graph_used" if graphs else "eager_used_graph"] = r["cuda_graph"]
+        except Exception as error:  # noqa: BLE001
+            row["error"] = f"{type(error).__name__}: {error}"[:200]
+        report.add_decode(row)
+        print("  " + _decode_cells(row), flush=True)
+
+
+def _decode_cells(d: dict) -> str:
+    if "error" in d:
+        return f"batch {d['batch']}: failed: {d['error']}"
+    graph = f"{d['graph_ms']:.3f}" + ("" if d["graph_used"] else " (no graph: the capture failed)")
+    return f"batch {d['batch']}: {d['eager_ms']:.3f} ms a token without a graph, {graph} with one, " \
+           f"{d['eager_ms'] / d['graph_ms']:.2f}x"
+
+
 def markdown(env, report: Report) -> str:
     lines = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
     lines += [f"- {k}: {v}" for k, v in env]
@@ -444,6 +525,9 @@ def markdown(env, report: Report) -> str:
                          f"{b['tokens_per_s']:.0f} | {b['achieved_tflops']:.2f} | {100 * b['mfu_same_shape']:.1f}% "
                          f"of {b['same_shape_gemm_tflops']:.1f} | {100 * b['mfu_card']:.1f}% of "
                          f"{b['card_gemm_tflops']:.1f} |")
+    if report.decode:
+        lines += ["", "W1 decode, float32, prompt 64, 32 timed tokens (median ms a token):", ""]
+        lines += [f"- {_decode_cells(d)}" for d in report.decode]
     return "\n".join(lines) + "\n"
 
 
@@ -472,6 +556,8 @@ def main(argv=None) -> int:
     if not args.no_bench:
         print("W1 block stack (4 layers, hidden 768, 12 heads, ffn 3072), one process:", flush=True)
         run_benchmarks(report)
+        print("W1 decode, float32, prompt 64, 32 timed tokens:", flush=True)
+        run_decode_benchmarks(report)
     report.save()
     print("\n" + report.text(), flush=True)
     return 1 if report.failed else 0

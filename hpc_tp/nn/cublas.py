@@ -12,6 +12,8 @@ shapes and strides alone (tested on the CPU against an emulation of the call); `
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import NamedTuple
 
 import numpy
@@ -153,11 +155,29 @@ _SCALARS = {compute: {value: numpy.array(value, dtype=dtype) for value in (0.0, 
             for compute, dtype in ((COMPUTE_32F, numpy.float32), (COMPUTE_64F, numpy.float64))}
 
 
+@functools.cache
+def _library():
+    """(GemmStridedBatchedEx, SetStream) of the cuBLAS cupy loaded, called through ctypes: cupy 14's
+    own wrappers refuse any cuBLAS call while a stream is being captured into a CUDA graph
+    (``serve.decoding``), which cuBLAS itself supports."""
+    import cupy
+
+    cupy.cuda.device.get_cublas_handle()  # cupy loads its cuBLAS with the first handle
+    with open("/proc/self/maps") as maps:
+        path = next(line.split()[-1] for line in maps if line.split()[-1].rpartition("/")[2].startswith("libcublas.so"))
+    library = ctypes.CDLL(path)
+    gemm = library.cublasGemmStridedBatchedEx
+    i, p, n = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
+    gemm.argtypes = [p, i, i, i, i, i, p, p, i, i, n, p, i, i, n, p, p, i, i, n, i, i, i]
+    set_stream = library.cublasSetStream_v2
+    set_stream.argtypes = [p, p]
+    return gemm, set_stream
+
+
 def gemm(a, b, out, accumulate: bool = False):
     """``out[...] = a @ b`` (``out += a @ b`` with ``accumulate``) on the current stream. ``a`` and ``b``
     share one dtype; ``out`` has it or float32 (half inputs, float32 sums). Returns ``out``."""
     import cupy
-    from cupy_backends.cuda.libs import cublas
 
     if a.dtype != b.dtype or out.dtype not in (a.dtype, _FLOAT32):
         raise TypeError(f"cublas.gemm: {a.dtype} @ {b.dtype} into {out.dtype} is not a product cuBLAS has here")
@@ -171,13 +191,16 @@ def gemm(a, b, out, accumulate: bool = False):
             if not accumulate:
                 target[...] = 0
         else:
-            scalars = _SCALARS[compute]
-            cublas.gemmStridedBatchedEx(
-                cupy.cuda.device.get_cublas_handle(), g.transa, g.transb, g.m, g.n, g.k, scalars[1.0].ctypes.data,
-                left.data.ptr, cuda_type(a.dtype), g.lda, g.stride_a,
-                right.data.ptr, cuda_type(b.dtype), g.ldb, g.stride_b,
-                scalars[1.0 if accumulate else 0.0].ctypes.data, target.data.ptr, cuda_type(out.dtype), g.ldc,
-                g.stride_c, g.batch, compute, GEMM_DEFAULT)
+            scalars, (call, set_stream) = _SCALARS[compute], _library()
+            handle = cupy.cuda.device.get_cublas_handle()
+            set_stream(handle, cupy.cuda.get_current_stream().ptr)
+            status = call(handle, g.transa, g.transb, g.m, g.n, g.k, scalars[1.0].ctypes.data,
+                          left.data.ptr, cuda_type(a.dtype), g.lda, g.stride_a,
+                          right.data.ptr, cuda_type(b.dtype), g.ldb, g.stride_b,
+                          scalars[1.0 if accumulate else 0.0].ctypes.data, target.data.ptr, cuda_type(out.dtype),
+                          g.ldc, g.stride_c, g.batch, compute, GEMM_DEFAULT)
+            if status:
+                raise RuntimeError(f"cublasGemmStridedBatchedEx returned status {status} for {a.shape} @ {b.shape}")
     if target is not out:
         out[...] = target
     return out

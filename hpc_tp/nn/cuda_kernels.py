@@ -8,7 +8,8 @@ stay with cuBLAS.
 - row-wise (RawModule, float32/float64, one thread block per row, warp-shuffle reductions):
   softmax with fully masked rows giving zeros (and an optional in-kernel causal mask), layernorm
   and rmsnorm forward/backward. Their saved tensors are what ``functional``'s backward expects,
-  so a forward on one path and a backward on the other agree.
+  so a forward on one path and a backward on the other agree;
+- the KV cache's slot write at a slot held on the device (a captured decode step's).
 
 Each kernel runs in one dtype, that of the array ``functional`` dispatched on (the gradient in a
 backward, as in ``cpu_kernels``): the other arrays are cast to it, since cupy refuses an
@@ -246,6 +247,23 @@ def swiglu_forward(gate, up):
 def swiglu_backward(dy, saved):
     """(d gate, d up)."""
     return _elementwise("swiglu_bwd")(dy, *_as(dy.dtype, *saved))
+
+
+# -- KV cache -------------------------------------------------------------------------------------------
+@functools.cache
+def _slot_writer():
+    import cupy
+
+    return cupy.ElementwiseKernel("T token, raw int64 slot, int64 slots, int64 width", "raw T cache",
+                                  "cache[(i / width * slots + slot[0]) * width + i % width] = token;",
+                                  "hpc_tp_write_slot")
+
+
+def write_slot(cache, new, slot):
+    """``cache`` [..., slots, d] (C-contiguous) takes ``new`` [..., 1, d] at the slot that the one-element
+    device array ``slot`` holds. The slot is read on the device, so a captured CUDA graph writes each
+    replay's own slot (``serve.decoding``)."""
+    _slot_writer()(new, slot, cache.shape[-2], cache.shape[-1], cache)
 
 
 # -- row-wise ---------------------------------------------------------------------------------------

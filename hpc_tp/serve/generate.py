@@ -3,7 +3,8 @@
     prefill   the prompts, left-padded to the longest, in one forward pass: every row's K/V fill
               the cache and the last position (a real token in every row) gives the first logits;
     decode    one token per row per step at the same slot for every row; key masks hide padding,
-              and each row's positions count only its own tokens (learned positions and RoPE alike).
+              and each row's positions count only its own tokens (learned positions and RoPE alike);
+              on a GPU at tp = 1 each step replays a captured CUDA graph (``serve.decoding``).
 
 Collective over the tp group: every rank calls ``generate``; tp rank 0 brings the prompts and the
 sampling parameters, broadcasts them, samples every token and broadcasts the ids, so the other ranks
@@ -18,6 +19,7 @@ import numpy
 
 from .. import backend
 from ..errors import ConfigError
+from .decoding import decode_stepper
 from .kv_cache import KVCache
 from .sampling import SamplingParams, next_token
 
@@ -137,22 +139,21 @@ class Engine:
         cache = KVCache.for_model(model, batch, width + steps - 1)
         tokens, key_mask, positions = left_pad(prompts, steps - 1, self.pad_id)
         logits = model.infer(xp.asarray(tokens), xp.asarray(positions), xp.asarray(key_mask[:, :width]), cache)
+        decoder = decode_stepper(model, cache, key_mask, lens)
         rows = [_Row(p, self.tokenizer) for p in params] if comm.rank == 0 else None
         first = None
-        for step in range(steps):
-            chosen = numpy.full(batch + 1, self.pad_id, dtype=numpy.int64)  # the ids, then "all finished"
-            if comm.rank == 0:
-                self._sample(backend.to_numpy(logits), rows, chosen, on_text, cancelled)
-            comm.broadcast(chosen)
-            first = first or time.perf_counter()
-            if chosen[batch] or step == steps - 1:
-                break
-            key_mask[:, width + step] = True
-            pos = lens + step
-            if model.cfg.position == "learned":  # finished rows run on with positions nobody reads
-                pos = numpy.minimum(pos, model.cfg.max_seq_len - 1)
-            logits = model.infer(xp.asarray(chosen[:batch, None]), xp.asarray(pos[:, None]),
-                                 xp.asarray(key_mask[:, :width + step + 1]), cache)
+        try:
+            for step in range(steps):
+                chosen = numpy.full(batch + 1, self.pad_id, dtype=numpy.int64)  # the ids, then "all finished"
+                if comm.rank == 0:
+                    self._sample(backend.to_numpy(logits), rows, chosen, on_text, cancelled)
+                comm.broadcast(chosen)
+                first = first or time.perf_counter()
+                if chosen[batch] or step == steps - 1:
+                    break
+                logits = decoder.step(chosen[:batch])
+        finally:
+            decoder.close()
         end = time.perf_counter()
         kv_bytes = comm.allgather_object(cache.nbytes)
         if comm.rank != 0:

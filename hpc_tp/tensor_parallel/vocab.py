@@ -34,8 +34,9 @@ class VocabParallelEmbedding(Module):
 
     def forward(self, ids):
         local, outside = self._local_ids(ids)
-        y = self.weight.data[local]
-        y[outside] = 0
+        # Not ``y[outside] = 0``: cupy counts a boolean mask's hits on the host, which a captured
+        # decode step cannot do (serve.decoding).
+        y = backend.xp_of(ids).where(outside[..., None], 0, self.weight.data[local])
         self.comm.all_reduce(y)  # g
         return y, (local, outside)
 

@@ -1,0 +1,147 @@
+"""Decode steps after a prefill, one new token per row: ``step(ids) -> logits``.
+
+``Engine.generate`` and ``hpc-tp bench decode`` prefill a batch into a ``KVCache`` and then feed each
+step's chosen ids back through one of two steppers; both give the same logits.
+
+- ``GrowingStep``: each step runs ``GPTModel.infer`` over the filled slots only, with a key mask one
+  slot longer than the last: the least arithmetic, but shapes and addresses change every step.
+- ``FixedStep``: every step has the same shapes and reads and writes the same memory. It attends
+  over all the cache's slots, a key mask on the device hiding those not filled yet, and the slot to
+  write, the positions and that mask are device arrays that the step itself moves on. On a GPU that
+  lets its first step be captured as a CUDA graph and every later one replay it: one launch per
+  token instead of hundreds. A W1 decode step on an H200 is bound by the host's Python launching
+  them (NOTES.md, session 11), as vLLM found for its decode steps.
+
+A graph replays exactly what was captured, so the capture needs (1) no host work inside the step:
+no sync, no value read back, Python ints only where they stay the same for every step; (2) no
+collective the graph cannot hold: graphs are used at tp = 1 only (MPI runs on the host; NCCL could
+be captured but has not run on two cards here); (3) the same addresses for every temporary at every
+replay: the capture allocates from a memory pool of its own that nothing else uses while the graph
+lives (PyTorch's private graph pool). The first step runs eagerly on the capture stream from that
+pool, so the kernels are compiled, cuBLAS has its workspace and the pool holds the blocks the
+capture then reuses.
+
+``HPC_TP_CUDA_GRAPHS=0`` turns graphs off (an A/B, or a driver that refuses a capture).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import numpy
+
+from .. import backend
+from .kv_cache import KVCache, SlotCache
+
+
+def positions_after(lens, step: int, model):
+    """Each row's position for decode step ``step`` (0: the first token after the prompt), clamped to
+    the last learned position: a finished row runs on with positions nobody reads."""
+    pos = lens + step
+    if model.cfg.position == "learned":
+        pos = numpy.minimum(pos, model.cfg.max_seq_len - 1)
+    return pos
+
+
+class GrowingStep:
+    """``key_mask`` [B, max_len] (host, bool): the prompt's real slots set; ``lens`` [B] prompt lengths."""
+
+    def __init__(self, model, cache: KVCache, key_mask, lens):
+        self.model, self.cache, self.key_mask, self.lens = model, cache, key_mask, lens
+        self.width = cache.length
+        self.uses_graph = False
+
+    def close(self):
+        pass
+
+    def step(self, ids):
+        xp, slot = backend.xp, self.cache.length
+        self.key_mask[:, slot] = True
+        pos = positions_after(self.lens, slot - self.width, self.model)
+        return self.model.infer(xp.asarray(ids).reshape(-1, 1), xp.asarray(pos[:, None]),
+                                xp.asarray(self.key_mask[:, :slot + 1]), self.cache)
+
+
+class FixedStep:
+    """As ``GrowingStep``, every step with the same shapes and addresses; ``capture``: replay the
+    first step as a CUDA graph (a device run only)."""
+
+    def __init__(self, model, cache: KVCache, key_mask, lens, capture: bool = False):
+        xp = backend.xp
+        self.model, self.cache = model, cache
+        self.ids = xp.zeros((len(lens), 1), dtype=numpy.int64)
+        self.positions = xp.asarray(positions_after(lens, 0, model)[:, None].astype(numpy.int64))
+        self.slot = xp.full((1,), cache.length, dtype=numpy.int64)
+        self._prompt = xp.asarray(key_mask)  # only the prompt's slots: decoded slots come from ``slot``
+        self._decoded = xp.arange(cache.max_len) >= cache.length
+        self._slots = xp.arange(cache.max_len)
+        self._last = model.cfg.max_seq_len - 1 if model.cfg.position == "learned" else None
+        self._view = SlotCache(cache, self.slot)
+        self._capture = capture and xp is not numpy
+        self._graph = self._logits = self._pool = None
+
+    @property
+    def uses_graph(self) -> bool:
+        return self._capture
+
+    def step(self, ids):
+        self.ids[:, 0] = backend.xp.asarray(ids).reshape(-1)
+        if self._graph is not None:
+            self._graph.launch()
+            logits = self._logits
+        elif self._capture:
+            logits = self._first_step_captured()
+        else:
+            logits = self._run()
+        self.cache.length += 1  # the host's count; the device's is ``slot``
+        return logits
+
+    def _run(self):
+        """One step, all on the device: the mask of every filled slot, the model, then slot and
+        positions one on."""
+        xp = backend.xp_of(self.slot)
+        visible = self._prompt | (self._decoded & (self._slots <= self.slot))
+        logits = self.model.infer(self.ids, self.positions, visible, self._view)
+        self.slot += 1
+        self.positions += 1
+        if self._last is not None:
+            xp.minimum(self.positions, self._last, out=self.positions)
+        return logits
+
+    def _first_step_captured(self):
+        import cupy
+
+        self._pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream()
+        with cupy.cuda.using_allocator(self._pool.malloc), stream:
+            logits = self._run()  # eager: warms kernels, cuBLAS and the pool on this stream
+            stream.begin_capture()
+            try:
+                self._logits = self._run()  # recorded, not run: the state stays at the next step
+                self._graph = stream.end_capture()
+            except Exception as error:  # nothing recorded ran: the later steps run eagerly instead
+                with contextlib.suppress(Exception):
+                    stream.end_capture()
+                self._capture, self._logits = False, None
+                warnings.warn(f"decoding without a CUDA graph: its capture failed ({type(error).__name__}: {error})")
+        return logits
+
+    def close(self):
+        """Give the graph's memory back (its pool is this stepper's alone)."""
+        self._graph = self._logits = None
+        if self._pool is not None:
+            self._pool.free_all_blocks()
+
+
+def graphs_enabled() -> bool:
+    return os.environ.get("HPC_TP_CUDA_GRAPHS", "1") != "0"
+
+
+def decode_stepper(model, cache: KVCache, key_mask, lens, graphs: bool | None = None):
+    """The stepper for this run: a captured ``FixedStep`` on a GPU at tp = 1 (``graphs`` None: unless
+    ``HPC_TP_CUDA_GRAPHS=0``; False: never), else ``GrowingStep``."""
+    if graphs is None:
+        graphs = graphs_enabled()
+    if graphs and backend.device == "cuda" and model.comm.size == 1:
+        return FixedStep(model, cache, key_mask, lens, capture=True)
+    return GrowingStep(model, cache, key_mask, lens)
