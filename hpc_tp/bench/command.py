@@ -47,6 +47,8 @@ def add_arguments(parser):
                       help="BLAS threads per rank (default: this rank's cores / ranks on its node, at least 1)")
     step.add_argument("--repeats", type=int, default=5, help="timed steps (default %(default)s)")
     step.add_argument("--warmup", type=int, default=2, help="untimed steps first (default %(default)s)")
+    step.add_argument("--cuda-graph", action="store_true",
+                      help="on a GPU at tp=1, replay each step as a CUDA graph captured at the first one")
     step.add_argument("--json", metavar="FILE", help="also write the record as JSON (rank 0)")
     step.set_defaults(_benchmark=_run_step)
 
@@ -124,7 +126,7 @@ def _run_step(args) -> int:
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // comm.split_node().size)
     with threadpool_limits(limits=threads, user_api="blas"):
         record = benchmark_step(comm, cfg, args.micro_batch, args.seq_len, args.dtype,
-                                repeats=args.repeats, warmup=args.warmup, threads=threads)
+                                repeats=args.repeats, warmup=args.warmup, threads=threads, graphs=args.cuda_graph)
     if comm.rank == 0:
         print(format_record(record))
         _write_json(args.json, record)

@@ -9,7 +9,8 @@ on one machine in well under 5 minutes, as a short table.
    and mixed precision (float16, bfloat16 where ml_dtypes is) against float32 on the device;
 3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
    (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
-   measured large-GEMM peak; then W1 decode steps with and without a CUDA graph (``bench decode``).
+   measured large-GEMM peak, and each step again replayed from a CUDA graph (``bench step
+   --cuda-graph``); then W1 decode steps with and without a CUDA graph (``bench decode``).
 
 The table goes to stdout and, with ``--out DIR`` or ``$OUT``, to DIR/gpu_check.md and .json.
 Exit status: 0 when every check passed, and also when there is no CUDA device (the only line
@@ -203,13 +204,13 @@ def card_peak(dtype: str, size: int = 8192, repeats: int = 5) -> float:
     return 2 * size ** 3 / sorted(times)[len(times) // 2]
 
 
-def benchmark(dtype: str, batch: int, seq: int) -> dict:
+def benchmark(dtype: str, batch: int, seq: int, graphs: bool = False) -> dict:
     from ..comm.mpi import self_comm
     from ..models.config import load_config
     from .step import benchmark_step
 
     cfg = load_config("w1", max_seq_len=seq)
-    return benchmark_step(self_comm(), cfg, batch, seq, dtype, repeats=5, warmup=2)
+    return benchmark_step(self_comm(), cfg, batch, seq, dtype, repeats=5, warmup=2, graphs=graphs)
 
 
 # -- the report -------------------------------------------------------------------------------------
@@ -468,7 +469,7 @@ def run_benchmarks(report: Report):
             continue
         for batch, seq in W1_ROWS:
             try:
-                r = benchmark(dtype, batch, seq)
+                r, replayed = benchmark(dtype, batch, seq), benchmark(dtype, batch, seq, graphs=True)
             except Exception as error:  # noqa: BLE001
                 report.add_bench({"dtype": dtype, "micro_batch": batch, "seq_len": seq,
                                   "error": f"{type(error).__name__}: {error}"[:200]})
@@ -477,9 +478,11 @@ def run_benchmarks(report: Report):
             row = {"dtype": dtype, "micro_batch": batch, "seq_len": seq, "step_ms": r["step_s"] * 1e3,
                    "tokens_per_s": r["tokens_per_s"], "achieved_tflops": r["achieved_flops"] / 1e12,
                    "same_shape_gemm_tflops": r["gemm_peak_flops_per_rank"] / 1e12, "mfu_same_shape": r["mfu"],
-                   "card_gemm_tflops": peak / 1e12, "mfu_card": r["achieved_flops"] / peak}
+                   "card_gemm_tflops": peak / 1e12, "mfu_card": r["achieved_flops"] / peak,
+                   "graph_step_ms": replayed["step_s"] * 1e3 if replayed["cuda_graph"] else None}
             report.add_bench(row)
-            print(f"  W1 {dtype:8s} {batch:3d}x{seq}: {row['step_ms']:8.2f} ms  {row['tokens_per_s']:10.0f} tok/s  "
+            print(f"  W1 {dtype:8s} {batch:3d}x{seq}: {row['step_ms']:8.2f} ms ({_graph_cell(row)} as a CUDA graph)  "
+                  f"{row['tokens_per_s']:10.0f} tok/s  "
                   f"{row['achieved_tflops']:7.2f} TFLOP/s  MFU {100 * row['mfu_same_shape']:5.1f}% of the same-shape "
                   f"GEMM ({row['same_shape_gemm_tflops']:.1f}), {100 * row['mfu_card']:5.1f}% of the card's "
                   f"{row['card_gemm_tflops']:.1f} TFLOP/s", flush=True)
@@ -500,6 +503,10 @@ def run_decode_benchmarks(report: Report, batches=(1, 8, 64)):
         print("  " + _decode_cells(row), flush=True)
 
 
+def _graph_cell(row: dict) -> str:
+    return "capture failed" if row["graph_step_ms"] is None else f"{row['graph_step_ms']:.2f}"
+
+
 def _decode_cells(d: dict) -> str:
     if "error" in d:
         return f"batch {d['batch']}: failed: {d['error']}"
@@ -514,14 +521,14 @@ def markdown(env, report: Report) -> str:
     lines += ["", "| check | result | measured | bound | detail |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {c['check']} | {c['result']} | {c['measured']} | {c['bound']} | {c['detail']} |"
               for c in report.checks]
-    lines += ["", "| W1 dtype | micro-batch x seq | step ms | tokens/s | TFLOP/s | MFU (same-shape GEMM) "
-                  "| MFU (card GEMM peak) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| W1 dtype | micro-batch x seq | step ms | step ms, CUDA graph | tokens/s | TFLOP/s "
+                  "| MFU (same-shape GEMM) | MFU (card GEMM peak) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for b in report.bench:
         if "error" in b:
             lines.append(f"| {b['dtype']} | {b.get('micro_batch', '')}x{b.get('seq_len', '')} | failed: {b['error']} "
-                         "| | | | |")
+                         "| | | | | |")
         else:
-            lines.append(f"| {b['dtype']} | {b['micro_batch']}x{b['seq_len']} | {b['step_ms']:.2f} | "
+            lines.append(f"| {b['dtype']} | {b['micro_batch']}x{b['seq_len']} | {b['step_ms']:.2f} | {_graph_cell(b)} | "
                          f"{b['tokens_per_s']:.0f} | {b['achieved_tflops']:.2f} | {100 * b['mfu_same_shape']:.1f}% "
                          f"of {b['same_shape_gemm_tflops']:.1f} | {100 * b['mfu_card']:.1f}% of "
                          f"{b['card_gemm_tflops']:.1f} |")

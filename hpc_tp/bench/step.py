@@ -42,7 +42,7 @@ from time import perf_counter
 
 import numpy
 
-from .. import backend
+from .. import backend, cuda_graph
 from ..backend import retain_freed_memory  # also what backend.use('cpu') applies for training
 from ..comm.mpi import MPICommunicator
 from ..models.config import ModelConfig
@@ -84,8 +84,10 @@ def build_blocks(cfg: ModelConfig, comm: MPICommunicator, dtype: str, seed: int 
 
 
 def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int, dtype: str = "float32",
-                   repeats: int = 5, warmup: int = 2, threads: int | None = None) -> dict:
-    """One record (the same on every rank) for the block stack of ``cfg`` split over ``comm``."""
+                   repeats: int = 5, warmup: int = 2, threads: int | None = None, graphs: bool = False) -> dict:
+    """One record (the same on every rank) for the block stack of ``cfg`` split over ``comm``; ``graphs``:
+    on a GPU at tp = 1, the first step is captured as a CUDA graph and every later one replays it
+    (``hpc_tp.cuda_graph``; the first step is then a warm-up one)."""
     retained = retain_freed_memory()
     model = build_blocks(cfg, comm, dtype)
     x = backend.xp.asarray(numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype))
@@ -93,16 +95,21 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     if cfg.sequence_parallel and comm.size > 1:
         x = scatter_sequence(x, comm)  # the blocks take and give this rank's sequence shard
     shape = (batch * seq, cfg.hidden, max(1, cfg.ffn_hidden // comm.size))
+
+    def one_step():  # its activations die with it: one step's alive at a time, as in training
+        out, ctxs = model.blocks_forward(x)
+        model.blocks_backward(out * scale, ctxs)
+
+    replayed = (cuda_graph.Replayed(one_step, "the benchmark step")
+                if graphs and backend.device == "cuda" and comm.size == 1 else None)
     steps, comms, peaks = [], [], []
     for i in range(warmup + repeats):
         comm.comm.Barrier()
         start, comm_start = perf_counter(), comm.seconds
-        out, ctxs = model.blocks_forward(x)
-        model.blocks_backward(out * scale, ctxs)
+        (one_step if replayed is None else replayed)()
         backend.synchronize()
         comm_s = comm.seconds - comm_start
         comm.comm.Barrier()
-        del out, ctxs  # before the next forward: one step's activations alive at a time, as in training
         if i >= warmup:
             steps.append(perf_counter() - start)
             comms.append(comm_s)
@@ -116,6 +123,7 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     return {"benchmark": "step", "tp": comm.size, "dtype": numpy.dtype(dtype).name, "threads_per_rank": threads,
             "gemm": blas.backend_for(dtype) if backend.device == "cpu" else backend.device,
             "malloc_retained": retained, "huge_pages_requested": backend.heap_huge_pages_requested(),
+            "cuda_graph": replayed is not None and not replayed.failed,
             "huge_page_bytes": [h for _, _, _, h in per_rank],
             "layers": cfg.n_layers, "hidden": cfg.hidden, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
             "ffn_hidden": cfg.ffn_hidden, "activation": cfg.activation, "causal": cfg.causal,
@@ -134,7 +142,7 @@ def format_record(r: dict) -> str:
         f"seq {r['seq_len']}, micro-batch {r['micro_batch']}, {r['dtype']}, tp={r['tp']}, "
         f"{r['threads_per_rank']} BLAS thread(s)/rank, GEMM: {r['gemm']}",
         f"  step      {r['step_s'] * 1e3:9.1f} ms  (median of {r['repeats']} after {r['warmup']} warm-up, slowest rank)"
-        f"  {r['tokens_per_s']:.0f} tokens/s",
+        f"  {r['tokens_per_s']:.0f} tokens/s" + ("  (each a CUDA graph replay)" if r.get("cuda_graph") else ""),
         f"  compute   {r['compute_s'] * 1e3:9.1f} ms   communication {r['comm_s'] * 1e3:.1f} ms",
         f"  FLOPs     {r['flops'] / 1e9:9.1f} G    achieved {r['achieved_flops'] / 1e9:.1f} GFLOP/s",
         f"  GEMM peak {r['gemm_peak_flops_per_rank'] / 1e9:9.1f} GFLOP/s per rank (median of {len(r['gemm_peak_samples'])} between the steps)  "

@@ -12,26 +12,16 @@ step's chosen ids back through one of two steppers; both give the same logits.
   token instead of hundreds. A W1 decode step on an H200 is bound by the host's Python launching
   them (NOTES.md, session 11), as vLLM found for its decode steps.
 
-A graph replays exactly what was captured, so the capture needs (1) no host work inside the step:
-no sync, no value read back, Python ints only where they stay the same for every step; (2) no
-collective the graph cannot hold: graphs are used at tp = 1 only (MPI runs on the host; NCCL could
-be captured but has not run on two cards here); (3) the same addresses for every temporary at every
-replay: the capture allocates from a memory pool of its own that nothing else uses while the graph
-lives (PyTorch's private graph pool). The first step runs eagerly on the capture stream from that
-pool, so the kernels are compiled, cuBLAS has its workspace and the pool holds the blocks the
-capture then reuses.
-
-``HPC_TP_CUDA_GRAPHS=0`` turns graphs off (an A/B, or a driver that refuses a capture).
+The capture's rules and its private memory pool are ``hpc_tp.cuda_graph``'s. Graphs are used at
+tp = 1 only: MPI runs on the host; NCCL collectives could be captured, but no NCCL group of two
+cards has run here. ``HPC_TP_CUDA_GRAPHS=0`` turns them off (an A/B, or a driver that refuses a
+capture).
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import warnings
-
 import numpy
 
-from .. import backend
+from .. import backend, cuda_graph
 from .kv_cache import KVCache, SlotCache
 
 
@@ -78,22 +68,15 @@ class FixedStep:
         self._slots = xp.arange(cache.max_len)
         self._last = model.cfg.max_seq_len - 1 if model.cfg.position == "learned" else None
         self._view = SlotCache(cache, self.slot)
-        self._capture = capture and xp is not numpy
-        self._graph = self._logits = self._pool = None
+        self._replay = cuda_graph.Replayed(self._run, "decoding") if capture and xp is not numpy else None
 
     @property
     def uses_graph(self) -> bool:
-        return self._capture
+        return self._replay is not None and not self._replay.failed
 
     def step(self, ids):
         self.ids[:, 0] = backend.xp.asarray(ids).reshape(-1)
-        if self._graph is not None:
-            self._graph.launch()
-            logits = self._logits
-        elif self._capture:
-            logits = self._first_step_captured()
-        else:
-            logits = self._run()
+        logits = self._run() if self._replay is None else self._replay()
         self.cache.length += 1  # the host's count; the device's is ``slot``
         return logits
 
@@ -109,39 +92,16 @@ class FixedStep:
             xp.minimum(self.positions, self._last, out=self.positions)
         return logits
 
-    def _first_step_captured(self):
-        import cupy
-
-        self._pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream()
-        with cupy.cuda.using_allocator(self._pool.malloc), stream:
-            logits = self._run()  # eager: warms kernels, cuBLAS and the pool on this stream
-            stream.begin_capture()
-            try:
-                self._logits = self._run()  # recorded, not run: the state stays at the next step
-                self._graph = stream.end_capture()
-            except Exception as error:  # nothing recorded ran: the later steps run eagerly instead
-                with contextlib.suppress(Exception):
-                    stream.end_capture()
-                self._capture, self._logits = False, None
-                warnings.warn(f"decoding without a CUDA graph: its capture failed ({type(error).__name__}: {error})")
-        return logits
-
     def close(self):
-        """Give the graph's memory back (its pool is this stepper's alone)."""
-        self._graph = self._logits = None
-        if self._pool is not None:
-            self._pool.free_all_blocks()
-
-
-def graphs_enabled() -> bool:
-    return os.environ.get("HPC_TP_CUDA_GRAPHS", "1") != "0"
+        if self._replay is not None:
+            self._replay.close()
 
 
 def decode_stepper(model, cache: KVCache, key_mask, lens, graphs: bool | None = None):
     """The stepper for this run: a captured ``FixedStep`` on a GPU at tp = 1 (``graphs`` None: unless
     ``HPC_TP_CUDA_GRAPHS=0``; False: never), else ``GrowingStep``."""
     if graphs is None:
-        graphs = graphs_enabled()
+        graphs = cuda_graph.enabled()
     if graphs and backend.device == "cuda" and model.comm.size == 1:
         return FixedStep(model, cache, key_mask, lens, capture=True)
     return GrowingStep(model, cache, key_mask, lens)
