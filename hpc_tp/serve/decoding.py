@@ -97,11 +97,18 @@ class FixedStep:
             self._replay.close()
 
 
+# The first step runs eagerly and is then traced a second time to be captured: a batch with fewer
+# decode steps left than this would pay for the capture and replay it once at most.
+GRAPH_MIN_STEPS = 3
+
+
 def decode_stepper(model, cache: KVCache, key_mask, lens, graphs: bool | None = None):
-    """The stepper for this run: a captured ``FixedStep`` on a GPU at tp = 1 (``graphs`` None: unless
+    """The stepper for the decode steps ``cache`` has slots left for: a captured ``FixedStep`` on a
+    GPU at tp = 1 when there are at least ``GRAPH_MIN_STEPS`` (``graphs`` None: unless
     ``HPC_TP_CUDA_GRAPHS=0``; False: never), else ``GrowingStep``."""
     if graphs is None:
         graphs = cuda_graph.enabled()
-    if graphs and backend.device == "cuda" and model.comm.size == 1:
+    if (graphs and backend.device == "cuda" and model.comm.size == 1
+            and cache.max_len - cache.length >= GRAPH_MIN_STEPS):
         return FixedStep(model, cache, key_mask, lens, capture=True)
     return GrowingStep(model, cache, key_mask, lens)
