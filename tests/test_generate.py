@@ -368,6 +368,7 @@ def test_decode_benchmark_splits_token_time():
     cfg = ModelConfig(**CONFIGS["llama-gqa"])
     r = benchmark_decode(tp, cfg, batch=2, prompt_len=5, new_tokens=3, dtype="float64", warmup=1)
     assert r["tp"] == tp.size and abs(r["compute_s"] + r["comm_s"] - r["token_s"]) <= 1e-12
-    assert (r["comm_s"] > 0) == (tp.size > 1) and r["tokens_per_s"] == 2 / r["token_s"]
+    assert (r["comm_s"] > 0) == (tp.size > 1) and r["tokens_per_s"] == 2 / r["token_s"] and r["first_step_s"] > 0
+    assert not r["cuda_graph"]  # graphs are for a GPU
     kv_local = max(cfg.n_kv_heads // tp.size, 1)
     assert r["kv_cache_bytes_per_rank"] == [2 * cfg.n_layers * 2 * kv_local * 9 * cfg.head_dim * 8] * tp.size

@@ -164,7 +164,10 @@ def _library():
 
     cupy.cuda.device.get_cublas_handle()  # cupy loads its cuBLAS with the first handle
     with open("/proc/self/maps") as maps:
-        path = next(line.split()[-1] for line in maps if line.split()[-1].rpartition("/")[2].startswith("libcublas.so"))
+        path = next((line.split()[-1] for line in maps
+                     if line.split()[-1].rpartition("/")[2].startswith("libcublas.so")), None)
+    if path is None:
+        raise RuntimeError("cupy created a cuBLAS handle, yet no libcublas.so is mapped in this process")
     library = ctypes.CDLL(path)
     gemm = library.cublasGemmStridedBatchedEx
     i, p, n = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
