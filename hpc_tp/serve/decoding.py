@@ -97,9 +97,10 @@ class FixedStep:
             self._replay.close()
 
 
-# The first step runs eagerly and is then traced a second time to be captured: a batch with fewer
-# decode steps left than this would pay for the capture and replay it once at most.
-GRAPH_MIN_STEPS = 3
+# The first step runs eagerly and is then traced again to be captured: on an H200 (W1, NOTES.md item
+# 66) that first step took 18-20 ms against 8-11 ms eager, while each replay saved 3-7 ms, so a batch
+# needs about three replays after it for the capture to pay.
+GRAPH_MIN_STEPS = 4
 
 
 def decode_stepper(model, cache: KVCache, key_mask, lens, graphs: bool | None = None):
