@@ -16,6 +16,7 @@ import pytest
 
 from hpc_tp.checkpoint import (CheckpointError, StreamedTensor, describe_checkpoint, latest_checkpoint,
                                load_checkpoint, save_checkpoint, verify_checkpoint)
+from hpc_tp.checkpoint import read as checkpoint_read
 from hpc_tp.checkpoint import write as checkpoint_write
 from hpc_tp.cli import main
 from hpc_tp.comm.mpi import self_comm
@@ -275,6 +276,90 @@ def test_load_errors_name_the_tensor_and_shapes(comm_world, root, alone, everywh
         tensors["lm_head.weight"] = Parameter(np.zeros((2, 2)), replicated((2, 2), 1))
     with pytest.raises(ConfigError, match=r"'lm_head.weight' \(shape \(2, 2\)\) is not in the checkpoint"):
         load_checkpoint(path, tensors, everywhere)
+
+
+def note_reads(monkeypatch, call=0, error=None) -> list:
+    """A list of the tensors this rank reads from now on (``read_verified``, in order); its
+    ``call``-th read raises ``error`` instead, where one is given."""
+    real, reads = checkpoint_read.read_verified, []
+
+    def noted(f, name, start, stop):
+        reads.append(name)
+        if error is not None and len(reads) == call:
+            raise error
+        return real(f, name, start, stop)
+
+    monkeypatch.setattr(checkpoint_read, "read_verified", noted)
+    return reads
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_corrupt_slice_one_rank_reads_stops_every_rank_at_that_tensor(comm_world, root, everywhere, monkeypatch):
+    """At tp = world each rank reads only its own columns of col.weight, the first tensor; the last
+    rank's are corrupted. Every rank raises that rank's error, in one line, and no rank reads a
+    tensor after it (the ranks agree after each tensor), where the others used to read all six."""
+    path = save_checkpoint(root, 1, make_tensors(everywhere), {}, everywhere)
+    last = comm_world.size - 1
+    comm_world.barrier()
+    if comm_world.rank == 0:
+        flip_bytes(path / "shards" / f"rank-{last:05d}.h5", "tensors/col.weight")
+    comm_world.barrier()
+    tensors = make_tensors(everywhere, fill=False)
+    assert list(tensors)[0] == "col.weight" and len(tensors) == 6
+    reads = note_reads(monkeypatch)
+    with pytest.raises(ConfigError) as raised:
+        load_checkpoint(path, tensors, everywhere)
+    assert re.fullmatch(rf"rank {last}: checkpoint \S+: tensor 'col.weight': checksum mismatch at 1 of \d+ indices "
+                        rf"along axis 1 \(first: \d+, stored in \S*rank-{last:05d}.h5\); the file is corrupted",
+                        str(raised.value)), str(raised.value)
+    assert reads == ["col.weight"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_store_failing_on_one_rank_stops_every_rank_at_that_tensor(comm_world, root, everywhere):
+    """The last rank's second StreamedTensor.store raises: every rank raises that error, having
+    read and stored nothing after the second tensor."""
+    path = save_checkpoint(root, 1, make_tensors(everywhere), {}, everywhere)
+    streamed, stored = as_streamed(make_tensors(everywhere, fill=False), []), []
+    second, last = list(streamed)[1], comm_world.size - 1
+
+    def store(name, real, local):
+        if name == second and comm_world.rank == last:
+            raise RuntimeError("no room to store (injected)")
+        stored.append(name)
+        real(local)
+
+    noted = {name: dataclasses.replace(t, store=partial(store, name, t.store)) for name, t in streamed.items()}
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(path, noted, everywhere)
+    assert str(raised.value) == f"rank {last}: RuntimeError: no room to store (injected)"
+    assert stored == list(streamed)[:1 if comm_world.rank == last else 2]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("failing", [None, "fewest", "most"])
+def test_ranks_loading_different_tensors_agree_position_by_position(comm_world, root, monkeypatch, failing):
+    """Pipeline stages load different tensors, in numbers of their own: here rank r loads the first
+    1 + 5 r / (world - 1) of the six (rank 0 one, the last all). The load fills each rank's own;
+    a read failing at rank 0's only tensor stops every rank after its first, and one failing at the
+    last rank's sixth reaches rank 0 five tensors past its own (it kept agreeing, reading nothing)."""
+    grid = ProcessGrid(tp=1, dp=comm_world.size, world=comm_world)
+    path = save_checkpoint(root, 1, make_tensors(grid), {"v": 1}, grid)
+    last = comm_world.size - 1
+    everything = make_tensors(grid, fill=False)
+    mine = dict(list(everything.items())[:1 + 5 * comm_world.rank // last])
+    failing_rank, call = {None: (None, 0), "fewest": (0, 1), "most": (last, 6)}[failing]
+    injected = ConfigError("injected read failure") if comm_world.rank == failing_rank else None
+    reads = note_reads(monkeypatch, call, injected)
+    if failing is None:
+        assert load_checkpoint(path, mine, grid) == {"v": 1}
+        assert_hold_full_tensors(mine)
+        assert reads == list(mine)
+        return
+    with pytest.raises(ConfigError) as raised:
+        load_checkpoint(path, mine, grid)
+    assert re.fullmatch(rf"rank {failing_rank}: checkpoint \S+: injected read failure", str(raised.value))
+    assert reads == list(mine)[:call]
 
 
 @mpi

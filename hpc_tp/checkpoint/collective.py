@@ -21,6 +21,27 @@ def first_failed(comm, failed: bool) -> int | None:
     return lowest if lowest < comm.size else None
 
 
+def agreed(comm, work, failed: bool = False, stopped: str = "this rank stopped there"):
+    """``work()``'s result, once every rank of ``comm`` has run its own and agreed that none failed
+    (``first_failed``). Where one did, every rank raises there: a rank whose ``work`` raised, its
+    own error; the others ``PeerFailure`` (``stopped``: what this rank gives up). ``failed``: this
+    rank failed before and does not run ``work``, only agrees. Every rank makes the one all-reduce
+    whatever its ``work`` did, and all get the same answer: all go on, or all raise."""
+    result, error = None, None
+    if not failed:
+        try:
+            result = work()
+        except Exception as e:  # told to the others first: they are about to wait in the all-reduce
+            error = e
+    lowest = first_failed(comm, failed or error is not None)
+    if error is not None:
+        raise error
+    if lowest is not None:
+        group = getattr(comm, "group", f"its group of {comm.size}")
+        raise PeerFailure(f"rank {lowest} of {group} failed: {stopped}")
+    return result
+
+
 def run_everywhere(comm, work):
     """Run ``work()`` on this rank; if it raised on any rank, raise on every rank.
 

@@ -3,12 +3,15 @@
 Loading has one code path for every layout: each rank reads the hyperslab of the logical tensor
 its partition names, checks the crc32 of every index it read, and copies it into its local
 data (padding past the logical end left zero), or, for a ``StreamedTensor``, hands it over as a
-local array of its own: one tensor at a time, whatever holds it after.
+local array of its own: one tensor at a time, whatever holds it after. After each tensor the
+ranks agree whether any failed (one scalar all-reduce), so a failure on one rank ends the load on
+every rank within a tensor, not after the others have read the rest of the checkpoint.
 """
 from __future__ import annotations
 
 import json
 import zlib
+from contextlib import closing
 from pathlib import Path
 
 import h5py
@@ -16,7 +19,7 @@ import numpy
 
 from .. import backend
 from ..errors import ConfigError
-from .collective import run_everywhere
+from .collective import agreed, run_everywhere
 from .format import FORMAT, FORMAT_VERSION, MASTER, SourceCheck, region, resolve_checkpoint, unit_checksums
 from .streamed import StreamedTensor
 
@@ -26,24 +29,51 @@ _VERIFY_BLOCK_BYTES = 64 << 20  # verify reads a tensor in blocks of about this 
 def load_checkpoint(path_or_root, tensors: dict, grid) -> dict:
     """Fill each tensor's local data in place from a checkpoint saved at any layout; returns meta.
 
-    Collective over the grid: a missing tensor, a shape mismatch, a missing shard file or a
-    checksum mismatch on any rank raises ConfigError on every rank.
+    Collective over the grid: a missing tensor, a shape mismatch, a missing shard file, a checksum
+    mismatch or a failed ``StreamedTensor.store`` on any rank raises on every rank (ConfigError for
+    a bad file or tensor set, else CheckpointError), and no rank reads past the tensor where the
+    first failure happened.
     """
-    meta = run_everywhere(grid.world, lambda: _load(path_or_root, tensors))
+    comm = grid.world
+    meta = run_everywhere(comm, lambda: _load(path_or_root, tensors, comm))
     if tensors:
         backend.release_free_memory()  # the whole tensors read (and a new model's first draws) are no longer needed
     return meta
 
 
-def _load(path_or_root, tensors: dict) -> dict:
+def _load(path_or_root, tensors: dict, comm) -> dict:
+    """Open the checkpoint, then fill the tensors one by one, agreeing with every rank after each
+    step (``agreed``): a failure anywhere stops every rank there, not at the end of its own reads.
+    After each step, not before the next: opening the file is one too (a rank that cannot open it
+    stops the others before their first tensor), and a failure in the last tensor ends the walk
+    the same way as any other.
+
+    The ranks' dicts differ (each pipeline stage holds its own layers, an expert group its own
+    experts, in numbers of their own), so the agreements go by position, not by name: the ranks
+    first agree on the longest dict's length, then every rank agrees once per position up to it
+    (a rank past its own tensors only agrees). So every rank makes the same all-reduces in the
+    same order whatever it holds, and each hands every rank the same answer: all stop at the same
+    position, and none is left waiting in an agreement the others skipped.
+    """
+    positions = int(comm.all_reduce_scalar(len(tensors), "max"))
+    stopped = "this rank's load stopped before its next tensor"
+    with closing(_reads(path_or_root, tensors)) as reads:
+        meta = agreed(comm, lambda: next(reads), stopped=stopped)
+        for _ in range(positions):
+            agreed(comm, lambda: next(reads, None), stopped=stopped)
+    return meta
+
+
+def _reads(path_or_root, tensors: dict):
+    """Opens the checkpoint and yields its meta; then fills one tensor of ``tensors`` per step."""
     folder = resolve_checkpoint(path_or_root)
     try:
         with h5py.File(folder / MASTER, "r") as f:
-            meta = _header(f)
+            yield _header(f)
             sources = SourceCheck(folder)
             for name, tensor in tensors.items():
                 _fill(f, name, tensor, sources)
-            return meta
+                yield
     except (ConfigError, OSError) as e:
         raise ConfigError(f"checkpoint {folder}: {e}") from e
 

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy
 
 from .. import backend
-from ..checkpoint.collective import PeerFailure, first_failed
+from ..checkpoint.collective import agreed
 from ..checkpoint.streamed import StreamedTensor
 from ..module import Parameter, address, same_view, strided_like
 from .optim import (AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares, weighted_sum_of_squares,
@@ -128,22 +128,12 @@ class _Piece:
         on the group's first rank (the one a checkpoint writes from), None elsewhere: the other
         ranks send their piece and hold nothing bucket-sized. The inverse of ``take``.
 
-        First the group agrees that every rank is ready (``first_failed``): where one ``failed``
+        First the group agrees that every rank is ready (``collective.agreed``): where one ``failed``
         before (its checkpoint's write) or fails making its part (the writer's bucket, out of
         memory), nothing moves and every rank raises, the failing one its own error, the others
         ``PeerFailure``, rather than wait in a gather a rank never joins."""
-        error, outgoing = None, None
-        if not failed:
-            try:
-                outgoing = self._outgoing(piece)
-            except Exception as e:
-                error = e
-        lowest = first_failed(self.comm, failed or error is not None)
-        if error is not None:
-            raise error
-        if lowest is not None:
-            group = getattr(self.comm, "group", f"its group of {self.comm.size}")
-            raise PeerFailure(f"rank {lowest} of {group} failed: this rank's checkpoint gathers were called off")
+        outgoing = agreed(self.comm, lambda: self._outgoing(piece), failed,
+                          "this rank's checkpoint gathers were called off")
         gathered = self.comm.igather_flat(outgoing, self.bucket.counts).wait()
         return gathered if self.comm.rank == 0 else None
 
