@@ -41,26 +41,33 @@ def load_checkpoint(path_or_root, tensors: dict, grid) -> dict:
     return meta
 
 
+# Agreements a load makes at most, after opening the file: with more tensors than this the ranks
+# agree after every few (``_load``). Each one holds the ranks in step, and on a loaded machine a rank
+# then waits for a descheduled peer at every one (NOTES.md item 68: +17-83% for 100 tensors agreed
+# one by one under load); 64 keep a failure's reach within 1/64 of the load.
+MAX_AGREEMENTS = 64
+
+
 def _load(path_or_root, tensors: dict, comm) -> dict:
-    """Open the checkpoint, then fill the tensors one by one, agreeing with every rank after each
-    step (``agreed``): a failure anywhere stops every rank there, not at the end of its own reads.
-    After each step, not before the next: opening the file is one too (a rank that cannot open it
-    stops the others before their first tensor), and a failure in the last tensor ends the walk
-    the same way as any other.
+    """Open the checkpoint, then fill the tensors in turn, agreeing with every rank after each step
+    (``agreed``): a failure anywhere stops every rank there, not at the end of its own reads. A step
+    is the opening (a rank that cannot open the file stops the others before their first tensor),
+    then ``every`` tensors: one while the dicts are at most ``MAX_AGREEMENTS`` long.
 
     The ranks' dicts differ (each pipeline stage holds its own layers, an expert group its own
     experts, in numbers of their own), so the agreements go by position, not by name: the ranks
-    first agree on the longest dict's length, then every rank agrees once per position up to it
-    (a rank past its own tensors only agrees). So every rank makes the same all-reduces in the
-    same order whatever it holds, and each hands every rank the same answer: all stop at the same
-    position, and none is left waiting in an agreement the others skipped.
+    first agree on the longest dict's length, which fixes the steps, then every rank agrees once
+    per step (a rank past its own tensors only agrees). So every rank makes the same all-reduces in
+    the same order whatever it holds, and each hands every rank the same answer: all stop at the
+    same step, and none is left waiting in an agreement the others skipped.
     """
     positions = int(comm.all_reduce_scalar(len(tensors), "max"))
+    every = max(1, -(-positions // MAX_AGREEMENTS))
     stopped = "this rank's load stopped before its next tensor"
     with closing(_reads(path_or_root, tensors)) as reads:
         meta = agreed(comm, lambda: next(reads), stopped=stopped)
-        for _ in range(positions):
-            agreed(comm, lambda: next(reads, None), stopped=stopped)
+        for _ in range(0, positions, every):
+            agreed(comm, lambda: [next(reads, None) for _ in range(every)], stopped=stopped)
     return meta
 
 
