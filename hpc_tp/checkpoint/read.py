@@ -3,9 +3,10 @@
 Loading has one code path for every layout: each rank reads the hyperslab of the logical tensor
 its partition names, checks the crc32 of every index it read, and copies it into its local
 data (padding past the logical end left zero), or, for a ``StreamedTensor``, hands it over as a
-local array of its own: one tensor at a time, whatever holds it after. After each tensor the
-ranks agree whether any failed (one scalar all-reduce), so a failure on one rank ends the load on
-every rank within a tensor, not after the others have read the rest of the checkpoint.
+local array of its own: one tensor at a time, whatever holds it after. After each tensor (each few
+beyond ``MAX_AGREEMENTS`` tensors) the ranks agree whether any failed (one scalar all-reduce), so a
+failure on one rank ends the load on every rank soon after, not after the others have read the rest
+of the checkpoint.
 """
 from __future__ import annotations
 

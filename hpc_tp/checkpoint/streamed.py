@@ -20,7 +20,7 @@ room the sharding saved; a streamed tensor makes its data on demand instead, one
   matched: an agreement, no data), then the save fails on every rank.
 - ``load_checkpoint`` calls ``store(local)`` once per load, with this rank's local array (a host
   array of ``partition.local_shape`` and ``dtype``, padding zero), where an ordinary tensor is
-  written in place. No collective in it: every rank reads the file itself. After each tensor the
+  written in place. No collective in it: every rank reads the file itself. After each tensor (or each few) the
   ranks agree whether any failed (a read, a store), and if one did no rank reads another.
 
 Without MPI or h5py, so that the optimizer can make them without importing the writer.
