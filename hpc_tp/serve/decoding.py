@@ -98,7 +98,7 @@ class FixedStep:
 
 
 # The first step runs eagerly and is then traced again to be captured: on an H200 (W1, NOTES.md item
-# 66) that first step took 18-20 ms against 8-11 ms eager, while each replay saved 3-7 ms, so a batch
+# 66) that first step took 18-21 ms against 8-11 ms eager, while each replay saved 3-7 ms, so a batch
 # needs about three replays after it for the capture to pay.
 GRAPH_MIN_STEPS = 4
 
