@@ -93,6 +93,27 @@ def test_fixed_shape_decode_steps_equal_growing_ones(name):
     assert decode_stepper(model, cache, None, lens).__class__ is GrowingStep  # graphs are for a GPU
 
 
+def test_decoding_captures_a_graph_only_on_a_gpu_at_tp_1_with_steps_to_replay(monkeypatch):
+    from hpc_tp import backend
+
+    tp, one = tp_and_reference()
+    monkeypatch.setattr(backend, "device", "cuda")  # only the choice is made here; nothing runs on it
+    lens = np.array([len(p) for p in PROMPTS])
+
+    def chosen(comm, slots_left, graphs=None):
+        model = _model("gpt2", comm)
+        cache = KVCache.for_model(model, len(PROMPTS), 7 + slots_left)
+        cache.advance(7)
+        return type(decode_stepper(model, cache, np.zeros((len(PROMPTS), 7 + slots_left), bool), lens, graphs))
+
+    assert chosen(one, 4) is FixedStep and chosen(one, 3) is GrowingStep  # GRAPH_MIN_STEPS
+    assert chosen(one, 4, graphs=False) is GrowingStep
+    monkeypatch.setenv("HPC_TP_CUDA_GRAPHS", "0")
+    assert chosen(one, 4) is GrowingStep
+    monkeypatch.delenv("HPC_TP_CUDA_GRAPHS")
+    assert chosen(tp, 4) is (FixedStep if tp.size == 1 else GrowingStep)  # MPI collectives are not captured
+
+
 def test_kv_cache_holds_only_this_ranks_heads():
     tp, _ = tp_and_reference()
     cfg = ModelConfig(**CONFIGS["llama-gqa"])
