@@ -26,9 +26,18 @@ import contextlib
 import os
 import warnings
 
+from . import backend
+
 
 def enabled() -> bool:
     return os.environ.get("HPC_TP_CUDA_GRAPHS", "1") != "0"
+
+
+def capturable(comm) -> bool:
+    """Whether work whose collectives go over ``comm`` can be captured here: on a GPU, in a group of
+    one (MPI collectives run on the host; NCCL ones could be captured, but no NCCL group of two
+    cards has run here)."""
+    return backend.device == "cuda" and comm.size == 1
 
 
 class Replayed:

@@ -100,8 +100,7 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
         out, ctxs = model.blocks_forward(x)
         model.blocks_backward(out * scale, ctxs)
 
-    replayed = (cuda_graph.Replayed(one_step, "the benchmark step")
-                if graphs and backend.device == "cuda" and comm.size == 1 else None)
+    replayed = cuda_graph.Replayed(one_step, "the benchmark step") if graphs and cuda_graph.capturable(comm) else None
     steps, comms, peaks = [], [], []
     for i in range(warmup + repeats):
         comm.comm.Barrier()

@@ -12,10 +12,9 @@ step's chosen ids back through one of two steppers; both give the same logits.
   token instead of hundreds. A W1 decode step on an H200 is bound by the host's Python launching
   them (NOTES.md, session 11), as vLLM found for its decode steps.
 
-The capture's rules and its private memory pool are ``hpc_tp.cuda_graph``'s. Graphs are used at
-tp = 1 only: MPI runs on the host; NCCL collectives could be captured, but no NCCL group of two
-cards has run here. ``HPC_TP_CUDA_GRAPHS=0`` turns them off (an A/B, or a driver that refuses a
-capture).
+The capture's rules, its private memory pool and where it can run (``capturable``: tp = 1 on a
+GPU) are ``hpc_tp.cuda_graph``'s. ``HPC_TP_CUDA_GRAPHS=0`` turns graphs off (an A/B, or a driver
+that refuses a capture).
 """
 from __future__ import annotations
 
@@ -64,8 +63,8 @@ class FixedStep:
         self.positions = xp.asarray(positions_after(lens, 0, model)[:, None].astype(numpy.int64))
         self.slot = xp.full((1,), cache.length, dtype=numpy.int64)
         self._prompt = xp.asarray(key_mask)  # only the prompt's slots: decoded slots come from ``slot``
-        self._decoded = xp.arange(cache.max_len) >= cache.length
         self._slots = xp.arange(cache.max_len)
+        self._decoded = self._slots >= cache.length
         self._last = model.cfg.max_seq_len - 1 if model.cfg.position == "learned" else None
         self._view = SlotCache(cache, self.slot)
         self._replay = cuda_graph.Replayed(self._run, "decoding") if capture and xp is not numpy else None
@@ -109,7 +108,6 @@ def decode_stepper(model, cache: KVCache, key_mask, lens, graphs: bool | None = 
     ``HPC_TP_CUDA_GRAPHS=0``; False: never), else ``GrowingStep``."""
     if graphs is None:
         graphs = cuda_graph.enabled()
-    if (graphs and backend.device == "cuda" and model.comm.size == 1
-            and cache.max_len - cache.length >= GRAPH_MIN_STEPS):
+    if graphs and cuda_graph.capturable(model.comm) and cache.max_len - cache.length >= GRAPH_MIN_STEPS:
         return FixedStep(model, cache, key_mask, lens, capture=True)
     return GrowingStep(model, cache, key_mask, lens)
