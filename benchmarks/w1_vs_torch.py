@@ -6,7 +6,10 @@ W1 is 4 GPT blocks of hidden 768, 12 heads, FFN 3072, sequence 256, micro-batch 
 causal: the `w1` preset here, the peer's defaults there. Both run one BLAS/intra-op thread per
 rank, on the same rank counts, and their rounds alternate (engine, peer, peer, engine, ...) so the
 load of a shared machine falls on both alike. Each round reports its median step; the summary is
-the median over rounds, and the ratio peer/engine is > 1 when this engine is faster.
+the median over rounds, and the ratio peer/engine is > 1 when this engine is faster. Each round
+also sets the peer against the engine's floor (`bench step`'s `floor_s`: the step's needed matrix
+products at the highest GEMM peak sample of that round, nothing else): peer/floor is the most any
+engine could be faster than the peer on this machine at that moment, the ceiling for peer/engine.
 
 The peer (a PyTorch script kept outside this project) is found by --peer, else the environment
 variable HPC_TP_TORCH_PEER, else ../shared/peers/torch_tp_step.py next to the repository. It needs
@@ -127,26 +130,30 @@ def main(argv=None) -> int:
                 if who == "engine":
                     record = run_engine(mpiexec, ranks, args)
                     row.update(engine_step_s=record["step_s"], engine_mfu=record["mfu"],
-                               engine_comm_s=record["comm_s"], gemm_peak_per_rank=record["gemm_peak_flops_per_rank"])
+                               engine_comm_s=record["comm_s"], gemm_peak_per_rank=record["gemm_peak_flops_per_rank"],
+                               floor_s=record["floor_s"])
                 elif not missing:
                     row["peer_step_s"] = run_peer(ranks, args)
             if "peer_step_s" in row:
                 row["peer_over_engine"] = row["peer_step_s"] / row["engine_step_s"]
+                row["peer_over_floor"] = row["peer_step_s"] / row["floor_s"]
             rounds.append(row)
-            print(f"tp={ranks} round {i}: engine {row['engine_step_s'] * 1e3:.1f} ms (MFU {row['engine_mfu'] * 100:.1f}%)"
-                  + (f", peer {row['peer_step_s'] * 1e3:.1f} ms, peer/engine {row['peer_over_engine']:.2f}x"
-                     if "peer_step_s" in row else ""), flush=True)
+            print(f"tp={ranks} round {i}: engine {row['engine_step_s'] * 1e3:.1f} ms (MFU {row['engine_mfu'] * 100:.1f}%, "
+                  f"floor {row['floor_s'] * 1e3:.1f} ms)"
+                  + (f", peer {row['peer_step_s'] * 1e3:.1f} ms, peer/engine {row['peer_over_engine']:.2f}x "
+                     f"(ceiling {row['peer_over_floor']:.2f}x)" if "peer_step_s" in row else ""), flush=True)
         mine = [r for r in rounds if r["ranks"] == ranks]
         summary[ranks] = {key: statistics.median(r[key] for r in mine)
-                          for key in ("engine_step_s", "engine_mfu", "engine_comm_s", "gemm_peak_per_rank",
-                                      "peer_step_s", "peer_over_engine") if key in mine[0]}
+                          for key in ("engine_step_s", "engine_mfu", "engine_comm_s", "gemm_peak_per_rank", "floor_s",
+                                      "peer_step_s", "peer_over_engine", "peer_over_floor") if key in mine[0]}
     print(f"\nW1 summary (median of {args.rounds} rounds, {args.threads} thread(s) per rank, "
           f"{'without' if args.no_huge_pages else 'with'} huge pages for both; machine may be shared):")
     for ranks, s in summary.items():
         line = (f"  tp={ranks}: engine {s['engine_step_s'] * 1e3:.1f} ms, MFU {s['engine_mfu'] * 100:.1f}% "
                 f"(GEMM peak {s['gemm_peak_per_rank'] / 1e9:.1f} GFLOP/s per rank)")
         if "peer_step_s" in s:
-            line += f"; PyTorch peer {s['peer_step_s'] * 1e3:.1f} ms; peer/engine {s['peer_over_engine']:.2f}x"
+            line += (f"; PyTorch peer {s['peer_step_s'] * 1e3:.1f} ms; peer/engine {s['peer_over_engine']:.2f}x "
+                     f"(ceiling peer/floor {s['peer_over_floor']:.2f}x, floor {s['floor_s'] * 1e3:.1f} ms)")
         print(line)
     base = min(summary)
     for ranks in sorted(summary):

@@ -26,6 +26,14 @@ def test_flops_follow_gqa_and_swiglu():
     assert step_flops(cfg, batch=2, seq=10) == 3 * forward
 
 
+def test_needed_flops_count_only_the_pairs_a_causal_query_sees():
+    w1 = load_config("w1", n_layers=4)
+    skipped = 2 * 3 * 4 * 2 * 4 * 12 * (256 * 256 - 256 * 257 // 2) * 64  # upper-triangle pairs of both products
+    assert step_flops(w1, batch=4, seq=256) - step_flops(w1, batch=4, seq=256, needed_only=True) == skipped
+    bidirectional = ModelConfig(hidden=64, n_heads=4, ffn_hidden=96, n_layers=1, causal=False)
+    assert step_flops(bidirectional, 2, 10, needed_only=True) == step_flops(bidirectional, 2, 10)
+
+
 def test_huge_page_request_is_read_from_the_glibc_tunables():
     assert heap_huge_pages_requested({"GLIBC_TUNABLES": f"glibc.malloc.trim_threshold=1:{HUGE_PAGE_TUNABLE}"})
     assert not heap_huge_pages_requested({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
@@ -59,6 +67,9 @@ def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
         assert r["achieved_flops"] == pytest.approx(r["flops"] / r["step_s"])
         assert r["mfu"] == pytest.approx(r["achieved_flops"] / (r["gemm_peak_flops_per_rank"] * r["tp"]))
         assert len(r["gemm_peak_samples"]) == 3 and r["gemm_peak_flops_per_rank"] == sorted(r["gemm_peak_samples"])[1]
+        needed = step_flops(load_config("tiny", n_layers=1), 2, 8, needed_only=True)
+        assert r["floor_s"] == pytest.approx(needed / (max(r["gemm_peak_samples"]) * r["tp"]))
+        assert "floor" in printed
         assert len(r["peak_mem_bytes"]) == comm_world.size and min(r["peak_mem_bytes"]) > 0
         assert "MFU" in printed and "GEMM peak" in printed
     else:

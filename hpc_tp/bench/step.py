@@ -16,6 +16,13 @@ The 4 N T Q term is Q K^T and P V over the full T x T square. Causal attention s
 above the diagonal (``nn/attention.query_blocks``); they are still counted, as the PyTorch peer
 computes them, so the FLOPs and MFU of both compare.
 
+The record's ``floor_s`` is the other way round: the fewest FLOPs a step needs (causal attention
+over the T (T + 1) / 2 pairs a query may see) at the highest GEMM peak sample, with nothing else:
+the time no engine doing this step's products with this GEMM on this machine can beat. A peer's
+step over it is the most any engine could be faster than that peer here (``benchmarks/w1_vs_torch.py``
+prints it). The highest sample rather than the median, because on a host whose speed moves from
+second to second the median can fall below what the step itself sustained (MFU over 100%).
+
 The peak is measured in the same run, with the same GEMM the linear layers use (``nn.blas``: MKL
 where installed, else numpy's OpenBLAS; the record's ``gemm``), dtype and threads per rank: every rank
 multiplies a [N, H] by [H, F/tp] matrix (the MLP's first GEMM) at the same time as the others,
@@ -52,12 +59,14 @@ from ..tensor_parallel.sequence_parallel import scatter_sequence
 from ..train.metrics import peak_memory_bytes
 
 
-def step_flops(cfg: ModelConfig, batch: int, seq: int) -> int:
-    """Matrix-product FLOPs of one forward+backward of the block stack (module docstring)."""
+def step_flops(cfg: ModelConfig, batch: int, seq: int, needed_only: bool = False) -> int:
+    """Matrix-product FLOPs of one forward+backward of the block stack (module docstring); with
+    ``needed_only`` causal attention counts only the query-key pairs a query may see."""
     n, h, f = batch * seq, cfg.hidden, cfg.ffn_hidden
     q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     mlp_mats = 3 if cfg.activation == "swiglu" else 2
-    forward = 2 * n * (h * (q + 2 * k) + q * h + mlp_mats * h * f) + 4 * n * seq * q
+    pairs = seq * (seq + 1) // 2 if needed_only and cfg.causal else seq * seq
+    forward = 2 * n * (h * (q + 2 * k) + q * h + mlp_mats * h * f) + 4 * batch * pairs * q
     return 3 * forward * cfg.n_layers
 
 
@@ -131,6 +140,7 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
             "comm_s": comm_s, "compute_s": step_s - comm_s,
             "flops": flops, "achieved_flops": achieved, "gemm_peak_flops_per_rank": peak_flops,
             "gemm_peak_samples": [float(p) for p in peaks], "mfu": achieved / (peak_flops * comm.size),
+            "floor_s": step_flops(cfg, batch, seq, needed_only=True) / (max(peaks) * comm.size),
             "peak_mem_bytes": [m for _, _, m, _ in per_rank]}
 
 
@@ -146,6 +156,8 @@ def format_record(r: dict) -> str:
         f"  FLOPs     {r['flops'] / 1e9:9.1f} G    achieved {r['achieved_flops'] / 1e9:.1f} GFLOP/s",
         f"  GEMM peak {r['gemm_peak_flops_per_rank'] / 1e9:9.1f} GFLOP/s per rank (median of {len(r['gemm_peak_samples'])} between the steps)  "
         f"MFU {r['mfu'] * 100:.1f}%",
+        f"  floor     {r['floor_s'] * 1e3:9.1f} ms  (the needed products at the highest peak sample, nothing else; step / floor "
+        f"{r['step_s'] / r['floor_s']:.2f})",
         f"  peak memory per rank: {mib} MiB", _huge_pages_line(r)])
 
 
