@@ -21,9 +21,10 @@ pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.filterwarnings("error")]
 class Request:
     made = itertools.count()
 
-    def __init__(self, ids, max_new_tokens, cancel_after=None):
+    def __init__(self, ids, max_new_tokens, cancel_after=None, stop=()):
         # greedy, so the seed only names the request: it outlives the pickling of a broadcast
-        self.ids, self.params = ids, SamplingParams(max_new_tokens=max_new_tokens, seed=next(Request.made))
+        self.ids = ids
+        self.params = SamplingParams(max_new_tokens=max_new_tokens, seed=next(Request.made), stop=list(stop))
         self.arrived, self.cancel_after = time.perf_counter(), cancel_after
         self.sampled, self.pieces, self.done = [], [], None  # sampled: the logits of each token chosen
 
@@ -91,7 +92,7 @@ def _serve(comm, name, rows, due, events):
 
 def _alone(engine, request, events):
     """The request by itself through ``Engine.generate`` (collective): completion and logits."""
-    probe = events.watch(Request(request.ids, request.params.max_new_tokens))
+    probe = events.watch(Request(request.ids, request.params.max_new_tokens, stop=request.params.stop))
     out = engine.generate([probe.ids] if engine.comm.rank == 0 else None,
                           [probe.params] if engine.comm.rank == 0 else None)
     return out, probe
@@ -161,3 +162,18 @@ def test_a_cancelled_request_frees_its_row(events):
         assert completion.finish_reason == "cancelled" and len(completion.ids) == 3 == len(cancelled.sampled)
         assert waiting.done[0].ids == out[0][0].ids and waiting.done[0].finish_reason == "length"
         assert [r is waiting for r in order] == [False] * 3 + [True] * 4  # it took the row at once
+
+
+def test_a_stop_string_ends_a_row_its_streamed_text_held_back_and_frees_it(events):
+    tp, _ = tp_and_reference()
+    engine = Engine(_model("gpt2", tp), ByteTokenizer())
+    out, _ = _alone(engine, Request(PROMPTS[0], 12), events)
+    stop = tp.bcast_object(out[0][0].text[3:5] if tp.rank == 0 else None)  # as test_generate's stop test
+    stopped, waiting = Request(PROMPTS[0], 12, stop=[stop]), Request(PROMPTS[1], 4)
+    _serve(tp, "gpt2", 1, [(1, stopped), (1, waiting)], events)
+    if tp.rank == 0:
+        completion = stopped.done[0]
+        text = out[0][0].text
+        assert completion.finish_reason == "stop" and completion.text == text[:text.find(stop)]
+        assert "".join(stopped.pieces) == completion.text and len(completion.ids) < 12
+        assert waiting.done[0].finish_reason == "length" and len(waiting.done[0].ids) == 4
