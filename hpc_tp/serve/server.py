@@ -77,14 +77,15 @@ def run(args) -> int:
         batcher.run()
         return 0
     print(f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
-          f"rank pids {' '.join(map(str, pids))})", flush=True)
-    batcher.run(_Queue(server, stop, args.batch_window_ms / 1000))
+          f"rank pids {' '.join(map(str, pids))}); KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: "
+          f"{args.max_batch} rows of {model.cfg.max_seq_len} slots", flush=True)
+    batcher.run(_Jobs(server, stop, args.batch_window_ms / 1000))
     server.close()
     print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered, stopped", flush=True)
     return 0
 
 
-class _Queue:
+class _Jobs:
     """What the batcher admits (``ContinuousBatcher.run``'s source): the HTTP server's queued jobs.
     On a stop signal it stops accepting connections, and once every request accepted is answered
     and no row is busy it ends serving."""
