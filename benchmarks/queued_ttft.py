@@ -8,9 +8,10 @@ Both prompts are 16 random tokens, decoded greedily in float32. The short reques
 moment the long one's ``--after``-th token is chosen. Static: it waits for the long request's batch
 to end, then runs as a batch of its own (its time to first token counts from its arrival to the
 start of that batch, plus the batch's own time to first token). Continuous: the batcher admits it
-into its free row at the end of that iteration. Rank 0 prints one JSON line a round and then the
-medians (milliseconds): the short request's time to first token and the long request's time to its
-last token, each way.
+into its free row at the end of that iteration. Each round also runs the long request alone both
+ways, which separates what the continuous step costs from what sharing steps with the short request
+costs. Rank 0 prints one JSON line a round and then the medians (milliseconds): the short request's
+time to first token and the long request's time to its last token, each way, and the long one's alone.
 """
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ class Arrival:
 
 
 class Source:
-    def __init__(self, long: Request, short: Request):
-        self.pending = [long, short]
+    def __init__(self, *requests: Request):
+        self.pending = list(requests)
 
     def take(self, limit, idle):
         ready = [r for r in self.pending[:limit] if r.arrived is not None]
@@ -72,38 +73,45 @@ class Source:
         return None if idle and not self.pending and not ready else ready
 
 
-def pair(args, round_: int):
+def pair(args, round_: int, alone: bool):
+    """The long request, arrived now, and the short one, which arrives later (never, ``alone``)."""
     rng = numpy.random.default_rng(round_)
     long = Request([int(i) for i in rng.integers(0, 256, 16)], args.long, 2 * round_)
     short = Request([int(i) for i in rng.integers(0, 256, 16)], args.short, 2 * round_ + 1)
     long.arrived = time.perf_counter()
-    generate.next_token = Arrival(long, short, args.after)
+    generate.next_token = Arrival(long, short, 0 if alone else args.after)
     return long, short
 
 
-def static(engine, args, round_: int):
-    long, short = pair(args, round_)
+def static(engine, args, round_: int, alone: bool):
+    long, short = pair(args, round_, alone)
     rank0 = engine.comm.rank == 0
     out = engine.generate([long.ids] if rank0 else None, [long.params] if rank0 else None)
     long_end = time.perf_counter()
+    if alone:
+        return (long_end - long.arrived,) if rank0 else None
     start = time.perf_counter()
     out_short = engine.generate([short.ids] if rank0 else None, [short.params] if rank0 else None)
     if not rank0:
         return None
     assert len(out[0][0].ids) == args.long and len(out_short[0][0].ids) == args.short
-    return start - short.arrived + out_short[0][0].ttft_s, long_end - long.arrived
+    return long_end - long.arrived, start - short.arrived + out_short[0][0].ttft_s
 
 
-def continuous(engine, args, round_: int):
+def continuous(engine, args, round_: int, alone: bool):
     batcher = ContinuousBatcher(engine, 2)  # its cache allocated before the clock starts
-    long, short = pair(args, round_)
+    long, short = pair(args, round_, alone)
     rank0 = engine.comm.rank == 0
-    batcher.run(Source(long, short) if rank0 else None)
+    batcher.run((Source(long) if alone else Source(long, short)) if rank0 else None)
     if not rank0:
         return None
-    (done_short, queued, _), (done_long, _, long_end) = short.done, long.done
-    assert len(done_long.ids) == args.long and len(done_short.ids) == args.short
-    return queued + done_short.ttft_s, long_end - long.arrived
+    done_long, _, long_end = long.done
+    assert len(done_long.ids) == args.long
+    if alone:
+        return (long_end - long.arrived,)
+    done_short, queued, _ = short.done
+    assert len(done_short.ids) == args.short
+    return long_end - long.arrived, queued + done_short.ttft_s
 
 
 def main():
@@ -117,22 +125,26 @@ def main():
     comm = world()
     cfg = load_config(args.model, vocab_size=ByteTokenizer().vocab_size)
     engine = Engine(GPTModel(cfg, comm, dtype="float32", seed=0), ByteTokenizer())
-    rows = {"static": [], "continuous": []}
-    for round_ in range(args.rounds + 1):  # round 0 warms both paths up and is not counted
-        for name, run in (("static", static), ("continuous", continuous)):
+    runs = {f"{name}{'_alone' if alone else ''}": (run, alone) for alone in (False, True)
+            for name, run in (("static", static), ("continuous", continuous))}
+    rows = {key: [] for key in runs}
+    for round_ in range(args.rounds + 1):  # round 0 warms every path up and is not counted
+        for key, (run, alone) in runs.items():
             comm.barrier()
-            result = run(engine, args, round_)
+            result = run(engine, args, round_, alone)
             if comm.rank == 0 and round_ > 0:
-                rows[name].append(result)
+                rows[key].append(result)
         if comm.rank == 0 and round_ > 0:
-            print(json.dumps({"round": round_, **{f"{name}_{what}_ms": round(1e3 * r[-1][i], 2)
-                                                  for name, r in rows.items()
-                                                  for i, what in enumerate(("short_ttft", "long_total"))}}),
-                  flush=True)
+            print(json.dumps({"round": round_, **_named({key: r[-1] for key, r in rows.items()})}), flush=True)
     if comm.rank == 0:
-        print(json.dumps({"tp": comm.size, **vars(args), "median": {
-            f"{name}_{what}_ms": round(1e3 * statistics.median(r[i] for r in results), 2)
-            for name, results in rows.items() for i, what in enumerate(("short_ttft", "long_total"))}}), flush=True)
+        medians = {key: tuple(statistics.median(x[i] for x in r) for i in range(len(r[0]))) for key, r in rows.items()}
+        print(json.dumps({"tp": comm.size, **vars(args), "median": _named(medians)}), flush=True)
+
+
+def _named(results: dict) -> dict:
+    """{"static_long_ms": ..., "static_short_ttft_ms": ..., ...} from {key: (long s, short ttft s)}."""
+    return {f"{key}_{what}_ms": round(1e3 * value, 2)
+            for key, values in results.items() for what, value in zip(("long", "short_ttft"), values)}
 
 
 if __name__ == "__main__":
