@@ -112,9 +112,10 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
     monkeypatch.setattr(continuous, "step_rows", finite_step)
     long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
     requests = [Request(PROMPTS[2], 3), Request(PROMPTS[1], 10), Request(PROMPTS[3], 5), Request(PROMPTS[0], 4),
-                Request(long_prompt, 6), Request([9, 8, 7], 7)]  # 27 + 6 - 1: every position of max_seq_len 32
+                Request(long_prompt, 6), Request([9, 8, 7], 7),  # 27 + 6 - 1: every position of max_seq_len 32
+                Request([200, 3], 1)]  # done at its prefill: never decodes
     due = [(1, requests[0]), (1, requests[1]), (2, requests[2]), (2, requests[3]), (4, requests[4]),
-           (9, requests[5])]
+           (9, requests[5]), (9, requests[6])]
     engine = _serve(tp, name, 2, due, events)
     order = [requests.index(r) for r in events]  # the batcher's tokens, before the runs alone
     for request in requests:
@@ -128,9 +129,9 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
         assert max(max_rel_err(a, b) for a, b in zip(request.sampled, probe.sampled)) <= 1e-10
         assert metrics.batch in (1, 2) and len(metrics.kv_cache_bytes_per_rank) == tp.size and queued_s >= 0
     if tp.rank == 0:
-        # six requests through two rows: later ones wait, are admitted while others decode, reuse rows
-        first = [order.index(i) for i in range(6)]
-        last = [len(order) - 1 - order[::-1].index(i) for i in range(6)]
+        # seven requests through two rows: later ones wait, are admitted while others decode, reuse rows
+        first = [order.index(i) for i in range(len(requests))]
+        last = [len(order) - 1 - order[::-1].index(i) for i in range(len(requests))]
         assert first[2] > last[0] and first[2] < last[1]  # into row 0 once the first request left it
         assert first[4] < last[1] or first[4] < last[3]   # admitted while another row decodes
         assert max(steps) == 2 and min(steps) == 1
