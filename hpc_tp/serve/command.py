@@ -119,7 +119,7 @@ def run(args) -> int:
         requests.extend(_read_requests(args, tokenizer))
         return [(r["ids"], r["sampling"]) for r in requests]
 
-    work = _on_rank0(world, read)
+    work = on_rank0(world, read)
     from .generate import Engine, check_request
     from .sampling import SamplingParams
 
@@ -146,8 +146,8 @@ def run(args) -> int:
     return 0
 
 
-def _on_rank0(world, work):
-    """``work()`` on world rank 0; its result, or its ConfigError, on every rank."""
+def on_rank0(world, work):
+    """``work()`` on rank 0 of the communicator ``world``; its result, or its ConfigError, on every rank."""
     from ..errors import ConfigError
 
     payload = None

@@ -12,6 +12,10 @@ step's chosen ids back through one of two steppers; both give the same logits.
   token instead of hundreds. A W1 decode step on an H200 is bound by the host's Python launching
   them (NOTES.md, session 11), as vLLM found for its decode steps.
 
+``step_rows`` is the decode step of continuous batching (``serve.continuous``): every row its own
+request at its own length, each writing its token at its own slot. It runs eagerly, its shapes
+changing with the rows' lengths: no CUDA graph is captured for it yet.
+
 The capture's rules, its private memory pool and where it can run (``capturable``: tp = 1 on a
 GPU) are ``hpc_tp.cuda_graph``'s. ``HPC_TP_CUDA_GRAPHS=0`` turns graphs off (an A/B, or a driver
 that refuses a capture).
@@ -31,6 +35,20 @@ def positions_after(lens, step: int, model):
     if model.cfg.position == "learned":
         pos = numpy.minimum(pos, model.cfg.max_seq_len - 1)
     return pos
+
+
+def step_rows(model, cache: KVCache, ids, lens):
+    """One decode step in which each row is a sequence of its own from slot 0 (no padding): row r
+    holds ``lens[r]`` tokens, feeds ``ids[r]`` at position ``lens[r]`` (clamped as ``positions_after``
+    does), writes its K/V at slot ``lens[r]`` and attends to slots 0..lens[r] only, whatever an
+    earlier request left after them. A free row (length 0) sees just the token it writes at slot 0:
+    finite logits that nobody reads. ``ids``, ``lens``: host int arrays [B]; returns logits [B, V]."""
+    xp = backend.xp
+    width = int(lens.max()) + 1  # the longest row's slots and its new one: no step attends further
+    visible = numpy.arange(width) <= lens[:, None]
+    view = SlotCache(cache, xp.asarray(lens, dtype=numpy.int64), width)
+    return model.infer(xp.asarray(ids, dtype=numpy.int64).reshape(-1, 1),
+                       xp.asarray(positions_after(lens, 0, model)[:, None]), xp.asarray(visible), view)
 
 
 class GrowingStep:

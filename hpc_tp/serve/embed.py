@@ -35,7 +35,7 @@ def run(args) -> int:
     from .. import backend
     from ..errors import ConfigError
     from ..paths import check_output_file
-    from .command import _on_rank0
+    from .command import on_rank0
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
@@ -43,7 +43,7 @@ def run(args) -> int:
         check_output_file(args.out, "--out")
     grid, model, tokenizer = load_encoder(args)
     world = grid.world
-    rows = _on_rank0(world, lambda: read_inputs(args, tokenizer, model.cfg))
+    rows = on_rank0(world, lambda: read_inputs(args, tokenizer, model.cfg))
     batches = [rows[i:i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
     pad_id = (tokenizer.token_to_id("[PAD]") if tokenizer is not None else None) or 0
     mine = []

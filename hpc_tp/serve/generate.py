@@ -6,6 +6,10 @@
               and each row's positions count only its own tokens (learned positions and RoPE alike);
               on a GPU at tp = 1 each step replays a captured CUDA graph (``serve.decoding``).
 
+A static batch: every row stays until the longest is done. ``hpc-tp generate`` and ``bench decode``
+run these; ``hpc-tp serve`` batches continuously (``serve.continuous``), reusing this module's
+per-row bookkeeping (``_Row``) and request checks.
+
 Collective over the tp group: every rank calls ``generate``; tp rank 0 brings the prompts and the
 sampling parameters, broadcasts them, samples every token and broadcasts the ids, so the other ranks
 never see text. Rank 0 alone detokenizes, checks EOS and stop strings, and streams text.
@@ -30,7 +34,7 @@ class Completion:
     text: str
     finish_reason: str          # "stop" (EOS or a stop string) or "length" (max new tokens)
     prompt_tokens: int
-    ttft_s: float               # from the start of the batch to this row's first token
+    ttft_s: float               # to this row's first token from the start of the batch (continuous: its admission)
     decode_tokens_per_s: float  # tokens after the first, over the time they took
 
 
@@ -58,6 +62,26 @@ class _Row:
         self.rng = numpy.random.default_rng(params.seed)
         self.ids: list[int] = []
         self.text, self.finish, self.emitted, self.done_at = "", None, 0, None
+
+    def step(self, logits, now: float):
+        """Choose and add the next token from this row's logits [V] (host)."""
+        self.add(next_token(logits, self.params, self.rng))
+        if self.finish is not None:
+            self.done_at = now
+
+    def cancel(self, now: float):
+        self.finish, self.done_at = "cancelled", now
+
+    def report(self, on_text):
+        """``on_text(piece, finish_reason)`` with the text that became final, if any, or the end."""
+        piece = self.new_text()
+        if piece or self.finish is not None:
+            on_text(piece, self.finish)
+
+    def completion(self, prompt_tokens: int, start: float, first: float) -> Completion:
+        """From ``start`` (the batch's, or the request's admission) and its ``first`` token's time."""
+        return Completion(self.ids, self.text, self.finish, prompt_tokens, first - start,
+                          _rate(len(self.ids) - 1, self.done_at - first))
 
     def add(self, token: int):
         if token == self.tokenizer.eos_id:
@@ -162,25 +186,20 @@ class Engine:
         after_first = sum(max(len(r.ids) - 1, 0) for r in rows)
         metrics = BatchMetrics(batch, int(lens.sum()), new, first - start, end - first, _rate(after_first, end - first),
                                comm.seconds - comm_s, comm.bytes - comm_bytes, kv_bytes)
-        completions = [Completion(r.ids, r.text, r.finish, int(n), first - start,
-                                  _rate(len(r.ids) - 1, r.done_at - first)) for r, n in zip(rows, lens)]
+        completions = [r.completion(int(n), start, first) for r, n in zip(rows, lens)]
         return completions, metrics
 
     def _sample(self, logits, rows, chosen, on_text, cancelled):
         now = time.perf_counter()
         for i, row in enumerate(rows):
             if row.finish is None and cancelled is not None and cancelled(i):
-                row.finish, row.done_at = "cancelled", now
+                row.cancel(now)
             if row.finish is not None:
                 continue
-            row.add(next_token(logits[i], row.params, row.rng))
+            row.step(logits[i], now)
             chosen[i] = row.ids[-1] if row.ids else self.pad_id
-            if row.finish is not None:
-                row.done_at = now
             if on_text is not None:
-                piece = row.new_text()
-                if piece or row.finish is not None:
-                    on_text(i, piece, row.finish)
+                row.report(lambda piece, finish: on_text(i, piece, finish))
         chosen[-1] = all(r.finish is not None for r in rows)
 
 

@@ -1,10 +1,11 @@
 """The HTTP side of ``hpc-tp serve`` (rank 0 only): parse and check requests, queue them as jobs,
-hand batches of jobs to the decoding loop, answer each as JSON or as server-sent events.
+hand queued jobs to the decoding loop (``serve.continuous``), answer each as JSON or as server-sent
+events.
 
 Handler threads never touch the model: they turn a request into a ``Job`` (token ids and sampling
 parameters) and wait on its event queue, which the decoding loop fills with text pieces and, at
 the end, the completion. A request that fails a check is answered 400 with the reason at once. A
-client that goes away marks its job cancelled, and the decoding loop drops its row; a connection
+client that goes away marks its job cancelled, and the decoding loop frees its row; a connection
 that sends nothing for IDLE_TIMEOUT_S is closed, so it cannot hold up a graceful shutdown.
 """
 from __future__ import annotations
@@ -28,6 +29,8 @@ IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is
 
 
 class Job:
+    """A request as the decoding loop sees it (``ContinuousBatcher.run``)."""
+
     def __init__(self, ids: list[int], params: SamplingParams, stream: bool):
         self.ids, self.params, self.stream = ids, params, stream
         self.arrived = time.perf_counter()
@@ -87,7 +90,8 @@ class CompletionServer:
         self._thread.start()
 
     def next_batch(self, limit: int, window: float, timeout: float) -> list[Job]:
-        """Up to ``limit`` queued jobs: waits ``timeout`` for a first one, then ``window`` for company."""
+        """Up to ``limit`` queued jobs: waits ``timeout`` for a first one, then ``window`` for company
+        (both 0: only those queued now)."""
         try:
             batch = [self.jobs.get(timeout=timeout)]
         except queue.Empty:

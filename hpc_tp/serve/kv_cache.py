@@ -2,14 +2,19 @@
 
 Each tp rank caches only the K/V heads its attention owns (with grouped-query attention whole KV
 groups; when tp > kv heads a KV head is cached on each rank that replicates it), so the cache
-shrinks with tp just as the weights do. Buffers are preallocated for the whole batch up to its
-final length: [layers, batch, local kv heads, max_len, head_dim] for K and for V.
+shrinks with tp just as the weights do. Buffers are preallocated, [layers, batch, local kv heads,
+max_len, head_dim] for K and for V: a static batch's up to its final length, continuous batching's
+for every row at the model's max_seq_len.
 
-Slots are shared by the rows of a batch: the engine left-pads prompts so that every row writes its
-next token at the same slot, and a key mask (kept by the engine) hides the padding slots.
+In a static batch (``Engine.generate``) slots are shared by the rows: the engine left-pads prompts
+so that every row writes its next token at the same slot, and a key mask (kept by the engine) hides
+the padding slots. Under continuous batching (``serve.continuous``) each row is its own request:
+``rows`` gives one row's region to prefill a prompt into from slot 0, and each decode step writes
+every row's token at that row's own slot.
 
-``SlotCache`` is the same cache as a fixed-shape decode step sees it (``serve.decoding``): the slot
-to write is a device array rather than a Python int, and every step attends over all the slots.
+``SlotCache`` is the cache as a decode step of one token per row sees it (``serve.decoding``): the
+slots to write are a device array rather than a Python int (one slot for every row, or one per row),
+and the step attends over a fixed number of slots, its key mask alone deciding which are seen.
 """
 from __future__ import annotations
 
@@ -41,22 +46,28 @@ class LayerCache:
 
 
 class KVCache:
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype):
-        xp = backend.xp
-        shape = (n_layers, batch, kv_heads, max_len, head_dim)
-        self.k = xp.zeros(shape, dtype=dtype)
-        self.v = xp.zeros(shape, dtype=dtype)
-        self.max_len = max_len
+    """Over the buffers ``k`` and ``v`` [layers, batch, local kv heads, max_len, head_dim], none filled."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+        self.max_len = k.shape[3]
         self.length = 0  # slots filled, the same for every row
-        self._layers = [LayerCache(self, i) for i in range(n_layers)]
+        self._layers = [LayerCache(self, i) for i in range(k.shape[0])]
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int) -> "KVCache":
-        attn = model.layers[0].attn
-        return cls(len(model.layers), batch, attn.kv_local, max_len, attn.head_dim, model.dtype)
+        attn, xp = model.layers[0].attn, backend.xp
+        shape = (len(model.layers), batch, attn.kv_local, max_len, attn.head_dim)
+        return cls(xp.zeros(shape, dtype=model.dtype), xp.zeros(shape, dtype=model.dtype))
 
     def layer(self, i: int) -> LayerCache:
         return self._layers[i]
+
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """Rows ``start:stop`` as a cache of their own, empty (length 0) and sharing this one's memory:
+        a request prefilled into its row writes from slot 0, and a decode step over the first rows
+        touches no other. Whatever those rows held before stays in memory; key masks hide it."""
+        return KVCache(self.k[:, start:stop], self.v[:, start:stop])
 
     def advance(self, steps: int):
         """Every layer stored ``steps`` more slots: the next step writes after them."""
@@ -68,15 +79,18 @@ class KVCache:
 
 
 class SlotCache:
-    """``cache`` for decode steps of one new token that all have the same shapes and addresses, as a
-    captured CUDA graph needs: each layer writes the token's K/V at the slot that the one-element
-    int64 array ``slot`` holds (read on the device) and returns all ``max_len`` slots. For the causal
-    mask every slot comes before the query (``offset``), so the caller's key mask over all the slots
-    alone decides which are seen: the filled ones. ``advance`` does nothing: the caller moves ``slot``
-    and the owner's ``length``."""
+    """``cache`` for decode steps of one new token per row whose slots are read on the device: each
+    layer writes the token's K/V at the slot that the int64 array ``slot`` holds, [1] for every row
+    alike (the fixed-shape steps a captured CUDA graph replays) or [B] one per row (continuous
+    batching), and returns the first ``width`` slots (default all ``max_len``). For the causal mask
+    every returned slot comes before the query (``offset``), so the caller's key mask over them alone
+    decides which are seen: the filled ones. ``advance`` does nothing: the caller moves ``slot`` and
+    the owner's ``length``."""
 
-    def __init__(self, owner: KVCache, slot):
+    def __init__(self, owner: KVCache, slot, width: int | None = None):
         self.owner, self.slot = owner, slot
+        self.width = owner.max_len if width is None else width
+        self.rows = backend.xp_of(slot).arange(owner.k.shape[1]) if len(slot) > 1 else None
         self._layers = [_SlotLayer(self, i) for i in range(owner.k.shape[0])]
 
     def layer(self, i: int) -> "_SlotLayer":
@@ -92,16 +106,18 @@ class _SlotLayer:
 
     @property
     def offset(self) -> int:
-        return self._slots.owner.max_len - 1
+        return self._slots.width - 1
 
     def store(self, k, v):
         if k.shape[2] != 1:
-            raise ValueError(f"a fixed-shape decode step takes one new token per row, got {k.shape[2]}")
-        owner, slot = self._slots.owner, self._slots.slot
-        keys, values = owner.k[self._layer], owner.v[self._layer]
+            raise ValueError(f"a slot-addressed decode step takes one new token per row, got {k.shape[2]}")
+        slots = self._slots
+        keys, values = slots.owner.k[self._layer], slots.owner.v[self._layer]
         for cache, new in ((keys, k), (values, v)):
-            if isinstance(cache, numpy.ndarray):
-                cache[:, :, int(slot[0])] = new[:, :, 0]
+            if slots.rows is not None:  # row r at slot[r]: [B, slots, hk, d] indexed by (row, slot) pairs
+                cache.swapaxes(1, 2)[slots.rows, slots.slot] = new[:, :, 0]
+            elif isinstance(cache, numpy.ndarray):
+                cache[:, :, int(slots.slot[0])] = new[:, :, 0]
             else:
-                cuda_kernels.write_slot(cache, new, slot)
-        return keys, values
+                cuda_kernels.write_slot(cache, new, slots.slot)
+        return keys[:, :, :slots.width], values[:, :, :slots.width]

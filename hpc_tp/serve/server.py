@@ -5,11 +5,18 @@
     GET  /health
 
 Rank 0 runs the HTTP server: handler threads parse and check each request (a bad one gets a 400
-with the reason, and never reaches the model), tokenize it and queue it. The main thread takes
-what is queued (up to --max-batch, waiting --batch-window-ms for company), tells the tp group a
-batch is coming and decodes it with them; the other ranks only ever receive token ids. Streaming
-responses are server-sent events: one ``data: {chunk}`` per piece of final text, then
-``data: [DONE]``.
+with the reason, and never reaches the model), tokenize it and queue it. The main thread runs the
+tp group's continuous batching (``serve.continuous``): --max-batch rows decode together, and between
+two decode steps requests that finished leave their row and queued ones are prefilled into free
+rows, so a new request starts within one step of arriving instead of waiting for a whole batch. An
+idle server waits --batch-window-ms after a first request for company before it starts. The other
+ranks only ever receive token ids. Streaming responses are server-sent events: one
+``data: {chunk}`` per piece of final text, then ``data: [DONE]``.
+
+A response's usage reports time_to_first_token_s from its arrival (queue_s of it waiting for a row),
+decode_tokens_per_s of its own tokens after the first, batch_size (rows busy once it was admitted,
+its own included) and kv_cache_bytes_per_rank (the whole cache, allocated at start: --max-batch
+rows of max_seq_len slots).
 
 SIGTERM on rank 0 (``scancel`` and ``srun`` signal every rank; under ``mpirun`` send it to the
 ranks, whose pids the start-up line prints) stops accepting connections, finishes every request
@@ -20,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 from .command import add_model_arguments
 
@@ -31,15 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser):
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
-    parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default %(default)s)")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="rows decoded together; a request takes a free row between decode steps "
+                             "(default %(default)s)")
     parser.add_argument("--batch-window-ms", type=float, default=5.0,
-                        help="how long a new batch waits for more requests (default %(default)s)")
+                        help="how long an idle server waits for more requests after a first one "
+                             "(default %(default)s)")
 
 
 def run(args) -> int:
     from ..errors import ConfigError
     from ..train.preemption import StopRequest
     from .command import load_for_inference
+    from .continuous import ContinuousBatcher
     from .generate import Engine
 
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
@@ -50,7 +60,6 @@ def run(args) -> int:
         raise ConfigError(f"--tp {grid.tp_size} with {grid.world.size} ranks: serve runs one tp group, "
                           f"use --tp {grid.world.size}")
     stop = StopRequest(("SIGTERM", "SIGINT"))
-    engine = Engine(model, tokenizer)
     server, error = None, None
     if grid.world.rank == 0:
         from .http import CompletionServer
@@ -63,31 +72,33 @@ def run(args) -> int:
     error = grid.world.bcast_object(error)
     if error is not None:
         raise ConfigError(error)
+    batcher = ContinuousBatcher(Engine(model, tokenizer), args.max_batch)
     if grid.world.rank != 0:
-        while engine.comm.bcast_object(None) == "batch":
-            engine.generate()
+        batcher.run()
         return 0
     print(f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
-          f"rank pids {' '.join(map(str, pids))})", flush=True)
-    window = args.batch_window_ms / 1000
-    while not stop.received:
-        _serve_batch(engine, server.next_batch(args.max_batch, window, timeout=0.1))
-    server.stop_accepting()
-    while server.busy():  # every request already accepted is answered
-        _serve_batch(engine, server.next_batch(args.max_batch, window, timeout=0.1))
-    engine.comm.bcast_object("stop")
+          f"rank pids {' '.join(map(str, pids))}); KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: "
+          f"{args.max_batch} rows of {model.cfg.max_seq_len} slots", flush=True)
+    batcher.run(_Jobs(server, stop, args.batch_window_ms / 1000))
     server.close()
     print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered, stopped", flush=True)
     return 0
 
 
-def _serve_batch(engine, jobs):
-    if not jobs:
-        return
-    engine.comm.bcast_object("batch")
-    started = time.perf_counter()
-    completions, metrics = engine.generate([j.ids for j in jobs], [j.params for j in jobs],
-                                           on_text=lambda row, piece, finish: jobs[row].text(piece),
-                                           cancelled=lambda row: jobs[row].cancelled)
-    for job, completion in zip(jobs, completions):
-        job.finish(completion, metrics, queued_s=started - job.arrived)
+class _Jobs:
+    """What the batcher admits (``ContinuousBatcher.run``'s source): the HTTP server's queued jobs.
+    On a stop signal it stops accepting connections, and once every request accepted is answered
+    and no row is busy it ends serving."""
+
+    def __init__(self, server, stop, window: float):
+        self.server, self.stop, self.window, self.closing = server, stop, window, False
+
+    def take(self, limit: int, idle: bool):
+        if self.stop.received and not self.closing:
+            self.server.stop_accepting()
+            self.closing = True
+        if not idle:  # rows are decoding: only what is queued now
+            return self.server.next_batch(limit, 0, timeout=0)
+        if self.closing and not self.server.busy():
+            return None
+        return self.server.next_batch(limit, self.window, timeout=0.1)

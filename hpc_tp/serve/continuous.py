@@ -1,0 +1,159 @@
+"""Continuous (iteration-level) batching: requests join and leave a running decode batch.
+
+The batch has a fixed number of rows (``hpc-tp serve --max-batch``), each its own region of one KV
+cache (``KVCache.rows``): a request is prefilled into a free row from slot 0, and every iteration
+runs one decode step for the busy rows (``decoding.step_rows``: each row writes its token at its
+own slot, its positions count its own tokens, and a key mask by its length hides whatever an
+earlier request left in the row). A row that finishes (EOS, stop string, max tokens, client gone)
+takes the next queued request at the next iteration, as in Orca (OSDI '22) and vLLM, where a static
+batch (``Engine.generate``) holds every row until its longest one is done.
+
+One iteration, collective over the tp group:
+
+    admit     tp rank 0 gives queued requests the lowest free rows, and one ``bcast_object`` sends
+              their (row, prompt ids), only when there are any; when no row is busy every rank
+              waits in that broadcast for the next admissions, or for the word to stop;
+    decode    one step for the rows that have a token to feed, up to the last of them;
+    prefill   each admitted prompt into its own row: its last logits give the request's first token;
+    sample    rank 0 samples every busy row (``_Row``: EOS, stop strings, max tokens, cancellation),
+              streams text, finishes requests and takes queued ones for the rows now free; one
+              ``comm.broadcast`` of an int64 array gives each row's next token (-1: free) and
+              whether admissions follow. The other ranks only ever see token ids.
+
+Left for later: the step runs eagerly (its shapes change with the rows' lengths, so no CUDA graph
+is captured, unlike a static batch's steps on a GPU at tp = 1), admitted prompts are prefilled one
+at a time, and each row holds max_seq_len slots from the start (no paged memory).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy
+
+from .. import backend
+from .command import on_rank0
+from .decoding import step_rows
+from .generate import _Row, check_request
+from .kv_cache import KVCache
+
+
+@dataclass
+class RowMetrics:
+    """What a request's usage reports of the batch it was decoded in."""
+    batch: int                          # rows busy once it was admitted, its own included
+    kv_cache_bytes_per_rank: list[int]  # the whole cache: every row, max_seq_len slots each
+
+
+class _Busy:
+    """Rank 0's record of one busy row."""
+
+    def __init__(self, request, row: _Row, admitted: float, batch: int):
+        self.request, self.row, self.admitted, self.batch = request, row, admitted, batch
+        self.first: float | None = None  # when its first token was chosen
+
+
+class ContinuousBatcher:
+    """Serves requests through ``rows`` rows of one KV cache for ``engine``'s model and tokenizer.
+    Collective over the tp group: every rank builds one (the cache is allocated here) and calls ``run``."""
+
+    def __init__(self, engine, rows: int):
+        self.engine, self.model, self.comm = engine, engine.model, engine.comm
+        self.cache = KVCache.for_model(self.model, rows, self.model.cfg.max_seq_len)
+        self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
+        self.lens = numpy.zeros(rows, dtype=numpy.int64)      # tokens in each row's cache (0: free)
+        self.feed = numpy.full(rows, -1, dtype=numpy.int64)   # the token each row feeds next (-1: none)
+        self._busy: list[_Busy | None] = [None] * rows        # rank 0 only
+        self._taken: list = []  # rank 0: requests taken for freed rows, admitted at the next iteration
+
+    def run(self, source=None):
+        """Serve until tp rank 0's ``source`` says stop. ``source`` (rank 0 only) has
+        ``take(limit, idle)``: up to ``limit`` queued requests, a list (maybe empty) that it may wait
+        for when ``idle`` (no row busy), or None to stop serving then. A request has ``ids`` (prompt
+        token ids), ``params`` (SamplingParams), ``arrived`` (``time.perf_counter``) and
+        ``cancelled``; the batcher calls its ``text(piece)`` with text as it becomes final and then
+        ``finish(completion, metrics, queued_s)`` once (``Completion``, ``RowMetrics``, seconds from
+        arrival to admission; the completion's ``ttft_s`` counts from admission)."""
+        more = False
+        while True:
+            idle = not (self.feed >= 0).any()
+            admitted = []
+            if more or idle:
+                admitted = on_rank0(self.comm, lambda: self._admit(source, idle))
+                if admitted is None:
+                    return
+            logits = self._forward(admitted)
+            control = numpy.full(len(self.feed) + 1, -1, dtype=numpy.int64)  # next tokens, then "admissions follow"
+            if self.comm.rank == 0:
+                control[-1] = self._sample(logits, control, source)
+            self.comm.broadcast(control)
+            self.feed = control[:-1].copy()
+            self.lens[self.feed < 0] = 0
+            more = bool(control[-1])
+
+    def _admit(self, source, idle: bool):
+        """Rank 0: the requests taken (waiting for some when idle) in the lowest free rows, as
+        [(row, prompt ids)]; None: stop."""
+        requests, self._taken = self._taken, []
+        while idle and not requests:
+            requests = source.take(len(self._busy), idle=True)
+            if requests is None:
+                return None
+        free = [r for r, busy in enumerate(self._busy) if busy is None]
+        if len(requests) > len(free):
+            raise ValueError(f"{len(requests)} requests taken for {len(free)} free rows")
+        now, busy = time.perf_counter(), len(self._busy) - len(free) + len(requests)
+        admitted = []
+        for request, row in zip(requests, free):
+            check_request(request.ids, request.params, self.model.cfg)
+            self._busy[row] = _Busy(request, _Row(request.params, self.engine.tokenizer), now, busy)
+            admitted.append((row, list(request.ids)))
+        return admitted
+
+    def _forward(self, admitted):
+        """The decode step for the rows with a token to feed, then each admitted prompt's prefill;
+        {row: logits [V]} on the host of rank 0 ({} elsewhere)."""
+        xp, host = backend.xp, self.comm.rank == 0
+        logits = {}
+        stepping = numpy.flatnonzero(self.feed >= 0)
+        if stepping.size:
+            # Rows after the last busy one are left out; free rows before it run along, unread.
+            # Admitted rows are free here, so the prefill below overwrites what the step wrote there.
+            last = int(stepping[-1]) + 1
+            ids = numpy.where(self.feed >= 0, self.feed, self.engine.pad_id)[:last]
+            out = step_rows(self.model, self.cache.rows(0, last), ids, self.lens[:last])
+            self.lens[stepping] += 1
+            if host:
+                out = backend.to_numpy(out)
+                logits.update((int(r), out[r]) for r in stepping)
+        for row, ids in admitted:
+            n = len(ids)
+            out = self.model.infer(xp.asarray([ids], dtype=numpy.int64), xp.arange(n)[None],
+                                   xp.ones((1, n), dtype=bool), self.cache.rows(row, row + 1))
+            self.lens[row] = n
+            if host:
+                logits[row] = backend.to_numpy(out)[0]
+        return logits
+
+    def _sample(self, logits, control, source) -> bool:
+        """Rank 0: each busy row's next token into ``control`` (-1 where the row is now free),
+        finished requests answered, queued requests taken for the free rows; True if any were."""
+        now = time.perf_counter()
+        for r, z in logits.items():
+            busy = self._busy[r]
+            if busy.request.cancelled:
+                busy.row.cancel(now)
+            else:
+                busy.row.step(z, now)
+                busy.first = now if busy.first is None else busy.first
+                busy.row.report(lambda piece, finish: busy.request.text(piece))
+            if busy.row.finish is None:
+                control[r] = busy.row.ids[-1]
+                continue
+            first = now if busy.first is None else busy.first
+            busy.request.finish(busy.row.completion(len(busy.request.ids), busy.admitted, first),
+                                RowMetrics(busy.batch, self.kv_bytes), busy.admitted - busy.request.arrived)
+            self._busy[r] = None
+        free = sum(b is None for b in self._busy)
+        self._taken = source.take(free, idle=False) if free else []
+        return bool(self._taken)

@@ -1,0 +1,180 @@
+"""Continuous batching (``serve.continuous``): requests admitted at different iterations, into rows
+freed by others, give the tokens and logits they give alone; a request that arrives while a long one
+decodes starts at once; a cancelled request frees its row. At tp = world size, float64."""
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from hpc_tp.serve import continuous, generate
+from hpc_tp.serve.continuous import ContinuousBatcher
+from hpc_tp.serve.generate import Engine
+from hpc_tp.serve.sampling import SamplingParams
+from hpc_tp.train.tokenizer import ByteTokenizer
+from test_generate import CONFIGS, PROMPTS, _model
+from tp_helpers import max_rel_err, tp_and_reference
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.filterwarnings("error")]
+
+
+class Request:
+    made = itertools.count()
+
+    def __init__(self, ids, max_new_tokens, cancel_after=None, stop=()):
+        # greedy, so the seed only names the request: it outlives the pickling of a broadcast
+        self.ids = ids
+        self.params = SamplingParams(max_new_tokens=max_new_tokens, seed=next(Request.made), stop=list(stop))
+        self.arrived, self.cancel_after = time.perf_counter(), cancel_after
+        self.sampled, self.pieces, self.done = [], [], None  # sampled: the logits of each token chosen
+
+    @property
+    def cancelled(self):
+        return self.cancel_after is not None and len(self.sampled) >= self.cancel_after
+
+    def text(self, piece):
+        self.pieces.append(piece)
+
+    def finish(self, completion, metrics, queued_s):
+        assert self.done is None
+        self.done = completion, metrics, queued_s
+
+
+class Script:
+    """Hands each request out from the ``take`` call it is due at (counting calls from 1), in order."""
+
+    def __init__(self, due):
+        self.due, self.calls = due, 0  # [(call, request)]
+
+    def take(self, limit, idle):
+        self.calls += 1
+        ready = [r for call, r in self.due if call <= self.calls][:limit]
+        self.due = [(call, r) for call, r in self.due if r not in ready]
+        return None if idle and not ready and not self.due else ready
+
+
+class Chosen(list):
+    """Every token chosen for a watched request, in order, as that request; each keeps its logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.owners = {}
+
+    def watch(self, request):
+        self.owners[request.params.seed] = request
+        return request
+
+
+@pytest.fixture
+def events(monkeypatch):
+    chosen, pick = Chosen(), generate.next_token
+
+    def spy(logits, params, rng):
+        owner = chosen.owners.get(params.seed)
+        if owner is not None:
+            owner.sampled.append(np.array(logits))
+            chosen.append(owner)
+        return pick(logits, params, rng)
+
+    monkeypatch.setattr(generate, "next_token", spy)
+    return chosen
+
+
+def _serve(comm, name, rows, due, events):
+    """Run the batcher at tp = ``comm`` (every rank); the requests, on tp rank 0."""
+    engine = Engine(_model(name, comm), ByteTokenizer())
+    batcher = ContinuousBatcher(engine, rows)
+    for _, request in due:
+        events.watch(request)
+    batcher.run(Script(due) if comm.rank == 0 else None)
+    return engine
+
+
+def _alone(engine, request, events):
+    """The request by itself through ``Engine.generate`` (collective): completion and logits."""
+    probe = events.watch(Request(request.ids, request.params.max_new_tokens, stop=request.params.stop))
+    out = engine.generate([probe.ids] if engine.comm.rank == 0 else None,
+                          [probe.params] if engine.comm.rank == 0 else None)
+    return out, probe
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
+    tp, _ = tp_and_reference()
+    steps, step_rows = [], continuous.step_rows
+
+    def finite_step(model, cache, ids, lens):  # free rows run along: their logits must be finite too
+        out = step_rows(model, cache, ids, lens)
+        steps.append(len(lens))
+        assert np.isfinite(out).all()
+        return out
+
+    monkeypatch.setattr(continuous, "step_rows", finite_step)
+    long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
+    requests = [Request(PROMPTS[2], 3), Request(PROMPTS[1], 10), Request(PROMPTS[3], 5), Request(PROMPTS[0], 4),
+                Request(long_prompt, 6), Request([9, 8, 7], 7),  # 27 + 6 - 1: every position of max_seq_len 32
+                Request([200, 3], 1)]  # done at its prefill: never decodes
+    due = [(1, requests[0]), (1, requests[1]), (2, requests[2]), (2, requests[3]), (4, requests[4]),
+           (9, requests[5]), (9, requests[6])]
+    engine = _serve(tp, name, 2, due, events)
+    order = [requests.index(r) for r in events]  # the batcher's tokens, before the runs alone
+    for request in requests:
+        out, probe = _alone(engine, request, events)
+        if tp.rank != 0:
+            continue
+        completion, metrics, queued_s = request.done
+        assert completion.ids == out[0][0].ids and completion.finish_reason == out[0][0].finish_reason
+        assert completion.text == out[0][0].text == "".join(request.pieces)
+        assert len(request.sampled) == len(probe.sampled) == request.params.max_new_tokens
+        assert max(max_rel_err(a, b) for a, b in zip(request.sampled, probe.sampled)) <= 1e-10
+        assert metrics.batch in (1, 2) and len(metrics.kv_cache_bytes_per_rank) == tp.size and queued_s >= 0
+    if tp.rank == 0:
+        # seven requests through two rows: later ones wait, are admitted while others decode, reuse rows
+        first = [order.index(i) for i in range(len(requests))]
+        last = [len(order) - 1 - order[::-1].index(i) for i in range(len(requests))]
+        assert first[2] > last[0] and first[2] < last[1]  # into row 0 once the first request left it
+        assert first[4] < last[1] or first[4] < last[3]   # admitted while another row decodes
+        assert max(steps) == 2 and min(steps) == 1
+
+
+def test_a_request_arriving_mid_decode_starts_before_the_long_one_ends(events):
+    tp, _ = tp_and_reference()
+    long, short = Request(PROMPTS[0], 20), Request(PROMPTS[1], 3)
+    _serve(tp, "llama-gqa", 2, [(1, long), (3, short)], events)
+    if tp.rank == 0:
+        order = [{long: "L", short: "S"}[r] for r in events]  # one letter per token chosen, in order
+        assert order.count("L") == 20 and order.count("S") == 3
+        # the short one's tokens come between the long one's: it ends while the long one decodes
+        first_short, last_long = order.index("S"), len(order) - 1 - order[::-1].index("L")
+        assert first_short < last_long
+        # due at the 3rd take, which follows the long one's 2nd token: admitted in the 3rd iteration
+        assert order[:first_short] == ["L"] * 3
+        assert long.done[1].batch == 1 and short.done[1].batch == 2
+
+
+def test_a_cancelled_request_frees_its_row(events):
+    tp, _ = tp_and_reference()
+    cancelled, waiting = Request(list(b"abandoned"), 20, cancel_after=3), Request(list(b"kept"), 4)
+    engine = _serve(tp, "llama-gqa", 1, [(1, cancelled), (1, waiting)], events)  # one row
+    order = list(events)
+    out, _ = _alone(engine, waiting, events)
+    if tp.rank == 0:
+        completion = cancelled.done[0]
+        assert completion.finish_reason == "cancelled" and len(completion.ids) == 3 == len(cancelled.sampled)
+        assert waiting.done[0].ids == out[0][0].ids and waiting.done[0].finish_reason == "length"
+        assert [r is waiting for r in order] == [False] * 3 + [True] * 4  # it took the row at once
+
+
+def test_a_stop_string_ends_a_row_its_streamed_text_held_back_and_frees_it(events):
+    tp, _ = tp_and_reference()
+    engine = Engine(_model("gpt2", tp), ByteTokenizer())
+    out, _ = _alone(engine, Request(PROMPTS[0], 12), events)
+    stop = tp.bcast_object(out[0][0].text[3:5] if tp.rank == 0 else None)  # as test_generate's stop test
+    stopped, waiting = Request(PROMPTS[0], 12, stop=[stop]), Request(PROMPTS[1], 4)
+    _serve(tp, "gpt2", 1, [(1, stopped), (1, waiting)], events)
+    if tp.rank == 0:
+        completion = stopped.done[0]
+        text = out[0][0].text
+        assert completion.finish_reason == "stop" and completion.text == text[:text.find(stop)]
+        assert "".join(stopped.pieces) == completion.text and len(completion.ids) < 12
+        assert waiting.done[0].finish_reason == "length" and len(waiting.done[0].ids) == 4
