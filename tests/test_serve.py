@@ -1,6 +1,7 @@
 """`hpc-tp serve` as users start it: under mpiexec -n 2 on loopback, 50 concurrent requests (some
 streamed) each get their own complete greedy completion, malformed ones get a 400 with the reason
-without disturbing the others, and SIGTERM stops every rank with exit 0."""
+without disturbing the others, and SIGTERM stops every rank with exit 0; with continuous batching
+and with static batches (`--batching static`)."""
 import json
 import os
 import queue
@@ -15,6 +16,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.grid import ProcessGrid
@@ -66,10 +69,11 @@ def _start_line(proc, lines: queue.Queue, timeout=60):
     raise AssertionError("no start-up line in time:\n" + "".join(seen))
 
 
-def test_server_under_load_malformed_requests_and_sigterm(tmp_path):
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
     ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
     proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--dtype", "float64", "--max-batch", "8"],
+                             "--dtype", "float64", "--max-batch", "8", "--batching", batching],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)

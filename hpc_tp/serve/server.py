@@ -10,7 +10,8 @@ tp group's continuous batching (``serve.continuous``): --max-batch rows decode t
 two decode steps requests that finished leave their row and queued ones are prefilled into free
 rows, so a new request starts within one step of arriving instead of waiting for a whole batch. An
 idle server waits --batch-window-ms after a first request for company before it starts. The other
-ranks only ever receive token ids. Streaming responses are server-sent events: one
+ranks only ever receive token ids. ``--batching static`` runs the batches of before instead
+(``StaticBatches``). Streaming responses are server-sent events: one
 ``data: {chunk}`` per piece of final text, then ``data: [DONE]``.
 
 A response's usage reports time_to_first_token_s from its arrival (queue_s of it waiting for a row),
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 from .command import add_model_arguments
 
@@ -43,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--batch-window-ms", type=float, default=5.0,
                         help="how long an idle server waits for more requests after a first one "
                              "(default %(default)s)")
+    parser.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                        help="continuous: requests join and leave between decode steps; static: a batch "
+                             "runs until its longest request is done, its steps a CUDA graph on a GPU at "
+                             "tp=1 (default %(default)s)")
 
 
 def run(args) -> int:
@@ -72,21 +78,54 @@ def run(args) -> int:
     error = grid.world.bcast_object(error)
     if error is not None:
         raise ConfigError(error)
-    batcher = ContinuousBatcher(Engine(model, tokenizer), args.max_batch)
+    engine = Engine(model, tokenizer)
+    continuous = args.batching == "continuous"
+    batcher = ContinuousBatcher(engine, args.max_batch) if continuous else StaticBatches(engine, args.max_batch)
     if grid.world.rank != 0:
         batcher.run()
         return 0
+    cache = (f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {args.max_batch} rows of "
+             f"{model.cfg.max_seq_len} slots" if continuous else "static batches")
     print(f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
-          f"rank pids {' '.join(map(str, pids))}); KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: "
-          f"{args.max_batch} rows of {model.cfg.max_seq_len} slots", flush=True)
+          f"rank pids {' '.join(map(str, pids))}); {cache}", flush=True)
     batcher.run(_Jobs(server, stop, args.batch_window_ms / 1000))
     server.close()
     print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered, stopped", flush=True)
     return 0
 
 
+class StaticBatches:
+    """``--batching static``: the requests queued together (up to --max-batch) decode as one batch
+    (``Engine.generate``) until its longest is done, and a request arriving meanwhile waits for the
+    next batch. Kept beside continuous batching because on a GPU at tp = 1 a static batch's decode
+    steps replay a CUDA graph (``serve.decoding``), which the continuous step does not yet. The same
+    ``run(source)`` as ``ContinuousBatcher``; ``source.take`` is only ever asked while idle."""
+
+    def __init__(self, engine, rows: int):
+        self.engine, self.rows = engine, rows
+
+    def run(self, source=None):
+        comm = self.engine.comm
+        while True:
+            jobs = None
+            if comm.rank == 0:
+                while (jobs := source.take(self.rows, idle=True)) == []:
+                    pass
+            if comm.bcast_object(jobs is not None) is False:
+                return
+            if comm.rank != 0:
+                self.engine.generate()
+                continue
+            started = time.perf_counter()
+            completions, metrics = self.engine.generate([j.ids for j in jobs], [j.params for j in jobs],
+                                                        on_text=lambda row, piece, finish: jobs[row].text(piece),
+                                                        cancelled=lambda row: jobs[row].cancelled)
+            for job, completion in zip(jobs, completions):
+                job.finish(completion, metrics, queued_s=started - job.arrived)
+
+
 class _Jobs:
-    """What the batcher admits (``ContinuousBatcher.run``'s source): the HTTP server's queued jobs.
+    """What the batcher admits (``run``'s source, either batcher's): the HTTP server's queued jobs.
     On a stop signal it stops accepting connections, and once every request accepted is answered
     and no row is busy it ends serving."""
 
