@@ -6,7 +6,9 @@
 The checkpoint brings the model config (meta["config"]) and the tokenizer (its saved files; bytes
 when it has none); each rank reads only its slice of the weights. World rank 0 alone reads the
 prompts and writes the results; the others receive token ids by broadcast. With tp < world size,
-the world is cut into data-parallel replicas that take turns over the batches.
+the world is cut into data-parallel replicas that share the prompts. ``--batching continuous`` (the
+default) decodes them with ``serve.continuous``'s scheduler, a prompt taking a row as soon as one is
+free; ``--batching static`` in batches of --batch-size that run until their longest is done.
 
 A prompts line is {"prompt": TEXT} plus optional "id" and per-line overrides of the sampling
 flags (max_new_tokens, temperature, top_k, top_p, seed, stop: a string or a list). An output line
@@ -30,6 +32,13 @@ def add_model_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="array backend (default %(default)s)")
 
 
+def add_batching_argument(parser: argparse.ArgumentParser, unit: str):
+    parser.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                        help=f"continuous: {unit} take a row as soon as one is free, between decode steps; "
+                             f"static: a batch runs until its longest is done, its decode steps CUDA graphs "
+                             f"on a GPU at tp=1 (default %(default)s)")
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--max-new-tokens", type=int, default=64, help="default %(default)s")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -47,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     source.add_argument("--prompts", metavar="FILE.jsonl", help='JSON lines, each {"prompt": TEXT, ...}')
     parser.add_argument("--out", metavar="FILE.jsonl", help="results as JSON lines (default: stdout)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default %(default)s)")
+    add_batching_argument(parser, "prompts")
     add_sampling_arguments(parser)
 
 
@@ -120,6 +130,7 @@ def run(args) -> int:
         return [(r["ids"], r["sampling"]) for r in requests]
 
     work = on_rank0(world, read)
+    from .continuous import ContinuousBatcher
     from .generate import Engine, check_request
     from .sampling import SamplingParams
 
@@ -131,15 +142,21 @@ def run(args) -> int:
             raise ConfigError(f"prompt {n}: {e}") from None
     engine = Engine(model, tokenizer)
     mine = []
-    batches = range(0, len(work), args.batch_size)
-    for b, start in enumerate(batches):
-        if b % grid.dp_size != grid.coords.dp:
-            continue
-        chunk = slice(start, start + args.batch_size)
-        out = engine.generate([ids for ids, _ in work[chunk]], params[chunk])
+    if args.batching == "continuous":  # each replica its share of the prompts, rows refilled as they finish
+        share = list(range(grid.coords.dp, len(work), grid.dp_size))
+        batcher = ContinuousBatcher(engine, max(1, min(args.batch_size, len(share))))
+        out = batcher.generate([work[i][0] for i in share], [params[i] for i in share])
         if out is not None:
-            completions, metrics = out
-            mine += [(start + i, c, metrics) for i, c in enumerate(completions)]
+            mine = [(i, c, metrics) for i, (c, metrics) in zip(share, out)]
+    else:  # batches of --batch-size prompts, the replicas taking turns
+        for b, start in enumerate(range(0, len(work), args.batch_size)):
+            if b % grid.dp_size != grid.coords.dp:
+                continue
+            chunk = slice(start, start + args.batch_size)
+            out = engine.generate([ids for ids, _ in work[chunk]], params[chunk])
+            if out is not None:
+                completions, metrics = out
+                mine += [(start + i, c, metrics) for i, c in enumerate(completions)]
     results = sorted((r for part in world.allgather_object(mine) for r in part), key=lambda r: r[0])
     if world.rank == 0:
         _write_results(args, [_record(requests[i], c, m) for i, c, m in results])

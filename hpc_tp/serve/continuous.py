@@ -44,6 +44,37 @@ class RowMetrics:
     batch: int                          # rows busy once it was admitted, its own included
     kv_cache_bytes_per_rank: list[int]  # the whole cache: every row, max_seq_len slots each
 
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class _Listed:
+    """A request of ``ContinuousBatcher.generate``'s list: queued from the start, never cancelled."""
+
+    def __init__(self, ids, params):
+        self.ids, self.params, self.arrived, self.cancelled = ids, params, time.perf_counter(), False
+        self.result = None
+
+    def text(self, piece):
+        pass
+
+    def finish(self, completion, metrics, queued_s):
+        self.result = completion, metrics
+
+
+class _Queue:
+    """``run``'s source over a fixed list: everything queued at once, serving ends when it is all taken
+    and done."""
+
+    def __init__(self, requests):
+        self.pending = list(requests)
+
+    def take(self, limit: int, idle: bool):
+        if idle and not self.pending:
+            return None
+        taken, self.pending = self.pending[:limit], self.pending[limit:]
+        return taken
+
 
 class _Busy:
     """Rank 0's record of one busy row."""
@@ -90,6 +121,16 @@ class ContinuousBatcher:
             self.feed = control[:-1].copy()
             self.lens[self.feed < 0] = 0
             more = bool(control[-1])
+
+    def generate(self, prompts=None, params=None):
+        """Collective, as ``Engine.generate``, for a whole list at once: on tp rank 0 ``prompts`` (lists
+        of token ids) and one SamplingParams each, which take rows as earlier ones finish. Returns
+        [(Completion, RowMetrics)] in the prompts' order on rank 0, None elsewhere."""
+        if self.comm.rank != 0:
+            return self.run()
+        requests = [_Listed(ids, p) for ids, p in zip(prompts, params)]
+        self.run(_Queue(requests))
+        return [r.result for r in requests]
 
     def _admit(self, source, idle: bool):
         """Rank 0: the requests taken (waiting for some when idle) in the lowest free rows, as

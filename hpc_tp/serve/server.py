@@ -30,7 +30,7 @@ import argparse
 import os
 import time
 
-from .command import add_model_arguments
+from .command import add_batching_argument, add_model_arguments
 
 DEFAULT_MAX_TOKENS = 16  # the completions API's default
 
@@ -45,10 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--batch-window-ms", type=float, default=5.0,
                         help="how long an idle server waits for more requests after a first one "
                              "(default %(default)s)")
-    parser.add_argument("--batching", choices=("continuous", "static"), default="continuous",
-                        help="continuous: requests join and leave between decode steps; static: a batch "
-                             "runs until its longest request is done, its steps a CUDA graph on a GPU at "
-                             "tp=1 (default %(default)s)")
+    add_batching_argument(parser, "requests")
 
 
 def run(args) -> int:
