@@ -187,6 +187,10 @@ def test_a_request_past_the_context_is_refused_before_any_cache_is_sized(model):
     for prompt, new in ((30, 4), (2, 10**15), (40, 1)):
         with pytest.raises(ConfigError, match="positions; the model has max_seq_len 32"):
             check_request([1] * prompt, SamplingParams(max_new_tokens=new), cfg)
+    # a server's own bound below the model's (serve --max-model-len, what its KV cache rows hold)
+    check_request([1] * 10, SamplingParams(max_new_tokens=3), cfg, max_model_len=12)
+    with pytest.raises(ConfigError, match=r"needs 13 positions; this server takes 12 \(--max-model-len\)"):
+        check_request([1] * 10, SamplingParams(max_new_tokens=4), cfg, max_model_len=12)
 
 
 def test_decoding_never_drops():

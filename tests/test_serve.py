@@ -73,7 +73,7 @@ def _start_line(proc, lines: queue.Queue, timeout=60):
 def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
     ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
     proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--dtype", "float64", "--max-batch", "8", "--batching", batching],
+                             "--dtype", "float64", "--max-batch", "8", "--batching", batching, "--max-model-len", "31"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
@@ -88,6 +88,7 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
                      b'{"prompt": ["a", "b"]}': "prompt must be a string",
                      b'{"prompt": "hi", "temprature": 0.5}': "unknown fields temprature",
                      b'{"prompt": "\\ud800"}': "text is not valid Unicode",  # a lone surrogate
+                     b'{"prompt": "' + b"z" * 30 + b'", "max_tokens": 3}': "this server takes 31 (--max-model-len)",
                      b"[" * 100000 + b"]" * 100000: "nested too deeply"}
         with ThreadPoolExecutor(max_workers=N_REQUESTS + len(malformed)) as pool:
             bad = [pool.submit(_post, port, body) for body in malformed]

@@ -144,7 +144,8 @@ def run(args) -> int:
     mine = []
     if args.batching == "continuous":  # each replica its share of the prompts, rows refilled as they finish
         share = list(range(grid.coords.dp, len(work), grid.dp_size))
-        batcher = ContinuousBatcher(engine, max(1, min(args.batch_size, len(share))))
+        longest = max((len(work[i][0]) + params[i].max_new_tokens - 1 for i in share), default=1)  # its rows' slots
+        batcher = ContinuousBatcher(engine, max(1, min(args.batch_size, len(share))), longest)
         out = batcher.generate([work[i][0] for i in share], [params[i] for i in share])
         if out is not None:
             mine = [(i, c, metrics) for i, (c, metrics) in zip(share, out)]

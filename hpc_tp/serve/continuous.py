@@ -85,12 +85,15 @@ class _Busy:
 
 
 class ContinuousBatcher:
-    """Serves requests through ``rows`` rows of one KV cache for ``engine``'s model and tokenizer.
-    Collective over the tp group: every rank builds one (the cache is allocated here) and calls ``run``."""
+    """Serves requests through ``rows`` rows of one KV cache for ``engine``'s model and tokenizer, each
+    row ``max_len`` slots (default the model's max_seq_len; a request must fit its prompt and new
+    tokens but the last in them). Collective over the tp group: every rank builds one (the cache is
+    allocated here) and calls ``run``."""
 
-    def __init__(self, engine, rows: int):
+    def __init__(self, engine, rows: int, max_len: int | None = None):
         self.engine, self.model, self.comm = engine, engine.model, engine.comm
-        self.cache = KVCache.for_model(self.model, rows, self.model.cfg.max_seq_len)
+        self.max_len = min(self.model.cfg.max_seq_len, max_len or self.model.cfg.max_seq_len)
+        self.cache = KVCache.for_model(self.model, rows, self.max_len)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
         self.lens = numpy.zeros(rows, dtype=numpy.int64)      # tokens in each row's cache (0: free)
         self.feed = numpy.full(rows, -1, dtype=numpy.int64)   # the token each row feeds next (-1: none)
@@ -146,7 +149,7 @@ class ContinuousBatcher:
         now, busy = time.perf_counter(), len(self._busy) - len(free) + len(requests)
         admitted = []
         for request, row in zip(requests, free):
-            check_request(request.ids, request.params, self.model.cfg)
+            check_request(request.ids, request.params, self.model.cfg, max_model_len=self.max_len)
             self._busy[row] = _Busy(request, _Row(request.params, self.engine.tokenizer), now, busy)
             admitted.append((row, list(request.ids)))
         return admitted

@@ -112,8 +112,10 @@ class _Row:
         return piece
 
 
-def check_request(prompt_ids: list[int], params: SamplingParams, cfg, names: dict[str, str] | None = None):
-    """ConfigError naming the problem (fields named as in ``names``), before a request joins a batch."""
+def check_request(prompt_ids: list[int], params: SamplingParams, cfg, names: dict[str, str] | None = None,
+                  max_model_len: int | None = None):
+    """ConfigError naming the problem (fields named as in ``names``), before a request joins a batch;
+    ``max_model_len``: a server's own bound on a request's positions, below the model's max_seq_len."""
     params.validate(names)
     if not prompt_ids:
         raise ConfigError("prompt is empty: generation needs at least one prompt token")
@@ -123,10 +125,12 @@ def check_request(prompt_ids: list[int], params: SamplingParams, cfg, names: dic
     needed = len(prompt_ids) + params.max_new_tokens - 1  # the last new token is never fed back
     # RoPE has no table to run out of, but max_seq_len is the context the model declares (and what
     # bounds the KV cache a request may ask for), as vLLM's max_model_len.
+    limit = (names or {}).get("max_new_tokens", "max_new_tokens")
+    asked = f"prompt of {len(prompt_ids)} tokens + {limit} {params.max_new_tokens} needs {needed} positions"
     if needed > cfg.max_seq_len:
-        limit = (names or {}).get("max_new_tokens", "max_new_tokens")
-        raise ConfigError(f"prompt of {len(prompt_ids)} tokens + {limit} {params.max_new_tokens} needs "
-                          f"{needed} positions; the model has max_seq_len {cfg.max_seq_len}")
+        raise ConfigError(f"{asked}; the model has max_seq_len {cfg.max_seq_len}")
+    if max_model_len is not None and needed > max_model_len:
+        raise ConfigError(f"{asked}; this server takes {max_model_len} (--max-model-len)")
 
 
 def left_pad(prompts: list[list[int]], extra: int, pad_id: int):

@@ -45,7 +45,7 @@ class Job:
         self.events.put(("done", completion, metrics, queued_s))
 
 
-def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int) -> Job:
+def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None) -> Job:
     """A Job, or ConfigError with the reason the request is refused."""
     try:
         request = json.loads(body)
@@ -72,13 +72,14 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int) -> Job:
                             top_p=request.get("top_p", 1.0), seed=request.get("seed"),
                             stop=[stop] if isinstance(stop, str) else stop)
     ids = tokenizer.encode(prompt)
-    check_request(ids, params, cfg, names={"max_new_tokens": "max_tokens"})
+    check_request(ids, params, cfg, names={"max_new_tokens": "max_tokens"}, max_model_len=max_model_len)
     return Job(ids, params, stream)
 
 
 class CompletionServer:
-    def __init__(self, host: str, port: int, tokenizer, cfg, default_max_tokens: int):
+    def __init__(self, host: str, port: int, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None):
         self.tokenizer, self.cfg, self.default_max_tokens = tokenizer, cfg, default_max_tokens
+        self.max_model_len = max_model_len
         self.jobs: queue.Queue = queue.Queue()
         self.answered = 0
         self._active = 0  # connections accepted and not yet closed
@@ -183,7 +184,7 @@ def _handler(app: CompletionServer):
                 self.close_connection = True
                 return
             try:
-                job = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens)
+                job = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens, app.max_model_len)
             except ConfigError as e:
                 self._error(400, str(e))
                 return

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="how long an idle server waits for more requests after a first one "
                              "(default %(default)s)")
     add_batching_argument(parser, "requests")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="positions a request may fill, prompt and new tokens (default: the model's "
+                             "max_seq_len); continuous batching's KV cache holds N slots a row")
 
 
 def run(args) -> int:
@@ -58,7 +61,10 @@ def run(args) -> int:
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
         raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
                           "expected a batch >= 1, a window >= 0 and a port in 0..65535")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ConfigError(f"--max-model-len {args.max_model_len}: expected an integer >= 1")
     grid, model, tokenizer = load_for_inference(args)
+    max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
     if grid.dp_size != 1:
         raise ConfigError(f"--tp {grid.tp_size} with {grid.world.size} ranks: serve runs one tp group, "
                           f"use --tp {grid.world.size}")
@@ -68,7 +74,7 @@ def run(args) -> int:
         from .http import CompletionServer
 
         try:
-            server = CompletionServer(args.host, args.port, tokenizer, model.cfg, DEFAULT_MAX_TOKENS)
+            server = CompletionServer(args.host, args.port, tokenizer, model.cfg, DEFAULT_MAX_TOKENS, max_len)
         except OSError as e:
             error = f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})"
     pids = grid.world.allgather_object(os.getpid())
@@ -77,12 +83,13 @@ def run(args) -> int:
         raise ConfigError(error)
     engine = Engine(model, tokenizer)
     continuous = args.batching == "continuous"
-    batcher = ContinuousBatcher(engine, args.max_batch) if continuous else StaticBatches(engine, args.max_batch)
+    batcher = (ContinuousBatcher(engine, args.max_batch, max_len) if continuous
+               else StaticBatches(engine, args.max_batch))
     if grid.world.rank != 0:
         batcher.run()
         return 0
     cache = (f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {args.max_batch} rows of "
-             f"{model.cfg.max_seq_len} slots" if continuous else "static batches")
+             f"{max_len} slots" if continuous else "static batches")
     print(f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
           f"rank pids {' '.join(map(str, pids))}); {cache}", flush=True)
     batcher.run(_Jobs(server, stop, args.batch_window_ms / 1000))
