@@ -72,6 +72,23 @@ def test_cached_logits_equal_full_forward_at_every_position(name, query_block, m
         assert max_rel_err(cached, full) <= 1e-10, f"row {i}"
 
 
+def test_moe_inference_keeps_every_tokens_experts():
+    """Inference is dropless: with a capacity that drops in training, each prompt's logits are the
+    same alone and batched with the others (neither its neighbours nor its padding take its place)."""
+    tp, _ = tp_and_reference()
+    cfg = ModelConfig(**dict(CONFIGS["gpt2"], num_experts=4, top_k=2, capacity_factor=0.5))
+    model = larger_weights(GPTModel(cfg, tp, seed=4))
+
+    def last_logits(prompts):
+        tokens, key_mask, positions = left_pad(prompts, 0, pad_id=0)
+        return model.infer(tokens, positions, key_mask, KVCache.for_model(model, len(prompts), tokens.shape[1]))
+
+    batched = last_logits(PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        assert max_rel_err(last_logits([prompt])[0], batched[i]) <= 1e-10, f"prompt {i}"
+    assert not any(moe.dropless for moe in model.moe_layers())  # training's capacity is back after the call
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_fixed_shape_decode_steps_equal_growing_ones(name):
     """The steps a CUDA graph replays (all slots attended, the slot, positions and mask moved on by the

@@ -93,6 +93,8 @@ def test_dispatch_loses_and_duplicates_no_token():
     assert np.array_equal(dispatcher.combine(received, plan, 2, tags.dtype), tags)
     kept = comm.all_reduce_scalar(len(plan.token))
     assert kept == len(reference.token) and kept + plan.dropped == ep * N * k and plan.dropped == reference.dropped > 0
+    everything = dispatcher.plan(choices[mine], probs[mine], dropless=True)  # inference's plan
+    assert everything.dropped == 0 and comm.all_reduce_scalar(len(everything.token)) == ep * N * k
 
 
 def test_load_balancing_gradient_matches_finite_differences():

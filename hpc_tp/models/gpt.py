@@ -192,15 +192,22 @@ class GPTModel(Module):
         real tokens among the filled slots and the new ones. Prefill is one call with the (padded)
         prompts, each decode step one call with T = 1. Returns full-vocabulary logits (gathered over
         tp) of the last position [B, V], or of every position [B, T, V] with ``all_positions``.
-        Decoding never drops: dropout is off for the call, whatever the model was trained with."""
+        Decoding never drops: dropout is off for the call, whatever the model was trained with, and
+        MoE layers keep every token's choices (no capacity), so a request's tokens do not depend on
+        the other requests or the padding in its batch, as in vLLM's and Megatron's inference."""
         if self._sequence_comm is not None:
             raise ConfigError("sequence_parallel is for training: serve the checkpoint with sequence_parallel false")
         training, self.rng.training = self.rng.training, False
+        experts = self.moe_layers()
+        for moe in experts:
+            moe.dropless = True
         try:
             x, _ = self.embed_forward(ids, positions)
             for i, block in enumerate(self.layers):
                 x, _ = block.forward(x, key_mask, positions, cache.layer(i))
         finally:
             self.rng.training = training
+            for moe in experts:
+                moe.dropless = False
         cache.advance(ids.shape[1])
         return self._full_logits(x if all_positions else x[:, -1])

@@ -74,6 +74,7 @@ class MoEMLP(Module):
         self.loss_scale = 1.0
         self.stats = MoEStats()
         self.count_stats = True
+        self.dropless = False  # inference keeps every token's choices (GPTModel.infer)
 
     def route(self, xs):
         """Router probabilities [N, E], top-k choices [N, k] (ties go to the lower expert id),
@@ -90,7 +91,7 @@ class MoEMLP(Module):
         xp = backend.xp_of(x)
         xs = x.reshape(-1, x.shape[-1])
         probs, choices, chosen, gates = self.route(xs)
-        plan = self._dispatcher.plan(choices, probs)
+        plan = self._dispatcher.plan(choices, probs, self.dropless)
         inputs = self._dispatcher.dispatch(xs[plan.token], plan)
         results = [e.forward(v) for e, v in zip(self.experts, inputs)]
         expert_ctxs = [c for _, c in results]

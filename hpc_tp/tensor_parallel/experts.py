@@ -14,7 +14,8 @@ choice (every first choice before any second choice, as in GShard), then by the 
 in the group's batch (rank order, then row order on the rank). Assignments past capacity are
 dropped: they contribute nothing to their token's output (the residual carries the token on).
 Since the queue order depends only on the group's whole batch, ep=1 on the concatenated batch
-drops exactly what ep=N drops.
+drops exactly what ep=N drops. Inference plans ``dropless``: capacity is the group's token count,
+so every assignment is kept and a token's output does not depend on the others in its batch.
 """
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ class ExpertDispatcher:
         self.local_experts = num_experts // self.ep
         self.first_expert = self.rank * self.local_experts
 
-    def plan(self, choices, probs) -> DispatchPlan:
-        """``choices`` [N, k] expert ids of this rank's tokens, ``probs`` [N, E] router probabilities."""
+    def plan(self, choices, probs, dropless: bool = False) -> DispatchPlan:
+        """``choices`` [N, k] expert ids of this rank's tokens, ``probs`` [N, E] router probabilities;
+        ``dropless``: no capacity (an expert can be chosen by each token once, so by at most all of them)."""
         import numpy
 
         xp = backend.xp_of(probs)
@@ -66,7 +68,7 @@ class ExpertDispatcher:
         everyone = (mine[None] if ep == 1 else backend.to_numpy(self.comm.all_gather(xp.asarray(mine)[None])))
         all_counts = everyone[:, :k * E].reshape(ep, k, E).round().astype(numpy.int64)
         group_tokens = int(everyone[:, -1].sum())
-        capacity = math.ceil(self.capacity_factor * group_tokens * k / E)
+        capacity = group_tokens if dropless else math.ceil(self.capacity_factor * group_tokens * k / E)
         # Where each (rank, choice, expert) block starts in its expert's queue, and how much of it fits.
         per_choice = all_counts.sum(axis=0)                                     # [k, E]
         before_choice = numpy.cumsum(per_choice, axis=0) - per_choice           # earlier choices, all ranks
