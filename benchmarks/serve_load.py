@@ -82,16 +82,14 @@ def write_checkpoint(folder: Path, preset: str, max_len: int) -> Path:
     from hpc_tp.grid import ProcessGrid
     from hpc_tp.models.config import load_config
     from hpc_tp.models.gpt import GPTModel
-    from hpc_tp.train.tokenizer import ByteTokenizer
+    from hpc_tp.train.tokenizer import ByteTokenizer, saved_files
 
     tokenizer = ByteTokenizer()
     cfg = load_config(preset, vocab_size=tokenizer.vocab_size, max_seq_len=max_len)
     grid = ProcessGrid(tp=1, world=self_comm())
     model = GPTModel(cfg, grid.tp, seed=0)
-    with tempfile.TemporaryDirectory() as scratch:
-        tokenizer.save(scratch)
-        files = {p.name: p.read_bytes() for p in Path(scratch).iterdir()}
-    return save_checkpoint(folder, 1, model.state(), {"step": 1, "config": cfg.to_dict()}, grid, files=files)
+    return save_checkpoint(folder, 1, model.state(), {"step": 1, "config": cfg.to_dict()}, grid,
+                           files=saved_files(tokenizer))
 
 
 def workload(args) -> list[dict]:

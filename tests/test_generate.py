@@ -339,17 +339,11 @@ def test_llama_matches_numpy_reference():
 # -- hpc-tp generate -----------------------------------------------------------------------------------
 def write_checkpoint(folder, name, grid, tokenizer=None):
     """A checkpoint of the random model ``name`` as the trainer writes one: meta["config"] and the tokenizer."""
-    import tempfile
-    from pathlib import Path
-
     from hpc_tp.checkpoint import save_checkpoint
+    from hpc_tp.train.tokenizer import saved_files
 
     model = _model(name, grid.tp)
-    files = {}
-    if tokenizer is not None:
-        with tempfile.TemporaryDirectory() as scratch:
-            tokenizer.save(scratch)
-            files = {p.name: p.read_bytes() for p in Path(scratch).iterdir()}
+    files = saved_files(tokenizer) if tokenizer is not None else {}
     return save_checkpoint(folder, 1, model.state(), {"step": 1, "config": model.cfg.to_dict()}, grid, files=files)
 
 

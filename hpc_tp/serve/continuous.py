@@ -22,7 +22,7 @@ One iteration, collective over the tp group:
 
 Left for later: the step runs eagerly (its shapes change with the rows' lengths, so no CUDA graph
 is captured, unlike a static batch's steps on a GPU at tp = 1), admitted prompts are prefilled one
-at a time, and each row holds max_seq_len slots from the start (no paged memory).
+at a time, and each row holds its max_len slots from the start (no paged memory).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from .kv_cache import KVCache
 class RowMetrics:
     """What a request's usage reports of the batch it was decoded in."""
     batch: int                          # rows busy once it was admitted, its own included
-    kv_cache_bytes_per_rank: list[int]  # the whole cache: every row, max_seq_len slots each
+    kv_cache_bytes_per_rank: list[int]  # the whole cache: every row, max_len slots each
 
     def to_dict(self) -> dict:
         return dict(vars(self))

@@ -6,9 +6,9 @@
               and each row's positions count only its own tokens (learned positions and RoPE alike);
               on a GPU at tp = 1 each step replays a captured CUDA graph (``serve.decoding``).
 
-A static batch: every row stays until the longest is done. ``hpc-tp generate`` and ``bench decode``
-run these; ``hpc-tp serve`` batches continuously (``serve.continuous``), reusing this module's
-per-row bookkeeping (``_Row``) and request checks.
+A static batch: every row stays until the longest is done. ``bench decode`` and ``--batching static``
+run these; ``hpc-tp generate`` and ``hpc-tp serve`` batch continuously by default
+(``serve.continuous``), reusing this module's per-row bookkeeping (``_Row``) and request checks.
 
 Collective over the tp group: every rank calls ``generate``; tp rank 0 brings the prompts and the
 sampling parameters, broadcasts them, samples every token and broadcasts the ids, so the other ranks

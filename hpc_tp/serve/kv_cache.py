@@ -4,7 +4,7 @@ Each tp rank caches only the K/V heads its attention owns (with grouped-query at
 groups; when tp > kv heads a KV head is cached on each rank that replicates it), so the cache
 shrinks with tp just as the weights do. Buffers are preallocated, [layers, batch, local kv heads,
 max_len, head_dim] for K and for V: a static batch's up to its final length, continuous batching's
-for every row at the model's max_seq_len.
+for every row at the longest a request may be (serve's --max-model-len).
 
 In a static batch (``Engine.generate``) slots are shared by the rows: the engine left-pads prompts
 so that every row writes its next token at the same slot, and a key mask (kept by the engine) hides

@@ -17,7 +17,7 @@ ranks only ever receive token ids. ``--batching static`` runs the batches of bef
 A response's usage reports time_to_first_token_s from its arrival (queue_s of it waiting for a row),
 decode_tokens_per_s of its own tokens after the first, batch_size (rows busy once it was admitted,
 its own included) and kv_cache_bytes_per_rank (the whole cache, allocated at start: --max-batch
-rows of max_seq_len slots).
+rows of --max-model-len slots).
 
 SIGTERM on rank 0 (``scancel`` and ``srun`` signal every rank; under ``mpirun`` send it to the
 ranks, whose pids the start-up line prints) stops accepting connections, finishes every request

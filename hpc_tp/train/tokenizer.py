@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -91,6 +92,13 @@ class HFTokenizer:
     def save(self, folder):
         _write_config(folder, {"kind": self.kind, "file": HF_FILE})
         self.tokenizer.save(str(Path(folder) / HF_FILE))
+
+
+def saved_files(tokenizer) -> dict[str, bytes]:
+    """The files ``tokenizer.save`` writes, as bytes: what a checkpoint folder keeps beside its weights."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save(folder)
+        return {p.name: p.read_bytes() for p in Path(folder).iterdir()}
 
 
 def load_tokenizer(spec: str):

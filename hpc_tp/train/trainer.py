@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,7 +52,7 @@ from .preemption import StopRequest
 from .progress import Progress, format_duration
 from .schedule import lr_at
 from .settings import DEMO_SEQ_LEN, TrainSettings
-from .tokenizer import load_tokenizer, load_tokenizer_dir
+from .tokenizer import load_tokenizer, load_tokenizer_dir, saved_files
 
 # Settings a resumed run must share with the run that saved: they decide which samples each step sees.
 SAME_ON_RESUME = ("seed", "global_batch", "data", "tokenizer")
@@ -253,7 +252,7 @@ class Trainer:
                 "optimizer": {"name": "adamw", "step_count": self.optimizer.step_count, **self.precision.state()},
                 "train": s.to_dict(), "tokenizer": self.tokenizer.identity}
         return save_checkpoint(s.save, self.step, self.checkpoint_tensors(), meta, self.grid, keep=s.keep,
-                               files=_tokenizer_files(self.tokenizer))
+                               files=saved_files(self.tokenizer))
 
     def resume(self) -> Path | None:
         """Continue from the latest checkpoint under ``--save`` (any layout saved it); None if there is none."""
@@ -441,10 +440,3 @@ def _watched_world(world, settings: TrainSettings) -> WatchedCommunicator:
 
         world = mpi_world()
     return watched(world, settings.comm_timeout, settings.debug_collectives)
-
-
-def _tokenizer_files(tokenizer) -> dict[str, bytes]:
-    """The files ``tokenizer.save`` writes, as bytes for the checkpoint folder."""
-    with tempfile.TemporaryDirectory() as folder:
-        tokenizer.save(folder)
-        return {p.name: p.read_bytes() for p in Path(folder).iterdir()}
