@@ -7,15 +7,16 @@ A random-weight checkpoint of ``--model`` (a preset, the byte tokenizer's vocabu
 temporary folder. Each variant is a server started as ``mpiexec -n NP hpc-tp serve --ckpt ... --port 0
 SERVE_ARGS``; rounds alternate the variants' order, so a shared machine's load falls on all alike.
 Against each, the same requests arrive at the same offsets (a seeded Poisson process of ``--rate``
-requests a second): their prompts are ``--prompt-tokens`` bytes, and every ``--long-every``-th asks
+requests a second): their prompts are ``--prompt-tokens`` bytes after ``--shared-prefix`` bytes the
+same for every request (a chat service's system prompt), and every ``--long-every``-th asks
 for ``--long-tokens`` new tokens, the others for ``--short-tokens`` (greedy, streamed). Each server
 first answers one request untimed (start-up work such as loading compiled kernels stays out of the
 figures). Per variant and round it reports time to first token (the server's
 ``time_to_first_token_s``, from the request's arrival: a random model's bytes are often not yet
 valid text, so the client's first text can come later than the first token) and end-to-end latency
 at the client (median and 90th percentile), the same for the
-short requests alone (the ones a static batch makes wait behind a long one), and the completion
-tokens a second over the round. The last lines are the medians over rounds. No time is asserted
+short requests alone (the ones a static batch makes wait behind a long one), the completion
+tokens a second over the round, and the prompt tokens the server found cached (``cached_tokens``). The last lines are the medians over rounds. No time is asserted
 anywhere: the machine is shared and noisy, and only variants of one run compare.
 """
 from __future__ import annotations
@@ -50,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--rate", type=float, default=8.0, help="mean arrivals a second (default %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=8)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="BYTES",
+                   help="bytes every prompt begins with, before its own (default %(default)s)")
     p.add_argument("--short-tokens", type=int, default=4)
     p.add_argument("--long-tokens", type=int, default=48)
     p.add_argument("--long-every", type=int, default=6, help="every k-th request is long (default %(default)s)")
@@ -62,9 +65,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     numbers = (args.np, args.requests, args.prompt_tokens, args.short_tokens, args.long_tokens, args.long_every,
                args.rounds)
-    if min(numbers) < 1 or not args.rate > 0:
+    if min(numbers) < 1 or not args.rate > 0 or args.shared_prefix < 0:
         p.error("--np, --requests, --prompt-tokens, --short-tokens, --long-tokens, --long-every and --rounds "
-                "must be >= 1 and --rate > 0")
+                "must be >= 1, --shared-prefix >= 0 and --rate > 0")
     variants = {}
     for spec in args.variant or ["default="]:
         name, sep, serve_args = spec.partition("=")
@@ -95,11 +98,12 @@ def write_checkpoint(folder: Path, preset: str, max_len: int) -> Path:
 def workload(args) -> list[dict]:
     """The requests, the same for every variant: arrival offset, body, whether long."""
     rng = numpy.random.default_rng(args.seed)
+    shared = "".join(chr(c) for c in rng.integers(ord("A"), ord("Z") + 1, args.shared_prefix))
     offsets = numpy.cumsum(rng.exponential(1.0 / args.rate, args.requests)) - 1.0 / args.rate
     requests = []
     for i, offset in enumerate(offsets):
         long = i % args.long_every == 0
-        prompt = "".join(chr(c) for c in rng.integers(ord("a"), ord("z") + 1, args.prompt_tokens))
+        prompt = shared + "".join(chr(c) for c in rng.integers(ord("a"), ord("z") + 1, args.prompt_tokens))
         body = {"prompt": prompt, "max_tokens": args.long_tokens if long else args.short_tokens,
                 "temperature": 0, "stream": True}
         requests.append({"offset": float(max(offset, 0.0)), "body": json.dumps(body).encode(), "long": long})
@@ -157,7 +161,7 @@ def one_request(port: int, request: dict, start: float) -> dict:
     if usage is None:
         raise SystemExit(f"no usage in the answer to {request['body'][:80]!r}")
     return {"long": request["long"], "ttft_s": usage["time_to_first_token_s"], "latency_s": time.perf_counter() - sent,
-            "tokens": usage["completion_tokens"]}
+            "tokens": usage["completion_tokens"], "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
 
 
 def run_round(server: Server, requests: list[dict]) -> dict:
@@ -171,7 +175,8 @@ def run_round(server: Server, requests: list[dict]) -> dict:
     def quantiles(values):
         return float(numpy.median(values)), float(numpy.percentile(values, 90))
 
-    figures = {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall}
+    figures = {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
+               "cached_tokens": sum(r["cached"] for r in results)}
     for label, rows in (("", results), ("short_", short)):
         figures[f"{label}ttft_p50_s"], figures[f"{label}ttft_p90_s"] = quantiles([r["ttft_s"] for r in rows])
         figures[f"{label}latency_p50_s"], figures[f"{label}latency_p90_s"] = quantiles([r["latency_s"] for r in rows])
@@ -183,7 +188,8 @@ def describe(name: str, f: dict) -> str:
     return (f"{name:>12}: TTFT p50/p90 {ms['ttft_p50_s']:7.1f} / {ms['ttft_p90_s']:7.1f} ms, latency "
             f"{ms['latency_p50_s']:7.1f} / {ms['latency_p90_s']:7.1f} ms; short requests TTFT "
             f"{ms['short_ttft_p50_s']:7.1f} / {ms['short_ttft_p90_s']:7.1f} ms, latency "
-            f"{ms['short_latency_p50_s']:7.1f} / {ms['short_latency_p90_s']:7.1f} ms; {f['tokens_per_s']:.1f} tokens/s")
+            f"{ms['short_latency_p50_s']:7.1f} / {ms['short_latency_p90_s']:7.1f} ms; {f['tokens_per_s']:.1f} tokens/s; "
+            f"{f['cached_tokens']:.0f} prompt tokens cached")
 
 
 def main(argv=None) -> int:
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="serve_load_"))
     rounds = []
     try:
-        ckpt = write_checkpoint(folder / "ckpt", args.model, args.prompt_tokens + args.long_tokens)
+        ckpt = write_checkpoint(folder / "ckpt", args.model, args.shared_prefix + args.prompt_tokens + args.long_tokens)
         names = list(args.variants)
         for i in range(args.rounds):
             for name in names if i % 2 == 0 else names[::-1]:

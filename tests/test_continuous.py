@@ -1,6 +1,7 @@
 """Continuous batching (``serve.continuous``): requests admitted at different iterations, into rows
 freed by others, give the tokens and logits they give alone; a request that arrives while a long one
-decodes starts at once; a cancelled request frees its row. At tp = world size, float64."""
+decodes starts at once; a cancelled request frees its row; a prompt that begins with what a free row
+holds prefills only the rest, with the logits of a whole prefill. At tp = world size, float64."""
 import itertools
 import time
 
@@ -80,10 +81,10 @@ def events(monkeypatch):
     return chosen
 
 
-def _serve(comm, name, rows, due, events):
+def _serve(comm, name, rows, due, events, prefix_caching=True, engine=None):
     """Run the batcher at tp = ``comm`` (every rank); the requests, on tp rank 0."""
-    engine = Engine(_model(name, comm), ByteTokenizer())
-    batcher = ContinuousBatcher(engine, rows)
+    engine = engine or Engine(_model(name, comm), ByteTokenizer())
+    batcher = ContinuousBatcher(engine, rows, prefix_caching=prefix_caching)
     for _, request in due:
         events.watch(request)
     batcher.run(Script(due) if comm.rank == 0 else None)
@@ -103,8 +104,8 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
     tp, _ = tp_and_reference()
     steps, step_rows = [], continuous.step_rows
 
-    def finite_step(model, cache, ids, lens):  # free rows run along: their logits must be finite too
-        out = step_rows(model, cache, ids, lens)
+    def finite_step(model, cache, ids, lens, width):  # free rows run along: their logits must be finite too
+        out = step_rows(model, cache, ids, lens, width)
         steps.append(len(lens))
         assert np.isfinite(out).all()
         return out
@@ -178,3 +179,63 @@ def test_a_stop_string_ends_a_row_its_streamed_text_held_back_and_frees_it(event
         assert completion.finish_reason == "stop" and completion.text == text[:text.find(stop)]
         assert "".join(stopped.pieces) == completion.text and len(completion.ids) < 12
         assert waiting.done[0].finish_reason == "length" and len(waiting.done[0].ids) == 4
+
+
+def _agrees_with_alone(engine, request, events):
+    out, probe = _alone(engine, request, events)
+    if engine.comm.rank == 0:
+        completion = request.done[0]
+        assert completion.ids == out[0][0].ids and completion.finish_reason == out[0][0].finish_reason
+        assert max(max_rel_err(a, b) for a, b in zip(request.sampled, probe.sampled)) <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_prompt_beginning_with_a_free_rows_tokens_prefills_only_the_rest(name, prefix_caching, events):
+    """Two rows. A and B are admitted together; A ends first and its row runs along in B's decode
+    steps (writing after what it keeps); C, a chat's next turn after A (A's prompt and answer, then
+    more), comes while B decodes and takes A's row; D begins with B's prompt and comes when both
+    rows are free: it takes B's row, the higher one. Each gives what it gives alone."""
+    tp, _ = tp_and_reference()
+    engine = Engine(_model(name, tp), ByteTokenizer())
+    a, b = Request(PROMPTS[0], 3), Request(PROMPTS[2], 12)
+    answer, _ = _alone(engine, a, events)
+    answer = tp.bcast_object(answer[0][0].ids if tp.rank == 0 else None)
+    c = Request(PROMPTS[0] + answer + [7, 8, 9], 4)
+    d = Request(PROMPTS[2][:5] + [250, 251], 3)
+    assert PROMPTS[2][5] != 250 and PROMPTS[0][0] != PROMPTS[2][0]
+    _serve(tp, name, 2, [(1, a), (1, b), (4, c), (30, d)], events, prefix_caching, engine)
+    for request in (a, b, c, d):
+        _agrees_with_alone(engine, request, events)
+    if tp.rank == 0:
+        order = [r for r in events if r in (b, c)]
+        assert order.index(c) < len(order) - 1 - order[::-1].index(b)  # C decoded while B did
+        cached = [r.done[0].cached_tokens for r in (a, b, c, d)]
+        # C holds A's prompt and A's answer but its last token, which was never fed; D B's first 5
+        assert cached == ([0, 0, len(PROMPTS[0]) + 3 - 1, 5] if prefix_caching else [0, 0, 0, 0])
+
+
+def test_a_prompt_a_row_holds_whole_still_prefills_its_last_token(events):
+    tp, _ = tp_and_reference()
+    engine = Engine(_model("gpt2", tp), ByteTokenizer())
+    first, again = Request(PROMPTS[2], 2), Request(PROMPTS[2], 5)  # the same prompt, after it in one row
+    _serve(tp, "gpt2", 1, [(1, first), (1, again)], events, engine=engine)
+    _agrees_with_alone(engine, again, events)
+    if tp.rank == 0:
+        assert again.done[0].cached_tokens == len(PROMPTS[2]) - 1
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_prefix_a_busy_row_holds_is_copied_into_a_free_row(prefix_caching, events):
+    """L decodes in row 0 when S, beginning with L's first four tokens, comes: S takes row 1 and,
+    with prefix caching, gets L's first four slots copied in and prefills the rest."""
+    tp, _ = tp_and_reference()
+    engine = Engine(_model("llama-gqa", tp), ByteTokenizer())
+    long, short = Request(PROMPTS[2], 10), Request(PROMPTS[2][:4] + [99, 98], 3)
+    _serve(tp, "llama-gqa", 2, [(1, long), (3, short)], events, prefix_caching, engine)
+    order = list(events)
+    for request in (long, short):
+        _agrees_with_alone(engine, request, events)
+    if tp.rank == 0:
+        assert order.index(short) < len(order) - 1 - order[::-1].index(long)  # S came while L decoded
+        assert short.done[0].cached_tokens == (4 if prefix_caching else 0) and long.done[0].cached_tokens == 0

@@ -37,6 +37,9 @@ def add_batching_argument(parser: argparse.ArgumentParser, unit: str):
                         help=f"continuous: {unit} take a row as soon as one is free, between decode steps; "
                              f"static: a batch runs until its longest is done, its decode steps CUDA graphs "
                              f"on a GPU at tp=1 (default %(default)s)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"continuous batching: a row keeps its last request's K/V, and {unit} that begin "
+                             f"with those tokens prefill only the rest (default: on)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser):
@@ -145,7 +148,7 @@ def run(args) -> int:
     if args.batching == "continuous":  # each replica its share of the prompts, rows refilled as they finish
         share = list(range(grid.coords.dp, len(work), grid.dp_size))
         longest = max((len(work[i][0]) + params[i].max_new_tokens - 1 for i in share), default=1)  # its rows' slots
-        batcher = ContinuousBatcher(engine, max(1, min(args.batch_size, len(share))), longest)
+        batcher = ContinuousBatcher(engine, max(1, min(args.batch_size, len(share))), longest, args.prefix_caching)
         out = batcher.generate([work[i][0] for i in share], [params[i] for i in share])
         if out is not None:
             mine = [(i, c, metrics) for i, (c, metrics) in zip(share, out)]
@@ -221,6 +224,7 @@ def _encoded(tokenizer, prompt: str, n: int) -> list[int]:
 def _record(request: dict, completion, metrics) -> dict:
     return {"id": request["id"], "prompt": request["prompt"], "completion": completion.text,
             "finish_reason": completion.finish_reason, "prompt_tokens": completion.prompt_tokens,
+            "cached_tokens": completion.cached_tokens,
             "completion_tokens": len(completion.ids), "ttft_s": completion.ttft_s,
             "decode_tokens_per_s": completion.decode_tokens_per_s, "batch": metrics.to_dict()}
 

@@ -8,13 +8,24 @@ earlier request left in the row). A row that finishes (EOS, stop string, max tok
 takes the next queued request at the next iteration, as in Orca (OSDI '22) and vLLM, where a static
 batch (``Engine.generate``) holds every row until its longest one is done.
 
+Prefix caching: every row keeps a record of the tokens its K/V stand for (``tokens``, ``lens``),
+and a row that frees keeps its K/V. A request whose prompt begins with what some row holds (the
+same system prompt, or a chat's next turn, which repeats the last turn's prompt and answer)
+prefills only the rest of its prompt, attending to those slots: in the free row holding the
+longest such prefix, or, where a busy row holds it, in a free row the prefix's K/V are copied into
+(one copy of a few slots instead of recomputing them). The logits are those of a whole prefill. A
+free row that runs along in a decode step writes at its kept length, after what it keeps. vLLM
+shares prefixes in place, as blocks of a paged cache; rows of one cache copy them.
+
 One iteration, collective over the tp group:
 
-    admit     tp rank 0 gives queued requests the lowest free rows, and one ``bcast_object`` sends
-              their (row, prompt ids), only when there are any; when no row is busy every rank
+    admit     tp rank 0 gives each queued request a free row and finds the longest prefix of its
+              prompt some row holds (``_place``), and one ``bcast_object`` sends their (row, prompt
+              ids, prefix length, the row holding it), only when there are any; when no row is busy every rank
               waits in that broadcast for the next admissions, or for the word to stop;
     decode    one step for the rows that have a token to feed, up to the last of them;
-    prefill   each admitted prompt into its own row: its last logits give the request's first token;
+    prefill   each admitted prompt's prefix copied into its row where it is held elsewhere, then the
+              rest of each prompt prefilled: its last logits give the request's first token;
     sample    rank 0 samples every busy row (``_Row``: EOS, stop strings, max tokens, cancellation),
               streams text, finishes requests and takes queued ones for the rows now free; one
               ``comm.broadcast`` of an int64 array gives each row's next token (-1: free) and
@@ -79,23 +90,28 @@ class _Queue:
 class _Busy:
     """Rank 0's record of one busy row."""
 
-    def __init__(self, request, row: _Row, admitted: float, batch: int):
-        self.request, self.row, self.admitted, self.batch = request, row, admitted, batch
+    def __init__(self, request, row: _Row, admitted: float, batch: int, cached: int):
+        self.request, self.row, self.admitted, self.batch, self.cached = request, row, admitted, batch, cached
         self.first: float | None = None  # when its first token was chosen
 
 
 class ContinuousBatcher:
     """Serves requests through ``rows`` rows of one KV cache for ``engine``'s model and tokenizer, each
     row ``max_len`` slots (default the model's max_seq_len; a request must fit its prompt and new
-    tokens but the last in them). Collective over the tp group: every rank builds one (the cache is
-    allocated here) and calls ``run``."""
+    tokens but the last in them). ``prefix_caching``: admit into a free row the prompts that begin
+    with what it holds, prefilling only the rest (module docstring). Collective over the tp group:
+    every rank builds one (the cache is allocated here) and calls ``run``."""
 
-    def __init__(self, engine, rows: int, max_len: int | None = None):
+    def __init__(self, engine, rows: int, max_len: int | None = None, prefix_caching: bool = True):
         self.engine, self.model, self.comm = engine, engine.model, engine.comm
         self.max_len = min(self.model.cfg.max_seq_len, max_len or self.model.cfg.max_seq_len)
         self.cache = KVCache.for_model(self.model, rows, self.max_len)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
-        self.lens = numpy.zeros(rows, dtype=numpy.int64)      # tokens in each row's cache (0: free)
+        self.prefix_caching = prefix_caching
+        # Each row's cached tokens: a busy row's request so far; a free row's last request's, kept for a
+        # prompt that begins with them (without prefix caching, none).
+        self.lens = numpy.zeros(rows, dtype=numpy.int64)
+        self.tokens = numpy.zeros((rows, self.max_len), dtype=numpy.int64)
         self.feed = numpy.full(rows, -1, dtype=numpy.int64)   # the token each row feeds next (-1: none)
         self._busy: list[_Busy | None] = [None] * rows        # rank 0 only
         self._taken: list = []  # rank 0: requests taken for freed rows, admitted at the next iteration
@@ -122,7 +138,7 @@ class ContinuousBatcher:
                 control[-1] = self._sample(logits, control, source)
             self.comm.broadcast(control)
             self.feed = control[:-1].copy()
-            self.lens[self.feed < 0] = 0
+            self._free_rows(self.feed < 0)
             more = bool(control[-1])
 
     def generate(self, prompts=None, params=None):
@@ -135,9 +151,33 @@ class ContinuousBatcher:
         self.run(_Queue(requests))
         return [r.result for r in requests]
 
+    def _free_rows(self, free):
+        """Rows ``free`` (a mask) keep what they hold for prefix caching, but for one slot: a free row
+        that runs along in a decode step writes its token at its length, which must be a slot."""
+        self.lens[free] = numpy.minimum(self.lens[free], self.max_len - 1) if self.prefix_caching else 0
+
+    def _place(self, ids, free: list[int], taken: list[int]) -> tuple[int, int, int]:
+        """Rank 0: (row, prefix, source) for prompt ``ids``: the free row to admit it into, the longest
+        prefix of it a row holds and that row: the free row itself where one holds it (no copy), else
+        the lowest busy one, the prompt going to the lowest free row. The prompt's last token is always
+        prefilled (its logits give the first new token). Rows ``taken`` by this admission are no
+        source: a copy into one of them may come first."""
+        n = len(ids) - 1
+        if not self.prefix_caching or n == 0:
+            return free[0], 0, free[0]
+        rows = numpy.array([r for r in range(len(self.lens)) if r not in taken])
+        same = self.tokens[rows, :n] == numpy.asarray(ids[:n], dtype=numpy.int64)
+        held = numpy.minimum(numpy.where(same.all(axis=1), n, same.argmin(axis=1)), self.lens[rows])
+        best = int(held.max())
+        if best == 0:
+            return free[0], 0, free[0]
+        holding = [int(r) for r in rows[held == best]]
+        in_place = [r for r in holding if r in free]
+        return (in_place[0], best, in_place[0]) if in_place else (free[0], best, holding[0])
+
     def _admit(self, source, idle: bool):
-        """Rank 0: the requests taken (waiting for some when idle) in the lowest free rows, as
-        [(row, prompt ids)]; None: stop."""
+        """Rank 0: the requests taken (waiting for some when idle) placed in free rows (``_place``), as
+        [(row, prompt ids, length of its cached prefix, the row holding that)]; None: stop."""
         requests, self._taken = self._taken, []
         while idle and not requests:
             requests = source.take(len(self._busy), idle=True)
@@ -147,33 +187,45 @@ class ContinuousBatcher:
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} requests taken for {len(free)} free rows")
         now, busy = time.perf_counter(), len(self._busy) - len(free) + len(requests)
-        admitted = []
-        for request, row in zip(requests, free):
+        admitted, taken = [], []
+        for request in requests:
             check_request(request.ids, request.params, self.model.cfg, max_model_len=self.max_len)
-            self._busy[row] = _Busy(request, _Row(request.params, self.engine.tokenizer), now, busy)
-            admitted.append((row, list(request.ids)))
+            row, cached, source = self._place(request.ids, free, taken)
+            free.remove(row)
+            taken.append(row)
+            self._busy[row] = _Busy(request, _Row(request.params, self.engine.tokenizer), now, busy, cached)
+            admitted.append((row, list(request.ids), cached, source))
         return admitted
 
     def _forward(self, admitted):
-        """The decode step for the rows with a token to feed, then each admitted prompt's prefill;
-        {row: logits [V]} on the host of rank 0 ({} elsewhere)."""
+        """The decode step for the rows with a token to feed, then the admitted prompts' cached prefixes
+        copied into their rows (all before any prefill, which could overwrite a source) and the rest of
+        each prompt prefilled; {row: logits [V]} on the host of rank 0 ({} elsewhere)."""
         xp, host = backend.xp, self.comm.rank == 0
         logits = {}
         stepping = numpy.flatnonzero(self.feed >= 0)
         if stepping.size:
-            # Rows after the last busy one are left out; free rows before it run along, unread.
-            # Admitted rows are free here, so the prefill below overwrites what the step wrote there.
+            # Rows after the last busy one are left out; free rows before it run along, unread, writing
+            # after what they keep (admitted rows are free here: their prefill overwrites that slot).
             last = int(stepping[-1]) + 1
             ids = numpy.where(self.feed >= 0, self.feed, self.engine.pad_id)[:last]
-            out = step_rows(self.model, self.cache.rows(0, last), ids, self.lens[:last])
+            out = step_rows(self.model, self.cache.rows(0, last), ids, self.lens[:last],
+                            width=int(self.lens[stepping].max()) + 1)
+            self.tokens[stepping, self.lens[stepping]] = self.feed[stepping]
             self.lens[stepping] += 1
             if host:
                 out = backend.to_numpy(out)
                 logits.update((int(r), out[r]) for r in stepping)
-        for row, ids in admitted:
+        for row, _, cached, source in admitted:
+            if source != row:
+                self.cache.copy_slots(source, row, cached)
+        for row, ids, cached, _ in admitted:
             n = len(ids)
-            out = self.model.infer(xp.asarray([ids], dtype=numpy.int64), xp.arange(n)[None],
-                                   xp.ones((1, n), dtype=bool), self.cache.rows(row, row + 1))
+            cache = self.cache.rows(row, row + 1)
+            cache.advance(cached)  # the prompt's first ``cached`` tokens are this row's already
+            out = self.model.infer(xp.asarray([ids[cached:]], dtype=numpy.int64), xp.arange(cached, n)[None],
+                                   xp.ones((1, n), dtype=bool), cache)
+            self.tokens[row, :n] = ids
             self.lens[row] = n
             if host:
                 logits[row] = backend.to_numpy(out)[0]
@@ -195,7 +247,7 @@ class ContinuousBatcher:
                 control[r] = busy.row.ids[-1]
                 continue
             first = now if busy.first is None else busy.first
-            busy.request.finish(busy.row.completion(len(busy.request.ids), busy.admitted, first),
+            busy.request.finish(busy.row.completion(len(busy.request.ids), busy.admitted, first, busy.cached),
                                 RowMetrics(busy.batch, self.kv_bytes), busy.admitted - busy.request.arrived)
             self._busy[r] = None
         free = sum(b is None for b in self._busy)

@@ -37,14 +37,16 @@ def positions_after(lens, step: int, model):
     return pos
 
 
-def step_rows(model, cache: KVCache, ids, lens):
+def step_rows(model, cache: KVCache, ids, lens, width: int | None = None):
     """One decode step in which each row is a sequence of its own from slot 0 (no padding): row r
     holds ``lens[r]`` tokens, feeds ``ids[r]`` at position ``lens[r]`` (clamped as ``positions_after``
     does), writes its K/V at slot ``lens[r]`` and attends to slots 0..lens[r] only, whatever an
-    earlier request left after them. A free row (length 0) sees just the token it writes at slot 0:
-    finite logits that nobody reads. ``ids``, ``lens``: host int arrays [B]; returns logits [B, V]."""
+    earlier request left after them. The step attends over the first ``width`` slots (default: the
+    longest row's and its new one); a free row running along, whose logits nobody reads, may hold
+    more, and then sees those ``width`` slots and writes after them. ``ids``, ``lens``: host int
+    arrays [B]; returns logits [B, V]."""
     xp = backend.xp
-    width = int(lens.max()) + 1  # the longest row's slots and its new one: no step attends further
+    width = int(lens.max()) + 1 if width is None else width
     visible = numpy.arange(width) <= lens[:, None]
     view = SlotCache(cache, xp.asarray(lens, dtype=numpy.int64), width)
     return model.infer(xp.asarray(ids, dtype=numpy.int64).reshape(-1, 1),

@@ -36,6 +36,7 @@ class Completion:
     prompt_tokens: int
     ttft_s: float               # to this row's first token from the start of the batch (continuous: its admission)
     decode_tokens_per_s: float  # tokens after the first, over the time they took
+    cached_tokens: int = 0      # of the prompt's, found in the KV cache (continuous batching's prefix caching)
 
 
 @dataclass
@@ -78,10 +79,10 @@ class _Row:
         if piece or self.finish is not None:
             on_text(piece, self.finish)
 
-    def completion(self, prompt_tokens: int, start: float, first: float) -> Completion:
+    def completion(self, prompt_tokens: int, start: float, first: float, cached_tokens: int = 0) -> Completion:
         """From ``start`` (the batch's, or the request's admission) and its ``first`` token's time."""
         return Completion(self.ids, self.text, self.finish, prompt_tokens, first - start,
-                          _rate(len(self.ids) - 1, self.done_at - first))
+                          _rate(len(self.ids) - 1, self.done_at - first), cached_tokens)
 
     def add(self, token: int):
         if token == self.tokenizer.eos_id:

@@ -123,6 +123,7 @@ class CompletionServer:
     def response(self, job_id: int, completion, metrics, queued_s: float, text: str | None) -> dict:
         usage = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.ids),
                  "total_tokens": completion.prompt_tokens + len(completion.ids),
+                 "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
                  "time_to_first_token_s": queued_s + completion.ttft_s, "queue_s": queued_s,
                  "decode_tokens_per_s": completion.decode_tokens_per_s, "batch_size": metrics.batch,
                  "kv_cache_bytes_per_rank": metrics.kv_cache_bytes_per_rank}

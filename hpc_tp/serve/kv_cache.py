@@ -69,6 +69,12 @@ class KVCache:
         touches no other. Whatever those rows held before stays in memory; key masks hide it."""
         return KVCache(self.k[:, start:stop], self.v[:, start:stop])
 
+    def copy_slots(self, source: int, target: int, slots: int):
+        """Row ``target``'s first ``slots`` slots made row ``source``'s, every layer: a prompt prefix
+        cached in one row, reused in another (continuous batching's prefix caching)."""
+        for buffers in (self.k, self.v):
+            buffers[:, target, :, :slots] = buffers[:, source, :, :slots]
+
     def advance(self, steps: int):
         """Every layer stored ``steps`` more slots: the next step writes after them."""
         self.length += steps

@@ -83,7 +83,7 @@ def run(args) -> int:
         raise ConfigError(error)
     engine = Engine(model, tokenizer)
     continuous = args.batching == "continuous"
-    batcher = (ContinuousBatcher(engine, args.max_batch, max_len) if continuous
+    batcher = (ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching) if continuous
                else StaticBatches(engine, args.max_batch))
     if grid.world.rank != 0:
         batcher.run()
