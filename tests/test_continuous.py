@@ -12,7 +12,8 @@ from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.train.tokenizer import ByteTokenizer
-from test_generate import CONFIGS, PROMPTS, _model
+from hpc_tp.models import GPTModel, ModelConfig
+from test_generate import CONFIGS, PROMPTS, _model, larger_weights
 from tp_helpers import max_rel_err, tp_and_reference
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.filterwarnings("error")]
@@ -135,6 +136,57 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
         assert first[2] > last[0] and first[2] < last[1]  # into row 0 once the first request left it
         assert first[4] < last[1] or first[4] < last[3]   # admitted while another row decodes
         assert max(steps) == 2 and min(steps) == 1
+
+
+# capacity 0.5 would drop tokens in training: inference must keep them, padding or not
+MODELS = {**CONFIGS, "moe": dict(CONFIGS["gpt2"], num_experts=4, top_k=2, capacity_factor=0.5)}
+
+
+@pytest.mark.parametrize("prefill_tokens, shapes", [(None, [(6, 27)]), (16, [(1, 27), (1, 13), (2, 7), (2, 2)]),
+                                                    (1, [(1, 27), (1, 13), (1, 7), (1, 5), (1, 2), (1, 1)])],
+                         ids=["one-prefill", "bounded", "one-at-a-time"])
+@pytest.mark.parametrize("name", MODELS)
+def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone(name, prefill_tokens, shapes,
+                                                                                  events, monkeypatch):
+    """``generate`` with a row for every prompt admits them all at once: prompts of different lengths
+    right-padded into one forward pass (or into passes of at most ``prefill_tokens`` padded tokens,
+    longest first), each request's tokens and logits those it has alone."""
+    tp, _ = tp_and_reference()
+    model = larger_weights(GPTModel(ModelConfig(**MODELS[name]), tp, seed=4))
+    engine, prefills, infer = Engine(model, ByteTokenizer()), [], model.infer
+
+    def spy(ids, *args, last=None, **kwargs):
+        if last is not None:
+            prefills.append(ids.shape)
+        return infer(ids, *args, last=last, **kwargs)
+
+    monkeypatch.setattr(model, "infer", spy)
+    long_prompt = [int(i) for i in np.random.default_rng(5).integers(0, 256, 27)]
+    requests = [events.watch(Request(ids, new)) for ids, new in
+                [(PROMPTS[0], 4), (long_prompt, 6), (PROMPTS[3], 5), (PROMPTS[1], 3), (list(b"thirteen long"), 2),
+                 (PROMPTS[2], 1)]]
+    batcher = ContinuousBatcher(engine, len(requests), prefill_tokens=prefill_tokens)
+    out = batcher.generate([r.ids for r in requests] if tp.rank == 0 else None,
+                           [r.params for r in requests] if tp.rank == 0 else None)
+    monkeypatch.setattr(model, "infer", infer)
+    assert prefills == shapes
+    for i, request in enumerate(requests):
+        alone, probe = _alone(engine, request, events)
+        if tp.rank == 0:
+            assert out[i][0].ids == alone[0][0].ids and out[i][1].batch == len(requests)
+            assert len(request.sampled) == len(probe.sampled) == request.params.max_new_tokens
+            assert max(max_rel_err(a, b) for a, b in zip(request.sampled, probe.sampled)) <= 1e-10, f"request {i}"
+
+
+def test_prefill_groups_bound_padded_tokens_longest_first():
+    assert continuous.prefill_groups([2, 9, 5, 7, 1, 3], 16) == [[1], [3, 2], [5, 0, 4]]
+    assert continuous.prefill_groups([4, 4, 4], 12) == [[0, 1, 2]]  # ties keep their order
+    assert continuous.prefill_groups([30, 3], 8) == [[0], [1]]  # a prompt past the bound goes alone
+    engine = Engine(_model("gpt2", tp_and_reference()[1]), ByteTokenizer())
+    assert ContinuousBatcher(engine, 1).prefill_tokens == continuous.PREFILL_TOKENS
+    assert ContinuousBatcher(engine, 1, prefill_tokens=8).prefill_tokens == 8
+    with pytest.raises(ValueError, match="prefill_tokens 0: expected an integer >= 1"):
+        ContinuousBatcher(engine, 1, prefill_tokens=0)
 
 
 def test_a_request_arriving_mid_decode_starts_before_the_long_one_ends(events):

@@ -14,15 +14,27 @@ One iteration, collective over the tp group:
               their (row, prompt ids), only when there are any; when no row is busy every rank
               waits in that broadcast for the next admissions, or for the word to stop;
     decode    one step for the rows that have a token to feed, up to the last of them;
-    prefill   each admitted prompt into its own row: its last logits give the request's first token;
+    prefill   the admitted prompts right-padded to the longest, in one forward pass (``_prefill``;
+              several when their padded tokens pass ``prefill_tokens``), each into its own row from
+              slot 0: its last real token's logits give the request's first token;
     sample    rank 0 samples every busy row (``_Row``: EOS, stop strings, max tokens, cancellation),
               streams text, finishes requests and takes queued ones for the rows now free; one
               ``comm.broadcast`` of an int64 array gives each row's next token (-1: free) and
               whether admissions follow. The other ranks only ever see token ids.
 
+Prompts admitted together share their prefill: one pass has the same 2 all-reduces a layer and one
+logits gather for k prompts as for one, where prefilling each alone took k of each. Right padding
+keeps every prompt at positions 0..n-1 from slot 0, as alone: causal attention never lets a real token
+see the padding after it, and MoE inference is dropless, so the padding changes no prompt's numbers.
+The K/V go straight into each prompt's row (``kv_cache.RowsPrefill``; the rows admitted together need
+not be neighbours), with no second cache to copy from, and only each row's last real position reaches
+the LM head (``GPTModel.infer``'s ``last``).
+
 Left for later: the step runs eagerly (its shapes change with the rows' lengths, so no CUDA graph
-is captured, unlike a static batch's steps on a GPU at tp = 1), admitted prompts are prefilled one
-at a time, and each row holds its max_len slots from the start (no paged memory).
+is captured, unlike a static batch's steps on a GPU at tp = 1), a prefill and the decode step of the
+rows already busy are two passes rather than one (vLLM's chunked prefill mixes them), a long prompt is
+prefilled whole rather than in chunks, and each row holds its max_len slots from the start (no paged
+memory).
 """
 from __future__ import annotations
 
@@ -35,7 +47,27 @@ from .. import backend
 from .command import on_rank0
 from .decoding import step_rows
 from .generate import _Row, check_request
-from .kv_cache import KVCache
+from .kv_cache import KVCache, RowsPrefill
+
+
+# The default bound on a batched prefill's padded tokens (its prompts x the longest of them), raised to
+# the rows' max_len where that is more, as vLLM's max_num_batched_tokens before chunked prefill
+# (max(max_model_len, 2048)). It bounds the prefill's activations [prompts, longest, hidden] and attention
+# tiles: a burst of prompts takes no more memory than 2048 tokens, or one longest prompt a row takes.
+PREFILL_TOKENS = 2048
+
+
+def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of prompts of ``lengths`` in groups to prefill together, longest first, so that each
+    group's padded size (its count x its longest) stays within ``budget``; a longer prompt goes alone.
+    Similar lengths share a group, which keeps the padding small."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 @dataclass
@@ -87,12 +119,17 @@ class _Busy:
 class ContinuousBatcher:
     """Serves requests through ``rows`` rows of one KV cache for ``engine``'s model and tokenizer, each
     row ``max_len`` slots (default the model's max_seq_len; a request must fit its prompt and new
-    tokens but the last in them). Collective over the tp group: every rank builds one (the cache is
-    allocated here) and calls ``run``."""
+    tokens but the last in them). Prompts admitted together are prefilled in batches of at most
+    ``prefill_tokens`` padded tokens (default ``PREFILL_TOKENS``, or max_len if more; 1: one at a time).
+    Collective over the tp group: every rank builds one (the cache is allocated here) and calls
+    ``run``."""
 
-    def __init__(self, engine, rows: int, max_len: int | None = None):
+    def __init__(self, engine, rows: int, max_len: int | None = None, prefill_tokens: int | None = None):
         self.engine, self.model, self.comm = engine, engine.model, engine.comm
         self.max_len = min(self.model.cfg.max_seq_len, max_len or self.model.cfg.max_seq_len)
+        if prefill_tokens is not None and prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens {prefill_tokens}: expected an integer >= 1")
+        self.prefill_tokens = prefill_tokens or max(PREFILL_TOKENS, self.max_len)
         self.cache = KVCache.for_model(self.model, rows, self.max_len)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
         self.lens = numpy.zeros(rows, dtype=numpy.int64)      # tokens in each row's cache (0: free)
@@ -170,14 +207,29 @@ class ContinuousBatcher:
             if host:
                 out = backend.to_numpy(out)
                 logits.update((int(r), out[r]) for r in stepping)
-        for row, ids in admitted:
-            n = len(ids)
-            out = self.model.infer(xp.asarray([ids], dtype=numpy.int64), xp.arange(n)[None],
-                                   xp.ones((1, n), dtype=bool), self.cache.rows(row, row + 1))
-            self.lens[row] = n
+        for group in prefill_groups([len(ids) for _, ids in admitted], self.prefill_tokens):
+            rows = [admitted[i][0] for i in group]
+            out = self._prefill(rows, [admitted[i][1] for i in group])
             if host:
-                logits[row] = backend.to_numpy(out)[0]
+                logits.update(zip(rows, backend.to_numpy(out)))
         return logits
+
+    def _prefill(self, rows: list[int], prompts: list[list[int]]):
+        """One forward pass over ``prompts`` right-padded to the longest, each into its row of the cache
+        from slot 0: with causal attention a prompt's tokens never see the padding after them, so each
+        row's K/V and its last real token's logits [len(rows), V] are those of the prompt alone."""
+        xp = backend.xp
+        lens = numpy.array([len(ids) for ids in prompts])
+        width = int(lens.max())
+        tokens = numpy.full((len(prompts), width), self.engine.pad_id, dtype=numpy.int64)
+        for i, ids in enumerate(prompts):
+            tokens[i, :len(ids)] = ids
+        real = numpy.arange(width) < lens[:, None]
+        view = RowsPrefill(self.cache, xp.asarray(rows, dtype=numpy.int64))
+        out = self.model.infer(xp.asarray(tokens), xp.arange(width), xp.asarray(real), view,
+                               last=xp.asarray(lens - 1))
+        self.lens[rows] = lens
+        return out
 
     def _sample(self, logits, control, source) -> bool:
         """Rank 0: each busy row's next token into ``control`` (-1 where the row is now free),
