@@ -214,8 +214,6 @@ class GPTModel(Module):
             for moe in experts:
                 moe.dropless = False
         cache.advance(ids.shape[1])
-        if all_positions:
-            return self._full_logits(x)
-        if last is None:
-            return self._full_logits(x[:, -1])
-        return self._full_logits(x[backend.xp_of(x).arange(x.shape[0]), last])
+        if not all_positions:
+            x = x[:, -1] if last is None else x[backend.xp_of(x).arange(x.shape[0]), last]
+        return self._full_logits(x)
