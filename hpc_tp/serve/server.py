@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="positions a request may fill, prompt and new tokens (default: the model's "
                              "max_seq_len); continuous batching's KV cache holds N slots a row")
+    parser.add_argument("--max-batch-prefill-tokens", type=int, default=None, metavar="N",
+                        help="prompts admitted together are prefilled in one pass of at most N padded tokens "
+                             "(prompts x the longest), which bounds its activation memory; a longer prompt "
+                             "goes alone, 1 prefills one at a time (default: 2048, or --max-model-len if more)")
 
 
 def run(args) -> int:
@@ -61,8 +65,10 @@ def run(args) -> int:
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
         raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
                           "expected a batch >= 1, a window >= 0 and a port in 0..65535")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise ConfigError(f"--max-model-len {args.max_model_len}: expected an integer >= 1")
+    for flag, value in (("--max-model-len", args.max_model_len), ("--max-batch-prefill-tokens",
+                                                                   args.max_batch_prefill_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: expected an integer >= 1")
     grid, model, tokenizer = load_for_inference(args)
     max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
     if grid.dp_size != 1:
@@ -83,7 +89,7 @@ def run(args) -> int:
         raise ConfigError(error)
     engine = Engine(model, tokenizer)
     continuous = args.batching == "continuous"
-    batcher = (ContinuousBatcher(engine, args.max_batch, max_len) if continuous
+    batcher = (ContinuousBatcher(engine, args.max_batch, max_len, args.max_batch_prefill_tokens) if continuous
                else StaticBatches(engine, args.max_batch))
     if grid.world.rank != 0:
         batcher.run()
