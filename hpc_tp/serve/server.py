@@ -8,7 +8,8 @@ Rank 0 runs the HTTP server: handler threads parse and check each request (a bad
 with the reason, and never reaches the model), tokenize it and queue it. The main thread runs the
 tp group's continuous batching (``serve.continuous``): --max-batch rows decode together, and between
 two decode steps requests that finished leave their row and queued ones are prefilled into free
-rows, so a new request starts within one step of arriving instead of waiting for a whole batch. An
+rows (together, in passes of at most --max-batch-prefill-tokens padded tokens), so a new request
+starts within one step of arriving instead of waiting for a whole batch. An
 idle server waits --batch-window-ms after a first request for company before it starts. The other
 ranks only ever receive token ids. ``--batching static`` runs the batches of before instead
 (``StaticBatches``). Streaming responses are server-sent events: one
