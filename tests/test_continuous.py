@@ -168,7 +168,6 @@ def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone
     batcher = ContinuousBatcher(engine, len(requests), prefill_tokens=prefill_tokens)
     out = batcher.generate([r.ids for r in requests] if tp.rank == 0 else None,
                            [r.params for r in requests] if tp.rank == 0 else None)
-    monkeypatch.setattr(model, "infer", infer)
     assert prefills == shapes
     for i, request in enumerate(requests):
         alone, probe = _alone(engine, request, events)

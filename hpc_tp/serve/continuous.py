@@ -192,9 +192,9 @@ class ContinuousBatcher:
         return admitted
 
     def _forward(self, admitted):
-        """The decode step for the rows with a token to feed, then each admitted prompt's prefill;
+        """The decode step for the rows with a token to feed, then the admitted prompts' prefills;
         {row: logits [V]} on the host of rank 0 ({} elsewhere)."""
-        xp, host = backend.xp, self.comm.rank == 0
+        host = self.comm.rank == 0
         logits = {}
         stepping = numpy.flatnonzero(self.feed >= 0)
         if stepping.size:
@@ -217,7 +217,8 @@ class ContinuousBatcher:
     def _prefill(self, rows: list[int], prompts: list[list[int]]):
         """One forward pass over ``prompts`` right-padded to the longest, each into its row of the cache
         from slot 0: with causal attention a prompt's tokens never see the padding after them, so each
-        row's K/V and its last real token's logits [len(rows), V] are those of the prompt alone."""
+        row's first n slots of K/V and its last real token's logits ([len(rows), V]) are those of its
+        prompt alone. The padding's K/V land after them, hidden by the row's length n."""
         xp = backend.xp
         lens = numpy.array([len(ids) for ids in prompts])
         width = int(lens.max())
