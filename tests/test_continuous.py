@@ -13,7 +13,8 @@ from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.train.tokenizer import ByteTokenizer
-from test_generate import CONFIGS, PROMPTS, _model
+from hpc_tp.models import GPTModel, ModelConfig
+from test_generate import CONFIGS, PROMPTS, _model, larger_weights
 from tp_helpers import max_rel_err, tp_and_reference
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.filterwarnings("error")]
@@ -138,6 +139,56 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
         assert max(steps) == 2 and min(steps) == 1
 
 
+# capacity 0.5 would drop tokens in training: inference must keep them, padding or not
+MODELS = {**CONFIGS, "moe": dict(CONFIGS["gpt2"], num_experts=4, top_k=2, capacity_factor=0.5)}
+
+
+@pytest.mark.parametrize("prefill_tokens, shapes", [(None, [(6, 27)]), (16, [(1, 27), (1, 13), (2, 7), (2, 2)]),
+                                                    (1, [(1, 27), (1, 13), (1, 7), (1, 5), (1, 2), (1, 1)])],
+                         ids=["one-prefill", "bounded", "one-at-a-time"])
+@pytest.mark.parametrize("name", MODELS)
+def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone(name, prefill_tokens, shapes,
+                                                                                  events, monkeypatch):
+    """``generate`` with a row for every prompt admits them all at once: prompts of different lengths
+    right-padded into one forward pass (or into passes of at most ``prefill_tokens`` padded tokens,
+    longest first), each request's tokens and logits those it has alone."""
+    tp, _ = tp_and_reference()
+    model = larger_weights(GPTModel(ModelConfig(**MODELS[name]), tp, seed=4))
+    engine, prefills, infer = Engine(model, ByteTokenizer()), [], model.infer
+
+    def spy(ids, *args, last=None, **kwargs):
+        if last is not None:
+            prefills.append(ids.shape)
+        return infer(ids, *args, last=last, **kwargs)
+
+    monkeypatch.setattr(model, "infer", spy)
+    long_prompt = [int(i) for i in np.random.default_rng(5).integers(0, 256, 27)]
+    requests = [events.watch(Request(ids, new)) for ids, new in
+                [(PROMPTS[0], 4), (long_prompt, 6), (PROMPTS[3], 5), (PROMPTS[1], 3), (list(b"thirteen long"), 2),
+                 (PROMPTS[2], 1)]]
+    batcher = ContinuousBatcher(engine, len(requests), prefill_tokens=prefill_tokens)
+    out = batcher.generate([r.ids for r in requests] if tp.rank == 0 else None,
+                           [r.params for r in requests] if tp.rank == 0 else None)
+    assert prefills == shapes
+    for i, request in enumerate(requests):
+        alone, probe = _alone(engine, request, events)
+        if tp.rank == 0:
+            assert out[i][0].ids == alone[0][0].ids and out[i][1].batch == len(requests)
+            assert len(request.sampled) == len(probe.sampled) == request.params.max_new_tokens
+            assert max(max_rel_err(a, b) for a, b in zip(request.sampled, probe.sampled)) <= 1e-10, f"request {i}"
+
+
+def test_prefill_groups_bound_padded_tokens_longest_first():
+    assert continuous.prefill_groups([2, 9, 5, 7, 1, 3], 16) == [[1], [3, 2], [5, 0, 4]]
+    assert continuous.prefill_groups([4, 4, 4], 12) == [[0, 1, 2]]  # ties keep their order
+    assert continuous.prefill_groups([30, 3], 8) == [[0], [1]]  # a prompt past the bound goes alone
+    engine = Engine(_model("gpt2", tp_and_reference()[1]), ByteTokenizer())
+    assert ContinuousBatcher(engine, 1).prefill_tokens == continuous.PREFILL_TOKENS
+    assert ContinuousBatcher(engine, 1, prefill_tokens=8).prefill_tokens == 8
+    with pytest.raises(ValueError, match="prefill_tokens 0: expected an integer >= 1"):
+        ContinuousBatcher(engine, 1, prefill_tokens=0)
+
+
 def test_a_request_arriving_mid_decode_starts_before_the_long_one_ends(events):
     tp, _ = tp_and_reference()
     long, short = Request(PROMPTS[0], 20), Request(PROMPTS[1], 3)
@@ -239,3 +290,33 @@ def test_a_prefix_a_busy_row_holds_is_copied_into_a_free_row(prefix_caching, eve
     if tp.rank == 0:
         assert order.index(short) < len(order) - 1 - order[::-1].index(long)  # S came while L decoded
         assert short.done[0].cached_tokens == (4 if prefix_caching else 0) and long.done[0].cached_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_prompts_with_a_cached_prefix_share_a_prefill_after_it(name, events, monkeypatch):
+    """Three rows: the first three prompts (a shared system prompt S, then their own) take them and end
+    at their first token; the next three, S and their own tokens of different lengths, find S in those
+    rows and prefill only their own tokens, together, from slot len(S): one pass at positions len(S)..,
+    each request as alone."""
+    tp, _ = tp_and_reference()
+    model = _model(name, tp)
+    engine, prefills, infer = Engine(model, ByteTokenizer()), [], model.infer
+
+    def spy(ids, positions, *args, last=None, **kwargs):
+        if last is not None:
+            prefills.append((tuple(ids.shape), int(positions[0])))
+        return infer(ids, positions, *args, last=last, **kwargs)
+
+    monkeypatch.setattr(model, "infer", spy)
+    system = [60, 61, 62, 63, 64, 65]
+    own = [[1], [2, 3, 4], [5, 6], [7, 8, 9, 10, 11], [12], [13, 14]]
+    requests = [events.watch(Request(system + tokens, 1 if i < 3 else 3)) for i, tokens in enumerate(own)]
+    batcher = ContinuousBatcher(engine, 3)
+    out = batcher.generate([r.ids for r in requests] if tp.rank == 0 else None,
+                           [r.params for r in requests] if tp.rank == 0 else None)
+    assert prefills == [((3, 9), 0), ((3, 5), len(system))]
+    for i, request in enumerate(requests):
+        alone, probe = _alone(engine, request, events)
+        if tp.rank == 0:
+            assert out[i][0].ids == alone[0][0].ids and out[i][0].cached_tokens == (0 if i < 3 else len(system))
+            assert max(max_rel_err(a, b) for a, b in zip(request.sampled, probe.sampled)) <= 1e-10, f"request {i}"

@@ -232,6 +232,7 @@ BAD_INPUT = [
     ("bench decode --prompt-len 100000", "exceeds the model's max_seq_len"),
     ("bench checkpoint --dir bad.jsonl", "--dir bad.jsonl is a file"),
     ("serve --ckpt ck --batch-window-ms nan", "--batch-window-ms nan"),
+    ("serve --ckpt ck --max-batch-prefill-tokens 0", "--max-batch-prefill-tokens 0: expected an integer >= 1"),
     ("plan --json emptydir", "--json emptydir is a folder: expected a file"),
     ("plan --serve-batch -1", "--serve-batch -1: expected a positive whole number"),
     ("plan --micro-batch 0", "--micro-batch 0: expected a positive whole number"),

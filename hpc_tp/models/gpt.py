@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import contextmanager
 
+from .. import backend
 from ..comm.base import Communicator
 from ..module import Module, ModuleList, Parameter, param_buffer, replicated, split
 from ..errors import ConfigError
@@ -186,12 +187,15 @@ class GPTModel(Module):
         return full[..., :self.cfg.vocab_size]
 
     # -- inference with a KV cache (hpc_tp.serve) ------------------------------------------------------
-    def infer(self, ids, positions, key_mask, cache, all_positions: bool = False):
-        """Run new tokens ``ids`` [B, T] at ``positions`` [B, T] through the model, appending their
-        K/V to ``cache`` (a ``serve.kv_cache.KVCache``). ``key_mask`` [B, cache.length + T] marks the
-        real tokens among the filled slots and the new ones. Prefill is one call with the (padded)
-        prompts, each decode step one call with T = 1. Returns full-vocabulary logits (gathered over
-        tp) of the last position [B, V], or of every position [B, T, V] with ``all_positions``.
+    def infer(self, ids, positions, key_mask, cache, all_positions: bool = False, last=None):
+        """Run new tokens ``ids`` [B, T] at ``positions`` [B, T] (or [T], the same for every row)
+        through the model, appending their K/V to ``cache`` (a ``serve.kv_cache.KVCache``, or a view
+        with its ``layer`` and ``advance``). ``key_mask`` [B, cache.length + T] marks the real tokens
+        among the filled slots and the new ones. Prefill is one call with the (padded) prompts, each
+        decode step one call with T = 1. Returns full-vocabulary logits (gathered over tp) of the last
+        position [B, V], of every position [B, T, V] with ``all_positions``, or with ``last`` (ints
+        [B], on the device) of position ``last[b]`` in row b [B, V]: right-padded prompts' last real
+        tokens, picked before the final norm so that only B positions reach the head.
         Decoding never drops: dropout is off for the call, whatever the model was trained with, and
         MoE layers keep every token's choices (no capacity), so a request's tokens do not depend on
         the other requests or the padding in its batch, as in vLLM's and Megatron's inference."""
@@ -210,4 +214,6 @@ class GPTModel(Module):
             for moe in experts:
                 moe.dropless = False
         cache.advance(ids.shape[1])
-        return self._full_logits(x if all_positions else x[:, -1])
+        if not all_positions:
+            x = x[:, -1] if last is None else x[backend.xp_of(x).arange(x.shape[0]), last]
+        return self._full_logits(x)

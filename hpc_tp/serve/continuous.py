@@ -24,16 +24,28 @@ One iteration, collective over the tp group:
               ids, prefix length, the row holding it), only when there are any; when no row is busy every rank
               waits in that broadcast for the next admissions, or for the word to stop;
     decode    one step for the rows that have a token to feed, up to the last of them;
-    prefill   each admitted prompt's prefix copied into its row where it is held elsewhere, then the
-              rest of each prompt prefilled: its last logits give the request's first token;
+    prefill   each admitted prompt's prefix copied into its row where another row holds it, then
+              the rest of the prompts right-padded to the longest in one forward pass per prefix
+              length (``_prefill``; several when their padded tokens pass ``prefill_tokens``), each
+              into its own row: its last real token's logits give the request's first token;
     sample    rank 0 samples every busy row (``_Row``: EOS, stop strings, max tokens, cancellation),
               streams text, finishes requests and takes queued ones for the rows now free; one
               ``comm.broadcast`` of an int64 array gives each row's next token (-1: free) and
               whether admissions follow. The other ranks only ever see token ids.
 
+Prompts admitted together share their prefill: one pass has the same 2 all-reduces a layer and one
+logits gather for k prompts as for one, where prefilling each alone took k of each. Right padding
+keeps every prompt at positions 0..n-1 from slot 0, as alone: causal attention never lets a real token
+see the padding after it, and MoE inference is dropless, so the padding changes no prompt's numbers.
+The K/V go straight into each prompt's row (``kv_cache.RowsPrefill``; the rows admitted together need
+not be neighbours), with no second cache to copy from, and only each row's last real position reaches
+the LM head (``GPTModel.infer``'s ``last``).
+
 Left for later: the step runs eagerly (its shapes change with the rows' lengths, so no CUDA graph
-is captured, unlike a static batch's steps on a GPU at tp = 1), admitted prompts are prefilled one
-at a time, and each row holds its max_len slots from the start (no paged memory).
+is captured, unlike a static batch's steps on a GPU at tp = 1), a prefill and the decode step of the
+rows already busy are two passes rather than one (vLLM's chunked prefill mixes them), a long prompt is
+prefilled whole rather than in chunks, and each row holds its max_len slots from the start (no paged
+memory).
 """
 from __future__ import annotations
 
@@ -46,7 +58,27 @@ from .. import backend
 from .command import on_rank0
 from .decoding import step_rows
 from .generate import _Row, check_request
-from .kv_cache import KVCache
+from .kv_cache import KVCache, RowsPrefill
+
+
+# The default bound on a batched prefill's padded tokens (its prompts x the longest of them), raised to
+# the rows' max_len where that is more, as vLLM's max_num_batched_tokens before chunked prefill
+# (max(max_model_len, 2048)). It bounds the prefill's activations [prompts, longest, hidden] and attention
+# tiles: a burst of prompts takes no more memory than 2048 tokens, or one longest prompt a row takes.
+PREFILL_TOKENS = 2048
+
+
+def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of prompts of ``lengths`` in groups to prefill together, longest first, so that each
+    group's padded size (its count x its longest) stays within ``budget``; a longer prompt goes alone.
+    Similar lengths share a group, which keeps the padding small."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 @dataclass
@@ -98,13 +130,19 @@ class _Busy:
 class ContinuousBatcher:
     """Serves requests through ``rows`` rows of one KV cache for ``engine``'s model and tokenizer, each
     row ``max_len`` slots (default the model's max_seq_len; a request must fit its prompt and new
-    tokens but the last in them). ``prefix_caching``: admit into a free row the prompts that begin
-    with what it holds, prefilling only the rest (module docstring). Collective over the tp group:
-    every rank builds one (the cache is allocated here) and calls ``run``."""
+    tokens but the last in them). ``prefix_caching``: a prompt that begins with what a row holds
+    prefills only the rest (module docstring). Prompts admitted together are prefilled in batches
+    of at most ``prefill_tokens`` padded tokens (default ``PREFILL_TOKENS``, or max_len if more; 1:
+    one at a time). Collective over the tp group: every rank builds one (the cache is allocated
+    here) and calls ``run``."""
 
-    def __init__(self, engine, rows: int, max_len: int | None = None, prefix_caching: bool = True):
+    def __init__(self, engine, rows: int, max_len: int | None = None, prefix_caching: bool = True,
+                 prefill_tokens: int | None = None):
         self.engine, self.model, self.comm = engine, engine.model, engine.comm
         self.max_len = min(self.model.cfg.max_seq_len, max_len or self.model.cfg.max_seq_len)
+        if prefill_tokens is not None and prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens {prefill_tokens}: expected an integer >= 1")
+        self.prefill_tokens = prefill_tokens or max(PREFILL_TOKENS, self.max_len)
         self.cache = KVCache.for_model(self.model, rows, self.max_len)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
         self.prefix_caching = prefix_caching
@@ -200,8 +238,9 @@ class ContinuousBatcher:
     def _forward(self, admitted):
         """The decode step for the rows with a token to feed, then the admitted prompts' cached prefixes
         copied into their rows (all before any prefill, which could overwrite a source) and the rest of
-        each prompt prefilled; {row: logits [V]} on the host of rank 0 ({} elsewhere)."""
-        xp, host = backend.xp, self.comm.rank == 0
+        each prompt prefilled, those with a prefix of one length together; {row: logits [V]} on the
+        host of rank 0 ({} elsewhere)."""
+        host = self.comm.rank == 0
         logits = {}
         stepping = numpy.flatnonzero(self.feed >= 0)
         if stepping.size:
@@ -219,17 +258,36 @@ class ContinuousBatcher:
         for row, _, cached, source in admitted:
             if source != row:
                 self.cache.copy_slots(source, row, cached)
+        by_prefix: dict[int, list[tuple[int, list[int]]]] = {}
         for row, ids, cached, _ in admitted:
-            n = len(ids)
-            cache = self.cache.rows(row, row + 1)
-            cache.advance(cached)  # the prompt's first ``cached`` tokens are this row's already
-            out = self.model.infer(xp.asarray([ids[cached:]], dtype=numpy.int64), xp.arange(cached, n)[None],
-                                   xp.ones((1, n), dtype=bool), cache)
-            self.tokens[row, :n] = ids
-            self.lens[row] = n
-            if host:
-                logits[row] = backend.to_numpy(out)[0]
+            by_prefix.setdefault(cached, []).append((row, ids))
+        for cached, prompts in by_prefix.items():
+            for group in prefill_groups([len(ids) - cached for _, ids in prompts], self.prefill_tokens):
+                rows = [prompts[i][0] for i in group]
+                out = self._prefill(rows, [prompts[i][1] for i in group], cached)
+                if host:
+                    logits.update(zip(rows, backend.to_numpy(out)))
         return logits
+
+    def _prefill(self, rows: list[int], prompts: list[list[int]], cached: int):
+        """One forward pass over ``prompts`` after their first ``cached`` tokens, which their rows hold,
+        right-padded to the longest, each into its row of the cache from slot ``cached``: with causal
+        attention a prompt's tokens never see the padding after them, so each row's first n slots of
+        K/V and its last real token's logits ([len(rows), V]) are those of its prompt alone. The
+        padding's K/V land after them, hidden by the row's length n."""
+        xp = backend.xp
+        lens = numpy.array([len(ids) for ids in prompts])
+        width = int(lens.max()) - cached
+        tokens = numpy.full((len(prompts), width), self.engine.pad_id, dtype=numpy.int64)
+        for row, (i, ids) in zip(rows, enumerate(prompts)):
+            tokens[i, :len(ids) - cached] = ids[cached:]
+            self.tokens[row, :len(ids)] = ids
+        real = numpy.arange(cached + width) < lens[:, None]  # the held prefix, then each prompt's own tokens
+        view = RowsPrefill(self.cache, xp.asarray(rows, dtype=numpy.int64), cached)
+        out = self.model.infer(xp.asarray(tokens), xp.arange(cached, cached + width), xp.asarray(real), view,
+                               last=xp.asarray(lens - cached - 1))
+        self.lens[rows] = lens
+        return out
 
     def _sample(self, logits, control, source) -> bool:
         """Rank 0: each busy row's next token into ``control`` (-1 where the row is now free),

@@ -12,6 +12,9 @@ the padding slots. Under continuous batching (``serve.continuous``) each row is 
 ``rows`` gives one row's region to prefill a prompt into from slot 0, and each decode step writes
 every row's token at that row's own slot.
 
+``RowsPrefill`` is the cache as one prefill of several right-padded prompts sees it, each into a
+row of its own chosen by the caller (continuous batching's admissions).
+
 ``SlotCache`` is the cache as a decode step of one token per row sees it (``serve.decoding``): the
 slots to write are a device array rather than a Python int (one slot for every row, or one per row),
 and the step attends over a fixed number of slots, its key mask alone deciding which are seen.
@@ -82,6 +85,44 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return int(self.k.nbytes + self.v.nbytes)
+
+
+class RowsPrefill:
+    """``cache`` for one prefill of right-padded prompts [B, T] into rows ``rows`` (an int array [B] on
+    the device) of ``owner`` from slot ``offset``, rows that need not be neighbours (continuous
+    batching admits into whichever are free), each holding the first ``offset`` tokens of its prompt
+    already (prefix caching; 0: none). Each layer writes its K/V for the T slots straight into those
+    rows and attends over them, after the held slots where there are any. A row shorter than T gets
+    padding after its prompt there, which its length hides as it hides whatever an earlier request
+    left. ``advance`` does nothing: each row's length is the caller's to keep."""
+
+    def __init__(self, owner: KVCache, rows, offset: int = 0):
+        self.owner, self.rows, self.offset = owner, rows, offset
+        self._layers = [_RowsLayer(self, i) for i in range(owner.k.shape[0])]
+
+    def layer(self, i: int) -> "_RowsLayer":
+        return self._layers[i]
+
+    def advance(self, steps: int):
+        pass
+
+
+class _RowsLayer:
+    def __init__(self, prefill: RowsPrefill, layer: int):
+        self._prefill, self._layer = prefill, layer
+        self.offset = prefill.offset
+
+    def store(self, k, v):
+        owner, rows = self._prefill.owner, self._prefill.rows
+        start, stop = self.offset, self.offset + k.shape[2]
+        if stop > owner.max_len:
+            raise ValueError(f"KV cache of {owner.max_len} slots cannot take slots {start}..{stop - 1}")
+        keys, values = owner.k[self._layer], owner.v[self._layer]
+        keys[rows, :, start:stop] = k
+        values[rows, :, start:stop] = v
+        if start == 0:
+            return k, v
+        return keys[rows, :, :stop], values[rows, :, :stop]
 
 
 class SlotCache:

@@ -8,7 +8,8 @@ Rank 0 runs the HTTP server: handler threads parse and check each request (a bad
 with the reason, and never reaches the model), tokenize it and queue it. The main thread runs the
 tp group's continuous batching (``serve.continuous``): --max-batch rows decode together, and between
 two decode steps requests that finished leave their row and queued ones are prefilled into free
-rows, so a new request starts within one step of arriving instead of waiting for a whole batch. An
+rows (together, in passes of at most --max-batch-prefill-tokens padded tokens), so a new request
+starts within one step of arriving instead of waiting for a whole batch. An
 idle server waits --batch-window-ms after a first request for company before it starts. The other
 ranks only ever receive token ids. ``--batching static`` runs the batches of before instead
 (``StaticBatches``). Streaming responses are server-sent events: one
@@ -49,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="positions a request may fill, prompt and new tokens (default: the model's "
                              "max_seq_len); continuous batching's KV cache holds N slots a row")
+    parser.add_argument("--max-batch-prefill-tokens", type=int, default=None, metavar="N",
+                        help="prompts admitted together are prefilled in one pass of at most N padded tokens "
+                             "(prompts x the longest), which bounds its activation memory; a longer prompt "
+                             "goes alone, 1 prefills one at a time (default: 2048, or --max-model-len if more)")
 
 
 def run(args) -> int:
@@ -61,8 +66,10 @@ def run(args) -> int:
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
         raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
                           "expected a batch >= 1, a window >= 0 and a port in 0..65535")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise ConfigError(f"--max-model-len {args.max_model_len}: expected an integer >= 1")
+    for flag, value in (("--max-model-len", args.max_model_len), ("--max-batch-prefill-tokens",
+                                                                   args.max_batch_prefill_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: expected an integer >= 1")
     grid, model, tokenizer = load_for_inference(args)
     max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
     if grid.dp_size != 1:
@@ -83,8 +90,8 @@ def run(args) -> int:
         raise ConfigError(error)
     engine = Engine(model, tokenizer)
     continuous = args.batching == "continuous"
-    batcher = (ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching) if continuous
-               else StaticBatches(engine, args.max_batch))
+    batcher = (ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens)
+               if continuous else StaticBatches(engine, args.max_batch))
     if grid.world.rank != 0:
         batcher.run()
         return 0
