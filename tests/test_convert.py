@@ -324,6 +324,9 @@ def test_gguf_tokenizers_become_tokenizer_json(tmp_path):
         w.add_token_list(tokens)
         w.add_token_scores([0.0, 0.0, 0.0] + [-float(i) for i in range(3, 50)])
         w.add_token_types([2, 3, 3] + [1] * 47)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template(TEMPLATE)
 
     config, tensors = llama_source(hidden=32, ffn=64)
     for name, vocab, text, ids in (("gpt2", gpt2_vocab, "abc a", [4, 6]), ("spm", spm_vocab, "ab", [8])):
@@ -333,20 +336,39 @@ def test_gguf_tokenizers_become_tokenizer_json(tmp_path):
         assert tokenizer.encode(text) == ids
         assert tokenizer.decode(ids) == text
         assert tokenizer.eos_id == (7 if name == "gpt2" else 2)
+        # a chat template in the file is kept, with the special tokens it names
+        assert tokenizer.chat == ({} if name == "gpt2" else
+                                  {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"})
+
+
+TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
 
 
 def test_hf_tokenizer_json_is_kept_and_round_trips_through_export(tmp_path):
     from tokenizers import Tokenizer, models
 
+    from hpc_tp.train.tokenizer import load_tokenizer_dir
+
     config, tensors = gpt2_source()
     source = write_hf(tmp_path / "hf", config, tensors)
     Tokenizer(models.WordLevel({"hi": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(source / "tokenizer.json"))
+    # Hugging Face's own tokenizer_config.json: named templates, the eos token as an added-token object
+    (source / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": [{"name": "tool_use", "template": "no"}, {"name": "default", "template": TEMPLATE}],
+        "bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "model_max_length": 1024}))
     assert main(["convert", str(source), "-o", str(tmp_path / "ckpt")]) == 0
     step = tmp_path / "ckpt" / "step-000000"
     assert (step / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
     assert json.loads((step / "tokenizer_config.json").read_text())["kind"] == "huggingface"
+    chat = {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}
+    assert load_tokenizer_dir(step).chat == chat
     assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == chat
+    # a folder's chat_template.jinja wins over the config's, as in Hugging Face's loader
+    (source / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert main(["convert", str(source), "-o", str(tmp_path / "ckpt2")]) == 0
+    assert load_tokenizer_dir(tmp_path / "ckpt2" / "step-000000").chat["chat_template"] == "{{ messages[0]['content'] }}"
 
 
 # -- export ----------------------------------------------------------------------------------------------

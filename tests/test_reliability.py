@@ -157,6 +157,7 @@ def files(tmp_path_factory):
     (folder / "garbage" / "master.h5").write_text("x")
     (folder / "emptydir").mkdir()
     (folder / "bad.jsonl").write_text("not json\n")
+    (folder / "bad.jinja").write_text("{% for m in messages %}unclosed\n")
     (folder / "empty.jsonl").write_text("")
     (folder / "surrogate.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "\\ud800"}\n')  # a lone surrogate
     (folder / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
@@ -233,6 +234,9 @@ BAD_INPUT = [
     ("bench checkpoint --dir bad.jsonl", "--dir bad.jsonl is a file"),
     ("serve --ckpt ck --batch-window-ms nan", "--batch-window-ms nan"),
     ("serve --ckpt ck --max-batch-prefill-tokens 0", "--max-batch-prefill-tokens 0: expected an integer >= 1"),
+    ("serve --ckpt ck --chat-template nosuch.jinja", "--chat-template nosuch.jinja: cannot read it (No such file"),
+    ("serve --ckpt ck --chat-template binary.txt", "--chat-template binary.txt: cannot read it"),
+    ("serve --ckpt ck --chat-template bad.jinja", "--chat-template bad.jinja: not a Jinja template"),
     ("plan --json emptydir", "--json emptydir is a folder: expected a file"),
     ("plan --serve-batch -1", "--serve-batch -1: expected a positive whole number"),
     ("plan --micro-batch 0", "--micro-batch 0: expected a positive whole number"),

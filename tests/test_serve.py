@@ -43,14 +43,22 @@ def _post(port, body: bytes, path="/v1/completions"):
 
 
 def _text_of(content_type, body):
-    """(text, finish_reason, usage) of a JSON answer or of a server-sent event stream."""
+    """(text, finish_reason, usage) of a JSON answer or of a server-sent event stream, from
+    /v1/completions (``text``) or /v1/chat/completions (the assistant's ``message``, or ``delta`` chunks)."""
+    def text(choice):
+        turn = choice.get("message") or choice.get("delta")
+        if turn is None:
+            return choice["text"]
+        assert turn["role"] == "assistant"
+        return turn["content"]
+
     if content_type == "text/event-stream":
         events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["usage"]
+        return "".join(text(c["choices"][0]) for c in chunks), chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["usage"]
     answer = json.loads(body)
-    return answer["choices"][0]["text"], answer["choices"][0]["finish_reason"], answer["usage"]
+    return text(answer["choices"][0]), answer["choices"][0]["finish_reason"], answer["usage"]
 
 
 def _start_line(proc, lines: queue.Queue, timeout=60):
@@ -72,8 +80,11 @@ def _start_line(proc, lines: queue.Queue, timeout=60):
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
     ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:")
     proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--dtype", "float64", "--max-batch", "8", "--batching", batching, "--max-model-len", "31"],
+                             "--dtype", "float64", "--max-batch", "8", "--batching", batching, "--max-model-len", "31",
+                             "--chat-template", str(template)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
@@ -109,6 +120,22 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         repeat = json.dumps({"prompt": prompts[1], "max_tokens": 2, "temperature": 0}).encode()
         cached = [_text_of(*_post(port, repeat)[1:])[2]["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
         assert cached[1] == (len(prompts[1].encode()) - 1 if batching == "continuous" else 0)
+        # a chat, then its next turn: each the completion of its rendered prompt, the next turn finding at
+        # least the first one's prompt cached
+        turns, chats = [{"role": "user", "content": "hi"}], []
+        for stream in (False, True):
+            body = json.dumps({"messages": turns, "max_tokens": 4, "temperature": 0, "stream": stream}).encode()
+            status, content_type, answer = _post(port, body, path="/v1/chat/completions")
+            assert status == 200, answer
+            chats.append(_text_of(content_type, answer))
+            rendered = "".join(f"{m['role'][0]}:{m['content']}\n" for m in turns) + "a:"
+            want_chat, _ = engine.generate([list(rendered.encode())], [SamplingParams(max_new_tokens=4)])
+            assert chats[-1][:2] == (want_chat[0].text, want_chat[0].finish_reason)
+            turns += [{"role": "assistant", "content": chats[-1][0]}, {"role": "user", "content": "ok"}]
+        assert chats[1][2]["prompt_tokens_details"]["cached_tokens"] >= (len("u:hi\na:") if batching == "continuous" else 0)
+        refused = _post(port, json.dumps({"messages": "hi"}).encode(), path="/v1/chat/completions")
+        assert json.loads(refused[2])["error"]["message"].startswith(
+            "messages must be a non-empty list")
         assert _post(port, b"{}", path="/v1/other")[0] == 404
         with socket.create_connection(("127.0.0.1", port), timeout=60) as raw:
             raw.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n")
@@ -129,7 +156,7 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         idle.close()
         reader.join(timeout=10)
         output = "".join(lines.get_nowait() for _ in range(lines.qsize()))
-        assert f"{N_REQUESTS + len(cached) + len(late)} requests answered" in output
+        assert f"{N_REQUESTS + len(cached) + len(chats) + len(late)} requests answered" in output
     finally:
         if proc.poll() is None:  # a failed check: mpiexec passes TERM on and takes its ranks down with it
             proc.terminate()

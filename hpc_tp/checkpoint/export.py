@@ -1,5 +1,6 @@
 """``hpc-tp export CKPT -o DIR``: a checkpoint back to a Hugging Face folder (config.json +
-model.safetensors, and tokenizer.json when the checkpoint has one) for GPT-2 and the Llama family.
+model.safetensors, and tokenizer.json when the checkpoint has one, with a tokenizer_config.json holding
+its chat template where it has one) for GPT-2 and the Llama family.
 
 The import rules run backwards: each Hugging Face tensor is assembled from our tensors
 (transposed back, GPT-2's q/k/v concatenated into c_attn), read one at a time from the
@@ -48,7 +49,8 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     from ..errors import ConfigError
     from ..models.config import ModelConfig
     from .format import MASTER, SourceCheck
-    from .importers.huggingface import CONFIG, SINGLE, TOKENIZER, export_layout
+    from ..train.tokenizer import load_tokenizer_dir
+    from .importers.huggingface import CONFIG, SINGLE, TOKENIZER, TOKENIZER_CONFIG, export_layout
 
     meta = info["meta"]
     if "config" not in meta:
@@ -81,6 +83,9 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     (dest / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
     if (folder / TOKENIZER).is_file():
         (dest / TOKENIZER).write_bytes((folder / TOKENIZER).read_bytes())
+        chat = load_tokenizer_dir(folder).chat
+        if chat:  # the chat template and its special tokens, where Hugging Face's tools look for them
+            (dest / TOKENIZER_CONFIG).write_text(json.dumps(chat, indent=2) + "\n")
 
 
 class _Reader:

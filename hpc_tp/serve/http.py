@@ -1,6 +1,8 @@
 """The HTTP side of ``hpc-tp serve`` (rank 0 only): parse and check requests, queue them as jobs,
 hand queued jobs to the decoding loop (``serve.continuous``), answer each as JSON or as server-sent
-events.
+events. Two endpoints, as OpenAI's API has them: ``/v1/completions`` continues a ``prompt``;
+``/v1/chat/completions`` renders ``messages`` with the model's chat template (``serve.chat``) and
+answers with the assistant's ``message`` (streamed as ``delta`` chunks).
 
 Handler threads never touch the model: they turn a request into a ``Job`` (token ids and sampling
 parameters) and wait on its event queue, which the decoding loop fills with text pieces and, at
@@ -23,7 +25,9 @@ from ..errors import ConfigError
 from .generate import check_request
 from .sampling import SamplingParams
 
-_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user"}
+_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user"}
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+_OWN_FIELDS = {COMPLETIONS: {"prompt"}, CHAT: {"messages", "max_completion_tokens"}}
 MAX_BODY_BYTES = 16 * 2**20
 IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is closed
 
@@ -31,8 +35,8 @@ IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is
 class Job:
     """A request as the decoding loop sees it (``ContinuousBatcher.run``)."""
 
-    def __init__(self, ids: list[int], params: SamplingParams, stream: bool):
-        self.ids, self.params, self.stream = ids, params, stream
+    def __init__(self, ids: list[int], params: SamplingParams, stream: bool, chat: bool = False):
+        self.ids, self.params, self.stream, self.chat = ids, params, stream, chat
         self.arrived = time.perf_counter()
         self.events: queue.Queue = queue.Queue()
         self.cancelled = False  # the client went away: nobody reads what is decoded for it
@@ -45,8 +49,10 @@ class Job:
         self.events.put(("done", completion, metrics, queued_s))
 
 
-def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None) -> Job:
-    """A Job, or ConfigError with the reason the request is refused."""
+def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,
+                  endpoint: str = COMPLETIONS, chat_template=None) -> Job:
+    """A Job for a request to ``endpoint``, or ConfigError with the reason the request is refused.
+    ``chat_template`` (a ``serve.chat.ChatTemplate``) renders a chat request's messages."""
     try:
         request = json.loads(body)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -55,31 +61,40 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
         raise ConfigError("body is not JSON this server reads: nested too deeply") from None
     if not isinstance(request, dict):
         raise ConfigError("body must be a JSON object")
-    unknown = sorted(set(request) - _FIELDS)
+    fields = _FIELDS | _OWN_FIELDS[endpoint]
+    unknown = sorted(set(request) - fields)
     if unknown:
-        raise ConfigError(f"unknown fields {', '.join(unknown)}; supported: {', '.join(sorted(_FIELDS))}")
-    prompt = request.get("prompt")
-    if not isinstance(prompt, str):
-        raise ConfigError(f"prompt must be a string, got {type(prompt).__name__}")
+        raise ConfigError(f"unknown fields {', '.join(unknown)}; supported: {', '.join(sorted(fields))}")
+    if endpoint == CHAT:
+        if chat_template is None:
+            raise ConfigError("this model has no chat template: its checkpoint carries none, so start hpc-tp serve "
+                              "with --chat-template FILE, or use /v1/completions")
+        prompt = chat_template.render(request.get("messages"))
+    else:
+        prompt = request.get("prompt")
+        if not isinstance(prompt, str):
+            raise ConfigError(f"prompt must be a string, got {type(prompt).__name__}")
     if request.get("n", 1) != 1:
         raise ConfigError(f"n={request['n']!r}: only one completion per request is supported")
     stop = request.get("stop") or []
     stream = request.get("stream", False)
     if not isinstance(stream, bool):
         raise ConfigError(f"stream={stream!r}: expected true or false")
-    params = SamplingParams(max_new_tokens=request.get("max_tokens", default_max_tokens),
+    params = SamplingParams(max_new_tokens=request.get("max_completion_tokens",
+                                                       request.get("max_tokens", default_max_tokens)),
                             temperature=request.get("temperature", 1.0), top_k=request.get("top_k", 0),
                             top_p=request.get("top_p", 1.0), seed=request.get("seed"),
                             stop=[stop] if isinstance(stop, str) else stop)
     ids = tokenizer.encode(prompt)
     check_request(ids, params, cfg, names={"max_new_tokens": "max_tokens"}, max_model_len=max_model_len)
-    return Job(ids, params, stream)
+    return Job(ids, params, stream, endpoint == CHAT)
 
 
 class CompletionServer:
-    def __init__(self, host: str, port: int, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None):
+    def __init__(self, host: str, port: int, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,
+                 chat_template=None):
         self.tokenizer, self.cfg, self.default_max_tokens = tokenizer, cfg, default_max_tokens
-        self.max_model_len = max_model_len
+        self.max_model_len, self.chat_template = max_model_len, chat_template
         self.jobs: queue.Queue = queue.Queue()
         self.answered = 0
         self._active = 0  # connections accepted and not yet closed
@@ -120,17 +135,27 @@ class CompletionServer:
             self._active += connections
             self.answered += answered
 
-    def response(self, job_id: int, completion, metrics, queued_s: float, text: str | None) -> dict:
+    def response(self, job: Job, job_id: int, completion, metrics, queued_s: float, text: str | None) -> dict:
         usage = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.ids),
                  "total_tokens": completion.prompt_tokens + len(completion.ids),
                  "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
                  "time_to_first_token_s": queued_s + completion.ttft_s, "queue_s": queued_s,
                  "decode_tokens_per_s": completion.decode_tokens_per_s, "batch_size": metrics.batch,
                  "kv_cache_bytes_per_rank": metrics.kv_cache_bytes_per_rank}
-        choice = {"text": completion.text if text is None else text, "index": 0, "logprobs": None,
-                  "finish_reason": completion.finish_reason}
-        return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()),
-                "model": "hpc-tp", "choices": [choice], "usage": usage}
+        return _answer(job, job_id, completion.text if text is None else text, completion.finish_reason,
+                       streamed=text is not None, usage=usage)
+
+
+def _answer(job: Job, job_id: int, text: str, finish_reason: str | None, streamed: bool, **extra) -> dict:
+    """A whole answer, or one chunk of a streamed one, in the shape of the job's endpoint."""
+    if job.chat:
+        choice = {"index": 0, "delta" if streamed else "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": finish_reason}
+        kind, name = ("chat.completion.chunk" if streamed else "chat.completion"), f"chatcmpl-{job_id}"
+    else:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        kind, name = "text_completion", f"cmpl-{job_id}"
+    return {"id": name, "object": kind, "created": int(time.time()), "model": "hpc-tp", "choices": [choice], **extra}
 
 
 class _CountingServer(ThreadingHTTPServer):
@@ -168,8 +193,8 @@ def _handler(app: CompletionServer):
                 self._error(404, f"no such endpoint: GET {self.path}")
 
         def do_POST(self):
-            if self.path != "/v1/completions":
-                self._error(404, f"no such endpoint: POST {self.path} (use /v1/completions)")
+            if self.path not in _OWN_FIELDS:
+                self._error(404, f"no such endpoint: POST {self.path} (use {COMPLETIONS} or {CHAT})")
                 return
             length = self.headers.get("Content-Length") or "0"
             if not (length.isascii() and length.isdigit()):
@@ -185,7 +210,8 @@ def _handler(app: CompletionServer):
                 self.close_connection = True
                 return
             try:
-                job = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens, app.max_model_len)
+                job = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens, app.max_model_len,
+                                    self.path, app.chat_template)
             except ConfigError as e:
                 self._error(400, str(e))
                 return
@@ -209,7 +235,7 @@ def _handler(app: CompletionServer):
                 except queue.Empty:
                     if self._client_gone():
                         raise ConnectionResetError("the client closed the connection")
-            self._json(200, app.response(job_id, completion, metrics, queued_s, None))
+            self._json(200, app.response(job, job_id, completion, metrics, queued_s, None))
 
         def _discard(self, nbytes: int):
             """Read and drop a body that is not wanted, so the client, still sending it, can read the
@@ -240,11 +266,9 @@ def _handler(app: CompletionServer):
                 event = job.events.get()
                 if event[0] == "done":
                     break
-                chunk = {"id": f"cmpl-{job_id}", "object": "text_completion",
-                         "choices": [{"text": event[1], "index": 0, "logprobs": None, "finish_reason": None}]}
-                self._event(chunk)
+                self._event(_answer(job, job_id, event[1], None, streamed=True))
             _, completion, metrics, queued_s = event
-            self._event(app.response(job_id, completion, metrics, queued_s, text=""))  # finish reason and usage
+            self._event(app.response(job, job_id, completion, metrics, queued_s, text=""))  # finish reason and usage
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 

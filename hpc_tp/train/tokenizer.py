@@ -3,7 +3,9 @@
 ``ByteTokenizer`` needs no files (ids 0..255 are UTF-8 bytes, then ``<pad>`` and ``<eos>``);
 ``HFTokenizer`` wraps a Hugging Face ``tokenizer.json``. ``save(folder)`` writes a
 ``tokenizer_config.json`` (plus ``tokenizer.json`` for HF) so a checkpoint carries its tokenizer,
-and ``load_tokenizer_dir(folder)`` reads it back.
+and ``load_tokenizer_dir(folder)`` reads it back. A Hugging Face tokenizer imported with a chat model
+also keeps its ``chat`` settings there: the chat template and the special tokens it names
+(``serve.chat``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from ..errors import ConfigError
 
 CONFIG_FILE = "tokenizer_config.json"
 HF_FILE = "tokenizer.json"
+CHAT_KEYS = ("chat_template", "bos_token", "eos_token")  # what a saved tokenizer keeps for chat
 
 # Special-token spellings of the common model families, most common first.
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -41,6 +44,7 @@ class ByteTokenizer:
     eos_id = 257
     vocab_size = 258
     identity = "bytes-v1"
+    chat: dict = {}  # no chat template of its own (``hpc-tp serve --chat-template`` gives one)
 
     def encode(self, text: str) -> list[int]:
         return list(utf8(text))
@@ -61,20 +65,21 @@ class HFTokenizer:
 
     kind = "huggingface"
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, chat: dict | None = None):
         self.tokenizer = tokenizer
+        self.chat = dict(chat or {})  # chat_template, bos_token, eos_token as the model's files gave them
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = _first_token_id(tokenizer, _EOS_NAMES)
         self.pad_id = _first_token_id(tokenizer, _PAD_NAMES)
         self.identity = "hf-" + hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 
     @classmethod
-    def from_file(cls, path) -> "HFTokenizer":
+    def from_file(cls, path, chat: dict | None = None) -> "HFTokenizer":
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"tokenizer file {path} does not exist (expected a Hugging Face tokenizer.json)")
         try:
-            return cls(Tokenizer.from_file(str(path)))
+            return cls(Tokenizer.from_file(str(path)), chat)
         except Exception as e:  # the Rust library raises a bare Exception with its parser message
             raise ConfigError(f"{path} is not a Hugging Face tokenizer.json: {e}") from None
 
@@ -90,7 +95,7 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, folder):
-        _write_config(folder, {"kind": self.kind, "file": HF_FILE})
+        _write_config(folder, {"kind": self.kind, "file": HF_FILE, **self.chat})
         self.tokenizer.save(str(Path(folder) / HF_FILE))
 
 
@@ -128,7 +133,8 @@ def load_tokenizer_dir(folder):
     if kind == ByteTokenizer.kind:
         return ByteTokenizer()
     if kind == HFTokenizer.kind:
-        return HFTokenizer.from_file(Path(folder) / config.get("file", HF_FILE))
+        chat = {key: config[key] for key in CHAT_KEYS if isinstance(config.get(key), str)}
+        return HFTokenizer.from_file(Path(folder) / config.get("file", HF_FILE), chat)
     raise ConfigError(f"{config_path}: unknown tokenizer kind {kind!r} (expected 'bytes' or 'huggingface')")
 
 

@@ -134,5 +134,18 @@ def import_gguf(path: Path) -> Imported:
     from .gguf_tokenizer import tokenizer_json
 
     tokenizer = tokenizer_json(meta)
-    files = tokenizer_files(tokenizer) if tokenizer is not None else {}
+    files = tokenizer_files(tokenizer, _chat_settings(meta)) if tokenizer is not None else {}
     return Imported(cfg, lazy, files, {"format": "gguf", "architecture": architecture, "path": path.name}, ignored)
+
+
+def _chat_settings(meta) -> dict:
+    """The file's chat template (``tokenizer.chat_template``) and the special tokens it names, {} if none."""
+    template = meta.get("tokenizer.chat_template")
+    if not isinstance(template, str):
+        return {}
+    tokens, chat = meta.get("tokenizer.ggml.tokens"), {"chat_template": template}
+    for key in ("bos_token", "eos_token"):
+        index = meta.get(f"tokenizer.ggml.{key}_id")
+        if index is not None and 0 <= int(index) < len(tokens):
+            chat[key] = tokens[int(index)]
+    return chat

@@ -26,6 +26,7 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
 # Read back by hpc_tp.train.tokenizer.load_tokenizer_dir: which kind of tokenizer the folder holds.
 TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"
 
 # numpy dtypes of the safetensors dtypes; BF16 (no numpy type) is widened to float32.
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "float32",
@@ -292,15 +293,44 @@ def import_folder(folder: Path) -> Imported:
     names = reader.names()
     prefix = next((p for p in prefixes if p + anchor in names), prefixes[0])
     tensors, ignored = lazy_tensors(make_rules(cfg, hf, prefix), reader, str(folder / CONFIG))
-    files = tokenizer_files((folder / TOKENIZER).read_bytes()) if (folder / TOKENIZER).is_file() else {}
+    files = ({} if not (folder / TOKENIZER).is_file() else
+             tokenizer_files((folder / TOKENIZER).read_bytes(), chat_settings(folder)))
     return Imported(cfg, tensors, files, {"format": "huggingface", "architecture": model_type, "path": folder.name},
                     ignored)
 
 
-def tokenizer_files(tokenizer_json: bytes) -> dict[str, bytes]:
-    """A Hugging Face tokenizer.json, with the note that says what kind of tokenizer it is."""
-    note = json.dumps({"kind": "huggingface", "file": TOKENIZER}, indent=1) + "\n"
+def tokenizer_files(tokenizer_json: bytes, chat: dict | None = None) -> dict[str, bytes]:
+    """A Hugging Face tokenizer.json, with the note that says what kind of tokenizer it is and, for a
+    chat model, its chat template and the special tokens that names (``serve.chat``)."""
+    note = json.dumps({"kind": "huggingface", "file": TOKENIZER, **(chat or {})}, indent=1) + "\n"
     return {TOKENIZER: tokenizer_json, TOKENIZER_CONFIG: note.encode()}
+
+
+def chat_settings(folder: Path) -> dict:
+    """A Hugging Face folder's chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s
+    ``chat_template``: a string, or named templates of which the "default") and its ``bos_token`` and
+    ``eos_token`` (strings, or added-token objects with a ``content``); {} for a model without one."""
+    path = folder / TOKENIZER_CONFIG
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    config = config if isinstance(config, dict) else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if (folder / CHAT_TEMPLATE).is_file():  # newer folders keep it apart, and it wins there too
+        template = (folder / CHAT_TEMPLATE).read_text()
+    if not isinstance(template, str):
+        return {}
+    chat = {"chat_template": template}
+    for key in ("bos_token", "eos_token"):
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            chat[key] = token
+    return chat
 
 
 # -- export -------------------------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""Chat messages to a prompt: the model's chat template, a Jinja template as Hugging Face writes them.
+
+A chat model was trained on conversations laid out one way (role markers, special tokens, where
+the assistant's turn begins); its ``tokenizer_config.json`` carries that layout as a Jinja template
+(``chat_template``), which ``hpc-tp convert`` keeps from a Hugging Face folder or a GGUF file and
+``hpc-tp serve --chat-template FILE`` can replace. ``/v1/chat/completions`` renders the request's
+messages with it, the assistant's turn opened (``add_generation_prompt``), and completes that text
+like any prompt. Templates run in Jinja's immutable sandbox, with the names Hugging Face's templates
+use: ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception`` (a
+template refusing a conversation: the client's error) and ``strftime_now``.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+
+from ..errors import ConfigError
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = "chat template"):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals.update(raise_exception=_refuse, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ConfigError(f"{origin}: not a Jinja template: {e.message} (line {e.lineno})") from None
+        self.tokens = {"bos_token": bos_token, "eos_token": eos_token}
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer) -> "ChatTemplate | None":
+        """The template the tokenizer was saved with (``tokenizer.chat``), or None."""
+        chat = getattr(tokenizer, "chat", {})
+        if not chat.get("chat_template"):
+            return None
+        return cls(chat["chat_template"], chat.get("bos_token", ""), chat.get("eos_token", ""),
+                   "the checkpoint's chat template")
+
+    def render(self, messages) -> str:
+        """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
+        them), ending where the assistant's reply begins; ConfigError saying what is wrong otherwise."""
+        import jinja2
+
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f"messages must be a non-empty list of {{role, content}} objects, "
+                              f"got {type(messages).__name__}")
+        for i, message in enumerate(messages):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise ConfigError(f"messages[{i}] must be an object with a string role and a string content")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+        except jinja2.TemplateError as e:  # raise_exception's refusal, or a template error at render time
+            raise ConfigError(f"the chat template refused these messages: {e}") from None
+
+
+def _refuse(message: str):
+    import jinja2
+
+    raise jinja2.TemplateError(message)
