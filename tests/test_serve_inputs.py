@@ -71,3 +71,33 @@ def test_a_prompts_line_takes_one_stop_string_or_a_list(tmp_path):
         _write_lines(folder / "bad.jsonl", [{"prompt": prompt, "stop": bad}])
         assert _generate(ckpt, folder / "bad.jsonl", folder / "never.jsonl")[0] == 2
     assert not (folder / "never.jsonl").exists()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_prompts_line_of_chat_messages_is_its_rendered_prompt(tmp_path):
+    """``generate --prompts``: a line with "messages" is completed as the chat template renders them
+    (``--chat-template``, the byte tokenizer carrying none); without a template, or with messages the
+    template refuses, one error line on every rank and no output."""
+    comm = world()
+    folder = comm.bcast_object(tmp_path)
+    ckpt = write_checkpoint(folder / "ckpt", "gpt2", ProcessGrid(tp=comm.size, world=comm))
+    if comm.rank == 0:
+        (folder / "chat.jinja").write_text(
+            "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+            "{{ raise_exception('the system message comes first') }}{% endif %}"
+            "{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}a:")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    rendered = "s:Be brief.|u:Hi|a:"
+    engine = Engine(_model("gpt2", self_comm()), ByteTokenizer())
+    want, _ = engine.generate([list(rendered.encode())], [SamplingParams(max_new_tokens=5)])
+    _write_lines(folder / "in.jsonl", [{"messages": messages, "id": "chat"}, {"prompt": rendered}])
+    template = ["--chat-template", str(folder / "chat.jinja"), "--max-new-tokens", "5"]
+    code, records = _generate(ckpt, folder / "in.jsonl", folder / "out.jsonl", *template)
+    assert code == 0
+    assert [(r["id"], r["prompt"], r["completion"]) for r in records] == [("chat", rendered, want[0].text),
+                                                                          (1, rendered, want[0].text)]
+    assert _generate(ckpt, folder / "in.jsonl", folder / "never.jsonl")[0] == 2  # no template
+    for bad in ({"messages": messages[::-1]}, {"messages": messages, "prompt": rendered}):
+        _write_lines(folder / "bad.jsonl", [bad])
+        assert _generate(ckpt, folder / "bad.jsonl", folder / "never.jsonl", *template)[0] == 2
+    assert not (folder / "never.jsonl").exists()

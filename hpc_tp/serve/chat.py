@@ -12,6 +12,7 @@ template refusing a conversation: the client's error) and ``strftime_now``.
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 
 from ..errors import ConfigError
 
@@ -55,6 +56,29 @@ class ChatTemplate:
             return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
         except jinja2.TemplateError as e:  # raise_exception's refusal, or a template error at render time
             raise ConfigError(f"the chat template refused these messages: {e}") from None
+
+
+
+def read_template(path: str | None) -> str | None:
+    """``--chat-template``'s text, compiled once to check it: read on every rank before the checkpoint
+    loads, so a bad file stops them all with one line. None: no file given."""
+    if path is None:
+        return None
+    try:
+        source = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    ChatTemplate(source, origin=f"--chat-template {path}")
+    return source
+
+
+def template_for(tokenizer, source: str | None = None, path: str | None = None) -> ChatTemplate | None:
+    """``--chat-template``'s (``source`` from ``path``), with the special tokens the tokenizer names, or
+    else the template the tokenizer carries; None if neither is there."""
+    if source is None:
+        return ChatTemplate.of_tokenizer(tokenizer)
+    return ChatTemplate(source, tokenizer.chat.get("bos_token", ""), tokenizer.chat.get("eos_token", ""),
+                        f"--chat-template {path}")
 
 
 def _refuse(message: str):

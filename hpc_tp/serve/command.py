@@ -42,6 +42,12 @@ def add_batching_argument(parser: argparse.ArgumentParser, unit: str):
                              f"with those tokens prefill only the rest (default: on)")
 
 
+def add_chat_template_argument(parser: argparse.ArgumentParser, used_by: str):
+    parser.add_argument("--chat-template", metavar="FILE", default=None,
+                        help=f"Jinja chat template for {used_by} (default: the one the checkpoint's tokenizer "
+                             "carries, if any)")
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--max-new-tokens", type=int, default=64, help="default %(default)s")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -56,10 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser):
     add_model_arguments(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
-    source.add_argument("--prompts", metavar="FILE.jsonl", help='JSON lines, each {"prompt": TEXT, ...}')
+    source.add_argument("--prompts", metavar="FILE.jsonl",
+                        help='JSON lines, each {"prompt": TEXT, ...} or, for a chat model, {"messages": [...], ...}')
     parser.add_argument("--out", metavar="FILE.jsonl", help="results as JSON lines (default: stdout)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default %(default)s)")
     add_batching_argument(parser, "prompts")
+    add_chat_template_argument(parser, '--prompts lines with "messages"')
     add_sampling_arguments(parser)
 
 
@@ -119,17 +127,19 @@ def _world_size() -> int:
 def run(args) -> int:
     from ..errors import ConfigError
     from ..paths import check_output_file
+    from .chat import read_template, template_for
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
     if args.out is not None:  # every rank, though rank 0 alone writes it: they fail together
         check_output_file(args.out, "--out")
+    template_source = read_template(args.chat_template)  # a bad file fails every rank before the load
     grid, model, tokenizer = load_for_inference(args)
     world = grid.world
     requests = []  # texts stay on rank 0: the others receive token ids and sampling parameters
 
     def read():
-        requests.extend(_read_requests(args, tokenizer))
+        requests.extend(_read_requests(args, tokenizer, template_for(tokenizer, template_source, args.chat_template)))
         return [(r["ids"], r["sampling"]) for r in requests]
 
     work = on_rank0(world, read)
@@ -183,7 +193,9 @@ def on_rank0(world, work):
     return result
 
 
-def _read_requests(args, tokenizer) -> list[dict]:
+def _read_requests(args, tokenizer, template) -> list[dict]:
+    """Rank 0: the prompts with their token ids and sampling; a "messages" line's prompt is the chat
+    ``template``'s rendering of them."""
     from pathlib import Path
 
     from ..errors import ConfigError
@@ -196,12 +208,17 @@ def _read_requests(args, tokenizer) -> list[dict]:
         path = Path(args.prompts)
         lines = []
         for n, line in read_json_lines(path, "--prompts"):
+            if "messages" in line:
+                if "prompt" in line:
+                    raise ConfigError(f'--prompts {path} line {n}: both "prompt" and "messages": give one')
+                line["prompt"] = _chat_prompt(template, line["messages"], f"--prompts {path} line {n}")
             if not isinstance(line.get("prompt"), str):
-                raise ConfigError(f'--prompts {path} line {n}: expected an object with a "prompt" string')
-            unknown = sorted(set(line) - {"prompt", "id", *SAMPLING_KEYS})
+                raise ConfigError(f'--prompts {path} line {n}: expected an object with a "prompt" string '
+                                  f'or "messages"')
+            unknown = sorted(set(line) - {"prompt", "messages", "id", *SAMPLING_KEYS})
             if unknown:
                 raise ConfigError(f"--prompts {path} line {n}: unknown keys {', '.join(unknown)}; "
-                                  f"known: prompt, id, {', '.join(SAMPLING_KEYS)}")
+                                  f"known: prompt, messages, id, {', '.join(SAMPLING_KEYS)}")
             if isinstance(line.get("stop"), str):  # one stop string, as the HTTP API takes it
                 line["stop"] = [line["stop"]]
             lines.append(line)
@@ -210,6 +227,18 @@ def _read_requests(args, tokenizer) -> list[dict]:
     return [{"id": line.get("id", n), "prompt": line["prompt"], "ids": _encoded(tokenizer, line["prompt"], n + 1),
              "sampling": {**defaults, **{k: line[k] for k in SAMPLING_KEYS if k in line}}}
             for n, line in enumerate(lines)]
+
+
+def _chat_prompt(template, messages, where: str) -> str:
+    from ..errors import ConfigError
+
+    if template is None:
+        raise ConfigError(f"{where}: messages need a chat template, and the checkpoint carries none: "
+                          "pass --chat-template FILE")
+    try:
+        return template.render(messages)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _encoded(tokenizer, prompt: str, n: int) -> list[int]:

@@ -34,9 +34,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
-from .command import add_batching_argument, add_model_arguments
+from .command import add_batching_argument, add_chat_template_argument, add_model_arguments
 
 DEFAULT_MAX_TOKENS = 16  # the completions API's default
 
@@ -59,14 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="prompts admitted together are prefilled in one pass of at most N padded tokens "
                              "(prompts x the longest), which bounds its activation memory; a longer prompt "
                              "goes alone, 1 prefills one at a time (default: 2048, or --max-model-len if more)")
-    parser.add_argument("--chat-template", metavar="FILE", default=None,
-                        help="Jinja chat template for /v1/chat/completions (default: the one the checkpoint's "
-                             "tokenizer carries, if any)")
+    add_chat_template_argument(parser, "/v1/chat/completions")
 
 
 def run(args) -> int:
     from ..errors import ConfigError
     from ..train.preemption import StopRequest
+    from .chat import read_template, template_for
     from .command import load_for_inference
     from .continuous import ContinuousBatcher
     from .generate import Engine
@@ -78,7 +76,7 @@ def run(args) -> int:
                                                                    args.max_batch_prefill_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: expected an integer >= 1")
-    template_source = _read_template(args.chat_template)  # a bad file fails every rank before the load
+    template_source = read_template(args.chat_template)  # a bad file fails every rank before the load
     grid, model, tokenizer = load_for_inference(args)
     max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
     if grid.dp_size != 1:
@@ -91,7 +89,7 @@ def run(args) -> int:
 
         try:
             server = CompletionServer(args.host, args.port, tokenizer, model.cfg, DEFAULT_MAX_TOKENS, max_len,
-                                      _chat_template(template_source, args.chat_template, tokenizer))
+                                      template_for(tokenizer, template_source, args.chat_template))
         except OSError as e:
             error = f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})"
     pids = grid.world.allgather_object(os.getpid())
@@ -162,27 +160,3 @@ class _Jobs:
         if self.closing and not self.server.busy():
             return None
         return self.server.next_batch(limit, self.window, timeout=0.1)
-
-
-def _read_template(path: str | None) -> str | None:
-    from ..errors import ConfigError
-    from .chat import ChatTemplate
-
-    if path is None:
-        return None
-    try:
-        source = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--chat-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-    ChatTemplate(source, origin=f"--chat-template {path}")  # compiled here: a syntax error stops every rank
-    return source
-
-
-def _chat_template(source: str | None, path: str | None, tokenizer):
-    """--chat-template's (with the special tokens the tokenizer names, if any), else the tokenizer's own."""
-    from .chat import ChatTemplate
-
-    if source is None:
-        return ChatTemplate.of_tokenizer(tokenizer)
-    return ChatTemplate(source, tokenizer.chat.get("bos_token", ""), tokenizer.chat.get("eos_token", ""),
-                        f"--chat-template {path}")
