@@ -133,6 +133,13 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
             assert chats[-1][:2] == (want_chat[0].text, want_chat[0].finish_reason)
             turns += [{"role": "assistant", "content": chats[-1][0]}, {"role": "user", "content": "ok"}]
         assert chats[1][2]["prompt_tokens_details"]["cached_tokens"] >= (len("u:hi\na:") if batching == "continuous" else 0)
+        # the model is served by its checkpoint folder's name: listed, answered under it, others refused
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as response:
+            assert [m["id"] for m in json.loads(response.read())["data"]] == ["ckpt"]
+        named = _post(port, json.dumps({"prompt": "hi", "max_tokens": 1, "model": "ckpt"}).encode())
+        assert named[0] == 200 and json.loads(named[2])["model"] == "ckpt"
+        other = _post(port, json.dumps({"prompt": "hi", "model": "gpt-4"}).encode())
+        assert other[0] == 404 and "model 'gpt-4' is not served here" in json.loads(other[2])["error"]["message"]
         refused = _post(port, json.dumps({"messages": "hi"}).encode(), path="/v1/chat/completions")
         assert json.loads(refused[2])["error"]["message"].startswith(
             "messages must be a non-empty list")
@@ -156,7 +163,7 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         idle.close()
         reader.join(timeout=10)
         output = "".join(lines.get_nowait() for _ in range(lines.qsize()))
-        assert f"{N_REQUESTS + len(cached) + len(chats) + len(late)} requests answered" in output
+        assert f"{N_REQUESTS + len(cached) + len(chats) + 1 + len(late)} requests answered" in output
     finally:
         if proc.poll() is None:  # a failed check: mpiexec passes TERM on and takes its ranks down with it
             proc.terminate()

@@ -36,6 +36,10 @@ def step_folder_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def is_step_folder(name: str) -> bool:
+    return _STEP_FOLDER.fullmatch(name) is not None
+
+
 def shard_name(rank: int) -> str:
     """A shard's path relative to the step folder: virtual datasets store it as written here,
     and HDF5 resolves it against the master file's folder, so the checkpoint can be moved."""

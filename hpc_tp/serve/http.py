@@ -1,8 +1,9 @@
 """The HTTP side of ``hpc-tp serve`` (rank 0 only): parse and check requests, queue them as jobs,
 hand queued jobs to the decoding loop (``serve.continuous``), answer each as JSON or as server-sent
-events. Two endpoints, as OpenAI's API has them: ``/v1/completions`` continues a ``prompt``;
-``/v1/chat/completions`` renders ``messages`` with the model's chat template (``serve.chat``) and
-answers with the assistant's ``message`` (streamed as ``delta`` chunks).
+events. The endpoints of OpenAI's API that serving a model takes: ``/v1/completions`` continues a
+``prompt``; ``/v1/chat/completions`` renders ``messages`` with the model's chat template
+(``serve.chat``) and answers with the assistant's ``message`` (streamed as ``delta`` chunks);
+``GET /v1/models`` lists the one model served, by the name requests give as ``model``.
 
 Handler threads never touch the model: they turn a request into a ``Job`` (token ids and sampling
 parameters) and wait on its event queue, which the decoding loop fills with text pieces and, at
@@ -32,6 +33,10 @@ MAX_BODY_BYTES = 16 * 2**20
 IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is closed
 
 
+class UnknownModel(ConfigError):
+    """A request for a model this server does not serve (answered 404, as OpenAI's API does)."""
+
+
 class Job:
     """A request as the decoding loop sees it (``ContinuousBatcher.run``)."""
 
@@ -50,9 +55,10 @@ class Job:
 
 
 def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,
-                  endpoint: str = COMPLETIONS, chat_template=None) -> Job:
+                  endpoint: str = COMPLETIONS, chat_template=None, model_name: str | None = None) -> Job:
     """A Job for a request to ``endpoint``, or ConfigError with the reason the request is refused.
-    ``chat_template`` (a ``serve.chat.ChatTemplate``) renders a chat request's messages."""
+    ``chat_template`` (a ``serve.chat.ChatTemplate``) renders a chat request's messages; a request
+    naming a ``model`` other than ``model_name`` is refused (UnknownModel)."""
     try:
         request = json.loads(body)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -65,6 +71,8 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
     unknown = sorted(set(request) - fields)
     if unknown:
         raise ConfigError(f"unknown fields {', '.join(unknown)}; supported: {', '.join(sorted(fields))}")
+    if model_name is not None and request.get("model", model_name) != model_name:
+        raise UnknownModel(f"model {request['model']!r} is not served here: this server serves {model_name!r}")
     if endpoint == CHAT:
         if chat_template is None:
             raise ConfigError("this model has no chat template: its checkpoint carries none, so start hpc-tp serve "
@@ -92,9 +100,10 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
 
 class CompletionServer:
     def __init__(self, host: str, port: int, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,
-                 chat_template=None):
+                 chat_template=None, model_name: str = "hpc-tp"):
         self.tokenizer, self.cfg, self.default_max_tokens = tokenizer, cfg, default_max_tokens
-        self.max_model_len, self.chat_template = max_model_len, chat_template
+        self.max_model_len, self.chat_template, self.model_name = max_model_len, chat_template, model_name
+        self.started = int(time.time())
         self.jobs: queue.Queue = queue.Queue()
         self.answered = 0
         self._active = 0  # connections accepted and not yet closed
@@ -143,10 +152,16 @@ class CompletionServer:
                  "decode_tokens_per_s": completion.decode_tokens_per_s, "batch_size": metrics.batch,
                  "kv_cache_bytes_per_rank": metrics.kv_cache_bytes_per_rank}
         return _answer(job, job_id, completion.text if text is None else text, completion.finish_reason,
-                       streamed=text is not None, usage=usage)
+                       streamed=text is not None, model=self.model_name, usage=usage)
+
+    def models(self) -> dict:
+        """``GET /v1/models``: the one model served."""
+        card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "hpc-tp",
+                "max_model_len": self.max_model_len or self.cfg.max_seq_len}
+        return {"object": "list", "data": [card]}
 
 
-def _answer(job: Job, job_id: int, text: str, finish_reason: str | None, streamed: bool, **extra) -> dict:
+def _answer(job: Job, job_id: int, text: str, finish_reason: str | None, streamed: bool, model: str, **extra) -> dict:
     """A whole answer, or one chunk of a streamed one, in the shape of the job's endpoint."""
     if job.chat:
         choice = {"index": 0, "delta" if streamed else "message": {"role": "assistant", "content": text},
@@ -155,7 +170,7 @@ def _answer(job: Job, job_id: int, text: str, finish_reason: str | None, streame
     else:
         choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
         kind, name = "text_completion", f"cmpl-{job_id}"
-    return {"id": name, "object": kind, "created": int(time.time()), "model": "hpc-tp", "choices": [choice], **extra}
+    return {"id": name, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], **extra}
 
 
 class _CountingServer(ThreadingHTTPServer):
@@ -189,6 +204,8 @@ def _handler(app: CompletionServer):
         def do_GET(self):
             if self.path == "/health":
                 self._json(200, {"status": "ok"})
+            elif self.path == "/v1/models":
+                self._json(200, app.models())
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 
@@ -211,7 +228,10 @@ def _handler(app: CompletionServer):
                 return
             try:
                 job = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens, app.max_model_len,
-                                    self.path, app.chat_template)
+                                    self.path, app.chat_template, app.model_name)
+            except UnknownModel as e:
+                self._error(404, str(e))
+                return
             except ConfigError as e:
                 self._error(400, str(e))
                 return
@@ -266,7 +286,7 @@ def _handler(app: CompletionServer):
                 event = job.events.get()
                 if event[0] == "done":
                     break
-                self._event(_answer(job, job_id, event[1], None, streamed=True))
+                self._event(_answer(job, job_id, event[1], None, streamed=True, model=app.model_name))
             _, completion, metrics, queued_s = event
             self._event(app.response(job, job_id, completion, metrics, queued_s, text=""))  # finish reason and usage
             self.wfile.write(b"data: [DONE]\n\n")

@@ -3,6 +3,7 @@
     POST /v1/completions       {"prompt": TEXT, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
                                 "top_k": 0, "stop": TEXT | [TEXT], "seed": INT, "stream": false}
     POST /v1/chat/completions  {"messages": [{"role": ROLE, "content": TEXT}, ...], the same others}
+    GET  /v1/models             the model served, by --served-model-name (the checkpoint folder's name)
     GET  /health
 
 A chat request's messages become a prompt through the model's chat template (``serve.chat``): the
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 from .command import add_batching_argument, add_chat_template_argument, add_model_arguments
 
@@ -59,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                              "(prompts x the longest), which bounds its activation memory; a longer prompt "
                              "goes alone, 1 prefills one at a time (default: 2048, or --max-model-len if more)")
     add_chat_template_argument(parser, "/v1/chat/completions")
+    parser.add_argument("--served-model-name", metavar="NAME", default=None,
+                        help="the model's name in answers and /v1/models; a request naming another is refused "
+                             "(default: the checkpoint folder's name)")
 
 
 def run(args) -> int:
@@ -89,7 +94,8 @@ def run(args) -> int:
 
         try:
             server = CompletionServer(args.host, args.port, tokenizer, model.cfg, DEFAULT_MAX_TOKENS, max_len,
-                                      template_for(tokenizer, template_source, args.chat_template))
+                                      template_for(tokenizer, template_source, args.chat_template),
+                                      args.served_model_name or _model_name(args.ckpt))
         except OSError as e:
             error = f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})"
     pids = grid.world.allgather_object(os.getpid())
@@ -160,3 +166,11 @@ class _Jobs:
         if self.closing and not self.server.busy():
             return None
         return self.server.next_batch(limit, self.window, timeout=0.1)
+
+
+def _model_name(ckpt: str) -> str:
+    """The checkpoint's folder name: the root's, where ``ckpt`` is one of its step folders."""
+    from ..checkpoint.format import is_step_folder
+
+    folder = Path(ckpt).resolve()
+    return folder.parent.name if is_step_folder(folder.name) else folder.name
