@@ -8,7 +8,8 @@ temporary folder. Each variant is a server started as ``mpiexec -n NP hpc-tp ser
 SERVE_ARGS``; rounds alternate the variants' order, so a shared machine's load falls on all alike.
 Against each, the same requests arrive at the same offsets (a seeded Poisson process of ``--rate``
 requests a second): their prompts are ``--prompt-tokens`` bytes after ``--shared-prefix`` bytes the
-same for every request (a chat service's system prompt), and every ``--long-every``-th asks
+same for every request (a chat service's system prompt), and every ``--long-every``-th has a prompt of
+``--long-prompt-tokens`` bytes (default ``--prompt-tokens``) and asks
 for ``--long-tokens`` new tokens, the others for ``--short-tokens`` (greedy, streamed). Each server
 first answers one request untimed (start-up work such as loading compiled kernels stays out of the
 figures). Per variant and round it reports time to first token (the server's
@@ -56,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--short-tokens", type=int, default=4)
     p.add_argument("--long-tokens", type=int, default=48)
     p.add_argument("--long-every", type=int, default=6, help="every k-th request is long (default %(default)s)")
+    p.add_argument("--long-prompt-tokens", type=int, default=None, metavar="BYTES",
+                   help="the long requests' own prompt bytes (default: --prompt-tokens)")
     p.add_argument("--variant", action="append", metavar="NAME=SERVE_ARGS",
                    help="a server to compare, e.g. 'batch8=--max-batch 8' (repeat; default: one, 'default=')")
     p.add_argument("--rounds", type=int, default=2)
@@ -65,9 +68,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     numbers = (args.np, args.requests, args.prompt_tokens, args.short_tokens, args.long_tokens, args.long_every,
                args.rounds)
-    if min(numbers) < 1 or not args.rate > 0 or args.shared_prefix < 0:
+    if min(numbers) < 1 or not args.rate > 0 or args.shared_prefix < 0 or (args.long_prompt_tokens or 1) < 1:
         p.error("--np, --requests, --prompt-tokens, --short-tokens, --long-tokens, --long-every and --rounds "
-                "must be >= 1, --shared-prefix >= 0 and --rate > 0")
+                "must be >= 1, --long-prompt-tokens too if given, --shared-prefix >= 0 and --rate > 0")
     variants = {}
     for spec in args.variant or ["default="]:
         name, sep, serve_args = spec.partition("=")
@@ -103,7 +106,8 @@ def workload(args) -> list[dict]:
     requests = []
     for i, offset in enumerate(offsets):
         long = i % args.long_every == 0
-        prompt = shared + "".join(chr(c) for c in rng.integers(ord("a"), ord("z") + 1, args.prompt_tokens))
+        own = (args.long_prompt_tokens or args.prompt_tokens) if long else args.prompt_tokens
+        prompt = shared + "".join(chr(c) for c in rng.integers(ord("a"), ord("z") + 1, own))
         body = {"prompt": prompt, "max_tokens": args.long_tokens if long else args.short_tokens,
                 "temperature": 0, "stream": True}
         requests.append({"offset": float(max(offset, 0.0)), "body": json.dumps(body).encode(), "long": long})
@@ -161,7 +165,8 @@ def one_request(port: int, request: dict, start: float) -> dict:
     if usage is None:
         raise SystemExit(f"no usage in the answer to {request['body'][:80]!r}")
     return {"long": request["long"], "ttft_s": usage["time_to_first_token_s"], "latency_s": time.perf_counter() - sent,
-            "tokens": usage["completion_tokens"], "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
+            "tokens": usage["completion_tokens"], "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+            "decode_tokens_per_s": usage["decode_tokens_per_s"]}
 
 
 def run_round(server: Server, requests: list[dict]) -> dict:
@@ -175,8 +180,11 @@ def run_round(server: Server, requests: list[dict]) -> dict:
     def quantiles(values):
         return float(numpy.median(values)), float(numpy.percentile(values, 90))
 
+    decoding = [r["decode_tokens_per_s"] for r in short if r["tokens"] > 1]
     figures = {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
-               "cached_tokens": sum(r["cached"] for r in results)}
+               "cached_tokens": sum(r["cached"] for r in results),
+               # the slowest short decodes: a long prefill run whole stalls the rows decoding beside it
+               "short_decode_tokens_per_s_p10": float(numpy.percentile(decoding, 10)) if decoding else 0.0}
     for label, rows in (("", results), ("short_", short)):
         figures[f"{label}ttft_p50_s"], figures[f"{label}ttft_p90_s"] = quantiles([r["ttft_s"] for r in rows])
         figures[f"{label}latency_p50_s"], figures[f"{label}latency_p90_s"] = quantiles([r["latency_s"] for r in rows])
@@ -189,7 +197,7 @@ def describe(name: str, f: dict) -> str:
             f"{ms['latency_p50_s']:7.1f} / {ms['latency_p90_s']:7.1f} ms; short requests TTFT "
             f"{ms['short_ttft_p50_s']:7.1f} / {ms['short_ttft_p90_s']:7.1f} ms, latency "
             f"{ms['short_latency_p50_s']:7.1f} / {ms['short_latency_p90_s']:7.1f} ms; {f['tokens_per_s']:.1f} tokens/s; "
-            f"{f['cached_tokens']:.0f} prompt tokens cached")
+            f"{f['cached_tokens']:.0f} prompt tokens cached; short decode p10 {f['short_decode_tokens_per_s_p10']:.1f} tokens/s")
 
 
 def main(argv=None) -> int:
@@ -201,7 +209,8 @@ def main(argv=None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="serve_load_"))
     rounds = []
     try:
-        ckpt = write_checkpoint(folder / "ckpt", args.model, args.shared_prefix + args.prompt_tokens + args.long_tokens)
+        longest = max(args.prompt_tokens, args.long_prompt_tokens or 0)
+        ckpt = write_checkpoint(folder / "ckpt", args.model, args.shared_prefix + longest + args.long_tokens)
         names = list(args.variants)
         for i in range(args.rounds):
             for name in names if i % 2 == 0 else names[::-1]:

@@ -278,18 +278,21 @@ def test_a_prompt_a_row_holds_whole_still_prefills_its_last_token(events):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_a_prefix_a_busy_row_holds_is_copied_into_a_free_row(prefix_caching, events):
-    """L decodes in row 0 when S, beginning with L's first four tokens, comes: S takes row 1 and,
-    with prefix caching, gets L's first four slots copied in and prefills the rest."""
+    """L decodes in row 0 when S, beginning with L's first four tokens, comes: S takes row 1, which X
+    left, and, with prefix caching, gets L's first four slots copied in and prefills the rest. Row 1's
+    record of its tokens is S's now: T, X's prompt and more, finds nothing of X there."""
     tp, _ = tp_and_reference()
     engine = Engine(_model("llama-gqa", tp), ByteTokenizer())
-    long, short = Request(PROMPTS[2], 10), Request(PROMPTS[2][:4] + [99, 98], 3)
-    _serve(tp, "llama-gqa", 2, [(1, long), (3, short)], events, prefix_caching, engine)
+    long, gone, short = Request(PROMPTS[2], 10), Request(PROMPTS[0], 1), Request(PROMPTS[2][:4] + [99, 98], 3)
+    later = Request(PROMPTS[0] + [5], 2)
+    _serve(tp, "llama-gqa", 2, [(1, long), (1, gone), (3, short), (40, later)], events, prefix_caching, engine)
     order = list(events)
-    for request in (long, short):
+    for request in (long, short, later):
         _agrees_with_alone(engine, request, events)
     if tp.rank == 0:
         assert order.index(short) < len(order) - 1 - order[::-1].index(long)  # S came while L decoded
         assert short.done[0].cached_tokens == (4 if prefix_caching else 0) and long.done[0].cached_tokens == 0
+        assert later.done[0].cached_tokens == 0
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
@@ -320,3 +323,41 @@ def test_prompts_with_a_cached_prefix_share_a_prefill_after_it(name, events, mon
         if tp.rank == 0:
             assert out[i][0].ids == alone[0][0].ids and out[i][0].cached_tokens == (0 if i < 3 else len(system))
             assert max(max_rel_err(a, b) for a, b in zip(request.sampled, probe.sampled)) <= 1e-10, f"request {i}"
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(name, prefix_caching, events, monkeypatch):
+    """Chunked prefill, 4 prompt tokens an iteration: S (7 tokens) and L (27) admitted together, S
+    first; S's prefill ends in the 2nd iteration and it decodes all its tokens while L's prefill goes
+    on 4 tokens at a time; then P, L's first 20 tokens and its own, finds them cached and prefills
+    its last 5 in two chunks from slot 20 (without prefix caching, all 25 from slot 0). Each request
+    gives what it gives alone."""
+    tp, _ = tp_and_reference()
+    model = _model(name, tp)
+    engine, chunks, infer = Engine(model, ByteTokenizer()), [], model.infer
+
+    def spy(ids, positions, *args, last=None, **kwargs):
+        if last is not None:
+            chunks.append((tuple(ids.shape), int(positions[0])))
+        return infer(ids, positions, *args, last=last, **kwargs)
+
+    monkeypatch.setattr(model, "infer", spy)
+    long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
+    short, long = Request(PROMPTS[2], 6), Request(long_prompt, 3)
+    later = Request(long_prompt[:20] + [250, 251, 252, 253, 254], 2)
+    assert long_prompt[20] != 250
+    due = [(1, short), (1, long), (40, later)]
+    for _, request in due:
+        events.watch(request)
+    ContinuousBatcher(engine, 2, prefix_caching=prefix_caching, chunk_tokens=4).run(Script(due) if tp.rank == 0 else None)
+    order = list(events)
+    # (prompts, tokens) and first slot of each pass: S 4 + 3, then L 1 + 4 a time with the budget's rest, P 4 + 1
+    p_chunks = [((1, 4), 20), ((1, 1), 24)] if prefix_caching else [((1, 4), s) for s in range(0, 24, 4)] + [((1, 1), 24)]
+    assert chunks == ([((1, 4), 0), ((1, 3), 4), ((1, 1), 0)] + [((1, 4), s) for s in range(1, 25, 4)]
+                      + [((1, 2), 25)] + p_chunks)
+    for request in (short, long, later):
+        _agrees_with_alone(engine, request, events)
+    if tp.rank == 0:
+        assert order.index(long) > len(order) - 1 - order[::-1].index(short)  # S done before L's first token
+        assert later.done[0].cached_tokens == (20 if prefix_caching else 0) and long.done[0].cached_tokens == 0

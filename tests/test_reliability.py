@@ -234,6 +234,7 @@ BAD_INPUT = [
     ("bench checkpoint --dir bad.jsonl", "--dir bad.jsonl is a file"),
     ("serve --ckpt ck --batch-window-ms nan", "--batch-window-ms nan"),
     ("serve --ckpt ck --max-batch-prefill-tokens 0", "--max-batch-prefill-tokens 0: expected an integer >= 1"),
+    ("serve --ckpt ck --prefill-chunk 0", "--prefill-chunk 0: expected an integer >= 1"),
     ("serve --ckpt ck --chat-template nosuch.jinja", "--chat-template nosuch.jinja: cannot read it (No such file"),
     ("serve --ckpt ck --chat-template binary.txt", "--chat-template binary.txt: cannot read it"),
     ("serve --ckpt ck --chat-template bad.jinja", "--chat-template bad.jinja: not a Jinja template"),

@@ -24,10 +24,12 @@ One iteration, collective over the tp group:
               ids, prefix length, the row holding it), only when there are any; when no row is busy every rank
               waits in that broadcast for the next admissions, or for the word to stop;
     decode    one step for the rows that have a token to feed, up to the last of them;
-    prefill   each admitted prompt's prefix copied into its row where another row holds it, then
-              the rest of the prompts right-padded to the longest in one forward pass per prefix
-              length (``_prefill``; several when their padded tokens pass ``prefill_tokens``), each
-              into its own row: its last real token's logits give the request's first token;
+    prefill   each admitted prompt's prefix copied into its row where another row holds it; then the
+              prompts waiting, in admission order, up to ``chunk_tokens`` tokens in all (chunked
+              prefill: a long prompt goes on at the next iteration), right-padded to the longest in
+              one forward pass per first slot (``_prefill``; several when their padded tokens pass
+              ``prefill_tokens``), each into its own row: a prompt's last real token's logits, once
+              its last chunk is in, give the request's first token;
     sample    rank 0 samples every busy row (``_Row``: EOS, stop strings, max tokens, cancellation),
               streams text, finishes requests and takes queued ones for the rows now free; one
               ``comm.broadcast`` of an int64 array gives each row's next token (-1: free) and
@@ -42,10 +44,9 @@ not be neighbours), with no second cache to copy from, and only each row's last 
 the LM head (``GPTModel.infer``'s ``last``).
 
 Left for later: the step runs eagerly (its shapes change with the rows' lengths, so no CUDA graph
-is captured, unlike a static batch's steps on a GPU at tp = 1), a prefill and the decode step of the
-rows already busy are two passes rather than one (vLLM's chunked prefill mixes them), a long prompt is
-prefilled whole rather than in chunks, and each row holds its max_len slots from the start (no paged
-memory).
+is captured, unlike a static batch's steps on a GPU at tp = 1), a prefill chunk and the decode step
+of the rows already busy are two passes rather than one (vLLM mixes them in one), and each row holds
+its max_len slots from the start (no paged memory).
 """
 from __future__ import annotations
 
@@ -66,6 +67,15 @@ from .kv_cache import KVCache, RowsPrefill
 # (max(max_model_len, 2048)). It bounds the prefill's activations [prompts, longest, hidden] and attention
 # tiles: a burst of prompts takes no more memory than 2048 tokens, or one longest prompt a row takes.
 PREFILL_TOKENS = 2048
+
+
+# Prompt tokens one iteration prefills at most: a longer prompt (or a burst) is prefilled over several
+# iterations, each also running the decode step of the rows already busy, which so never wait for a
+# whole long prefill (vLLM's chunked prefill; Sarathi-Serve, OSDI '24). 256 measured on the CPU
+# (benchmarks/chunked_prefill.py, W1 blocks, tp = 2): a 1000-token prompt stalled a decoding row
+# 493 ms whole, 236 ms in chunks of 512, 120 ms of 256 and 77 ms of 128, and took 492 / 458 / 449 /
+# 523 ms to its first token: 128 costs the long prompt, 256 does not.
+CHUNK_TOKENS = 256
 
 
 def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
@@ -133,16 +143,21 @@ class ContinuousBatcher:
     tokens but the last in them). ``prefix_caching``: a prompt that begins with what a row holds
     prefills only the rest (module docstring). Prompts admitted together are prefilled in batches
     of at most ``prefill_tokens`` padded tokens (default ``PREFILL_TOKENS``, or max_len if more; 1:
-    one at a time). Collective over the tp group: every rank builds one (the cache is allocated
-    here) and calls ``run``."""
+    one at a time). An iteration prefills at most ``chunk_tokens`` prompt tokens (default
+    ``CHUNK_TOKENS``), a longer prompt over several iterations, between decode steps (chunked
+    prefill). Collective over the tp group: every rank builds one (the cache is allocated here) and
+    calls ``run``."""
 
     def __init__(self, engine, rows: int, max_len: int | None = None, prefix_caching: bool = True,
-                 prefill_tokens: int | None = None):
+                 prefill_tokens: int | None = None, chunk_tokens: int | None = None):
         self.engine, self.model, self.comm = engine, engine.model, engine.comm
         self.max_len = min(self.model.cfg.max_seq_len, max_len or self.model.cfg.max_seq_len)
-        if prefill_tokens is not None and prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens {prefill_tokens}: expected an integer >= 1")
+        for name, value in (("prefill_tokens", prefill_tokens), ("chunk_tokens", chunk_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} {value}: expected an integer >= 1")
         self.prefill_tokens = prefill_tokens or max(PREFILL_TOKENS, self.max_len)
+        self.chunk_tokens = chunk_tokens or CHUNK_TOKENS
+        self.prompts: dict[int, list[int]] = {}  # rows whose prompt is being prefilled, in admission order
         self.cache = KVCache.for_model(self.model, rows, self.max_len)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
         self.prefix_caching = prefix_caching
@@ -164,7 +179,7 @@ class ContinuousBatcher:
         arrival to admission; the completion's ``ttft_s`` counts from admission)."""
         more = False
         while True:
-            idle = not (self.feed >= 0).any()
+            idle = not (self.feed >= 0).any() and not self.prompts
             admitted = []
             if more or idle:
                 admitted = on_rank0(self.comm, lambda: self._admit(source, idle))
@@ -176,7 +191,8 @@ class ContinuousBatcher:
                 control[-1] = self._sample(logits, control, source)
             self.comm.broadcast(control)
             self.feed = control[:-1].copy()
-            self._free_rows(self.feed < 0)
+            prefilling = numpy.isin(numpy.arange(len(self.feed)), list(self.prompts))
+            self._free_rows((self.feed < 0) & ~prefilling)
             more = bool(control[-1])
 
     def generate(self, prompts=None, params=None):
@@ -255,38 +271,50 @@ class ContinuousBatcher:
             if host:
                 out = backend.to_numpy(out)
                 logits.update((int(r), out[r]) for r in stepping)
-        for row, _, cached, source in admitted:
+        for row, ids, cached, source in admitted:
             if source != row:
                 self.cache.copy_slots(source, row, cached)
-        by_prefix: dict[int, list[tuple[int, list[int]]]] = {}
-        for row, ids, cached, _ in admitted:
-            by_prefix.setdefault(cached, []).append((row, ids))
-        for cached, prompts in by_prefix.items():
-            for group in prefill_groups([len(ids) - cached for _, ids in prompts], self.prefill_tokens):
-                rows = [prompts[i][0] for i in group]
-                out = self._prefill(rows, [prompts[i][1] for i in group], cached)
+                self.tokens[row, :cached] = self.tokens[source, :cached]
+            self.lens[row], self.prompts[row] = cached, ids  # prefilled from its cached prefix on
+        by_start: dict[int, list[tuple[int, int]]] = {}  # this iteration's chunks by their first slot
+        budget = self.chunk_tokens
+        for row, ids in self.prompts.items():  # in admission order: the earliest finish first
+            start = int(self.lens[row])
+            stop = min(len(ids), start + budget)
+            if stop == start:
+                break
+            by_start.setdefault(start, []).append((row, stop))
+            budget -= stop - start
+        for start, chunks in by_start.items():
+            for group in prefill_groups([stop - start for _, stop in chunks], self.prefill_tokens):
+                rows, stops = [chunks[i][0] for i in group], [chunks[i][1] for i in group]
+                out = self._prefill(rows, stops, start)
+                done = [(i, row) for i, (row, stop) in enumerate(zip(rows, stops)) if stop == len(self.prompts[row])]
                 if host:
-                    logits.update(zip(rows, backend.to_numpy(out)))
+                    out = backend.to_numpy(out)
+                    logits.update((row, out[i]) for i, row in done)
+                for _, row in done:
+                    del self.prompts[row]
         return logits
 
-    def _prefill(self, rows: list[int], prompts: list[list[int]], cached: int):
-        """One forward pass over ``prompts`` after their first ``cached`` tokens, which their rows hold,
-        right-padded to the longest, each into its row of the cache from slot ``cached``: with causal
-        attention a prompt's tokens never see the padding after them, so each row's first n slots of
-        K/V and its last real token's logits ([len(rows), V]) are those of its prompt alone. The
-        padding's K/V land after them, hidden by the row's length n."""
+    def _prefill(self, rows: list[int], stops: list[int], start: int):
+        """One forward pass over the prompts of ``rows``, their tokens ``start`` up to ``stops``, right-
+        padded to the longest, each into its row of the cache from slot ``start`` (the rows hold the
+        tokens before it): with causal attention a prompt's tokens never see the padding after them, so
+        each row's K/V and its last real token's logits ([len(rows), V]) are those of its prompt alone.
+        The padding's K/V land after them, hidden by the row's length."""
         xp = backend.xp
-        lens = numpy.array([len(ids) for ids in prompts])
-        width = int(lens.max()) - cached
-        tokens = numpy.full((len(prompts), width), self.engine.pad_id, dtype=numpy.int64)
-        for row, (i, ids) in zip(rows, enumerate(prompts)):
-            tokens[i, :len(ids) - cached] = ids[cached:]
-            self.tokens[row, :len(ids)] = ids
-        real = numpy.arange(cached + width) < lens[:, None]  # the held prefix, then each prompt's own tokens
-        view = RowsPrefill(self.cache, xp.asarray(rows, dtype=numpy.int64), cached)
-        out = self.model.infer(xp.asarray(tokens), xp.arange(cached, cached + width), xp.asarray(real), view,
-                               last=xp.asarray(lens - cached - 1))
-        self.lens[rows] = lens
+        stops = numpy.array(stops)
+        width = int(stops.max()) - start
+        tokens = numpy.full((len(rows), width), self.engine.pad_id, dtype=numpy.int64)
+        for i, (row, stop) in enumerate(zip(rows, stops)):
+            tokens[i, :stop - start] = self.prompts[row][start:stop]
+            self.tokens[row, start:stop] = tokens[i, :stop - start]
+        real = numpy.arange(start + width) < stops[:, None]  # the held slots, then each chunk's own tokens
+        view = RowsPrefill(self.cache, xp.asarray(rows, dtype=numpy.int64), start)
+        out = self.model.infer(xp.asarray(tokens), xp.arange(start, start + width), xp.asarray(real), view,
+                               last=xp.asarray(stops - start - 1))
+        self.lens[rows] = stops
         return out
 
     def _sample(self, logits, control, source) -> bool:

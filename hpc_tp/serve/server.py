@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="prompts admitted together are prefilled in one pass of at most N padded tokens "
                              "(prompts x the longest), which bounds its activation memory; a longer prompt "
                              "goes alone, 1 prefills one at a time (default: 2048, or --max-model-len if more)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                        help="prompt tokens prefilled per iteration at most: a longer prompt is prefilled over "
+                             "several, the busy rows decoding between them (chunked prefill; default 256)")
     add_chat_template_argument(parser, "/v1/chat/completions")
     parser.add_argument("--served-model-name", metavar="NAME", default=None,
                         help="the model's name in answers and /v1/models; a request naming another is refused "
@@ -77,8 +80,8 @@ def run(args) -> int:
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
         raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
                           "expected a batch >= 1, a window >= 0 and a port in 0..65535")
-    for flag, value in (("--max-model-len", args.max_model_len), ("--max-batch-prefill-tokens",
-                                                                   args.max_batch_prefill_tokens)):
+    for flag, value in (("--max-model-len", args.max_model_len), ("--prefill-chunk", args.prefill_chunk),
+                        ("--max-batch-prefill-tokens", args.max_batch_prefill_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: expected an integer >= 1")
     template_source = read_template(args.chat_template)  # a bad file fails every rank before the load
@@ -104,8 +107,8 @@ def run(args) -> int:
         raise ConfigError(error)
     engine = Engine(model, tokenizer)
     continuous = args.batching == "continuous"
-    batcher = (ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens)
-               if continuous else StaticBatches(engine, args.max_batch))
+    batcher = (ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens,
+                                 args.prefill_chunk) if continuous else StaticBatches(engine, args.max_batch))
     if grid.world.rank != 0:
         batcher.run()
         return 0
