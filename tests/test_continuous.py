@@ -154,14 +154,7 @@ def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone
     longest first), each request's tokens and logits those it has alone."""
     tp, _ = tp_and_reference()
     model = larger_weights(GPTModel(ModelConfig(**MODELS[name]), tp, seed=4))
-    engine, prefills, infer = Engine(model, ByteTokenizer()), [], model.infer
-
-    def spy(ids, *args, last=None, **kwargs):
-        if last is not None:
-            prefills.append(ids.shape)
-        return infer(ids, *args, last=last, **kwargs)
-
-    monkeypatch.setattr(model, "infer", spy)
+    engine, prefills = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
     long_prompt = [int(i) for i in np.random.default_rng(5).integers(0, 256, 27)]
     requests = [events.watch(Request(ids, new)) for ids, new in
                 [(PROMPTS[0], 4), (long_prompt, 6), (PROMPTS[3], 5), (PROMPTS[1], 3), (list(b"thirteen long"), 2),
@@ -169,7 +162,7 @@ def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone
     batcher = ContinuousBatcher(engine, len(requests), prefill_tokens=prefill_tokens)
     out = batcher.generate([r.ids for r in requests] if tp.rank == 0 else None,
                            [r.params for r in requests] if tp.rank == 0 else None)
-    assert prefills == shapes
+    assert [shape for shape, _ in prefills] == shapes
     for i, request in enumerate(requests):
         alone, probe = _alone(engine, request, events)
         if tp.rank == 0:
@@ -230,6 +223,20 @@ def test_a_stop_string_ends_a_row_its_streamed_text_held_back_and_frees_it(event
         assert completion.finish_reason == "stop" and completion.text == text[:text.find(stop)]
         assert "".join(stopped.pieces) == completion.text and len(completion.ids) < 12
         assert waiting.done[0].finish_reason == "length" and len(waiting.done[0].ids) == 4
+
+
+def _prefill_passes(model, monkeypatch) -> list:
+    """Records each prefill pass of ``model.infer`` (the ones picking rows' ``last`` positions) as
+    ((prompts, tokens), first position)."""
+    passes, infer = [], model.infer
+
+    def spy(ids, positions, *args, last=None, **kwargs):
+        if last is not None:
+            passes.append((tuple(ids.shape), int(positions[0])))
+        return infer(ids, positions, *args, last=last, **kwargs)
+
+    monkeypatch.setattr(model, "infer", spy)
+    return passes
 
 
 def _agrees_with_alone(engine, request, events):
@@ -303,14 +310,7 @@ def test_prompts_with_a_cached_prefix_share_a_prefill_after_it(name, events, mon
     each request as alone."""
     tp, _ = tp_and_reference()
     model = _model(name, tp)
-    engine, prefills, infer = Engine(model, ByteTokenizer()), [], model.infer
-
-    def spy(ids, positions, *args, last=None, **kwargs):
-        if last is not None:
-            prefills.append((tuple(ids.shape), int(positions[0])))
-        return infer(ids, positions, *args, last=last, **kwargs)
-
-    monkeypatch.setattr(model, "infer", spy)
+    engine, prefills = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
     system = [60, 61, 62, 63, 64, 65]
     own = [[1], [2, 3, 4], [5, 6], [7, 8, 9, 10, 11], [12], [13, 14]]
     requests = [events.watch(Request(system + tokens, 1 if i < 3 else 3)) for i, tokens in enumerate(own)]
@@ -335,14 +335,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(name, prefix_
     gives what it gives alone."""
     tp, _ = tp_and_reference()
     model = _model(name, tp)
-    engine, chunks, infer = Engine(model, ByteTokenizer()), [], model.infer
-
-    def spy(ids, positions, *args, last=None, **kwargs):
-        if last is not None:
-            chunks.append((tuple(ids.shape), int(positions[0])))
-        return infer(ids, positions, *args, last=last, **kwargs)
-
-    monkeypatch.setattr(model, "infer", spy)
+    engine, chunks = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
     long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
     short, long = Request(PROMPTS[2], 6), Request(long_prompt, 3)
     later = Request(long_prompt[:20] + [250, 251, 252, 253, 254], 2)

@@ -87,7 +87,22 @@ class KVCache:
         return int(self.k.nbytes + self.v.nbytes)
 
 
-class RowsPrefill:
+class _View:
+    """The cache as one kind of step sees it: each layer's ``store`` of its own kind, and no
+    ``advance`` (the caller keeps the rows' lengths)."""
+
+    def __init__(self, owner: KVCache, layer_kind):
+        self.owner = owner
+        self._layers = [layer_kind(self, i) for i in range(owner.k.shape[0])]
+
+    def layer(self, i: int):
+        return self._layers[i]
+
+    def advance(self, steps: int):
+        pass
+
+
+class RowsPrefill(_View):
     """``cache`` for one prefill of right-padded prompts [B, T] into rows ``rows`` (an int array [B] on
     the device) of ``owner`` from slot ``offset``, rows that need not be neighbours (continuous
     batching admits into whichever are free), each holding the first ``offset`` tokens of its prompt
@@ -97,14 +112,8 @@ class RowsPrefill:
     left. ``advance`` does nothing: each row's length is the caller's to keep."""
 
     def __init__(self, owner: KVCache, rows, offset: int = 0):
-        self.owner, self.rows, self.offset = owner, rows, offset
-        self._layers = [_RowsLayer(self, i) for i in range(owner.k.shape[0])]
-
-    def layer(self, i: int) -> "_RowsLayer":
-        return self._layers[i]
-
-    def advance(self, steps: int):
-        pass
+        self.rows, self.offset = rows, offset
+        super().__init__(owner, _RowsLayer)
 
 
 class _RowsLayer:
@@ -125,7 +134,7 @@ class _RowsLayer:
         return keys[rows, :, :stop], values[rows, :, :stop]
 
 
-class SlotCache:
+class SlotCache(_View):
     """``cache`` for decode steps of one new token per row whose slots are read on the device: each
     layer writes the token's K/V at the slot that the int64 array ``slot`` holds, [1] for every row
     alike (the fixed-shape steps a captured CUDA graph replays) or [B] one per row (continuous
@@ -135,16 +144,10 @@ class SlotCache:
     the owner's ``length``."""
 
     def __init__(self, owner: KVCache, slot, width: int | None = None):
-        self.owner, self.slot = owner, slot
+        self.slot = slot
         self.width = owner.max_len if width is None else width
         self.rows = backend.xp_of(slot).arange(owner.k.shape[1]) if len(slot) > 1 else None
-        self._layers = [_SlotLayer(self, i) for i in range(owner.k.shape[0])]
-
-    def layer(self, i: int) -> "_SlotLayer":
-        return self._layers[i]
-
-    def advance(self, steps: int):
-        pass
+        super().__init__(owner, _SlotLayer)
 
 
 class _SlotLayer:
