@@ -143,6 +143,17 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         refused = _post(port, json.dumps({"messages": "hi"}).encode(), path="/v1/chat/completions")
         assert json.loads(refused[2])["error"]["message"].startswith(
             "messages must be a non-empty list")
+        # what the server counted so far: every answer, the refusals, nothing running or waiting
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+            counted = dict(line.rsplit(" ", 1) for line in response.read().decode().splitlines()
+                           if not line.startswith("#"))
+        answered = N_REQUESTS + len(cached) + len(chats) + 1
+        assert sum(float(v) for k, v in counted.items() if k.startswith("hpc_tp_requests_total{")) == answered
+        assert float(counted["hpc_tp_time_to_first_token_seconds_count"]) == answered
+        assert counted["hpc_tp_requests_running"] == counted["hpc_tp_requests_waiting"] == "0"
+        assert counted['hpc_tp_requests_refused_total{code="400"}'] == str(len(malformed) + 1)
+        assert counted['hpc_tp_requests_refused_total{code="404"}'] == "1"
+        assert (float(counted["hpc_tp_prompt_tokens_cached_total"]) > 0) == (batching == "continuous")
         assert _post(port, b"{}", path="/v1/other")[0] == 404
         with socket.create_connection(("127.0.0.1", port), timeout=60) as raw:
             raw.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n")

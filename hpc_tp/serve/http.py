@@ -3,7 +3,8 @@ hand queued jobs to the decoding loop (``serve.continuous``), answer each as JSO
 events. The endpoints of OpenAI's API that serving a model takes: ``/v1/completions`` continues a
 ``prompt``; ``/v1/chat/completions`` renders ``messages`` with the model's chat template
 (``serve.chat``) and answers with the assistant's ``message`` (streamed as ``delta`` chunks);
-``GET /v1/models`` lists the one model served, by the name requests give as ``model``.
+``GET /v1/models`` lists the one model served, by the name requests give as ``model``; ``GET /metrics``
+counts what the server did (``serve.metrics``).
 
 Handler threads never touch the model: they turn a request into a ``Job`` (token ids and sampling
 parameters) and wait on its event queue, which the decoding loop fills with text pieces and, at
@@ -24,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..errors import ConfigError
 from .generate import check_request
+from .metrics import ServerMetrics
 from .sampling import SamplingParams
 
 _FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user"}
@@ -45,12 +47,15 @@ class Job:
         self.arrived = time.perf_counter()
         self.events: queue.Queue = queue.Queue()
         self.cancelled = False  # the client went away: nobody reads what is decoded for it
+        self.on_finish = None   # the server's count of it, called from the batcher's thread
 
     def text(self, piece: str):
         if self.stream and piece:
             self.events.put(("text", piece))
 
     def finish(self, completion, metrics, queued_s: float):
+        if self.on_finish is not None:
+            self.on_finish(self, completion, queued_s)
         self.events.put(("done", completion, metrics, queued_s))
 
 
@@ -104,6 +109,7 @@ class CompletionServer:
         self.tokenizer, self.cfg, self.default_max_tokens = tokenizer, cfg, default_max_tokens
         self.max_model_len, self.chat_template, self.model_name = max_model_len, chat_template, model_name
         self.started = int(time.time())
+        self.metrics = ServerMetrics()
         self.jobs: queue.Queue = queue.Queue()
         self.answered = 0
         self._active = 0  # connections accepted and not yet closed
@@ -127,6 +133,7 @@ class CompletionServer:
                 batch.append(self.jobs.get(timeout=max(deadline - time.perf_counter(), 0)))
             except queue.Empty:
                 break
+        self.metrics.admitted(len(batch))
         return batch
 
     def stop_accepting(self):
@@ -206,6 +213,8 @@ def _handler(app: CompletionServer):
                 self._json(200, {"status": "ok"})
             elif self.path == "/v1/models":
                 self._json(200, app.models())
+            elif self.path == "/metrics":
+                self._send(200, "text/plain; version=0.0.4", app.metrics.render(app.jobs.qsize()).encode())
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 
@@ -239,6 +248,7 @@ def _handler(app: CompletionServer):
                 self._error(500, f"internal error: {type(e).__name__}: {e}")
                 raise
             job_id = next(app._ids)
+            job.on_finish = app.metrics.finish
             app.jobs.put(job)
             try:
                 (self._stream if job.stream else self._answer)(job, job_id)
@@ -297,14 +307,17 @@ def _handler(app: CompletionServer):
             self.wfile.flush()
 
         def _json(self, status: int, payload: dict):
-            body = json.dumps(payload).encode()
+            self._send(status, "application/json", json.dumps(payload).encode())
+
+        def _send(self, status: int, content_type: str, body: bytes):
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
         def _error(self, status: int, message: str):
+            app.metrics.refuse(status)
             self._json(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
 
     return Handler
