@@ -64,3 +64,17 @@ def test_a_chat_request_is_its_rendered_prompt_with_the_same_sampling():
 def test_a_request_the_endpoint_cannot_take_is_refused(endpoint, body, reason):
     with pytest.raises(ConfigError, match=reason):
         parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16, endpoint=endpoint)
+
+
+def test_options_left_at_their_defaults_are_taken_and_others_refused():
+    """What OpenAI clients send by default (zero penalties, no logprobs, stream_options) is taken;
+    asking for what this server does not do is a 400 naming the value."""
+    quiet = {"prompt": "Hi", "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None, "echo": False,
+             "logit_bias": {}, "stream": True, "stream_options": {"include_usage": True}}
+    assert parse_request(json.dumps(quiet).encode(), ByteTokenizer(), CFG, 16).stream
+    for field, value, reason in (("presence_penalty", 0.5, "presence_penalty=0.5: not supported"),
+                                 ("logprobs", 3, "logprobs=3: not supported"),
+                                 ("echo", True, "echo=True: not supported"),
+                                 ("stream_options", {"include_usage": "yes"}, "stream_options=")):
+        with pytest.raises(ConfigError, match=reason):
+            parse_request(json.dumps({"prompt": "Hi", field: value}).encode(), ByteTokenizer(), CFG, 16)

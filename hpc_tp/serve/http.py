@@ -28,7 +28,12 @@ from .generate import check_request
 from .metrics import ServerMetrics
 from .sampling import SamplingParams
 
-_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user"}
+_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user",
+           "stream_options"}
+# Options of OpenAI's API this server does not implement, taken at the values that ask for nothing (clients
+# often send them so), refused otherwise: name -> the values that are their default.
+_DEFAULT_ONLY = {"presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (None, False),
+                 "echo": (False,), "logit_bias": (None, {})}
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _OWN_FIELDS = {COMPLETIONS: {"prompt"}, CHAT: {"messages", "max_completion_tokens"}}
 MAX_BODY_BYTES = 16 * 2**20
@@ -72,10 +77,20 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
         raise ConfigError("body is not JSON this server reads: nested too deeply") from None
     if not isinstance(request, dict):
         raise ConfigError("body must be a JSON object")
-    fields = _FIELDS | _OWN_FIELDS[endpoint]
+    fields = _FIELDS | _OWN_FIELDS[endpoint] | set(_DEFAULT_ONLY)
     unknown = sorted(set(request) - fields)
     if unknown:
         raise ConfigError(f"unknown fields {', '.join(unknown)}; supported: {', '.join(sorted(fields))}")
+    for name, defaults in _DEFAULT_ONLY.items():
+        value = request.get(name, defaults[0])
+        if not any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults):
+            raise ConfigError(f"{name}={value!r}: not supported by this server (only "
+                              f"{' or '.join(json.dumps(d) for d in defaults)})")
+    options = request.get("stream_options") or {}
+    if not (isinstance(options, dict) and set(options) <= {"include_usage"}
+            and isinstance(options.get("include_usage", True), bool)):
+        raise ConfigError(f"stream_options={options!r}: expected {{\"include_usage\": true or false}} "
+                          "(usage always comes with the last chunk)")
     if model_name is not None and request.get("model", model_name) != model_name:
         raise UnknownModel(f"model {request['model']!r} is not served here: this server serves {model_name!r}")
     if endpoint == CHAT:
