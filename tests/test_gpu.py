@@ -259,33 +259,15 @@ def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
     assert G._rel(logits["cuda"], logits["cpu"]) <= 1e-12
 
 
-def continuous_completions(name: str, device: str) -> list[tuple[list[int], int]]:
-    """(token ids, cached prompt tokens) of each request through ``ContinuousBatcher.generate`` on
-    ``device``: two rows, prefill chunks of 4 tokens, prompts sharing prefixes, so that a batched
-    prefill scatters into rows, a prefix is found in place and copied from a busy row, chunks start
-    from a held slot, and each decode step writes every row at its own slot."""
-    from hpc_tp.comm.mpi import self_comm
-    from hpc_tp.serve.continuous import ContinuousBatcher
-    from hpc_tp.serve.generate import Engine
-    from hpc_tp.serve.sampling import SamplingParams
-    from hpc_tp.train.tokenizer import ByteTokenizer
-    from test_generate import PROMPTS, _model
-
-    backend.use(device)
-    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[2][:5] + [250, 251], PROMPTS[0] + [9] * 9, PROMPTS[2] + [1, 2]]
-    params = [SamplingParams(max_new_tokens=n) for n in (9, 2, 3, 4, 2)]
-    out = ContinuousBatcher(Engine(_model(name, self_comm()), ByteTokenizer()), 2, chunk_tokens=4).generate(
-        prompts, params)
-    return [(completion.ids, completion.cached_tokens) for completion, _ in out]
-
-
 @device_test
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
 def test_continuous_batching_on_the_device_gives_the_cpu_tokens(name):
     """The continuous batcher's row-indexed writes and views (``kv_cache.RowsPrefill``, ``SlotCache``
     with a slot per row, ``KVCache.copy_slots``) on the device: the CPU's tokens and cached prefixes
     (float64), some of them cached."""
-    device, host = continuous_completions(name, "cuda"), continuous_completions(name, "cpu")
+    from test_generate import CONFIGS, larger_weights
+
+    device, host = (G.continuous_completions(d, CONFIGS[name], larger_weights) for d in ("cuda", "cpu"))
     assert device == host and any(cached for _, cached in host)
 
 

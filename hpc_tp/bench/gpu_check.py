@@ -177,6 +177,30 @@ def decode_replay_error(config: dict = DECODE_MODEL, prompts=DECODE_PROMPTS, ste
     return max(_rel(g, c) for g, c in zip(logits["cuda"], logits["cpu"])), replayed
 
 
+def continuous_completions(device: str, config: dict = DECODE_MODEL, weights=None) -> list[tuple[list[int], int]]:
+    """(token ids, cached prompt tokens) of each request through ``ContinuousBatcher.generate`` on
+    ``device``, float64, one process: two rows, prefill chunks of 4 tokens, prompts sharing prefixes,
+    so that a batched prefill scatters into rows, a prefix is found in place and copied from a busy
+    row, chunks start from a held slot, and each decode step writes every row at its own slot.
+    ``weights(model)``: sets the model's weights (default: its own seeded initialization)."""
+    from ..comm.mpi import self_comm
+    from ..models import GPTModel, ModelConfig
+    from ..serve.continuous import ContinuousBatcher
+    from ..serve.generate import Engine
+    from ..serve.sampling import SamplingParams
+    from ..train.tokenizer import ByteTokenizer
+
+    backend.use(device)
+    model = GPTModel(ModelConfig(**config), self_comm(), dtype="float64", seed=3)
+    if weights is not None:
+        weights(model)
+    first, second = list(DECODE_PROMPTS[2]), list(DECODE_PROMPTS[0])
+    prompts = [first, second, first[:5] + [250, 251], second + [9] * 9, first + [1, 2]]
+    params = [SamplingParams(max_new_tokens=n) for n in (9, 2, 3, 4, 2)]
+    out = ContinuousBatcher(Engine(model, ByteTokenizer()), 2, chunk_tokens=4).generate(prompts, params)
+    return [(completion.ids, completion.cached_tokens) for completion, _ in out]
+
+
 def decode_timings(batch: int, graphs: bool) -> dict:
     """``bench decode``'s record for W1, prompt 64, 32 timed tokens, float32, one process."""
     from ..comm.mpi import self_comm
@@ -444,6 +468,13 @@ def run_checks(report: Report):
         return (result if replayed else "FAIL"), measured, (
             "6 steps replayed from one captured CUDA graph" if replayed else "the capture failed: steps ran eagerly")
     report.check("decode steps as a CUDA graph vs CPU, float64", f"{TP_TOL:.0e}", decoding)
+
+    def continuous():
+        device, host = continuous_completions("cuda"), continuous_completions("cpu")
+        same, cached = device == host, [c for _, c in host]
+        return ("ok" if same and any(cached) else "FAIL"), "same" if same else "differ", (
+            f"5 requests in 2 rows, prefill chunks of 4, cached prompt tokens {cached}")
+    report.check("continuous batching vs CPU (rows, prefixes, chunks), float64", "same tokens", continuous)
     for dtype, model in (("float16", {}), ("bfloat16", {}), ("bfloat16", MOE)):
         def mixed(dtype=dtype, model=model):
             if dtype == "bfloat16" and _bfloat16_missing():
