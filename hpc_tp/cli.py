@@ -20,6 +20,7 @@ COMMANDS = {
     "plan": ("hpc_tp.plan.command", "pick tp, pp, dp, micro-batch and recomputation for a model on a cluster"),
     "generate": ("hpc_tp.serve.command", "generate text from a checkpoint (prompts or a JSON-lines batch)"),
     "serve": ("hpc_tp.serve.server", "serve a checkpoint over HTTP (completions API, batched over tp ranks)"),
+    "eval": ("hpc_tp.train.perplexity", "a checkpoint's loss and perplexity on a text corpus, at any tp"),
 }
 
 

@@ -235,6 +235,8 @@ BAD_INPUT = [
     ("serve --ckpt ck --batch-window-ms nan", "--batch-window-ms nan"),
     ("serve --ckpt ck --max-batch-prefill-tokens 0", "--max-batch-prefill-tokens 0: expected an integer >= 1"),
     ("serve --ckpt ck --prefill-chunk 0", "--prefill-chunk 0: expected an integer >= 1"),
+    ("eval --ckpt ck --data m.jsonl --seq-len 0", "--seq-len 0: expected a positive whole number"),
+    ("eval --ckpt ck --data m.jsonl --json emptydir", "--json emptydir is a folder: expected a file"),
     ("serve --ckpt ck --chat-template nosuch.jinja", "--chat-template nosuch.jinja: cannot read it (No such file"),
     ("serve --ckpt ck --chat-template binary.txt", "--chat-template binary.txt: cannot read it"),
     ("serve --ckpt ck --chat-template bad.jinja", "--chat-template bad.jinja: not a Jinja template"),

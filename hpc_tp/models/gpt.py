@@ -186,6 +186,21 @@ class GPTModel(Module):
         full = self.comm.all_gather(local, axis=local.ndim - 1) if self.comm.size > 1 else local
         return full[..., :self.cfg.vocab_size]
 
+    @contextmanager
+    def inference(self):
+        """Forward passes that drop nothing, as inference and evaluation want: dropout off, and MoE layers
+        keeping every token's choices (no capacity), whatever the model was trained with."""
+        training, self.rng.training = self.rng.training, False
+        experts = self.moe_layers()
+        for moe in experts:
+            moe.dropless = True
+        try:
+            yield
+        finally:
+            self.rng.training = training
+            for moe in experts:
+                moe.dropless = False
+
     # -- inference with a KV cache (hpc_tp.serve) ------------------------------------------------------
     def infer(self, ids, positions, key_mask, cache, all_positions: bool = False, last=None):
         """Run new tokens ``ids`` [B, T] at ``positions`` [B, T] (or [T], the same for every row)
@@ -201,18 +216,10 @@ class GPTModel(Module):
         the other requests or the padding in its batch, as in vLLM's and Megatron's inference."""
         if self._sequence_comm is not None:
             raise ConfigError("sequence_parallel is for training: serve the checkpoint with sequence_parallel false")
-        training, self.rng.training = self.rng.training, False
-        experts = self.moe_layers()
-        for moe in experts:
-            moe.dropless = True
-        try:
+        with self.inference():
             x, _ = self.embed_forward(ids, positions)
             for i, block in enumerate(self.layers):
                 x, _ = block.forward(x, key_mask, positions, cache.layer(i))
-        finally:
-            self.rng.training = training
-            for moe in experts:
-                moe.dropless = False
         cache.advance(ids.shape[1])
         if not all_positions:
             x = x[:, -1] if last is None else x[backend.xp_of(x).arange(x.shape[0]), last]
