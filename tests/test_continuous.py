@@ -354,3 +354,21 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(name, prefix_
     if tp.rank == 0:
         assert order.index(long) > len(order) - 1 - order[::-1].index(short)  # S done before L's first token
         assert later.done[0].cached_tokens == (20 if prefix_caching else 0) and long.done[0].cached_tokens == 0
+
+
+def test_a_request_cancelled_during_its_chunked_prefill_frees_its_row_at_once(events, monkeypatch):
+    """One row, prefill chunks of 4: a 27-token prompt whose client is gone from the start is dropped
+    after its first chunk, answered "cancelled" with no tokens, and the waiting request takes the row."""
+    tp, _ = tp_and_reference()
+    model = _model("gpt2", tp)
+    engine, passes = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
+    long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
+    gone, waiting = Request(long_prompt, 5, cancel_after=0), Request(PROMPTS[2], 3)
+    due = [(1, gone), (1, waiting)]
+    for _, request in due:
+        events.watch(request)
+    ContinuousBatcher(engine, 1, chunk_tokens=4).run(Script(due) if tp.rank == 0 else None)
+    assert passes == [((1, 4), 0), ((1, 4), 0), ((1, 3), 4)]  # its first chunk, then the waiting one's two
+    _agrees_with_alone(engine, waiting, events)
+    if tp.rank == 0:
+        assert gone.done[0].finish_reason == "cancelled" and gone.done[0].ids == [] and not gone.sampled

@@ -76,6 +76,7 @@ PREFILL_TOKENS = 2048
 # 493 ms whole, 236 ms in chunks of 512, 120 ms of 256 and 77 ms of 128, and took 492 / 458 / 449 /
 # 523 ms to its first token: 128 costs the long prompt, 256 does not.
 CHUNK_TOKENS = 256
+DROPPED = -2  # a row's control value: its request was cancelled during its prefill, and the row is free
 
 
 def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
@@ -190,7 +191,9 @@ class ContinuousBatcher:
             if self.comm.rank == 0:
                 control[-1] = self._sample(logits, control, source)
             self.comm.broadcast(control)
-            self.feed = control[:-1].copy()
+            for r in numpy.flatnonzero(control[:-1] == DROPPED):
+                del self.prompts[int(r)]
+            self.feed = numpy.maximum(control[:-1], -1)
             prefilling = numpy.isin(numpy.arange(len(self.feed)), list(self.prompts))
             self._free_rows((self.feed < 0) & ~prefilling)
             more = bool(control[-1])
@@ -318,8 +321,9 @@ class ContinuousBatcher:
         return out
 
     def _sample(self, logits, control, source) -> bool:
-        """Rank 0: each busy row's next token into ``control`` (-1 where the row is now free),
-        finished requests answered, queued requests taken for the free rows; True if any were."""
+        """Rank 0: each busy row's next token into ``control`` (-1 where the row is now free, DROPPED
+        where a request cancelled during its chunked prefill leaves it), finished requests answered,
+        queued requests taken for the free rows; True if any were."""
         now = time.perf_counter()
         for r, z in logits.items():
             busy = self._busy[r]
@@ -332,10 +336,19 @@ class ContinuousBatcher:
             if busy.row.finish is None:
                 control[r] = busy.row.ids[-1]
                 continue
-            first = now if busy.first is None else busy.first
-            busy.request.finish(busy.row.completion(len(busy.request.ids), busy.admitted, first, busy.cached),
-                                RowMetrics(busy.batch, self.kv_bytes), busy.admitted - busy.request.arrived)
-            self._busy[r] = None
+            self._finish(r, now)
+        for r in [r for r in self.prompts if self._busy[r].request.cancelled]:  # no need to prefill the rest
+            self._busy[r].row.cancel(now)
+            self._finish(r, now)
+            control[r] = DROPPED
         free = sum(b is None for b in self._busy)
         self._taken = source.take(free, idle=False) if free else []
         return bool(self._taken)
+
+    def _finish(self, r: int, now: float):
+        """Rank 0: row ``r``'s request answered, the row free."""
+        busy = self._busy[r]
+        first = now if busy.first is None else busy.first
+        busy.request.finish(busy.row.completion(len(busy.request.ids), busy.admitted, first, busy.cached),
+                            RowMetrics(busy.batch, self.kv_bytes), busy.admitted - busy.request.arrived)
+        self._busy[r] = None
