@@ -31,15 +31,6 @@ class ChatTemplate:
             raise ConfigError(f"{origin}: not a Jinja template: {e.message} (line {e.lineno})") from None
         self.tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
-    @classmethod
-    def of_tokenizer(cls, tokenizer) -> "ChatTemplate | None":
-        """The template the tokenizer was saved with (``tokenizer.chat``), or None."""
-        chat = getattr(tokenizer, "chat", {})
-        if not chat.get("chat_template"):
-            return None
-        return cls(chat["chat_template"], chat.get("bos_token", ""), chat.get("eos_token", ""),
-                   "the checkpoint's chat template")
-
     def render(self, messages) -> str:
         """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
         them), ending where the assistant's reply begins; ConfigError saying what is wrong otherwise."""
@@ -58,7 +49,6 @@ class ChatTemplate:
             raise ConfigError(f"the chat template refused these messages: {e}") from None
 
 
-
 def read_template(path: str | None) -> str | None:
     """``--chat-template``'s text, compiled once to check it: read on every rank before the checkpoint
     loads, so a bad file stops them all with one line. None: no file given."""
@@ -73,12 +63,14 @@ def read_template(path: str | None) -> str | None:
 
 
 def template_for(tokenizer, source: str | None = None, path: str | None = None) -> ChatTemplate | None:
-    """``--chat-template``'s (``source`` from ``path``), with the special tokens the tokenizer names, or
-    else the template the tokenizer carries; None if neither is there."""
-    if source is None:
-        return ChatTemplate.of_tokenizer(tokenizer)
-    return ChatTemplate(source, tokenizer.chat.get("bos_token", ""), tokenizer.chat.get("eos_token", ""),
-                        f"--chat-template {path}")
+    """``--chat-template``'s (``source`` from ``path``), or else the template the tokenizer was saved with
+    (``tokenizer.chat``), with the special tokens the tokenizer names; None if neither is there."""
+    chat = tokenizer.chat
+    origin = f"--chat-template {path}" if source is not None else "the checkpoint's chat template"
+    source = source if source is not None else chat.get("chat_template")
+    if not source:
+        return None
+    return ChatTemplate(source, chat.get("bos_token", ""), chat.get("eos_token", ""), origin)
 
 
 def _refuse(message: str):

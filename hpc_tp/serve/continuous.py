@@ -1,7 +1,8 @@
 """Continuous (iteration-level) batching: requests join and leave a running decode batch.
 
 The batch has a fixed number of rows (``hpc-tp serve --max-batch``), each its own region of one KV
-cache (``KVCache.rows``): a request is prefilled into a free row from slot 0, and every iteration
+cache: a request is prefilled into a free row (from slot 0, or after the prefix it finds cached
+there, below), and every iteration
 runs one decode step for the busy rows (``decoding.step_rows``: each row writes its token at its
 own slot, its positions count its own tokens, and a key mask by its length hides whatever an
 earlier request left in the row). A row that finishes (EOS, stop string, max tokens, client gone)
@@ -32,8 +33,8 @@ One iteration, collective over the tp group:
               its last chunk is in, give the request's first token;
     sample    rank 0 samples every busy row (``_Row``: EOS, stop strings, max tokens, cancellation),
               streams text, finishes requests and takes queued ones for the rows now free; one
-              ``comm.broadcast`` of an int64 array gives each row's next token (-1: free) and
-              whether admissions follow. The other ranks only ever see token ids.
+              ``comm.broadcast`` of an int64 array gives each row's next token (-1: free;
+              ``DROPPED``: cancelled during its prefill, free now) and whether admissions follow. The other ranks only ever see token ids.
 
 Prompts admitted together share their prefill: one pass has the same 2 all-reduces a layer and one
 logits gather for k prompts as for one, where prefilling each alone took k of each. Right padding
@@ -256,9 +257,9 @@ class ContinuousBatcher:
 
     def _forward(self, admitted):
         """The decode step for the rows with a token to feed, then the admitted prompts' cached prefixes
-        copied into their rows (all before any prefill, which could overwrite a source) and the rest of
-        each prompt prefilled, those with a prefix of one length together; {row: logits [V]} on the
-        host of rank 0 ({} elsewhere)."""
+        copied into their rows (all before any prefill, which could overwrite a source), then this
+        iteration's prefill chunks (up to ``chunk_tokens``, those from one slot together); {row: logits
+        [V]} on the host of rank 0 for the rows that stepped or whose prompt is now in ({} elsewhere)."""
         host = self.comm.rank == 0
         logits = {}
         stepping = numpy.flatnonzero(self.feed >= 0)

@@ -9,8 +9,9 @@ for every row at the longest a request may be (serve's --max-model-len).
 In a static batch (``Engine.generate``) slots are shared by the rows: the engine left-pads prompts
 so that every row writes its next token at the same slot, and a key mask (kept by the engine) hides
 the padding slots. Under continuous batching (``serve.continuous``) each row is its own request:
-``rows`` gives one row's region to prefill a prompt into from slot 0, and each decode step writes
-every row's token at that row's own slot.
+prompts are prefilled into their rows (``RowsPrefill``), ``rows`` gives the first rows to a decode
+step, which writes every row's token at that row's own slot, and ``copy_slots`` hands a cached prompt
+prefix from one row to another.
 
 ``RowsPrefill`` is the cache as one prefill of several right-padded prompts sees it, each into a
 row of its own chosen by the caller (continuous batching's admissions).
@@ -67,9 +68,9 @@ class KVCache:
         return self._layers[i]
 
     def rows(self, start: int, stop: int) -> "KVCache":
-        """Rows ``start:stop`` as a cache of their own, empty (length 0) and sharing this one's memory:
-        a request prefilled into its row writes from slot 0, and a decode step over the first rows
-        touches no other. Whatever those rows held before stays in memory; key masks hide it."""
+        """Rows ``start:stop`` as a cache of their own, empty (length 0) and sharing this one's memory: a
+        decode step over the first rows touches no other. Whatever those rows hold stays in memory;
+        the step's key mask decides what is seen."""
         return KVCache(self.k[:, start:stop], self.v[:, start:stop])
 
     def copy_slots(self, source: int, target: int, slots: int):
