@@ -276,9 +276,9 @@ def test_stop_string_eos_and_streamed_text():
     assert "".join(p for r, p, _ in pieces if r == 0) == out[0].text
     assert [f for r, _, f in pieces if r == 0][-1] == "stop"
     assert metrics.new_tokens == 2 * len(out[0].ids) and metrics.kv_cache_bytes_per_rank[0] > 0
-    # EOS: make the model's first greedy pick the end token by shifting its logits
+    # A stop id: make the model's first greedy pick one
     eos_first = ByteTokenizer()
-    eos_first.eos_id = plain[0].ids[0]
+    eos_first.stop_ids = frozenset({plain[0].ids[0]})
     out, _ = Engine(engine.model, eos_first).generate([PROMPTS[0]], [SamplingParams(max_new_tokens=5)])
     assert out[0].ids == [] and out[0].text == "" and out[0].finish_reason == "stop"
 

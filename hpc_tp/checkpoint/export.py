@@ -50,7 +50,7 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     from ..models.config import ModelConfig
     from .format import MASTER, SourceCheck
     from ..train.tokenizer import load_tokenizer_dir
-    from .importers.huggingface import CONFIG, SINGLE, TOKENIZER, TOKENIZER_CONFIG, export_layout
+    from .importers.huggingface import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, TOKENIZER_CONFIG, export_layout
 
     meta = info["meta"]
     if "config" not in meta:
@@ -83,9 +83,11 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     (dest / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
     if (folder / TOKENIZER).is_file():
         (dest / TOKENIZER).write_bytes((folder / TOKENIZER).read_bytes())
-        chat = load_tokenizer_dir(folder).chat
-        if chat:  # the chat template and its special tokens, where Hugging Face's tools look for them
-            (dest / TOKENIZER_CONFIG).write_text(json.dumps(chat, indent=2) + "\n")
+        tokenizer = load_tokenizer_dir(folder)
+        if tokenizer.chat:  # the chat template and its special tokens, where Hugging Face's tools look for them
+            (dest / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer.chat, indent=2) + "\n")
+        if tokenizer.eos_token_ids:  # where transformers' generate and vLLM read the ids that end a reply
+            (dest / GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": tokenizer.eos_token_ids}, indent=2) + "\n")
 
 
 class _Reader:

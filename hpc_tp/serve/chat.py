@@ -8,6 +8,11 @@ messages with it, the assistant's turn opened (``add_generation_prompt``), and c
 like any prompt. Templates run in Jinja's immutable sandbox, with the names Hugging Face's templates
 use: ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception`` (a
 template refusing a conversation: the client's error) and ``strftime_now``.
+
+A reply ends where the template closes the assistant's turn: ``<|im_end|>`` (ChatML), ``<|eot_id|>``
+(Llama 3), ``<end_of_turn>`` (Gemma), ``</s>`` (Mistral). ``end_of_turn_ids`` finds that token by
+rendering a short conversation, so generation stops there even where the checkpoint's eos is another
+token (a base model's ``<|endoftext|>``).
 """
 from __future__ import annotations
 
@@ -31,6 +36,21 @@ class ChatTemplate:
             raise ConfigError(f"{origin}: not a Jinja template: {e.message} (line {e.lineno})") from None
         self.tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
+    def end_of_turn_ids(self, tokenizer) -> frozenset[int]:
+        """The special token the template writes right after an assistant's reply (empty where it
+        writes none, or refuses the probe conversation)."""
+        import jinja2
+
+        probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": _REPLY}]
+        try:
+            text = self.template.render(messages=probe, add_generation_prompt=False, **self.tokens)
+        except jinja2.TemplateError:
+            return frozenset()
+        after = text.partition(_REPLY)[2].lstrip()
+        special = getattr(tokenizer, "special_ids", frozenset())
+        ids = tokenizer.encode(after)[:1] if after else []
+        return frozenset(i for i in ids if i in special)
+
     def render(self, messages) -> str:
         """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
         them), ending where the assistant's reply begins; ConfigError saying what is wrong otherwise."""
@@ -47,6 +67,9 @@ class ChatTemplate:
             return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
         except jinja2.TemplateError as e:  # raise_exception's refusal, or a template error at render time
             raise ConfigError(f"the chat template refused these messages: {e}") from None
+
+
+_REPLY = "Paris is the capital of France."  # a probe reply, text a template passes through as it is
 
 
 def read_template(path: str | None) -> str | None:
@@ -71,6 +94,13 @@ def template_for(tokenizer, source: str | None = None, path: str | None = None) 
     if not source:
         return None
     return ChatTemplate(source, chat.get("bos_token", ""), chat.get("eos_token", ""), origin)
+
+
+def stop_at_end_of_turn(tokenizer, template: ChatTemplate | None):
+    """Add the template's end-of-turn token to the ids that end a generation: a chat reply stops
+    there with finish_reason "stop", and no template text follows it."""
+    if template is not None:
+        tokenizer.stop_ids = tokenizer.stop_ids | template.end_of_turn_ids(tokenizer)
 
 
 def _refuse(message: str):

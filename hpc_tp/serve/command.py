@@ -127,7 +127,7 @@ def _world_size() -> int:
 def run(args) -> int:
     from ..errors import ConfigError
     from ..paths import check_output_file
-    from .chat import read_template, template_for
+    from .chat import read_template, stop_at_end_of_turn, template_for
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
@@ -139,7 +139,9 @@ def run(args) -> int:
     requests = []  # texts stay on rank 0: the others receive token ids and sampling parameters
 
     def read():
-        requests.extend(_read_requests(args, tokenizer, template_for(tokenizer, template_source, args.chat_template)))
+        template = template_for(tokenizer, template_source, args.chat_template)
+        stop_at_end_of_turn(tokenizer, template)  # rank 0 samples, so rank 0 alone checks stop ids
+        requests.extend(_read_requests(args, tokenizer, template))
         return [(r["ids"], r["sampling"]) for r in requests]
 
     work = on_rank0(world, read)

@@ -56,7 +56,8 @@ class BatchMetrics:
 
 
 class _Row:
-    """One request's tokens and text on rank 0: EOS, stop strings, max new tokens, stream holdback."""
+    """One request's tokens and text on rank 0: stop ids (eos, end of turn), stop strings, max new
+    tokens, stream holdback."""
 
     def __init__(self, params: SamplingParams, tokenizer):
         self.params, self.tokenizer = params, tokenizer
@@ -85,7 +86,7 @@ class _Row:
                           _rate(len(self.ids) - 1, self.done_at - first), cached_tokens)
 
     def add(self, token: int):
-        if token == self.tokenizer.eos_id:
+        if token in self.tokenizer.stop_ids:
             self.finish = "stop"
             return
         self.ids.append(token)

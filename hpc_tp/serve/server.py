@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 def run(args) -> int:
     from ..errors import ConfigError
     from ..train.preemption import StopRequest
-    from .chat import read_template, template_for
+    from .chat import read_template, stop_at_end_of_turn, template_for
     from .command import load_for_inference
     from .continuous import ContinuousBatcher
     from .generate import Engine
@@ -95,10 +95,11 @@ def run(args) -> int:
     if grid.world.rank == 0:
         from .http import CompletionServer
 
+        template = template_for(tokenizer, template_source, args.chat_template)
+        stop_at_end_of_turn(tokenizer, template)  # rank 0 samples, so rank 0 alone checks stop ids
         try:
             server = CompletionServer(args.host, args.port, tokenizer, model.cfg, DEFAULT_MAX_TOKENS, max_len,
-                                      template_for(tokenizer, template_source, args.chat_template),
-                                      args.served_model_name or _model_name(args.ckpt))
+                                      template, args.served_model_name or _model_name(args.ckpt))
         except OSError as e:
             error = f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})"
     pids = grid.world.allgather_object(os.getpid())

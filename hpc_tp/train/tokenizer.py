@@ -1,4 +1,5 @@
-"""Tokenizers with one small interface: ``encode``, ``decode``, ``vocab_size``, ``eos_id``, ``pad_id``.
+"""Tokenizers with one small interface: ``encode``, ``decode``, ``vocab_size``, ``eos_id``, ``pad_id``,
+``stop_ids``.
 
 ``ByteTokenizer`` needs no files (ids 0..255 are UTF-8 bytes, then ``<pad>`` and ``<eos>``);
 ``HFTokenizer`` wraps a Hugging Face ``tokenizer.json``. ``save(folder)`` writes a
@@ -6,6 +7,11 @@
 and ``load_tokenizer_dir(folder)`` reads it back. A Hugging Face tokenizer imported with a chat model
 also keeps its ``chat`` settings there: the chat template and the special tokens it names
 (``serve.chat``).
+
+``eos_id`` is the one end-of-sequence id that training appends and padding uses; ``stop_ids`` are every
+id that ends a generation: the model's own list (``generation_config.json``'s ``eos_token_id``, GGUF's
+eos/eot/eom ids, kept in the saved config as ``eos_token_ids``), the named ``eos_token`` and ``eos_id``.
+A chat template's end-of-turn token joins them when a server or ``generate`` renders chats with it.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from ..errors import ConfigError
 CONFIG_FILE = "tokenizer_config.json"
 HF_FILE = "tokenizer.json"
 CHAT_KEYS = ("chat_template", "bos_token", "eos_token")  # what a saved tokenizer keeps for chat
+EOS_IDS_KEY = "eos_token_ids"  # the model's end-of-sequence ids, as its own files list them
 
 # Special-token spellings of the common model families, most common first.
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -42,6 +49,7 @@ class ByteTokenizer:
     kind = "bytes"
     pad_id = 256
     eos_id = 257
+    stop_ids = frozenset({eos_id})
     vocab_size = 258
     identity = "bytes-v1"
     chat: dict = {}  # no chat template of its own (``hpc-tp serve --chat-template`` gives one)
@@ -65,21 +73,28 @@ class HFTokenizer:
 
     kind = "huggingface"
 
-    def __init__(self, tokenizer: Tokenizer, chat: dict | None = None):
+    def __init__(self, tokenizer: Tokenizer, chat: dict | None = None, eos_token_ids=()):
         self.tokenizer = tokenizer
         self.chat = dict(chat or {})  # chat_template, bos_token, eos_token as the model's files gave them
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eos_id = _first_token_id(tokenizer, _EOS_NAMES)
+        self.eos_token_ids = [int(i) for i in eos_token_ids]
+        named = tokenizer.token_to_id(self.chat["eos_token"]) if self.chat.get("eos_token") else None
+        # The model's own word first; the usual spellings only for a tokenizer that names none.
+        self.eos_id = next((i for i in (named, *self.eos_token_ids) if i is not None), None)
+        if self.eos_id is None:
+            self.eos_id = _first_token_id(tokenizer, _EOS_NAMES)
+        self.stop_ids = frozenset(i for i in (self.eos_id, *self.eos_token_ids) if i is not None)
+        self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self.pad_id = _first_token_id(tokenizer, _PAD_NAMES)
         self.identity = "hf-" + hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 
     @classmethod
-    def from_file(cls, path, chat: dict | None = None) -> "HFTokenizer":
+    def from_file(cls, path, chat: dict | None = None, eos_token_ids=()) -> "HFTokenizer":
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"tokenizer file {path} does not exist (expected a Hugging Face tokenizer.json)")
         try:
-            return cls(Tokenizer.from_file(str(path)), chat)
+            return cls(Tokenizer.from_file(str(path)), chat, eos_token_ids)
         except Exception as e:  # the Rust library raises a bare Exception with its parser message
             raise ConfigError(f"{path} is not a Hugging Face tokenizer.json: {e}") from None
 
@@ -95,7 +110,8 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, folder):
-        _write_config(folder, {"kind": self.kind, "file": HF_FILE, **self.chat})
+        ids = {EOS_IDS_KEY: self.eos_token_ids} if self.eos_token_ids else {}
+        _write_config(folder, {"kind": self.kind, "file": HF_FILE, **self.chat, **ids})
         self.tokenizer.save(str(Path(folder) / HF_FILE))
 
 
@@ -134,7 +150,10 @@ def load_tokenizer_dir(folder):
         return ByteTokenizer()
     if kind == HFTokenizer.kind:
         chat = {key: config[key] for key in CHAT_KEYS if isinstance(config.get(key), str)}
-        return HFTokenizer.from_file(Path(folder) / config.get("file", HF_FILE), chat)
+        ids = config.get(EOS_IDS_KEY, [])
+        if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise ConfigError(f"{config_path}: {EOS_IDS_KEY} must be a list of token ids, got {ids!r}")
+        return HFTokenizer.from_file(Path(folder) / config.get("file", HF_FILE), chat, ids)
     raise ConfigError(f"{config_path}: unknown tokenizer kind {kind!r} (expected 'bytes' or 'huggingface')")
 
 

@@ -134,8 +134,15 @@ def import_gguf(path: Path) -> Imported:
     from .gguf_tokenizer import tokenizer_json
 
     tokenizer = tokenizer_json(meta)
-    files = tokenizer_files(tokenizer, _chat_settings(meta)) if tokenizer is not None else {}
+    files = tokenizer_files(tokenizer, _chat_settings(meta), _eos_ids(meta)) if tokenizer is not None else {}
     return Imported(cfg, lazy, files, {"format": "gguf", "architecture": architecture, "path": path.name}, ignored)
+
+
+def _eos_ids(meta) -> list[int]:
+    """The ids the file says end a generation: end of sequence, of turn and of message (Llama 3's
+    ``<|eot_id|>`` and ``<|eom_id|>``)."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return [int(meta.get(key)) for key in keys if meta.get(key) is not None]
 
 
 def _chat_settings(meta) -> dict:

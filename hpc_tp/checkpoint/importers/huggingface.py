@@ -27,6 +27,7 @@ TOKENIZER = "tokenizer.json"
 # Read back by hpc_tp.train.tokenizer.load_tokenizer_dir: which kind of tokenizer the folder holds.
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
+GENERATION_CONFIG = "generation_config.json"
 
 # numpy dtypes of the safetensors dtypes; BF16 (no numpy type) is widened to float32.
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "float32",
@@ -293,29 +294,58 @@ def import_folder(folder: Path) -> Imported:
     names = reader.names()
     prefix = next((p for p in prefixes if p + anchor in names), prefixes[0])
     tensors, ignored = lazy_tensors(make_rules(cfg, hf, prefix), reader, str(folder / CONFIG))
-    files = ({} if not (folder / TOKENIZER).is_file() else
-             tokenizer_files((folder / TOKENIZER).read_bytes(), chat_settings(folder)))
+    files = {}
+    if (folder / TOKENIZER).is_file():
+        tokenizer_json = (folder / TOKENIZER).read_bytes()
+        files = tokenizer_files(tokenizer_json, chat_settings(folder), eos_token_ids(folder, tokenizer_json))
     return Imported(cfg, tensors, files, {"format": "huggingface", "architecture": model_type, "path": folder.name},
                     ignored)
 
 
-def tokenizer_files(tokenizer_json: bytes, chat: dict | None = None) -> dict[str, bytes]:
-    """A Hugging Face tokenizer.json, with the note that says what kind of tokenizer it is and, for a
-    chat model, its chat template and the special tokens that names (``serve.chat``)."""
-    note = json.dumps({"kind": "huggingface", "file": TOKENIZER, **(chat or {})}, indent=1) + "\n"
-    return {TOKENIZER: tokenizer_json, TOKENIZER_CONFIG: note.encode()}
+def tokenizer_files(tokenizer_json: bytes, chat: dict | None = None, eos_ids=()) -> dict[str, bytes]:
+    """A Hugging Face tokenizer.json, with the note that says what kind of tokenizer it is, the ids
+    that end a generation (``eos_token_ids``) and, for a chat model, its chat template and the special
+    tokens that names (``serve.chat``)."""
+    note = {"kind": "huggingface", "file": TOKENIZER, **(chat or {})}
+    if eos_ids:
+        note["eos_token_ids"] = list(dict.fromkeys(eos_ids))  # the first is the eos training appends
+    return {TOKENIZER: tokenizer_json, TOKENIZER_CONFIG: (json.dumps(note, indent=1) + "\n").encode()}
+
+
+def eos_token_ids(folder: Path, tokenizer_json: bytes) -> list[int]:
+    """The ids that end a generation by the folder's own files: the id of ``tokenizer_config.json``'s
+    ``eos_token`` first, then ``generation_config.json``'s ``eos_token_id`` (an id or a list: instruct
+    models list their end-of-turn token there)."""
+    from tokenizers import Tokenizer
+
+    ids = []
+    token = _json_object(folder / TOKENIZER_CONFIG).get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, str):
+        token_id = Tokenizer.from_str(tokenizer_json.decode()).token_to_id(token)
+        if token_id is not None:
+            ids.append(token_id)
+    generation = _json_object(folder / GENERATION_CONFIG).get("eos_token_id")
+    for i in generation if isinstance(generation, list) else [generation]:
+        if isinstance(i, int) and not isinstance(i, bool):
+            ids.append(i)
+    return list(dict.fromkeys(ids))
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file's top-level object; {} where the file is missing or holds no object."""
+    try:
+        value = json.loads(path.read_text()) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    return value if isinstance(value, dict) else {}
 
 
 def chat_settings(folder: Path) -> dict:
     """A Hugging Face folder's chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s
     ``chat_template``: a string, or named templates of which the "default") and its ``bos_token`` and
     ``eos_token`` (strings, or added-token objects with a ``content``); {} for a model without one."""
-    path = folder / TOKENIZER_CONFIG
-    try:
-        config = json.loads(path.read_text()) if path.is_file() else {}
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    config = config if isinstance(config, dict) else {}
+    config = _json_object(folder / TOKENIZER_CONFIG)
     template = config.get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
