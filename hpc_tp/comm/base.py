@@ -166,8 +166,10 @@ class Communicator(ABC):
         """Sub-communicator of the ranks that share this rank's node (shared memory)."""
 
     @abstractmethod
-    def bcast_object(self, obj, root: int = 0):
-        """Broadcast a small picklable object (control messages, not tensors)."""
+    def bcast_object(self, obj, root: int = 0, idle: bool = False):
+        """Broadcast a small picklable object (control messages, not tensors). ``idle``: the other
+        ranks may wait long for it (a server between requests), so they sleep while they wait rather
+        than spin in MPI's progress loop."""
 
     @abstractmethod
     def allgather_object(self, obj) -> list: ...

@@ -216,8 +216,8 @@ class NCCLCommunicator(Communicator):
     def split_node(self) -> "NCCLCommunicator":
         return NCCLCommunicator(self._host_call("split_node"), self.blocking)
 
-    def bcast_object(self, obj, root: int = 0):
-        return self._host_call("bcast_object", obj, root)
+    def bcast_object(self, obj, root: int = 0, idle: bool = False):
+        return self._host_call("bcast_object", obj, root, idle)
 
     def allgather_object(self, obj) -> list:
         return self._host_call("allgather_object", obj)
@@ -288,8 +288,8 @@ class HostStagedCommunicator(Communicator):
     def split_node(self) -> "HostStagedCommunicator":
         return HostStagedCommunicator(self.inner.split_node())
 
-    def bcast_object(self, obj, root: int = 0):
-        return self.inner.bcast_object(obj, root)
+    def bcast_object(self, obj, root: int = 0, idle: bool = False):
+        return self.inner.bcast_object(obj, root, idle)
 
     def allgather_object(self, obj) -> list:
         return self.inner.allgather_object(obj)

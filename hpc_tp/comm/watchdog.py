@@ -398,8 +398,8 @@ class WatchedCommunicator(Communicator):
         members = inner.allgather_object(self.members[self.rank])  # world ranks, in the new group's order
         return WatchedCommunicator(inner, self.watchdog, members, label)
 
-    def bcast_object(self, obj, root: int = 0):
-        return self._call(f"bcast_object(root={root})", None, self.inner.bcast_object, obj, root)
+    def bcast_object(self, obj, root: int = 0, idle: bool = False):
+        return self._call(f"bcast_object(root={root})", None, self.inner.bcast_object, obj, root, idle)
 
     def allgather_object(self, obj) -> list:
         return self._call("allgather_object", None, self.inner.allgather_object, obj)

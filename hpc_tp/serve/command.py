@@ -179,8 +179,9 @@ def run(args) -> int:
     return 0
 
 
-def on_rank0(world, work):
-    """``work()`` on rank 0 of the communicator ``world``; its result, or its ConfigError, on every rank."""
+def on_rank0(world, work, idle: bool = False):
+    """``work()`` on rank 0 of the communicator ``world``; its result, or its ConfigError, on every rank.
+    ``idle``: the work may take long (waiting for requests), and the other ranks sleep while they wait."""
     from ..errors import ConfigError
 
     payload = None
@@ -189,7 +190,7 @@ def on_rank0(world, work):
             payload = (work(), None)
         except ConfigError as e:
             payload = (None, str(e))
-    result, error = world.bcast_object(payload)
+    result, error = world.bcast_object(payload, idle=idle)
     if error is not None:
         raise ConfigError(error)
     return result

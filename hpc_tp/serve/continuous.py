@@ -184,7 +184,7 @@ class ContinuousBatcher:
             idle = not (self.feed >= 0).any() and not self.prompts
             admitted = []
             if more or idle:
-                admitted = on_rank0(self.comm, lambda: self._admit(source, idle))
+                admitted = on_rank0(self.comm, lambda: self._admit(source, idle), idle)
                 if admitted is None:
                     return
             logits = self._forward(admitted)

@@ -140,7 +140,7 @@ class StaticBatches:
             if comm.rank == 0:
                 while (jobs := source.take(self.rows, idle=True)) == []:
                     pass
-            if comm.bcast_object(jobs is not None) is False:
+            if comm.bcast_object(jobs is not None, idle=True) is False:
                 return
             if comm.rank != 0:
                 self.engine.generate()
