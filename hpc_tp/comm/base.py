@@ -174,6 +174,14 @@ class Communicator(ABC):
     @abstractmethod
     def allgather_object(self, obj) -> list: ...
 
+    @abstractmethod
+    def send_object(self, obj, dest: int, tag: int = 0):
+        """Send a small picklable object to one rank (messages between replicas, not tensors)."""
+
+    @abstractmethod
+    def poll_object(self, tag: int = 0):
+        """(source, object) of a message with ``tag`` that has arrived from any rank, or None at once."""
+
     def all_reduce_scalar(self, value: float, op: str = "sum") -> float:
         import numpy
 

@@ -257,6 +257,15 @@ class MPICommunicator(Communicator):
     def allgather_object(self, obj) -> list:
         return self.comm.allgather(obj)
 
+    def send_object(self, obj, dest: int, tag: int = 0):
+        self.comm.send(obj, dest=dest, tag=tag)
+
+    def poll_object(self, tag: int = 0):
+        status = MPI.Status()
+        if not self.comm.iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+            return None
+        return status.Get_source(), self.comm.recv(source=status.Get_source(), tag=tag)
+
     def abort(self, code: int = 1):
         self.comm.Abort(code)
 

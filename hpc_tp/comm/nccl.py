@@ -222,6 +222,13 @@ class NCCLCommunicator(Communicator):
     def allgather_object(self, obj) -> list:
         return self._host_call("allgather_object", obj)
 
+    # Straight to MPI, not through _host_call: messages may come from another thread than the collectives.
+    def send_object(self, obj, dest: int, tag: int = 0):
+        self.host.send_object(obj, dest, tag)
+
+    def poll_object(self, tag: int = 0):
+        return self.host.poll_object(tag)
+
     def abort(self, code: int = 1):
         self.comm.abort()
         self.host.abort(code)
@@ -293,6 +300,12 @@ class HostStagedCommunicator(Communicator):
 
     def allgather_object(self, obj) -> list:
         return self.inner.allgather_object(obj)
+
+    def send_object(self, obj, dest: int, tag: int = 0):
+        self.inner.send_object(obj, dest, tag)
+
+    def poll_object(self, tag: int = 0):
+        return self.inner.poll_object(tag)
 
     def abort(self, code: int = 1):
         self.inner.abort(code)

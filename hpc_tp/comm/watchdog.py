@@ -404,6 +404,14 @@ class WatchedCommunicator(Communicator):
     def allgather_object(self, obj) -> list:
         return self._call("allgather_object", None, self.inner.allgather_object, obj)
 
+    # Messages, not collectives: a sequence of collectives has no place for them, and a router thread
+    # sends them beside the main thread's collectives.
+    def send_object(self, obj, dest: int, tag: int = 0):
+        self.inner.send_object(obj, dest, tag)
+
+    def poll_object(self, tag: int = 0):
+        return self.inner.poll_object(tag)
+
 
 def _divergence(op: Operation, keys: list, members: list[int]) -> str:
     """One line: what each set of ranks of the group calls at ``op``'s place in the sequence."""

@@ -16,7 +16,9 @@ two decode steps requests that finished leave their row and queued ones are pref
 rows (together, in passes of at most --max-batch-prefill-tokens padded tokens), so a new request
 starts within one step of arriving instead of waiting for a whole batch. An
 idle server waits --batch-window-ms after a first request for company before it starts. The other
-ranks only ever receive token ids. ``--batching static`` runs the batches of before instead
+ranks only ever receive token ids. With more ranks than ``--tp`` (world = tp x replicas) every tp
+group is a replica with its own batcher and KV cache, and the requests go to whichever has a free row
+(``serve.replicas``). ``--batching static`` runs the batches of before instead
 (``StaticBatches``). Streaming responses are server-sent events: one
 ``data: {chunk}`` per piece of final text, then ``data: [DONE]``.
 
@@ -76,6 +78,7 @@ def run(args) -> int:
     from .command import load_for_inference
     from .continuous import ContinuousBatcher
     from .generate import Engine
+    from .replicas import RemoteJobs, Router
 
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
         raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
@@ -87,16 +90,17 @@ def run(args) -> int:
     template_source = read_template(args.chat_template)  # a bad file fails every rank before the load
     grid, model, tokenizer = load_for_inference(args)
     max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
-    if grid.dp_size != 1:
-        raise ConfigError(f"--tp {grid.tp_size} with {grid.world.size} ranks: serve runs one tp group, "
-                          f"use --tp {grid.world.size}")
     stop = StopRequest(("SIGTERM", "SIGINT"))
+    # Every replica's tp rank 0 samples, so each checks the stop ids, the template's end of turn among them.
+    template = template_for(tokenizer, template_source, args.chat_template)
+    stop_at_end_of_turn(tokenizer, template)
+    # The replicas' requests and answers go over a communicator of their own (serve.replicas).
+    replicas = grid.world.split(0, grid.world.rank) if grid.dp_size > 1 else None
+    leaders = [int(grid.ranks[d, 0, 0]) for d in range(grid.dp_size)]  # each replica's tp rank 0
     server, error = None, None
     if grid.world.rank == 0:
         from .http import CompletionServer
 
-        template = template_for(tokenizer, template_source, args.chat_template)
-        stop_at_end_of_turn(tokenizer, template)  # rank 0 samples, so rank 0 alone checks stop ids
         try:
             server = CompletionServer(args.host, args.port, tokenizer, model.cfg, DEFAULT_MAX_TOKENS, max_len,
                                       template, args.served_model_name or _model_name(args.ckpt))
@@ -111,15 +115,22 @@ def run(args) -> int:
     batcher = (ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens,
                                  args.prefill_chunk) if continuous else StaticBatches(engine, args.max_batch))
     if grid.world.rank != 0:
-        batcher.run()
+        batcher.run(RemoteJobs(replicas) if grid.world.rank in leaders else None)
         return 0
     cache = (f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {args.max_batch} rows of "
              f"{max_len} slots" if continuous else "static batches")
     print(f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
-          f"rank pids {' '.join(map(str, pids))}); {cache}", flush=True)
+          f"replicas={grid.dp_size}, rank pids {' '.join(map(str, pids))}); {cache}", flush=True)
+    router = Router(replicas, leaders[1:], server, args.max_batch) if replicas is not None else None
     batcher.run(_Jobs(server, stop, args.batch_window_ms / 1000))
+    spread = ""
+    if router is not None:  # every request is answered: the other replicas stop too
+        router.close()
+        remote = list(router.sent.values())
+        spread = f" (by replica: {' '.join(map(str, [server.answered - sum(remote), *remote]))})"
     server.close()
-    print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered, stopped", flush=True)
+    print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered{spread}, stopped",
+          flush=True)
     return 0
 
 
