@@ -97,12 +97,29 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
+def quantized_blocks(data: np.ndarray, kind) -> np.ndarray:
+    """``data`` [rows, n] as GGML ``kind`` blocks: quantized by the gguf package where it can, else (the
+    K-quants) blocks of random bytes, every byte's bit 6 clear so that each float16 scale in a block is
+    finite (its top exponent bit clear): what matters is that reader and package see the same bytes."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import quantize
+
+    try:
+        return quantize(data, kind)
+    except NotImplementedError:
+        block, nbytes = GGML_QUANT_SIZES[kind]
+        raw = np.random.default_rng(int(kind)).integers(0, 256, (data.shape[0], data.shape[1] // block * nbytes))
+        return (raw & 0xBF).astype(np.uint8)
+
+
 def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers.0.mlp.gate_proj.weight",),
                arch="llama", tokenizer=None) -> dict:
-    """A llama GGUF of ``tensors`` (HF names): float32, except ``quantized`` in Q8_0. Returns the
-    weights it really holds (dequantized, in HF layout) for the reference."""
+    """A llama GGUF of ``tensors`` (HF names): float32, except ``quantized`` (names in Q8_0, or a dict
+    name -> GGML type). Returns the weights it really holds (dequantized, in HF layout) for the reference."""
     import gguf
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
+
+    kinds = quantized if isinstance(quantized, dict) else dict.fromkeys(quantized, gguf.GGMLQuantizationType.Q8_0)
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(config["max_position_embeddings"])
@@ -122,9 +139,12 @@ def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             data, order = llama_cpp_permute(data, heads), llama_cpp_permute(order, heads)
-        if name in quantized:
-            data = quantize(data, gguf.GGMLQuantizationType.Q8_0)
-            stored = dequantize(data, gguf.GGMLQuantizationType.Q8_0)
+        if name in kinds:
+            data = quantized_blocks(data, kinds[name])
+            try:
+                stored = dequantize(data, kinds[name])
+            except NotImplementedError:  # a type the reader must refuse: no reference values
+                stored = np.full(value.shape, np.nan)
         else:
             stored = data
         held[name] = np.empty(value.shape)
@@ -135,8 +155,8 @@ def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
-        if name in quantized:
-            w.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if name in kinds:
+            w.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=kinds[name])
         else:
             w.add_tensor(gguf_name, data)
     w.write_header_to_file()
@@ -293,6 +313,39 @@ def test_gguf_llama_dequantized_logits_match_reference_at_every_tp(shared_dir, c
     assert rel_err(logits, llama_reference(config, held, IDS)) < 1e-9
     gate = "model.layers.0.mlp.gate_proj.weight"
     assert np.abs(held[gate] - tensors[gate]).max() > 0  # the reference really used the quantized weight
+
+
+GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ4_NL", "IQ4_XS")
+
+
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_every_gguf_type_a_user_downloads_reads_as_the_gguf_package_dequantizes_it(tmp_path, kind):
+    """A projection (q: llama.cpp's row order undone) and an MLP weight stored as ``kind``, 256 columns
+    (a K-quant block), read back as gguf's own dequantization of the same bytes."""
+    import gguf
+
+    config, tensors = llama_source(hidden=256, ffn=256)
+    names = {"model.layers.0.self_attn.q_proj.weight": "layers.0.attn.qkv.q.weight",
+             "model.layers.1.mlp.down_proj.weight": "layers.1.mlp.fc2.weight"}
+    kinds = dict.fromkeys(names, gguf.GGMLQuantizationType[kind])
+    held = write_gguf(tmp_path / "m.gguf", config, tensors, quantized=kinds)
+    imported = open_source(tmp_path / "m.gguf")
+    for name, ours in names.items():
+        assert np.array_equal(imported.tensors[ours][...], held[name].T.astype(np.float32)), name
+        assert np.isfinite(held[name]).all() and held[name].std() > 0
+
+
+def test_a_gguf_type_the_package_cannot_dequantize_is_one_line_naming_the_tensor(tmp_path, capsys):
+    import gguf
+
+    config, tensors = llama_source(hidden=256, ffn=256)
+    write_gguf(tmp_path / "m.gguf", config, tensors,
+               quantized={"model.layers.1.mlp.down_proj.weight": gguf.GGMLQuantizationType.Q8_1})
+    assert main(["convert", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensor blk.1.ffn_down.weight is Q8_1" in err[0], err
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_gguf_quantized_tensor_is_the_dequantized_weight(tmp_path):

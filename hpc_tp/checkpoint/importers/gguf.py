@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp) of the llama architecture.
 
 The reader memory-maps the file; a tensor is read (and dequantized with ``gguf.quants`` when it
-is quantized: Q8_0, Q4_K, ...) only when the checkpoint writer asks for it. GGUF stores a weight
+is quantized: BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ types) only when the checkpoint writer asks
+for it; a type the package cannot dequantize is an error naming the tensor. GGUF stores a weight
 as ggml dims [in, out], which numpy sees as [out, in], the nn.Linear layout; and llama.cpp's
 converter interleaves each head's q/k rows for its rope, which is undone here. The rules are the
 Hugging Face Llama rules with GGUF's tensor names. The tokenizer, when the file has one, becomes
@@ -56,7 +57,12 @@ class GGUFTensors:
         t = self._tensors[name]
         if t.tensor_type in (Q.F64, Q.F32, Q.F16):
             return numpy.array(t.data).reshape(self.shape(name))
-        return dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        try:  # gguf's own routines: BF16, the legacy quants, the K-quants and the IQ types
+            return dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        except NotImplementedError:
+            raise ConfigError(f"{self.label}: tensor {name} is {Q(t.tensor_type).name}, a type the gguf package "
+                              "cannot dequantize (F32, F16, BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K and IQ types "
+                              "can be read)") from None
 
 
 class _Fields:
