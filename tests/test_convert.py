@@ -94,7 +94,36 @@ def llama_cpp_permute(w, heads):
 
 GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+
+
+def phi3_source(config: dict, tensors: dict) -> tuple[dict, dict]:
+    """A Llama source as Phi-3 stores it: q, k, v fused by rows into qkv_proj, gate and up into
+    gate_up_proj; a sliding window one short of the context, as Phi-3's 4k models declare."""
+    fused = {k: v for k, v in tensors.items() if not k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                                 "gate_proj.weight", "up_proj.weight"))}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        fused[p + "self_attn.qkv_proj.weight"] = np.concatenate([tensors[p + f"self_attn.{x}_proj.weight"]
+                                                                 for x in "qkv"])
+        fused[p + "mlp.gate_up_proj.weight"] = np.concatenate([tensors[p + "mlp.gate_proj.weight"],
+                                                               tensors[p + "mlp.up_proj.weight"]])
+    return {**config, "model_type": "phi3", "sliding_window": config["max_position_embeddings"] - 1}, fused
+
+
+def unfused(config: dict, tensors: dict) -> dict:
+    """Phi-3's tensors back under Llama's names (for the reference forward pass)."""
+    q = config["num_attention_heads"] * (config["hidden_size"] // config["num_attention_heads"])
+    kv = config["num_key_value_heads"] * (config["hidden_size"] // config["num_attention_heads"])
+    out = dict(tensors)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        qkv, gate_up = out.pop(p + "self_attn.qkv_proj.weight"), out.pop(p + "mlp.gate_up_proj.weight")
+        out.update({p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q:q + kv],
+                    p + "self_attn.v_proj.weight": qkv[q + kv:], p + "mlp.gate_proj.weight": gate_up[:len(gate_up) // 2],
+                    p + "mlp.up_proj.weight": gate_up[len(gate_up) // 2:]})
+    return out
 
 
 def quantized_blocks(data: np.ndarray, kind) -> np.ndarray:
@@ -136,7 +165,7 @@ def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers
     for name, value in tensors.items():
         data = value.astype(np.float32)
         order = np.arange(value.shape[0])  # stored row j holds row order[j] of the HF weight
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             data, order = llama_cpp_permute(data, heads), llama_cpp_permute(order, heads)
         if name in kinds:
@@ -300,6 +329,40 @@ def test_llama_family_logits_match_reference_at_every_tp(shared_dir, comm_world,
     convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors, shards), shared_dir / "ckpt", comm_world)
     logits = tp_logits(shared_dir / "ckpt", comm_world)
     assert rel_err(logits, llama_reference(config, tensors, IDS)) < 1e-9
+
+
+@mpi
+def test_phi3_fused_projections_split_on_import_logits_match_reference_at_every_tp(shared_dir, comm_world):
+    """Phi-3 = the Llama block with qkv_proj and gate_up_proj fused by rows: a Hugging Face folder and a
+    GGUF file of it give the reference's logits at every tp (GQA replicated at tp = 4), and export
+    joins the blocks again."""
+    config, tensors = phi3_source(*llama_source())
+    reference = llama_reference(config, unfused(config, tensors), IDS)
+    convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors), shared_dir / "ckpt", comm_world)
+    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), reference) < 1e-9
+    path = shared_dir / "phi3.gguf"
+    held = comm_world.bcast_object(write_gguf(path, config, tensors, quantized=(), arch="phi3")
+                                   if comm_world.rank == 0 else None)
+    convert_on_rank0(lambda: path, shared_dir / "gguf-ckpt", comm_world)
+    assert rel_err(tp_logits(shared_dir / "gguf-ckpt", comm_world), llama_reference(config, unfused(config, held), IDS)) < 1e-9
+    if comm_world.rank == 0:
+        assert main(["export", str(shared_dir / "ckpt"), "-o", str(shared_dir / "out")]) == 0
+        assert json.loads((shared_dir / "out" / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
+        with safe_open(str(shared_dir / "out" / "model.safetensors"), "np") as f:
+            for name, value in tensors.items():
+                assert np.array_equal(f.get_tensor(name), value.astype(f.get_tensor(name).dtype)), name
+    comm_world.barrier()
+
+
+@mpi
+def test_qwen2_gguf_biases_and_halves_rope_logits_match_reference_at_every_tp(shared_dir, comm_world):
+    """llama.cpp keeps Qwen2's q/k rows as Hugging Face does (no interleaving), with q/k/v biases."""
+    config, tensors = llama_source(qwen=True)
+    path = shared_dir / "qwen2.gguf"
+    held = comm_world.bcast_object(write_gguf(path, config, tensors, quantized=(), arch="qwen2")
+                                   if comm_world.rank == 0 else None)
+    convert_on_rank0(lambda: path, shared_dir / "ckpt", comm_world)
+    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), llama_reference(config, held, IDS)) < 1e-9
 
 
 @mpi

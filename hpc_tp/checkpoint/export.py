@@ -22,7 +22,7 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 def add_arguments(parser):
     parser.add_argument("checkpoint", help="a checkpoint folder, or a folder of checkpoints (its latest is exported)")
     parser.add_argument("-o", "--output", required=True, metavar="DIR", help="Hugging Face folder to create")
-    parser.add_argument("--arch", choices=("gpt2", "llama", "qwen2"), default=None,
+    parser.add_argument("--arch", choices=("gpt2", "llama", "qwen2", "phi3"), default=None,
                         help="target architecture (default: the one it was imported from, else gpt2 for learned "
                              "positions and llama for rope)")
     parser.add_argument("--dtype", choices=("stored", *_CODES), default="stored",
@@ -50,19 +50,20 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     from ..models.config import ModelConfig
     from .format import MASTER, SourceCheck
     from ..train.tokenizer import load_tokenizer_dir
-    from .importers.huggingface import CONFIG, GENERATION_CONFIG, SINGLE, TOKENIZER, TOKENIZER_CONFIG, export_layout
+    from .importers.huggingface import (CONFIG, EXPORTABLE, GENERATION_CONFIG, SINGLE, TOKENIZER, TOKENIZER_CONFIG,
+                                        export_layout)
 
     meta = info["meta"]
     if "config" not in meta:
         raise ConfigError(f"checkpoint {info['path']}: its meta holds no model config")
     cfg = ModelConfig.from_dict(meta["config"])
     if cfg.family != "gpt":
-        raise ConfigError(f"checkpoint {info['path']} is a {cfg.family} model; export supports gpt2, llama and qwen2")
+        raise ConfigError(f"checkpoint {info['path']} is a {cfg.family} model; export supports {', '.join(EXPORTABLE)}")
     if cfg.num_experts:
         raise ConfigError(f"checkpoint {info['path']} is a Mixture-of-Experts model (num_experts={cfg.num_experts}); "
-                          "export writes dense gpt2, llama and qwen2 models")
+                          f"export writes dense {', '.join(EXPORTABLE)} models")
     architecture = architecture or meta.get("source", {}).get("architecture")
-    if architecture not in ("gpt2", "llama", "qwen2"):
+    if architecture not in EXPORTABLE:
         architecture = "gpt2" if cfg.position == "learned" else "llama"
     hf_config, rules = export_layout(cfg, architecture)
     folder = Path(info["path"])
@@ -112,7 +113,8 @@ class _Reader:
 
 def _entries(rules, read, stored: dict, dtype: str) -> list[tuple]:
     """(name, shape, dtype code, produce) per Hugging Face tensor, in rule order; the rules that
-    share a source tensor (GPT-2's c_attn) are its column blocks, concatenated in column order."""
+    share a source tensor are its column blocks (GPT-2's c_attn) or row blocks (Phi-3's qkv_proj),
+    concatenated in their order."""
     import numpy
 
     groups: dict[str, list] = {}
@@ -120,12 +122,12 @@ def _entries(rules, read, stored: dict, dtype: str) -> list[tuple]:
         groups.setdefault(rule.theirs, []).append(rule)
     entries = []
     for name, parts in groups.items():
-        parts.sort(key=lambda r: r.columns or (0, 0))
+        parts.sort(key=lambda r: r.columns or r.rows or (0, 0))
         code = _CODES[stored[parts[0].ours] if dtype == "stored" else dtype]
 
         def produce(parts=parts):
             pieces = [r.to_theirs(read(r.ours)) for r in parts]
-            return pieces[0] if len(pieces) == 1 else numpy.concatenate(pieces, axis=-1)
+            return pieces[0] if len(pieces) == 1 else numpy.concatenate(pieces, axis=0 if parts[0].rows else -1)
 
         entries.append((name, parts[0].shape, code, produce))
     return entries

@@ -10,7 +10,7 @@ source's config before anything is written.
     open_source(path) -> Imported(config, tensors, files, source)
 
 Supported: Hugging Face folders (config.json + safetensors, sharded too) of GPT-2, Llama-family
-(Llama, SmolLM, Qwen2) and BERT encoders; GGUF files of the llama architecture.
+(Llama, SmolLM, Qwen2, Phi-3) and BERT encoders; GGUF files of the llama, qwen2 and phi3 architectures.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class Rule:
     """Our tensor ``ours`` comes from the source tensor ``theirs`` of shape ``shape``.
 
     ``columns``: ours is ``theirs[..., a:b]`` (a fused projection such as GPT-2's c_attn);
+    ``rows``: ours is ``theirs[a:b]`` (a fused torch-layout projection such as Phi-3's qkv_proj);
     ``rope_heads``: undo llama.cpp's interleaved rope layout of q/k rows over that many heads;
     ``transpose``: torch's nn.Linear stores [out, in], our linears [in, out].
     ``theirs`` None: the source family has no such tensor (a bias it omits); ours is zeros of ``shape``.
@@ -40,17 +41,22 @@ class Rule:
     transpose: bool = False
     columns: tuple[int, int] | None = None
     rope_heads: int | None = None
+    rows: tuple[int, int] | None = None
 
     @property
     def ours_shape(self) -> tuple:
         shape = list(self.shape)
         if self.columns:
             shape[-1] = self.columns[1] - self.columns[0]
+        if self.rows:
+            shape[0] = self.rows[1] - self.rows[0]
         return tuple(reversed(shape)) if self.transpose else tuple(shape)
 
     def to_ours(self, x):
         if self.columns:
             x = x[..., self.columns[0]:self.columns[1]]
+        if self.rows:
+            x = x[self.rows[0]:self.rows[1]]
         if self.rope_heads:
             x = undo_rope_permutation(x, self.rope_heads)
         return numpy.ascontiguousarray(x.T if self.transpose else x)

@@ -1,11 +1,12 @@
-"""GGUF files (llama.cpp) of the llama architecture.
+"""GGUF files (llama.cpp) of the llama, qwen2 and phi3 architectures.
 
 The reader memory-maps the file; a tensor is read (and dequantized with ``gguf.quants`` when it
 is quantized: BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ types) only when the checkpoint writer asks
 for it; a type the package cannot dequantize is an error naming the tensor. GGUF stores a weight
 as ggml dims [in, out], which numpy sees as [out, in], the nn.Linear layout; and llama.cpp's
-converter interleaves each head's q/k rows for its rope, which is undone here. The rules are the
-Hugging Face Llama rules with GGUF's tensor names. The tokenizer, when the file has one, becomes
+converter interleaves each head's q/k rows for its rope (llama only: qwen2 and phi3 rotate halves
+as Hugging Face does), which is undone here. The rules are the Hugging Face rules of the family (Phi-3's
+fused qkv and gate-up projections included) with GGUF's tensor names. The tokenizer, when the file has one, becomes
 a Hugging Face tokenizer.json (``gguf_tokenizer``).
 """
 from __future__ import annotations
@@ -19,14 +20,15 @@ import numpy
 from ...errors import ConfigError
 from ...models.config import ModelConfig
 from . import Imported, Rule, lazy_tensors
-from .huggingface import ConfigFile, llama_rules, tokenizer_files
+from .huggingface import ConfigFile, llama_rules, phi3_rules, tokenizer_files
 
-SUPPORTED = ("llama",)
+SUPPORTED = ("llama", "qwen2", "phi3")
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
@@ -86,16 +88,17 @@ class _Fields:
         return value
 
 
-def _config(meta: _Fields, tensors: GGUFTensors) -> ModelConfig:
-    a = "llama."
+def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConfig:
+    a = architecture + "."
     heads = meta[a + "attention.head_count"]
     hidden = meta[a + "embedding_length"]
     rope_dims = meta.get(a + "rope.dimension_count", hidden // heads)
     if rope_dims != hidden // heads:
         raise ConfigError(f"{meta.path}: rope.dimension_count={rope_dims} != head size {hidden // heads} "
                           "(partial rotary embeddings are not supported)")
-    if "rope_freqs.weight" in tensors.names():
-        raise ConfigError(f"{meta.path}: tensor 'rope_freqs.weight' (per-frequency rope factors) is not supported")
+    factors = sorted(n for n in tensors.names() if n.startswith(("rope_freqs", "rope_factors")))
+    if factors:
+        raise ConfigError(f"{meta.path}: tensor {factors[0]!r} (per-frequency rope factors) is not supported")
     scaling = meta.get(a + "rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ConfigError(f"{meta.path}: rope.scaling.type={scaling!r} is not supported (expected none or linear)")
@@ -109,15 +112,19 @@ def _config(meta: _Fields, tensors: GGUFTensors) -> ModelConfig:
                        activation="swiglu", position="rope", rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
                        rope_scaling={"rope_type": "linear", "factor": float(meta[a + "rope.scaling.factor"])}
                        if scaling == "linear" else None,
-                       tie_embeddings="output.weight" not in tensors.names(), bias=False, causal=True)
+                       tie_embeddings="output.weight" not in tensors.names(), bias=architecture == "qwen2",
+                       causal=True)
 
 
-def _gguf_rule(rule: Rule, cfg: ModelConfig) -> Rule:
+def _gguf_rule(rule: Rule, cfg: ModelConfig, architecture: str) -> Rule:
+    if rule.theirs is None:  # a bias the family omits (Qwen2's output and MLP): zeros, no tensor to name
+        return rule
     if rule.theirs in _TOP:
         return dataclasses.replace(rule, theirs=_TOP[rule.theirs])
     layer, module, kind = _LAYER_NAME.fullmatch(rule.theirs).groups()
     heads = {"self_attn.q_proj": cfg.n_heads, "self_attn.k_proj": cfg.n_kv_heads}.get(module)
-    return dataclasses.replace(rule, theirs=f"blk.{layer}.{_LAYER[module]}.{kind}", rope_heads=heads)
+    return dataclasses.replace(rule, theirs=f"blk.{layer}.{_LAYER[module]}.{kind}",
+                               rope_heads=heads if architecture == "llama" else None)
 
 
 def import_gguf(path: Path) -> Imported:
@@ -132,10 +139,12 @@ def import_gguf(path: Path) -> Imported:
     architecture = meta.get("general.architecture")
     if architecture not in SUPPORTED:
         raise ConfigError(f"{path}: unknown architecture {architecture!r}; supported GGUF architectures: "
-                          f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, bert)")
+                          f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, phi3, bert)")
     tensors = GGUFTensors(path, reader)
-    cfg = _config(meta, tensors)
-    rules = [_gguf_rule(r, cfg) for r in llama_rules(cfg, ConfigFile({}, path), "model.")]
+    cfg = _config(meta, tensors, architecture)
+    family = ConfigFile({"model_type": architecture}, path)
+    rules = (phi3_rules if architecture == "phi3" else llama_rules)(cfg, family, "model.")
+    rules = [_gguf_rule(r, cfg, architecture) for r in rules]
     lazy, ignored = lazy_tensors(rules, tensors, f"{path.name}'s metadata")
     from .gguf_tokenizer import tokenizer_json
 

@@ -9,6 +9,7 @@ is still zero. The same rule tables serve import and export (``export_layout``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -110,7 +111,7 @@ def _json(path: Path) -> dict:
 # Sizes and constants the importers compute with: a value of another JSON type is the file's error.
 _INTEGER_KEYS = {"vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
                  "intermediate_size", "max_position_embeddings", "head_dim", "type_vocab_size", "n_embd", "n_layer",
-                 "n_head", "n_inner", "n_positions"}
+                 "n_head", "n_inner", "n_positions", "sliding_window"}
 _NUMBER_KEYS = {"rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "rope_theta"}
 
 
@@ -177,6 +178,18 @@ def llama_config(hf: ConfigFile) -> ModelConfig:
                        rope_theta=float(hf.get("rope_theta", 10000.0)), rope_scaling=hf.get("rope_scaling"),
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=any(_llama_biases(hf)),
                        causal=True)
+
+
+def phi3_config(hf: ConfigFile) -> ModelConfig:
+    """Phi-3: the Llama block with fused projections. Its 4k-context models declare a sliding window one
+    short of their context, which full attention computes alike up to window + 1 positions: the context
+    is cut there, so nothing longer is asked of it."""
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("linear", "llama3"):
+        raise ConfigError(f"{hf.path}: rope_scaling={scaling!r} (Phi-3's long-context variants) is not supported")
+    cfg = llama_config(hf)
+    window = hf.get("sliding_window")
+    return dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, window + 1)) if window else cfg
 
 
 def bert_config(hf: ConfigFile) -> ModelConfig:
@@ -251,6 +264,28 @@ def llama_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
     return rules + _norm("final_norm", f"{p}norm", cfg) + _head(cfg)
 
 
+# Phi-3's fused torch-layout projections: a part of ours -> (the fused tensor, which block of its rows).
+_PHI3_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def phi3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
+    """Llama's tensors, where q, k and v are row blocks of one ``qkv_proj`` and gate and up of one
+    ``gate_up_proj``, split on import and joined again on export."""
+    q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden
+    blocks = {"qkv_proj": [0, q, q + kv, q + 2 * kv], "gate_up_proj": [0, f, 2 * f]}
+    rules = []
+    for rule in llama_rules(cfg, hf, prefix):
+        part = rule.theirs.rsplit(".", 2)[-2] if rule.theirs else None
+        if part in _PHI3_FUSED and rule.theirs.endswith(".weight"):
+            fused, k = _PHI3_FUSED[part]
+            edges = blocks[fused]
+            rule = Rule(rule.ours, rule.theirs.replace(part, fused), (edges[-1], cfg.hidden), transpose=True,
+                        rows=(edges[k], edges[k + 1]))
+        rules.append(rule)
+    return rules
+
+
 def bert_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
     h, f, p = cfg.hidden, cfg.ffn_hidden, prefix
     rules = [Rule("embed.weight", f"{p}embeddings.word_embeddings.weight", (cfg.vocab_size, h)),
@@ -275,6 +310,7 @@ ARCHITECTURES = {
     "gpt2": (gpt2_config, gpt2_rules, "wte.weight", ("", "transformer.")),
     "llama": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
     "qwen2": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
+    "phi3": (phi3_config, phi3_rules, "embed_tokens.weight", ("model.", "")),
     "bert": (bert_config, bert_rules, "embeddings.word_embeddings.weight", ("", "bert.")),
 }
 
@@ -287,7 +323,7 @@ def import_folder(folder: Path) -> Imported:
     if model_type not in ARCHITECTURES:
         named = model_type or ", ".join(hf.get("architectures", [])) or "none given"
         raise ConfigError(f"{folder / CONFIG}: unknown architecture {named!r}; supported model_type values: "
-                          f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama architecture)")
+                          f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2 and phi3 architectures)")
     make_config, make_rules, anchor, prefixes = ARCHITECTURES[model_type]
     cfg = make_config(hf)
     reader = SafetensorsFolder(folder)
@@ -364,7 +400,7 @@ def chat_settings(folder: Path) -> dict:
 
 
 # -- export -------------------------------------------------------------------------------------------
-EXPORTABLE = ("gpt2", "llama", "qwen2")
+EXPORTABLE = ("gpt2", "llama", "qwen2", "phi3")
 
 
 def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]]:
@@ -381,11 +417,14 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
                   "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps,
                   "activation_function": "gelu_new", "tie_word_embeddings": cfg.tie_embeddings}
         prefix = ""
-    elif architecture in ("llama", "qwen2"):
+    elif architecture in ("llama", "qwen2", "phi3"):
         if (cfg.position, cfg.norm, cfg.activation) != ("rope", "rmsnorm", "swiglu"):
             raise ConfigError(f"export as {architecture} needs rope, rmsnorm and swiglu; "
                               f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}")
-        values = {"architectures": ["Qwen2ForCausalLM" if architecture == "qwen2" else "LlamaForCausalLM"],
+        if architecture == "phi3" and cfg.bias:
+            raise ConfigError("export as phi3: the checkpoint has biases, which Phi-3 has not; export with --arch llama")
+        names = {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM", "llama": "LlamaForCausalLM"}
+        values = {"architectures": [names[architecture]],
                   "model_type": architecture, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden,
                   "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
                   "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.ffn_hidden,
