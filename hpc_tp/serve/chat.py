@@ -51,9 +51,10 @@ class ChatTemplate:
         ids = tokenizer.encode(after)[:1] if after else []
         return frozenset(i for i in ids if i in special)
 
-    def render(self, messages) -> str:
+    def render(self, messages, add_generation_prompt: bool = True) -> str:
         """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
-        them), ending where the assistant's reply begins; ConfigError saying what is wrong otherwise."""
+        them), ending where the assistant's reply begins (``add_generation_prompt``; False: the
+        conversation as it stands, as fine-tuning reads it); ConfigError saying what is wrong otherwise."""
         import jinja2
 
         if not isinstance(messages, list) or not messages:
@@ -64,7 +65,7 @@ class ChatTemplate:
                     and isinstance(message.get("content"), str)):
                 raise ConfigError(f"messages[{i}] must be an object with a string role and a string content")
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.tokens)
         except jinja2.TemplateError as e:  # raise_exception's refusal, or a template error at render time
             raise ConfigError(f"the chat template refused these messages: {e}") from None
 

@@ -66,7 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser):
                           "(gradients reduce-scattered, parameters all-gathered); the same numbers, 1/dp of "
                           "the optimizer memory")
     data = parser.add_argument_group("data")
-    data.add_argument("--data", default=d.data, help="'demo' (embedded 2-digit addition), a .txt file or a folder")
+    data.add_argument("--data", default=d.data,
+                      help="'demo' (embedded 2-digit addition), a .txt file or a folder, or a .jsonl of chats "
+                           "({\"messages\": [...]} or {\"prompt\", \"completion\"} a line: the loss on the "
+                           "assistant's tokens only)")
+    data.add_argument("--chat-template", metavar="FILE", default=None,
+                      help="Jinja chat template for a .jsonl of chats (default: the tokenizer's own, e.g. --init's)")
+    data.add_argument("--eval-split", type=float, default=d.eval_split, metavar="FRACTION",
+                      help="chats held out of training; their assistant-token loss is logged as heldout_loss")
     data.add_argument("--tokenizer", default=None,
                       help="'bytes' or a Hugging Face tokenizer.json (default: bytes, or the --init checkpoint's)")
     data.add_argument("--cache-dir", default=d.cache_dir, help="where a corpus is tokenized once (shared by ranks)")
@@ -78,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     out.add_argument("--init", default=None, metavar="CKPT",
                      help="start from these weights (e.g. from hpc-tp convert): their config and tokenizer, step 0")
     out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save")
-    out.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out evaluation interval (demo)")
+    out.add_argument("--eval-every", type=int, default=d.eval_every,
+                     help="held-out evaluation interval (the demo's accuracy, the chats' --eval-split loss)")
     out.add_argument("--eval-problems", type=int, default=d.eval_problems)
     out.add_argument("--samples", type=int, default=d.samples, help="sample completions printed at the end")
     out.add_argument("--no-progress", dest="progress", action="store_false")

@@ -46,6 +46,8 @@ class TrainSettings:
     device: str = "cpu"  # "cuda": cupy, one GPU per node-local rank
     data: str = "demo"
     tokenizer: str | None = None  # None: bytes, or the --init checkpoint's tokenizer
+    chat_template: str | None = None  # a Jinja file for --data CHATS.jsonl (default: the tokenizer's own)
+    eval_split: float = 0.0  # conversations held out of --data CHATS.jsonl, for heldout_loss
     init: str | None = None  # start from a checkpoint's weights (its config and tokenizer), fresh optimizer
     cache_dir: str = "io/cache"
     log: str | None = None
@@ -101,18 +103,27 @@ class TrainSettings:
             raise ConfigError(f"--comm-timeout {self.comm_timeout!r}: expected seconds >= 0 (0: no watchdog)")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ConfigError(f"--seq-len {self.seq_len!r}: expected a positive integer")
+        if not 0 <= self.eval_split < 1:
+            raise ConfigError(f"--eval-split {self.eval_split!r}: expected a fraction in [0, 1)")
+        if self.eval_split and not self.chats:
+            raise ConfigError(f"--eval-split holds out conversations of a chats .jsonl, not of --data {self.data}")
         self._check_outputs()
 
     def _check_outputs(self):
         """Where the run writes, checked before it trains: a bad path would otherwise end it after the work."""
         if self.log is not None:
             check_output_file(self.log, "--log")
-        if self.data not in (None, "demo") or self.comm_timeout:  # the tokenized corpus, the watchdog's status files
+        if (self.data not in (None, "demo") and not self.chats) or self.comm_timeout:  # a corpus's tokens, the watchdog's files
             check_output_folder(self.cache_dir, "--cache-dir")
         if self.save is not None:
             check_output_folder(self.save, "--save")
             if not self.resume:
                 _check_no_earlier_run(self.save)
+
+    @property
+    def chats(self) -> bool:
+        """Whether --data is conversations (supervised fine-tuning, ``train.chats``) rather than text."""
+        return str(self.data).endswith(".jsonl")
 
     @property
     def chunks(self) -> int:

@@ -40,6 +40,8 @@ from ..pipeline import (build_stage, parse_pp_layers, pipeline_forward_backward,
                         tied_names)
 from ..tensor_parallel.sequence_parallel import check_sequence_divisible
 from ..tensor_parallel.vocab import IGNORE_INDEX
+from ..serve.chat import read_template, template_for
+from .chats import build_chat_datasets
 from .data import DistributedSampler, TaskDataset, build_dataset
 from .evaluate import heldout_accuracy
 from .expert_parallel import check_expert_parallel, moe_metrics, moe_summary
@@ -68,6 +70,7 @@ class NumericalFault(ConfigError):
 class TrainResult:
     records: list[dict] = field(default_factory=list)  # this run's per-step metrics
     accuracy: float | None = None  # demo task: held-out exact-answer accuracy at the end
+    heldout_loss: float | None = None  # chats: the held-out conversations' assistant-token loss at the end
     samples: list = field(default_factory=list)  # [(prompt, completion, ok)]
     stopped_by: str | None = None  # the signal that ended the run early
     checkpoint: Path | None = None  # the last checkpoint written
@@ -93,10 +96,17 @@ class Trainer:
             self.cfg = self._model_config()
         check_expert_parallel(s.ep, self.cfg)
         self.seq_len = self._seq_len()
-        if self.cfg.sequence_parallel:  # before any data is read or any message goes
+        self.heldout = None  # the chats held out by --eval-split
+        if s.chats:
+            template = template_for(self.tokenizer, read_template(s.chat_template), s.chat_template)
+            self.dataset, self.heldout = build_chat_datasets(s.data, self.tokenizer, template, s.seq_len,
+                                                             s.eval_split, s.seed, self.cfg.max_seq_len)
+            self.seq_len = self.dataset.seq_len
+        else:
+            self.dataset = build_dataset(s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank,
+                                         barrier=grid.world.barrier)
+        if self.cfg.sequence_parallel:  # before any message goes
             check_sequence_divisible(self.seq_len, grid.tp_size)
-        self.dataset = build_dataset(s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank,
-                                     barrier=grid.world.barrier)
         # The dp buckets sum gradients in place; with ZeRO the parameters are laid out beside them, so the
         # updated pieces are gathered straight into the parameters.
         with GradArena(DEFAULT_BUCKET_BYTES, params=s.distributed_optimizer) as self.grad_arena:
@@ -231,6 +241,22 @@ class Trainer:
         return sum(getattr(self.grid, axis).seconds for axis in GROUPS)
 
     # -- evaluation -----------------------------------------------------------------------------------
+    def heldout_loss(self) -> float | None:
+        """Mean loss over the assistant tokens of the chats held out by --eval-split, dp replicas splitting
+        them (None without them, and at pp > 1, with sequence or expert parallelism: layouts whose forward
+        pass is the schedule's)."""
+        if self.heldout is None or self.grid.pp_size > 1 or self.cfg.sequence_parallel or self.grid.ep_size > 1:
+            return None
+        mine = list(range(self.grid.coords.dp, len(self.heldout), self.grid.dp_size))
+        loss, tokens = 0.0, 0
+        with self.model.inference(), self.model.uncounted():
+            for start in range(0, len(mine), self.micro_batch):
+                ids, targets = self.heldout.get(mine[start:start + self.micro_batch])
+                loss_sum, count, _ = self.model.forward(backend.xp.asarray(ids), backend.xp.asarray(targets))
+                loss, tokens = loss + float(loss_sum), tokens + int(count)
+        loss, tokens = self.grid.dp.all_reduce_scalar(loss), self.grid.dp.all_reduce_scalar(tokens)
+        return loss / max(tokens, 1)
+
     def evaluate(self) -> tuple[float, list] | None:
         """Held-out accuracy on the demo task, decoded by the serving engine (None for a corpus, and for
         layouts the engine does not serve: pp > 1, sequence parallelism, expert parallelism)."""
@@ -355,6 +381,8 @@ class Trainer:
                         evaluation = self.evaluate()
                         if evaluation is not None:
                             record["heldout_accuracy"] = evaluation[0]
+                        if (heldout := self.heldout_loss()) is not None:
+                            record["heldout_loss"] = heldout
                     result.records.append(metrics.log(record))
                     progress.update(self.step, record["loss"], record["tokens_per_s"])
                     if not record.get("loss_scale_overflow"):  # fp16 scaling at work: neither bad nor good
@@ -379,6 +407,9 @@ class Trainer:
                 if evaluation is not None:
                     result.accuracy, result.samples = evaluation
                     metrics.log({"step": self.step, "heldout_accuracy": result.accuracy})
+                if (heldout := self.heldout_loss()) is not None:
+                    result.heldout_loss = heldout
+                    metrics.log({"step": self.step, "heldout_loss": heldout})
         finally:
             stop.restore()
             self._say_to = None
