@@ -3,11 +3,13 @@
 - Every shell block marked runnable (a ```bash fence right after a ``<!-- runnable -->`` line) in
   README.md, CONTRIBUTING.md and docs/*.md runs as written, in order, in a fresh folder per file,
   with this checkout's ``hpc-tp`` and ``mpiexec`` first on PATH.
-- Every relative link in those files points to a file that exists.
-- Every ``hpc-tp`` subcommand the README's command table names answers ``--help``.
+- Every relative link in those files, jobs/*.md and io/*.md points to a file that exists.
+- Every ``hpc-tp`` subcommand the README's command table names answers ``--help``, and every flag
+  a page shows with an ``hpc-tp`` command is one that command takes.
 
 These start their own processes (some under mpiexec), so they run in the one-rank launch only.
 """
+import argparse
 import os
 import re
 import signal
@@ -23,11 +25,13 @@ from hpc_tp.cli import build_parser
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Every page whose links a reader follows (NOTES.md, a log, aside).
+LINKED = [*DOCS, *sorted((ROOT / "jobs").glob("*.md")), *sorted((ROOT / "io").glob("*.md"))]
 RUNNABLE = re.compile(r"^<!-- runnable -->\n```bash\n(.*?)^```$", re.M | re.S)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 COMMAND_ROW = re.compile(r"^\| `hpc-tp ([a-z]+)` \|", re.M)
 # A shell block that has not finished by then is stuck (a server that never answered, say).
-BLOCK_TIMEOUT_S = 150
+BLOCK_TIMEOUT_S = 240
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="documentation tests run in the 1-rank launch")
 
@@ -72,7 +76,7 @@ def run_block(block: str, folder: Path) -> tuple[int, str]:
     return shell.returncode, output
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", [p for p in DOCS if p.exists() and runnable_blocks(p)], ids=lambda p: p.name)
 def test_runnable_blocks_run_as_written(path, tmp_path):
     for number, block in enumerate(runnable_blocks(path), 1):
@@ -80,7 +84,7 @@ def test_runnable_blocks_run_as_written(path, tmp_path):
         assert status == 0, f"{path.name} block {number} failed ({status}):\n{block}\n{output}"
 
 
-@pytest.mark.parametrize("path", [p for p in DOCS if p.exists()], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in LINKED if p.exists()], ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_point_to_files_that_exist(path):
     missing = [target for target in relative_links(path)
                if not (path.parent / target.split("#")[0]).exists()]
@@ -106,3 +110,44 @@ def test_every_command_in_the_readme_table_answers_help(capsys):
         with pytest.raises(SystemExit) as done:
             build_parser().parse_args([*command.split(), "--help"])
         assert done.value.code == 0 and f"usage: hpc-tp {command}" in capsys.readouterr().out, command
+
+
+def documented_invocations(path: Path):
+    """(subcommand words, flags) of every `hpc-tp ...` command line in a page's code blocks and
+    inline code."""
+    text = path.read_text()
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```$", text, re.M | re.S)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    lines += re.findall(r"`([^`\n]*hpc-tp [^`\n]*)`", re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S))
+    for line in lines:
+        for command in re.split(r"[|;&]", line.split(" #")[0]):
+            words = command.split()
+            if "hpc-tp" not in words:
+                continue
+            words = words[words.index("hpc-tp") + 1:]
+            if not words or not re.fullmatch(r"[a-z]+", words[0]):
+                continue  # `hpc-tp --help`, or an elided `hpc-tp ...`
+            sub = words[:2] if words[0] == "bench" and len(words) > 1 and words[1].isalpha() else words[:1]
+            yield sub, [w.split("=")[0] for w in words if w.startswith("--")]
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, words: list[str]) -> argparse.ArgumentParser:
+    """The parser of `hpc-tp WORDS...` (argparse keeps its subparsers in the action that holds them)."""
+    for word in words:
+        choices = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        assert word in choices, f"hpc-tp has no subcommand {word!r} (it has {', '.join(choices)})"
+        parser = choices[word]
+    return parser
+
+
+def options_of(parser: argparse.ArgumentParser) -> set[str]:
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+@pytest.mark.parametrize("path", [p for p in LINKED if p.exists()], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_documented_flag_is_one_the_command_takes(path):
+    unknown = []
+    for sub, flags in documented_invocations(path):
+        known = options_of(subcommand_parser(build_parser(), sub))
+        unknown += [f"hpc-tp {' '.join(sub)} {flag}" for flag in flags if flag not in known]
+    assert not unknown, f"{path.relative_to(ROOT)} documents flags the code does not take: {unknown}"
