@@ -30,6 +30,9 @@ LINKED = [*DOCS, *sorted((ROOT / "jobs").glob("*.md")), *sorted((ROOT / "io").gl
 RUNNABLE = re.compile(r"^<!-- runnable -->\n```bash\n(.*?)^```$", re.M | re.S)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 COMMAND_ROW = re.compile(r"^\| `hpc-tp ([a-z]+)` \|", re.M)
+# What the tour must show beyond exit statuses: training evaluated, and the server's answer (curl
+# exits 0 on an HTTP error too).
+EXPECTED_OUTPUT = {"README.md": ["held-out accuracy", '"object": "text_completion"']}
 # A shell block that has not finished by then is stuck (a server that never answered, say).
 BLOCK_TIMEOUT_S = 240
 
@@ -79,9 +82,13 @@ def run_block(block: str, folder: Path) -> tuple[int, str]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", [p for p in DOCS if p.exists() and runnable_blocks(p)], ids=lambda p: p.name)
 def test_runnable_blocks_run_as_written(path, tmp_path):
+    outputs = []
     for number, block in enumerate(runnable_blocks(path), 1):
         status, output = run_block(block, tmp_path)
         assert status == 0, f"{path.name} block {number} failed ({status}):\n{block}\n{output}"
+        outputs.append(output)
+    missing = [text for text in EXPECTED_OUTPUT.get(path.name, []) if text not in "".join(outputs)]
+    assert not missing, f"{path.name}: the blocks ran but never printed {missing}:\n{''.join(outputs)}"
 
 
 @pytest.mark.parametrize("path", [p for p in LINKED if p.exists()], ids=lambda p: str(p.relative_to(ROOT)))
