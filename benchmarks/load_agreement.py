@@ -1,6 +1,7 @@
-"""What a load's agreements cost (NOTES.md item 68): a checkpoint of many small tensors, loaded at
-tp = world in one run, alternating the load as it is (the ranks agree after each tensor) with the
-same reads unagreed (the load before item 68: failures exchanged only at its end).
+"""What a load's agreements cost: a checkpoint of many small tensors, loaded at tp = world in one
+run, alternating the load as it is (the ranks agree after each tensor whether one failed) with the
+same reads unagreed (failures exchanged only at the end, so a rank that failed early left the others
+reading the rest).
 
     mpiexec -n 2 python benchmarks/load_agreement.py [--tensors 400] [--side 64] [--rounds 6]
 
@@ -45,7 +46,7 @@ def make_tensors(grid, count: int, side: int, fill: bool) -> dict:
 
 
 def unagreed_load(path, tensors: dict, comm) -> dict:
-    """``load_checkpoint`` as it was before item 68: the same reads, no agreement between them."""
+    """``load_checkpoint`` without its agreements: the same reads, nothing exchanged between them."""
     def walk():
         with closing(read._reads(path, tensors)) as reads:
             meta = next(reads)

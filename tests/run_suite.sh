@@ -6,8 +6,8 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 MPIEXEC=${MPIEXEC:-.venv/bin/mpiexec}
-# A hang guard, not a speed check (pytest-timeout bounds each test): the one-rank launch took 9-13 min
-# on 2 cores in sessions 11-12 (13 min while other work shared them); three launches at this bound
+# A hang guard, not a speed check (pytest-timeout bounds each test): the one-rank launch has taken
+# 9-13 min on 2 cores (13 min while other work shared them); three launches at this bound
 # still end inside CI's 90 minutes.
 LAUNCH_TIMEOUT=${LAUNCH_TIMEOUT:-1500}
 status=0

@@ -457,7 +457,7 @@ INTERLEAVED_LAYOUTS = {2: [Layout(1, 2, 1, 2, virtual_stages=2)], 4: [Layout(1, 
 BOUND, ATTEMPTS = 0.25, 3
 # Rounds per attempt, each (calibrate, train, calibrate) and set against the prediction: the error is
 # their median. The interleaved case measures one layout a launch, so it affords 5: under load one
-# round in three strays by 30-50% either way (NOTES item NN), and a median of 5 needs three of them.
+# round in three strays by 30-50% either way (a descheduled rank), and a median of 5 needs three of them.
 ROUNDS = {"one-chunk": 3, "interleaved": 5}
 # More ranks than cores: the model prices the time-sharing as half the rate per rank, but how long
 # a pipeline stage waits for a descheduled peer is the OS's (and the hypervisor's) call. CI's 2-core

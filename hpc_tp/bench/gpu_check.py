@@ -285,10 +285,10 @@ def _mpi_env() -> dict:
 
 
 def _mpiexec_2(*command: str, timeout: float) -> subprocess.CompletedProcess:
-    """``mpiexec -n 2`` in a session of its own: on a timeout the whole group is killed, so no rank is
+    """``mpiexec -n 2`` in a process group of its own: on a timeout the whole group is killed, so no rank is
     left holding the card while the next checks are timed."""
     with subprocess.Popen([_mpiexec(), "-n", "2", sys.executable, *command], env=_mpi_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+                          stderr=subprocess.PIPE, text=True, process_group=0) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

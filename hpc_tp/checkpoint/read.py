@@ -44,8 +44,8 @@ def load_checkpoint(path_or_root, tensors: dict, grid) -> dict:
 
 # Agreements a load makes at most, after opening the file: with more tensors than this the ranks
 # agree after every few (``_load``). Each one holds the ranks in step, and on a loaded machine a rank
-# then waits for a descheduled peer at every one (NOTES.md item 68: +17-83% for 100 tensors agreed
-# one by one under load); 64 keep a failure's reach within 1/64 of the load.
+# then waits for a descheduled peer at every one (+17-83% for 100 tensors agreed one by one under
+# load, benchmarks/load_agreement.py); 64 keep a failure's reach within 1/64 of the load.
 MAX_AGREEMENTS = 64
 
 

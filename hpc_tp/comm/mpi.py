@@ -107,7 +107,7 @@ class MPICommunicator(Communicator):
     # Non-blocking collectives run inside ``wait``, as the blocking call. Open MPI's non-blocking ones
     # (libnbc) progress only inside MPI calls, so they ran in ``wait`` anyway, but 2.7x slower than
     # the blocking algorithm on a 25 MiB bucket (12.5 against 4.6 ms), with a bucket-sized temporary
-    # of their own (NOTES.md item 50). Callers wait in the order they post, which keeps the ranks'
+    # of their own. Callers wait in the order they post, which keeps the ranks'
     # collectives in one order.
     def iall_reduce(self, x, op: str = "sum") -> Request:
         return Done(x, lambda: self.all_reduce(x, op))

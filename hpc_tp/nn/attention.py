@@ -69,7 +69,7 @@ def attention_bias(batch, q_len, k_len, causal: bool, key_mask, q_offset: int, d
 
 # Causal attention runs in blocks of this many queries. On a CPU small tiles stay in cache and skip
 # most of the masked triangle. On a GPU each block costs a dozen kernel launches, each tens of
-# microseconds of host time, which bound a W1 step on an H200 (NOTES.md, session 10): blocks of 256
+# microseconds of host time, and those launches bound a W1 step on an H200: blocks of 256
 # queries (W1's whole sequence), whose masked tiles cost the card less than the launches they save.
 QUERY_BLOCK, DEVICE_QUERY_BLOCK = 64, 256
 

@@ -1,7 +1,7 @@
 """Matrix products of the linear layers: Intel MKL's GEMM where it is installed, numpy's otherwise.
 
 numpy's wheels carry OpenBLAS. On this project's CPU (AVX-512) MKL's single-threaded sgemm runs
-the W1 shapes 10-18% faster (174-195 against 153-167 GFLOP/s, NOTES.md item 21), and the matrix
+the W1 shapes 10-18% faster (174-195 against 153-167 GFLOP/s), and the matrix
 products are ~80% of a CPU step. ``pip install 'hpc_tp[mkl]'`` (the ``mkl`` wheel) or a site MKL
 on the library path (an HPC module's ``libmkl_rt``) is found at import; ``HPC_TP_BLAS=numpy``
 turns it off (an A/B, or a site that must use its own BLAS).
@@ -37,7 +37,7 @@ MIN_MACS = 1 << 21
 # A few rows times a matrix larger than the caches (decoding: a batch of tokens against the LM head):
 # MKL packs the whole of b for them, so b travels from memory three times. Blocks of b's columns
 # small enough to pack in L2 read it once: W1's head [8, 768] @ [768, 50304] 37 -> 21 ms. Smaller
-# weights stay whole (they pack in cache, and blocking made them slower). NOTES.md item 42.
+# weights stay whole (they pack in cache, and blocking made them slower).
 FEW_ROWS, LARGE_OPERAND, COLUMN_BLOCK = 32, 32 << 20, 256
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enums (also the numba kernels')
 _LP64, _INT_LIMIT = 0, 2**31  # MKL's 32-bit integer interface: larger sizes go to numpy

@@ -4,10 +4,10 @@ still in cache.
 
 The composed path in ``attention`` runs QK^T, the mask, the softmax passes and P V each as one
 sweep over [batch, heads, rows, keys] for all heads at once; its products reach 45-65 GFLOP/s where
-MKL runs the same tiles at 100-140 alone, and each softmax pass goes out to memory (NOTES.md item
-25). Here a tile of 64 queries x its keys (at most 64 KiB in float32) is made, normalized and used
-before the next one. The causal and key-padding masks are applied in the loop, so no [T, keys] bias
-is built, and the backward accumulates dK and dV straight into the QKV gradient (beta = 1).
+MKL runs the same tiles at 100-140 alone, and each softmax pass goes out to memory. Here a tile of
+64 queries x its keys (at most 64 KiB in float32) is made, normalized and used before the next one.
+The causal and key-padding masks are applied in the loop, so no [T, keys] bias is built, and the
+backward accumulates dK and dV straight into the QKV gradient (beta = 1).
 
 Same query blocks as ``attention.query_blocks`` and the same saved softmax outputs
 (``saved_score_elements`` per head, here one flat buffer): the layer's memory does not change.

@@ -120,7 +120,7 @@ class VocabParallelCrossEntropy:
         return probs.reshape(shape).astype(dtype, copy=False)
 
 
-ROW_BLOCK_BYTES = 1 << 20  # a block of logit rows small enough that its passes run in L2 (NOTES.md item 46)
+ROW_BLOCK_BYTES = 1 << 20  # a block of logit rows small enough that its passes run in L2, not from memory
 
 
 def _row_blocks(logits):

@@ -5,7 +5,7 @@ An optimizer step is bound by memory traffic: AdamW reads the parameter, its gra
 and writes three of them back, and numpy's version makes ~15 passes with its temporaries where one
 suffices (clipping, a factor on the gradient, rides along); the gradient norm widened every gradient
 to a float64 copy before squaring it. W1 at tp=2 (~34M parameters a rank): AdamW 81 -> 51 ms, the
-norm 35 -> 9.5 ms (NOTES.md items 44-45).
+norm 35 -> 9.5 ms.
 
 ``adamw`` runs numpy's operations in numpy's order on scalars of the array's dtype, without
 ``fastmath``, so it gives the same bits as the composed update; the sums may reassociate.

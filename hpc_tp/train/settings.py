@@ -35,7 +35,7 @@ class TrainSettings:
     global_batch: int = 64
     seq_len: int | None = None  # None: 16 for the demo task, the model's max_seq_len for a corpus
     steps: int = 2000
-    lr: float = 2e-3  # the embedded task: 96.6-99.2% held-out over seeds 0-4 (3e-3: 81.4-99.2%, NOTES.md)
+    lr: float = 2e-3  # the embedded task: 96.6-99.2% held-out over seeds 0-4 (3e-3 was erratic: 81.4-99.2%)
     warmup: int | None = None  # None: a tenth of the steps, at most 100
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
