@@ -6,7 +6,7 @@ the assistant's turn begins); its ``tokenizer_config.json`` carries that layout 
 ``hpc-tp serve --chat-template FILE`` can replace. ``/v1/chat/completions`` renders the request's
 messages with it, the assistant's turn opened (``add_generation_prompt``), and completes that text
 like any prompt. Templates run in Jinja's immutable sandbox, with the names Hugging Face's templates
-use: ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception`` (a
+use: ``messages``, ``tools`` (where a request declares some: ``serve.tools``), ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception`` (a
 template refusing a conversation: the client's error) and ``strftime_now``.
 """
 from __future__ import annotations
@@ -31,9 +31,11 @@ class ChatTemplate:
             raise ConfigError(f"{origin}: not a Jinja template: {e.message} (line {e.lineno})") from None
         self.tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
-    def render(self, messages) -> str:
+    def render(self, messages, tools: list[dict] | None = None) -> str:
         """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
-        them), ending where the assistant's reply begins; ConfigError saying what is wrong otherwise."""
+        them; an assistant's may have ``tool_calls`` and a null content) and the ``tools`` the model may
+        call (``serve.tools``), ending where the assistant's reply begins; ConfigError saying what is
+        wrong otherwise."""
         import jinja2
 
         if not isinstance(messages, list) or not messages:
@@ -41,10 +43,11 @@ class ChatTemplate:
                               f"got {type(messages).__name__}")
         for i, message in enumerate(messages):
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
+                    and (isinstance(message.get("content"), str) or _calls_only(message))):
                 raise ConfigError(f"messages[{i}] must be an object with a string role and a string content")
+        extra = {"tools": tools} if tools is not None else {}  # HF's templates test `tools is defined`
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens, **extra)
         except jinja2.TemplateError as e:  # raise_exception's refusal, or a template error at render time
             raise ConfigError(f"the chat template refused these messages: {e}") from None
 
@@ -71,6 +74,11 @@ def template_for(tokenizer, source: str | None = None, path: str | None = None) 
     if not source:
         return None
     return ChatTemplate(source, chat.get("bos_token", ""), chat.get("eos_token", ""), origin)
+
+
+def _calls_only(message: dict) -> bool:
+    """An assistant's turn that only called tools: OpenAI sends its content as null."""
+    return message["role"] == "assistant" and message.get("content") is None and bool(message.get("tool_calls"))
 
 
 def _refuse(message: str):
