@@ -166,3 +166,12 @@ def test_a_request_carries_its_grammar_and_plain_text_none():
     assert isinstance(parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16).params.grammar, Grammar)
     body["response_format"] = {"type": "text"}
     assert parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16).params.grammar is None
+
+
+def test_a_tokenizer_whose_token_bytes_llguidance_cannot_read_is_refused_at_the_request():
+    from tokenizers import Tokenizer, models
+
+    words = HFTokenizer(Tokenizer(models.WordLevel({"hi": 0, "[UNK]": 1}, unk_token="[UNK]")))  # no decoder
+    body = json.dumps({"prompt": "hi", "response_format": {"type": "json_object"}}).encode()
+    with pytest.raises(ConfigError, match="llguidance cannot read from this model's tokenizer: .*decoder"):
+        parse_request(body, words, CFG, 16)

@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from .generate import check_request
 from .metrics import ServerMetrics
 from .sampling import SamplingParams
-from .structured import response_format
+from .structured import response_format, vocabulary
 from .tools import ToolUse, template_messages
 
 _FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user",
@@ -129,6 +129,8 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
                             temperature=request.get("temperature", 1.0), top_k=request.get("top_k", 0),
                             top_p=request.get("top_p", 1.0), seed=request.get("seed"),
                             stop=[stop] if isinstance(stop, str) else stop, grammar=grammar)
+    if grammar is not None:
+        vocabulary(tokenizer)  # built (once) in this handler thread, not in the decoding loop
     ids = tokenizer.encode(prompt)
     check_request(ids, params, cfg, names={"max_new_tokens": "max_tokens"}, max_model_len=max_model_len)
     return Job(ids, params, stream, endpoint == CHAT, tools)
