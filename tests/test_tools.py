@@ -16,7 +16,7 @@ from hpc_tp.serve.chat import ChatTemplate
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.http import CHAT, CompletionServer, _answer, parse_request
-from hpc_tp.serve.tools import ToolUse
+from hpc_tp.serve.tools import CallStream, ToolUse
 from hpc_tp.train.tokenizer import ByteTokenizer
 from test_generate import larger_weights
 from test_structured import CFG
@@ -96,7 +96,7 @@ def test_tools_and_earlier_calls_reach_the_template():
     ("It is sunny.", "It is sunny.", []),
 ])
 def test_each_call_format_parses_into_openai_tool_calls(text, content, calls):
-    message, finish = _tools().turn(text, "stop", streamed=False)
+    message, finish = _tools().turn(text, "stop")
     assert message["content"] == content
     got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]
     assert got == calls and finish == ("tool_calls" if calls else "stop")
@@ -106,27 +106,30 @@ def test_each_call_format_parses_into_openai_tool_calls(text, content, calls):
 
 def test_tool_choice_none_and_a_cut_forced_call_answer_content():
     call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-    assert _tools("none").turn(call, "stop", streamed=False) == ({"role": "assistant", "content": call}, "stop")
+    assert _tools("none").turn(call, "stop") == ({"role": "assistant", "content": call}, "stop")
     named = _tools({"type": "function", "function": {"name": "add"}})
-    message, finish = named.turn('{"a": 1, "b": 2}', "stop", streamed=False)
+    message, finish = named.turn('{"a": 1, "b": 2}', "stop")
     assert message["content"] is None and finish == "tool_calls"
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [("add", '{"a": 1, "b": 2}')]
-    assert named.turn('{"a": 1, "b"', "length", streamed=False) == ({"role": "assistant", "content": '{"a": 1, "b"'},
-                                                                     "length")
+    assert named.turn('{"a": 1, "b"', "length") == ({"role": "assistant", "content": '{"a": 1, "b"'}, "length")
 
 
 def test_a_stream_holds_back_what_may_be_a_call_and_ends_with_the_calls():
-    tools = _tools()
+    stream = CallStream(_tools())
     answer = 'Checking <weather>.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-    sent = [tools.stream(answer[i:i + 3]) for i in range(0, len(answer), 3)]
+    sent = [stream.feed(answer[i:i + 3]) for i in range(0, len(answer), 3)]
     assert "".join(sent) == "Checking <weather>."  # "<we" was held until it could not begin "<tool_call>"
-    last, finish = tools.turn("", "stop", streamed=True)
+    last, finish = stream.last("stop")
     assert finish == "tool_calls" and last["content"] is None
     assert [(c["index"], c["function"]["name"]) for c in last["tool_calls"]] == [(0, "add")]
-    whole = _tools()
-    assert whole.stream('{"name": "add"') == "" and whole.stream(', "parameters": {"a": 1, "b": 2}}') == ""
-    plain = _tools()
-    assert plain.stream("Sunny, 21 C") == "Sunny, 21 C" and plain.turn("", "stop", streamed=True)[0]["content"] is None
+    whole = CallStream(_tools())
+    assert whole.feed('{"name": "add"') == "" and whole.feed(', "parameters": {"a": 1, "b": 2}}') == ""
+    assert whole.last("stop")[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b": 2}'
+    plain = CallStream(_tools())
+    assert plain.feed("Sunny, ") + plain.feed("21 C") == "Sunny, 21 C" and plain.last("stop") == (
+        {"role": "assistant", "content": None}, "stop")
+    held = CallStream(_tools())
+    assert held.feed("[1, 2]") == "" and held.last("stop") == ({"role": "assistant", "content": "[1, 2]"}, "stop")
 
 
 @pytest.mark.parametrize("body, reason", [

@@ -29,7 +29,7 @@ from .generate import check_request
 from .metrics import ServerMetrics
 from .sampling import SamplingParams
 from .structured import response_format, vocabulary
-from .tools import ToolUse, template_messages
+from .tools import CallStream, ToolUse, template_messages
 
 _FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user",
            "stream_options", "response_format"}
@@ -55,14 +55,15 @@ class Job:
                  tools: ToolUse | None = None):
         self.ids, self.params, self.stream, self.chat = ids, params, stream, chat
         self.tools = tools  # a chat request's tools: its answer may be calls
+        self.calls = CallStream(tools) if tools is not None and stream else None
         self.arrived = time.perf_counter()
         self.events: queue.Queue = queue.Queue()
         self.cancelled = False  # the client went away: nobody reads what is decoded for it
         self.on_finish = None   # the server's count of it, called from the batcher's thread
 
     def text(self, piece: str):
-        if self.stream and self.tools is not None:
-            piece = self.tools.stream(piece)  # text that may still be a call is held back
+        if self.calls is not None:
+            piece = self.calls.feed(piece)  # text that may still be a call is held back
         if self.stream and piece:
             self.events.put(("text", piece))
 
@@ -205,8 +206,8 @@ def _answer(job: Job, job_id: int, text: str, finish_reason: str | None, streame
     """A whole answer, or one chunk of a streamed one, in the shape of the job's endpoint."""
     if job.chat:
         turn = {"role": "assistant", "content": text}
-        if job.tools is not None:  # the answer's calls parsed out of its text
-            turn, finish_reason = job.tools.turn(text, finish_reason, streamed)
+        if job.tools is not None and finish_reason is not None:  # the answer's calls parsed out of its text
+            turn, finish_reason = job.calls.last(finish_reason) if streamed else job.tools.turn(text, finish_reason)
         choice = {"index": 0, "delta" if streamed else "message": turn, "logprobs": None,
                   "finish_reason": finish_reason}
         kind, name = ("chat.completion.chunk" if streamed else "chat.completion"), f"chatcmpl-{job_id}"

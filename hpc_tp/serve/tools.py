@@ -48,14 +48,13 @@ _CHOICE_WORDS = ("none", "auto", "required")
 
 class ToolUse:
     """One chat request's tools and tool choice: what its template sees, the grammar a forced call is
-    held to, and its answer turned into a message with calls (streamed or whole)."""
+    held to, and a whole answer turned into a message with calls (a streamed one: ``CallStream``)."""
 
     def __init__(self, tools: list[dict], choice, parallel: bool = True):
         self.tools, self.choice = tools, choice
         self.names = [t["function"]["name"] for t in tools]
         self.forced = choice if isinstance(choice, dict) else None
         self.grammar = self._grammar(parallel)
-        self.text, self.sent = "", 0  # a streamed answer so far, and how much of it went out
 
     @classmethod
     def from_request(cls, request: dict) -> "ToolUse | None":
@@ -99,30 +98,12 @@ class ToolUse:
         schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
         return Grammar.json_schema(schema, "tools (for tool_choice \"required\")")
 
-    def stream(self, piece: str) -> str:
-        """The part of a streamed answer, now ``piece`` longer, that can no longer be a call and was not
-        sent yet."""
-        self.text += piece
-        end = self._streamable()
-        out = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return out
-
-    def turn(self, text: str, finish_reason: str | None, streamed: bool) -> tuple[dict, str | None]:
-        """(the assistant's message, or a streamed chunk's delta; the finish reason) for ``text``: a
-        whole answer, or a streamed piece (``stream``'s), or "" with the finish reason for a stream's
-        last chunk, which then carries what ``stream`` held back and the calls."""
-        if streamed and finish_reason is None:
-            return {"role": "assistant", "content": text}, None
-        content, calls = self.parse(self.text if streamed else text)
-        if streamed:
-            content = content[self.sent:] if content.startswith(self.text[:self.sent]) else content
-        else:
-            content = content.strip()
-        turn = {"role": "assistant", "content": content or None}
+    def turn(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        """(the assistant's message, the finish reason) for a whole answer ``text``."""
+        content, calls = self.parse(text)
+        turn = {"role": "assistant", "content": content.strip() or None}
         if calls:
-            turn["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)] if streamed else calls
-            finish_reason = "tool_calls"
+            turn["tool_calls"], finish_reason = calls, "tool_calls"
         return turn, finish_reason
 
     def parse(self, text: str) -> tuple[str, list[dict]]:
@@ -149,13 +130,42 @@ class ToolUse:
             calls = [_named_call(part, "parameters", self.names) for part in parts]
         return ("", calls) if calls and all(calls) else (text, [])
 
+    def may_call(self, text: str) -> bool:
+        """Whether an answer beginning with ``text`` may be a call from its start."""
+        head = text.lstrip()
+        return self.choice != "auto" or not head or head[0] in "{[" \
+            or any(head.startswith(p) or p.startswith(head) for p in _PREFIXES)
+
+
+class CallStream:
+    """One streamed answer: what it has said so far, and how much of that has gone out (text that may
+    still turn out to be a call is held back); its last chunk carries the rest and the calls."""
+
+    def __init__(self, tools: ToolUse):
+        self.tools, self.text, self.sent = tools, "", 0
+
+    def feed(self, piece: str) -> str:
+        """The answer ``piece`` longer: the part of it that can no longer be a call and has not gone out."""
+        self.text += piece
+        end = self._streamable()
+        out = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    def last(self, finish_reason: str) -> tuple[dict, str]:
+        """(the last chunk's delta: what was held back, and the calls with their index; the finish reason)."""
+        content, calls = self.tools.parse(self.text)
+        rest = content[self.sent:] if content.startswith(self.text[:self.sent]) else content
+        delta = {"role": "assistant", "content": rest or None}
+        if calls:
+            delta["tool_calls"], finish_reason = [{"index": i, **c} for i, c in enumerate(calls)], "tool_calls"
+        return delta, finish_reason
+
     def _streamable(self) -> int:
-        """How much of the streamed answer so far cannot be, or begin, a call."""
-        if self.choice == "none":
+        """How much of the answer so far cannot be, or begin, a call."""
+        if self.tools.choice == "none":
             return len(self.text)
-        head = self.text.lstrip()
-        if self.forced is not None or self.choice == "required" or not head or head[0] in "{[" \
-                or any(head.startswith(p) or p.startswith(head) for p in _PREFIXES):
+        if self.tools.may_call(self.text):
             return 0
         start = self.text.find(_HERMES_OPEN)
         if start >= 0:
