@@ -8,6 +8,8 @@ import json
 import jsonschema
 import numpy as np
 import pytest
+from test_generate import larger_weights
+from tp_helpers import tp_and_reference
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
@@ -17,8 +19,6 @@ from hpc_tp.serve.http import parse_request
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.serve.structured import Grammar, response_format
 from hpc_tp.train.tokenizer import ByteTokenizer, HFTokenizer
-from test_generate import larger_weights
-from tp_helpers import tp_and_reference
 
 # Bounded everywhere (string lengths, item counts, number ranges), so a whole answer fits a budget.
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],

@@ -9,6 +9,9 @@ import urllib.request
 
 import jsonschema
 import pytest
+from test_generate import larger_weights
+from test_structured import CFG
+from tp_helpers import tp_and_reference
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
@@ -18,9 +21,6 @@ from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.http import CHAT, CompletionServer, _answer, parse_request
 from hpc_tp.serve.tools import CallStream, ToolUse
 from hpc_tp.train.tokenizer import ByteTokenizer
-from test_generate import larger_weights
-from test_structured import CFG
-from tp_helpers import tp_and_reference
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 5}, "unit": {"enum": ["C", "F"]}}}
@@ -39,7 +39,8 @@ HERMES = """{% if tools %}<|im_start|>system
 {% endif %}{% for m in messages %}{% if m.role == "tool" %}<|im_start|>user
 <tool_response>{{ m.content }}</tool_response><|im_end|>
 {% elif m.tool_calls %}<|im_start|>assistant
-{% for c in m.tool_calls %}<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
+{% for c in m.tool_calls %}<tool_call>{"name": "{{ c.function.name }}", \
+"arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
 {% else %}<|im_start|>{{ m.role }}
 {{ m.content }}<|im_end|>
 {% endif %}{% endfor %}<|im_start|>assistant
@@ -79,8 +80,8 @@ def test_tools_and_earlier_calls_reach_the_template():
 @pytest.mark.parametrize("text, content, calls", [
     ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
      "Let me check.", [("get_weather", {"city": "Paris", "unit": "C"})]),
-    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
-     '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>',
+    (('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+      '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'),
      None, [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', None, [("add", {"a": 1, "b": 2})]),  # EOS for </...>
     ('{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}', None,
@@ -110,7 +111,8 @@ def test_tool_choice_none_and_a_cut_forced_call_answer_content():
     named = _tools({"type": "function", "function": {"name": "add"}})
     message, finish = named.turn('{"a": 1, "b": 2}', "stop")
     assert message["content"] is None and finish == "tool_calls"
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [("add", '{"a": 1, "b": 2}')]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert calls == [("add", '{"a": 1, "b": 2}')]
     assert named.turn('{"a": 1, "b"', "length") == ({"role": "assistant", "content": '{"a": 1, "b"'}, "length")
 
 
@@ -144,7 +146,8 @@ def test_a_stream_holds_back_what_may_be_a_call_and_ends_with_the_calls():
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      r"expected .*one of \['get_weather', 'add'\]"),
     ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls='no': expected true or false"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}], "tool_choice": "required"},
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+      "tool_choice": "required"},
      "cannot constrain output to this schema: Invalid type: frob"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "cannot also take a response_format"),

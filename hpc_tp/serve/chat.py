@@ -6,8 +6,9 @@ the assistant's turn begins); its ``tokenizer_config.json`` carries that layout 
 ``hpc-tp serve --chat-template FILE`` can replace. ``/v1/chat/completions`` renders the request's
 messages with it, the assistant's turn opened (``add_generation_prompt``), and completes that text
 like any prompt. Templates run in Jinja's immutable sandbox, with the names Hugging Face's templates
-use: ``messages``, ``tools`` (where a request declares some: ``serve.tools``), ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception`` (a
-template refusing a conversation: the client's error) and ``strftime_now``.
+use: ``messages``, ``tools`` (where a request declares some: ``serve.tools``), ``add_generation_prompt``,
+``bos_token``, ``eos_token``, ``raise_exception`` (a template refusing a conversation: the client's
+error) and ``strftime_now``.
 """
 from __future__ import annotations
 

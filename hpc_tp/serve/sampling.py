@@ -25,7 +25,7 @@ class SamplingParams:
     top_p: float = 1.0          # 1: no nucleus cut
     seed: int | None = None     # None: a fresh generator seeded from the OS
     stop: list[str] = field(default_factory=list)
-    grammar: "Grammar | None" = None  # structured output: each row's tokens held to it (serve.structured)
+    grammar: Grammar | None = None  # structured output: each row's tokens held to it (serve.structured)
 
     def validate(self, names: dict[str, str] | None = None) -> "SamplingParams":
         """Raise ConfigError naming the first bad field (by its name in ``names``, e.g. an API's)."""

@@ -44,7 +44,7 @@ class Grammar:
     source: str
 
     @classmethod
-    def json_schema(cls, schema, what: str) -> "Grammar":
+    def json_schema(cls, schema, what: str) -> Grammar:
         """The grammar of JSON documents valid against ``schema`` (a dict); ConfigError naming ``what``
         (the request's field) and the problem where the schema is not one llguidance can enforce."""
         import llguidance
@@ -60,7 +60,7 @@ class Grammar:
             raise ConfigError(f"{what}: cannot constrain output to this schema: {_one_line(problem)}")
         return cls(source)
 
-    def mask_for(self, tokenizer) -> "TokenMask":
+    def mask_for(self, tokenizer) -> TokenMask:
         """A fresh matcher at the grammar's start, for one row decoded with ``tokenizer``."""
         return TokenMask(self, tokenizer)
 

@@ -57,7 +57,7 @@ class ToolUse:
         self.grammar = self._grammar(parallel)
 
     @classmethod
-    def from_request(cls, request: dict) -> "ToolUse | None":
+    def from_request(cls, request: dict) -> ToolUse | None:
         """The request's tool use, None if it has no tools; ConfigError naming a malformed field."""
         tools, choice = request.get("tools"), request.get("tool_choice")
         parallel = request.get("parallel_tool_calls", True)
