@@ -98,7 +98,8 @@ class TokenMask:
 
 
 def response_format(value) -> Grammar | None:
-    """The grammar of a request's ``response_format`` (OpenAI's shapes), None for plain text."""
+    """The grammar of a request's ``response_format`` (OpenAI's shapes), None for plain text. A
+    schema is enforced whether ``strict`` is true or not (OpenAI only promises it when true)."""
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
