@@ -6,8 +6,9 @@ the assistant's turn begins); its ``tokenizer_config.json`` carries that layout 
 ``hpc-tp serve --chat-template FILE`` can replace. ``/v1/chat/completions`` renders the request's
 messages with it, the assistant's turn opened (``add_generation_prompt``), and completes that text
 like any prompt. Templates run in Jinja's immutable sandbox, with the names Hugging Face's templates
-use: ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception`` (a
-template refusing a conversation: the client's error) and ``strftime_now``.
+use: ``messages``, ``tools`` (where a request declares some: ``serve.tools``), ``add_generation_prompt``,
+``bos_token``, ``eos_token``, ``raise_exception`` (a template refusing a conversation: the client's
+error) and ``strftime_now``.
 
 A reply ends where the template closes the assistant's turn: ``<|im_end|>`` (ChatML), ``<|eot_id|>``
 (Llama 3), ``<end_of_turn>`` (Gemma), ``</s>`` (Mistral). ``end_of_turn_ids`` finds that token by
@@ -51,10 +52,12 @@ class ChatTemplate:
         ids = tokenizer.encode(after)[:1] if after else []
         return frozenset(i for i in ids if i in special)
 
-    def render(self, messages, add_generation_prompt: bool = True) -> str:
+    def render(self, messages, tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
         """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
-        them), ending where the assistant's reply begins (``add_generation_prompt``; False: the
-        conversation as it stands, as fine-tuning reads it); ConfigError saying what is wrong otherwise."""
+        them; an assistant's may have ``tool_calls`` and a null content) and the ``tools`` the model may
+        call (``serve.tools``), ending where the assistant's reply begins (``add_generation_prompt``;
+        False: the conversation as it stands, as fine-tuning reads it); ConfigError saying what is
+        wrong otherwise."""
         import jinja2
 
         if not isinstance(messages, list) or not messages:
@@ -62,10 +65,12 @@ class ChatTemplate:
                               f"got {type(messages).__name__}")
         for i, message in enumerate(messages):
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
+                    and (isinstance(message.get("content"), str) or _calls_only(message))):
                 raise ConfigError(f"messages[{i}] must be an object with a string role and a string content")
+        extra = {"tools": tools} if tools is not None else {}  # HF's templates test `tools is defined`
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.tokens)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.tokens, **extra)
         except jinja2.TemplateError as e:  # raise_exception's refusal, or a template error at render time
             raise ConfigError(f"the chat template refused these messages: {e}") from None
 
@@ -102,6 +107,11 @@ def stop_at_end_of_turn(tokenizer, template: ChatTemplate | None):
     there with finish_reason "stop", and no template text follows it."""
     if template is not None:
         tokenizer.stop_ids = tokenizer.stop_ids | template.end_of_turn_ids(tokenizer)
+
+
+def _calls_only(message: dict) -> bool:
+    """An assistant's turn that only called tools: OpenAI sends its content as null."""
+    return message["role"] == "assistant" and message.get("content") is None and bool(message.get("tool_calls"))
 
 
 def _refuse(message: str):

@@ -64,9 +64,13 @@ class _Row:
         self.rng = numpy.random.default_rng(params.seed)
         self.ids: list[int] = []
         self.text, self.finish, self.emitted, self.done_at = "", None, 0, None
+        self.mask = params.grammar.mask_for(tokenizer) if params.grammar is not None else None
 
     def step(self, logits, now: float):
-        """Choose and add the next token from this row's logits [V] (host)."""
+        """Choose and add the next token from this row's logits [V] (host), among those its grammar
+        allows if it has one."""
+        if self.mask is not None:
+            logits = self.mask.apply(logits)
         self.add(next_token(logits, self.params, self.rng))
         if self.finish is not None:
             self.done_at = now
@@ -90,10 +94,14 @@ class _Row:
             self.finish = "stop"
             return
         self.ids.append(token)
+        if self.mask is not None:
+            self.mask.accept(token)
         text = self.tokenizer.decode(self.ids)
         cuts = [text.find(s) for s in self.params.stop if s in text]
         if cuts:
             text, self.finish = text[:min(cuts)], "stop"
+        elif self.mask is not None and self.mask.complete:
+            self.finish = "stop"
         elif len(self.ids) >= self.params.max_new_tokens:
             self.finish = "length"
         self.text = text

@@ -3,8 +3,9 @@ hand queued jobs to the decoding loop (``serve.continuous``), answer each as JSO
 events. The endpoints of OpenAI's API that serving a model takes: ``/v1/completions`` continues a
 ``prompt``; ``/v1/chat/completions`` renders ``messages`` with the model's chat template
 (``serve.chat``) and answers with the assistant's ``message`` (streamed as ``delta`` chunks);
-``GET /v1/models`` lists the one model served, by the name requests give as ``model``; ``GET /metrics``
-counts what the server did (``serve.metrics``).
+``response_format`` holds an answer to JSON, and a chat request's ``tools`` let the model call
+functions (``serve.structured``, ``serve.tools``). ``GET /v1/models`` lists the one model served, by
+the name requests give as ``model``; ``GET /metrics`` counts what the server did (``serve.metrics``).
 
 Handler threads never touch the model: they turn a request into a ``Job`` (token ids and sampling
 parameters) and wait on its event queue, which the decoding loop fills with text pieces and, at
@@ -27,15 +28,18 @@ from ..errors import ConfigError
 from .generate import check_request
 from .metrics import ServerMetrics
 from .sampling import SamplingParams
+from .structured import response_format, vocabulary
+from .tools import CallStream, ToolUse, template_messages
 
 _FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user",
-           "stream_options"}
+           "stream_options", "response_format"}
 # Options of OpenAI's API this server does not implement, taken at the values that ask for nothing (clients
 # often send them so), refused otherwise: name -> the values that are their default.
 _DEFAULT_ONLY = {"presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (None, False),
                  "echo": (False,), "logit_bias": (None, {})}
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-_OWN_FIELDS = {COMPLETIONS: {"prompt"}, CHAT: {"messages", "max_completion_tokens"}}
+_OWN_FIELDS = {COMPLETIONS: {"prompt"},
+               CHAT: {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"}}
 MAX_BODY_BYTES = 16 * 2**20
 IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is closed
 
@@ -47,14 +51,19 @@ class UnknownModel(ConfigError):
 class Job:
     """A request as the decoding loop sees it (``ContinuousBatcher.run``)."""
 
-    def __init__(self, ids: list[int], params: SamplingParams, stream: bool, chat: bool = False):
+    def __init__(self, ids: list[int], params: SamplingParams, stream: bool, chat: bool = False,
+                 tools: ToolUse | None = None):
         self.ids, self.params, self.stream, self.chat = ids, params, stream, chat
+        self.tools = tools  # a chat request's tools: its answer may be calls
+        self.calls = CallStream(tools) if tools is not None and stream else None
         self.arrived = time.perf_counter()
         self.events: queue.Queue = queue.Queue()
         self.cancelled = False  # the client went away: nobody reads what is decoded for it
         self.on_finish = None   # the server's count of it, called from the batcher's thread
 
     def text(self, piece: str):
+        if self.calls is not None:
+            piece = self.calls.feed(piece)  # text that may still be a call is held back
         if self.stream and piece:
             self.events.put(("text", piece))
 
@@ -93,11 +102,19 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
                           "(usage always comes with the last chunk)")
     if model_name is not None and request.get("model", model_name) != model_name:
         raise UnknownModel(f"model {request['model']!r} is not served here: this server serves {model_name!r}")
+    grammar, tools = response_format(request.get("response_format")), None
     if endpoint == CHAT:
         if chat_template is None:
             raise ConfigError("this model has no chat template: its checkpoint carries none, so start hpc-tp serve "
                               "with --chat-template FILE, or use /v1/completions")
-        prompt = chat_template.render(request.get("messages"))
+        tools = ToolUse.from_request(request)
+        if tools is not None and tools.grammar is not None:
+            if grammar is not None:
+                raise ConfigError(f"tool_choice={tools.choice!r} holds the answer to a call's JSON: "
+                                  "it cannot also take a response_format")
+            grammar = tools.grammar
+        prompt = chat_template.render(template_messages(request.get("messages")),
+                                      tools.tools if tools is not None else None)
     else:
         prompt = request.get("prompt")
         if not isinstance(prompt, str):
@@ -112,10 +129,12 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
                                                        request.get("max_tokens", default_max_tokens)),
                             temperature=request.get("temperature", 1.0), top_k=request.get("top_k", 0),
                             top_p=request.get("top_p", 1.0), seed=request.get("seed"),
-                            stop=[stop] if isinstance(stop, str) else stop)
+                            stop=[stop] if isinstance(stop, str) else stop, grammar=grammar)
+    if grammar is not None:
+        vocabulary(tokenizer)  # built (once) in this handler thread, not in the decoding loop
     ids = tokenizer.encode(prompt)
     check_request(ids, params, cfg, names={"max_new_tokens": "max_tokens"}, max_model_len=max_model_len)
-    return Job(ids, params, stream, endpoint == CHAT)
+    return Job(ids, params, stream, endpoint == CHAT, tools)
 
 
 class CompletionServer:
@@ -186,8 +205,11 @@ class CompletionServer:
 def _answer(job: Job, job_id: int, text: str, finish_reason: str | None, streamed: bool, model: str, **extra) -> dict:
     """A whole answer, or one chunk of a streamed one, in the shape of the job's endpoint."""
     if job.chat:
-        choice = {"index": 0, "delta" if streamed else "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish_reason}
+        turn = {"role": "assistant", "content": text}
+        if job.tools is not None and finish_reason is not None:  # the answer's calls parsed out of its text
+            turn, finish_reason = job.calls.last(finish_reason) if streamed else job.tools.turn(text, finish_reason)
+        choice = {"index": 0, "delta" if streamed else "message": turn, "logprobs": None,
+                  "finish_reason": finish_reason}
         kind, name = ("chat.completion.chunk" if streamed else "chat.completion"), f"chatcmpl-{job_id}"
     else:
         choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}

@@ -7,10 +7,14 @@ Each request has its own seeded generator: its tokens do not depend on what it w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .structured import Grammar
 
 
 @dataclass
@@ -21,6 +25,7 @@ class SamplingParams:
     top_p: float = 1.0          # 1: no nucleus cut
     seed: int | None = None     # None: a fresh generator seeded from the OS
     stop: list[str] = field(default_factory=list)
+    grammar: Grammar | None = None  # structured output: each row's tokens held to it (serve.structured)
 
     def validate(self, names: dict[str, str] | None = None) -> "SamplingParams":
         """Raise ConfigError naming the first bad field (by its name in ``names``, e.g. an API's)."""

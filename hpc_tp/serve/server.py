@@ -2,9 +2,14 @@
 
     POST /v1/completions       {"prompt": TEXT, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
                                 "top_k": 0, "stop": TEXT | [TEXT], "seed": INT, "stream": false}
-    POST /v1/chat/completions  {"messages": [{"role": ROLE, "content": TEXT}, ...], the same others}
+    POST /v1/chat/completions  {"messages": [{"role": ROLE, "content": TEXT}, ...], the same others,
+                                "tools": [{"type": "function", "function": {...}}], "tool_choice": "auto"}
     GET  /v1/models             the model served, by --served-model-name (the checkpoint folder's name)
     GET  /health
+
+Both take "response_format": {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
+"schema"}}, the answer held to it token by token (``serve.structured``); a chat answer's tool calls come
+back as OpenAI's "tool_calls" (``serve.tools``).
 
 A chat request's messages become a prompt through the model's chat template (``serve.chat``): the
 one its checkpoint carries (imported with a Hugging Face or GGUF chat model), or --chat-template FILE.
