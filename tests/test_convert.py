@@ -95,7 +95,39 @@ def llama_cpp_permute(w, heads):
 GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "block_sparse_moe.gate": "ffn_gate_inp"}
+
+
+def mixtral_source(seed=0, experts=4, top_k=2) -> tuple[dict, dict]:
+    """A Llama source whose MLPs are Mixtral's block_sparse_moe: a router and ``experts`` SwiGLU experts."""
+    config, tensors = llama_source(seed)
+    rng = np.random.default_rng(seed + 1)
+    t = {k: v for k, v in tensors.items() if ".mlp." not in k}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}.block_sparse_moe."
+        t[p + "gate.weight"] = rng.normal(0, 1.0, (experts, HIDDEN))
+        for e in range(experts):
+            for name, shape in (("w1", (FFN, HIDDEN)), ("w3", (FFN, HIDDEN)), ("w2", (HIDDEN, FFN))):
+                t[f"{p}experts.{e}.{name}.weight"] = rng.normal(0, 0.3, shape)
+    return {**config, "model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": top_k,
+            "sliding_window": None}, t
+
+
+def mixtral_mlp(config, t, layer, m):
+    """Mixtral's MoE: softmax over the router's logits, the top k renormalised, their experts summed."""
+    p = f"model.layers.{layer}.block_sparse_moe."
+    logits = m @ t[p + "gate.weight"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[..., :config["num_experts_per_tok"]]
+    out = np.zeros_like(m)
+    for idx in np.ndindex(m.shape[:-1]):
+        chosen = top[idx]
+        weights = probs[idx][chosen] / probs[idx][chosen].sum()
+        for e, w in zip(chosen, weights):
+            gate, up = m[idx] @ t[f"{p}experts.{e}.w1.weight"].T, m[idx] @ t[f"{p}experts.{e}.w3.weight"].T
+            out[idx] += w * ((gate / (1 + np.exp(-gate)) * up) @ t[f"{p}experts.{e}.w2.weight"].T)
+    return out
 
 
 def phi3_source(config: dict, tensors: dict) -> tuple[dict, dict]:
@@ -161,8 +193,14 @@ def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers
     w.add_rope_freq_base(config["rope_theta"])
     if tokenizer:
         tokenizer(w)
+    if config.get("num_local_experts"):
+        w.add_expert_count(config["num_local_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
     held = {}
     for name, value in tensors.items():
+        if ".experts." in name:  # written below, all of a layer's experts stacked per projection
+            held[name] = value.astype(np.float32).astype(np.float64)
+            continue
         data = value.astype(np.float32)
         order = np.arange(value.shape[0])  # stored row j holds row order[j] of the HF weight
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -188,6 +226,12 @@ def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers
             w.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=kinds[name])
         else:
             w.add_tensor(gguf_name, data)
+    for layer in range(config["num_hidden_layers"]):
+        for part, stacked in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
+            experts = [tensors[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{part}.weight"]
+                       for e in range(config.get("num_local_experts", 0))]
+            if experts:
+                w.add_tensor(f"blk.{layer}.{stacked}.weight", np.stack(experts).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -267,6 +311,9 @@ def llama_reference(config, t, ids):
         k = rope(linear(a, p + "self_attn.k_proj"), kv, theta, factor)
         x = x + linear(attention(q, k, linear(a, p + "self_attn.v_proj"), heads, kv), p + "self_attn.o_proj")
         m = rms_norm(x, t[p + "post_attention_layernorm.weight"], eps)
+        if config.get("num_local_experts"):
+            x = x + mixtral_mlp(config, t, i, m)
+            continue
         gate = linear(m, p + "mlp.gate_proj")
         x = x + linear(gate / (1 + np.exp(-gate)) * linear(m, p + "mlp.up_proj"), p + "mlp.down_proj")
     head = t["model.embed_tokens.weight"] if config["tie_word_embeddings"] else t["lm_head.weight"]
@@ -352,6 +399,26 @@ def test_phi3_fused_projections_split_on_import_logits_match_reference_at_every_
             for name, value in tensors.items():
                 assert np.array_equal(f.get_tensor(name), value.astype(f.get_tensor(name).dtype)), name
     comm_world.barrier()
+
+
+@mpi
+def test_mixtral_experts_logits_match_reference_at_every_tp(shared_dir, comm_world):
+    """Mixtral's router and experts (Hugging Face names, and GGUF's stacked [experts, out, in] tensors)
+    become the engine's MoE layers: the reference's logits at tp = 1, 2, 4, dropless."""
+    config, tensors = mixtral_source()
+    convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors), shared_dir / "ckpt", comm_world)
+    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), llama_reference(config, tensors, IDS)) < 1e-9
+    if comm_world.rank == 0:  # and back: the same tensors under the same names
+        assert main(["export", str(shared_dir / "ckpt"), "-o", str(shared_dir / "out")]) == 0
+        assert json.loads((shared_dir / "out" / "config.json").read_text())["num_local_experts"] == 4
+        with safe_open(str(shared_dir / "out" / "model.safetensors"), "np") as f:
+            assert sorted(f.keys()) == sorted(tensors)
+            assert all(np.array_equal(f.get_tensor(n), v) for n, v in tensors.items())
+    comm_world.barrier()
+    path = shared_dir / "mixtral.gguf"
+    held = comm_world.bcast_object(write_gguf(path, config, tensors, quantized=()) if comm_world.rank == 0 else None)
+    convert_on_rank0(lambda: path, shared_dir / "gguf-ckpt", comm_world)
+    assert rel_err(tp_logits(shared_dir / "gguf-ckpt", comm_world), llama_reference(config, held, IDS)) < 1e-9
 
 
 @mpi
@@ -525,7 +592,7 @@ def test_export_refuses_what_the_format_cannot_hold(tmp_path):
     moe = ModelConfig(vocab_size=37, hidden=16, n_layers=1, n_heads=2, max_seq_len=8, num_experts=2)
     grid = ProcessGrid(tp=1, world=self_comm())
     save_checkpoint(tmp_path / "moe", 0, GPTModel(moe, grid.tp).state(), {"config": moe.to_dict()}, grid)
-    with pytest.raises(ConfigError, match=r"Mixture-of-Experts model \(num_experts=2\)"):
+    with pytest.raises(ConfigError, match=r"num_experts=2; Mixture-of-Experts models export as mixtral"):
         export.run(cli_args(checkpoint=str(tmp_path / "moe"), output=str(tmp_path / "out"), arch=None,
                             dtype="stored", force=False))
 

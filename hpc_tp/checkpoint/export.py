@@ -22,7 +22,7 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 def add_arguments(parser):
     parser.add_argument("checkpoint", help="a checkpoint folder, or a folder of checkpoints (its latest is exported)")
     parser.add_argument("-o", "--output", required=True, metavar="DIR", help="Hugging Face folder to create")
-    parser.add_argument("--arch", choices=("gpt2", "llama", "qwen2", "phi3"), default=None,
+    parser.add_argument("--arch", choices=("gpt2", "llama", "qwen2", "phi3", "mixtral"), default=None,
                         help="target architecture (default: the one it was imported from, else gpt2 for learned "
                              "positions and llama for rope)")
     parser.add_argument("--dtype", choices=("stored", *_CODES), default="stored",
@@ -59,12 +59,12 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     cfg = ModelConfig.from_dict(meta["config"])
     if cfg.family != "gpt":
         raise ConfigError(f"checkpoint {info['path']} is a {cfg.family} model; export supports {', '.join(EXPORTABLE)}")
-    if cfg.num_experts:
-        raise ConfigError(f"checkpoint {info['path']} is a Mixture-of-Experts model (num_experts={cfg.num_experts}); "
-                          f"export writes dense {', '.join(EXPORTABLE)} models")
+    if cfg.num_experts and cfg.moe_every != 1:
+        raise ConfigError(f"checkpoint {info['path']} has Mixture-of-Experts layers every {cfg.moe_every} layers; "
+                          "export writes Mixtral, whose every layer is one")
     architecture = architecture or meta.get("source", {}).get("architecture")
     if architecture not in EXPORTABLE:
-        architecture = "gpt2" if cfg.position == "learned" else "llama"
+        architecture = "gpt2" if cfg.position == "learned" else "mixtral" if cfg.num_experts else "llama"
     hf_config, rules = export_layout(cfg, architecture)
     folder = Path(info["path"])
     stored = {t["name"]: t["dtype"] for t in info["tensors"]}

@@ -10,7 +10,8 @@ source's config before anything is written.
     open_source(path) -> Imported(config, tensors, files, source)
 
 Supported: Hugging Face folders (config.json + safetensors, sharded too) of GPT-2, Llama-family
-(Llama, SmolLM, Qwen2, Phi-3) and BERT encoders; GGUF files of the llama, qwen2 and phi3 architectures.
+(Llama, SmolLM, Qwen2, Mistral, Phi-3, Mixtral) and BERT encoders; GGUF files of the llama (Mixtral's
+experts included), qwen2 and phi3 architectures.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Rule:
 
     ``columns``: ours is ``theirs[..., a:b]`` (a fused projection such as GPT-2's c_attn);
     ``rows``: ours is ``theirs[a:b]`` (a fused torch-layout projection such as Phi-3's qkv_proj);
+    ``expert``: ours is ``theirs[e]`` (one expert of GGUF's stacked [experts, out, in] tensors);
     ``rope_heads``: undo llama.cpp's interleaved rope layout of q/k rows over that many heads;
     ``transpose``: torch's nn.Linear stores [out, in], our linears [in, out].
     ``theirs`` None: the source family has no such tensor (a bias it omits); ours is zeros of ``shape``.
@@ -42,10 +44,11 @@ class Rule:
     columns: tuple[int, int] | None = None
     rope_heads: int | None = None
     rows: tuple[int, int] | None = None
+    expert: int | None = None
 
     @property
     def ours_shape(self) -> tuple:
-        shape = list(self.shape)
+        shape = list(self.shape[1:] if self.expert is not None else self.shape)
         if self.columns:
             shape[-1] = self.columns[1] - self.columns[0]
         if self.rows:
@@ -53,6 +56,8 @@ class Rule:
         return tuple(reversed(shape)) if self.transpose else tuple(shape)
 
     def to_ours(self, x):
+        if self.expert is not None:
+            x = x[self.expert]
         if self.columns:
             x = x[..., self.columns[0]:self.columns[1]]
         if self.rows:

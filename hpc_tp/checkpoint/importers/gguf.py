@@ -20,7 +20,7 @@ import numpy
 from ...errors import ConfigError
 from ...models.config import ModelConfig
 from . import Imported, Rule, lazy_tensors
-from .huggingface import ConfigFile, llama_rules, phi3_rules, tokenizer_files
+from .huggingface import ConfigFile, llama_rules, mixtral_rules, phi3_rules, tokenizer_files
 
 SUPPORTED = ("llama", "qwen2", "phi3")
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -30,6 +30,9 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# Mixtral in llama.cpp: the router, and each projection of all experts stacked in one [experts, out, in] tensor.
+_EXPERT_NAME = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)")
+_STACKED = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 class GGUFTensors:
@@ -105,7 +108,9 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
     vocab = meta.get(a + "vocab_size")
     if vocab is None:  # older files: the embedding says it (lazy_tensors reports a missing embedding)
         vocab = tensors.shape("token_embd.weight")[0] if "token_embd.weight" in tensors.names() else 1
-    return ModelConfig(vocab_size=int(vocab), hidden=hidden, n_layers=meta[a + "block_count"], n_heads=heads,
+    experts, top_k = meta.get(a + "expert_count", 0), meta.get(a + "expert_used_count", 2)
+    moe = dict(num_experts=experts, top_k=top_k, moe_every=1, capacity_factor=experts / top_k) if experts else {}
+    return ModelConfig(**moe, vocab_size=int(vocab), hidden=hidden, n_layers=meta[a + "block_count"], n_heads=heads,
                        n_kv_heads=meta.get(a + "attention.head_count_kv", heads),
                        ffn_hidden=meta[a + "feed_forward_length"], max_seq_len=meta[a + "context_length"],
                        norm="rmsnorm", norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
@@ -122,6 +127,12 @@ def _gguf_rule(rule: Rule, cfg: ModelConfig, architecture: str) -> Rule:
     if rule.theirs in _TOP:
         return dataclasses.replace(rule, theirs=_TOP[rule.theirs])
     layer, module, kind = _LAYER_NAME.fullmatch(rule.theirs).groups()
+    if module == "block_sparse_moe.gate":
+        return dataclasses.replace(rule, theirs=f"blk.{layer}.ffn_gate_inp.{kind}")
+    if expert := _EXPERT_NAME.fullmatch(module):
+        e, part = expert.groups()
+        return dataclasses.replace(rule, theirs=f"blk.{layer}.{_STACKED[part]}.{kind}", expert=int(e),
+                                   shape=(cfg.num_experts, *rule.shape))
     heads = {"self_attn.q_proj": cfg.n_heads, "self_attn.k_proj": cfg.n_kv_heads}.get(module)
     return dataclasses.replace(rule, theirs=f"blk.{layer}.{_LAYER[module]}.{kind}",
                                rope_heads=heads if architecture == "llama" else None)
@@ -143,7 +154,8 @@ def import_gguf(path: Path) -> Imported:
     tensors = GGUFTensors(path, reader)
     cfg = _config(meta, tensors, architecture)
     family = ConfigFile({"model_type": architecture}, path)
-    rules = (phi3_rules if architecture == "phi3" else llama_rules)(cfg, family, "model.")
+    rules = (phi3_rules if architecture == "phi3" else mixtral_rules if cfg.num_experts else llama_rules)(
+        cfg, family, "model.")
     rules = [_gguf_rule(r, cfg, architecture) for r in rules]
     lazy, ignored = lazy_tensors(rules, tensors, f"{path.name}'s metadata")
     from .gguf_tokenizer import tokenizer_json

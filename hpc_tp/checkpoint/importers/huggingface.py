@@ -109,7 +109,7 @@ def _json(path: Path) -> dict:
 
 
 # Sizes and constants the importers compute with: a value of another JSON type is the file's error.
-_INTEGER_KEYS = {"vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+_INTEGER_KEYS = {"num_local_experts", "num_experts_per_tok", "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
                  "intermediate_size", "max_position_embeddings", "head_dim", "type_vocab_size", "n_embd", "n_layer",
                  "n_head", "n_inner", "n_positions", "sliding_window"}
 _NUMBER_KEYS = {"rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "rope_theta"}
@@ -180,16 +180,26 @@ def llama_config(hf: ConfigFile) -> ModelConfig:
                        causal=True)
 
 
-def phi3_config(hf: ConfigFile) -> ModelConfig:
-    """Phi-3: the Llama block with fused projections. Its 4k-context models declare a sliding window one
-    short of their context, which full attention computes alike up to window + 1 positions: the context
-    is cut there, so nothing longer is asked of it."""
+def windowed_config(hf: ConfigFile) -> ModelConfig:
+    """Mistral and Phi-3: the Llama block, whose config may declare a sliding window. Attention over a
+    window of W keys is full attention up to W + 1 positions, so the context is cut there and nothing
+    longer is asked of the model (Phi-3's 4k models declare a window one short of their context: no cut)."""
     scaling = hf.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in ("linear", "llama3"):
-        raise ConfigError(f"{hf.path}: rope_scaling={scaling!r} (Phi-3's long-context variants) is not supported")
+        raise ConfigError(f"{hf.path}: rope_scaling={scaling!r} (a long-context variant) is not supported")
     cfg = llama_config(hf)
     window = hf.get("sliding_window")
     return dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, window + 1)) if window else cfg
+
+
+def mixtral_config(hf: ConfigFile) -> ModelConfig:
+    """Mixtral: Mistral's attention, and a Mixture-of-Experts MLP in every layer whose router takes the
+    softmax over all experts, keeps the top k and renormalises them (the engine's MoE layer). The
+    capacity factor is set so that no token is ever dropped (capacity = tokens), as in the source."""
+    experts, top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
+    return dataclasses.replace(windowed_config(hf), num_experts=experts, top_k=top_k, moe_every=1,
+                               capacity_factor=experts / top_k,
+                               aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
 
 
 def bert_config(hf: ConfigFile) -> ModelConfig:
@@ -286,6 +296,21 @@ def phi3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
     return rules
 
 
+def mixtral_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
+    """Llama's tensors with each MLP a ``block_sparse_moe``: the router ``gate`` [experts, hidden] and
+    experts whose w1, w3, w2 are gate, up and down."""
+    h, f, p = cfg.hidden, cfg.ffn_hidden, prefix
+    rules = [r for r in llama_rules(cfg, hf, prefix) if ".mlp." not in r.ours]
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i}.mlp.", f"{p}layers.{i}.block_sparse_moe."
+        rules.append(Rule(ours + "router", theirs + "gate.weight", (cfg.num_experts, h), transpose=True))
+        for e in range(cfg.num_experts):
+            for part, name, shape in (("fc1.gate", "w1", (f, h)), ("fc1.up", "w3", (f, h)), ("fc2", "w2", (h, f))):
+                rules.append(Rule(f"{ours}experts.{e}.{part}.weight", f"{theirs}experts.{e}.{name}.weight", shape,
+                                  transpose=True))
+    return rules
+
+
 def bert_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
     h, f, p = cfg.hidden, cfg.ffn_hidden, prefix
     rules = [Rule("embed.weight", f"{p}embeddings.word_embeddings.weight", (cfg.vocab_size, h)),
@@ -310,7 +335,9 @@ ARCHITECTURES = {
     "gpt2": (gpt2_config, gpt2_rules, "wte.weight", ("", "transformer.")),
     "llama": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
     "qwen2": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
-    "phi3": (phi3_config, phi3_rules, "embed_tokens.weight", ("model.", "")),
+    "mistral": (windowed_config, llama_rules, "embed_tokens.weight", ("model.", "")),
+    "phi3": (windowed_config, phi3_rules, "embed_tokens.weight", ("model.", "")),
+    "mixtral": (mixtral_config, mixtral_rules, "embed_tokens.weight", ("model.", "")),
     "bert": (bert_config, bert_rules, "embeddings.word_embeddings.weight", ("", "bert.")),
 }
 
@@ -400,11 +427,14 @@ def chat_settings(folder: Path) -> dict:
 
 
 # -- export -------------------------------------------------------------------------------------------
-EXPORTABLE = ("gpt2", "llama", "qwen2", "phi3")
+EXPORTABLE = ("gpt2", "llama", "qwen2", "phi3", "mixtral")
 
 
 def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]]:
     """config.json and the rules for writing ``cfg``'s tensors as a Hugging Face ``architecture``."""
+    if (architecture == "mixtral") != bool(cfg.num_experts):
+        raise ConfigError(f"export as {architecture}: the checkpoint has num_experts={cfg.num_experts}; "
+                          "Mixture-of-Experts models export as mixtral, dense ones as gpt2, llama, qwen2 or phi3")
     if architecture == "gpt2":
         if (cfg.position, cfg.norm, cfg.activation, cfg.bias) != ("learned", "layernorm", "gelu_tanh", True):
             raise ConfigError("export as gpt2 needs learned positions, layernorm, gelu_tanh and biases; "
@@ -417,13 +447,15 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
                   "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps,
                   "activation_function": "gelu_new", "tie_word_embeddings": cfg.tie_embeddings}
         prefix = ""
-    elif architecture in ("llama", "qwen2", "phi3"):
+    elif architecture in ("llama", "qwen2", "phi3", "mixtral"):
         if (cfg.position, cfg.norm, cfg.activation) != ("rope", "rmsnorm", "swiglu"):
             raise ConfigError(f"export as {architecture} needs rope, rmsnorm and swiglu; "
                               f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}")
-        if architecture == "phi3" and cfg.bias:
-            raise ConfigError("export as phi3: the checkpoint has biases, which Phi-3 has not; export with --arch llama")
-        names = {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM", "llama": "LlamaForCausalLM"}
+        if architecture in ("phi3", "mixtral") and cfg.bias:
+            raise ConfigError(f"export as {architecture}: the checkpoint has biases, which {architecture} has not; "
+                              "export with --arch llama")
+        names = {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM", "llama": "LlamaForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
         values = {"architectures": [names[architecture]],
                   "model_type": architecture, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden,
                   "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -433,6 +465,9 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
                   "tie_word_embeddings": cfg.tie_embeddings}
         if architecture == "llama":
             values.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+        if architecture == "mixtral":
+            values.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                          router_aux_loss_coef=cfg.aux_loss_coef)
         prefix = "model."
     else:
         raise ConfigError(f"cannot export architecture {architecture!r}; exportable: {', '.join(EXPORTABLE)}")
