@@ -34,7 +34,7 @@ class Request:
     def cancelled(self):
         return self.cancel_after is not None and len(self.sampled) >= self.cancel_after
 
-    def text(self, piece):
+    def text(self, piece, logprobs=None):
         self.pieces.append(piece)
 
     def finish(self, completion, metrics, queued_s):

@@ -11,6 +11,7 @@ template refusing a conversation: the client's error) and ``strftime_now``.
 """
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 
@@ -31,22 +32,50 @@ class ChatTemplate:
             raise ConfigError(f"{origin}: not a Jinja template: {e.message} (line {e.lineno})") from None
         self.tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
-    def render(self, messages) -> str:
+    def render(self, messages, **context) -> str:
         """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
-        them), ending where the assistant's reply begins; ConfigError saying what is wrong otherwise."""
+        them), ending where the assistant's reply begins; ConfigError saying what is wrong otherwise.
+        ``context``: further names the template sees (such as ``tools``, for templates that render them)."""
         import jinja2
 
-        if not isinstance(messages, list) or not messages:
-            raise ConfigError(f"messages must be a non-empty list of {{role, content}} objects, "
-                              f"got {type(messages).__name__}")
-        for i, message in enumerate(messages):
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
-                raise ConfigError(f"messages[{i}] must be an object with a string role and a string content")
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+            return self.template.render(messages=plain_messages(messages), add_generation_prompt=True,
+                                        **self.tokens, **context)
         except jinja2.TemplateError as e:  # raise_exception's refusal, or a template error at render time
             raise ConfigError(f"the chat template refused these messages: {e}") from None
+
+
+def plain_messages(messages) -> list[dict]:
+    """``messages`` as a template takes them: each a copy whose ``content`` is a string. OpenAI's API
+    also sends content as a list of parts, of which text parts are taken (joined by newlines, as vLLM
+    joins them), and null content (an assistant's turn that only calls tools), taken as "". Other
+    keys (``name``, ``tool_calls``, ``tool_call_id``) pass through to the template."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"messages must be a non-empty list of {{role, content}} objects, "
+                          f"got {type(messages).__name__}")
+    plain = []
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and (isinstance(message.get("content"), (str, list))
+                     or (message["role"] == "assistant" and message.get("content") is None))):
+            raise ConfigError(f"messages[{i}] must be an object with a string role and a content: a string or "
+                              "a list of text parts (null in an assistant's)")
+        plain.append({**message, "content": _text_of(message.get("content"), f"messages[{i}].content")})
+    return plain
+
+
+def _text_of(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            got = f"type {kind!r}" if isinstance(kind, str) else f"{json.dumps(part)[:40]}"
+            raise ConfigError(f"{where}[{j}]: {got} is not supported; expected a text part "
+                              '{"type": "text", "text": ...}')
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def read_template(path: str | None) -> str | None:

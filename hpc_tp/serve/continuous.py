@@ -110,7 +110,7 @@ class _Listed:
         self.ids, self.params, self.arrived, self.cancelled = ids, params, time.perf_counter(), False
         self.result = None
 
-    def text(self, piece):
+    def text(self, piece, logprobs=None):
         pass
 
     def finish(self, completion, metrics, queued_s):
@@ -176,7 +176,8 @@ class ContinuousBatcher:
         ``take(limit, idle)``: up to ``limit`` queued requests, a list (maybe empty) that it may wait
         for when ``idle`` (no row busy), or None to stop serving then. A request has ``ids`` (prompt
         token ids), ``params`` (SamplingParams), ``arrived`` (``time.perf_counter``) and
-        ``cancelled``; the batcher calls its ``text(piece)`` with text as it becomes final and then
+        ``cancelled``; the batcher calls its ``text(piece, logprobs)`` with text as it becomes final (and
+        the row's ``TokenLogprob`` list so far, or None where none were asked) and then
         ``finish(completion, metrics, queued_s)`` once (``Completion``, ``RowMetrics``, seconds from
         arrival to admission; the completion's ``ttft_s`` counts from admission)."""
         more = False
@@ -251,7 +252,7 @@ class ContinuousBatcher:
             row, cached, source = self._place(request.ids, free, taken)
             free.remove(row)
             taken.append(row)
-            self._busy[row] = _Busy(request, _Row(request.params, self.engine.tokenizer), now, busy, cached)
+            self._busy[row] = _Busy(request, _Row(request.params, self.engine.tokenizer, request.ids), now, busy, cached)
             admitted.append((row, list(request.ids), cached, source))
         return admitted
 
@@ -333,7 +334,7 @@ class ContinuousBatcher:
             else:
                 busy.row.step(z, now)
                 busy.first = now if busy.first is None else busy.first
-                busy.row.report(lambda piece, finish: busy.request.text(piece))
+                busy.row.report(lambda piece, finish: busy.request.text(piece, busy.row.logprobs))
             if busy.row.finish is None:
                 control[r] = busy.row.ids[-1]
                 continue

@@ -1,16 +1,23 @@
 """The HTTP side of ``hpc-tp serve`` (rank 0 only): parse and check requests, queue them as jobs,
 hand queued jobs to the decoding loop (``serve.continuous``), answer each as JSON or as server-sent
-events. The endpoints of OpenAI's API that serving a model takes: ``/v1/completions`` continues a
-``prompt``; ``/v1/chat/completions`` renders ``messages`` with the model's chat template
-(``serve.chat``) and answers with the assistant's ``message`` (streamed as ``delta`` chunks);
-``GET /v1/models`` lists the one model served, by the name requests give as ``model``; ``GET /metrics``
-counts what the server did (``serve.metrics``).
+events. The endpoints of OpenAI's API that serving a model takes, and vLLM's few more:
 
-Handler threads never touch the model: they turn a request into a ``Job`` (token ids and sampling
-parameters) and wait on its event queue, which the decoding loop fills with text pieces and, at
-the end, the completion. A request that fails a check is answered 400 with the reason at once. A
-client that goes away marks its job cancelled, and the decoding loop frees its row; a connection
-that sends nothing for IDLE_TIMEOUT_S is closed, so it cannot hold up a graceful shutdown.
+    POST /v1/completions        continue a ``prompt`` (``serve.api_request`` says what it takes)
+    POST /v1/chat/completions   render ``messages`` with the model's chat template (``serve.chat``),
+                                answer with the assistant's ``message`` (streamed as ``delta`` chunks)
+    GET  /v1/models             the one model served, by the name requests give as ``model``
+    GET  /v1/models/{id}        that model's card (404 naming any other id)
+    POST /tokenize              {"prompt": TEXT} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}
+    POST /detokenize            {"tokens": [ids]} -> {"prompt": TEXT}
+    GET  /version, /health      the package's version; 200 while serving
+    GET  /metrics               what the server did (``serve.metrics``)
+
+Handler threads never touch the model: they turn a request into jobs (token ids and sampling
+parameters, one per choice) and wait on its event queue, which the decoding loop fills with text
+pieces and, at the end of each job, its completion. A request that fails a check is answered 400
+with the reason at once. A client that goes away marks its jobs cancelled, and the decoding loop
+frees their rows; a connection that sends nothing for IDLE_TIMEOUT_S is closed, so it cannot hold
+up a graceful shutdown.
 """
 from __future__ import annotations
 
@@ -23,99 +30,16 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .. import __version__
 from ..errors import ConfigError
-from .generate import check_request
+from . import api_response
+from .api_request import CHAT, COMPLETIONS, Request, UnknownModel, check_model, parse_request, read_body, render_messages
 from .metrics import ServerMetrics
-from .sampling import SamplingParams
 
-_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user",
-           "stream_options"}
-# Options of OpenAI's API this server does not implement, taken at the values that ask for nothing (clients
-# often send them so), refused otherwise: name -> the values that are their default.
-_DEFAULT_ONLY = {"presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (None, False),
-                 "echo": (False,), "logit_bias": (None, {})}
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-_OWN_FIELDS = {COMPLETIONS: {"prompt"}, CHAT: {"messages", "max_completion_tokens"}}
 MAX_BODY_BYTES = 16 * 2**20
 IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is closed
-
-
-class UnknownModel(ConfigError):
-    """A request for a model this server does not serve (answered 404, as OpenAI's API does)."""
-
-
-class Job:
-    """A request as the decoding loop sees it (``ContinuousBatcher.run``)."""
-
-    def __init__(self, ids: list[int], params: SamplingParams, stream: bool, chat: bool = False):
-        self.ids, self.params, self.stream, self.chat = ids, params, stream, chat
-        self.arrived = time.perf_counter()
-        self.events: queue.Queue = queue.Queue()
-        self.cancelled = False  # the client went away: nobody reads what is decoded for it
-        self.on_finish = None   # the server's count of it, called from the batcher's thread
-
-    def text(self, piece: str):
-        if self.stream and piece:
-            self.events.put(("text", piece))
-
-    def finish(self, completion, metrics, queued_s: float):
-        if self.on_finish is not None:
-            self.on_finish(self, completion, queued_s)
-        self.events.put(("done", completion, metrics, queued_s))
-
-
-def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,
-                  endpoint: str = COMPLETIONS, chat_template=None, model_name: str | None = None) -> Job:
-    """A Job for a request to ``endpoint``, or ConfigError with the reason the request is refused.
-    ``chat_template`` (a ``serve.chat.ChatTemplate``) renders a chat request's messages; a request
-    naming a ``model`` other than ``model_name`` is refused (UnknownModel)."""
-    try:
-        request = json.loads(body)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ConfigError(f"body is not JSON: {e}") from None
-    except RecursionError:
-        raise ConfigError("body is not JSON this server reads: nested too deeply") from None
-    if not isinstance(request, dict):
-        raise ConfigError("body must be a JSON object")
-    fields = _FIELDS | _OWN_FIELDS[endpoint] | set(_DEFAULT_ONLY)
-    unknown = sorted(set(request) - fields)
-    if unknown:
-        raise ConfigError(f"unknown fields {', '.join(unknown)}; supported: {', '.join(sorted(fields))}")
-    for name, defaults in _DEFAULT_ONLY.items():
-        value = request.get(name, defaults[0])
-        if not any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults):
-            raise ConfigError(f"{name}={value!r}: not supported by this server (only "
-                              f"{' or '.join(json.dumps(d) for d in defaults)})")
-    options = request.get("stream_options") or {}
-    if not (isinstance(options, dict) and set(options) <= {"include_usage"}
-            and isinstance(options.get("include_usage", True), bool)):
-        raise ConfigError(f"stream_options={options!r}: expected {{\"include_usage\": true or false}} "
-                          "(usage always comes with the last chunk)")
-    if model_name is not None and request.get("model", model_name) != model_name:
-        raise UnknownModel(f"model {request['model']!r} is not served here: this server serves {model_name!r}")
-    if endpoint == CHAT:
-        if chat_template is None:
-            raise ConfigError("this model has no chat template: its checkpoint carries none, so start hpc-tp serve "
-                              "with --chat-template FILE, or use /v1/completions")
-        prompt = chat_template.render(request.get("messages"))
-    else:
-        prompt = request.get("prompt")
-        if not isinstance(prompt, str):
-            raise ConfigError(f"prompt must be a string, got {type(prompt).__name__}")
-    if request.get("n", 1) != 1:
-        raise ConfigError(f"n={request['n']!r}: only one completion per request is supported")
-    stop = request.get("stop") or []
-    stream = request.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ConfigError(f"stream={stream!r}: expected true or false")
-    params = SamplingParams(max_new_tokens=request.get("max_completion_tokens",
-                                                       request.get("max_tokens", default_max_tokens)),
-                            temperature=request.get("temperature", 1.0), top_k=request.get("top_k", 0),
-                            top_p=request.get("top_p", 1.0), seed=request.get("seed"),
-                            stop=[stop] if isinstance(stop, str) else stop)
-    ids = tokenizer.encode(prompt)
-    check_request(ids, params, cfg, names={"max_new_tokens": "max_tokens"}, max_model_len=max_model_len)
-    return Job(ids, params, stream, endpoint == CHAT)
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
+_POST = (COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE)
 
 
 class CompletionServer:
@@ -135,7 +59,7 @@ class CompletionServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
         self._thread.start()
 
-    def next_batch(self, limit: int, window: float, timeout: float) -> list[Job]:
+    def next_batch(self, limit: int, window: float, timeout: float) -> list:
         """Up to ``limit`` queued jobs: waits ``timeout`` for a first one, then ``window`` for company
         (both 0: only those queued now)."""
         try:
@@ -166,33 +90,51 @@ class CompletionServer:
             self._active += connections
             self.answered += answered
 
-    def response(self, job: Job, job_id: int, completion, metrics, queued_s: float, text: str | None) -> dict:
-        usage = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.ids),
-                 "total_tokens": completion.prompt_tokens + len(completion.ids),
-                 "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
-                 "time_to_first_token_s": queued_s + completion.ttft_s, "queue_s": queued_s,
-                 "decode_tokens_per_s": completion.decode_tokens_per_s, "batch_size": metrics.batch,
-                 "kv_cache_bytes_per_rank": metrics.kv_cache_bytes_per_rank}
-        return _answer(job, job_id, completion.text if text is None else text, completion.finish_reason,
-                       streamed=text is not None, model=self.model_name, usage=usage)
+    def answer(self, request: Request, job_id: int, results: dict) -> dict:
+        """The whole answer to ``request`` from its choices' ``results`` {index: (completion, metrics, queued_s)}."""
+        choices = [api_response.choice(request, i, c.text, c.finish_reason, c.logprobs, self.tokenizer, streamed=False,
+                                       first=True) for i, (c, _, _) in sorted(results.items())]
+        return api_response.envelope(request, job_id, self.model_name, choices, streamed=False,
+                                     usage=api_response.usage(request, results))
+
+    def chunk(self, request: Request, job_id: int, index: int, text: str, finish: str | None, entries,
+              first: bool) -> dict:
+        """One chunk of a streamed answer: choice ``index``'s ``text`` and the log-probabilities ``entries``."""
+        piece = api_response.choice(request, index, text, finish, entries, self.tokenizer, streamed=True, first=first)
+        return api_response.envelope(request, job_id, self.model_name, [piece], streamed=True)
 
     def models(self) -> dict:
         """``GET /v1/models``: the one model served."""
-        card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "hpc-tp",
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "hpc-tp",
                 "max_model_len": self.max_model_len or self.cfg.max_seq_len}
-        return {"object": "list", "data": [card]}
 
+    def tokenize(self, body: bytes) -> dict:
+        """``POST /tokenize`` (vLLM's): a prompt's token ids, or those of a chat's rendered messages."""
+        request = read_body(body)
+        check_model(request, self.model_name)
+        fields = sorted(set(request) - {"model"})
+        if fields == ["prompt"] and isinstance(request["prompt"], str):
+            ids = self.tokenizer.encode(request["prompt"])
+        elif fields == ["messages"]:
+            ids = self.tokenizer.encode(render_messages(request, self.chat_template))
+        else:
+            raise ConfigError(f"fields {', '.join(fields) or 'none'}: expected {{\"prompt\": TEXT}} or "
+                              "{\"messages\": [...]} (and optional model)")
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len or self.cfg.max_seq_len}
 
-def _answer(job: Job, job_id: int, text: str, finish_reason: str | None, streamed: bool, model: str, **extra) -> dict:
-    """A whole answer, or one chunk of a streamed one, in the shape of the job's endpoint."""
-    if job.chat:
-        choice = {"index": 0, "delta" if streamed else "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish_reason}
-        kind, name = ("chat.completion.chunk" if streamed else "chat.completion"), f"chatcmpl-{job_id}"
-    else:
-        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
-        kind, name = "text_completion", f"cmpl-{job_id}"
-    return {"id": name, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], **extra}
+    def detokenize(self, body: bytes) -> dict:
+        """``POST /detokenize`` (vLLM's): token ids' text."""
+        request = read_body(body)
+        check_model(request, self.model_name)
+        ids, fields = request.get("tokens"), sorted(set(request) - {"model"})
+        if fields != ["tokens"] or not (isinstance(ids, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.cfg.vocab_size for i in ids)):
+            raise ConfigError(f"expected {{\"tokens\": [token ids in [0, {self.cfg.vocab_size})]}}, got fields "
+                              f"{', '.join(fields) or 'none'}{'' if fields != ['tokens'] else ': ' + json.dumps(ids)[:40]}")
+        return {"prompt": self.tokenizer.decode(ids)}
 
 
 class _CountingServer(ThreadingHTTPServer):
@@ -226,33 +168,37 @@ def _handler(app: CompletionServer):
         def do_GET(self):
             if self.path == "/health":
                 self._json(200, {"status": "ok"})
+            elif self.path == "/version":
+                self._json(200, {"version": __version__})
             elif self.path == "/v1/models":
                 self._json(200, app.models())
+            elif self.path.startswith("/v1/models/"):
+                name = self.path[len("/v1/models/"):]
+                if name == app.model_name:
+                    self._json(200, app.model_card())
+                else:
+                    self._error(404, f"model {name!r} is not served here: this server serves {app.model_name!r}")
             elif self.path == "/metrics":
                 self._send(200, "text/plain; version=0.0.4", app.metrics.render(app.jobs.qsize()).encode())
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 
         def do_POST(self):
-            if self.path not in _OWN_FIELDS:
-                self._error(404, f"no such endpoint: POST {self.path} (use {COMPLETIONS} or {CHAT})")
+            if self.path not in _POST:
+                self._error(404, f"no such endpoint: POST {self.path} (use {', '.join(_POST)})")
                 return
-            length = self.headers.get("Content-Length") or "0"
-            if not (length.isascii() and length.isdigit()):
-                self._error(400, f"Content-Length {length!r} is not a number of bytes")
-                return
-            if int(length) > MAX_BODY_BYTES:
-                self._error(413, f"Content-Length {length}: a request body may hold at most {MAX_BODY_BYTES} bytes")
-                self._discard(min(int(length), 4 * MAX_BODY_BYTES))
+            body = self._body()
+            if body is None:
                 return
             try:
-                body = self.rfile.read(int(length))
-            except OSError:  # stalled past the timeout, or gone: nobody to answer
-                self.close_connection = True
-                return
-            try:
-                job = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens, app.max_model_len,
-                                    self.path, app.chat_template, app.model_name)
+                if self.path == TOKENIZE:
+                    self._json(200, app.tokenize(body))
+                    return
+                if self.path == DETOKENIZE:
+                    self._json(200, app.detokenize(body))
+                    return
+                request = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens, app.max_model_len,
+                                        self.path, app.chat_template, app.model_name)
             except UnknownModel as e:
                 self._error(404, str(e))
                 return
@@ -263,24 +209,45 @@ def _handler(app: CompletionServer):
                 self._error(500, f"internal error: {type(e).__name__}: {e}")
                 raise
             job_id = next(app._ids)
-            job.on_finish = app.metrics.finish
-            app.jobs.put(job)
+            for job in request.jobs:
+                job.on_finish = app.metrics.finish
+                app.jobs.put(job)
             try:
-                (self._stream if job.stream else self._answer)(job, job_id)
+                (self._stream if request.stream else self._answer)(request, job_id)
             except OSError:  # the client went away mid-answer
-                job.cancelled, self.close_connection = True, True
+                request.cancel()
+                self.close_connection = True
                 return
             app._count(answered=1)
 
-        def _answer(self, job: Job, job_id: int):
-            while True:
+        def _body(self) -> bytes | None:
+            """The request's body, or None where it was answered already (too big, unreadable)."""
+            length = self.headers.get("Content-Length") or "0"
+            if not (length.isascii() and length.isdigit()):
+                self._error(400, f"Content-Length {length!r} is not a number of bytes")
+                return None
+            if int(length) > MAX_BODY_BYTES:
+                self._error(413, f"Content-Length {length}: a request body may hold at most {MAX_BODY_BYTES} bytes")
+                self._discard(min(int(length), 4 * MAX_BODY_BYTES))
+                return None
+            try:
+                return self.rfile.read(int(length))
+            except OSError:  # stalled past the timeout, or gone: nobody to answer
+                self.close_connection = True
+                return None
+
+        def _answer(self, request: Request, job_id: int):
+            results = {}
+            while len(results) < len(request.jobs):
                 try:
-                    _, completion, metrics, queued_s = job.events.get(timeout=0.5)
-                    break
+                    event = request.events.get(timeout=0.5)
                 except queue.Empty:
                     if self._client_gone():
-                        raise ConnectionResetError("the client closed the connection")
-            self._json(200, app.response(job, job_id, completion, metrics, queued_s, None))
+                        raise ConnectionResetError("the client closed the connection") from None
+                    continue
+                if event[0] == "done":
+                    results[event[1]] = event[2:]
+            self._json(200, app.answer(request, job_id, results))
 
         def _discard(self, nbytes: int):
             """Read and drop a body that is not wanted, so the client, still sending it, can read the
@@ -302,18 +269,27 @@ def _handler(app: CompletionServer):
             except OSError:
                 return True
 
-        def _stream(self, job: Job, job_id: int):
+        def _stream(self, request: Request, job_id: int):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.end_headers()
-            while True:
-                event = job.events.get()
-                if event[0] == "done":
-                    break
-                self._event(_answer(job, job_id, event[1], None, streamed=True, model=app.model_name))
-            _, completion, metrics, queued_s = event
-            self._event(app.response(job, job_id, completion, metrics, queued_s, text=""))  # finish reason and usage
+            results, started = {}, set()
+            while len(results) < len(request.jobs):
+                event = request.events.get()
+                index = event[1]
+                if event[0] == "text":
+                    self._event(app.chunk(request, job_id, index, event[2], None, event[3], index not in started))
+                else:
+                    completion = event[2]
+                    rest = None if completion.logprobs is None else completion.logprobs[request.jobs[index].logprobs_sent:]
+                    self._event(app.chunk(request, job_id, index, "", completion.finish_reason, rest,
+                                          index not in started))
+                    results[index] = event[2:]
+                started.add(index)
+            if request.include_usage:
+                self._event(api_response.envelope(request, job_id, app.model_name, [], streamed=True,
+                                                  usage=api_response.usage(request, results)))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 
