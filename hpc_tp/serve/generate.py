@@ -81,7 +81,8 @@ class _Row:
         """Choose and add the next token from this row's logits [V] (host)."""
         processed = (process_logits(logits, self.params, self.prompt_ids, self.ids)
                      if self.params.transforms_logits() else logits)
-        token, offset = next_token(processed, self.params, self.rng), len(self.text)
+        # where this token's text starts: after the whole characters so far (a cut one is its to finish)
+        token, offset = next_token(processed, self.params, self.rng), len(self.text.rstrip("\ufffd"))
         self.add(token)
         if self.logprobs is not None and len(self.ids) > len(self.logprobs):  # the token was kept
             self.logprobs.append(TokenLogprob(token, *token_logprobs(logits, token, self.params.logprobs), offset))
