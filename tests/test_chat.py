@@ -32,7 +32,8 @@ def test_messages_render_with_the_special_tokens_and_the_assistants_turn_opened(
     ([], "messages must be a non-empty list"),
     ([{"role": "user", "content": "Hi"}, {"role": "user"}], "messages[1] must be an object with a string role"),
     ([{"role": "user", "content": 3}], "messages[0] must be an object with a string role and a content"),
-    ([{"role": "user", "content": ["parts"]}], 'messages[0].content[0]: "parts" is not supported; expected a text part'),
+    ([{"role": "user", "content": ["parts"]}],
+     'messages[0].content[0]: "parts" is not supported; expected a text part'),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      "messages[0].content[0]: type 'image_url' is not supported"),
     ([{"role": "assistant", "content": "Hi"}], "refused these messages: roles must alternate user/assistant"),
@@ -90,7 +91,8 @@ def test_what_clients_send_is_taken_and_what_is_out_of_range_refused():
     request = parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16)
     assert request.stream and request.include_usage and request.n == 2 and [j.index for j in request.jobs] == [0, 1]
     first, second = (job.params for job in request.jobs)
-    assert (first.presence_penalty, first.frequency_penalty, first.repetition_penalty, first.min_p) == (0.5, -0.25, 1.1, 0.05)
+    assert (first.presence_penalty, first.frequency_penalty, first.repetition_penalty, first.min_p) == (
+        0.5, -0.25, 1.1, 0.05)
     assert first.ignore_eos and first.logprobs == 3 and first.max_new_tokens == 16 and first.top_p == 1.0
     assert (first.seed, second.seed) == (7, 8)  # n choices sample apart, each reproducible
     chat = {"messages": HELLO, "logprobs": True, "top_logprobs": 2, "max_completion_tokens": None}

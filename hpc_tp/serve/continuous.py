@@ -252,7 +252,8 @@ class ContinuousBatcher:
             row, cached, source = self._place(request.ids, free, taken)
             free.remove(row)
             taken.append(row)
-            self._busy[row] = _Busy(request, _Row(request.params, self.engine.tokenizer, request.ids), now, busy, cached)
+            row_state = _Row(request.params, self.engine.tokenizer, request.ids)
+            self._busy[row] = _Busy(request, row_state, now, busy, cached)
             admitted.append((row, list(request.ids), cached, source))
         return admitted
 

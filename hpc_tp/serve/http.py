@@ -33,7 +33,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from .. import __version__
 from ..errors import ConfigError
 from . import api_response
-from .api_request import CHAT, COMPLETIONS, Request, UnknownModel, check_model, parse_request, read_body, render_messages
+from .api_request import (CHAT, COMPLETIONS, Request, UnknownModel, check_model, parse_request, read_body,
+                          render_messages)
 from .metrics import ServerMetrics
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -132,8 +133,8 @@ class CompletionServer:
         ids, fields = request.get("tokens"), sorted(set(request) - {"model"})
         if fields != ["tokens"] or not (isinstance(ids, list) and all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.cfg.vocab_size for i in ids)):
-            raise ConfigError(f"expected {{\"tokens\": [token ids in [0, {self.cfg.vocab_size})]}}, got fields "
-                              f"{', '.join(fields) or 'none'}{'' if fields != ['tokens'] else ': ' + json.dumps(ids)[:40]}")
+            got = f"tokens {json.dumps(ids)[:40]}" if fields == ["tokens"] else f"fields {', '.join(fields) or 'none'}"
+            raise ConfigError(f"expected {{\"tokens\": [token ids in [0, {self.cfg.vocab_size})]}}, got {got}")
         return {"prompt": self.tokenizer.decode(ids)}
 
 
@@ -281,8 +282,8 @@ def _handler(app: CompletionServer):
                 if event[0] == "text":
                     self._event(app.chunk(request, job_id, index, event[2], None, event[3], index not in started))
                 else:
-                    completion = event[2]
-                    rest = None if completion.logprobs is None else completion.logprobs[request.jobs[index].logprobs_sent:]
+                    completion, sent = event[2], request.jobs[index].logprobs_sent
+                    rest = None if completion.logprobs is None else completion.logprobs[sent:]  # not streamed yet
                     self._event(app.chunk(request, job_id, index, "", completion.finish_reason, rest,
                                           index not in started))
                     results[index] = event[2:]
