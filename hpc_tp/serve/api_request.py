@@ -67,7 +67,7 @@ class Job:
         self.events.put(("done", self.index, completion, metrics, queued_s))
 
 
-@dataclass
+@dataclass(eq=False)  # each one its own: the server keeps a set of those it answers
 class Request:
     """A parsed request: its jobs (one per choice, in ``index`` order) sharing one event queue."""
     jobs: list[Job]
@@ -81,6 +81,11 @@ class Request:
     def cancel(self):
         for job in self.jobs:
             job.cancelled = True
+
+    def abort(self):
+        """The server stops in a hurry (``serve.shutdown``): its jobs are dropped and its answer ends now."""
+        self.cancel()
+        self.events.put(("abort",))
 
 
 def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,

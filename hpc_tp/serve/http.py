@@ -55,9 +55,13 @@ class CompletionServer:
         self._active = 0  # connections accepted and not yet closed
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._open: set[Request] = set()  # requests being answered
+        self.hurrying = False
         self.httpd = _CountingServer((host, port), _handler(self), self)
         self.host, self.port = self.httpd.server_address[:2]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
+        # polled often, so that a hurried stop stops taking connections within its 0.25 s
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="http", daemon=True)
         self._thread.start()
 
     def next_batch(self, limit: int, window: float, timeout: float) -> list:
@@ -82,6 +86,38 @@ class CompletionServer:
     def busy(self) -> bool:
         with self._lock:
             return self._active > 0 or not self.jobs.empty()
+
+    def answering(self) -> bool:
+        """Whether some request is still being answered (a hurried stop waits only for these)."""
+        with self._lock:
+            return bool(self._open)
+
+    def track(self, request: Request) -> bool:
+        """Count ``request`` as being answered; False once the server is stopping in a hurry."""
+        with self._lock:
+            if not self.hurrying:
+                self._open.add(request)
+            return not self.hurrying
+
+    def untrack(self, request: Request):
+        with self._lock:
+            self._open.discard(request)
+
+    def hurry(self):
+        """A hurried stop (``serve.shutdown``; any thread): open answers end now, queued jobs are
+        dropped, and the listening socket closes, so new connections are refused."""
+        with self._lock:
+            self.hurrying = True
+            aborted = list(self._open)
+        for request in aborted:
+            request.abort()
+        while True:
+            try:
+                self.jobs.get_nowait()
+            except queue.Empty:
+                break
+        self.stop_accepting()
+        self.close()
 
     def close(self):
         self.httpd.server_close()
@@ -209,6 +245,9 @@ def _handler(app: CompletionServer):
             except Exception as e:  # a bug: the client still gets an answer, the log the traceback
                 self._error(500, f"internal error: {type(e).__name__}: {e}")
                 raise
+            if not app.track(request):
+                self._error(503, "the server is stopping: it takes no new requests")
+                return
             job_id = next(app._ids)
             for job in request.jobs:
                 job.on_finish = app.metrics.finish
@@ -219,6 +258,8 @@ def _handler(app: CompletionServer):
                 request.cancel()
                 self.close_connection = True
                 return
+            finally:
+                app.untrack(request)
             app._count(answered=1)
 
         def _body(self) -> bytes | None:
@@ -246,6 +287,9 @@ def _handler(app: CompletionServer):
                     if self._client_gone():
                         raise ConnectionResetError("the client closed the connection") from None
                     continue
+                if event[0] == "abort":
+                    self._error(503, "the server is stopping in a hurry: this request was not finished")
+                    return
                 if event[0] == "done":
                     results[event[1]] = event[2:]
             self._json(200, app.answer(request, job_id, results))
@@ -278,6 +322,10 @@ def _handler(app: CompletionServer):
             results, started = {}, set()
             while len(results) < len(request.jobs):
                 event = request.events.get()
+                if event[0] == "abort":  # each open choice ends here, as what was streamed of it
+                    for index in sorted(set(range(len(request.jobs))) - set(results)):
+                        self._event(app.chunk(request, job_id, index, "", "abort", None, index not in started))
+                    break
                 index = event[1]
                 if event[0] == "text":
                     self._event(app.chunk(request, job_id, index, event[2], None, event[3], index not in started))
@@ -288,7 +336,7 @@ def _handler(app: CompletionServer):
                                           index not in started))
                     results[index] = event[2:]
                 started.add(index)
-            if request.include_usage:
+            if request.include_usage and len(results) == len(request.jobs):
                 self._event(api_response.envelope(request, job_id, app.model_name, [], streamed=True,
                                                   usage=api_response.usage(request, results)))
             self.wfile.write(b"data: [DONE]\n\n")

@@ -1,11 +1,15 @@
-"""``hpc-tp serve``: a checkpoint behind an HTTP endpoint shaped like the common completions API.
+"""``hpc-tp serve``: a checkpoint behind an HTTP endpoint shaped like OpenAI's API.
 
-    POST /v1/completions       {"prompt": TEXT, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
-                                "top_k": 0, "stop": TEXT | [TEXT], "seed": INT, "stream": false}
-    POST /v1/chat/completions  {"messages": [{"role": ROLE, "content": TEXT}, ...], the same others}
-    GET  /v1/models             the model served, by --served-model-name (the checkpoint folder's name)
-    GET  /health
+    POST /v1/completions       {"prompt": TEXT | [TEXT] | [ids] | [[ids]], "max_tokens": 16, "temperature": 1.0,
+                                "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                                "repetition_penalty", "stop": TEXT | [TEXT], "seed", "n", "echo", "logprobs",
+                                "ignore_eos", "stream": false, "stream_options": {"include_usage": false}}
+    POST /v1/chat/completions  {"messages": [{"role": ROLE, "content": TEXT | [text parts] | null}, ...],
+                                "logprobs": false, "top_logprobs", the same others}
+    GET  /v1/models, /v1/models/{id}   the model served, by --served-model-name (the checkpoint folder's name)
+    POST /tokenize, /detokenize; GET /version, /health, /metrics
 
+``serve.api_request`` says what each field means; ``serve.http`` lists the endpoints.
 A chat request's messages become a prompt through the model's chat template (``serve.chat``): the
 one its checkpoint carries (imported with a Hugging Face or GGUF chat model), or --chat-template FILE.
 
@@ -25,10 +29,11 @@ decode_tokens_per_s of its own tokens after the first, batch_size (rows busy onc
 its own included) and kv_cache_bytes_per_rank (the whole cache, allocated at start: --max-batch
 rows of --max-model-len slots).
 
-SIGTERM on rank 0 (``scancel`` and ``srun`` signal every rank; under ``mpirun`` send it to the
-ranks, whose pids the start-up line prints) stops accepting connections, finishes every request
-already accepted, then tells the other ranks to stop, and all exit 0. SIGTERM on another rank is
-noted and waits for rank 0's word.
+Stopping (``serve.shutdown``): SIGTERM on rank 0 (``scancel`` and ``srun`` signal every rank; under
+``mpirun`` send it to the ranks, whose pids the start-up line prints) stops accepting connections,
+finishes every request already accepted, then tells the other ranks to stop, and all exit 0.
+Ctrl-C (SIGINT, or Open MPI's mpiexec killing the job on one) stops in a hurry: open streams end at
+once with a final chunk and ``[DONE]``. A signal on another rank is noted and waits for rank 0's word.
 """
 from __future__ import annotations
 
@@ -71,11 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def run(args) -> int:
     from ..errors import ConfigError
-    from ..train.preemption import StopRequest
     from .chat import read_template, template_for
     from .command import load_for_inference
     from .continuous import ContinuousBatcher
     from .generate import Engine
+    from .shutdown import Shutdown
 
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
         raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
@@ -90,7 +95,7 @@ def run(args) -> int:
     if grid.dp_size != 1:
         raise ConfigError(f"--tp {grid.tp_size} with {grid.world.size} ranks: serve runs one tp group, "
                           f"use --tp {grid.world.size}")
-    stop = StopRequest(("SIGTERM", "SIGINT"))
+    stop = Shutdown()
     server, error = None, None
     if grid.world.rank == 0:
         from .http import CompletionServer
@@ -116,6 +121,7 @@ def run(args) -> int:
              f"{max_len} slots" if continuous else "static batches")
     print(f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
           f"rank pids {' '.join(map(str, pids))}); {cache}", flush=True)
+    stop.on_hurry = server.hurry
     batcher.run(_Jobs(server, stop, args.batch_window_ms / 1000))
     server.close()
     print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered, stopped", flush=True)
@@ -154,18 +160,22 @@ class StaticBatches:
 
 class _Jobs:
     """What the batcher admits (``run``'s source, either batcher's): the HTTP server's queued jobs.
-    On a stop signal it stops accepting connections, and once every request accepted is answered
-    and no row is busy it ends serving."""
+    On a stop signal (``serve.shutdown.Shutdown``) it stops accepting connections, and once every
+    request accepted is answered (a hurried stop: ended) and no row is busy it ends serving."""
 
     def __init__(self, server, stop, window: float):
         self.server, self.stop, self.window, self.closing = server, stop, window, False
 
     def take(self, limit: int, idle: bool):
+        if self.stop.hurried and not self.server.hurrying:  # the signal came before the server was built
+            self.server.hurry()
         if self.stop.received and not self.closing:
             self.server.stop_accepting()
             self.closing = True
         if not idle:  # rows are decoding: only what is queued now
             return self.server.next_batch(limit, 0, timeout=0)
+        if self.server.hurrying and not self.server.answering():  # its jobs cancelled, their rows free
+            return None
         if self.closing and not self.server.busy():
             return None
         return self.server.next_batch(limit, self.window, timeout=0.1)

@@ -1,0 +1,64 @@
+"""Ctrl-C on `mpiexec hpc-tp serve`: Open MPI's mpiexec does not pass SIGINT on but kills the ranks
+(SIGCONT, SIGTERM 0.25 s later, SIGKILL 0.25 s after that), so the server stops in a hurry: every open
+stream ends with a final chunk and [DONE] (finished ones whole, the others cut where they were),
+and new connections are refused (``serve.shutdown``)."""
+import json
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import urllib.request
+
+import pytest
+
+from hpc_tp.comm.mpi import self_comm
+from hpc_tp.grid import ProcessGrid
+from hpc_tp.serve.generate import Engine
+from hpc_tp.serve.sampling import SamplingParams
+from hpc_tp.train.tokenizer import ByteTokenizer
+from test_generate import _model, write_checkpoint
+from test_serve import BIN, MPIEXEC, ROOT, _start_line
+
+N_STREAMS = 24
+
+
+def test_ctrl_c_on_mpiexec_ends_every_open_stream_and_refuses_new_connections(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
+                             "--dtype", "float64", "--max-batch", "1", "--max-model-len", "31"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        port, _ = _start_line(proc, lines)
+        prompts = [f"stream {i}: " for i in range(N_STREAMS)]
+        bodies = [json.dumps({"prompt": p, "max_tokens": 20, "temperature": 0, "stream": True}).encode()
+                  for p in prompts]
+        # urlopen returns once the headers came: each stream open, the first decoding, the others waiting
+        opened = [urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b),
+                                         timeout=60) for b in bodies]
+        answers = [opened[0].read().decode()]  # the first finished: it had the one row
+        proc.send_signal(signal.SIGINT)
+        answers += [response.read().decode() for response in opened[1:]]
+        proc.wait(timeout=30)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    engine = Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
+    want, _ = engine.generate([list(p.encode()) for p in prompts], [SamplingParams(max_new_tokens=20)] * N_STREAMS)
+    finishes = []
+    for body, expected in zip(answers, want):
+        events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", body[-200:]
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        text, finish = "".join(c["text"] for c in chunks), chunks[-1]["finish_reason"]
+        finishes.append(finish)
+        if finish == "abort":
+            assert expected.text.startswith(text)
+        else:
+            assert (text, finish) == (expected.text, expected.finish_reason)
+    assert finishes[0] != "abort" and "abort" in finishes
