@@ -214,3 +214,5 @@ def test_tokenize_detokenize_version_health_and_a_prompt_too_long(server):
     assert _call(url, "/health") == (200, {"status": "ok"})
     with pytest.raises(openai.BadRequestError, match="this server takes 31 \\(--max-model-len\\)"):
         _client(url).completions.create(model="ckpt", prompt="x" * 30, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="/v1/embeddings needs an encoder \\(BERT\\) checkpoint"):
+        _client(url).embeddings.create(model="ckpt", input="x")

@@ -9,6 +9,8 @@ events. The endpoints of OpenAI's API that serving a model takes, and vLLM's few
     GET  /v1/models/{id}        that model's card (404 naming any other id)
     POST /tokenize              {"prompt": TEXT} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}
     POST /detokenize            {"tokens": [ids]} -> {"prompt": TEXT}
+    POST /v1/embeddings         an encoder (BERT) checkpoint's sentence embeddings (``serve.embeddings``);
+                                the only POST an encoder answers, and one a decoder refuses
     GET  /version, /health      the package's version; 200 while serving
     GET  /metrics               what the server did (``serve.metrics``)
 
@@ -35,18 +37,21 @@ from ..errors import ConfigError
 from . import api_response
 from .api_request import (CHAT, COMPLETIONS, Request, UnknownModel, check_model, parse_request, read_body,
                           render_messages)
+from .embeddings import EmbeddingJob, embedding_response, parse_embedding_request
 from .metrics import ServerMetrics
 
 MAX_BODY_BYTES = 16 * 2**20
 IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is closed
-TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
-_POST = (COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE)
+TOKENIZE, DETOKENIZE, EMBEDDINGS = "/tokenize", "/detokenize", "/v1/embeddings"
+_POST = (COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE, EMBEDDINGS)
 
 
 class CompletionServer:
     def __init__(self, host: str, port: int, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,
                  chat_template=None, model_name: str = "hpc-tp"):
+        """``cfg``: the model's; an encoder's (``causal`` false) is served for /v1/embeddings only."""
         self.tokenizer, self.cfg, self.default_max_tokens = tokenizer, cfg, default_max_tokens
+        self.encoder = not cfg.causal
         self.max_model_len, self.chat_template, self.model_name = max_model_len, chat_template, model_name
         self.started = int(time.time())
         self.metrics = ServerMetrics()
@@ -224,18 +229,29 @@ def _handler(app: CompletionServer):
             if self.path not in _POST:
                 self._error(404, f"no such endpoint: POST {self.path} (use {', '.join(_POST)})")
                 return
+            if self.path != EMBEDDINGS and app.encoder:
+                self._error(400, f"this server serves an encoder ({app.cfg.family}) checkpoint: it answers "
+                                 f"{EMBEDDINGS}, not {self.path}")
+                return
+            if self.path == EMBEDDINGS and not app.encoder:
+                self._error(400, f"{EMBEDDINGS} needs an encoder (BERT) checkpoint: this server serves a decoder "
+                                 f"({app.cfg.family}); use {COMPLETIONS} or {CHAT}")
+                return
             body = self._body()
             if body is None:
                 return
             try:
-                if self.path == TOKENIZE:
+                if self.path == EMBEDDINGS:
+                    request = parse_embedding_request(body, app.tokenizer, app.cfg, app.model_name)
+                elif self.path == TOKENIZE:
                     self._json(200, app.tokenize(body))
                     return
-                if self.path == DETOKENIZE:
+                elif self.path == DETOKENIZE:
                     self._json(200, app.detokenize(body))
                     return
-                request = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens, app.max_model_len,
-                                        self.path, app.chat_template, app.model_name)
+                else:
+                    request = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens,
+                                            app.max_model_len, self.path, app.chat_template, app.model_name)
             except UnknownModel as e:
                 self._error(404, str(e))
                 return
@@ -249,11 +265,15 @@ def _handler(app: CompletionServer):
                 self._error(503, "the server is stopping: it takes no new requests")
                 return
             job_id = next(app._ids)
-            for job in request.jobs:
+            for job in getattr(request, "jobs", ()):
                 job.on_finish = app.metrics.finish
                 app.jobs.put(job)
             try:
-                (self._stream if request.stream else self._answer)(request, job_id)
+                if self.path == EMBEDDINGS:
+                    app.jobs.put(request)
+                    self._embed(request)
+                else:
+                    (self._stream if request.stream else self._answer)(request, job_id)
             except OSError:  # the client went away mid-answer
                 request.cancel()
                 self.close_connection = True
@@ -278,15 +298,26 @@ def _handler(app: CompletionServer):
                 self.close_connection = True
                 return None
 
-        def _answer(self, request: Request, job_id: int):
-            results = {}
-            while len(results) < len(request.jobs):
+        def _embed(self, job: EmbeddingJob):
+            event = self._wait(job.events)
+            if event[0] == "abort":
+                self._error(503, "the server is stopping in a hurry: this request was not finished")
+            else:
+                self._json(200, embedding_response(job, event[1], app.model_name))
+
+        def _wait(self, events: queue.Queue):
+            """The next event of a request answered whole, as long as its client is there."""
+            while True:
                 try:
-                    event = request.events.get(timeout=0.5)
+                    return events.get(timeout=0.5)
                 except queue.Empty:
                     if self._client_gone():
                         raise ConnectionResetError("the client closed the connection") from None
-                    continue
+
+        def _answer(self, request: Request, job_id: int):
+            results = {}
+            while len(results) < len(request.jobs):
+                event = self._wait(request.events)
                 if event[0] == "abort":
                     self._error(503, "the server is stopping in a hurry: this request was not finished")
                     return

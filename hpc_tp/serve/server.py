@@ -77,9 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser):
 def run(args) -> int:
     from ..errors import ConfigError
     from .chat import read_template, template_for
-    from .command import load_for_inference
-    from .continuous import ContinuousBatcher
-    from .generate import Engine
+    from .command import load_for_inference, open_checkpoint
+    from .embed import load_encoder
     from .shutdown import Shutdown
 
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
@@ -90,7 +89,9 @@ def run(args) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: expected an integer >= 1")
     template_source = read_template(args.chat_template)  # a bad file fails every rank before the load
-    grid, model, tokenizer = load_for_inference(args)
+    opened = open_checkpoint(args)
+    encoder = not opened[2].causal  # served for /v1/embeddings
+    grid, model, tokenizer = (load_encoder if encoder else load_for_inference)(args, opened)
     max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
     if grid.dp_size != 1:
         raise ConfigError(f"--tp {grid.tp_size} with {grid.world.size} ranks: serve runs one tp group, "
@@ -101,31 +102,43 @@ def run(args) -> int:
         from .http import CompletionServer
 
         try:
+            template = None if encoder else template_for(tokenizer, template_source, args.chat_template)
             server = CompletionServer(args.host, args.port, tokenizer, model.cfg, DEFAULT_MAX_TOKENS, max_len,
-                                      template_for(tokenizer, template_source, args.chat_template),
-                                      args.served_model_name or _model_name(args.ckpt))
+                                      template, args.served_model_name or _model_name(args.ckpt))
         except OSError as e:
             error = f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})"
     pids = grid.world.allgather_object(os.getpid())
     error = grid.world.bcast_object(error)
     if error is not None:
         raise ConfigError(error)
-    engine = Engine(model, tokenizer)
-    continuous = args.batching == "continuous"
-    batcher = (ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens,
-                                 args.prefill_chunk) if continuous else StaticBatches(engine, args.max_batch))
+    batcher, layout = _batcher(args, model, tokenizer, max_len, encoder)
     if grid.world.rank != 0:
         batcher.run()
         return 0
-    cache = (f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {args.max_batch} rows of "
-             f"{max_len} slots" if continuous else "static batches")
     print(f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
-          f"rank pids {' '.join(map(str, pids))}); {cache}", flush=True)
+          f"rank pids {' '.join(map(str, pids))}); {layout}", flush=True)
     stop.on_hurry = server.hurry
     batcher.run(_Jobs(server, stop, args.batch_window_ms / 1000))
     server.close()
     print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered, stopped", flush=True)
     return 0
+
+
+def _batcher(args, model, tokenizer, max_len: int, encoder: bool):
+    """The loop every rank runs, and a word on its memory for the start-up line."""
+    from .continuous import ContinuousBatcher
+    from .embed import pad_id_of
+    from .embeddings import EmbeddingBatches
+    from .generate import Engine
+
+    if encoder:
+        return EmbeddingBatches(model, args.max_batch, pad_id_of(tokenizer)), f"{args.max_batch} inputs a batch"
+    engine = Engine(model, tokenizer)
+    if args.batching == "static":
+        return StaticBatches(engine, args.max_batch), "static batches"
+    batcher = ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens,
+                                args.prefill_chunk)
+    return batcher, f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {args.max_batch} rows of {max_len} slots"
 
 
 class StaticBatches:
