@@ -3,9 +3,6 @@ option and input shape they send, sync and async, each answer the same as the re
 tp = 1 and accepted by the client's own pydantic models; and vLLM's /tokenize and /detokenize."""
 import asyncio
 import json
-import queue
-import subprocess
-import threading
 import urllib.error
 import urllib.request
 
@@ -22,7 +19,7 @@ from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.train.tokenizer import ByteTokenizer
 from test_generate import _model, write_checkpoint
-from test_serve import BIN, MPIEXEC, ROOT, _start_line
+from test_serve import serving
 
 TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:"
 MAX_MODEL_LEN = 31
@@ -34,22 +31,9 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("openai")
     ckpt = write_checkpoint(folder / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
     (folder / "chat.jinja").write_text(TEMPLATE)
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--dtype", "float64", "--max-batch", "6", "--max-model-len", str(MAX_MODEL_LEN),
-                             "--chat-template", str(folder / "chat.jinja")],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        port, _ = _start_line(proc, lines)
-        yield f"http://127.0.0.1:{port}", Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
-    finally:
-        proc.terminate()  # mpiexec passes TERM on to the ranks
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with serving("--ckpt", str(ckpt), "--dtype", "float64", "--max-batch", "6", "--max-model-len", str(MAX_MODEL_LEN),
+                 "--chat-template", str(folder / "chat.jinja")) as served:
+        yield f"http://127.0.0.1:{served.port}", Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
 
 
 def _client(url, cls=openai.OpenAI):

@@ -15,7 +15,9 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -80,20 +82,36 @@ def _start_line(proc, lines: queue.Queue, timeout=60):
     raise AssertionError("no start-up line in time:\n" + "".join(seen))
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static"])
-def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
-    ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
-    template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:")
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--dtype", "float64", "--max-batch", "8", "--batching", batching, "--max-model-len", "31",
-                             "--chat-template", str(template)],
+@contextmanager
+def serving(*flags):
+    """``mpiexec -n 2 hpc-tp serve --port 0 FLAGS`` for the block: yields its process, port, rank pids,
+    a queue of its output lines and the thread reading them; a server still up after it is stopped."""
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--port", "0", *flags],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
     reader.start()
     try:
         port, pids = _start_line(proc, lines)
+        yield SimpleNamespace(proc=proc, port=port, pids=pids, lines=lines, reader=reader)
+    finally:
+        if proc.poll() is None:  # a failed check, or done: mpiexec passes TERM on and takes its ranks down with it
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
+    ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:")
+    with serving("--ckpt", str(ckpt), "--dtype", "float64", "--max-batch", "8", "--batching", batching,
+                 "--max-model-len", "31", "--chat-template", str(template)) as served:
+        port, pids, proc, lines = served.port, served.pids, served.proc, served.lines
         prompts = [f"request {i}: " + "xy" * (i % 7) for i in range(N_REQUESTS)]
         bodies = [json.dumps({"prompt": p, "max_tokens": 3 + i % 6, "temperature": 0, "stream": i % 5 == 0,
                               "stream_options": {"include_usage": True} if i % 5 == 0 else None}).encode()
@@ -177,14 +195,6 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
             assert _text_of("text/event-stream", response.read().decode())[:2] == (expected.text, expected.finish_reason)
         assert proc.wait(timeout=30) == 0
         idle.close()
-        reader.join(timeout=10)
+        served.reader.join(timeout=10)
         output = "".join(lines.get_nowait() for _ in range(lines.qsize()))
         assert f"{N_REQUESTS + len(cached) + len(chats) + 1 + len(late)} requests answered" in output
-    finally:
-        if proc.poll() is None:  # a failed check: mpiexec passes TERM on and takes its ranks down with it
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()

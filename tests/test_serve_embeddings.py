@@ -1,9 +1,6 @@
 """`hpc-tp serve` of a BERT checkpoint answers OpenAI's /v1/embeddings (through the official client,
 float and base64) with `hpc-tp embed`'s vectors, batched over tp = 2; it refuses completions in one
 line, as a decoder's server refuses embeddings (tests/test_openai_client.py)."""
-import queue
-import subprocess
-import threading
 
 import numpy as np
 import openai
@@ -12,18 +9,13 @@ from openai.types import CreateEmbeddingResponse
 
 from hpc_tp.comm.mpi import self_comm
 from test_bert import WORDS, converted, pooled_reference
-from test_serve import BIN, MPIEXEC, ROOT, _start_line
+from test_serve import serving
 
 
 def test_an_encoder_serves_embeddings_and_refuses_completions(tmp_path):
     ckpt, tensors = converted(tmp_path, self_comm())
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--dtype", "float64", "--max-batch", "3"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        port, _ = _start_line(proc, lines)
+    with serving("--ckpt", str(ckpt), "--dtype", "float64", "--max-batch", "3") as served:
+        port = served.port
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         texts = ["w1 w2 w3 w4 w5", "w7", "w9 w9 w40", "w3 w2"]
         rows = [[2] + [WORDS.index(w) for w in t.split()] + [3] for t in texts]
@@ -41,10 +33,3 @@ def test_an_encoder_serves_embeddings_and_refuses_completions(tmp_path):
         with pytest.raises(openai.BadRequestError, match="serves an encoder \\(bert\\) checkpoint: it answers "
                                                          "/v1/embeddings, not /v1/completions"):
             client.completions.create(model="ckpt", prompt="w1")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

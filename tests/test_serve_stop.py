@@ -3,11 +3,8 @@
 stream ends with a final chunk and [DONE] (finished ones whole, the others cut where they were),
 and new connections are refused (``serve.shutdown``)."""
 import json
-import queue
 import signal
 import socket
-import subprocess
-import threading
 import urllib.request
 
 import pytest
@@ -18,20 +15,15 @@ from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.train.tokenizer import ByteTokenizer
 from test_generate import _model, write_checkpoint
-from test_serve import BIN, MPIEXEC, ROOT, _start_line
+from test_serve import serving
 
 N_STREAMS = 24
 
 
 def test_ctrl_c_on_mpiexec_ends_every_open_stream_and_refuses_new_connections(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--dtype", "float64", "--max-batch", "1", "--max-model-len", "31"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        port, _ = _start_line(proc, lines)
+    with serving("--ckpt", str(ckpt), "--dtype", "float64", "--max-batch", "1", "--max-model-len", "31") as served:
+        port, proc = served.port, served.proc
         prompts = [f"stream {i}: " for i in range(N_STREAMS)]
         bodies = [json.dumps({"prompt": p, "max_tokens": 20, "temperature": 0, "stream": True}).encode()
                   for p in prompts]
@@ -44,10 +36,6 @@ def test_ctrl_c_on_mpiexec_ends_every_open_stream_and_refuses_new_connections(tm
         proc.wait(timeout=30)
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     engine = Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
     want, _ = engine.generate([list(p.encode()) for p in prompts], [SamplingParams(max_new_tokens=20)] * N_STREAMS)
     finishes = []
