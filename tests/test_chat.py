@@ -112,6 +112,9 @@ def test_what_clients_send_is_taken_and_what_is_out_of_range_refused():
             parse_request(json.dumps({"prompt": "Hi", field: value}).encode(), ByteTokenizer(), CFG, 16)
     with pytest.raises(ConfigError, match="echo with logprobs=1: the prompt's log-probabilities are not computed"):
         parse_request(json.dumps({"prompt": "Hi", "echo": True, "logprobs": 1}).encode(), ByteTokenizer(), CFG, 16)
+    with pytest.raises(ConfigError, match=r"top_logprobs=21: expected an integer in \[0, 20\]"):
+        parse_request(json.dumps({"messages": HELLO, "logprobs": True, "top_logprobs": 21}).encode(), ByteTokenizer(),
+                      CFG, 16, endpoint=CHAT, chat_template=ChatTemplate(LLAMA3))
     with pytest.raises(ConfigError, match="top_logprobs=2 needs logprobs=true"):
         parse_request(json.dumps({"messages": HELLO, "top_logprobs": 2}).encode(), ByteTokenizer(), CFG, 16,
                       endpoint=CHAT, chat_template=ChatTemplate(LLAMA3))

@@ -33,8 +33,9 @@ _FIELDS = {"max_tokens", "stop", "stream", "model", "n", "user", "stream_options
 _DEFAULT_ONLY = {"logit_bias": (None, {})}
 _OWN_FIELDS = {COMPLETIONS: {"prompt", "echo"}, CHAT: {"messages", "max_completion_tokens", "top_logprobs"}}
 MAX_CHOICES = 128  # n x prompts: jobs one request may queue
-# The API's names of SamplingParams fields, for the errors
-_NAMES = {"max_new_tokens": "max_tokens", "logprobs": "logprobs"}
+# The API's names of SamplingParams fields, for the errors (a chat's limit: by the name the request used)
+_NAMES = {COMPLETIONS: {"max_new_tokens": "max_tokens"},
+          CHAT: {"max_new_tokens": "max_tokens", "logprobs": "top_logprobs"}}
 
 
 class UnknownModel(ConfigError):
@@ -130,11 +131,13 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
     stop = request.get("stop") or []
     params = SamplingParams(max_new_tokens=limit, stop=[stop] if isinstance(stop, str) else stop, logprobs=logprobs,
                             **{k: request.get(k, v) if request.get(k) is not None else v for k, v in _SAMPLING.items()})
+    names = dict(_NAMES[endpoint], **({"max_new_tokens": "max_completion_tokens"}
+                                       if request.get("max_completion_tokens") is not None else {}))
     events, jobs = queue.Queue(), []
     for ids in prompts:
         own = params if limit is not None else replace(params, max_new_tokens=_default_limit(
             endpoint, ids, default_max_tokens, max_model_len or cfg.max_seq_len))
-        check_request(ids, own, cfg, names=_NAMES, max_model_len=max_model_len)
+        check_request(ids, own, cfg, names=names, max_model_len=max_model_len)
         for j in range(n):
             seeded = own if j == 0 or own.seed is None else replace(own, seed=own.seed + j)
             jobs.append(Job(ids, seeded, stream, len(jobs), events))
