@@ -33,8 +33,11 @@ class EmbeddingJob:
         self.arrived = time.perf_counter()
         self.events: queue.Queue = queue.Queue()
         self.cancelled = False
+        self.on_finish = None  # the server's count of it, called from the loop's thread
 
     def finish(self, vectors):
+        if self.on_finish is not None:
+            self.on_finish(self, sum(len(row["ids"]) for row in self.rows))
         self.events.put(("done", vectors))
 
     def cancel(self):

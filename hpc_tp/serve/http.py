@@ -270,6 +270,7 @@ def _handler(app: CompletionServer):
                 app.jobs.put(job)
             try:
                 if self.path == EMBEDDINGS:
+                    request.on_finish = app.metrics.embedded
                     app.jobs.put(request)
                     self._embed(request)
                 else:
