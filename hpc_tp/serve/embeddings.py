@@ -35,6 +35,11 @@ class EmbeddingJob:
         self.cancelled = False
         self.on_finish = None  # the server's count of it, called from the loop's thread
 
+    @property
+    def jobs(self) -> list:
+        """What the batcher is handed for it: itself (as ``api_request.Request.jobs``)."""
+        return [self]
+
     def finish(self, vectors):
         if self.on_finish is not None:
             self.on_finish(self, sum(len(row["ids"]) for row in self.rows))

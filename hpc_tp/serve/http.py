@@ -92,19 +92,47 @@ class CompletionServer:
         with self._lock:
             return self._active > 0 or not self.jobs.empty()
 
+    def refusal(self, path: str) -> tuple[int, str] | None:
+        """(status, reason) where a POST to ``path`` is not for this server; None where it is."""
+        if path not in _POST:
+            return 404, f"no such endpoint: POST {path} (use {', '.join(_POST)})"
+        if path != EMBEDDINGS and self.encoder:
+            return 400, (f"this server serves an encoder ({self.cfg.family}) checkpoint: it answers {EMBEDDINGS}, "
+                         f"not {path}")
+        if path == EMBEDDINGS and not self.encoder:
+            return 400, (f"{EMBEDDINGS} needs an encoder (BERT) checkpoint: this server serves a decoder "
+                         f"({self.cfg.family}); use {COMPLETIONS} or {CHAT}")
+        return None
+
+    def parse(self, path: str, body: bytes) -> Request | EmbeddingJob:
+        """The request a body sent to ``path`` makes, or ConfigError saying why it makes none."""
+        if path == EMBEDDINGS:
+            request = parse_embedding_request(body, self.tokenizer, self.cfg, self.model_name)
+            request.on_finish = self.metrics.embedded
+            return request
+        request = parse_request(body, self.tokenizer, self.cfg, self.default_max_tokens, self.max_model_len, path,
+                                self.chat_template, self.model_name)
+        for job in request.jobs:
+            job.on_finish = self.metrics.finish
+        return request
+
     def answering(self) -> bool:
         """Whether some request is still being answered (a hurried stop waits only for these)."""
         with self._lock:
             return bool(self._open)
 
-    def track(self, request: Request) -> bool:
-        """Count ``request`` as being answered; False once the server is stopping in a hurry."""
+    def submit(self, request: Request | EmbeddingJob) -> bool:
+        """Queue ``request``'s jobs for the batcher, counted as being answered; False once the server is
+        stopping in a hurry (nothing queued)."""
         with self._lock:
-            if not self.hurrying:
-                self._open.add(request)
-            return not self.hurrying
+            if self.hurrying:
+                return False
+            self._open.add(request)
+        for job in request.jobs:
+            self.jobs.put(job)
+        return True
 
-    def untrack(self, request: Request):
+    def done_with(self, request: Request | EmbeddingJob):
         with self._lock:
             self._open.discard(request)
 
@@ -226,32 +254,18 @@ def _handler(app: CompletionServer):
                 self._error(404, f"no such endpoint: GET {self.path}")
 
         def do_POST(self):
-            if self.path not in _POST:
-                self._error(404, f"no such endpoint: POST {self.path} (use {', '.join(_POST)})")
-                return
-            if self.path != EMBEDDINGS and app.encoder:
-                self._error(400, f"this server serves an encoder ({app.cfg.family}) checkpoint: it answers "
-                                 f"{EMBEDDINGS}, not {self.path}")
-                return
-            if self.path == EMBEDDINGS and not app.encoder:
-                self._error(400, f"{EMBEDDINGS} needs an encoder (BERT) checkpoint: this server serves a decoder "
-                                 f"({app.cfg.family}); use {COMPLETIONS} or {CHAT}")
+            refusal = app.refusal(self.path)
+            if refusal is not None:
+                self._error(*refusal)
                 return
             body = self._body()
             if body is None:
                 return
             try:
-                if self.path == EMBEDDINGS:
-                    request = parse_embedding_request(body, app.tokenizer, app.cfg, app.model_name)
-                elif self.path == TOKENIZE:
-                    self._json(200, app.tokenize(body))
+                if self.path in (TOKENIZE, DETOKENIZE):
+                    self._json(200, (app.tokenize if self.path == TOKENIZE else app.detokenize)(body))
                     return
-                elif self.path == DETOKENIZE:
-                    self._json(200, app.detokenize(body))
-                    return
-                else:
-                    request = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens,
-                                            app.max_model_len, self.path, app.chat_template, app.model_name)
+                request = app.parse(self.path, body)
             except UnknownModel as e:
                 self._error(404, str(e))
                 return
@@ -261,17 +275,12 @@ def _handler(app: CompletionServer):
             except Exception as e:  # a bug: the client still gets an answer, the log the traceback
                 self._error(500, f"internal error: {type(e).__name__}: {e}")
                 raise
-            if not app.track(request):
+            if not app.submit(request):
                 self._error(503, "the server is stopping: it takes no new requests")
                 return
             job_id = next(app._ids)
-            for job in getattr(request, "jobs", ()):
-                job.on_finish = app.metrics.finish
-                app.jobs.put(job)
             try:
-                if self.path == EMBEDDINGS:
-                    request.on_finish = app.metrics.embedded
-                    app.jobs.put(request)
+                if isinstance(request, EmbeddingJob):
                     self._embed(request)
                 else:
                     (self._stream if request.stream else self._answer)(request, job_id)
@@ -280,7 +289,7 @@ def _handler(app: CompletionServer):
                 self.close_connection = True
                 return
             finally:
-                app.untrack(request)
+                app.done_with(request)
             app._count(answered=1)
 
         def _body(self) -> bytes | None:
