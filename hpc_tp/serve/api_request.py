@@ -110,7 +110,7 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
     if not (isinstance(options, dict) and set(options) <= {"include_usage"}
             and isinstance(options.get("include_usage", False), bool)):
         raise ConfigError(f"stream_options={options!r}: expected {{\"include_usage\": true or false}}")
-    n = request.get("n", 1) if request.get("n") is not None else 1
+    n = 1 if request.get("n") is None else request["n"]
     if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
         raise ConfigError(f"n={n!r}: expected an integer >= 1")
     if endpoint == CHAT:
@@ -129,8 +129,9 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
     if len(prompts) * n > MAX_CHOICES:
         raise ConfigError(f"{len(prompts)} prompts x n={n}: at most {MAX_CHOICES} choices a request")
     stop = request.get("stop") or []
+    # null is the default, as absent; a processor for a constraint (a grammar's mask) joins params.processors
     params = SamplingParams(max_new_tokens=limit, stop=[stop] if isinstance(stop, str) else stop, logprobs=logprobs,
-                            **{k: request.get(k, v) if request.get(k) is not None else v for k, v in _SAMPLING.items()})
+                            **{k: v if request.get(k) is None else request[k] for k, v in _SAMPLING.items()})
     names = dict(_NAMES[endpoint], **({"max_new_tokens": "max_completion_tokens"}
                                        if request.get("max_completion_tokens") is not None else {}))
     events, jobs = queue.Queue(), []

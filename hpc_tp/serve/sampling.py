@@ -134,8 +134,10 @@ def token_logprobs(logits, token: int, top: int) -> tuple[float, list[tuple[int,
     """``token``'s log-probability under the logits [V] and the ``top`` most likely tokens' (id,
     log-probability), most likely first (ties: the lower id first)."""
     z = numpy.asarray(logits, dtype=numpy.float64)
-    shifted = z - z.max()
-    logp = shifted - numpy.log(numpy.exp(shifted).sum())
-    best = numpy.argpartition(-logp, top - 1)[:top] if 0 < top < logp.size else numpy.arange(logp.size)[:top]
-    best = best[numpy.lexsort((best, -logp[best]))]
-    return float(logp[token]), [(int(i), float(logp[i])) for i in best]
+    peak = z.max()
+    norm = peak + numpy.log(numpy.exp(z - peak).sum())  # log-sum-exp: z - norm is the log-softmax
+    best, rest = [], z.copy()
+    for _ in range(min(top, z.size)):  # top is at most 20: a few argmax passes beat a partition of the vocabulary
+        best.append(int(rest.argmax()))  # the first of equals: the lower id
+        rest[best[-1]] = -numpy.inf
+    return float(z[token] - norm), [(i, float(z[i] - norm)) for i in best]
