@@ -3,8 +3,10 @@
 stream ends with a final chunk and [DONE] (finished ones whole, the others cut where they were),
 and new connections are refused (``serve.shutdown``)."""
 import json
+import os
 import signal
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -13,6 +15,7 @@ from hpc_tp.comm.mpi import self_comm
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
+from hpc_tp.serve.shutdown import KILL_SEQUENCE_S, Shutdown
 from hpc_tp.train.tokenizer import ByteTokenizer
 from test_generate import _model, write_checkpoint
 from test_serve import serving
@@ -50,3 +53,41 @@ def test_ctrl_c_on_mpiexec_ends_every_open_stream_and_refuses_new_connections(tm
         else:
             assert (text, finish) == (expected.text, expected.finish_reason)
     assert finishes[0] != "abort" and "abort" in finishes
+
+
+@pytest.mark.parametrize("sequence, received, hurried", [
+    ([(signal.SIGTERM, 0.0)], "SIGTERM", False),                                  # kill, scancel --signal=TERM
+    ([(signal.SIGCONT, 0.0), (signal.SIGTERM, 0.25)], "SIGTERM", True),           # Open MPI's mpiexec on Ctrl-C
+    ([(signal.SIGCONT, 0.0), (signal.SIGTERM, KILL_SEQUENCE_S + 1)], "SIGTERM", False),  # fg long before
+    ([(signal.SIGINT, 0.0), (signal.SIGTERM, 0.1)], "SIGINT", True),              # Ctrl-C passed on (srun)
+])
+def test_which_signals_ask_for_a_hurried_stop(sequence, received, hurried):
+    calls = []
+    stop = Shutdown(on_hurry=lambda: calls.append(True))
+    try:
+        for number, at in sequence:
+            stop.note(number, at)
+    finally:
+        stop.restore()
+    assert (stop.received, stop.hurried, calls) == (received, hurried, [True] * hurried)
+
+
+def test_a_signal_reaches_the_watcher_while_the_main_thread_is_in_a_long_computation():
+    """A Python-level handler runs only once the main thread is back in Python; the watcher thread acts
+    while it is inside numpy (which lets other threads run), as during a forward pass."""
+    import threading
+
+    import numpy as np
+
+    calls = []
+    stop = Shutdown(on_hurry=lambda: calls.append(time.monotonic()))
+    matrix = np.random.default_rng(0).standard_normal((2000, 2000))
+    try:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+        entered = time.monotonic()
+        matrix @ matrix  # about 1 s on one core; the signal comes 0.05 s in
+        done = time.monotonic()
+    finally:
+        stop.restore()
+    assert stop.received == "SIGINT" and len(calls) == 1
+    assert calls[0] - entered < (done - entered) / 2, (calls[0] - entered, done - entered)  # not once it returned
