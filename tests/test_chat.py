@@ -87,6 +87,7 @@ def test_what_clients_send_is_taken_and_what_is_out_of_range_refused():
     parameters; a value out of range is a one-line refusal naming it."""
     body = {"prompt": "Hi", "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.1,
             "min_p": 0.05, "ignore_eos": True, "logprobs": 3, "seed": 7, "n": 2, "max_tokens": None, "top_p": None,
+            "top_k": -1,
             "logit_bias": {}, "stream": True, "stream_options": {"include_usage": True}}
     request = parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16)
     assert request.stream and request.include_usage and request.n == 2 and [j.index for j in request.jobs] == [0, 1]
@@ -94,6 +95,7 @@ def test_what_clients_send_is_taken_and_what_is_out_of_range_refused():
     assert (first.presence_penalty, first.frequency_penalty, first.repetition_penalty, first.min_p) == (
         0.5, -0.25, 1.1, 0.05)
     assert first.ignore_eos and first.logprobs == 3 and first.max_new_tokens == 16 and first.top_p == 1.0
+    assert first.top_k == 0  # vLLM's -1: no limit
     assert (first.seed, second.seed) == (7, 8)  # n choices sample apart, each reproducible
     chat = {"messages": HELLO, "logprobs": True, "top_logprobs": 2, "max_completion_tokens": None}
     [job] = parse_request(json.dumps(chat).encode(), ByteTokenizer(), CFG, 16, endpoint=CHAT,

@@ -5,7 +5,7 @@ such lists: each prompt is ``n`` choices, numbered prompt by prompt (OpenAI's ``
 ``/v1/chat/completions`` takes ``messages``, rendered by the chat template (``serve.chat``), and ``n``.
 Sampling options: ``max_tokens`` (``max_completion_tokens`` for chat; null or absent: 16 for a
 completion, as OpenAI's default, and the rest of the context for a chat), ``temperature``, ``top_p``,
-``top_k``, ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``seed``
+``top_k`` (0 or -1: no limit), ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``seed``
 (choice j of n samples with ``seed + j``), ``stop``, ``ignore_eos``. Outputs: ``logprobs`` (an
 integer for completions: alternatives per token; ``true`` with ``top_logprobs`` for chat), ``echo``
 (completions: the prompt before the completion), ``stream`` with ``stream_options.include_usage``.
@@ -132,6 +132,8 @@ def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_mode
     # null is the default, as absent; a processor for a constraint (a grammar's mask) joins params.processors
     params = SamplingParams(max_new_tokens=limit, stop=[stop] if isinstance(stop, str) else stop, logprobs=logprobs,
                             **{k: v if request.get(k) is None else request[k] for k, v in _SAMPLING.items()})
+    if params.top_k == -1:  # vLLM's "no limit", which its clients send
+        params.top_k = 0
     names = dict(_NAMES[endpoint], **({"max_new_tokens": "max_completion_tokens"}
                                        if request.get("max_completion_tokens") is not None else {}))
     events, jobs = queue.Queue(), []
