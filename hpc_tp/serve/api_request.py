@@ -5,8 +5,8 @@ such lists: each prompt is ``n`` choices, numbered prompt by prompt (OpenAI's ``
 ``/v1/chat/completions`` takes ``messages``, rendered by the chat template (``serve.chat``), and ``n``.
 Sampling options: ``max_tokens`` (``max_completion_tokens`` for chat; null or absent: 16 for a
 completion, as OpenAI's default, and the rest of the context for a chat), ``temperature``, ``top_p``,
-``top_k`` (0 or -1: no limit), ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``seed``
-(choice j of n samples with ``seed + j``), ``stop``, ``ignore_eos``. Outputs: ``logprobs`` (an
+``top_k`` (0 or -1: no limit), ``min_p``, ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``seed`` (choice j of n samples with ``seed + j``), ``stop``, ``ignore_eos``. Outputs: ``logprobs`` (an
 integer for completions: alternatives per token; ``true`` with ``top_logprobs`` for chat), ``echo``
 (completions: the prompt before the completion), ``stream`` with ``stream_options.include_usage``.
 
