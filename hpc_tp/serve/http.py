@@ -7,8 +7,7 @@ events. The endpoints of OpenAI's API that serving a model takes, and vLLM's few
                                 answer with the assistant's ``message`` (streamed as ``delta`` chunks)
     GET  /v1/models             the one model served, by the name requests give as ``model``
     GET  /v1/models/{id}        that model's card (404 naming any other id)
-    POST /tokenize              {"prompt": TEXT} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}
-    POST /detokenize            {"tokens": [ids]} -> {"prompt": TEXT}
+    POST /tokenize, /detokenize vLLM's: a prompt's or chat's token ids, ids' text (``serve.tokenize_endpoints``)
     POST /v1/embeddings         an encoder (BERT) checkpoint's sentence embeddings (``serve.embeddings``);
                                 the only POST an encoder answers, and one a decoder refuses
     GET  /version, /health      the package's version; 200 while serving
@@ -35,10 +34,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from .. import __version__
 from ..errors import ConfigError
 from . import api_response
-from .api_request import (CHAT, COMPLETIONS, Request, UnknownModel, check_model, parse_request, read_body,
-                          render_messages)
+from .api_request import CHAT, COMPLETIONS, Request, UnknownModel, parse_request
 from .embeddings import EmbeddingJob, embedding_response, parse_embedding_request
 from .metrics import ServerMetrics
+from .tokenize_endpoints import detokenize, tokenize
 
 MAX_BODY_BYTES = 16 * 2**20
 IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is closed
@@ -181,32 +180,6 @@ class CompletionServer:
         return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "hpc-tp",
                 "max_model_len": self.max_model_len or self.cfg.max_seq_len}
 
-    def tokenize(self, body: bytes) -> dict:
-        """``POST /tokenize`` (vLLM's): a prompt's token ids, or those of a chat's rendered messages."""
-        request = read_body(body)
-        check_model(request, self.model_name)
-        fields = sorted(set(request) - {"model"})
-        if fields == ["prompt"] and isinstance(request["prompt"], str):
-            ids = self.tokenizer.encode(request["prompt"])
-        elif fields == ["messages"]:
-            ids = self.tokenizer.encode(render_messages(request, self.chat_template))
-        else:
-            raise ConfigError(f"fields {', '.join(fields) or 'none'}: expected {{\"prompt\": TEXT}} or "
-                              "{\"messages\": [...]} (and optional model)")
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len or self.cfg.max_seq_len}
-
-    def detokenize(self, body: bytes) -> dict:
-        """``POST /detokenize`` (vLLM's): token ids' text."""
-        request = read_body(body)
-        check_model(request, self.model_name)
-        ids, fields = request.get("tokens"), sorted(set(request) - {"model"})
-        if fields != ["tokens"] or not (isinstance(ids, list) and all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.cfg.vocab_size for i in ids)):
-            got = f"tokens {json.dumps(ids)[:40]}" if fields == ["tokens"] else f"fields {', '.join(fields) or 'none'}"
-            raise ConfigError(f"expected {{\"tokens\": [token ids in [0, {self.cfg.vocab_size})]}}, got {got}")
-        return {"prompt": self.tokenizer.decode(ids)}
-
-
 class _CountingServer(ThreadingHTTPServer):
     """Counts open connections from the moment one is accepted (before its thread starts), so a
     shutdown never misses a request that was already let in."""
@@ -262,8 +235,12 @@ def _handler(app: CompletionServer):
             if body is None:
                 return
             try:
-                if self.path in (TOKENIZE, DETOKENIZE):
-                    self._json(200, (app.tokenize if self.path == TOKENIZE else app.detokenize)(body))
+                if self.path == TOKENIZE:
+                    self._json(200, tokenize(body, app.tokenizer, app.chat_template, app.model_name,
+                                             app.max_model_len or app.cfg.max_seq_len))
+                    return
+                if self.path == DETOKENIZE:
+                    self._json(200, detokenize(body, app.tokenizer, app.cfg.vocab_size, app.model_name))
                     return
                 request = app.parse(self.path, body)
             except UnknownModel as e:
