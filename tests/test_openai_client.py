@@ -77,6 +77,14 @@ def test_prompts_as_text_lists_and_token_ids_with_n_choices_and_echo(server):
         want = _reference(engine, prompt, max_new_tokens=5)
         assert (choice.text, choice.finish_reason) == (prompt + want.text, want.finish_reason)
     assert answer.usage.prompt_tokens == sum(len(p) for p in prompts)
+    streamed, finishes = {}, {}
+    for chunk in client.completions.create(model="ckpt", prompt=prompts, n=2, max_tokens=5, temperature=0, echo=True,
+                                           stream=True):
+        [piece] = chunk.choices  # one choice a chunk, the choices interleaved
+        streamed[piece.index] = streamed.get(piece.index, "") + piece.text
+        finishes[piece.index] = piece.finish_reason
+    assert streamed == {c.index: c.text for c in answer.choices}
+    assert finishes == {c.index: c.finish_reason for c in answer.choices}
     ids = [list(b"token "), list(b"ids")]
     by_ids = client.completions.create(model="ckpt", prompt=ids, max_tokens=4, temperature=0)
     assert [c.text for c in by_ids.choices] == [_reference(engine, p, max_new_tokens=4).text for p in ids]
