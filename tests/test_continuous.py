@@ -34,7 +34,7 @@ class Request:
     def cancelled(self):
         return self.cancel_after is not None and len(self.sampled) >= self.cancel_after
 
-    def text(self, piece):
+    def text(self, piece, logprobs=None):
         self.pieces.append(piece)
 
     def finish(self, completion, metrics, queued_s):
@@ -372,3 +372,20 @@ def test_a_request_cancelled_during_its_chunked_prefill_frees_its_row_at_once(ev
     _agrees_with_alone(engine, waiting, events)
     if tp.rank == 0:
         assert gone.done[0].finish_reason == "cancelled" and gone.done[0].ids == [] and not gone.sampled
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_the_same_prompt_admitted_twice_is_prefilled_once(prefix_caching, events):
+    """The n choices of one API request arrive together with one prompt: the first prefills it, the
+    others wait one iteration and copy its K/V (all but the last token), each giving what it gives alone."""
+    tp, _ = tp_and_reference()
+    engine = Engine(_model("llama-gqa", tp), ByteTokenizer())
+    choices = [Request(PROMPTS[2], 4) for _ in range(3)]
+    other = Request(PROMPTS[0], 3)
+    _serve(tp, "llama-gqa", 4, [(1, c) for c in choices] + [(1, other)], events, prefix_caching, engine)
+    for request in choices + [other]:
+        _agrees_with_alone(engine, request, events)
+    if tp.rank == 0:
+        shared = len(PROMPTS[2]) - 1 if prefix_caching else 0
+        assert [c.done[0].cached_tokens for c in choices] == [0, shared, shared]
+        assert other.done[0].cached_tokens == 0

@@ -15,7 +15,9 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,18 +47,21 @@ def _post(port, body: bytes, path="/v1/completions"):
 def _text_of(content_type, body):
     """(text, finish_reason, usage) of a JSON answer or of a server-sent event stream, from
     /v1/completions (``text``) or /v1/chat/completions (the assistant's ``message``, or ``delta`` chunks)."""
-    def text(choice):
-        turn = choice.get("message") or choice.get("delta")
+    def text(choice, first=True):
+        turn = choice.get("message", choice.get("delta"))
         if turn is None:
             return choice["text"]
-        assert turn["role"] == "assistant"
-        return turn["content"]
+        assert turn.get("role") == ("assistant" if first else None)  # a stream names the role once
+        return turn.get("content", "")
 
     if content_type == "text/event-stream":
         events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        return "".join(text(c["choices"][0]) for c in chunks), chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["usage"]
+        usage = chunks.pop()["usage"] if not chunks[-1]["choices"] else None  # only where include_usage asked it
+        assert all(c.get("usage") is None for c in chunks)
+        return ("".join(text(c["choices"][0], i == 0) for i, c in enumerate(chunks)),
+                chunks[-1]["choices"][0]["finish_reason"], usage)
     answer = json.loads(body)
     return text(answer["choices"][0]), answer["choices"][0]["finish_reason"], answer["usage"]
 
@@ -77,26 +82,43 @@ def _start_line(proc, lines: queue.Queue, timeout=60):
     raise AssertionError("no start-up line in time:\n" + "".join(seen))
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static"])
-def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
-    ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
-    template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:")
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--ckpt", str(ckpt), "--port", "0",
-                             "--dtype", "float64", "--max-batch", "8", "--batching", batching, "--max-model-len", "31",
-                             "--chat-template", str(template)],
+@contextmanager
+def serving(*flags):
+    """``mpiexec -n 2 hpc-tp serve --port 0 FLAGS`` for the block: yields its process, port, rank pids,
+    a queue of its output lines and the thread reading them; a server still up after it is stopped."""
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--port", "0", *flags],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
     reader.start()
     try:
         port, pids = _start_line(proc, lines)
+        yield SimpleNamespace(proc=proc, port=port, pids=pids, lines=lines, reader=reader)
+    finally:
+        if proc.poll() is None:  # a failed check, or done: mpiexec passes TERM on and takes its ranks down with it
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
+    ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:")
+    with serving("--ckpt", str(ckpt), "--dtype", "float64", "--max-batch", "8", "--batching", batching,
+                 "--max-model-len", "31", "--chat-template", str(template)) as served:
+        port, pids, proc, lines = served.port, served.pids, served.proc, served.lines
         prompts = [f"request {i}: " + "xy" * (i % 7) for i in range(N_REQUESTS)]
-        bodies = [json.dumps({"prompt": p, "max_tokens": 3 + i % 6, "temperature": 0, "stream": i % 5 == 0}).encode()
+        bodies = [json.dumps({"prompt": p, "max_tokens": 3 + i % 6, "temperature": 0, "stream": i % 5 == 0,
+                              "stream_options": {"include_usage": True} if i % 5 == 0 else None}).encode()
                   for i, p in enumerate(prompts)]
         malformed = {b"{not json": "body is not JSON",
                      b'{"prompt": "hi", "max_tokens": 0}': "max_tokens=0: expected an integer >= 1",
-                     b'{"prompt": ["a", "b"]}': "prompt must be a string",
+                     b'{"prompt": {"a": "b"}}': "prompt must be a string, a list of strings",
                      b'{"prompt": "hi", "temprature": 0.5}': "unknown fields temprature",
                      b'{"prompt": "\\ud800"}': "text is not valid Unicode",  # a lone surrogate
                      b'{"prompt": "' + b"z" * 30 + b'", "max_tokens": 3}': "this server takes 31 (--max-model-len)",
@@ -124,7 +146,8 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         # least the first one's prompt cached
         turns, chats = [{"role": "user", "content": "hi"}], []
         for stream in (False, True):
-            body = json.dumps({"messages": turns, "max_tokens": 4, "temperature": 0, "stream": stream}).encode()
+            body = json.dumps({"messages": turns, "max_tokens": 4, "temperature": 0, "stream": stream,
+                               "stream_options": {"include_usage": stream}}).encode()
             status, content_type, answer = _post(port, body, path="/v1/chat/completions")
             assert status == 200, answer
             chats.append(_text_of(content_type, answer))
@@ -172,14 +195,6 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
             assert _text_of("text/event-stream", response.read().decode())[:2] == (expected.text, expected.finish_reason)
         assert proc.wait(timeout=30) == 0
         idle.close()
-        reader.join(timeout=10)
+        served.reader.join(timeout=10)
         output = "".join(lines.get_nowait() for _ in range(lines.qsize()))
         assert f"{N_REQUESTS + len(cached) + len(chats) + 1 + len(late)} requests answered" in output
-    finally:
-        if proc.poll() is None:  # a failed check: mpiexec passes TERM on and takes its ranks down with it
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()

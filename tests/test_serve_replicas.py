@@ -37,7 +37,8 @@ def test_two_replicas_answer_every_request_once_as_alone(tmp_path, ranks, tp):
     try:
         port, pids = _start_line(proc, lines)
         prompts = [f"replica {i}: " + "ab" * (i % 5) for i in range(N_REQUESTS)]
-        bodies = [json.dumps({"prompt": p, "max_tokens": 4 + i % 5, "temperature": 0, "stream": i % 3 == 0}).encode()
+        bodies = [json.dumps({"prompt": p, "max_tokens": 4 + i % 5, "temperature": 0, "stream": i % 3 == 0,
+                              **({"stream_options": {"include_usage": True}} if i % 3 == 0 else {})}).encode()
                   for i, p in enumerate(prompts)]
         with ThreadPoolExecutor(max_workers=N_REQUESTS) as pool:
             answers = list(pool.map(lambda body: _post(port, body), bodies))

@@ -163,9 +163,9 @@ def test_a_bad_response_format_is_refused_in_one_line(value, reason):
 
 def test_a_request_carries_its_grammar_and_plain_text_none():
     body = {"prompt": "Hi", "response_format": {"type": "json_object"}}
-    assert isinstance(parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16).params.grammar, Grammar)
+    assert isinstance(parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16).jobs[0].params.grammar, Grammar)
     body["response_format"] = {"type": "text"}
-    assert parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16).params.grammar is None
+    assert parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16).jobs[0].params.grammar is None
 
 
 def test_a_tokenizer_whose_token_bytes_llguidance_cannot_read_is_refused_at_the_request():

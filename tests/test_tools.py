@@ -18,7 +18,8 @@ from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.chat import ChatTemplate
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
-from hpc_tp.serve.http import CHAT, CompletionServer, _answer, parse_request
+from hpc_tp.serve import api_response
+from hpc_tp.serve.http import CHAT, CompletionServer, parse_request
 from hpc_tp.serve.tools import CallStream, ToolUse
 from hpc_tp.train.tokenizer import ByteTokenizer
 
@@ -51,9 +52,13 @@ LONG = ModelConfig(**{**CFG.to_dict(), "max_seq_len": 1024})  # for prompts list
 PLAIN = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
 
 
-def _job(body: dict, template=HERMES, cfg=LONG):
+def _request(body: dict, template=HERMES, cfg=LONG):
     return parse_request(json.dumps({"messages": ASK, **body}).encode(), ByteTokenizer(), cfg, 64,
                          endpoint=CHAT, chat_template=ChatTemplate(template))
+
+
+def _job(body: dict, template=HERMES, cfg=LONG):
+    return _request(body, template, cfg).jobs[0]
 
 
 def _tools(choice="auto") -> ToolUse:
@@ -65,7 +70,7 @@ def test_tools_and_earlier_calls_reach_the_template():
                          {"id": "call_1", "type": "function",
                           "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
                      {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
-    prompt = ChatTemplate(HERMES).render(history, TOOLS)
+    prompt = ChatTemplate(HERMES).render(history, tools=TOOLS)
     listed = prompt.split("<tools>\n")[1].split("</tools>")[0].splitlines()
     assert [json.loads(line) for line in listed] == TOOLS
     assert ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>'
@@ -170,15 +175,17 @@ def test_a_forced_call_gives_arguments_that_validate_the_same_at_every_tp():
                 ({"tool_choice": "required", "temperature": 1.0, "seed": 2}, None),
                 ({"tool_choice": "required", "temperature": 1.0, "seed": 3}, None),
                 ({"tool_choice": "required", "parallel_tool_calls": False, "temperature": 0.8, "seed": 9}, 1)]
-    jobs = [_job({"tools": TOOLS, "max_tokens": 120, **body}, PLAIN, CFG) for body, _ in requests]
+    asked = [_request({"tools": TOOLS, "max_tokens": 120, **body}, PLAIN, CFG) for body, _ in requests]
+    jobs = [request.jobs[0] for request in asked]
     answers = []
     for comm in (tp, one):
         engine = Engine(larger_weights(GPTModel(CFG, comm, seed=4)), ByteTokenizer())
         answers.append(ContinuousBatcher(engine, 2).generate([j.ids for j in jobs], [j.params for j in jobs]))
     if tp.rank == 0:
-        for job, (mine, _), (reference, _), (_, count) in zip(jobs, *answers, requests):
+        for request, (mine, _), (reference, _), (_, count) in zip(asked, *answers, requests):
             assert mine.ids == reference.ids and mine.finish_reason == "stop"
-            answer = _answer(job, 0, mine.text, mine.finish_reason, streamed=False, model="m")["choices"][0]
+            answer = api_response.choice(request, 0, mine.text, mine.finish_reason, None, ByteTokenizer(),
+                                         streamed=False, first=True)
             calls = answer["message"]["tool_calls"]
             assert answer["finish_reason"] == "tool_calls" and calls and len(calls) == (count or len(calls))
             for call in calls:

@@ -17,6 +17,7 @@ token (a base model's ``<|endoftext|>``).
 """
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 
@@ -52,30 +53,56 @@ class ChatTemplate:
         ids = tokenizer.encode(after)[:1] if after else []
         return frozenset(i for i in ids if i in special)
 
-    def render(self, messages, tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+    def render(self, messages, add_generation_prompt: bool = True, **context) -> str:
         """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
-        them; an assistant's may have ``tool_calls`` and a null content) and the ``tools`` the model may
-        call (``serve.tools``), ending where the assistant's reply begins (``add_generation_prompt``;
-        False: the conversation as it stands, as fine-tuning reads it); ConfigError saying what is
-        wrong otherwise."""
+        them: ``plain_messages``), ending where the assistant's reply begins (``add_generation_prompt``;
+        False: the conversation as it stands, as fine-tuning reads it); ConfigError saying what is wrong
+        otherwise. ``context``: further names the template sees, such as ``tools`` (``serve.tools``);
+        one that is None is left undefined, as Hugging Face's templates test ``tools is defined``."""
         import jinja2
 
-        if not isinstance(messages, list) or not messages:
-            raise ConfigError(f"messages must be a non-empty list of {{role, content}} objects, "
-                              f"got {type(messages).__name__}")
-        for i, message in enumerate(messages):
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and (isinstance(message.get("content"), str) or _calls_only(message))):
-                raise ConfigError(f"messages[{i}] must be an object with a string role and a string content")
-        extra = {"tools": tools} if tools is not None else {}  # HF's templates test `tools is defined`
+        context = {name: value for name, value in context.items() if value is not None}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.tokens, **extra)
+            return self.template.render(messages=plain_messages(messages), add_generation_prompt=add_generation_prompt,
+                                        **self.tokens, **context)
         except jinja2.TemplateError as e:  # raise_exception's refusal, or a template error at render time
             raise ConfigError(f"the chat template refused these messages: {e}") from None
 
 
 _REPLY = "Paris is the capital of France."  # a probe reply, text a template passes through as it is
+
+
+def plain_messages(messages) -> list[dict]:
+    """``messages`` as a template takes them: each a copy whose ``content`` is a string. OpenAI's API
+    also sends content as a list of parts, of which text parts are taken (joined by newlines, as vLLM
+    joins them), and null content (an assistant's turn that only calls tools), taken as "". Other
+    keys (``name``, ``tool_calls``, ``tool_call_id``) pass through to the template."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"messages must be a non-empty list of {{role, content}} objects, "
+                          f"got {type(messages).__name__}")
+    plain = []
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and (isinstance(message.get("content"), (str, list))
+                     or (message["role"] == "assistant" and message.get("content") is None))):
+            raise ConfigError(f"messages[{i}] must be an object with a string role and a content: a string or "
+                              "a list of text parts (null in an assistant's)")
+        plain.append({**message, "content": _text_of(message.get("content"), f"messages[{i}].content")})
+    return plain
+
+
+def _text_of(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            got = f"type {kind!r}" if isinstance(kind, str) else f"{json.dumps(part)[:40]}"
+            raise ConfigError(f"{where}[{j}]: {got} is not supported; expected a text part "
+                              '{"type": "text", "text": ...}')
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def read_template(path: str | None) -> str | None:
@@ -107,11 +134,6 @@ def stop_at_end_of_turn(tokenizer, template: ChatTemplate | None):
     there with finish_reason "stop", and no template text follows it."""
     if template is not None:
         tokenizer.stop_ids = tokenizer.stop_ids | template.end_of_turn_ids(tokenizer)
-
-
-def _calls_only(message: dict) -> bool:
-    """An assistant's turn that only called tools: OpenAI sends its content as null."""
-    return message["role"] == "assistant" and message.get("content") is None and bool(message.get("tool_calls"))
 
 
 def _refuse(message: str):

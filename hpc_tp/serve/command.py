@@ -102,14 +102,15 @@ def open_checkpoint(args):
     return grid, folder, replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=False)
 
 
-def load_for_inference(args):
-    """(grid, model, tokenizer) from ``args.ckpt``: collective over the world."""
+def load_for_inference(args, opened=None):
+    """(grid, model, tokenizer) from ``args.ckpt``, or from ``opened`` (``open_checkpoint``'s answer,
+    where the caller looked at the config first): collective over the world."""
     from ..checkpoint import load_checkpoint
     from ..errors import ConfigError
     from ..models import GPTModel
     from ..train.tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
 
-    grid, folder, cfg = open_checkpoint(args)
+    grid, folder, cfg = opened or open_checkpoint(args)
     if not cfg.causal:
         raise ConfigError(f"checkpoint {folder} holds an encoder (causal=false): use `hpc-tp embed` for it")
     model = GPTModel(cfg, grid.tp, dtype=args.dtype)

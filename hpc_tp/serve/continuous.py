@@ -110,7 +110,7 @@ class _Listed:
         self.ids, self.params, self.arrived, self.cancelled = ids, params, time.perf_counter(), False
         self.result = None
 
-    def text(self, piece):
+    def text(self, piece, logprobs=None):
         pass
 
     def finish(self, completion, metrics, queued_s):
@@ -170,13 +170,15 @@ class ContinuousBatcher:
         self.feed = numpy.full(rows, -1, dtype=numpy.int64)   # the token each row feeds next (-1: none)
         self._busy: list[_Busy | None] = [None] * rows        # rank 0 only
         self._taken: list = []  # rank 0: requests taken for freed rows, admitted at the next iteration
+        self._deferred: list = []  # rank 0: requests whose prompt one admitted with them brings (``_admit``)
 
     def run(self, source=None):
         """Serve until tp rank 0's ``source`` says stop. ``source`` (rank 0 only) has
         ``take(limit, idle)``: up to ``limit`` queued requests, a list (maybe empty) that it may wait
         for when ``idle`` (no row busy), or None to stop serving then. A request has ``ids`` (prompt
         token ids), ``params`` (SamplingParams), ``arrived`` (``time.perf_counter``) and
-        ``cancelled``; the batcher calls its ``text(piece)`` with text as it becomes final and then
+        ``cancelled``; the batcher calls its ``text(piece, logprobs)`` with text as it becomes final (and
+        the row's ``TokenLogprob`` list so far, or None where none were asked) and then
         ``finish(completion, metrics, queued_s)`` once (``Completion``, ``RowMetrics``, seconds from
         arrival to admission; the completion's ``ttft_s`` counts from admission)."""
         more = False
@@ -235,7 +237,11 @@ class ContinuousBatcher:
 
     def _admit(self, source, idle: bool):
         """Rank 0: the requests taken (waiting for some when idle) placed in free rows (``_place``), as
-        [(row, prompt ids, length of its cached prefix, the row holding that)]; None: stop."""
+        [(row, prompt ids, length of its cached prefix, the row holding that)]; None: stop.
+
+        With prefix caching, a request whose prompt is the same as one admitted with it (the n choices
+        of one API request) waits for the next iteration, when it finds that prompt's K/V in the other's
+        row and copies them rather than prefilling the same tokens again."""
         requests, self._taken = self._taken, []
         while idle and not requests:
             requests = source.take(len(self._busy), idle=True)
@@ -244,6 +250,12 @@ class ContinuousBatcher:
         free = [r for r, busy in enumerate(self._busy) if busy is None]
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} requests taken for {len(free)} free rows")
+        prompts, placing, self._deferred = [], [], []
+        for request in requests:
+            shared = self.prefix_caching and len(request.ids) > 1 and request.ids in prompts
+            (self._deferred if shared else placing).append(request)
+            prompts.append(request.ids)
+        requests = placing
         now, busy = time.perf_counter(), len(self._busy) - len(free) + len(requests)
         admitted, taken = [], []
         for request in requests:
@@ -251,7 +263,8 @@ class ContinuousBatcher:
             row, cached, source = self._place(request.ids, free, taken)
             free.remove(row)
             taken.append(row)
-            self._busy[row] = _Busy(request, _Row(request.params, self.engine.tokenizer), now, busy, cached)
+            row_state = _Row(request.params, self.engine.tokenizer, request.ids)
+            self._busy[row] = _Busy(request, row_state, now, busy, cached)
             admitted.append((row, list(request.ids), cached, source))
         return admitted
 
@@ -333,7 +346,7 @@ class ContinuousBatcher:
             else:
                 busy.row.step(z, now)
                 busy.first = now if busy.first is None else busy.first
-                busy.row.report(lambda piece, finish: busy.request.text(piece))
+                busy.row.report(lambda piece, finish: busy.request.text(piece, busy.row.logprobs))
             if busy.row.finish is None:
                 control[r] = busy.row.ids[-1]
                 continue
@@ -342,8 +355,8 @@ class ContinuousBatcher:
             self._busy[r].row.cancel(now)
             self._finish(r, now)
             control[r] = DROPPED
-        free = sum(b is None for b in self._busy)
-        self._taken = source.take(free, idle=False) if free else []
+        free = sum(b is None for b in self._busy) - len(self._deferred)
+        self._taken, self._deferred = self._deferred + (source.take(free, idle=False) if free else []), []
         return bool(self._taken)
 
     def _finish(self, r: int, now: float):

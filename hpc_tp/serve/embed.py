@@ -32,7 +32,6 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from .. import backend
     from ..errors import ConfigError
     from ..paths import check_output_file
     from .command import on_rank0
@@ -45,11 +44,10 @@ def run(args) -> int:
     world = grid.world
     rows = on_rank0(world, lambda: read_inputs(args, tokenizer, model.cfg))
     batches = [rows[i:i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
-    pad_id = (tokenizer.token_to_id("[PAD]") if tokenizer is not None else None) or 0
+    pad_id = pad_id_of(tokenizer)
     mine = []
     for b in range(grid.coords.dp, len(batches), grid.dp_size):
-        ids, type_ids, mask = pad_batch(batches[b], pad_id)
-        states, _ = model.forward(*(backend.xp.asarray(a) for a in (ids, mask, type_ids)))
+        states, mask = encode_batch(model, batches[b], pad_id)
         if grid.coords.tp == 0:  # token states are replicated over tp: one rank reports them
             pooled = mean_pool(states, mask)
             for row, n, vector, state in zip(batches[b], mask.sum(axis=1), pooled, states):
@@ -62,14 +60,15 @@ def run(args) -> int:
     return 0
 
 
-def load_encoder(args):
-    """(grid, BertModel, tokenizers.Tokenizer or None) from ``args.ckpt``; collective over the world."""
+def load_encoder(args, opened=None):
+    """(grid, BertModel, tokenizers.Tokenizer or None) from ``args.ckpt``, or from ``opened``
+    (``open_checkpoint``'s answer); collective over the world."""
     from ..checkpoint import load_checkpoint
     from ..errors import ConfigError
     from ..models.bert import BertModel
     from .command import open_checkpoint
 
-    grid, folder, cfg = open_checkpoint(args)
+    grid, folder, cfg = opened or open_checkpoint(args)
     if cfg.family != "bert":
         raise ConfigError(f"checkpoint {folder} holds a {cfg.family} decoder: embed needs a BERT encoder "
                           "(use `hpc-tp generate` for decoders)")
@@ -169,6 +168,21 @@ def _show(value, limit: int = 40) -> str:
 
     text = json.dumps(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def pad_id_of(tokenizer) -> int:
+    """The padding id of a BERT tokenizer (``[PAD]``; 0 without a tokenizer, as BERT's vocabularies have it)."""
+    return (tokenizer.token_to_id("[PAD]") if tokenizer is not None else None) or 0
+
+
+def encode_batch(model, rows: list[dict], pad_id: int):
+    """Final token states [B, T, hidden] of ``rows`` ({ids, type_ids}) padded together, and the key
+    mask (host); collective over the model's tp group."""
+    from .. import backend
+
+    ids, type_ids, mask = pad_batch(rows, pad_id)
+    states, _ = model.forward(*(backend.xp.asarray(a) for a in (ids, mask, type_ids)))
+    return states, mask
 
 
 def pad_batch(rows: list[dict], pad_id: int):

@@ -25,7 +25,7 @@ from .. import backend
 from ..errors import ConfigError
 from .decoding import decode_stepper
 from .kv_cache import KVCache
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams, next_token, process_logits, token_logprobs
 
 
 @dataclass
@@ -37,6 +37,17 @@ class Completion:
     ttft_s: float               # to this row's first token from the start of the batch (continuous: its admission)
     decode_tokens_per_s: float  # tokens after the first, over the time they took
     cached_tokens: int = 0      # of the prompt's, found in the KV cache (continuous batching's prefix caching)
+    logprobs: list[TokenLogprob] | None = None  # one per id, where the request asked for them
+
+
+@dataclass
+class TokenLogprob:
+    """A chosen token's log-probability under the model, the ``SamplingParams.logprobs`` most likely
+    tokens' (id, log-probability), and where its text starts in the completion's."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+    text_offset: int
 
 
 @dataclass
@@ -56,22 +67,30 @@ class BatchMetrics:
 
 
 class _Row:
-    """One request's tokens and text on rank 0: stop ids (eos, end of turn), stop strings, max new
-    tokens, stream holdback."""
+    """One request's tokens and text on rank 0: logits processors, a grammar's mask, stop ids (eos,
+    end of turn), stop strings, max new tokens, stream holdback, log-probabilities. ``prompt_ids``:
+    what the repetition penalty counts as seen."""
 
-    def __init__(self, params: SamplingParams, tokenizer):
-        self.params, self.tokenizer = params, tokenizer
+    def __init__(self, params: SamplingParams, tokenizer, prompt_ids=()):
+        self.params, self.tokenizer, self.prompt_ids = params, tokenizer, prompt_ids
         self.rng = numpy.random.default_rng(params.seed)
         self.ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.text, self.finish, self.emitted, self.done_at = "", None, 0, None
         self.mask = params.grammar.mask_for(tokenizer) if params.grammar is not None else None
 
     def step(self, logits, now: float):
         """Choose and add the next token from this row's logits [V] (host), among those its grammar
-        allows if it has one."""
+        allows if it has one (the mask comes last: no processor may bring a forbidden token back)."""
+        processed = (process_logits(logits, self.params, self.prompt_ids, self.ids)
+                     if self.params.transforms_logits() else logits)
         if self.mask is not None:
-            logits = self.mask.apply(logits)
-        self.add(next_token(logits, self.params, self.rng))
+            processed = self.mask.apply(processed)
+        # where this token's text starts: after the whole characters so far (a cut one is its to finish)
+        token, offset = next_token(processed, self.params, self.rng), len(self.text.rstrip("\ufffd"))
+        self.add(token)
+        if self.logprobs is not None and len(self.ids) > len(self.logprobs):  # the token was kept
+            self.logprobs.append(TokenLogprob(token, *token_logprobs(logits, token, self.params.logprobs), offset))
         if self.finish is not None:
             self.done_at = now
 
@@ -87,10 +106,10 @@ class _Row:
     def completion(self, prompt_tokens: int, start: float, first: float, cached_tokens: int = 0) -> Completion:
         """From ``start`` (the batch's, or the request's admission) and its ``first`` token's time."""
         return Completion(self.ids, self.text, self.finish, prompt_tokens, first - start,
-                          _rate(len(self.ids) - 1, self.done_at - first), cached_tokens)
+                          _rate(len(self.ids) - 1, self.done_at - first), cached_tokens, self.logprobs)
 
     def add(self, token: int):
-        if token in self.tokenizer.stop_ids:
+        if not self.params.ignore_eos and token in self.tokenizer.stop_ids:
             self.finish = "stop"
             return
         self.ids.append(token)
@@ -137,10 +156,11 @@ def check_request(prompt_ids: list[int], params: SamplingParams, cfg, names: dic
     # bounds the KV cache a request may ask for), as vLLM's max_model_len.
     limit = (names or {}).get("max_new_tokens", "max_new_tokens")
     asked = f"prompt of {len(prompt_ids)} tokens + {limit} {params.max_new_tokens} needs {needed} positions"
+    if max_model_len is not None and needed > max_model_len:  # named first: the bound a server's user can change
+        raise ConfigError(f"{asked}; this server takes {max_model_len} (--max-model-len) of the model's "
+                          f"max_seq_len {cfg.max_seq_len}")
     if needed > cfg.max_seq_len:
         raise ConfigError(f"{asked}; the model has max_seq_len {cfg.max_seq_len}")
-    if max_model_len is not None and needed > max_model_len:
-        raise ConfigError(f"{asked}; this server takes {max_model_len} (--max-model-len)")
 
 
 def left_pad(prompts: list[list[int]], extra: int, pad_id: int):
@@ -178,7 +198,7 @@ class Engine:
         tokens, key_mask, positions = left_pad(prompts, steps - 1, self.pad_id)
         logits = model.infer(xp.asarray(tokens), xp.asarray(positions), xp.asarray(key_mask[:, :width]), cache)
         decoder = decode_stepper(model, cache, key_mask, lens)
-        rows = [_Row(p, self.tokenizer) for p in params] if comm.rank == 0 else None
+        rows = [_Row(p, self.tokenizer, ids) for p, ids in zip(params, prompts)] if comm.rank == 0 else None
         first = None
         try:
             for step in range(steps):

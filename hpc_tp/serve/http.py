@@ -1,17 +1,26 @@
 """The HTTP side of ``hpc-tp serve`` (rank 0 only): parse and check requests, queue them as jobs,
 hand queued jobs to the decoding loop (``serve.continuous``), answer each as JSON or as server-sent
-events. The endpoints of OpenAI's API that serving a model takes: ``/v1/completions`` continues a
-``prompt``; ``/v1/chat/completions`` renders ``messages`` with the model's chat template
-(``serve.chat``) and answers with the assistant's ``message`` (streamed as ``delta`` chunks);
-``response_format`` holds an answer to JSON, and a chat request's ``tools`` let the model call
-functions (``serve.structured``, ``serve.tools``). ``GET /v1/models`` lists the one model served, by
-the name requests give as ``model``; ``GET /metrics`` counts what the server did (``serve.metrics``).
+events. The endpoints of OpenAI's API that serving a model takes, and vLLM's few more:
 
-Handler threads never touch the model: they turn a request into a ``Job`` (token ids and sampling
-parameters) and wait on its event queue, which the decoding loop fills with text pieces and, at
-the end, the completion. A request that fails a check is answered 400 with the reason at once. A
-client that goes away marks its job cancelled, and the decoding loop frees its row; a connection
-that sends nothing for IDLE_TIMEOUT_S is closed, so it cannot hold up a graceful shutdown.
+    POST /v1/completions        continue a ``prompt`` (``serve.api_request`` says what it takes;
+                                ``response_format`` holds an answer to JSON: ``serve.structured``)
+    POST /v1/chat/completions   render ``messages`` with the model's chat template (``serve.chat``),
+                                answer with the assistant's ``message`` (streamed as ``delta`` chunks);
+                                ``tools`` let it call functions (``serve.tools``)
+    GET  /v1/models             the one model served, by the name requests give as ``model``
+    GET  /v1/models/{id}        that model's card (404 naming any other id)
+    POST /tokenize, /detokenize vLLM's: a prompt's or chat's token ids, ids' text (``serve.tokenize_endpoints``)
+    POST /v1/embeddings         an encoder (BERT) checkpoint's sentence embeddings (``serve.embeddings``);
+                                the only POST an encoder answers, and one a decoder refuses
+    GET  /version, /health      the package's version; 200 while serving
+    GET  /metrics               what the server did (``serve.metrics``)
+
+Handler threads never touch the model: they turn a request into jobs (token ids and sampling
+parameters, one per choice) and wait on its event queue, which the decoding loop fills with text
+pieces and, at the end of each job, its completion. A request that fails a check is answered 400
+with the reason at once. A client that goes away marks its jobs cancelled, and the decoding loop
+frees their rows; a connection that sends nothing for IDLE_TIMEOUT_S is closed, so it cannot hold
+up a graceful shutdown.
 """
 from __future__ import annotations
 
@@ -24,123 +33,26 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .. import __version__
 from ..errors import ConfigError
-from .generate import check_request
+from . import api_response
+from .api_request import CHAT, COMPLETIONS, Request, UnknownModel, parse_request
+from .embeddings import EmbeddingJob, embedding_response, parse_embedding_request
 from .metrics import ServerMetrics
-from .sampling import SamplingParams
-from .structured import response_format, vocabulary
-from .tools import CallStream, ToolUse, template_messages
+from .tokenize_endpoints import detokenize, tokenize
 
-_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "model", "n", "user",
-           "stream_options", "response_format"}
-# Options of OpenAI's API this server does not implement, taken at the values that ask for nothing (clients
-# often send them so), refused otherwise: name -> the values that are their default.
-_DEFAULT_ONLY = {"presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (None, False),
-                 "echo": (False,), "logit_bias": (None, {})}
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-_OWN_FIELDS = {COMPLETIONS: {"prompt"},
-               CHAT: {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"}}
 MAX_BODY_BYTES = 16 * 2**20
 IDLE_TIMEOUT_S = 10.0  # a connection that sends (or takes) nothing this long is closed
-
-
-class UnknownModel(ConfigError):
-    """A request for a model this server does not serve (answered 404, as OpenAI's API does)."""
-
-
-class Job:
-    """A request as the decoding loop sees it (``ContinuousBatcher.run``)."""
-
-    def __init__(self, ids: list[int], params: SamplingParams, stream: bool, chat: bool = False,
-                 tools: ToolUse | None = None):
-        self.ids, self.params, self.stream, self.chat = ids, params, stream, chat
-        self.tools = tools  # a chat request's tools: its answer may be calls
-        self.calls = CallStream(tools) if tools is not None and stream else None
-        self.arrived = time.perf_counter()
-        self.events: queue.Queue = queue.Queue()
-        self.cancelled = False  # the client went away: nobody reads what is decoded for it
-        self.on_finish = None   # the server's count of it, called from the batcher's thread
-
-    def text(self, piece: str):
-        if self.calls is not None:
-            piece = self.calls.feed(piece)  # text that may still be a call is held back
-        if self.stream and piece:
-            self.events.put(("text", piece))
-
-    def finish(self, completion, metrics, queued_s: float):
-        if self.on_finish is not None:
-            self.on_finish(self, completion, queued_s)
-        self.events.put(("done", completion, metrics, queued_s))
-
-
-def parse_request(body: bytes, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,
-                  endpoint: str = COMPLETIONS, chat_template=None, model_name: str | None = None) -> Job:
-    """A Job for a request to ``endpoint``, or ConfigError with the reason the request is refused.
-    ``chat_template`` (a ``serve.chat.ChatTemplate``) renders a chat request's messages; a request
-    naming a ``model`` other than ``model_name`` is refused (UnknownModel)."""
-    try:
-        request = json.loads(body)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ConfigError(f"body is not JSON: {e}") from None
-    except RecursionError:
-        raise ConfigError("body is not JSON this server reads: nested too deeply") from None
-    if not isinstance(request, dict):
-        raise ConfigError("body must be a JSON object")
-    fields = _FIELDS | _OWN_FIELDS[endpoint] | set(_DEFAULT_ONLY)
-    unknown = sorted(set(request) - fields)
-    if unknown:
-        raise ConfigError(f"unknown fields {', '.join(unknown)}; supported: {', '.join(sorted(fields))}")
-    for name, defaults in _DEFAULT_ONLY.items():
-        value = request.get(name, defaults[0])
-        if not any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults):
-            raise ConfigError(f"{name}={value!r}: not supported by this server (only "
-                              f"{' or '.join(json.dumps(d) for d in defaults)})")
-    options = request.get("stream_options") or {}
-    if not (isinstance(options, dict) and set(options) <= {"include_usage"}
-            and isinstance(options.get("include_usage", True), bool)):
-        raise ConfigError(f"stream_options={options!r}: expected {{\"include_usage\": true or false}} "
-                          "(usage always comes with the last chunk)")
-    if model_name is not None and request.get("model", model_name) != model_name:
-        raise UnknownModel(f"model {request['model']!r} is not served here: this server serves {model_name!r}")
-    grammar, tools = response_format(request.get("response_format")), None
-    if endpoint == CHAT:
-        if chat_template is None:
-            raise ConfigError("this model has no chat template: its checkpoint carries none, so start hpc-tp serve "
-                              "with --chat-template FILE, or use /v1/completions")
-        tools = ToolUse.from_request(request)
-        if tools is not None and tools.grammar is not None:
-            if grammar is not None:
-                raise ConfigError(f"tool_choice={tools.choice!r} holds the answer to a call's JSON: "
-                                  "it cannot also take a response_format")
-            grammar = tools.grammar
-        prompt = chat_template.render(template_messages(request.get("messages")),
-                                      tools.tools if tools is not None else None)
-    else:
-        prompt = request.get("prompt")
-        if not isinstance(prompt, str):
-            raise ConfigError(f"prompt must be a string, got {type(prompt).__name__}")
-    if request.get("n", 1) != 1:
-        raise ConfigError(f"n={request['n']!r}: only one completion per request is supported")
-    stop = request.get("stop") or []
-    stream = request.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ConfigError(f"stream={stream!r}: expected true or false")
-    params = SamplingParams(max_new_tokens=request.get("max_completion_tokens",
-                                                       request.get("max_tokens", default_max_tokens)),
-                            temperature=request.get("temperature", 1.0), top_k=request.get("top_k", 0),
-                            top_p=request.get("top_p", 1.0), seed=request.get("seed"),
-                            stop=[stop] if isinstance(stop, str) else stop, grammar=grammar)
-    if grammar is not None:
-        vocabulary(tokenizer)  # built (once) in this handler thread, not in the decoding loop
-    ids = tokenizer.encode(prompt)
-    check_request(ids, params, cfg, names={"max_new_tokens": "max_tokens"}, max_model_len=max_model_len)
-    return Job(ids, params, stream, endpoint == CHAT, tools)
+TOKENIZE, DETOKENIZE, EMBEDDINGS = "/tokenize", "/detokenize", "/v1/embeddings"
+_POST = (COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE, EMBEDDINGS)
 
 
 class CompletionServer:
     def __init__(self, host: str, port: int, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,
                  chat_template=None, model_name: str = "hpc-tp"):
+        """``cfg``: the model's; an encoder's (``causal`` false) is served for /v1/embeddings only."""
         self.tokenizer, self.cfg, self.default_max_tokens = tokenizer, cfg, default_max_tokens
+        self.encoder = not cfg.causal
         self.max_model_len, self.chat_template, self.model_name = max_model_len, chat_template, model_name
         self.started = int(time.time())
         self.metrics = ServerMetrics()
@@ -149,12 +61,16 @@ class CompletionServer:
         self._active = 0  # connections accepted and not yet closed
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._open: set[Request] = set()  # requests being answered
+        self.hurrying = False
         self.httpd = _CountingServer((host, port), _handler(self), self)
         self.host, self.port = self.httpd.server_address[:2]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
+        # polled often, so that a hurried stop stops taking connections within its 0.25 s
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="http", daemon=True)
         self._thread.start()
 
-    def next_batch(self, limit: int, window: float, timeout: float) -> list[Job]:
+    def next_batch(self, limit: int, window: float, timeout: float) -> list:
         """Up to ``limit`` queued jobs: waits ``timeout`` for a first one, then ``window`` for company
         (both 0: only those queued now)."""
         try:
@@ -177,6 +93,66 @@ class CompletionServer:
         with self._lock:
             return self._active > 0 or not self.jobs.empty()
 
+    def refusal(self, path: str) -> tuple[int, str] | None:
+        """(status, reason) where a POST to ``path`` is not for this server; None where it is."""
+        if path not in _POST:
+            return 404, f"no such endpoint: POST {path} (use {', '.join(_POST)})"
+        if path != EMBEDDINGS and self.encoder:
+            return 400, (f"this server serves an encoder ({self.cfg.family}) checkpoint: it answers {EMBEDDINGS}, "
+                         f"not {path}")
+        if path == EMBEDDINGS and not self.encoder:
+            return 400, (f"{EMBEDDINGS} needs an encoder (BERT) checkpoint: this server serves a decoder "
+                         f"({self.cfg.family}); use {COMPLETIONS} or {CHAT}")
+        return None
+
+    def parse(self, path: str, body: bytes) -> Request | EmbeddingJob:
+        """The request a body sent to ``path`` makes, or ConfigError saying why it makes none."""
+        if path == EMBEDDINGS:
+            request = parse_embedding_request(body, self.tokenizer, self.cfg, self.model_name)
+            request.on_finish = self.metrics.embedded
+            return request
+        request = parse_request(body, self.tokenizer, self.cfg, self.default_max_tokens, self.max_model_len, path,
+                                self.chat_template, self.model_name)
+        for job in request.jobs:
+            job.on_finish = self.metrics.finish
+        return request
+
+    def answering(self) -> bool:
+        """Whether some request is still being answered (a hurried stop waits only for these)."""
+        with self._lock:
+            return bool(self._open)
+
+    def submit(self, request: Request | EmbeddingJob) -> bool:
+        """Queue ``request``'s jobs for the batcher, counted as being answered; False once the server is
+        stopping in a hurry (nothing queued)."""
+        with self._lock:
+            if self.hurrying:
+                return False
+            self._open.add(request)
+        for job in request.jobs:
+            self.jobs.put(job)
+        return True
+
+    def done_with(self, request: Request | EmbeddingJob):
+        with self._lock:
+            self._open.discard(request)
+
+    def hurry(self):
+        """A hurried stop (``serve.shutdown``; any thread): open answers end now, queued jobs are
+        dropped, and the listening socket closes, so new connections are refused."""
+        with self._lock:
+            self.hurrying = True
+            aborted = list(self._open)
+        for request in aborted:
+            request.abort()
+        while True:
+            try:
+                self.jobs.get_nowait()
+            except queue.Empty:
+                break
+        self.stop_accepting()
+        self.close()
+
     def close(self):
         self.httpd.server_close()
 
@@ -185,37 +161,26 @@ class CompletionServer:
             self._active += connections
             self.answered += answered
 
-    def response(self, job: Job, job_id: int, completion, metrics, queued_s: float, text: str | None) -> dict:
-        usage = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.ids),
-                 "total_tokens": completion.prompt_tokens + len(completion.ids),
-                 "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
-                 "time_to_first_token_s": queued_s + completion.ttft_s, "queue_s": queued_s,
-                 "decode_tokens_per_s": completion.decode_tokens_per_s, "batch_size": metrics.batch,
-                 "kv_cache_bytes_per_rank": metrics.kv_cache_bytes_per_rank}
-        return _answer(job, job_id, completion.text if text is None else text, completion.finish_reason,
-                       streamed=text is not None, model=self.model_name, usage=usage)
+    def answer(self, request: Request, job_id: int, results: dict) -> dict:
+        """The whole answer to ``request`` from its choices' ``results`` {index: (completion, metrics, queued_s)}."""
+        choices = [api_response.choice(request, i, c.text, c.finish_reason, c.logprobs, self.tokenizer, streamed=False,
+                                       first=True) for i, (c, _, _) in sorted(results.items())]
+        return api_response.envelope(request, job_id, self.model_name, choices, streamed=False,
+                                     usage=api_response.usage(request, results))
+
+    def chunk(self, request: Request, job_id: int, index: int, text: str, finish: str | None, entries,
+              first: bool) -> dict:
+        """One chunk of a streamed answer: choice ``index``'s ``text`` and the log-probabilities ``entries``."""
+        piece = api_response.choice(request, index, text, finish, entries, self.tokenizer, streamed=True, first=first)
+        return api_response.envelope(request, job_id, self.model_name, [piece], streamed=True)
 
     def models(self) -> dict:
         """``GET /v1/models``: the one model served."""
-        card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "hpc-tp",
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "hpc-tp",
                 "max_model_len": self.max_model_len or self.cfg.max_seq_len}
-        return {"object": "list", "data": [card]}
-
-
-def _answer(job: Job, job_id: int, text: str, finish_reason: str | None, streamed: bool, model: str, **extra) -> dict:
-    """A whole answer, or one chunk of a streamed one, in the shape of the job's endpoint."""
-    if job.chat:
-        turn = {"role": "assistant", "content": text}
-        if job.tools is not None and finish_reason is not None:  # the answer's calls parsed out of its text
-            turn, finish_reason = job.calls.last(finish_reason) if streamed else job.tools.turn(text, finish_reason)
-        choice = {"index": 0, "delta" if streamed else "message": turn, "logprobs": None,
-                  "finish_reason": finish_reason}
-        kind, name = ("chat.completion.chunk" if streamed else "chat.completion"), f"chatcmpl-{job_id}"
-    else:
-        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
-        kind, name = "text_completion", f"cmpl-{job_id}"
-    return {"id": name, "object": kind, "created": int(time.time()), "model": model, "choices": [choice], **extra}
-
 
 class _CountingServer(ThreadingHTTPServer):
     """Counts open connections from the moment one is accepted (before its thread starts), so a
@@ -248,33 +213,38 @@ def _handler(app: CompletionServer):
         def do_GET(self):
             if self.path == "/health":
                 self._json(200, {"status": "ok"})
+            elif self.path == "/version":
+                self._json(200, {"version": __version__})
             elif self.path == "/v1/models":
                 self._json(200, app.models())
+            elif self.path.startswith("/v1/models/"):
+                name = self.path[len("/v1/models/"):]
+                if name == app.model_name:
+                    self._json(200, app.model_card())
+                else:
+                    self._error(404, f"model {name!r} is not served here: this server serves {app.model_name!r}")
             elif self.path == "/metrics":
                 self._send(200, "text/plain; version=0.0.4", app.metrics.render(app.jobs.qsize()).encode())
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 
         def do_POST(self):
-            if self.path not in _OWN_FIELDS:
-                self._error(404, f"no such endpoint: POST {self.path} (use {COMPLETIONS} or {CHAT})")
+            refusal = app.refusal(self.path)
+            if refusal is not None:
+                self._error(*refusal)
                 return
-            length = self.headers.get("Content-Length") or "0"
-            if not (length.isascii() and length.isdigit()):
-                self._error(400, f"Content-Length {length!r} is not a number of bytes")
-                return
-            if int(length) > MAX_BODY_BYTES:
-                self._error(413, f"Content-Length {length}: a request body may hold at most {MAX_BODY_BYTES} bytes")
-                self._discard(min(int(length), 4 * MAX_BODY_BYTES))
+            body = self._body()
+            if body is None:
                 return
             try:
-                body = self.rfile.read(int(length))
-            except OSError:  # stalled past the timeout, or gone: nobody to answer
-                self.close_connection = True
-                return
-            try:
-                job = parse_request(body, app.tokenizer, app.cfg, app.default_max_tokens, app.max_model_len,
-                                    self.path, app.chat_template, app.model_name)
+                if self.path == TOKENIZE:
+                    self._json(200, tokenize(body, app.tokenizer, app.chat_template, app.model_name,
+                                             app.max_model_len or app.cfg.max_seq_len))
+                    return
+                if self.path == DETOKENIZE:
+                    self._json(200, detokenize(body, app.tokenizer, app.cfg.vocab_size, app.model_name))
+                    return
+                request = app.parse(self.path, body)
             except UnknownModel as e:
                 self._error(404, str(e))
                 return
@@ -284,25 +254,65 @@ def _handler(app: CompletionServer):
             except Exception as e:  # a bug: the client still gets an answer, the log the traceback
                 self._error(500, f"internal error: {type(e).__name__}: {e}")
                 raise
-            job_id = next(app._ids)
-            job.on_finish = app.metrics.finish
-            app.jobs.put(job)
-            try:
-                (self._stream if job.stream else self._answer)(job, job_id)
-            except OSError:  # the client went away mid-answer
-                job.cancelled, self.close_connection = True, True
+            if not app.submit(request):
+                self._error(503, "the server is stopping: it takes no new requests")
                 return
+            job_id = next(app._ids)
+            try:
+                if isinstance(request, EmbeddingJob):
+                    self._embed(request)
+                else:
+                    (self._stream if request.stream else self._answer)(request, job_id)
+            except OSError:  # the client went away mid-answer
+                request.cancel()
+                self.close_connection = True
+                return
+            finally:
+                app.done_with(request)
             app._count(answered=1)
 
-        def _answer(self, job: Job, job_id: int):
+        def _body(self) -> bytes | None:
+            """The request's body, or None where it was answered already (too big, unreadable)."""
+            length = self.headers.get("Content-Length") or "0"
+            if not (length.isascii() and length.isdigit()):
+                self._error(400, f"Content-Length {length!r} is not a number of bytes")
+                return None
+            if int(length) > MAX_BODY_BYTES:
+                self._error(413, f"Content-Length {length}: a request body may hold at most {MAX_BODY_BYTES} bytes")
+                self._discard(min(int(length), 4 * MAX_BODY_BYTES))
+                return None
+            try:
+                return self.rfile.read(int(length))
+            except OSError:  # stalled past the timeout, or gone: nobody to answer
+                self.close_connection = True
+                return None
+
+        def _embed(self, job: EmbeddingJob):
+            event = self._wait(job.events)
+            if event[0] == "abort":
+                self._error(503, "the server is stopping in a hurry: this request was not finished")
+            else:
+                self._json(200, embedding_response(job, event[1], app.model_name))
+
+        def _wait(self, events: queue.Queue):
+            """The next event of a request answered whole, as long as its client is there."""
             while True:
                 try:
-                    _, completion, metrics, queued_s = job.events.get(timeout=0.5)
-                    break
+                    return events.get(timeout=0.5)
                 except queue.Empty:
                     if self._client_gone():
-                        raise ConnectionResetError("the client closed the connection")
-            self._json(200, app.response(job, job_id, completion, metrics, queued_s, None))
+                        raise ConnectionResetError("the client closed the connection") from None
+
+        def _answer(self, request: Request, job_id: int):
+            results = {}
+            while len(results) < len(request.jobs):
+                event = self._wait(request.events)
+                if event[0] == "abort":
+                    self._error(503, "the server is stopping in a hurry: this request was not finished")
+                    return
+                if event[0] == "done":
+                    results[event[1]] = event[2:]
+            self._json(200, app.answer(request, job_id, results))
 
         def _discard(self, nbytes: int):
             """Read and drop a body that is not wanted, so the client, still sending it, can read the
@@ -324,18 +334,31 @@ def _handler(app: CompletionServer):
             except OSError:
                 return True
 
-        def _stream(self, job: Job, job_id: int):
+        def _stream(self, request: Request, job_id: int):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.end_headers()
-            while True:
-                event = job.events.get()
-                if event[0] == "done":
+            results, started = {}, set()
+            while len(results) < len(request.jobs):
+                event = request.events.get()
+                if event[0] == "abort":  # each open choice ends here, as what was streamed of it
+                    for index in sorted(set(range(len(request.jobs))) - set(results)):
+                        self._event(app.chunk(request, job_id, index, "", "abort", None, index not in started))
                     break
-                self._event(_answer(job, job_id, event[1], None, streamed=True, model=app.model_name))
-            _, completion, metrics, queued_s = event
-            self._event(app.response(job, job_id, completion, metrics, queued_s, text=""))  # finish reason and usage
+                index = event[1]
+                if event[0] == "text":
+                    self._event(app.chunk(request, job_id, index, event[2], None, event[3], index not in started))
+                else:
+                    completion, sent = event[2], request.jobs[index].logprobs_sent
+                    rest = None if completion.logprobs is None else completion.logprobs[sent:]  # not streamed yet
+                    self._event(app.chunk(request, job_id, index, "", completion.finish_reason, rest,
+                                          index not in started))
+                    results[index] = event[2:]
+                started.add(index)
+            if request.include_usage and len(results) == len(request.jobs):
+                self._event(api_response.envelope(request, job_id, app.model_name, [], streamed=True,
+                                                  usage=api_response.usage(request, results)))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 

@@ -56,6 +56,13 @@ class ServerMetrics:
             self.ttft.observe(queued_s + completion.ttft_s)
             self.latency.observe(time.perf_counter() - job.arrived)
 
+    def embedded(self, job, tokens: int):
+        """An embeddings request answered (``serve.embeddings``): counted under finish reason "embedding"."""
+        with self._lock:
+            self.finished["embedding"] += 1
+            self.tokens.update(prompt=tokens)
+            self.latency.observe(time.perf_counter() - job.arrived)
+
     def render(self, waiting: int) -> str:
         with self._lock:
             running = self.started - sum(self.finished.values())

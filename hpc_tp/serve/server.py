@@ -1,15 +1,18 @@
-"""``hpc-tp serve``: a checkpoint behind an HTTP endpoint shaped like the common completions API.
+"""``hpc-tp serve``: a checkpoint behind an HTTP endpoint shaped like OpenAI's API.
 
-    POST /v1/completions       {"prompt": TEXT, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
-                                "top_k": 0, "stop": TEXT | [TEXT], "seed": INT, "stream": false}
-    POST /v1/chat/completions  {"messages": [{"role": ROLE, "content": TEXT}, ...], the same others,
-                                "tools": [{"type": "function", "function": {...}}], "tool_choice": "auto"}
-    GET  /v1/models             the model served, by --served-model-name (the checkpoint folder's name)
-    GET  /health
+    POST /v1/completions       {"prompt": TEXT | [TEXT] | [ids] | [[ids]], "max_tokens": 16, "temperature": 1.0,
+                                "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                                "repetition_penalty", "stop": TEXT | [TEXT], "seed", "n", "echo", "logprobs",
+                                "ignore_eos", "stream": false, "stream_options": {"include_usage": false}}
+    POST /v1/chat/completions  {"messages": [{"role": ROLE, "content": TEXT | [text parts] | null}, ...],
+                                "logprobs": false, "top_logprobs", the same others}
+    GET  /v1/models, /v1/models/{id}   the model served, by --served-model-name (the checkpoint folder's name)
+    POST /tokenize, /detokenize; GET /version, /health, /metrics
 
 Both take "response_format": {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
-"schema"}}, the answer held to it token by token (``serve.structured``); a chat answer's tool calls come
-back as OpenAI's "tool_calls" (``serve.tools``).
+"schema"}}, the answer held to it token by token (``serve.structured``); a chat takes "tools" and
+"tool_choice", and its calls come back as OpenAI's "tool_calls" (``serve.tools``). ``serve.api_request``
+says what each field means; ``serve.http`` lists the endpoints.
 
 A chat request's messages become a prompt through the model's chat template (``serve.chat``): the
 one its checkpoint carries (imported with a Hugging Face or GGUF chat model), or --chat-template FILE.
@@ -32,10 +35,11 @@ decode_tokens_per_s of its own tokens after the first, batch_size (rows busy onc
 its own included) and kv_cache_bytes_per_rank (the whole cache, allocated at start: --max-batch
 rows of --max-model-len slots).
 
-SIGTERM on rank 0 (``scancel`` and ``srun`` signal every rank; under ``mpirun`` send it to the
-ranks, whose pids the start-up line prints) stops accepting connections, finishes every request
-already accepted, then tells the other ranks to stop, and all exit 0. SIGTERM on another rank is
-noted and waits for rank 0's word.
+Stopping (``serve.shutdown``): SIGTERM on rank 0 (``scancel`` and ``srun`` signal every rank; under
+``mpirun`` send it to the ranks, whose pids the start-up line prints) stops accepting connections,
+finishes every request already accepted, then tells the other ranks to stop, and all exit 0.
+Ctrl-C (SIGINT, or Open MPI's mpiexec killing the job on one) stops in a hurry: open streams end at
+once with a final chunk and ``[DONE]``. A signal on another rank is noted and waits for rank 0's word.
 """
 from __future__ import annotations
 
@@ -78,12 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def run(args) -> int:
     from ..errors import ConfigError
-    from ..train.preemption import StopRequest
     from .chat import read_template, stop_at_end_of_turn, template_for
-    from .command import load_for_inference
-    from .continuous import ContinuousBatcher
-    from .generate import Engine
+    from .command import load_for_inference, open_checkpoint
+    from .embed import load_encoder
     from .replicas import RemoteJobs, Router
+    from .shutdown import Shutdown
 
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
         raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
@@ -93,11 +96,16 @@ def run(args) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: expected an integer >= 1")
     template_source = read_template(args.chat_template)  # a bad file fails every rank before the load
-    grid, model, tokenizer = load_for_inference(args)
+    opened = open_checkpoint(args)
+    encoder = not opened[2].causal  # served for /v1/embeddings
+    grid, model, tokenizer = (load_encoder if encoder else load_for_inference)(args, opened)
     max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
-    stop = StopRequest(("SIGTERM", "SIGINT"))
+    if encoder and grid.dp_size != 1:  # embeddings batch over one tp group; the router sends prompts
+        raise ConfigError(f"--tp {grid.tp_size} with {grid.world.size} ranks: an encoder is served by one tp "
+                          f"group, use --tp {grid.world.size}")
+    stop = Shutdown()
     # Every replica's tp rank 0 samples, so each checks the stop ids, the template's end of turn among them.
-    template = template_for(tokenizer, template_source, args.chat_template)
+    template = None if encoder else template_for(tokenizer, template_source, args.chat_template)
     stop_at_end_of_turn(tokenizer, template)
     # The replicas' requests and answers go over a communicator of their own (serve.replicas).
     replicas = grid.world.split(0, grid.world.rank) if grid.dp_size > 1 else None
@@ -115,17 +123,13 @@ def run(args) -> int:
     error = grid.world.bcast_object(error)
     if error is not None:
         raise ConfigError(error)
-    engine = Engine(model, tokenizer)
-    continuous = args.batching == "continuous"
-    batcher = (ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens,
-                                 args.prefill_chunk) if continuous else StaticBatches(engine, args.max_batch))
+    batcher, layout = _batcher(args, model, tokenizer, max_len, encoder)
     if grid.world.rank != 0:
         batcher.run(RemoteJobs(replicas) if grid.world.rank in leaders else None)
         return 0
-    cache = (f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {args.max_batch} rows of "
-             f"{max_len} slots" if continuous else "static batches")
     print(f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
-          f"replicas={grid.dp_size}, rank pids {' '.join(map(str, pids))}); {cache}", flush=True)
+          f"replicas={grid.dp_size}, rank pids {' '.join(map(str, pids))}); {layout}", flush=True)
+    stop.on_hurry = server.hurry
     router = Router(replicas, leaders[1:], server, args.max_batch) if replicas is not None else None
     batcher.run(_Jobs(server, stop, args.batch_window_ms / 1000))
     spread = ""
@@ -137,6 +141,23 @@ def run(args) -> int:
     print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered{spread}, stopped",
           flush=True)
     return 0
+
+
+def _batcher(args, model, tokenizer, max_len: int, encoder: bool):
+    """The loop every rank runs, and a word on its memory for the start-up line."""
+    from .continuous import ContinuousBatcher
+    from .embed import pad_id_of
+    from .embeddings import EmbeddingBatches
+    from .generate import Engine
+
+    if encoder:
+        return EmbeddingBatches(model, args.max_batch, pad_id_of(tokenizer)), f"{args.max_batch} inputs a batch"
+    engine = Engine(model, tokenizer)
+    if args.batching == "static":
+        return StaticBatches(engine, args.max_batch), "static batches"
+    batcher = ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens,
+                                args.prefill_chunk)
+    return batcher, f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {args.max_batch} rows of {max_len} slots"
 
 
 class StaticBatches:
@@ -171,18 +192,22 @@ class StaticBatches:
 
 class _Jobs:
     """What the batcher admits (``run``'s source, either batcher's): the HTTP server's queued jobs.
-    On a stop signal it stops accepting connections, and once every request accepted is answered
-    and no row is busy it ends serving."""
+    On a stop signal (``serve.shutdown.Shutdown``) it stops accepting connections, and once every
+    request accepted is answered (a hurried stop: ended) and no row is busy it ends serving."""
 
     def __init__(self, server, stop, window: float):
         self.server, self.stop, self.window, self.closing = server, stop, window, False
 
     def take(self, limit: int, idle: bool):
+        if self.stop.hurried and not self.server.hurrying:  # the signal came before the server was built
+            self.server.hurry()
         if self.stop.received and not self.closing:
             self.server.stop_accepting()
             self.closing = True
         if not idle:  # rows are decoding: only what is queued now
             return self.server.next_batch(limit, 0, timeout=0)
+        if self.server.hurrying and not self.server.answering():  # its jobs cancelled, their rows free
+            return None
         if self.closing and not self.server.busy():
             return None
         return self.server.next_batch(limit, self.window, timeout=0.1)
