@@ -41,10 +41,23 @@ _F16_SCALE = numpy.float32(2.0 ** 112)  # moves a float16 exponent (bias 15) to 
 _NO_BITS = numpy.empty(0, numpy.uint16)
 
 
+def _half_kinds() -> dict:
+    kinds = {numpy.dtype("float16"): F16}
+    try:
+        import ml_dtypes
+    except ImportError:  # no bfloat16 arrays without it
+        return kinds
+    kinds[numpy.dtype(ml_dtypes.bfloat16)] = BF16
+    return kinds
+
+
+# By dtype object: a dtype's ``name`` is computed in Python, and this is asked on every product.
+_HALF_KINDS = _half_kinds()
+
+
 def half_kind(dtype) -> int:
     """FULL for float32/float64 weights, BF16 or F16 for the half types (kept as their bits)."""
-    name = numpy.dtype(dtype).name
-    return {"bfloat16": BF16, "float16": F16}.get(name, FULL)
+    return _HALF_KINDS.get(dtype, FULL)
 
 
 def result_dtype(b_dtype):

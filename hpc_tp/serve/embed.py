@@ -50,6 +50,8 @@ def run(args) -> int:
     for b in range(grid.coords.dp, len(batches), grid.dp_size):
         ids, type_ids, mask = pad_batch(batches[b], pad_id)
         states, _ = model.forward(*(backend.xp.asarray(a) for a in (ids, mask, type_ids)))
+        if states.dtype.itemsize < 4:  # half precision: the mean sums in float32, and JSON writes float32's digits
+            states = states.astype("float32")
         if grid.coords.tp == 0:  # token states are replicated over tp: one rank reports them
             pooled = mean_pool(states, mask)
             for row, n, vector, state in zip(batches[b], mask.sum(axis=1), pooled, states):
@@ -67,13 +69,14 @@ def load_encoder(args):
     from ..checkpoint import load_checkpoint
     from ..errors import ConfigError
     from ..models.bert import BertModel
+    from ..train.mixed_precision import resolve_dtype
     from .command import open_checkpoint
 
     grid, folder, cfg = open_checkpoint(args)
     if cfg.family != "bert":
         raise ConfigError(f"checkpoint {folder} holds a {cfg.family} decoder: embed needs a BERT encoder "
                           "(use `hpc-tp generate` for decoders)")
-    model = BertModel(cfg, grid.tp, dtype=args.dtype)
+    model = BertModel(cfg, grid.tp, dtype=resolve_dtype(args.dtype))
     model.rng.training = False
     load_checkpoint(folder, model.state(), grid)
     tokenizer = None
