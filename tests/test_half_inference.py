@@ -1,6 +1,8 @@
 """Inference with half-precision weights (``--dtype bfloat16|float16``): prefill and KV-cached decode
 steps at tp = the world size give one process's logits at the same precision, and stay close to
 float32's; products run through ``kernels.small_m`` (few rows) and its blockwise widening (prefill)."""
+import json
+
 import numpy as np
 import pytest
 
@@ -56,3 +58,37 @@ def test_half_logits_close_to_float32(dtype):
     tp, _ = tp_and_reference()
     for step, (got, want) in enumerate(zip(_logits(tp, dtype), _logits(tp, "float32"))):
         assert max_rel_err(got, want) <= AGAINST_FLOAT32[dtype], f"step {step}"
+
+
+def test_generate_command_loads_a_checkpoint_in_bfloat16(tmp_path):
+    """``hpc-tp generate --dtype bfloat16`` rounds the checkpoint's weights to 16 bits (half float32's
+    bytes) and writes the completions the same model gives in-process at the same tp."""
+    from hpc_tp.cli import main
+    from hpc_tp.comm.mpi import world
+    from hpc_tp.grid import ProcessGrid
+    from hpc_tp.serve.command import load_for_inference
+    from hpc_tp.serve.generate import Engine
+    from hpc_tp.serve.sampling import SamplingParams
+    from hpc_tp.train.tokenizer import ByteTokenizer
+    from test_generate import write_checkpoint
+
+    comm = world()
+    folder = comm.bcast_object(tmp_path if comm.rank == 0 else None)
+    ckpt = write_checkpoint(folder / "ckpt", "llama-gqa", ProcessGrid(tp=comm.size, world=comm), ByteTokenizer())
+    texts = ["Hello", "tensor parallel", "x"]
+    if comm.rank == 0:
+        (folder / "in.jsonl").write_text("".join(f'{{"prompt": "{t}"}}\n' for t in texts))
+    comm.barrier()
+    assert main(["generate", "--ckpt", str(ckpt), "--prompts", str(folder / "in.jsonl"), "--out",
+                 str(folder / "out.jsonl"), "--max-new-tokens", "5", "--dtype", "bfloat16"]) == 0
+    comm.barrier()
+    got = (folder / "out.jsonl").read_text().splitlines()
+    args = type("Args", (), {"ckpt": str(ckpt), "tp": None, "dtype": "bfloat16", "device": "cpu"})()
+    _, model, tokenizer = load_for_inference(args)
+    full = GPTModel(ModelConfig(**CONFIGS["llama-gqa"]), comm, dtype="float32")
+    assert model.local_bytes() * 2 == full.local_bytes()
+    lead = comm.rank == 0  # the engine takes the prompts on world rank 0 and answers there
+    out = Engine(model, tokenizer).generate([list(t.encode()) for t in texts] if lead else None,
+                                            [SamplingParams(max_new_tokens=5)] * len(texts) if lead else None)
+    if lead:
+        assert [json.loads(line)["completion"] for line in got] == [w.text for w in out[0]]
