@@ -75,14 +75,15 @@ def test_blas_sends_it_the_few_row_products(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("layout", ["row-major", "transposed view"])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_many_rows_against_a_half_weight_widen_it_by_blocks(dtype, accumulate):
-    """Past MAX_ROWS (prefill) the weight is widened a block of rows at a time for BLAS; float32 sums."""
+def test_many_rows_against_a_half_weight_widen_it_by_blocks(dtype, layout, accumulate):
+    """Past MAX_ROWS (prefill) the weight is widened a block at a time for BLAS; float32 sums."""
     m, k, n = small_m.MAX_ROWS + 5, 301, 257
-    w = _weight(k, n, dtype, "row-major")
+    w = _weight(k, n, dtype, layout)
     a = rng.standard_normal((m, k)).astype(w.dtype)
     out = np.ones((m, n), np.float32)
-    got = small_m.widened_matmul(a, w, out=out, accumulate=accumulate, block_bytes=40 * 4 * n)  # 8 blocks
+    got = small_m.widened_matmul(a, w, out=out, accumulate=accumulate, block_bytes=40 * 4 * 301)  # 7-8 blocks
     expected = a.astype("float64") @ w.astype("float64") + (1 if accumulate else 0)
     assert got is out and np.abs(got - expected).max() <= 3e-6 * np.abs(expected).max()
     np.testing.assert_allclose(blas.matmul(a, w), expected - (1 if accumulate else 0), rtol=1e-4, atol=1e-3)

@@ -76,8 +76,8 @@ def _layout(b):
 
 def takes(a, b, out=None) -> bool:
     """True when the few-row kernels compute ``a @ b`` (into ``out``): numpy 2-D operands, a number
-    of rows in the range above, a weight of MIN_WEIGHT elements or more stored whole (row-major, or a transposed
-    view of one), float32/float64 (``a`` of ``b``'s dtype) or half weights."""
+    of rows in the ranges above, a weight of MIN_WEIGHT elements or more stored whole (row-major, or
+    a transposed view of one), float32/float64 (``a`` of ``b``'s dtype) or half weights."""
     if not cpu_kernels.ENABLED or not (isinstance(a, numpy.ndarray) and isinstance(b, numpy.ndarray)):
         return False
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or b.size < MIN_WEIGHT:
@@ -112,8 +112,9 @@ def matmul(a, b, out=None):
 
 def widened_matmul(a, b, out=None, accumulate: bool = False, block_bytes: int = 4 << 20):
     """``a @ b`` for a half-precision ``b`` with many rows (prefill) or without numba: ``b`` is widened
-    to float32 a block of its rows at a time (``block_bytes`` of float32) and each block's product is
-    summed by BLAS, so no float32 copy of the whole weight is made. Returns float32."""
+    to float32 a block at a time (``block_bytes`` of float32; blocks of its rows, or of its columns
+    when it is a transposed view) and each block's product is summed by BLAS, so no float32 copy of
+    the whole weight is made. Returns float32."""
     from ..nn import blas  # imports this module: here, not at the top
 
     k, n = b.shape
@@ -122,6 +123,12 @@ def widened_matmul(a, b, out=None, accumulate: bool = False, block_bytes: int = 
     elif not accumulate:
         out[...] = 0
     a = a.astype(numpy.float32, copy=False)
+    if _layout(b) == "transposed":  # b's columns are the stored rows: widen runs of them
+        step = max(1, block_bytes // (4 * k))
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            blas.matmul(a, b[:, start:stop].astype(numpy.float32), out=out[:, start:stop], accumulate=True)
+        return out
     step = max(1, block_bytes // (4 * n))
     for start in range(0, k, step):
         stop = min(k, start + step)

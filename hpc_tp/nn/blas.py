@@ -178,7 +178,8 @@ def matmul(a, b, out=None, accumulate: bool = False):
     # -- few rows against a weight (decoding), and half-precision weights: ``kernels.small_m`` --
     if not accumulate and small_m.takes(a, b, out):
         return small_m.matmul(a, b, out)
-    if small_m.half_kind(b.dtype) != small_m.FULL and a.ndim == b.ndim == 2 and (out is None or out.dtype == numpy.float32):
+    if (small_m.half_kind(b.dtype) != small_m.FULL and a.ndim == b.ndim == 2
+            and (out is None or out.dtype == numpy.float32)):
         return small_m.widened_matmul(a, b, out, accumulate)
     # --
     if out is None:
