@@ -34,7 +34,7 @@ from ..nn import cpu_kernels
 MIN_FULL_ROWS, MAX_FULL_ROWS, MAX_ROWS = 4, 32, 64
 # Weights smaller than this (elements) stay in cache between calls: BLAS's product is as fast.
 MIN_WEIGHT = 1 << 15
-TILE_ROWS = 4  # input rows per pass (``a`` is padded with zero rows to a multiple)
+TILE_ROWS = 4  # input rows per pass (the rows past the last whole tile: one per pass)
 GROUP = 4  # weight rows (row-major) or columns (transposed) per pass: 4 products per accumulator load
 FULL, BF16, F16 = 0, 1, 2
 _F16_SCALE = numpy.float32(2.0 ** 112)  # moves a float16 exponent (bias 15) to float32's (bias 127)
@@ -99,8 +99,8 @@ def matmul(a, b, out=None):
     dtype = result_dtype(b.dtype)
     if out is None:
         out = numpy.empty((a.shape[0], b.shape[1]), dtype)
-    # Zero-padded to whole tiles (and half activations widened): M x K elements, small.
-    padded = numpy.zeros((-(-a.shape[0] // TILE_ROWS) * TILE_ROWS, -(-a.shape[1] // GROUP) * GROUP), dtype)
+    # Columns zero-padded to whole groups (and half activations widened): M x K elements, small.
+    padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
     padded[:a.shape[0], :a.shape[1]] = a
     stored = b if _layout(b) == "rows" else b.T
     flat = stored.reshape(-1)
@@ -182,11 +182,13 @@ def _stage_rows(weight, bits, kind, at, stride, count, width, scratch, pitch):
 
 @_jit
 def _rows_by_matrix(a, weight, bits, kind, zero, out):
-    """out = a @ W for W [K, N] row-major, flat in ``weight`` (or its half ``bits``); ``a`` is padded
-    with zeros to a multiple of TILE_ROWS rows and a multiple of GROUP columns."""
-    rows, m, n = a.shape[0], out.shape[0], out.shape[1]
+    """out = a @ W for W [K, N] row-major, flat in ``weight`` (or its half ``bits``); ``a``'s columns
+    are padded with zeros to a multiple of GROUP."""
+    rows, n = a.shape[0], out.shape[1]
+    whole = rows - rows % TILE_ROWS
     k = (weight.shape[0] if kind == FULL else bits.shape[0]) // n
     # rows x block accumulators fill ~32 KiB of float32 (L1) beside the weight rows being read
+    # (blocks capped at 1024 columns measured no faster: within this machine's noise)
     block = min(n, max(64, (8192 // rows) // 16 * 16))
     acc = numpy.empty(rows * block, out.dtype)
     scratch = numpy.empty(GROUP * block, out.dtype)
@@ -203,7 +205,7 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
             # Slices, not offset indexing: numba's index arithmetic keeps LLVM from vectorizing.
             w0, w1 = src[at:at + width], src[at + step:at + step + width]
             w2, w3 = src[at + 2 * step:at + 2 * step + width], src[at + 3 * step:at + 3 * step + width]
-            for r in range(0, rows, TILE_ROWS):  # each weight vector loaded once for four rows
+            for r in range(0, whole, TILE_ROWS):  # each weight vector loaded once for four rows
                 x0, x1, x2, x3 = a[r], a[r + 1], a[r + 2], a[r + 3]
                 a00, a01, a02, a03 = x0[p], x0[p + 1], x0[p + 2], x0[p + 3]
                 a10, a11, a12, a13 = x1[p], x1[p + 1], x1[p + 2], x1[p + 3]
@@ -217,7 +219,13 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
                     row1[j] += a10 * b0 + a11 * b1 + a12 * b2 + a13 * b3
                     row2[j] += a20 * b0 + a21 * b1 + a22 * b2 + a23 * b3
                     row3[j] += a30 * b0 + a31 * b1 + a32 * b2 + a33 * b3
-        for r in range(m):
+            for r in range(whole, rows):  # the rows after the last whole tile: one at a time
+                x0 = a[r]
+                a00, a01, a02, a03 = x0[p], x0[p + 1], x0[p + 2], x0[p + 3]
+                row0 = acc[r * block:r * block + width]
+                for j in range(width):
+                    row0[j] += a00 * w0[j] + a01 * w1[j] + a02 * w2[j] + a03 * w3[j]
+        for r in range(rows):
             out[r, start:start + width] = acc[r * block:r * block + width]
 
 
@@ -225,7 +233,8 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
 def _rows_by_transposed(a, weight, bits, kind, zero, out):
     """out = a @ E.T for E [N, K] row-major, flat in ``weight`` (or its half ``bits``); ``a`` is
     padded as for ``_rows_by_matrix``."""
-    rows, m, n = a.shape[0], out.shape[0], out.shape[1]
+    rows, n = a.shape[0], out.shape[1]
+    whole = rows - rows % TILE_ROWS
     k = (weight.shape[0] if kind == FULL else bits.shape[0]) // n
     scratch = numpy.empty(GROUP * k, out.dtype)
     sums = numpy.empty((TILE_ROWS, GROUP), out.dtype)
@@ -237,7 +246,7 @@ def _rows_by_transposed(a, weight, bits, kind, zero, out):
             _stage_rows(weight, bits, kind, c * k, k, group, k, scratch, k)
             src, at = scratch, 0
         e0, e1, e2, e3 = src[at:at + k], src[at + k:at + 2 * k], src[at + 2 * k:at + 3 * k], src[at + 3 * k:at + 4 * k]
-        for r in range(0, rows, TILE_ROWS):  # a 4 x 4 tile: eight vector loads for sixteen multiply-adds
+        for r in range(0, whole, TILE_ROWS):  # a 4 x 4 tile: eight vector loads for sixteen multiply-adds
             x0, x1, x2, x3 = a[r][:k], a[r + 1][:k], a[r + 2][:k], a[r + 3][:k]
             s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
             s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = zero
@@ -264,5 +273,15 @@ def _rows_by_transposed(a, weight, bits, kind, zero, out):
             sums[1, 0], sums[1, 1], sums[1, 2], sums[1, 3] = s10, s11, s12, s13
             sums[2, 0], sums[2, 1], sums[2, 2], sums[2, 3] = s20, s21, s22, s23
             sums[3, 0], sums[3, 1], sums[3, 2], sums[3, 3] = s30, s31, s32, s33
-            for i in range(min(TILE_ROWS, m - r)):
+            for i in range(TILE_ROWS):
                 out[r + i, c:c + group] = sums[i, :group]
+        for r in range(whole, rows):  # the rows after the last whole tile: one at a time
+            x0 = a[r][:k]
+            s00 = s01 = s02 = s03 = zero
+            for p in range(k):
+                s00 += x0[p] * e0[p]
+                s01 += x0[p] * e1[p]
+                s02 += x0[p] * e2[p]
+                s03 += x0[p] * e3[p]
+            sums[0, 0], sums[0, 1], sums[0, 2], sums[0, 3] = s00, s01, s02, s03
+            out[r, c:c + group] = sums[0, :group]
