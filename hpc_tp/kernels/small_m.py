@@ -188,7 +188,6 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
     whole = rows - rows % TILE_ROWS
     k = (weight.shape[0] if kind == FULL else bits.shape[0]) // n
     # rows x block accumulators fill ~32 KiB of float32 (L1) beside the weight rows being read
-    # (blocks capped at 1024 columns measured no faster: within this machine's noise)
     block = min(n, max(64, (8192 // rows) // 16 * 16))
     acc = numpy.empty(rows * block, out.dtype)
     scratch = numpy.empty(GROUP * block, out.dtype)
