@@ -38,7 +38,8 @@ TILE_ROWS = 4  # input rows per pass (the rows past the last whole tile: one per
 GROUP = 4  # weight rows (row-major) or columns (transposed) per pass: 4 products per accumulator load
 FULL, BF16, F16 = 0, 1, 2
 _F16_SCALE = numpy.float32(2.0 ** 112)  # moves a float16 exponent (bias 15) to float32's (bias 127)
-_NO_BITS = numpy.empty(0, numpy.uint16)
+_NO_BITS = numpy.empty(0, numpy.uint16)  # the operand a kernel call does not use
+_NO_FLOATS = numpy.empty(0, numpy.float32)
 
 
 def _half_kinds() -> dict:
@@ -99,14 +100,16 @@ def matmul(a, b, out=None):
     dtype = result_dtype(b.dtype)
     if out is None:
         out = numpy.empty((a.shape[0], b.shape[1]), dtype)
-    # Columns zero-padded to whole groups (and half activations widened): M x K elements, small.
-    padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
-    padded[:a.shape[0], :a.shape[1]] = a
+    if a.shape[1] % GROUP or a.dtype != dtype or not a.flags.c_contiguous:
+        # Columns zero-padded to whole groups (and half activations widened): M x K elements, small.
+        padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
+        padded[:, :a.shape[1]] = a
+        a = padded
     stored = b if _layout(b) == "rows" else b.T
     flat = stored.reshape(-1)
-    weight, bits = (flat, _NO_BITS) if kind == FULL else (numpy.empty(0, dtype), flat.view(numpy.uint16))
+    weight, bits = (flat, _NO_BITS) if kind == FULL else (_NO_FLOATS, flat.view(numpy.uint16))
     kernel = _rows_by_matrix if stored is b else _rows_by_transposed
-    kernel(padded, weight, bits, kind, dtype.type(0), out)
+    kernel(a, weight, bits, kind, dtype.type(0), out)
     return out
 
 
