@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per sequence (default %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default %(default)s")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"),
+                        help="weights, activations and KV cache; the half types sum products in float32 "
+                             "(default %(default)s)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="array backend: cuda puts each rank on its node-local GPU (default %(default)s)")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
@@ -44,9 +46,10 @@ def benchmark_decode(comm, cfg, batch: int, prompt_len: int, new_tokens: int, dt
     from ..models.gpt import GPTModel
     from ..serve.decoding import decode_stepper
     from ..serve.kv_cache import KVCache
+    from ..train.mixed_precision import resolve_dtype
 
     xp = backend.xp
-    model = GPTModel(cfg, comm, dtype=dtype, seed=seed)
+    model = GPTModel(cfg, comm, dtype=resolve_dtype(dtype), seed=seed)
     total = prompt_len + warmup + new_tokens
     cache = KVCache.for_model(model, batch, total)
     key_mask = numpy.zeros((batch, total), dtype=bool)

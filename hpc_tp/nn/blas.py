@@ -29,6 +29,7 @@ import numpy
 
 from ..backend import xp_of
 from ..errors import ConfigError
+from ..kernels import small_m
 from . import cublas
 
 # Below this many multiply-adds numpy's own call costs less than the ctypes one (64x256x64: numpy 117-124
@@ -170,9 +171,17 @@ def _device_matmul(a, b, out, accumulate: bool):
 def matmul(a, b, out=None, accumulate: bool = False):
     """``a @ b`` into ``out`` when given (``out += a @ b`` with ``accumulate``): 2-D arrays, or batches
     of matrices over broadcast leading dims (attention's heads). MKL takes the 2-D host products it
-    can, cuBLAS or cupy the device ones (``_device_matmul``), numpy the rest."""
+    can, cuBLAS or cupy the device ones (``_device_matmul``), numpy the rest; ``kernels.small_m``
+    the few-row ones against a weight and those with a half-precision weight (float32 sums)."""
     if xp_of(a) is not numpy:
         return _device_matmul(a, b, out, accumulate)
+    # -- few rows against a weight (decoding), and half-precision weights: ``kernels.small_m`` --
+    if not accumulate and small_m.takes(a, b, out):
+        return small_m.matmul(a, b, out)
+    if (small_m.half_kind(b.dtype) != small_m.FULL and a.ndim == b.ndim == 2
+            and (out is None or out.dtype == numpy.float32)):
+        return small_m.widened_matmul(a, b, out, accumulate)
+    # --
     if out is None:
         if accumulate:
             raise ValueError("accumulate needs out")

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 
-DTYPES = ("float32", "float64")
+# The half types keep weights, activations and the KV cache in 16 bits (half the memory and the bytes
+# each decode step reads); products sum in float32 (``kernels.small_m``), norms and softmax too.
+DTYPES = ("float32", "float64", "bfloat16", "float16")
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 
 
@@ -28,7 +30,9 @@ def add_model_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--ckpt", "--checkpoint", dest="ckpt", required=True, metavar="CKPT",
                         help="checkpoint step folder, or a root holding them (the latest is used)")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute precision (default %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="precision of weights and activations; bfloat16/float16 sum products in float32 "
+                             "(default %(default)s)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="array backend (default %(default)s)")
 
 
@@ -108,12 +112,13 @@ def load_for_inference(args, opened=None):
     from ..checkpoint import load_checkpoint
     from ..errors import ConfigError
     from ..models import GPTModel
+    from ..train.mixed_precision import resolve_dtype
     from ..train.tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
 
     grid, folder, cfg = opened or open_checkpoint(args)
     if not cfg.causal:
         raise ConfigError(f"checkpoint {folder} holds an encoder (causal=false): use `hpc-tp embed` for it")
-    model = GPTModel(cfg, grid.tp, dtype=args.dtype)
+    model = GPTModel(cfg, grid.tp, dtype=resolve_dtype(args.dtype))
     load_checkpoint(folder, model.state(), grid)
     tokenizer = load_tokenizer_dir(folder) if (folder / CONFIG_FILE).is_file() else ByteTokenizer()
     return grid, model, tokenizer

@@ -66,13 +66,14 @@ def load_encoder(args, opened=None):
     from ..checkpoint import load_checkpoint
     from ..errors import ConfigError
     from ..models.bert import BertModel
+    from ..train.mixed_precision import resolve_dtype
     from .command import open_checkpoint
 
     grid, folder, cfg = opened or open_checkpoint(args)
     if cfg.family != "bert":
         raise ConfigError(f"checkpoint {folder} holds a {cfg.family} decoder: embed needs a BERT encoder "
                           "(use `hpc-tp generate` for decoders)")
-    model = BertModel(cfg, grid.tp, dtype=args.dtype)
+    model = BertModel(cfg, grid.tp, dtype=resolve_dtype(args.dtype))
     model.rng.training = False
     load_checkpoint(folder, model.state(), grid)
     tokenizer = None
@@ -176,12 +177,14 @@ def pad_id_of(tokenizer) -> int:
 
 
 def encode_batch(model, rows: list[dict], pad_id: int):
-    """Final token states [B, T, hidden] of ``rows`` ({ids, type_ids}) padded together, and the key
-    mask (host); collective over the model's tp group."""
+    """Final token states [B, T, hidden] of ``rows`` ({ids, type_ids}) padded together (at least float32),
+    and the key mask (host); collective over the model's tp group."""
     from .. import backend
 
     ids, type_ids, mask = pad_batch(rows, pad_id)
     states, _ = model.forward(*(backend.xp.asarray(a) for a in (ids, mask, type_ids)))
+    if states.dtype.itemsize < 4:  # half precision: the mean sums in float32, and JSON writes float32's digits
+        states = states.astype("float32")
     return states, mask
 
 

@@ -42,12 +42,13 @@ def _flat(x):
     return x.reshape(-1, x.shape[-1])
 
 
-def product(a, b):
-    """``a @ b`` (``a`` [..., k], ``b`` [k, n]) in ``a``'s dtype, through ``nn.blas``: numpy's
-    bfloat16 (ml_dtypes) product comes back float32, and activations keep the model's dtype
-    (pipeline messages and buffers are allocated for it)."""
+def product(a, b, keep_sums: bool = False):
+    """``a @ b`` (``a`` [..., k], ``b`` [k, n]) in ``a``'s dtype, through ``nn.blas``: a product of
+    half-precision operands comes back as float32 sums, and activations keep the model's dtype
+    (pipeline messages and buffers are allocated for it). ``keep_sums``: return those float32 sums
+    as they are (partial products that are summed over tp before they are rounded)."""
     y = blas.matmul(_flat(a), b).reshape(a.shape[:-1] + (b.shape[1],))
-    return y if y.dtype == a.dtype else y.astype(a.dtype)
+    return y if y.dtype == a.dtype or keep_sums else y.astype(a.dtype)
 
 
 def add_weight_grad(grad, x2, dy2):
@@ -145,8 +146,10 @@ class RowParallelLinear(Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = local_chunk(x, self.comm)
-        y = product(x, self.weight.data)
-        self.comm.all_reduce(y)  # g: sum the partial products
+        # g: sum the partial products; half ones in float32 and rounded once, as one process rounds them
+        y = product(x, self.weight.data, keep_sums=self.comm.size > 1)
+        self.comm.all_reduce(y)
+        y = y.astype(x.dtype, copy=False)
         if self.bias is not None:
             y += self.bias.data
         return y, x

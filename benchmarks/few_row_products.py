@@ -1,0 +1,72 @@
+"""Decode-shaped products, BLAS against ``kernels.small_m``, alternating in one run: [M, K] @ W for the
+135M llama model's MLP weights and its tied head (a transposed view of the [49152, 576] embedding),
+float32 through ``nn.blas``'s BLAS path and through the few-row kernel, and bfloat16 weights through
+the kernel.
+
+    OMP_NUM_THREADS=1 python benchmarks/few_row_products.py [--rows 1,8,32] [--rounds 3]
+
+Each call takes the next of several copies of the weight (128 MiB in all), so the weight comes from
+memory as in a decode step, not from cache. Times are the thread's CPU time per product, the best of
+``--repeats`` passes over the copies, and each line gives the range of that best over the rounds
+(CPU time rather than wall time: on a shared machine a descheduled thread is not the kernel's cost;
+memory traffic of other processes still is). GB/s: the weight's bytes over the best time.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy
+
+SHAPES = {"mlp in [576, 3072]": (576, 3072, False), "mlp out [1536, 576]": (1536, 576, False),
+          "head [576, 49152] (E.T)": (576, 49152, True)}
+
+
+def best_seconds(product, weights, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for w in weights:
+            product(w)
+        best = min(best, (time.thread_time() - start) / len(weights))
+    return best
+
+
+def main():
+    import ml_dtypes
+
+    from hpc_tp.kernels import small_m
+    from hpc_tp.nn import blas
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8,32", help="values of M (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="passes per round (default %(default)s)")
+    args = parser.parse_args()
+    rng = numpy.random.default_rng(0)
+    for name, (k, n, transposed) in SHAPES.items():
+        copies = max(1, (128 << 20) // (4 * k * n))
+        stored = [rng.standard_normal((n, k) if transposed else (k, n)).astype(numpy.float32) for _ in range(copies)]
+        full = [w.T if transposed else w for w in stored]
+        half = [w.astype(ml_dtypes.bfloat16).T if transposed else w.astype(ml_dtypes.bfloat16) for w in stored]
+        for m in (int(r) for r in args.rows.split(",")):
+            a = rng.standard_normal((m, k)).astype(numpy.float32)
+            out = numpy.empty((m, n), numpy.float32)
+            # nn.blas's MKL call as it was before the few-row kernels (numpy where MKL is missing)
+            ways = {"blas f32": (lambda w: blas._mkl_gemm(a, w, out, 0.0) or numpy.matmul(a, w, out=out), full),
+                    "small_m f32": (lambda w: small_m.matmul(a, w, out), full),
+                    "small_m bf16": (lambda w: small_m.matmul(a, w, out), half)}
+            times = {way: [] for way in ways}
+            for _ in range(args.rounds):
+                for way, (product, weights) in ways.items():
+                    times[way].append(best_seconds(product, weights, args.repeats))
+            parts = []
+            for way, seconds in times.items():
+                gigabytes = (ways[way][1][0].nbytes) / 1e9
+                parts.append(f"{way} {min(seconds) * 1e3:.3f}-{max(seconds) * 1e3:.3f} ms "
+                             f"({gigabytes / min(seconds):.1f} GB/s)")
+            print(f"{name} M={m}: " + ", ".join(parts), flush=True)
+
+
+if __name__ == "__main__":
+    main()

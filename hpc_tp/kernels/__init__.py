@@ -1,0 +1,1 @@
+"""CPU compute kernels: matrix products and the fused memory-bound pieces of a block."""

@@ -1,0 +1,289 @@
+"""Products of a few rows against a weight (decoding): ``out = a @ w`` for ``a`` [M <= 64, K], each
+weight element read from memory once for all M rows.
+
+A decode step multiplies one row per sequence by every weight: a few flops per weight byte, so the
+step runs at the speed weights stream from memory. MKL's GEMM packs ``w`` into blocks before it
+multiplies; for a few rows that packing is the work, and [8, 576] @ [576, 3072] took 1.11 ms
+against 0.17 ms for one row. The kernels here read ``w`` as it is stored:
+
+* ``w`` row-major [K, N] (the linear layers' weights): a block of output columns is accumulated in
+  cache over the rows of ``w``, four at a time, so each weight row segment is used by every
+  input row while it is in L1;
+* ``w`` a transposed view of a row-major [N, K] (the tied LM head ``h @ E.T``): four rows of ``E``
+  at a time, each dotted with every input row (``a`` stays in L1).
+
+Weights may also be kept in half precision (``bfloat16`` from ml_dtypes, or ``float16``): the
+kernel widens each group of weight rows to float32 in cache as it reads them (a bfloat16 is the
+upper half of a float32; a float16 is rebuilt from its bits, subnormals and inf included), so
+memory holds and moves half the bytes and every sum runs in float32. Sums run in the output's
+precision (float32, or float64 for float64 weights), in another order than BLAS's: the result
+matches numpy's product to rounding.
+
+Without numba (or with ``HPC_TP_CPU_KERNELS=0``) ``takes`` answers False and ``nn.blas`` keeps its
+BLAS path (half weights: ``widened_matmul``).
+"""
+from __future__ import annotations
+
+import numpy
+
+from ..nn import cpu_kernels
+
+# Rows it takes: for float32/float64 weights MKL's GEMV is as fast for one row and its GEMM for many
+# (the ranges are where these kernels were faster, measured on the 135M model's shapes); half weights
+# have no BLAS, so these kernels take every product up to MAX_ROWS rows.
+MIN_FULL_ROWS, MAX_FULL_ROWS, MAX_ROWS = 4, 32, 64
+# Weights smaller than this (elements) stay in cache between calls: BLAS's product is as fast.
+MIN_WEIGHT = 1 << 15
+TILE_ROWS = 4  # input rows per pass (the rows past the last whole tile: one per pass)
+GROUP = 4  # weight rows (row-major) or columns (transposed) per pass: 4 products per accumulator load
+FULL, BF16, F16 = 0, 1, 2
+_F16_SCALE = numpy.float32(2.0 ** 112)  # moves a float16 exponent (bias 15) to float32's (bias 127)
+_NO_BITS = numpy.empty(0, numpy.uint16)  # the operand a kernel call does not use
+_NO_FLOATS = numpy.empty(0, numpy.float32)
+
+
+def _half_kinds() -> dict:
+    kinds = {numpy.dtype("float16"): F16}
+    try:
+        import ml_dtypes
+    except ImportError:  # no bfloat16 arrays without it
+        return kinds
+    kinds[numpy.dtype(ml_dtypes.bfloat16)] = BF16
+    return kinds
+
+
+# By dtype object: a dtype's ``name`` is computed in Python, and this is asked on every product.
+_HALF_KINDS = _half_kinds()
+
+
+def half_kind(dtype) -> int:
+    """FULL for float32/float64 weights, BF16 or F16 for the half types (kept as their bits)."""
+    return _HALF_KINDS.get(dtype, FULL)
+
+
+def result_dtype(b_dtype):
+    """The dtype of ``a @ b`` here: float32 for half weights (sums in float32), else ``b``'s own."""
+    return numpy.dtype("float32") if half_kind(b_dtype) != FULL else numpy.dtype(b_dtype)
+
+
+def _layout(b):
+    """"rows" for a row-major [K, N], "transposed" for the transposed view of a row-major [N, K], else None."""
+    if b.flags.c_contiguous:
+        return "rows"
+    if b.T.flags.c_contiguous:
+        return "transposed"
+    return None
+
+
+def takes(a, b, out=None) -> bool:
+    """True when the few-row kernels compute ``a @ b`` (into ``out``): numpy 2-D operands, a number
+    of rows in the ranges above, a weight of MIN_WEIGHT elements or more stored whole (row-major, or
+    a transposed view of one), float32/float64 (``a`` of ``b``'s dtype) or half weights."""
+    if not cpu_kernels.ENABLED or not (isinstance(a, numpy.ndarray) and isinstance(b, numpy.ndarray)):
+        return False
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or b.size < MIN_WEIGHT:
+        return False
+    if half_kind(b.dtype) == FULL:
+        if b.dtype not in cpu_kernels.DTYPES or a.dtype != b.dtype or not MIN_FULL_ROWS <= a.shape[0] <= MAX_FULL_ROWS:
+            return False
+    elif a.dtype.kind not in "fV" or a.shape[0] > MAX_ROWS:
+        return False
+    if out is not None and (out.dtype != result_dtype(b.dtype) or not out.flags.c_contiguous
+                            or out.shape != (a.shape[0], b.shape[1])):
+        return False
+    return _layout(b) is not None
+
+
+def matmul(a, b, out=None):
+    """``a @ b`` into ``out`` (allocated when None) for operands ``takes`` accepts."""
+    kind = half_kind(b.dtype)
+    dtype = result_dtype(b.dtype)
+    if out is None:
+        out = numpy.empty((a.shape[0], b.shape[1]), dtype)
+    if a.shape[1] % GROUP or a.dtype != dtype or not a.flags.c_contiguous:
+        # Columns zero-padded to whole groups (and half activations widened): M x K elements, small.
+        padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
+        padded[:, :a.shape[1]] = a
+        a = padded
+    stored = b if _layout(b) == "rows" else b.T
+    flat = stored.reshape(-1)
+    weight, bits = (flat, _NO_BITS) if kind == FULL else (_NO_FLOATS, flat.view(numpy.uint16))
+    kernel = _rows_by_matrix if stored is b else _rows_by_transposed
+    kernel(a, weight, bits, kind, dtype.type(0), out)
+    return out
+
+
+def widened_matmul(a, b, out=None, accumulate: bool = False, block_bytes: int = 4 << 20):
+    """``a @ b`` for a half-precision ``b`` with many rows (prefill) or without numba: ``b`` is widened
+    to float32 a block at a time (``block_bytes`` of float32; blocks of its rows, or of its columns
+    when it is a transposed view) and each block's product is summed by BLAS, so no float32 copy of
+    the whole weight is made. Returns float32."""
+    from ..nn import blas  # imports this module: here, not at the top
+
+    k, n = b.shape
+    if out is None:
+        out = numpy.zeros((a.shape[0], n), numpy.float32)
+    elif not accumulate:
+        out[...] = 0
+    a = a.astype(numpy.float32, copy=False)
+    if _layout(b) == "transposed":  # b's columns are the stored rows: widen runs of them
+        step = max(1, block_bytes // (4 * k))
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            blas.matmul(a, b[:, start:stop].astype(numpy.float32), out=out[:, start:stop], accumulate=True)
+        return out
+    step = max(1, block_bytes // (4 * n))
+    for start in range(0, k, step):
+        stop = min(k, start + step)
+        blas.matmul(a[:, start:stop], b[start:stop].astype(numpy.float32), out=out, accumulate=True)
+    return out
+
+
+if cpu_kernels.ENABLED:
+    _jit = cpu_kernels.numba.njit(cache=True, nogil=True, fastmath={"contract", "reassoc", "nsz", "arcp"})
+else:  # never called: ``takes`` answers False without numba
+    def _jit(function):
+        return function
+
+
+@_jit
+def _widen(bits, out, kind):
+    """out[:] = the half-precision values with bit patterns ``bits`` (same length) as float32."""
+    wide = out.view(numpy.uint32)
+    if kind == BF16:
+        for i in range(bits.shape[0]):
+            wide[i] = numpy.uint32(bits[i]) << 16
+        return
+    # float16: exponent and mantissa shifted into place, then scaled by 2^112 (rebuilds the
+    # exponent's bias, and subnormals come out normalized); inf and nan get float32's all-ones
+    # exponent, and the sign its bit.
+    for i in range(bits.shape[0]):
+        wide[i] = (numpy.uint32(bits[i]) & 0x7FFF) << 13
+    for i in range(bits.shape[0]):
+        out[i] *= _F16_SCALE
+    for i in range(bits.shape[0]):
+        h = numpy.uint32(bits[i])
+        special = numpy.uint32(0x7F800000) if (h & 0x7C00) == 0x7C00 else numpy.uint32(0)
+        wide[i] |= ((h & 0x8000) << 16) | special
+
+
+@_jit
+def _stage_rows(weight, bits, kind, at, stride, count, width, scratch, pitch):
+    """Rows ``at + g * stride`` (g < count, ``width`` elements each) of the flat weight into
+    ``scratch`` rows ``g * pitch``, as float32 where they are half; the GROUP - count rows past the
+    weight's end are zeros, so every group is multiplied by the same full-width code."""
+    for g in range(GROUP):
+        dst = scratch[g * pitch:g * pitch + width]
+        first = at + g * stride
+        if g >= count:
+            dst[:] = 0
+        elif kind == FULL:
+            dst[:] = weight[first:first + width]
+        else:
+            _widen(bits[first:first + width], dst, kind)
+
+
+@_jit
+def _rows_by_matrix(a, weight, bits, kind, zero, out):
+    """out = a @ W for W [K, N] row-major, flat in ``weight`` (or its half ``bits``); ``a``'s columns
+    are padded with zeros to a multiple of GROUP."""
+    rows, n = a.shape[0], out.shape[1]
+    whole = rows - rows % TILE_ROWS
+    k = (weight.shape[0] if kind == FULL else bits.shape[0]) // n
+    # rows x block accumulators fill ~32 KiB of float32 (L1) beside the weight rows being read
+    block = min(n, max(64, (8192 // rows) // 16 * 16))
+    acc = numpy.empty(rows * block, out.dtype)
+    scratch = numpy.empty(GROUP * block, out.dtype)
+    for start in range(0, n, block):
+        width = min(block, n - start)
+        acc[:] = zero
+        for p in range(0, k, GROUP):
+            group = min(GROUP, k - p)
+            if kind == FULL and group == GROUP:
+                src, at, step = weight, p * n + start, n
+            else:
+                _stage_rows(weight, bits, kind, p * n + start, n, group, width, scratch, block)
+                src, at, step = scratch, 0, block
+            # Slices, not offset indexing: numba's index arithmetic keeps LLVM from vectorizing.
+            w0, w1 = src[at:at + width], src[at + step:at + step + width]
+            w2, w3 = src[at + 2 * step:at + 2 * step + width], src[at + 3 * step:at + 3 * step + width]
+            for r in range(0, whole, TILE_ROWS):  # each weight vector loaded once for four rows
+                x0, x1, x2, x3 = a[r], a[r + 1], a[r + 2], a[r + 3]
+                a00, a01, a02, a03 = x0[p], x0[p + 1], x0[p + 2], x0[p + 3]
+                a10, a11, a12, a13 = x1[p], x1[p + 1], x1[p + 2], x1[p + 3]
+                a20, a21, a22, a23 = x2[p], x2[p + 1], x2[p + 2], x2[p + 3]
+                a30, a31, a32, a33 = x3[p], x3[p + 1], x3[p + 2], x3[p + 3]
+                row0, row1 = acc[r * block:r * block + width], acc[(r + 1) * block:(r + 1) * block + width]
+                row2, row3 = acc[(r + 2) * block:(r + 2) * block + width], acc[(r + 3) * block:(r + 3) * block + width]
+                for j in range(width):
+                    b0, b1, b2, b3 = w0[j], w1[j], w2[j], w3[j]
+                    row0[j] += a00 * b0 + a01 * b1 + a02 * b2 + a03 * b3
+                    row1[j] += a10 * b0 + a11 * b1 + a12 * b2 + a13 * b3
+                    row2[j] += a20 * b0 + a21 * b1 + a22 * b2 + a23 * b3
+                    row3[j] += a30 * b0 + a31 * b1 + a32 * b2 + a33 * b3
+            for r in range(whole, rows):  # the rows after the last whole tile: one at a time
+                x0 = a[r]
+                a00, a01, a02, a03 = x0[p], x0[p + 1], x0[p + 2], x0[p + 3]
+                row0 = acc[r * block:r * block + width]
+                for j in range(width):
+                    row0[j] += a00 * w0[j] + a01 * w1[j] + a02 * w2[j] + a03 * w3[j]
+        for r in range(rows):
+            out[r, start:start + width] = acc[r * block:r * block + width]
+
+
+@_jit
+def _rows_by_transposed(a, weight, bits, kind, zero, out):
+    """out = a @ E.T for E [N, K] row-major, flat in ``weight`` (or its half ``bits``); ``a`` is
+    padded as for ``_rows_by_matrix``."""
+    rows, n = a.shape[0], out.shape[1]
+    whole = rows - rows % TILE_ROWS
+    k = (weight.shape[0] if kind == FULL else bits.shape[0]) // n
+    scratch = numpy.empty(GROUP * k, out.dtype)
+    sums = numpy.empty((TILE_ROWS, GROUP), out.dtype)
+    for c in range(0, n, GROUP):
+        group = min(GROUP, n - c)
+        if kind == FULL and group == GROUP:
+            src, at = weight, c * k
+        else:
+            _stage_rows(weight, bits, kind, c * k, k, group, k, scratch, k)
+            src, at = scratch, 0
+        e0, e1, e2, e3 = src[at:at + k], src[at + k:at + 2 * k], src[at + 2 * k:at + 3 * k], src[at + 3 * k:at + 4 * k]
+        for r in range(0, whole, TILE_ROWS):  # a 4 x 4 tile: eight vector loads for sixteen multiply-adds
+            x0, x1, x2, x3 = a[r][:k], a[r + 1][:k], a[r + 2][:k], a[r + 3][:k]
+            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
+            s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = zero
+            for p in range(k):
+                b0, b1, b2, b3 = e0[p], e1[p], e2[p], e3[p]
+                y0, y1, y2, y3 = x0[p], x1[p], x2[p], x3[p]
+                s00 += y0 * b0
+                s01 += y0 * b1
+                s02 += y0 * b2
+                s03 += y0 * b3
+                s10 += y1 * b0
+                s11 += y1 * b1
+                s12 += y1 * b2
+                s13 += y1 * b3
+                s20 += y2 * b0
+                s21 += y2 * b1
+                s22 += y2 * b2
+                s23 += y2 * b3
+                s30 += y3 * b0
+                s31 += y3 * b1
+                s32 += y3 * b2
+                s33 += y3 * b3
+            sums[0, 0], sums[0, 1], sums[0, 2], sums[0, 3] = s00, s01, s02, s03
+            sums[1, 0], sums[1, 1], sums[1, 2], sums[1, 3] = s10, s11, s12, s13
+            sums[2, 0], sums[2, 1], sums[2, 2], sums[2, 3] = s20, s21, s22, s23
+            sums[3, 0], sums[3, 1], sums[3, 2], sums[3, 3] = s30, s31, s32, s33
+            for i in range(TILE_ROWS):
+                out[r + i, c:c + group] = sums[i, :group]
+        for r in range(whole, rows):  # the rows after the last whole tile: one at a time
+            x0 = a[r][:k]
+            s00 = s01 = s02 = s03 = zero
+            for p in range(k):
+                s00 += x0[p] * e0[p]
+                s01 += x0[p] * e1[p]
+                s02 += x0[p] * e2[p]
+                s03 += x0[p] * e3[p]
+            sums[0, 0], sums[0, 1], sums[0, 2], sums[0, 3] = s00, s01, s02, s03
+            out[r, c:c + group] = sums[0, :group]

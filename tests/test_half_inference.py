@@ -1,0 +1,94 @@
+"""Inference with half-precision weights (``--dtype bfloat16|float16``): prefill and KV-cached decode
+steps at tp = the world size give one process's logits at the same precision, and stay close to
+float32's; products run through ``kernels.small_m`` (few rows) and its blockwise widening (prefill)."""
+import json
+
+import numpy as np
+import pytest
+
+from hpc_tp.models import GPTModel, ModelConfig
+from hpc_tp.serve.generate import left_pad
+from hpc_tp.serve.kv_cache import KVCache
+from hpc_tp.train.mixed_precision import resolve_dtype
+from test_generate import CONFIGS, PROMPTS, larger_weights
+from tp_helpers import max_rel_err, tp_and_reference
+
+pytestmark = pytest.mark.mpi(min_size=1)
+pytest.importorskip("ml_dtypes")
+
+# A vocabulary and MLP large enough that the head and fc1 take the few-row kernels at tp <= 2, and
+# the blockwise widening elsewhere.
+CONFIG = dict(CONFIGS["llama-gqa"], vocab_size=600, hidden=64, ffn_hidden=600)
+STEPS = 3
+# Across tp the row-parallel partial products are summed in float32 and rounded once, as one process
+# rounds its whole product; only the order of the float32 sums differs, so a value at a rounding
+# boundary of the 16-bit activations rounds the other way now and then (largest seen at tp = 2 and 4:
+# 3.1e-6 bfloat16; 8.8e-4 float16, about one float16 step of the logits).
+SAME_PRECISION = {"bfloat16": 1e-4, "float16": 3e-3}
+# Against float32: every activation keeps 8 bits of mantissa (bfloat16) or 11 (float16); largest
+# seen 3.5e-2 and 1.3e-2 with these weights (std 0.3, larger than a trained model's).
+AGAINST_FLOAT32 = {"bfloat16": 6e-2, "float16": 2.5e-2}
+
+
+def _logits(comm, dtype):
+    """Prefill logits of PROMPTS (left-padded) at their real tokens, then STEPS decode steps', as float64."""
+    model = larger_weights(GPTModel(ModelConfig(**CONFIG), comm, dtype=resolve_dtype(dtype), seed=4))
+    tokens, key_mask, positions = left_pad(PROMPTS, STEPS, pad_id=0)
+    width = tokens.shape[1]
+    cache = KVCache.for_model(model, len(PROMPTS), width + STEPS)
+    prefill = model.infer(tokens, positions, key_mask[:, :width], cache, all_positions=True)
+    out = [prefill[key_mask[:, :width]]]
+    ids, lens = np.argmax(np.asarray(prefill[:, -1], np.float32), axis=-1), np.array([len(p) for p in PROMPTS])
+    for s in range(STEPS):
+        key_mask[:, width + s] = True
+        out.append(model.infer(ids[:, None], (lens + s)[:, None], key_mask[:, :width + s + 1], cache))
+        ids = (ids * 7 + 3) % CONFIG["vocab_size"]  # fixed follow-ups: every run feeds the same tokens
+    return [np.asarray(o, np.float64) for o in out]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tp_gives_one_process_logits_at_the_same_precision(dtype):
+    tp, one = tp_and_reference()
+    for step, (got, want) in enumerate(zip(_logits(tp, dtype), _logits(one, dtype))):
+        assert max_rel_err(got, want) <= SAME_PRECISION[dtype], f"step {step}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_logits_close_to_float32(dtype):
+    tp, _ = tp_and_reference()
+    for step, (got, want) in enumerate(zip(_logits(tp, dtype), _logits(tp, "float32"))):
+        assert max_rel_err(got, want) <= AGAINST_FLOAT32[dtype], f"step {step}"
+
+
+def test_generate_command_loads_a_checkpoint_in_bfloat16(tmp_path):
+    """``hpc-tp generate --dtype bfloat16`` rounds the checkpoint's weights to 16 bits (half float32's
+    bytes) and writes the completions the same model gives in-process at the same tp."""
+    from hpc_tp.cli import main
+    from hpc_tp.comm.mpi import world
+    from hpc_tp.grid import ProcessGrid
+    from hpc_tp.serve.command import load_for_inference
+    from hpc_tp.serve.generate import Engine
+    from hpc_tp.serve.sampling import SamplingParams
+    from hpc_tp.train.tokenizer import ByteTokenizer
+    from test_generate import write_checkpoint
+
+    comm = world()
+    folder = comm.bcast_object(tmp_path if comm.rank == 0 else None)
+    ckpt = write_checkpoint(folder / "ckpt", "llama-gqa", ProcessGrid(tp=comm.size, world=comm), ByteTokenizer())
+    texts = ["Hello", "tensor parallel", "x"]
+    if comm.rank == 0:
+        (folder / "in.jsonl").write_text("".join(f'{{"prompt": "{t}"}}\n' for t in texts))
+    comm.barrier()
+    assert main(["generate", "--ckpt", str(ckpt), "--prompts", str(folder / "in.jsonl"), "--out",
+                 str(folder / "out.jsonl"), "--max-new-tokens", "5", "--dtype", "bfloat16"]) == 0
+    comm.barrier()
+    got = (folder / "out.jsonl").read_text().splitlines()
+    args = type("Args", (), {"ckpt": str(ckpt), "tp": None, "dtype": "bfloat16", "device": "cpu"})()
+    _, model, tokenizer = load_for_inference(args)
+    full = GPTModel(ModelConfig(**CONFIGS["llama-gqa"]), comm, dtype="float32")
+    assert model.local_bytes() * 2 == full.local_bytes()
+    lead = comm.rank == 0  # the engine takes the prompts on world rank 0 and answers there
+    out = Engine(model, tokenizer).generate([list(t.encode()) for t in texts] if lead else None,
+                                            [SamplingParams(max_new_tokens=5)] * len(texts) if lead else None)
+    if lead:
+        assert [json.loads(line)["completion"] for line in got] == [w.text for w in out[0]]
