@@ -108,3 +108,53 @@ def test_train_job_tp_inside_pp_across_two_nodes(cluster, launcher):
     assert "on node[1-2]: 4 ranks" in out
     assert "spans" not in out, "tp=2 with 2 ranks per node stays inside a node: no warning"
     assert_same_losses(logged_losses(log), one_process_losses(steps))
+
+
+# ------------------------------------------------------------------ a node lost mid-run
+
+@pytest.mark.timeout(400)
+def test_node_lost_mid_run_then_resume_smaller_on_the_nodes_left(cluster):
+    """node2 (ranks 2-3 of tp=2 x pp=2) is killed, slurmd and ranks, after the first checkpoints: the job
+    ends within a bound naming node2 and its ranks, the latest checkpoint verifies, and train.sbatch
+    resubmitted on node1 alone at tp=2 x pp=1 resumes from it with the losses of an uninterrupted run."""
+    import time
+
+    from hpc_tp.checkpoint.read import describe_checkpoint, verify_checkpoint
+
+    jobs, steps = cluster.dir / "jobs", 30
+    save, out = jobs / "lost-ckpt", jobs / "lost.out"
+    settings = train_settings(save, jobs / "lost.jsonl", steps, tp=2, pp=2)
+    settings["save_every"] = 5
+    job = cluster.sbatch(JOBS / "train.sbatch", "--job-name=lost", f"--output={out}", "--nodes=2",
+                         "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                         env=job_env(cluster, launcher="srun", **settings))
+    deadline = time.monotonic() + 180
+    while not (save / "step-000010").exists():
+        assert time.monotonic() < deadline and cluster.job_info(job).get("JobState") in ("PENDING", "RUNNING"), \
+            out.read_text(errors="replace") if out.exists() else "(no output)"
+        time.sleep(0.2)
+    try:
+        killed = time.monotonic()
+        cluster.kill_node("node2")
+        info = cluster.wait(job, timeout=120)
+        ended_after = time.monotonic() - killed
+        text = out.read_text(errors="replace")
+        print(f"node2 killed: job {info['JobState']} {info['ExitCode']} {ended_after:.1f} s later")
+        assert info["JobState"] == "FAILED", text
+        assert "node node2 was lost during the job step (ranks 2-3 ran there)" in text
+        assert ended_after < 90, f"the job took {ended_after:.0f} s to end after the node was lost"
+        latest = describe_checkpoint(str(save))
+        assert not verify_checkpoint(latest["path"]), f"{latest['path']} does not verify"
+
+        resumed_log = jobs / "lost-resumed.jsonl"
+        settings = train_settings(save, resumed_log, steps, tp=2, pp=1)
+        info, text = run_job(cluster, JOBS / "train.sbatch", "lost-resumed", "--nodes=1", "--ntasks-per-node=2",
+                             "--cpus-per-task=1", "--time=10", "--exclude=node2",
+                             env=job_env(cluster, launcher="srun", **settings), timeout=240)
+        assert info["JobState"] == "COMPLETED", text
+        stopped = latest["step"]
+        assert f"resumed from {save}/step-{stopped:06d} at step {stopped}" in text, text
+        expected = one_process_losses(steps)
+        assert_same_losses(logged_losses(resumed_log), expected[stopped:], tolerance=1e-9)
+    finally:
+        cluster.revive_node("node2")

@@ -242,6 +242,13 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         pid = self.pids().get(f"slurmd-{node}")
         _terminate_now(([pid] if pid else []) + pids)
 
+    def revive_node(self, node: str, timeout: float = 30.0):
+        """A lost node back in service: its slurmd again, and slurmctld told to use it (State=RESUME)."""
+        self._start_slurmd(node)
+        self._wait_for(lambda: self.node_states().get(node) in ("idle", "down"), timeout, f"{node} to register")
+        self._run("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)
+        self._wait_for(lambda: self.node_states().get(node) == "idle", timeout, f"{node} to be idle")
+
     def stop(self, timeout: float = 15.0):
         """Jobs cancelled, daemons by pid (the slurmds in parallel), then whatever is left in the
         namespaces, then the network. Idempotent; works from DIR alone (the command line's `down`)."""
