@@ -158,3 +158,61 @@ def test_node_lost_mid_run_then_resume_smaller_on_the_nodes_left(cluster):
         assert_same_losses(logged_losses(resumed_log), expected[stopped:], tolerance=1e-9)
     finally:
         cluster.revive_node("node2")
+
+
+# ------------------------------------------------------------------ dp across nodes, tp across nodes
+
+@pytest.mark.timeout(240)
+def test_zero1_dp_across_nodes_tp_inside(cluster):
+    """tp=2 on each node, dp=2 across them with the optimizer states sharded over dp (ZeRO-1)."""
+    jobs, steps = cluster.dir / "jobs", 4
+    settings = train_settings(jobs / "zero-ckpt", jobs / "zero.jsonl", steps, tp=2, pp=1, dp=2,
+                              extra="--distributed-optimizer")
+    info, out = run_job(cluster, JOBS / "train.sbatch", "zero", "--nodes=2", "--ntasks-per-node=2",
+                        "--cpus-per-task=1", "--time=5", env=job_env(cluster, launcher="srun", **settings))
+    assert info["JobState"] == "COMPLETED", out
+    assert "spans" not in out
+    assert_same_losses(logged_losses(jobs / "zero.jsonl"), one_process_losses(steps))
+
+
+def hpc_tp_step(cluster, *args, nodes=2, per_node=1, timeout=120):
+    """`srun --mpi=pmix hpc-tp ARGS` over ``nodes`` nodes: one job step, output and exit status."""
+    env = job_env(cluster)
+    env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    return cluster.srun("--mpi=pmix", f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--cpus-per-task=1",
+                        str(VENV / "bin" / "hpc-tp"), *args, timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(240)
+def test_tp_across_nodes_runs_and_warns(cluster):
+    """One rank per node and tp=2: every all-reduce crosses the network. It trains, with the losses of
+    one process, and says so; `bench step` (tp = the world) says so too."""
+    log = cluster.dir / "jobs" / "tp-across.jsonl"
+    train = hpc_tp_step(cluster, "train", "--model", "tiny", "--tp", "2", "--micro-batch", "4", "--global-batch", "8",
+                        "--seq-len", "16", "--steps", "3", "--lr", "3e-3", "--dtype", "float64", "--eval-problems", "4",
+                        "--samples", "0", "--log", str(log))
+    assert train.returncode == 0, train.stdout + train.stderr
+    assert "a tensor-parallel group of 2 ranks spans 2 nodes" in train.stderr
+    assert_same_losses(logged_losses(log), one_process_losses(3))
+    bench = hpc_tp_step(cluster, "bench", "step", "--model", "tiny", "--seq-len", "16", "--micro-batch", "2",
+                        "--repeats", "1", "--warmup", "0")
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    assert "a tensor-parallel group of 2 ranks spans 2 nodes" in bench.stderr
+    assert "hpc-tp bench step" in bench.stdout
+
+
+def test_planner_keeps_tp_inside_a_node_when_a_layout_fits():
+    """Even with a network as fast as the node's links, tp across nodes is not proposed while a layout
+    with tp inside a node fits (no cluster needed: the planner alone)."""
+    from dataclasses import replace
+
+    from hpc_tp.models.config import load_config
+    from hpc_tp.plan.clusters import get_cluster
+    from hpc_tp.plan.search import search
+
+    base = get_cluster("cpu-2core")
+    plan = search(load_config("tiny"), 4, 8, 16, replace(base, devices_per_node=2, inter_bw=base.intra_bw))
+    assert plan.ranked and all(p.layout.tp <= 2 for p in plan.ranked)
+    assert any(r.kind == "nodes" and r.layout["tp"] == 4 for r in plan.rejected)
+    one_per_node = search(load_config("tiny"), 2, 8, 16, replace(base, devices_per_node=1))
+    assert all(p.layout.tp == 1 for p in one_per_node.ranked)
