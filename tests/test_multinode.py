@@ -8,6 +8,7 @@ Every wait is bounded; the cluster (daemons, namespaces, bridge) is removed when
 whatever happened.
 """
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -216,3 +217,70 @@ def test_planner_keeps_tp_inside_a_node_when_a_layout_fits():
     assert any(r.kind == "nodes" and r.layout["tp"] == 4 for r in plan.rejected)
     one_per_node = search(load_config("tiny"), 2, 8, 16, replace(base, devices_per_node=1))
     assert all(p.layout.tp == 1 for p in one_per_node.ranked)
+
+
+# ------------------------------------------------------------------ generate and serve across nodes
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    """A checkpoint of the tiny model after a few float64 steps, written by one process."""
+    save = tmp_path_factory.mktemp("small-ckpt") / "ckpt"
+    result = subprocess.run([str(VENV / "bin" / "hpc-tp"), "train", "--model", "tiny", "--micro-batch", "4",
+                             "--global-batch", "8", "--seq-len", "16", "--steps", "3", "--lr", "3e-3", "--dtype",
+                             "float64", "--eval-problems", "4", "--samples", "0", "--save", str(save), "--no-progress"],
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return save
+
+
+GENERATE = ("--prompt", "12+34=", "--max-new-tokens", "6", "--dtype", "float64")
+
+
+@pytest.mark.timeout(240)
+def test_generate_across_two_nodes_matches_one_process(cluster, small_checkpoint):
+    alone = subprocess.run([str(VENV / "bin" / "hpc-tp"), "generate", "--checkpoint", str(small_checkpoint), *GENERATE],
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    spread = hpc_tp_step(cluster, "generate", "--checkpoint", str(small_checkpoint), "--tp", "2", *GENERATE)
+    assert spread.returncode == 0, spread.stderr
+    assert spread.stdout == alone.stdout and alone.stdout.strip()
+    assert "spans 2 nodes" in spread.stderr  # serving is tp only: across nodes, tp spans them
+
+
+@pytest.mark.timeout(240)
+def test_serve_across_two_nodes_answers_from_another_namespace(cluster, small_checkpoint):
+    """`hpc-tp serve` at tp=2 over two nodes, rank 0 listening on node1's address; this process (in the
+    root namespace, across the bridge) asks for a greedy completion and gets what one process generates."""
+    import json
+    import time
+    import urllib.request
+
+    port = 18000 + os.getpid() % 1000
+    host = cluster.address("node1")
+    env = {**cluster.env, **job_env(cluster), "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    name = f"serve-{os.getpid()}"
+    server = subprocess.Popen(["srun", f"--job-name={name}", "--mpi=pmix", "--nodes=2", "--ntasks-per-node=1",
+                               "--cpus-per-task=1", str(VENV / "bin" / "hpc-tp"), "serve", "--checkpoint",
+                               str(small_checkpoint), "--dtype", "float64", "--host", host, "--port", str(port)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        request = urllib.request.Request(f"http://{host}:{port}/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": "12+34=", "max_tokens": 6,
+                                                          "temperature": 0}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    answer = json.loads(response.read())
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, server.communicate(timeout=10)
+                time.sleep(0.5)
+    finally:
+        cluster._run("scancel", f"--name={name}", check=False)
+        out, err = server.communicate(timeout=60)
+    alone = subprocess.run([str(VENV / "bin" / "hpc-tp"), "generate", "--checkpoint", str(small_checkpoint), *GENERATE],
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert answer["choices"][0]["text"] and answer["choices"][0]["text"] in alone.stdout, (answer, alone.stdout)
+    assert f"listening on http://{host}:{port} (tp=2" in out, out + err
