@@ -34,10 +34,14 @@ def _layouts_that_fit(world: int) -> str:
     return f"layouts that fit: {', '.join(f'{t}x{p}x{d}' for t, p, d in factorizations(world))}"
 
 
+def node_of_ranks(comm: Communicator) -> list[int]:
+    """The node of each rank of ``comm``, named by the lowest rank on it. Collective over ``comm``."""
+    return comm.allgather_object(comm.split_node().allgather_object(comm.rank)[0])
+
+
 def nodes_spanned(comm: Communicator) -> int:
     """How many nodes the ranks of ``comm`` sit on. Collective over ``comm``."""
-    first_on_node = comm.split_node().allgather_object(comm.rank)[0]  # a node is named by its lowest rank
-    return len(set(comm.allgather_object(first_on_node)))
+    return len(set(node_of_ranks(comm)))
 
 
 def tp_across_nodes_warning(tp: int, nodes: int) -> str:

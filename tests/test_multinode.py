@@ -7,9 +7,11 @@ machine cannot build the cluster (not root, no `ip`, SLURM not installed: `.ci/r
 Every wait is bounded; the cluster (daemons, namespaces, bridge) is removed when the module ends,
 whatever happened.
 """
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,9 @@ def cluster(tmp_path_factory):
     try:
         nodes.start(timeout=60)
         yield nodes
+        drained = time.monotonic() + 30  # a job step's allocation may still be COMPLETING
+        while nodes.queue() and time.monotonic() < drained:
+            time.sleep(0.5)
         assert not nodes.queue(), f"jobs left in the queue: {nodes.queue()}"
     finally:
         nodes.stop()
@@ -118,8 +123,6 @@ def test_node_lost_mid_run_then_resume_smaller_on_the_nodes_left(cluster):
     """node2 (ranks 2-3 of tp=2 x pp=2) is killed, slurmd and ranks, after the first checkpoints: the job
     ends within a bound naming node2 and its ranks, the latest checkpoint verifies, and train.sbatch
     resubmitted on node1 alone at tp=2 x pp=1 resumes from it with the losses of an uninterrupted run."""
-    import time
-
     from hpc_tp.checkpoint.read import describe_checkpoint, verify_checkpoint
 
     jobs, steps = cluster.dir / "jobs", 30
@@ -251,8 +254,6 @@ def test_generate_across_two_nodes_matches_one_process(cluster, small_checkpoint
 def test_serve_across_two_nodes_answers_from_another_namespace(cluster, small_checkpoint):
     """`hpc-tp serve` at tp=2 over two nodes, rank 0 listening on node1's address; this process (in the
     root namespace, across the bridge) asks for a greedy completion and gets what one process generates."""
-    import json
-    import time
     import urllib.request
 
     port = 18000 + os.getpid() % 1000
@@ -284,3 +285,26 @@ def test_serve_across_two_nodes_answers_from_another_namespace(cluster, small_ch
                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert answer["choices"][0]["text"] and answer["choices"][0]["text"] in alone.stdout, (answer, alone.stdout)
     assert f"listening on http://{host}:{port} (tp=2" in out, out + err
+
+
+# ------------------------------------------------------------------ the two links, measured apart
+
+@pytest.mark.timeout(240)
+def test_bench_comm_measures_intra_and_inter_node_links_apart(cluster):
+    """With the nodes' links throttled to 100 Mbit/s, `bench comm` over 2 nodes x 2 ranks reports the
+    inter-node ping-pong at that rate and the intra-node one (shared memory) far above it."""
+    path = cluster.dir / "jobs" / "links.json"
+    cluster.throttle("100mbit")
+    try:
+        result = hpc_tp_step(cluster, "bench", "comm", "--ops", "p2p_intra,p2p_inter,all_reduce", "--sizes", "4M",
+                             "--iters", "2", "--warmup", "1", "--json", str(path), per_node=2)
+    finally:
+        cluster.throttle(None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 ranks on 2 node(s)" in result.stdout
+    records = {r["op"]: r for r in json.loads(path.read_text())}
+    assert {op: r["link"] for op, r in records.items()} == {"p2p_intra": "intra", "p2p_inter": "inter",
+                                                             "all_reduce": "inter"}
+    limit = 100e6 / 8 / 1e9  # GB/s
+    assert records["p2p_inter"]["raw_algbw_GBps"] < 1.1 * limit, records["p2p_inter"]
+    assert records["p2p_intra"]["raw_algbw_GBps"] > 3 * limit, records["p2p_intra"]
