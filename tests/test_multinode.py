@@ -99,21 +99,54 @@ def assert_same_losses(got, expected, tolerance=1e-12):
 
 # ------------------------------------------------------------------ train.sbatch: tp inside, pp across
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
-def test_train_job_tp_inside_pp_across_two_nodes(cluster, launcher):
-    jobs = cluster.dir / "jobs"
-    log, steps = jobs / f"two-nodes-{launcher}.jsonl", 4
-    settings = train_settings(jobs / f"ckpt-{launcher}", log, steps, tp=2, pp=2)
+def train_job_env(cluster, launcher, settings) -> dict:
     env = job_env(cluster, launcher=launcher, **settings)
     if launcher == "mpirun":
         env["HPC_TP_MPIRUN"] = str(VENV / "bin" / "mpirun")
-    info, out = run_job(cluster, JOBS / "train.sbatch", f"two-nodes-{launcher}", "--nodes=2", "--ntasks-per-node=2",
-                        "--cpus-per-task=1", "--time=5", env=env)
+    return env
+
+
+@pytest.mark.timeout(240)
+def test_train_job_tp_inside_pp_across_two_nodes(cluster):
+    """The unmodified train.sbatch, srun --mpi=pmix (the mpirun path: the preemption test below)."""
+    jobs = cluster.dir / "jobs"
+    log, steps = jobs / "two-nodes.jsonl", 4
+    settings = train_settings(jobs / "two-nodes-ckpt", log, steps, tp=2, pp=2)
+    info, out = run_job(cluster, JOBS / "train.sbatch", "two-nodes", "--nodes=2", "--ntasks-per-node=2",
+                        "--cpus-per-task=1", "--time=5", env=train_job_env(cluster, "srun", settings))
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
-    assert "on node[1-2]: 4 ranks" in out
+    assert "on node[1-2]: 4 ranks, launched by: srun --mpi=pmix" in out
     assert "spans" not in out, "tp=2 with 2 ranks per node stays inside a node: no warning"
     assert_same_losses(logged_losses(log), one_process_losses(steps))
+
+
+@pytest.mark.timeout(400)
+def test_train_job_preempted_across_two_nodes_resumes_with_the_same_losses(cluster):
+    """train.sbatch through mpirun over 2 nodes: USR1 to the batch script mid-run, every rank on both
+    nodes checkpoints, the job requeues itself and resumes; the losses are one uninterrupted run's."""
+    jobs, steps = cluster.dir / "jobs", 40
+    out, log, save = jobs / "preempt.out", jobs / "preempt.jsonl", jobs / "preempt-ckpt"
+    settings = train_settings(save, log, steps, tp=2, pp=2)
+    job = cluster.sbatch(JOBS / "train.sbatch", "--job-name=preempt", f"--output={out}", "--nodes=2",
+                         "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                         env=train_job_env(cluster, "mpirun", settings))
+    deadline = time.monotonic() + 120
+    # A USR1 before the ranks install their handler would kill them: wait for the trainer's line saying
+    # it has, and for a few steps.
+    while not (out.exists() and "checkpoint and stop" in out.read_text(errors="replace")
+               and log.exists() and len(logged_losses(log)) >= 3):
+        assert time.monotonic() < deadline, out.read_text(errors="replace") if out.exists() else "(no output)"
+        time.sleep(0.2)
+    stopped = cluster.preempt(job, out)
+    info = cluster.wait(job, timeout=240)
+    text = out.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    assert f"resumed from {save}/step-{stopped:06d} at step {stopped}" in text
+    assert text.count("hpc_tp job") == 2 and "was lost" not in text
+    from hpc_tp.train.metrics import read_metrics
+
+    assert [r["step"] for r in read_metrics(log) if "loss" in r] == list(range(1, steps + 1))
+    assert_same_losses(logged_losses(log), one_process_losses(steps), tolerance=1e-9)
 
 
 # ------------------------------------------------------------------ a node lost mid-run

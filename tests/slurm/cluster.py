@@ -274,6 +274,25 @@ MinJobAge=300
         """``scancel --signal``: what SLURM does at ``--signal=B:USR1@T`` ahead of the time limit."""
         self._run("scancel", f"--signal={signame}", *(["--batch"] if batch else []), job_id)
 
+    def preempt(self, job_id: str, output: Path, timeout: float = 120.0) -> int:
+        """USR1 to a running train.sbatch job, as ahead of its time limit; wait for its requeue, release it
+        at once, and return the step its ranks checkpointed after (from the job's ``output``)."""
+        import re
+
+        self.signal(job_id, "USR1")
+        deadline = time.monotonic() + timeout
+        while self.job_info(job_id).get("Restarts") != "1":
+            if time.monotonic() > deadline:
+                raise SlurmError(f"job {job_id} not requeued {timeout:.0f}s after USR1:\n"
+                                 + output.read_text(errors="replace"))
+            time.sleep(0.5)
+        stopped = int(re.search(r"stopped by SIGUSR1 after step (\d+)", output.read_text()).group(1))
+        # slurmd refuses a launch whose credential is from the same second as the requeue's revocation
+        # ("Job credential revoked"): let a few seconds pass before releasing the held job.
+        time.sleep(3)
+        self.start_now(job_id)
+        return stopped
+
     def start_now(self, job_id: str):
         """Make a pending job eligible at once: SLURM holds a requeued job for a while (Reason=BeginTime)."""
         self._run("scontrol", "update", f"JobId={job_id}", "StartTime=now")

@@ -41,8 +41,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -117,7 +115,7 @@ class VirtualCluster(SlurmCluster):
     def netns(self, node: str) -> str:
         return f"{self.prefix}-{node}"
 
-    def _veth(self, node: str) -> str:
+    def veth(self, node: str) -> str:
         return f"{self.prefix}-{node[4:]}"  # the root-side end; interface names stop at 15 characters
 
     @property
@@ -146,7 +144,7 @@ class VirtualCluster(SlurmCluster):
         _ip("link", "set", self.bridge, "up")
         _ip("route", "add", str(self.subnet), "dev", self.bridge, "src", self.address(), "table", "local")
         for node in self.nodes:
-            ns, veth, addr = self.netns(node), self._veth(node), self.address(node)
+            ns, veth, addr = self.netns(node), self.veth(node), self.address(node)
             _ip("netns", "add", ns)
             _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("link", "set", veth, "master", self.bridge, "up")
@@ -174,7 +172,7 @@ class VirtualCluster(SlurmCluster):
         """Limit each node's link (both directions: its veth's two ends) to ``rate`` (tc syntax, "200mbit"),
         or lift the limit (None). A token bucket: netem is not in every kernel."""
         for node in self.nodes:
-            for dev, ns in ((self._veth(node), None), ("eth0", self.netns(node))):
+            for dev, ns in ((self.veth(node), None), ("eth0", self.netns(node))):
                 prefix = ["tc", *(["-n", ns] if ns else [])]
                 subprocess.run([*prefix, "qdisc", "del", "dev", dev, "root"], capture_output=True)
                 if rate:
