@@ -34,6 +34,30 @@ def _layouts_that_fit(world: int) -> str:
     return f"layouts that fit: {', '.join(f'{t}x{p}x{d}' for t, p, d in factorizations(world))}"
 
 
+def node_of_ranks(comm: Communicator) -> list[int]:
+    """The node of each rank of ``comm``, named by the lowest rank on it. Collective over ``comm``."""
+    return comm.allgather_object(comm.split_node().allgather_object(comm.rank)[0])
+
+
+def nodes_spanned(comm: Communicator) -> int:
+    """How many nodes the ranks of ``comm`` sit on. Collective over ``comm``."""
+    return len(set(node_of_ranks(comm)))
+
+
+def tp_across_nodes_warning(tp: int, nodes: int) -> str:
+    return (f"a tensor-parallel group of {tp} ranks spans {nodes} nodes: its all-reduces will cross the slow "
+            "network; use tp <= ranks per node")
+
+
+def warn_if_tp_spans_nodes(tp_group: Communicator) -> bool:
+    """For commands that use one communicator as their tp group (``bench step``, ``bench decode``):
+    warn, on its rank 0, when it spans nodes. Collective over ``tp_group``."""
+    nodes = nodes_spanned(tp_group)
+    if nodes > 1 and tp_group.rank == 0:
+        warnings.warn(tp_across_nodes_warning(tp_group.size, nodes))
+    return nodes > 1
+
+
 @dataclass
 class Coordinates:
     dp: int
@@ -79,12 +103,10 @@ class ProcessGrid:
         self._check_tp_node_local()
 
     def _check_tp_node_local(self):
-        nodes = self.world.allgather_object(self.node.allgather_object(self.world.rank)[0])
-        tp_nodes = {nodes[r] for r in self.ranks[self.coords.dp, self.coords.pp]}
-        self.tp_spans_nodes = len(tp_nodes) > 1
+        widest = max(self.world.allgather_object(nodes_spanned(self.tp)))  # every tp group, not only rank 0's
+        self.tp_spans_nodes = widest > 1
         if self.tp_spans_nodes and self.world.rank == 0:
-            warnings.warn(f"a tensor-parallel group of {self.tp_size} ranks spans {len(tp_nodes)} nodes: "
-                          "its all-reduces will cross the slow network; use tp <= ranks per node")
+            warnings.warn(tp_across_nodes_warning(self.tp_size, widest))
 
     @property
     def local_rank(self) -> int:

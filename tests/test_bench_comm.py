@@ -5,7 +5,7 @@ import pytest
 
 from hpc_tp.bench import command
 from hpc_tp.bench.command import size_range
-from hpc_tp.bench.comm import OPS, benchmark_comm, element_count
+from hpc_tp.bench.comm import DEFAULT_OPS, OPS, benchmark_comm, element_count
 from hpc_tp.cli import build_parser, main
 from hpc_tp.errors import ConfigError
 
@@ -17,12 +17,12 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
 def test_records_are_sane(comm_world):
     n = comm_world.size
     records = benchmark_comm(comm_world, [8, 1000, 4096], iters=3, warmup=1)
-    expected_ops = [name for name in OPS if n >= OPS[name].min_ranks]
+    expected_ops = [name for name in DEFAULT_OPS if n >= OPS[name].min_ranks]
     assert [(r["op"], r["bytes"]) for r in records] == [
         (name, element_count(OPS[name], size, n) * 4) for name in expected_ops for size in (8, 1000, 4096)]
     assert ("p2p" in expected_ops) == (n > 1)
     for r in records:
-        assert r["ranks"] == n and r["iters"] == 3 and r["dtype"] == "float32"
+        assert r["ranks"] == n and r["iters"] == 3 and r["dtype"] == "float32" and r["link"] == "intra"
         for impl in ("project", "raw"):
             seconds, algbw = r[f"{impl}_time_s"], r[f"{impl}_algbw_GBps"]
             assert 0 < seconds < 1

@@ -257,16 +257,7 @@ def test_train_job_resumes_after_usr1_and_requeue(slurm):
                        "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", env=env)
     _wait_for_text(out, "checkpoint and stop", timeout=120)
     _wait_for_text(out, "step 20/", timeout=120)  # well inside the run
-    slurm.signal(job, "USR1")
-    deadline = time.monotonic() + 120
-    while slurm.job_info(job).get("Restarts") != "1":
-        assert time.monotonic() < deadline, out.read_text(errors="replace")
-        time.sleep(1)
-    stopped = int(re.search(r"stopped by SIGUSR1 after step (\d+)", out.read_text()).group(1))
-    # slurmd refuses a launch whose credential is from the same second as the requeue's revocation
-    # ("Job credential revoked"): let a few seconds pass before releasing the held job.
-    time.sleep(3)
-    slurm.start_now(job)
+    stopped = slurm.preempt(job, out)
     _wait_for_text(out, f"resumed from {save}/step-{stopped:06d} at step {stopped}", timeout=180)
     info = slurm.wait(job, timeout=240)
     text = out.read_text(errors="replace")

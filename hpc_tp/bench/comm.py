@@ -20,6 +20,7 @@ import numpy
 from mpi4py import MPI
 
 from ..comm.mpi import MPICommunicator
+from ..grid import node_of_ranks
 
 DTYPE = numpy.dtype("float32")
 
@@ -32,6 +33,7 @@ class Op:
     split: bool = False  # the buffer is cut into one piece per rank, so its length is a multiple of n
     transfers: int = 1  # one-way transfers per call: a ping-pong makes two
     min_ranks: int = 1
+    peer: Callable | None = None  # ping-pongs: (each rank's node) -> rank 0's partner, None if there is none
 
 
 # Zeros: repeated in-place sums stay zero, never reaching inf or the slow denormal paths.
@@ -51,22 +53,58 @@ def _reduce_scatter(comm, count):
     return (lambda: comm.reduce_scatter(x)), (lambda: comm.comm.Reduce_scatter_block(x, piece, op=MPI.SUM))
 
 
-def _ping_pong(comm, count):
-    """Rank 0 and the last rank bounce one message; the ranks between only join the barriers."""
-    x, raw, last = numpy.zeros(count, DTYPE), comm.comm, comm.size - 1
-    if comm.rank == 0:
-        return (lambda: (comm.send(x, last), comm.recv(x, last))), (lambda: (raw.Send(x, last), raw.Recv(x, last)))
-    if comm.rank == last:
-        return (lambda: (comm.recv(x, 0), comm.send(x, 0))), (lambda: (raw.Recv(x, 0), raw.Send(x, 0)))
-    return (lambda: None), (lambda: None)
+def _ping_pong_with(peer_of):
+    """A ping-pong between rank 0 and ``peer_of(nodes)`` (``nodes``: each rank's node); the other ranks
+    only join the barriers."""
+    def setup(comm, count, nodes):
+        x, raw, peer = numpy.zeros(count, DTYPE), comm.comm, peer_of(nodes)
+        if comm.rank == 0:
+            return (lambda: (comm.send(x, peer), comm.recv(x, peer))), (lambda: (raw.Send(x, peer), raw.Recv(x, peer)))
+        if comm.rank == peer:
+            return (lambda: (comm.recv(x, 0), comm.send(x, 0))), (lambda: (raw.Recv(x, 0), raw.Send(x, 0)))
+        return (lambda: None), (lambda: None)
+    return setup
+
+
+def _last_rank(nodes):
+    return len(nodes) - 1
+
+
+def _same_node_rank(nodes):
+    """The first rank other than 0 on rank 0's node: the intra-node link; None if rank 0 is alone."""
+    return next((r for r in range(1, len(nodes)) if nodes[r] == nodes[0]), None)
+
+
+def _other_node_rank(nodes):
+    """The first rank on another node than rank 0's: the inter-node link; None on one node."""
+    return next((r for r in range(1, len(nodes)) if nodes[r] != nodes[0]), None)
+
+
+def _collective(setup):
+    return lambda comm, count, nodes: setup(comm, count)
 
 
 OPS = {op.name: op for op in (
-    Op("all_reduce", _all_reduce, lambda n: 2 * (n - 1) / n),
-    Op("all_gather", _all_gather, lambda n: (n - 1) / n, split=True),
-    Op("reduce_scatter", _reduce_scatter, lambda n: (n - 1) / n, split=True),
-    Op("p2p", _ping_pong, lambda n: 1.0, transfers=2, min_ranks=2),
+    Op("all_reduce", _collective(_all_reduce), lambda n: 2 * (n - 1) / n),
+    Op("all_gather", _collective(_all_gather), lambda n: (n - 1) / n, split=True),
+    Op("reduce_scatter", _collective(_reduce_scatter), lambda n: (n - 1) / n, split=True),
+    Op("p2p", _ping_pong_with(_last_rank), lambda n: 1.0, transfers=2, min_ranks=2, peer=_last_rank),
+    Op("p2p_intra", _ping_pong_with(_same_node_rank), lambda n: 1.0, transfers=2, min_ranks=2, peer=_same_node_rank),
+    Op("p2p_inter", _ping_pong_with(_other_node_rank), lambda n: 1.0, transfers=2, min_ranks=2, peer=_other_node_rank),
 )}
+# What runs when no --ops is given; p2p_intra and p2p_inter measure the two link kinds of a multi-node run.
+DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def runs_here(op: Op, nodes: list) -> bool:
+    """Whether ``op`` can run on ranks placed on ``nodes``: enough ranks, and a partner of the kind it needs."""
+    return len(nodes) >= op.min_ranks and (op.peer is None or op.peer(nodes) is not None)
+
+
+def link_of(op: Op, nodes: list) -> str:
+    """"inter" when the measured ranks sit on more than one node, else "intra"."""
+    ranks = [0, op.peer(nodes)] if op.peer is not None else range(len(nodes))
+    return "inter" if len({nodes[r] for r in ranks}) > 1 else "intra"
 
 
 def element_count(op: Op, nbytes: int, ranks: int) -> int:
@@ -75,15 +113,17 @@ def element_count(op: Op, nbytes: int, ranks: int) -> int:
     return max(granule, nbytes // DTYPE.itemsize // granule * granule)
 
 
-def benchmark_comm(comm: MPICommunicator, sizes, ops=tuple(OPS), iters: int = 20, warmup: int = 5) -> list[dict]:
-    """One record per (op, size) in bytes; ops that need more ranks than ``comm`` has are left out.
+def benchmark_comm(comm: MPICommunicator, sizes, ops=DEFAULT_OPS, iters: int = 20, warmup: int = 5) -> list[dict]:
+    """One record per (op, size) in bytes, saying which link it crossed ("intra" or "inter" node); ops
+    that cannot run here (too few ranks, no partner on the link they measure) are left out.
     Collective over ``comm``; every rank returns the same records."""
-    return [_measure(comm, OPS[name], element_count(OPS[name], nbytes, comm.size), iters, warmup)
-            for name in ops if comm.size >= OPS[name].min_ranks for nbytes in sizes]
+    nodes = node_of_ranks(comm)
+    return [_measure(comm, OPS[name], element_count(OPS[name], nbytes, comm.size), iters, warmup, nodes)
+            for name in ops if runs_here(OPS[name], nodes) for nbytes in sizes]
 
 
-def _measure(comm, op: Op, count: int, iters: int, warmup: int) -> dict:
-    calls = op.setup(comm, count)
+def _measure(comm, op: Op, count: int, iters: int, warmup: int, nodes: list) -> dict:
+    calls = op.setup(comm, count, nodes)
     for _ in range(warmup):
         for call in calls:
             call()
@@ -98,8 +138,8 @@ def _measure(comm, op: Op, count: int, iters: int, warmup: int) -> dict:
     comm.comm.Allreduce(MPI.IN_PLACE, seconds, op=MPI.MAX)
     project_s, raw_s = numpy.median(seconds, axis=1) / op.transfers
     nbytes = count * DTYPE.itemsize
-    return {"op": op.name, "ranks": comm.size, "bytes": nbytes, "dtype": DTYPE.name, "iters": iters,
-            **_rates("project", project_s, nbytes, op.bus_factor(comm.size)),
+    return {"op": op.name, "ranks": comm.size, "link": link_of(op, nodes), "bytes": nbytes, "dtype": DTYPE.name,
+            "iters": iters, **_rates("project", project_s, nbytes, op.bus_factor(comm.size)),
             **_rates("raw", raw_s, nbytes, op.bus_factor(comm.size)),
             "project_over_raw": float(project_s / raw_s)}
 
@@ -118,8 +158,8 @@ def format_size(nbytes: int) -> str:
 
 def format_table(records: list[dict]) -> str:
     """A fixed-width table: times in microseconds, bandwidths in GB/s (1e9 bytes/s)."""
-    header = ("op", "size", "proj us", "raw us", "proj algbw", "proj busbw", "raw algbw", "raw busbw", "proj/raw")
-    rows = [(r["op"], format_size(r["bytes"]), f"{r['project_time_s'] * 1e6:.1f}", f"{r['raw_time_s'] * 1e6:.1f}",
+    header = ("op", "link", "size", "proj us", "raw us", "proj algbw", "proj busbw", "raw algbw", "raw busbw", "proj/raw")
+    rows = [(r["op"], r["link"], format_size(r["bytes"]), f"{r['project_time_s'] * 1e6:.1f}", f"{r['raw_time_s'] * 1e6:.1f}",
              f"{r['project_algbw_GBps']:.3f}", f"{r['project_busbw_GBps']:.3f}",
              f"{r['raw_algbw_GBps']:.3f}", f"{r['raw_busbw_GBps']:.3f}", f"{r['project_over_raw']:.2f}")
             for r in records]

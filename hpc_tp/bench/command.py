@@ -24,7 +24,8 @@ def add_arguments(parser):
                       help="message sizes in bytes, MIN[:MAX[:FACTOR]] with K/M/G suffixes (binary); "
                            "MIN times powers of FACTOR (default 4), up to and including MAX (default %(default)s)")
     comm.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,p2p",
-                      help="comma-separated operations (default %(default)s); p2p needs 2 ranks")
+                      help="comma-separated operations (default %(default)s); p2p (rank 0 and the last) needs 2 "
+                           "ranks; p2p_intra and p2p_inter: rank 0 and a rank on its node / on another node")
     comm.add_argument("--iters", type=int, default=20, help="timed iterations per size (default %(default)s)")
     comm.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default %(default)s)")
     comm.add_argument("--json", metavar="FILE", help="also write the records as a JSON list (rank 0)")
@@ -79,20 +80,23 @@ def _run_comm(args) -> int:
         raise ConfigError(f"--iters {args.iters} --warmup {args.warmup}: need at least 1 iteration and no negative warm-up")
     check_launch()
     from ..comm.mpi import world
-    from .comm import OPS, benchmark_comm, format_table
+    from ..grid import node_of_ranks
+    from .comm import OPS, benchmark_comm, format_table, runs_here
 
     unknown = [name for name in ops if name not in OPS]
     if unknown:
         raise ConfigError(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(OPS)}")
     comm = world()
+    nodes = node_of_ranks(comm)
     records = benchmark_comm(comm, sizes, ops, iters=args.iters, warmup=args.warmup)
     if comm.rank == 0:
-        print(f"hpc-tp bench comm: {comm.size} ranks, float32, median of {args.iters} iterations "
+        print(f"hpc-tp bench comm: {comm.size} ranks on {len(set(nodes))} node(s), float32, median of {args.iters} iterations "
               f"after {args.warmup} warm-up, slowest rank; bandwidths in GB/s as nccl-tests defines them")
         print(format_table(records))
         for name in ops:
-            if comm.size < OPS[name].min_ranks:
-                print(f"{name}: skipped, needs {OPS[name].min_ranks} ranks")
+            if not runs_here(OPS[name], nodes):
+                need = f"{OPS[name].min_ranks} ranks" if comm.size < OPS[name].min_ranks else "a rank on the link it measures"
+                print(f"{name}: skipped, needs {need}")
         _write_json(args.json, records)
     return 0
 

@@ -43,12 +43,14 @@ def benchmark_decode(comm, cfg, batch: int, prompt_len: int, new_tokens: int, dt
     import numpy
 
     from .. import backend
+    from ..grid import warn_if_tp_spans_nodes
     from ..models.gpt import GPTModel
     from ..serve.decoding import decode_stepper
     from ..serve.kv_cache import KVCache
     from ..train.mixed_precision import resolve_dtype
 
     xp = backend.xp
+    warn_if_tp_spans_nodes(comm)
     model = GPTModel(cfg, comm, dtype=resolve_dtype(dtype), seed=seed)
     total = prompt_len + warmup + new_tokens
     cache = KVCache.for_model(model, batch, total)

@@ -52,6 +52,7 @@ import numpy
 from .. import backend, cuda_graph
 from ..backend import retain_freed_memory  # also what backend.use('cpu') applies for training
 from ..comm.mpi import MPICommunicator
+from ..grid import warn_if_tp_spans_nodes
 from ..models.config import ModelConfig
 from ..models.gpt import GPTModel
 from ..nn import blas
@@ -98,6 +99,7 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     on a GPU at tp = 1, the first step is captured as a CUDA graph and every later one replays it
     (``hpc_tp.cuda_graph``; the first step is then a warm-up one)."""
     retained = retain_freed_memory()
+    warn_if_tp_spans_nodes(comm)
     model = build_blocks(cfg, comm, dtype)
     x = backend.xp.asarray(numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype))
     scale = backend.xp.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype

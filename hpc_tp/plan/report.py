@@ -9,7 +9,7 @@ from .search import GiB, Plan, divisors
 KIND_WORDS = {"memory": "do not fit in memory", "heads": "heads or MLP width not divisible by tp",
               "layers": "more stages than layers", "batch": "global batch not divisible by dp",
               "sequence": "sequence not divisible by tp (sequence parallelism)",
-              "experts": "experts not divisible by ep"}
+              "experts": "experts not divisible by ep", "nodes": "tp across nodes while tp inside one fits"}
 
 
 def _count(x: float) -> str:
@@ -79,7 +79,7 @@ def format_plan(plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: i
 
 
 def _structural(plan: Plan) -> int:
-    return sum(1 for r in plan.rejected if r.kind != "memory")
+    return sum(1 for r in plan.rejected if r.kind not in ("memory", "nodes"))  # those two were considered
 
 
 def plan_json(plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: int, seq: int) -> dict:

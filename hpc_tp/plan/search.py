@@ -7,7 +7,8 @@ dp (``grid.py`` carves ep out of dp). The reasons a layout is rejected are the o
 itself would stop with, found before any rank starts: heads (or KV groups, or the MLP width)
 that tp does not divide, more stages than layers, a global batch that dp does not divide, a
 sequence that tp does not divide under sequence parallelism, experts that ep does not divide,
-and memory beyond the device's. The feasible ones are ranked by predicted step time (then by
+and memory beyond the device's; a tp group spanning nodes is rejected too while a layout with tp inside a
+node fits. The feasible ones are ranked by predicted step time (then by
 memory); ``choose_layout`` returns the first of those the trainer can run from its settings,
 interleaved 1F1B (V > 1 chunks per rank) included where the engine runs it.
 """
@@ -32,7 +33,7 @@ AUTO_VIRTUAL_STAGES = (1, 2, 3, 4)
 class Rejected:
     layout: dict   # the fields decided when it was rejected (tp, pp, dp, and more for memory)
     reason: str
-    kind: str      # heads, layers, batch, memory
+    kind: str      # heads, layers, batch, sequence, experts, memory, nodes
     need_bytes: int = 0  # memory: what the busiest device would need
 
 
@@ -123,8 +124,21 @@ def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, c
                             layout = Layout(tp, pp, dp, micro, again, schedule, sp, ep,
                                             distributed_optimizer and dp > 1, v)
                             _consider(plan, cfg, layout, global_batch, seq, cluster, calibration, splits[pp, v])
+    _keep_tp_inside_nodes(plan, cluster.devices_per_node)
     plan.ranked.sort(key=lambda p: (p.step_s, p.peak_memory))
     return plan
+
+
+def _keep_tp_inside_nodes(plan: Plan, devices_per_node: int):
+    """A tp group across nodes all-reduces over the network twice per layer, forward and backward: such
+    a layout is never proposed while one with tp inside a node fits, whatever the cost model (with an
+    optimistic inter-node bandwidth, or a calibration from one node) predicts for it."""
+    spanning = [p for p in plan.ranked if p.layout.spans_nodes("tp", devices_per_node)]
+    if not spanning or len(spanning) == len(plan.ranked):
+        return
+    plan.ranked = [p for p in plan.ranked if not p.layout.spans_nodes("tp", devices_per_node)]
+    plan.rejected += [Rejected(asdict(p.layout), f"tp={p.layout.tp} spans nodes of {devices_per_node} devices, and "
+                               "a layout with tp inside a node fits", "nodes") for p in spanning]
 
 
 def chunk_counts(cfg, pp: int, micro_batches: int, schedule: str, virtual_stages) -> list[int]:

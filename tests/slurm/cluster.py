@@ -33,7 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-DAEMONS = ("slurmctld", "slurmd", "munged")
 MARKER = "HPC_TP_SLURM_CLUSTER"
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                    "BOOT_FAIL", "DEADLINE"}
@@ -76,6 +75,7 @@ class SlurmCluster:
         self.dir = Path(scratch).resolve()
         self.host = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
         self.cpus = cpus or os.cpu_count() or 1
+        self.controller_address = "127.0.0.1"
         self.conf = self.dir / "slurm.conf"
         self.munge_socket = self.dir / "munge" / "munge.socket"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf), **{MARKER: str(self.dir)})
@@ -91,7 +91,7 @@ class SlurmCluster:
         d, host = self.dir, self.host
         text = f"""# written by tests/slurm/cluster.py: a one-node cluster for the tests
 ClusterName=hpctptest
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({self.controller_address})
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
@@ -103,11 +103,9 @@ JobAcctGatherType=jobacct_gather/none
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+{self.slurmd_files()}
 SlurmctldDebug=info
 SlurmdDebug=info
 SelectType=select/cons_tres
@@ -118,12 +116,19 @@ MpiDefault=none
 JobRequeue=1
 KillWait=5
 MinJobAge=300
-NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={_real_memory_mb()} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+{self.nodes_section()}
 """
         self.conf.write_text(text)
         # slurmd 22.05 reads cgroup.conf next to slurm.conf when it exists; none of our plugins need cgroups.
         return self.conf
+
+    def slurmd_files(self) -> str:
+        d = self.dir
+        return f"SlurmdSpoolDir={d}/spool\nSlurmdPidFile={d}/slurmd.pid\nSlurmdLogFile={d}/slurmd.log"
+
+    def nodes_section(self) -> str:
+        return (f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={_real_memory_mb()} State=UNKNOWN\n"
+                f"PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4")
 
     # ---------------------------------------------------------------- start / stop
     def _run(self, *cmd, timeout=20, check=True):
@@ -154,12 +159,15 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
             self._daemon(_which("slurmctld"), "-f", str(self.conf))
             self._wait_for(lambda: "UP" in self._run("scontrol", "ping", check=False).stdout, timeout,
                            "slurmctld to answer scontrol ping")
-            self._daemon(_which("slurmd"), "-f", str(self.conf))
+            self._start_compute_daemons()
             self._wait_for(lambda: self.node_state() == "idle", timeout, "the node to be idle in sinfo")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_compute_daemons(self):
+        self._daemon(_which("slurmd"), "-f", str(self.conf))
 
     def node_state(self) -> str:
         result = self._run("sinfo", "-h", "-N", "-o", "%T", check=False)
@@ -175,17 +183,23 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
 
     def logs(self, lines: int = 15) -> str:
         out = []
-        for name in ("daemons.out", "slurmctld.log", "slurmd.log", "munge/munged.log"):
+        slurmd_logs = sorted(p.name for p in self.dir.glob("slurmd*.log"))
+        for name in ("daemons.out", "slurmctld.log", *slurmd_logs, "munge/munged.log"):
             path = self.dir / name
             if path.exists():
                 tail = path.read_text(errors="replace").splitlines()[-lines:]
                 out.append(f"--- {name} (last {len(tail)} lines)\n" + "\n".join(tail))
         return "\n".join(out)
 
+    def pid_files(self) -> dict[str, Path]:
+        """Each daemon's pid file, in the order they stop: slurmd before slurmctld before munged (each
+        still needs the next one while it shuts down)."""
+        return {"slurmd": self.dir / "slurmd.pid", "slurmctld": self.dir / "slurmctld.pid",
+                "munged": self.dir / "munge" / "munged.pid"}
+
     def pids(self) -> dict[str, int]:
         found = {}
-        for name, path in (("slurmctld", self.dir / "slurmctld.pid"), ("slurmd", self.dir / "slurmd.pid"),
-                           ("munged", self.dir / "munge" / "munged.pid")):
+        for name, path in self.pid_files().items():
             try:
                 found[name] = int(path.read_text().split()[0])
             except (OSError, ValueError, IndexError):
@@ -214,10 +228,12 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
                 self._run("scancel", "--full", "--user=root", check=False, timeout=10)
             except (subprocess.TimeoutExpired, OSError):
                 pass
-        for name in DAEMONS:  # slurmd before slurmctld before munged: each still needs the next one
-            pid = self.pids().get(name)
-            if pid is not None:
-                _terminate([pid], timeout)
+        pids = self.pids()
+        compute = [pid for name, pid in pids.items() if name.startswith("slurmd")]
+        _terminate(compute, timeout)  # all nodes' slurmd at once, then the controller, then munge
+        for name in ("slurmctld", "munged"):
+            if name in pids:
+                _terminate([pids[name]], timeout)
         _terminate(self.leftovers(), timeout)
 
     # ---------------------------------------------------------------- jobs
@@ -257,6 +273,25 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
     def signal(self, job_id: str, signame: str = "USR1", batch: bool = True):
         """``scancel --signal``: what SLURM does at ``--signal=B:USR1@T`` ahead of the time limit."""
         self._run("scancel", f"--signal={signame}", *(["--batch"] if batch else []), job_id)
+
+    def preempt(self, job_id: str, output: Path, timeout: float = 120.0) -> int:
+        """USR1 to a running train.sbatch job, as ahead of its time limit; wait for its requeue, release it
+        at once, and return the step its ranks checkpointed after (from the job's ``output``)."""
+        import re
+
+        self.signal(job_id, "USR1")
+        deadline = time.monotonic() + timeout
+        while self.job_info(job_id).get("Restarts") != "1":
+            if time.monotonic() > deadline:
+                raise SlurmError(f"job {job_id} not requeued {timeout:.0f}s after USR1:\n"
+                                 + output.read_text(errors="replace"))
+            time.sleep(0.5)
+        stopped = int(re.search(r"stopped by SIGUSR1 after step (\d+)", output.read_text()).group(1))
+        # slurmd refuses a launch whose credential is from the same second as the requeue's revocation
+        # ("Job credential revoked"): let a few seconds pass before releasing the held job.
+        time.sleep(3)
+        self.start_now(job_id)
+        return stopped
 
     def start_now(self, job_id: str):
         """Make a pending job eligible at once: SLURM holds a requeued job for a while (Reason=BeginTime)."""
