@@ -98,7 +98,7 @@ def grad_buffer(data):
     main_grad. Micro-batches, bias and norm sums over tokens, and the replicas' sums then add up in
     float32, not in a format with 8 or 11 significant bits. On the CPU a weight gradient's half
     product is rounded before it is added; on a GPU cuBLAS sums it into the float32 buffer directly
-    (``nn.cublas``). Other dtypes keep their own. Inside ``with GradArena(...)`` it is a slice of the arena
+    (``kernels.cublas``). Other dtypes keep their own. Inside ``with GradArena(...)`` it is a slice of the arena
     (for ``data`` from ``param_buffer``, the slice beside it)."""
     xp = backend.xp_of(data)
     if GradArena.active is not None:

@@ -1,4 +1,4 @@
-"""The fused attention core (hpc_tp/nn/cpu_attention.py: numba loop, MKL tiles) gives the composed
+"""The fused attention core (hpc_tp/kernels/cpu_attention.py: numba loop, MKL tiles) gives the composed
 numpy path's numbers: output, saved softmax and dQ/dK/dV, float64 within 1e-12 and float32 within
 1e-5, on strided views of a QKV buffer, grouped-query heads, a cache offset, key padding (fully
 masked rows included), attention dropout and no mask; both paths give the same numbers again when
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hpc_tp.comm.mpi import world
-from hpc_tp.nn import attention, cpu_attention, mkl_jit
+from hpc_tp.kernels import cpu_attention, mkl_jit
+from hpc_tp.nn import attention
 from hpc_tp.nn.attention import ParallelAttention, attention_bias, query_blocks
 from hpc_tp.tensor_parallel.random import DropoutRNG
 from hpc_tp.train.mixed_precision import resolve_dtype

@@ -13,8 +13,8 @@ import pytest
 
 from hpc_tp import backend
 from hpc_tp.bench import gpu_check as G
-from hpc_tp.nn import cuda_kernels as K
-from hpc_tp.nn import functional as F
+from hpc_tp.kernels import cuda_kernels as K
+from hpc_tp.kernels import functional as F
 from hpc_tp.train.mixed_precision import resolve_dtype
 from test_cublas import LAYOUTS, layout
 
@@ -192,7 +192,7 @@ def test_float32_gradient_with_float16_saved_tensors():
 def test_cublas_gemm_computes_a_at_b_in_every_layout(name):
     """The real cuBLAS call for the layouts test_cublas emulates: float64 to rounding, the half types
     (float32 sums) to their bits, and half inputs summed into a float32 output (a weight gradient)."""
-    from hpc_tp.nn import cublas
+    from hpc_tp.kernels import cublas
 
     a, b = layout(name, cupy.asarray)
     want = np.matmul(*layout(name))

@@ -183,7 +183,7 @@ def test_float16_cross_entropy_and_norms_do_not_overflow():
     """A float16 sum of 4096 token losses near 30, or of the squares of a row with std 30, passes
     65504: both are computed in float32 and only the activations' results are rounded to float16."""
     from hpc_tp.comm.mpi import self_comm
-    from hpc_tp.nn import functional as F
+    from hpc_tp.kernels import functional as F
     from hpc_tp.tensor_parallel.vocab import VocabParallelCrossEntropy
 
     rng = np.random.default_rng(0)

@@ -57,8 +57,8 @@ def kernel_errors(dtype: str, rows: int = 37, n: int = 300) -> dict[str, float]:
     """Worst relative error of each fused kernel (``functional`` on cupy) against numpy."""
     import cupy
 
-    from ..nn import cuda_kernels as K
-    from ..nn import functional as F
+    from ..kernels import cuda_kernels as K
+    from ..kernels import functional as F
 
     rng = numpy.random.default_rng(0)
     x, dy, gain, bias = (rng.standard_normal(s).astype(dtype) for s in ((rows, n), (rows, n), (n,), (n,)))

@@ -38,8 +38,8 @@ from ..tensor_parallel.layers import Segment
 from ..tensor_parallel.sequence_parallel import linear_classes
 from ..tensor_parallel.random import DropoutRNG
 from ..module import Module
-from . import blas, cpu_attention
-from . import functional as F
+from ..kernels import blas, cpu_attention
+from ..kernels import functional as F
 from .dropout import keep_mask
 
 

@@ -26,7 +26,7 @@ from ..comm.base import Communicator
 from ..module import Module, ModuleList, Parameter, param_buffer, replicated
 from ..tensor_parallel.experts import ExpertDispatcher
 from ..tensor_parallel.sequence_parallel import gather_sequence, scatter_sequence
-from . import blas, functional as F
+from ..kernels import blas, functional as F
 from .mlp import ParallelMLP
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..comm.base import Communicator
 from ..errors import ConfigError
 from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
-from ..nn import blas
+from ..kernels import blas
 from .mappings import local_chunk
 
 
@@ -43,7 +43,7 @@ def _flat(x):
 
 
 def product(a, b):
-    """``a @ b`` (``a`` [..., k], ``b`` [k, n]) in ``a``'s dtype, through ``nn.blas``: numpy's
+    """``a @ b`` (``a`` [..., k], ``b`` [k, n]) in ``a``'s dtype, through ``kernels.blas``: numpy's
     bfloat16 (ml_dtypes) product comes back float32, and activations keep the model's dtype
     (pipeline messages and buffers are allocated for it)."""
     y = blas.matmul(_flat(a), b).reshape(a.shape[:-1] + (b.shape[1],))
