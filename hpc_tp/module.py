@@ -118,6 +118,11 @@ def param_buffer(shape, dtype, fill: float = 0.0):
     return xp.full(shape, fill, dtype=dtype)
 
 
+# The chunk size of the trainer's GradArena, so the size of a data-parallel bucket (the planner's cost
+# model counts the buckets with it).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
 class GradArena:
     """Gradients stored back to back in flat chunks of ``chunk_bytes`` (one dtype per chunk; a
     larger gradient gets a chunk of its own), so that a data-parallel bucket is one slice of a chunk

@@ -25,7 +25,7 @@ def run(args) -> int:
     from .launch import check_launch
     from .models import GPTModel, load_config
     from .train.data import build_dataset
-    from .train.tokenizer import ByteTokenizer
+    from .tokenizer import ByteTokenizer
 
     _check_arguments(args)
     check_launch()

@@ -243,7 +243,7 @@ def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
     from hpc_tp.comm.mpi import self_comm
     from hpc_tp.serve.generate import Engine
     from hpc_tp.serve.sampling import SamplingParams
-    from hpc_tp.train.tokenizer import ByteTokenizer
+    from hpc_tp.tokenizer import ByteTokenizer
     from test_generate import PROMPTS, _model
 
     params = [SamplingParams(max_new_tokens=n) for n in (6, 3, 6, 5)]

@@ -188,7 +188,7 @@ def continuous_completions(device: str, config: dict = DECODE_MODEL, weights=Non
     from ..serve.continuous import ContinuousBatcher
     from ..serve.generate import Engine
     from ..serve.sampling import SamplingParams
-    from ..train.tokenizer import ByteTokenizer
+    from ..tokenizer import ByteTokenizer
 
     backend.use(device)
     model = GPTModel(ModelConfig(**config), self_comm(), dtype="float64", seed=3)

@@ -25,7 +25,7 @@ def run(args) -> int:
     from ..comm.mpi import world
     from ..errors import ConfigError
     from ..paths import check_output_folder
-    from .importers import open_source
+    from .importers.source import open_source
 
     if world().size > 1:
         raise ConfigError(f"hpc-tp convert runs as one process (started with {world().size} ranks); "

@@ -49,7 +49,7 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     from ..errors import ConfigError
     from ..models.config import ModelConfig
     from .format import MASTER, SourceCheck
-    from ..train.tokenizer import load_tokenizer_dir
+    from ..tokenizer import load_tokenizer_dir
     from .importers.huggingface import CONFIG, SINGLE, TOKENIZER, TOKENIZER_CONFIG, export_layout
 
     meta = info["meta"]

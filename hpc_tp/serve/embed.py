@@ -35,7 +35,7 @@ def run(args) -> int:
     from .. import backend
     from ..errors import ConfigError
     from ..paths import check_output_file
-    from .command import on_rank0
+    from ..comm.base import on_rank0
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
@@ -67,7 +67,7 @@ def load_encoder(args):
     from ..checkpoint import load_checkpoint
     from ..errors import ConfigError
     from ..models.bert import BertModel
-    from .command import open_checkpoint
+    from .loading import open_checkpoint
 
     grid, folder, cfg = open_checkpoint(args)
     if cfg.family != "bert":
@@ -92,7 +92,7 @@ def read_inputs(args, tokenizer, cfg) -> list[dict]:
 
     from ..errors import ConfigError
     from ..jsonl import read_json_lines
-    from ..train.tokenizer import utf8
+    from ..tokenizer import utf8
 
     if args.text is not None:
         lines = [(f"--text {n}", {"text": t}) for n, t in enumerate(args.text, start=1)]

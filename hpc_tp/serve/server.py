@@ -71,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def run(args) -> int:
     from ..errors import ConfigError
-    from ..train.preemption import StopRequest
+    from ..preemption import StopRequest
     from .chat import read_template, template_for
-    from .command import load_for_inference
+    from .loading import load_for_inference
     from .continuous import ContinuousBatcher
     from .generate import Engine
 

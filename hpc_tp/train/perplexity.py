@@ -33,7 +33,7 @@ def run(args) -> int:
     from .. import backend
     from ..errors import ConfigError
     from ..paths import check_output_file, check_output_folder
-    from ..serve.command import load_for_inference
+    from ..serve.loading import load_for_inference
     from .data import CorpusDataset, build_dataset
 
     for flag, value in (("--seq-len", args.seq_len), ("--batch", args.batch), ("--max-windows", args.max_windows)):

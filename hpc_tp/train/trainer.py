@@ -33,26 +33,26 @@ from ..comm import use_device
 from ..comm.watchdog import WatchedCommunicator, watched
 from ..errors import ConfigError
 from ..grid import ProcessGrid
-from ..module import GradArena
+from ..module import DEFAULT_BUCKET_BYTES, GradArena
 from ..models import load_config
 from ..models.config import PRESETS, ModelConfig
 from ..pipeline import (build_stage, parse_pp_layers, pipeline_forward_backward, sync_tied_embeddings, tied_copy_names,
                         tied_names)
+from ..preemption import StopRequest
 from ..tensor_parallel.sequence_parallel import check_sequence_divisible
 from ..tensor_parallel.vocab import IGNORE_INDEX
+from ..tokenizer import load_tokenizer, load_tokenizer_dir, saved_files
 from .data import DistributedSampler, TaskDataset, build_dataset
 from .evaluate import heldout_accuracy
 from .expert_parallel import check_expert_parallel, moe_metrics, moe_summary
-from .grad_sync import DEFAULT_BUCKET_BYTES, ExpertAwareBucketer
+from .grad_sync import ExpertAwareBucketer
 from .metrics import MetricsLogger
 from .mixed_precision import MixedPrecision
 from .distributed_optim import ShardedAdamW
 from .optim import AdamW, agree_finite, clip_coefficient
-from .preemption import StopRequest
 from .progress import Progress, format_duration
 from .schedule import lr_at
 from .settings import DEMO_SEQ_LEN, TrainSettings
-from .tokenizer import load_tokenizer, load_tokenizer_dir, saved_files
 
 # Settings a resumed run must share with the run that saved: they decide which samples each step sees.
 SAME_ON_RESUME = ("seed", "global_batch", "data", "tokenizer")
