@@ -167,23 +167,6 @@ class LaunchInfo:
                 f"{', ...' if self.num_nodes > 4 else ''}), {self.local_size} on this node, launcher {self.launcher}")
 
 
-def device_index(local_rank: int, n_devices: int) -> int:
-    """The GPU a rank uses: its node-local rank modulo the devices it can see.
-
-    When SLURM binds one GPU per task (``--gpus-per-task=1`` or ``--gpu-bind``), each process sees one
-    device and every rank gets index 0; when all of a node's GPUs are visible, rank ``r`` gets ``r % n``.
-    Do not set ``CUDA_VISIBLE_DEVICES`` per rank by hand on top of that. More ranks than GPUs on a node
-    means ranks share a device, which NCCL refuses within one communicator.
-    """
-    if n_devices < 1:
-        raise ConfigError(f"no GPU visible to local rank {local_rank} (CUDA_VISIBLE_DEVICES="
-                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): request GPUs for the job "
-                          "(#SBATCH --gpus-per-node=N) or run with the cpu device")
-    if local_rank < 0:
-        raise ConfigError(f"local rank {local_rank}: expected a rank >= 0")
-    return local_rank % n_devices
-
-
 def install_abort_on_exception():
     """An unhandled exception on one rank aborts the whole job instead of leaving the others waiting.
 

@@ -18,6 +18,7 @@ from typing import Iterator
 import numpy
 
 from . import backend
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,6 @@ class GradArena:
 
     def __init__(self, chunk_bytes: int, params: bool = False):
         if not chunk_bytes > 0:
-            from .errors import ConfigError
             raise ConfigError(f"gradient bucket size {chunk_bytes!r} bytes must be > 0")
         self.chunk_bytes = chunk_bytes
         self.chunks: list = []
@@ -237,7 +237,7 @@ def strided_like(buffer, view, base):
     strides = tuple(s // view.itemsize * buffer.itemsize for s in view.strides)
     if isinstance(buffer, numpy.ndarray):
         return numpy.lib.stride_tricks.as_strided(buffer[offset:], view.shape, strides)
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     return cupy.lib.stride_tricks.as_strided(buffer[offset:], view.shape, strides)
 

@@ -106,7 +106,7 @@ def test_fused_core_matches_composed(dtype, case):
 def reference_lse(q, k, causal, offset, key_mask):
     """log(sum(exp(scores))) of each query row over the keys it may see, whole-array numpy; -inf
     for a row that may see none."""
-    (b, hk, g, t, _), keys = q.shape, k.shape[2]
+    (b, _, _, t, _), keys = q.shape, k.shape[2]
     scores = np.einsum("bhgtd,bhkd->bhgtk", q.astype("float64"), k.astype("float64"))
     if causal or key_mask is not None:
         scores = scores + attention_bias(b, t, keys, causal, key_mask, offset, "float64")

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = "chat template"):
-        import jinja2
+        import jinja2  # loaded when a template is used: hpc-tp --help imports this module
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -34,7 +34,7 @@ class ChatTemplate:
     def render(self, messages) -> str:
         """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
         them), ending where the assistant's reply begins; ConfigError saying what is wrong otherwise."""
-        import jinja2
+        import jinja2  # loaded when a template is used: hpc-tp --help imports this module
 
         if not isinstance(messages, list) or not messages:
             raise ConfigError(f"messages must be a non-empty list of {{role, content}} objects, "
@@ -74,6 +74,6 @@ def template_for(tokenizer, source: str | None = None, path: str | None = None) 
 
 
 def _refuse(message: str):
-    import jinja2
+    import jinja2  # loaded when a template is used: hpc-tp --help imports this module
 
     raise jinja2.TemplateError(message)

@@ -16,12 +16,23 @@ An output line: {"id", "tokens", "embedding"} and, with --token-states, "token_s
 """
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+import numpy
+
+from .. import backend
+from ..comm.base import on_rank0
+from ..errors import ConfigError
+from ..jsonl import read_json_lines
+from ..paths import check_output_file
+from .command import add_model_arguments
+
 INPUT_KEYS = ("text", "ids", "id", "type_ids")
 
 
 def add_arguments(parser):
-    from .command import add_model_arguments
-
     add_model_arguments(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", action="append", help="a text to embed (repeatable)")
@@ -32,11 +43,6 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from .. import backend
-    from ..errors import ConfigError
-    from ..paths import check_output_file
-    from ..comm.base import on_rank0
-
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
     if args.out is not None:  # every rank, though rank 0 alone writes it: they fail together
@@ -64,8 +70,8 @@ def run(args) -> int:
 
 def load_encoder(args):
     """(grid, BertModel, tokenizers.Tokenizer or None) from ``args.ckpt``; collective over the world."""
+    # loaded when the command runs, not by hpc-tp --help
     from ..checkpoint import load_checkpoint
-    from ..errors import ConfigError
     from ..models.bert import BertModel
     from .loading import open_checkpoint
 
@@ -88,10 +94,7 @@ def load_encoder(args):
 
 def read_inputs(args, tokenizer, cfg) -> list[dict]:
     """Rows {id, ids, type_ids} from --text or --inputs, checked against the model."""
-    from pathlib import Path
-
-    from ..errors import ConfigError
-    from ..jsonl import read_json_lines
+    # loaded when the command runs, not by hpc-tp --help
     from ..tokenizer import utf8
 
     if args.text is not None:
@@ -135,8 +138,6 @@ def read_inputs(args, tokenizer, cfg) -> list[dict]:
 
 
 def _check_row(label: str, ids, type_ids, cfg):
-    from ..errors import ConfigError
-
     _check_integers(label, "ids", ids, cfg.vocab_size)
     _check_integers(label, "type_ids", type_ids, max(cfg.type_vocab_size, 1))
     if not ids or len(ids) > cfg.max_seq_len:  # a text too: it is not cut short silently
@@ -147,8 +148,6 @@ def _check_row(label: str, ids, type_ids, cfg):
 
 def _check_integers(label: str, field: str, values, bound: int):
     """ConfigError naming the field and its first bad value unless ``values`` is a list of integers in [0, bound)."""
-    from ..errors import ConfigError
-
     if not isinstance(values, list):
         got = _show(values)
     else:
@@ -165,16 +164,12 @@ def _integer(value) -> bool:
 
 def _show(value, limit: int = 40) -> str:
     """A JSON value as the user wrote it, cut short to stay on one line."""
-    import json
-
     text = json.dumps(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def pad_batch(rows: list[dict], pad_id: int):
     """ids, type ids [B, T] right-padded to the longest row, and the key mask (1 = real token)."""
-    import numpy
-
     longest = max(len(r["ids"]) for r in rows)
     ids = numpy.full((len(rows), longest), pad_id, dtype=numpy.int64)
     type_ids = numpy.zeros_like(ids)
@@ -187,8 +182,6 @@ def pad_batch(rows: list[dict], pad_id: int):
 
 def mean_pool(states, mask):
     """Mean of the real tokens' states, L2-normalised: [B, hidden]."""
-    from .. import backend
-
     xp = backend.xp_of(states)
     mask = xp.asarray(mask, dtype=states.dtype)[..., None]  # padding adds nothing to the sum
     mean = (states * mask).sum(axis=1) / mask.sum(axis=1)
@@ -196,10 +189,6 @@ def mean_pool(states, mask):
 
 
 def _write(args, records: list[dict]):
-    import json
-    import sys
-    from pathlib import Path
-
     text = "".join(json.dumps(r) + "\n" for r in records)
     if args.out is None:
         sys.stdout.write(text)

@@ -37,6 +37,7 @@ import os
 import time
 from pathlib import Path
 
+from ..errors import ConfigError
 from .command import add_batching_argument, add_chat_template_argument, add_model_arguments
 
 DEFAULT_MAX_TOKENS = 16  # the completions API's default
@@ -70,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    from ..errors import ConfigError
+    # loaded when the command runs, not by hpc-tp --help
     from ..preemption import StopRequest
     from .chat import read_template, template_for
     from .loading import load_for_inference
@@ -173,6 +174,7 @@ class _Jobs:
 
 def _model_name(ckpt: str) -> str:
     """The checkpoint's folder name: the root's, where ``ckpt`` is one of its step folders."""
+    # loaded when the command runs, not by hpc-tp --help
     from ..checkpoint.format import is_step_folder
 
     folder = Path(ckpt).resolve()

@@ -26,6 +26,7 @@ in. With a dp group of one nothing is sent.
 from __future__ import annotations
 
 from ..module import GradArena, Parameter
+from ..nn.moe import is_expert_parameter
 
 
 class _Bucket:
@@ -167,8 +168,6 @@ class ExpertAwareBucketer:
 
     def __init__(self, named_params: dict[str, Parameter], grid, arena: GradArena, shard: bool = False,
                  whole=frozenset()):
-        from ..nn.moe import is_expert_parameter
-
         self.posted: list = []
 
         def part(names, comm, sharded):
