@@ -6,13 +6,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hpc_tp.comm.mpi import world
-from hpc_tp.comm.watchdog import CollectiveMismatch, Operation, Watchdog, report, watched
+from hpc_tp.comm.watchdog import CollectiveMismatch, Operation, Watchdog, error_agreement_seconds, report, watched
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -82,7 +83,7 @@ def test_debug_mode_names_a_gather_to_one_rank_by_its_whole_buffer():
         np.testing.assert_array_equal(x, np.arange(2.0 * comm.size))
 
 
-def test_an_overdue_operation_is_reported_and_aborts(tmp_path):
+def test_an_overdue_operation_is_reported_and_aborts(tmp_path, capfd):
     aborted = threading.Event()
     watchdog = Watchdog(0, 1, timeout=0.2, period=0.05, abort=lambda code: aborted.set())
     watchdog.start(tmp_path)
@@ -93,6 +94,23 @@ def test_an_overdue_operation_is_reported_and_aborts(tmp_path):
         watchdog.stop()
     assert (tmp_path / "rank-0.json").is_file()
     assert watchdog.where().startswith("outside collectives (last: barrier #7 on world [0]")
+    # One block on lines of its own: whatever the launcher printed before cannot stick to its first line.
+    assert capfd.readouterr().err.startswith("\nhpc-tp: collective timeout: barrier #7 on world [0] waited ")
+    assert error_agreement_seconds() <= 0.1  # a rank's own user error is printed before a watchdog fires
+
+
+def test_only_the_rank_that_claims_the_report_prints_one(tmp_path, capfd):
+    (tmp_path / "report.claim").touch()  # another rank's report is out, and its abort ends the job
+    aborted = threading.Event()
+    watchdog = Watchdog(1, 2, timeout=0.2, period=0.05, abort=lambda code: aborted.set())
+    watchdog.start(tmp_path)
+    try:
+        with watchdog.inside(Operation("barrier", "world [0, 1]", 7, members=(0, 1))):
+            time.sleep(1.0)  # five periods overdue
+    finally:
+        watchdog.stop()
+    assert not aborted.is_set()
+    assert "collective timeout" not in capfd.readouterr().err
 
 
 def test_the_report_names_who_waits_who_is_missing_and_who_is_gone():
