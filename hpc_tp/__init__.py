@@ -15,8 +15,9 @@ Imports run one way, downward, through these layers (tests/test_layering.py hold
 - module: ``Module``, ``Parameter``, the gradient arena; kernels: array-level compute, no Modules
 - serve < plan < train: the trainer asks the planner for a layout (``--plan auto``) and samples
   with the serving engine; bench measures steps with the trainer
-- cli: ``hpc_tp.cli`` and each subcommand's module (``cli.COMMANDS``), with the programs run on
-  their own (``plan.validate``, ``bench.gpu_check``): free to import anything below
+- cli: ``hpc_tp.cli`` and each subcommand's module (``cli.COMMANDS``), ``plan.validate`` (what
+  ``hpc-tp plan --validate`` runs) and ``bench.gpu_check`` (a program of its own): free to import
+  anything below
 
 Only comm/ and ``launch`` import mpi4py (and ``bench.comm``, which times MPI's own calls).
 """

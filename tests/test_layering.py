@@ -31,8 +31,8 @@ LAYERS = {
     "plan": ["hpc_tp.plan"],
     "train": ["hpc_tp.train"],
     "bench": ["hpc_tp.bench"],
-    # The command line: each subcommand's module, and the modules run as programs of their own
-    # (plan.validate measures a plan with the benchmarks and the trainer; gpu_check runs everything).
+    # The command line: each subcommand's module; plan.validate, which `hpc-tp plan --validate` runs
+    # (the benchmarks and the trainer on the planned layouts); bench.gpu_check, a program of its own.
     "cli": ["hpc_tp.cli", *(module for module, _ in COMMANDS.values()), "hpc_tp.plan.validate",
             "hpc_tp.bench.gpu_check"],
 }

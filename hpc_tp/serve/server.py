@@ -74,9 +74,9 @@ def run(args) -> int:
     # loaded when the command runs, not by hpc-tp --help
     from ..preemption import StopRequest
     from .chat import read_template, template_for
-    from .loading import load_for_inference
     from .continuous import ContinuousBatcher
     from .generate import Engine
+    from .loading import load_for_inference
 
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
         raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
