@@ -25,7 +25,7 @@ from hpc_tp.models.config import load_config
 from hpc_tp.serve import generate
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 from queued_ttft import PICK, Request, Source
 
 

@@ -1,6 +1,6 @@
 """Decode-shaped products, BLAS against ``kernels.small_m``, alternating in one run: [M, K] @ W for the
 135M llama model's MLP weights and its tied head (a transposed view of the [49152, 576] embedding),
-float32 through ``nn.blas``'s BLAS path and through the few-row kernel, and bfloat16 weights through
+float32 through ``kernels.blas``'s BLAS path and through the few-row kernel, and bfloat16 weights through
 the kernel.
 
     OMP_NUM_THREADS=1 python benchmarks/few_row_products.py [--rows 1,8,32] [--rounds 3]
@@ -36,7 +36,7 @@ def main():
     import ml_dtypes
 
     from hpc_tp.kernels import small_m
-    from hpc_tp.nn import blas
+    from hpc_tp.kernels import blas
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,32", help="values of M (default %(default)s)")
@@ -52,7 +52,7 @@ def main():
         for m in (int(r) for r in args.rows.split(",")):
             a = rng.standard_normal((m, k)).astype(numpy.float32)
             out = numpy.empty((m, n), numpy.float32)
-            # nn.blas's MKL call as it was before the few-row kernels (numpy where MKL is missing)
+            # kernels.blas's MKL call as it was before the few-row kernels (numpy where MKL is missing)
             ways = {"blas f32": (lambda w: blas._mkl_gemm(a, w, out, 0.0) or numpy.matmul(a, w, out=out), full),
                     "small_m f32": (lambda w: small_m.matmul(a, w, out), full),
                     "small_m bf16": (lambda w: small_m.matmul(a, w, out), half)}

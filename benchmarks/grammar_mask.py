@@ -20,7 +20,7 @@ import numpy
 
 from hpc_tp.serve.sampling import SamplingParams, next_token
 from hpc_tp.serve.structured import Grammar, vocabulary
-from hpc_tp.train.tokenizer import load_tokenizer
+from hpc_tp.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "required": ["name", "age", "tags"], "additionalProperties": False,
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},

@@ -29,7 +29,7 @@ from hpc_tp.serve import generate
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 
 
 class Request:

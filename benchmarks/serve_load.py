@@ -88,7 +88,7 @@ def write_checkpoint(folder: Path, preset: str, max_len: int) -> Path:
     from hpc_tp.grid import ProcessGrid
     from hpc_tp.models.config import load_config
     from hpc_tp.models.gpt import GPTModel
-    from hpc_tp.train.tokenizer import ByteTokenizer, saved_files
+    from hpc_tp.tokenizer import ByteTokenizer, saved_files
 
     tokenizer = ByteTokenizer()
     cfg = load_config(preset, vocab_size=tokenizer.vocab_size, max_seq_len=max_len)

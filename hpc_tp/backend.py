@@ -5,9 +5,13 @@ both; parameters are allocated with ``backend.xp`` chosen once at start-up by ``
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 import numpy
+
+from .errors import ConfigError
 
 xp = numpy
 device = "cpu"
@@ -25,22 +29,19 @@ def use(name: str, local_rank: int | None = None):
         xp, device = numpy, "cpu"
         return xp
     if name != "cuda":
-        from .errors import ConfigError
         raise ConfigError(f"--device {name!r}: expected one of {', '.join(DEVICES)}")
     cupy = import_cupy()
     ndev = cupy.cuda.runtime.getDeviceCount()
     rank = launcher_local_rank() if local_rank is None else local_rank
-    cupy.cuda.Device((rank or 0) % ndev).use()
+    cupy.cuda.Device(device_index(rank or 0, ndev)).use()
     xp, device = cupy, "cuda"
     return xp
 
 
 def import_cupy():
     """cupy, with at least one visible CUDA device; a ConfigError that says which is missing otherwise."""
-    from .errors import ConfigError
-
     try:
-        import cupy
+        import cupy  # an optional dependency (hpc_tp[gpu]): imported when a GPU is asked for
     except ImportError as error:
         raise ConfigError(f"--device cuda needs cupy (pip install 'hpc_tp[gpu]'): {error}") from None
     try:
@@ -54,13 +55,28 @@ def import_cupy():
 
 def cuda_available() -> bool:
     """True where cupy imports and sees a device (what GPU tests and gpu-check ask first)."""
-    from .errors import ConfigError
-
     try:
         import_cupy()
     except ConfigError:
         return False
     return True
+
+
+def device_index(local_rank: int, n_devices: int) -> int:
+    """The GPU a rank uses: its node-local rank modulo the devices it can see.
+
+    When SLURM binds one GPU per task (``--gpus-per-task=1`` or ``--gpu-bind``), each process sees one
+    device and every rank gets index 0; when all of a node's GPUs are visible, rank ``r`` gets ``r % n``.
+    Do not set ``CUDA_VISIBLE_DEVICES`` per rank by hand on top of that. More ranks than GPUs on a node
+    means ranks share a device, which NCCL refuses within one communicator.
+    """
+    if n_devices < 1:
+        raise ConfigError(f"no GPU visible to local rank {local_rank} (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): request GPUs for the job "
+                          "(#SBATCH --gpus-per-node=N) or run with the cpu device")
+    if local_rank < 0:
+        raise ConfigError(f"local rank {local_rank}: expected a rank >= 0")
+    return local_rank % n_devices
 
 
 def launcher_local_rank(environ=os.environ) -> int | None:
@@ -74,9 +90,6 @@ def launcher_local_rank(environ=os.environ) -> int | None:
 
 def _glibc():
     """glibc's C library on Linux; None elsewhere (macOS, musl), where the allocator is left alone."""
-    import ctypes
-    import sys
-
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -156,10 +169,21 @@ def synchronize():
         xp.cuda.get_current_stream().synchronize()
 
 
-def is_device_array(array) -> bool:
-    return not isinstance(array, numpy.ndarray) and xp is not numpy and isinstance(array, xp.ndarray)
-
-
 def to_numpy(array):
     """A host copy (or the array itself on the CPU), for checkpoints and logs."""
     return array if isinstance(array, numpy.ndarray) else array.get()
+
+
+def resolve_dtype(name: str):
+    """The numpy dtype called ``name`` (bfloat16 needs ml_dtypes; a ConfigError says so)."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ConfigError("--dtype bfloat16 needs the ml_dtypes package (numpy has no bfloat16): "
+                              "pip install ml_dtypes, or use --dtype float16") from None
+        return numpy.dtype(ml_dtypes.bfloat16)
+    try:
+        return numpy.dtype(name)
+    except TypeError:
+        raise ConfigError(f"--dtype {name!r} is not a numpy dtype") from None

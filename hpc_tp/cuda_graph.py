@@ -59,7 +59,7 @@ class Replayed:
         return self._run_and_capture()
 
     def _run_and_capture(self):
-        import cupy
+        import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
         self._pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream()
         with cupy.cuda.using_allocator(self._pool.malloc), stream:

@@ -70,7 +70,7 @@ class ProcessGrid:
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, world: Communicator | None = None,
                  ep: int = 1):
         if world is None:
-            from .comm.mpi import world as mpi_world
+            from .comm.mpi import world as mpi_world  # starts MPI: the planner builds grids without it
 
             world = mpi_world()
         for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):

@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
+from mpi4py import MPI
+
+from .comm.abort import abort_job, last_words
+from .comm.watchdog import error_agreement_seconds, where_this_rank_is
 from .errors import ConfigError
 
 LAUNCHERS = ("slurm", "openmpi", "mpich", "none")
@@ -30,8 +35,6 @@ _HYDRA_VARS = ("HYDI_CONTROL_FD", "MPI_LOCALNRANKS", "PMI_PORT")
 
 
 def world_rank() -> int:
-    from mpi4py import MPI
-
     return MPI.COMM_WORLD.Get_rank()
 
 
@@ -43,8 +46,8 @@ _agree_seconds = AGREE_SECONDS
 
 def agree_within(seconds: float):
     """Wait at most ``seconds`` (and never longer than before) for the other ranks to share a user
-    error. A collective watchdog asks for half its timeout: waiting longer, this rank would go
-    silent while the others' watchdog aborts the job for it, its error never printed."""
+    error. A collective watchdog's half timeout bounds it too (``comm.watchdog.error_agreement_seconds``):
+    waiting longer, this rank would go silent while the others' watchdog aborts the job for it."""
     global _agree_seconds
     _agree_seconds = min(_agree_seconds, seconds)
 
@@ -54,22 +57,19 @@ def report_error(error: Exception):
 
     After ``install_abort_on_exception``, the ranks first agree on it (a non-blocking barrier on a
     communicator of their own): a rank whose error the others do not share within ``AGREE_SECONDS``
-    (less under a collective watchdog: ``agree_within``)
+    (less after ``agree_within``, and under a collective watchdog)
     prints it with its rank and aborts the job, because returning would leave it waiting in
     ``MPI_Finalize`` for ranks that wait in a collective for it.
     """
-    if _failure_comm is not None and not _all_ranks_agree(_failure_comm, _agree_seconds):
-        sys.stderr.write(f"hpc-tp: error: rank {world_rank()}: {error} (the other ranks did not fail alike: "
-                         "aborting the job)\n")
-        sys.stderr.flush()
-        _failure_comm.Abort(2)
+    seconds = min(_agree_seconds, error_agreement_seconds() or _agree_seconds)
+    if _failure_comm is not None and not _all_ranks_agree(_failure_comm, seconds):
+        last_words(f"error: rank {world_rank()}: {error} (the other ranks did not fail alike: aborting the job)")
+        abort_job(2, _failure_comm)
     if world_rank() == 0:
         print(f"hpc-tp: error: {error}", file=sys.stderr, flush=True)
 
 
 def _all_ranks_agree(comm, seconds: float) -> bool:
-    import time
-
     request, deadline = comm.Ibarrier(), time.monotonic() + seconds
     while not request.Test():
         if time.monotonic() > deadline:
@@ -118,8 +118,6 @@ def launch_hints(env=None) -> dict[str, int]:
 
 def check_launch(env=None):
     """The world MPI built must match what the launcher was asked for: raises ConfigError if not."""
-    from mpi4py import MPI
-
     size = MPI.COMM_WORLD.Get_size()
     for var, hinted in launch_hints(env).items():
         if hinted != size:
@@ -152,8 +150,6 @@ class LaunchInfo:
     @classmethod
     def from_mpi(cls, comm=None, env=None) -> "LaunchInfo":
         """Collective over ``comm`` (default COMM_WORLD): every rank must call it."""
-        from mpi4py import MPI
-
         comm = MPI.COMM_WORLD if comm is None else comm
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         try:
@@ -171,28 +167,6 @@ class LaunchInfo:
                 f"{', ...' if self.num_nodes > 4 else ''}), {self.local_size} on this node, launcher {self.launcher}")
 
 
-def launch_info(comm=None) -> LaunchInfo:
-    """``LaunchInfo.from_mpi``: collective, call it on every rank."""
-    return LaunchInfo.from_mpi(comm)
-
-
-def device_index(local_rank: int, n_devices: int) -> int:
-    """The GPU a rank uses: its node-local rank modulo the devices it can see.
-
-    When SLURM binds one GPU per task (``--gpus-per-task=1`` or ``--gpu-bind``), each process sees one
-    device and every rank gets index 0; when all of a node's GPUs are visible, rank ``r`` gets ``r % n``.
-    Do not set ``CUDA_VISIBLE_DEVICES`` per rank by hand on top of that. More ranks than GPUs on a node
-    means ranks share a device, which NCCL refuses within one communicator.
-    """
-    if n_devices < 1:
-        raise ConfigError(f"no GPU visible to local rank {local_rank} (CUDA_VISIBLE_DEVICES="
-                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): request GPUs for the job "
-                          "(#SBATCH --gpus-per-node=N) or run with the cpu device")
-    if local_rank < 0:
-        raise ConfigError(f"local rank {local_rank}: expected a rank >= 0")
-    return local_rank % n_devices
-
-
 def install_abort_on_exception():
     """An unhandled exception on one rank aborts the whole job instead of leaving the others waiting.
 
@@ -200,8 +174,6 @@ def install_abort_on_exception():
     (``hpc_tp.comm.watchdog``: the trainer's are), the collective the rank was in or had last
     finished. Collective: every rank calls it (it duplicates COMM_WORLD for ``report_error``).
     """
-    from mpi4py import MPI
-
     global _failure_comm
     if MPI.COMM_WORLD.Get_size() == 1:
         return
@@ -210,13 +182,10 @@ def install_abort_on_exception():
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        from .comm.watchdog import where_this_rank_is
-
         previous(kind, value, tb)
         where = where_this_rank_is()
-        sys.stderr.write(f"hpc-tp: rank {MPI.COMM_WORLD.Get_rank()} raised {kind.__name__}: {value}"
-                         f"{' ' + where if where else ''}; aborting the job\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        last_words(f"rank {world_rank()} raised {kind.__name__}: {value}{' ' + where if where else ''}; "
+                   "aborting the job")
+        abort_job(1)
 
     sys.excepthook = hook

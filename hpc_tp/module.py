@@ -18,6 +18,7 @@ from typing import Iterator
 import numpy
 
 from . import backend
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def grad_buffer(data):
     main_grad. Micro-batches, bias and norm sums over tokens, and the replicas' sums then add up in
     float32, not in a format with 8 or 11 significant bits. On the CPU a weight gradient's half
     product is rounded before it is added; on a GPU cuBLAS sums it into the float32 buffer directly
-    (``nn.cublas``). Other dtypes keep their own. Inside ``with GradArena(...)`` it is a slice of the arena
+    (``kernels.cublas``). Other dtypes keep their own. Inside ``with GradArena(...)`` it is a slice of the arena
     (for ``data`` from ``param_buffer``, the slice beside it)."""
     xp = backend.xp_of(data)
     if GradArena.active is not None:
@@ -118,6 +119,11 @@ def param_buffer(shape, dtype, fill: float = 0.0):
     return xp.full(shape, fill, dtype=dtype)
 
 
+# The chunk size of the trainer's GradArena, so the size of a data-parallel bucket (the planner's cost
+# model counts the buckets with it).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
 class GradArena:
     """Gradients stored back to back in flat chunks of ``chunk_bytes`` (one dtype per chunk; a
     larger gradient gets a chunk of its own), so that a data-parallel bucket is one slice of a chunk
@@ -135,7 +141,6 @@ class GradArena:
 
     def __init__(self, chunk_bytes: int, params: bool = False):
         if not chunk_bytes > 0:
-            from .errors import ConfigError
             raise ConfigError(f"gradient bucket size {chunk_bytes!r} bytes must be > 0")
         self.chunk_bytes = chunk_bytes
         self.chunks: list = []
@@ -232,7 +237,7 @@ def strided_like(buffer, view, base):
     strides = tuple(s // view.itemsize * buffer.itemsize for s in view.strides)
     if isinstance(buffer, numpy.ndarray):
         return numpy.lib.stride_tricks.as_strided(buffer[offset:], view.shape, strides)
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     return cupy.lib.stride_tricks.as_strided(buffer[offset:], view.shape, strides)
 

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
+from . import backend
+from .backend import to_numpy
+from .errors import ConfigError
+
 
 def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--model", default="tiny", help="preset name or JSON config (default: tiny)")
@@ -17,15 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    import numpy as np
-
-    from . import backend
+    # loaded when the command runs, not by hpc-tp --help
     from .comm import select_device
     from .comm.mpi import self_comm, world
     from .launch import check_launch
     from .models import GPTModel, load_config
     from .train.data import build_dataset
-    from .train.tokenizer import ByteTokenizer
+    from .tokenizer import ByteTokenizer
 
     _check_arguments(args)
     check_launch()
@@ -57,8 +61,6 @@ def run(args) -> int:
 
 def _check_arguments(args):
     """Every rank runs this alike, so a bad value fails them all with one line."""
-    from .errors import ConfigError
-
     if args.batch < 1:  # the loss is divided by the batch's token count
         raise ConfigError(f"--batch {args.batch}: expected a positive integer")
     if not 0 <= args.tolerance < float("inf"):  # nan would compare false and report MISMATCH
@@ -66,19 +68,13 @@ def _check_arguments(args):
 
 
 def _rel(a, b, floor=1e-300):
-    import numpy as np
-
-    from .backend import to_numpy
-
     a, b = to_numpy(a), to_numpy(b)  # device arrays (--device cuda) compared on the host
     return float(np.abs(a - b).max(initial=0.0)) / max(float(np.abs(b).max(initial=0.0)), floor)
 
 
 def gradient_errors(parallel, alone, comm) -> dict[str, float]:
     """Relative error of every gradient of ``parallel`` (split over ``comm``) against ``alone``."""
-    import numpy as np
-
-    from .backend import to_numpy
+    # loaded when the command runs, not by hpc-tp --help
     from .module import gather_full
 
     ref = dict(alone.named_parameters())

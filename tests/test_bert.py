@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from hpc_tp.checkpoint import convert, load_checkpoint
-from hpc_tp.checkpoint.importers import open_source
+from hpc_tp.checkpoint.importers.source import open_source
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid

@@ -1,4 +1,4 @@
-"""nn.blas: the linear layers' GEMM (MKL where installed) gives numpy's product for every operand
+"""kernels.blas: the linear layers' GEMM (MKL where installed) gives numpy's product for every operand
 layout it accepts, accumulates into the buffer, and hands everything else to numpy."""
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpc_tp.nn import blas, mkl_jit
+from hpc_tp.kernels import blas, mkl_jit
 
 rng = np.random.default_rng(0)
 M, K, N = 96, 160, 144  # 2.2M multiply-adds: above MIN_MACS, so MKL takes it where installed
@@ -57,8 +57,8 @@ def test_weight_gradient_is_summed_into_its_buffer():
 def _count_mkl_calls(monkeypatch):
     """The MKL GEMM calls made from here on, as (m, n, k); none where MKL is not installed."""
     calls = []
-    for dtype, kernel in list(blas._kernels.items()):
-        monkeypatch.setitem(blas._kernels, dtype,
+    for dtype, kernel in list(blas.GEMMS.items()):
+        monkeypatch.setitem(blas.GEMMS, dtype,
                             lambda *args, kernel=kernel: (calls.append(args[3:6]), kernel(*args)))
     return calls
 
@@ -126,7 +126,7 @@ def test_few_rows_against_a_large_matrix_go_by_column_blocks(dtype, tol, b_layou
 
 
 def _backend_in_subprocess(value):
-    code = "from hpc_tp.nn import blas; print(blas.BACKEND)"
+    code = "from hpc_tp.kernels import blas; print(blas.BACKEND)"
     return subprocess.run([sys.executable, "-c", code], env={"HPC_TP_BLAS": value, "PATH": ""},
                           capture_output=True, text=True)
 
@@ -135,7 +135,7 @@ def test_environment_switch():
     result = _backend_in_subprocess("numpy")
     assert result.returncode == 0 and result.stdout.strip() == "numpy"
     # MKL's 64-bit integer layer, asked for by the environment, is overridden (it would crash the 32-bit calls).
-    result = subprocess.run([sys.executable, "-c", "import numpy as np; from hpc_tp.nn import blas; a = np.ones((256, 256)); "
+    result = subprocess.run([sys.executable, "-c", "import numpy as np; from hpc_tp.kernels import blas; a = np.ones((256, 256)); "
                              "assert (blas.matmul(a, a) == 256).all(); print(blas.BACKEND)"],
                             env={"MKL_INTERFACE_LAYER": "ILP64", "PATH": ""}, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -8,7 +8,7 @@ from hpc_tp.errors import ConfigError
 from hpc_tp.models.config import ModelConfig
 from hpc_tp.serve.chat import ChatTemplate
 from hpc_tp.serve.api_request import CHAT, COMPLETIONS, parse_request
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 
 # the shape of Llama 3's template, shortened: the bos token, a header per turn, the assistant's opened
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"

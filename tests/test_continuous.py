@@ -12,7 +12,7 @@ from hpc_tp.serve import continuous, generate
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 from hpc_tp.models import GPTModel, ModelConfig
 from test_generate import CONFIGS, PROMPTS, _model, larger_weights
 from tp_helpers import max_rel_err, tp_and_reference

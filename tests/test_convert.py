@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hpc_tp.checkpoint import convert, export, load_checkpoint
-from hpc_tp.checkpoint.importers import open_source
+from hpc_tp.checkpoint.importers.source import open_source
 from hpc_tp.cli import main
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
@@ -491,7 +491,7 @@ def test_gguf_quantized_tensor_is_the_dequantized_weight(tmp_path):
 
 # -- tokenizers are kept ---------------------------------------------------------------------------------
 def test_gguf_tokenizers_become_tokenizer_json(tmp_path):
-    from hpc_tp.train.tokenizer import load_tokenizer_dir
+    from hpc_tp.tokenizer import load_tokenizer_dir
 
     def gpt2_vocab(w):
         tokens = ["a", "b", "c", "ab", "abc", "\u0120", "\u0120a", "<|endoftext|>"] + [f"t{i}" for i in range(42)]
@@ -530,7 +530,7 @@ TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['conten
 def test_hf_tokenizer_json_is_kept_and_round_trips_through_export(tmp_path):
     from tokenizers import Tokenizer, models
 
-    from hpc_tp.train.tokenizer import load_tokenizer_dir
+    from hpc_tp.tokenizer import load_tokenizer_dir
 
     config, tensors = gpt2_source()
     source = write_hf(tmp_path / "hf", config, tensors)

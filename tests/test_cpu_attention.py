@@ -1,4 +1,4 @@
-"""The fused attention core (hpc_tp/nn/cpu_attention.py: numba loop, MKL tiles) gives the composed
+"""The fused attention core (hpc_tp/kernels/cpu_attention.py: numba loop, MKL tiles) gives the composed
 numpy path's numbers: output, saved softmax and dQ/dK/dV, float64 within 1e-12 and float32 within
 1e-5, on strided views of a QKV buffer, grouped-query heads, a cache offset, key padding (fully
 masked rows included), attention dropout and no mask; both paths give the same numbers again when
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from hpc_tp.comm.mpi import world
-from hpc_tp.nn import attention, cpu_attention, mkl_jit
+from hpc_tp.kernels import cpu_attention, mkl_jit
+from hpc_tp.nn import attention
 from hpc_tp.nn.attention import ParallelAttention, attention_bias, query_blocks
 from hpc_tp.tensor_parallel.random import DropoutRNG
-from hpc_tp.train.mixed_precision import resolve_dtype
+from hpc_tp.backend import resolve_dtype
 
 pytestmark = pytest.mark.skipif(not mkl_jit.AVAILABLE, reason="needs numba and MKL (hpc_tp[mkl])")
 TOL = {"float64": 1e-12, "float32": 1e-5}
@@ -105,7 +106,7 @@ def test_fused_core_matches_composed(dtype, case):
 def reference_lse(q, k, causal, offset, key_mask):
     """log(sum(exp(scores))) of each query row over the keys it may see, whole-array numpy; -inf
     for a row that may see none."""
-    (b, hk, g, t, _), keys = q.shape, k.shape[2]
+    (b, _, _, t, _), keys = q.shape, k.shape[2]
     scores = np.einsum("bhgtd,bhkd->bhgtk", q.astype("float64"), k.astype("float64"))
     if causal or key_mask is not None:
         scores = scores + attention_bias(b, t, keys, causal, key_mask, offset, "float64")

@@ -1,10 +1,10 @@
-"""The fused CPU kernels (numba, hpc_tp/nn/cpu_kernels.py) give the composed numpy code's numbers:
+"""The fused CPU kernels (numba, hpc_tp/kernels/cpu_kernels.py) give the composed numpy code's numbers:
 forward outputs, saved tensors and every gradient, float64 within 1e-12 and float32 within 1e-5,
 on ragged shapes, with and without a bias; a forward on one path feeds a backward on the other."""
 import numpy as np
 import pytest
 
-from hpc_tp.nn import cpu_kernels, functional as F
+from hpc_tp.kernels import cpu_kernels, functional as F
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.ENABLED, reason="numba is not installed (or HPC_TP_CPU_KERNELS=0)")
 TOL = {"float64": 1e-12, "float32": 1e-5}

@@ -1,4 +1,4 @@
-"""The cuBLAS call's arguments (``nn.cublas.plan`` and its cache, ``arguments``) checked without a device: an emulation of
+"""The cuBLAS call's arguments (``kernels.cublas.plan`` and its cache, ``arguments``) checked without a device: an emulation of
 ``cublasGemmStridedBatchedEx`` reads the operands' memory as cuBLAS would (column-major, leading
 dimensions, batch strides) and must give ``a @ b`` for every layout the engine passes.
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from hpc_tp.nn import cublas
+from hpc_tp.kernels import cublas
 
 
 def _read(x, ld, stride, rows, cols, batch):

@@ -6,7 +6,7 @@ from hpc_tp.errors import ConfigError
 from hpc_tp.train import data as data_module
 from hpc_tp.train.data import DistributedSampler, build_dataset
 from hpc_tp.train.tasks import IGNORE, ArithmeticTask
-from hpc_tp.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, load_tokenizer_dir
+from hpc_tp.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, load_tokenizer_dir
 
 BYTES = ByteTokenizer()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
@@ -15,7 +14,7 @@ from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.chat import ChatTemplate, stop_at_end_of_turn
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
-from hpc_tp.train.tokenizer import HFTokenizer, load_tokenizer_dir
+from hpc_tp.tokenizer import HFTokenizer, load_tokenizer_dir
 from test_convert import gpt2_source, llama_source, write_gguf, write_hf
 from test_generate import larger_weights
 

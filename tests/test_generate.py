@@ -17,7 +17,7 @@ from hpc_tp.serve.decoding import FixedStep, GrowingStep, decode_stepper
 from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache, RowsPrefill
 from hpc_tp.serve.sampling import SamplingParams, next_token
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 from tp_helpers import max_rel_err, tp_and_reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -364,7 +364,7 @@ def test_llama_matches_numpy_reference():
 def write_checkpoint(folder, name, grid, tokenizer=None):
     """A checkpoint of the random model ``name`` as the trainer writes one: meta["config"] and the tokenizer."""
     from hpc_tp.checkpoint import save_checkpoint
-    from hpc_tp.train.tokenizer import saved_files
+    from hpc_tp.tokenizer import saved_files
 
     model = _model(name, grid.tp)
     files = saved_files(tokenizer) if tokenizer is not None else {}

@@ -13,9 +13,9 @@ import pytest
 
 from hpc_tp import backend
 from hpc_tp.bench import gpu_check as G
-from hpc_tp.nn import cuda_kernels as K
-from hpc_tp.nn import functional as F
-from hpc_tp.train.mixed_precision import resolve_dtype
+from hpc_tp.kernels import cuda_kernels as K
+from hpc_tp.kernels import functional as F
+from hpc_tp.backend import resolve_dtype
 from test_cublas import LAYOUTS, layout
 
 CUDA = backend.cuda_available()
@@ -192,7 +192,7 @@ def test_float32_gradient_with_float16_saved_tensors():
 def test_cublas_gemm_computes_a_at_b_in_every_layout(name):
     """The real cuBLAS call for the layouts test_cublas emulates: float64 to rounding, the half types
     (float32 sums) to their bits, and half inputs summed into a float32 output (a weight gradient)."""
-    from hpc_tp.nn import cublas
+    from hpc_tp.kernels import cublas
 
     a, b = layout(name, cupy.asarray)
     want = np.matmul(*layout(name))
@@ -243,7 +243,7 @@ def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
     from hpc_tp.comm.mpi import self_comm
     from hpc_tp.serve.generate import Engine
     from hpc_tp.serve.sampling import SamplingParams
-    from hpc_tp.train.tokenizer import ByteTokenizer
+    from hpc_tp.tokenizer import ByteTokenizer
     from test_generate import PROMPTS, _model
 
     params = [SamplingParams(max_new_tokens=n) for n in (6, 3, 6, 5)]

@@ -9,7 +9,7 @@ import pytest
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.generate import left_pad
 from hpc_tp.serve.kv_cache import KVCache
-from hpc_tp.train.mixed_precision import resolve_dtype
+from hpc_tp.backend import resolve_dtype
 from test_generate import CONFIGS, PROMPTS, larger_weights
 from tp_helpers import max_rel_err, tp_and_reference
 
@@ -66,10 +66,10 @@ def test_generate_command_loads_a_checkpoint_in_bfloat16(tmp_path):
     from hpc_tp.cli import main
     from hpc_tp.comm.mpi import world
     from hpc_tp.grid import ProcessGrid
-    from hpc_tp.serve.command import load_for_inference
+    from hpc_tp.serve.loading import load_for_inference
     from hpc_tp.serve.generate import Engine
     from hpc_tp.serve.sampling import SamplingParams
-    from hpc_tp.train.tokenizer import ByteTokenizer
+    from hpc_tp.tokenizer import ByteTokenizer
     from test_generate import write_checkpoint
 
     comm = world()

@@ -6,8 +6,9 @@ runs the real thing): an sbatch script, an srun step with and without PMI, mpiru
 import pytest
 from mpi4py import MPI
 
+from hpc_tp.backend import device_index
 from hpc_tp.errors import ConfigError
-from hpc_tp.launch import LaunchInfo, check_launch, detect_launcher, device_index, in_srun_step, launch_hints
+from hpc_tp.launch import LaunchInfo, check_launch, detect_launcher, in_srun_step, launch_hints
 
 BATCH = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_NPROCS": "4"}
 STEP = {**BATCH, "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4"}

@@ -176,7 +176,7 @@ def test_query_blocks_see_exactly_the_causal_keys(q_len, k_len, offset, on_devic
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
 @pytest.mark.parametrize("offset", [0, 3])
 def test_softmax_causal_offset_is_the_added_bias_to_the_bit(dtype, offset):
-    from hpc_tp.nn import functional as F
+    from hpc_tp.kernels import functional as F
 
     scores = np.random.default_rng(0).standard_normal((2, 3, 6, 9)).astype(dtype)
     bias = attention.attention_bias(1, 6, 9, True, None, offset, dtype)[0]  # [1, 1, 6, 9]

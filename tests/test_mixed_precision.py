@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hpc_tp.errors import ConfigError
-from hpc_tp.train.mixed_precision import LossScaler, MixedPrecision, resolve_dtype
+from hpc_tp.backend import resolve_dtype
+from hpc_tp.train.mixed_precision import LossScaler, MixedPrecision
 from hpc_tp.train.settings import TrainSettings
 from hpc_tp.train.trainer import Trainer
 
@@ -183,7 +184,7 @@ def test_float16_cross_entropy_and_norms_do_not_overflow():
     """A float16 sum of 4096 token losses near 30, or of the squares of a row with std 30, passes
     65504: both are computed in float32 and only the activations' results are rounded to float16."""
     from hpc_tp.comm.mpi import self_comm
-    from hpc_tp.nn import functional as F
+    from hpc_tp.kernels import functional as F
     from hpc_tp.tensor_parallel.vocab import VocabParallelCrossEntropy
 
     rng = np.random.default_rng(0)

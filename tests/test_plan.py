@@ -77,9 +77,9 @@ def test_distributed_optimizer_bytes_are_the_engines(name):
     """With ZeRO-1 the pieces (the moments; at float64 the parameters are their own masters) hold
     1/dp of the optimizer bytes, experts' 1/(dp/ep): exact save the last piece of each bucket,
     which is up to dp - 1 elements shorter."""
-    from hpc_tp.module import GradArena
+    from hpc_tp.module import DEFAULT_BUCKET_BYTES, GradArena
     from hpc_tp.train.distributed_optim import ShardedAdamW
-    from hpc_tp.train.grad_sync import DEFAULT_BUCKET_BYTES, ExpertAwareBucketer
+    from hpc_tp.train.grad_sync import ExpertAwareBucketer
 
     cfg, precision = MODELS[name], engine_precision("float64")
     for tp, pp, dp, ep in engine_layouts(cfg):

@@ -19,7 +19,8 @@ from hpc_tp.comm.mpi import self_comm, world
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.models import ModelConfig, load_config
-from hpc_tp.nn import attention, cpu_attention
+from hpc_tp.kernels import cpu_attention
+from hpc_tp.nn import attention
 from hpc_tp.pipeline import build_stage, pipeline_forward_backward
 from hpc_tp.plan.clusters import engine_precision, get_cluster
 from hpc_tp.plan.cost import Layout, predict

@@ -8,7 +8,7 @@ import pytest
 
 from hpc_tp.serve.generate import _Row
 from hpc_tp.serve.sampling import SamplingParams, next_token, process_logits, token_logprobs
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 
 LOGITS = np.array([2.0, -1.0, 0.5, 3.0, -0.5, 0.0, 1.5, -2.0])
 

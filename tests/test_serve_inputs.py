@@ -10,7 +10,7 @@ from hpc_tp.comm.mpi import self_comm, world
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 from test_generate import _model, write_checkpoint
 from test_train import settings
 

@@ -18,7 +18,7 @@ from hpc_tp.comm.mpi import self_comm
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 from test_generate import _model, write_checkpoint
 from test_serve import BIN, MPIEXEC, ROOT, _post, _start_line, _text_of
 

@@ -11,7 +11,7 @@ from hpc_tp.serve.chat import ChatTemplate
 from hpc_tp.train.chats import build_chat_datasets, render_conversation
 from hpc_tp.train.settings import TrainSettings
 from hpc_tp.train.tasks import IGNORE, ArithmeticTask
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 from hpc_tp.train.trainer import Trainer
 
 # ChatML's layout, spelled in bytes: turns open with "<|", close with "|>\n".

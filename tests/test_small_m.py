@@ -1,11 +1,11 @@
 """kernels.small_m: few-row products against a weight give numpy's product (computed in float64)
 to rounding, for both weight layouts, odd shapes, every dtype it takes; half weights are widened
-exactly; nn.blas sends it the products it takes and nothing else."""
+exactly; kernels.blas sends it the products it takes and nothing else."""
 import numpy as np
 import pytest
 
 from hpc_tp.kernels import small_m
-from hpc_tp.nn import blas, cpu_kernels
+from hpc_tp.kernels import blas, cpu_kernels
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 needs_numba = pytest.mark.skipif(not cpu_kernels.ENABLED, reason="needs numba")
@@ -83,7 +83,7 @@ def test_many_rows_against_a_half_weight_widen_it_by_blocks(dtype, layout, accum
     w = _weight(k, n, dtype, layout)
     a = rng.standard_normal((m, k)).astype(w.dtype)
     out = np.ones((m, n), np.float32)
-    got = small_m.widened_matmul(a, w, out=out, accumulate=accumulate, block_bytes=40 * 4 * 301)  # 7-8 blocks
+    got = blas.widened_matmul(a, w, out=out, accumulate=accumulate, block_bytes=40 * 4 * 301)  # 7-8 blocks
     expected = a.astype("float64") @ w.astype("float64") + (1 if accumulate else 0)
     assert got is out and np.abs(got - expected).max() <= 3e-6 * np.abs(expected).max()
     np.testing.assert_allclose(blas.matmul(a, w), expected - (1 if accumulate else 0), rtol=1e-4, atol=1e-3)

@@ -18,7 +18,7 @@ from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.http import parse_request
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.serve.structured import Grammar, response_format
-from hpc_tp.train.tokenizer import ByteTokenizer, HFTokenizer
+from hpc_tp.tokenizer import ByteTokenizer, HFTokenizer
 
 # Bounded everywhere (string lengths, item counts, number ranges), so a whole answer fits a budget.
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],

@@ -21,7 +21,7 @@ from hpc_tp.serve.generate import Engine
 from hpc_tp.serve import api_response
 from hpc_tp.serve.http import CHAT, CompletionServer, parse_request
 from hpc_tp.serve.tools import CallStream, ToolUse
-from hpc_tp.train.tokenizer import ByteTokenizer
+from hpc_tp.tokenizer import ByteTokenizer
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 5}, "unit": {"enum": ["C", "F"]}}}

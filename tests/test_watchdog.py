@@ -6,13 +6,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hpc_tp.comm.mpi import world
-from hpc_tp.comm.watchdog import CollectiveMismatch, Operation, Watchdog, report, watched
+from hpc_tp.comm.watchdog import CollectiveMismatch, Operation, Watchdog, error_agreement_seconds, report, watched
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -30,6 +31,9 @@ def inject(fault: str, rank: int, step: int, *flags: str, cache) -> subprocess.C
 
 
 def hpc_tp_lines(run) -> list[str]:
+    """The job's own lines. Open MPI ends its abort banner with a NUL byte, which sticks to the start of
+    the next line when the banner reaches the log first: the engine's messages start on a fresh line,
+    so none of theirs may be lost here for it (hpc_tp.comm.abort)."""
     return [line for line in run.stderr.splitlines() if line.startswith("hpc-tp:")]
 
 
@@ -79,7 +83,7 @@ def test_debug_mode_names_a_gather_to_one_rank_by_its_whole_buffer():
         np.testing.assert_array_equal(x, np.arange(2.0 * comm.size))
 
 
-def test_an_overdue_operation_is_reported_and_aborts(tmp_path):
+def test_an_overdue_operation_is_reported_and_aborts(tmp_path, capfd):
     aborted = threading.Event()
     watchdog = Watchdog(0, 1, timeout=0.2, period=0.05, abort=lambda code: aborted.set())
     watchdog.start(tmp_path)
@@ -90,6 +94,23 @@ def test_an_overdue_operation_is_reported_and_aborts(tmp_path):
         watchdog.stop()
     assert (tmp_path / "rank-0.json").is_file()
     assert watchdog.where().startswith("outside collectives (last: barrier #7 on world [0]")
+    # One block on lines of its own: whatever the launcher printed before cannot stick to its first line.
+    assert capfd.readouterr().err.startswith("\nhpc-tp: collective timeout: barrier #7 on world [0] waited ")
+    assert error_agreement_seconds() <= 0.1  # a rank's own user error is printed before a watchdog fires
+
+
+def test_only_the_rank_that_claims_the_report_prints_one(tmp_path, capfd):
+    (tmp_path / "report.claim").touch()  # another rank's report is out, and its abort ends the job
+    aborted = threading.Event()
+    watchdog = Watchdog(1, 2, timeout=0.2, period=0.05, abort=lambda code: aborted.set())
+    watchdog.start(tmp_path)
+    try:
+        with watchdog.inside(Operation("barrier", "world [0, 1]", 7, members=(0, 1))):
+            time.sleep(1.0)  # five periods overdue
+    finally:
+        watchdog.stop()
+    assert not aborted.is_set()
+    assert "collective timeout" not in capfd.readouterr().err
 
 
 def test_the_report_names_who_waits_who_is_missing_and_who_is_gone():
@@ -139,8 +160,9 @@ def test_a_rank_that_stops_calling_collectives_is_named_by_the_watchdog(tmp_path
     run = inject("sleep", 2, 3, "--comm-timeout", "2", cache=tmp_path)
     assert run.returncode != 0
     lines = hpc_tp_lines(run)
-    assert lines and lines[0].startswith("hpc-tp: collective timeout: ") and "(--comm-timeout 2)" in lines[0]
-    assert lines[0].endswith("missing: rank 2; aborting the job"), run.stderr
+    reports = [line for line in lines if line.startswith("hpc-tp: collective timeout: ")]
+    assert len(reports) == 1, run.stderr  # one rank reports, however slow the abort
+    assert "(--comm-timeout 2)" in reports[0] and reports[0].endswith("missing: rank 2; aborting the job"), run.stderr
     assert any(line.startswith("hpc-tp:   missing rank 2 ") and "outside collectives for" in line for line in lines)
     waiting = [line for line in lines if " waiting " in line]
     assert len(waiting) == 3 and all("rank 2" not in line for line in waiting), run.stderr
@@ -152,7 +174,9 @@ def test_a_rank_that_skips_a_collective_is_named_by_the_watchdog(tmp_path):
     run = inject("skip", 1, 3, "--comm-timeout", "2", cache=tmp_path)
     assert run.returncode != 0
     lines = hpc_tp_lines(run)
-    assert lines and " on world [0, 1, 2, 3] " in lines[0] and lines[0].endswith("missing: rank 1; aborting the job")
+    reports = [line for line in lines if line.startswith("hpc-tp: collective timeout: ")]
+    assert len(reports) == 1, run.stderr
+    assert " on world [0, 1, 2, 3] " in reports[0] and reports[0].endswith("missing: rank 1; aborting the job")
     assert any(line.startswith("hpc-tp:   missing rank 1 ") for line in lines), run.stderr
 
 

@@ -12,6 +12,15 @@ tensor counted once) per second; the ratio says what the checkpoint format costs
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy
+
+from ..errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -28,13 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 def benchmark_checkpoint(grid, model, optimizer, folder, repeats: int = 3) -> dict:
     """Median seconds and MB/s of save_checkpoint / load_checkpoint and of np.save / np.load, in a
     fresh folder inside ``folder`` (whatever else ``folder`` holds is left alone)."""
-    import shutil
-    import tempfile
-    import time
-    from pathlib import Path
-
-    import numpy
-
+    # loaded when the command runs, not by hpc-tp --help
     from ..checkpoint import load_checkpoint, save_checkpoint
     from ..checkpoint.collective import run_everywhere
 
@@ -92,10 +95,7 @@ def format_record(r: dict) -> str:
 
 
 def run(args) -> int:
-    import json
-    from pathlib import Path
-
-    from ..errors import ConfigError
+    # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import world
     from ..grid import ProcessGrid
     from ..launch import check_launch

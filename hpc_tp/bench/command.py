@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -73,12 +74,14 @@ def run(args) -> int:
 
 
 def _run_comm(args) -> int:
+    # loaded when the command runs, not by hpc-tp --help
     from ..launch import check_launch
 
     sizes, ops = size_range(args.sizes), args.ops.split(",")
     if args.iters < 1 or args.warmup < 0:
         raise ConfigError(f"--iters {args.iters} --warmup {args.warmup}: need at least 1 iteration and no negative warm-up")
     check_launch()
+    # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import world
     from ..grid import node_of_ranks
     from .comm import OPS, benchmark_comm, format_table, runs_here
@@ -102,8 +105,7 @@ def _run_comm(args) -> int:
 
 
 def _run_step(args) -> int:
-    import os
-
+    # loaded when the command runs, not by hpc-tp --help
     from ..launch import check_launch
 
     for name in ("layers", "seq_len", "micro_batch", "threads", "repeats"):
@@ -113,12 +115,13 @@ def _run_step(args) -> int:
     if args.warmup < 0:
         raise ConfigError(f"--warmup {args.warmup}: expected 0 or more")
     check_launch()
+    # loaded when the command runs, not by hpc-tp --help
     from threadpoolctl import threadpool_limits
 
     from ..comm import select_device
     from ..comm.mpi import world
     from ..models.config import load_config
-    from ..train.mixed_precision import resolve_dtype
+    from ..backend import resolve_dtype
     from .step import benchmark_step, format_record
 
     # The block stack has no position table, so any sequence length fits.

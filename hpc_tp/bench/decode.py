@@ -15,6 +15,15 @@ Light imports at the top, so ``hpc-tp bench --help`` can import this module for 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from statistics import median
+from time import perf_counter
+
+import numpy
+
+from .. import backend
+from ..errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -37,17 +46,12 @@ def benchmark_decode(comm, cfg, batch: int, prompt_len: int, new_tokens: int, dt
                      warmup: int = 3, seed: int = 0, graphs: bool = True) -> dict:
     """One record (the same on every rank) for ``cfg`` split over ``comm`` (tp = comm.size); ``graphs``:
     replay a captured CUDA graph per step where ``serve.decoding`` can (a GPU at tp = 1)."""
-    from statistics import median
-    from time import perf_counter
-
-    import numpy
-
-    from .. import backend
+    # loaded when the command runs, not by hpc-tp --help
     from ..grid import warn_if_tp_spans_nodes
     from ..models.gpt import GPTModel
     from ..serve.decoding import decode_stepper
     from ..serve.kv_cache import KVCache
-    from ..train.mixed_precision import resolve_dtype
+    from ..backend import resolve_dtype
 
     xp = backend.xp
     warn_if_tp_spans_nodes(comm)
@@ -102,10 +106,7 @@ def format_record(r: dict) -> str:
 
 def run(args) -> int:
     """``hpc-tp bench decode`` (tp = world size)."""
-    import json
-    from pathlib import Path
-
-    from ..errors import ConfigError
+    # loaded when the command runs, not by hpc-tp --help
     from ..launch import check_launch
 
     for name in ("batch", "prompt_len", "new_tokens"):
@@ -114,6 +115,7 @@ def run(args) -> int:
     if args.warmup < 0:
         raise ConfigError(f"--warmup {args.warmup}: expected 0 or more")
     check_launch()
+    # loaded when the command runs, not by hpc-tp --help
     from ..comm import select_device
     from ..comm.mpi import world
     from ..models.config import load_config

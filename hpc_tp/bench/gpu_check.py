@@ -57,8 +57,8 @@ def kernel_errors(dtype: str, rows: int = 37, n: int = 300) -> dict[str, float]:
     """Worst relative error of each fused kernel (``functional`` on cupy) against numpy."""
     import cupy
 
-    from ..nn import cuda_kernels as K
-    from ..nn import functional as F
+    from ..kernels import cuda_kernels as K
+    from ..kernels import functional as F
 
     rng = numpy.random.default_rng(0)
     x, dy, gain, bias = (rng.standard_normal(s).astype(dtype) for s in ((rows, n), (rows, n), (n,), (n,)))
@@ -188,7 +188,7 @@ def continuous_completions(device: str, config: dict = DECODE_MODEL, weights=Non
     from ..serve.continuous import ContinuousBatcher
     from ..serve.generate import Engine
     from ..serve.sampling import SamplingParams
-    from ..train.tokenizer import ByteTokenizer
+    from ..tokenizer import ByteTokenizer
 
     backend.use(device)
     model = GPTModel(ModelConfig(**config), self_comm(), dtype="float64", seed=3)

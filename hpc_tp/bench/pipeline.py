@@ -21,6 +21,8 @@ from time import perf_counter
 
 import numpy
 
+from ..errors import ConfigError
+
 
 def bubble_formula(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Idle fraction of a stage with equal chunk costs: (p-1)/(V m+p-1)."""
@@ -32,6 +34,7 @@ def measure_bubble(cfg, grid, micro_batches: int, micro_batch: int, seq_len: int
                    virtual_stages=(1,)) -> list[dict]:
     """One record per stage and V in ``virtual_stages`` (the same list on every rank): measured idle
     fraction (median over repeats), the formula's, and the stage's busy and step seconds."""
+    # loaded when the command runs, not by hpc-tp --help
     from ..pipeline import PipelineStats, build_stage, pipeline_forward_backward
 
     models = {v: build_stage(cfg, grid, dtype, seed, virtual_stages=v) for v in virtual_stages}
@@ -86,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def run(args) -> int:
+    # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import world
-    from ..errors import ConfigError
     from ..grid import ProcessGrid
     from ..launch import check_launch
     from ..models import load_config

@@ -23,7 +23,7 @@ step over it is the most any engine could be faster than that peer here (``bench
 prints it). The highest sample rather than the median, because on a host whose speed moves from
 second to second the median can fall below what the step itself sustained (MFU over 100%).
 
-The peak is measured in the same run, with the same GEMM the linear layers use (``nn.blas``: MKL
+The peak is measured in the same run, with the same GEMM the linear layers use (``kernels.blas``: MKL
 where installed, else numpy's OpenBLAS; the record's ``gemm``), dtype and threads per rank: every rank
 multiplies a [N, H] by [H, F/tp] matrix (the MLP's first GEMM) at the same time as the others,
 since ranks that share cores share them during the step too. It is sampled after every timed
@@ -55,7 +55,7 @@ from ..comm.mpi import MPICommunicator
 from ..grid import warn_if_tp_spans_nodes
 from ..models.config import ModelConfig
 from ..models.gpt import GPTModel
-from ..nn import blas
+from ..kernels import blas
 from ..tensor_parallel.sequence_parallel import scatter_sequence
 from ..train.metrics import peak_memory_bytes
 

@@ -10,9 +10,13 @@ and then replaced only once the new checkpoint is complete.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
+
+from ..errors import ConfigError
+from ..paths import check_output_folder
 
 
 def add_arguments(parser):
@@ -22,10 +26,9 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import world
-    from ..errors import ConfigError
-    from ..paths import check_output_folder
-    from .importers import open_source
+    from .importers.source import open_source
 
     if world().size > 1:
         raise ConfigError(f"hpc-tp convert runs as one process (started with {world().size} ranks); "
@@ -45,6 +48,7 @@ def run(args) -> int:
 
 def write_checkpoint(imported, root: Path) -> Path:
     """Save ``imported`` as step 0 under ``root`` with one process; returns the step folder."""
+    # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import self_comm
     from ..grid import ProcessGrid
     from ..module import Partition
@@ -70,8 +74,7 @@ class _Staged:
 def split_axes(cfg) -> dict:
     """Parameter name -> the axis the model splits it along over tp (None: replicated), from a
     model of ``cfg``'s structure at toy width: names and axes do not depend on the sizes."""
-    import dataclasses
-
+    # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import self_comm
     from ..models.bert import BertModel
     from ..models.gpt import GPTModel
@@ -86,8 +89,6 @@ def replace_folder(dest, force: bool, fill) -> Path:
     """Create folder ``dest`` by ``fill(temp)`` in a temporary sibling, renamed into place only
     when complete. An existing ``dest`` is an error unless ``force``; then it is set aside and
     deleted only after the new one is in place."""
-    from ..errors import ConfigError
-
     dest = Path(dest)
     if dest.exists() and not force:
         raise ConfigError(f"output {dest} already exists: choose another path, or pass --force to replace it")

@@ -15,6 +15,11 @@ import math
 import os
 from pathlib import Path
 
+import numpy
+
+from ..errors import ConfigError
+from ..paths import check_output_folder
+
 _CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
@@ -31,7 +36,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..paths import check_output_folder
+    # loaded when the command runs, not by hpc-tp --help
     from .convert import replace_folder
     from .read import describe_checkpoint
 
@@ -44,12 +49,12 @@ def run(args) -> int:
 
 def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     """Write the Hugging Face folder of the checkpoint ``info`` (describe_checkpoint) into ``dest``."""
+    # loaded when the command runs, not by hpc-tp --help
     import h5py
 
-    from ..errors import ConfigError
     from ..models.config import ModelConfig
     from .format import MASTER, SourceCheck
-    from ..train.tokenizer import load_tokenizer_dir
+    from ..tokenizer import load_tokenizer_dir
     from .importers.huggingface import (CONFIG, EXPORTABLE, GENERATION_CONFIG, SINGLE, TOKENIZER, TOKENIZER_CONFIG,
                                         export_layout)
 
@@ -98,7 +103,7 @@ class _Reader:
         self.f, self.folder, self.sources = f, folder, sources
 
     def __call__(self, name: str):
-        from ..errors import ConfigError
+        # loaded when the command runs, not by hpc-tp --help
         from .read import read_verified
 
         ds = self.f[f"tensors/{name}"]
@@ -115,8 +120,6 @@ def _entries(rules, read, stored: dict, dtype: str) -> list[tuple]:
     """(name, shape, dtype code, produce) per Hugging Face tensor, in rule order; the rules that
     share a source tensor are its column blocks (GPT-2's c_attn) or row blocks (Phi-3's qkv_proj),
     concatenated in their order."""
-    import numpy
-
     groups: dict[str, list] = {}
     for rule in rules:
         groups.setdefault(rule.theirs, []).append(rule)
@@ -136,9 +139,7 @@ def _entries(rules, read, stored: dict, dtype: str) -> list[tuple]:
 def write_safetensors(path: Path, entries: list[tuple]):
     """A safetensors file written tensor by tensor: the header (names, dtypes, shapes, offsets)
     comes from the shapes alone, then each tensor's little-endian bytes in header order."""
-    import numpy
-
-    from ..errors import ConfigError
+    # loaded when the command runs, not by hpc-tp --help
     from .importers.bfloat16 import float32_to_bfloat16_bytes
 
     header, offset = {"__metadata__": {"format": "pt"}}, 0

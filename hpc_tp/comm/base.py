@@ -10,6 +10,10 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
+import numpy
+
+from ..errors import ConfigError
+
 
 # The generic ``igather_flat``'s messages: MPI's least upper bound on tags, far from the pipeline's,
 # which count up from 0.
@@ -183,7 +187,21 @@ class Communicator(ABC):
         """(source, object) of a message with ``tag`` that has arrived from any rank, or None at once."""
 
     def all_reduce_scalar(self, value: float, op: str = "sum") -> float:
-        import numpy
-
         buf = numpy.array([value], dtype=numpy.float64)
         return float(self.all_reduce(buf, op)[0])
+
+
+def on_rank0(comm: Communicator, work, idle: bool = False):
+    """``work()`` on rank 0 of ``comm``; its result, or its ConfigError, on every rank (a user error
+    found by the rank that reads the input fails every rank alike). ``idle``: the work may take long
+    (waiting for requests), and the other ranks sleep while they wait."""
+    payload = None
+    if comm.rank == 0:
+        try:
+            payload = (work(), None)
+        except ConfigError as e:
+            payload = (None, str(e))
+    result, error = comm.bcast_object(payload, idle=idle)
+    if error is not None:
+        raise ConfigError(error)
+    return result

@@ -26,7 +26,7 @@ def _ready(x):
     if type(x) is numpy.ndarray and x.flags.c_contiguous:  # the common case, first: no call at all
         return x
     if not isinstance(x, numpy.ndarray):
-        import cupy
+        import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
         buf = cupy.ascontiguousarray(x)  # a copy is queued on the stream too: wait after it, not before
         cupy.cuda.get_current_stream().synchronize()
@@ -60,7 +60,7 @@ def _pieces(wire, counts) -> list:
 def _empty_like(x, shape):
     if isinstance(x, numpy.ndarray):
         return numpy.empty(shape, dtype=x.dtype)
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     return cupy.empty(shape, dtype=x.dtype)
 
@@ -162,7 +162,7 @@ class MPICommunicator(Communicator):
         if axis and not isinstance(buf, numpy.ndarray):
             # Device buffers gather rank-major and concatenate: CUDA-aware MPIs unpack a derived
             # datatype into GPU memory one block at a time (or not at all).
-            import cupy
+            import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
             return cupy.concatenate(list(self.all_gather(buf, axis=0).reshape((self.size,) + buf.shape)), axis=axis)
         out = _empty_like(buf, buf.shape[:axis] + (buf.shape[axis] * self.size,) + buf.shape[axis + 1:])

@@ -16,19 +16,22 @@ collective that hangs; ``blocking=False`` leaves every call stream-ordered (no h
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
+import warnings
 from contextlib import contextmanager
 
 import numpy
 
+from .. import backend
 from .base import Communicator, Done, Request
 
 TRANSPORTS = ("nccl", "mpi-cuda-aware", "mpi-staged", "mpi")
 
 
 def _cupy():
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     return cupy
 
@@ -43,7 +46,7 @@ class NCCLCommunicator(Communicator):
 
     def __init__(self, host: Communicator, blocking: bool = True):
         super().__init__()
-        from cupy.cuda import nccl
+        from cupy.cuda import nccl  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
         if not nccl.available:
             raise RuntimeError("cupy was built without NCCL (or libnccl is not found)")
@@ -338,9 +341,7 @@ def cuda_aware_mpi() -> bool:
     forced = os.environ.get("HPC_TP_CUDA_AWARE_MPI")
     if forced in ("0", "1"):
         return forced == "1"
-    import ctypes
-
-    from mpi4py import MPI
+    from mpi4py import MPI  # starts MPI on import: importing this module must not (hpc-tp --help)
 
     try:
         query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
@@ -351,12 +352,10 @@ def cuda_aware_mpi() -> bool:
 
 
 def nccl_available() -> bool:
-    import warnings
-
     with warnings.catch_warnings():  # cupy warns at import when libnccl is missing; the answer says so
         warnings.simplefilter("ignore")
         try:
-            from cupy.cuda import nccl
+            from cupy.cuda import nccl  # optional (hpc_tp[gpu]), and only the GPU path gets here
         except ImportError:
             return False
     return bool(nccl.available)
@@ -364,8 +363,6 @@ def nccl_available() -> bool:
 
 def group_transport(group: Communicator, p2p: bool = False) -> str:
     """``choose_transport`` for ``group`` as it is placed (collective over the group)."""
-    from .. import backend
-
     cuda = backend.device == "cuda"
     device = backend.xp.cuda.Device().id if cuda else -1
     places = [tuple(p) for p in group.allgather_object((socket.gethostname(), device))]

@@ -31,8 +31,10 @@ Open MPI the launcher usually ends the job first and names the rank itself).
 
 When this rank's operation is overdue, its thread reads every file, prints the report and calls
 ``MPI_Abort``. Only the lowest overdue rank with a fresh heartbeat reports; the others give it a
-grace period first, so one report appears, not one per rank. Detection takes at most
-``timeout + period``.
+grace period first, and whichever rank reports first claims the report (a file created
+exclusively in the folder), so one report appears, not one per rank, however slow the abort is on
+a loaded machine. The report is one block written at once (``comm.abort.last_words``). Detection
+takes at most ``timeout + period``.
 
 Debug mode (``debug=True``, ``hpc-tp train --debug-collectives``): before each collective every
 rank of the group exchanges a fingerprint of what it is about to call (sequence number,
@@ -45,7 +47,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -53,12 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from .abort import abort_job, last_words
 from .base import Communicator, Request
 
-ABORT_FALLBACK_S = 10.0  # if MPI_Abort itself hangs, the process exits and the launcher ends the job
 MAX_REPORTED_RANKS = 16  # lines about individual ranks in a report; the rest are counted
 
 _active: "Watchdog | None" = None
+_shortest_started_timeout: float | None = None  # of the watchdog threads this process started
 
 
 class CollectiveMismatch(RuntimeError):
@@ -111,7 +113,7 @@ class Watchdog:
         self.last_done = time.monotonic()
         self.failed: Operation | None = None  # the operation an exception left through
         self.folder: Path | None = None
-        self._abort = abort or _mpi_abort
+        self._abort = abort or abort_job
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         global _active
@@ -152,9 +154,8 @@ class Watchdog:
         """Publish status into ``folder`` (shared by every rank) and abort on an overdue operation."""
         if self.timeout <= 0 or self._thread is not None:
             return
-        from ..launch import agree_within
-
-        agree_within(self.timeout / 2)  # a rank's own error is printed before the others' watchdog fires
+        global _shortest_started_timeout
+        _shortest_started_timeout = min(self.timeout, _shortest_started_timeout or self.timeout)
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._stop.clear()
@@ -214,12 +215,24 @@ class Watchdog:
             if self._stop.wait(3 * self.period + 1.0) or self.current is not op:
                 return
             states = self._read_all()
+        if not self._claim_report():
+            return  # another rank's report is out, and its abort ends the job
         self._say(report(op, time.monotonic() - op.started, self.timeout, states, time.time(), stale_after))
         self._abort(1)
 
+    def _claim_report(self) -> bool:
+        """True for the one rank whose report the job log gets (the first to create the claim file).
+        A folder that cannot take the file does not silence the report."""
+        try:
+            os.close(os.open(self.folder / "report.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        except OSError:
+            pass
+        return True
+
     def _say(self, text: str):
-        sys.stderr.write("".join(f"hpc-tp: {line}\n" for line in text.splitlines()))
-        sys.stderr.flush()
+        last_words(text)
 
 
 def report(op: Operation, waited: float, timeout: float, states: dict, now: float, stale_after: float) -> str:
@@ -257,18 +270,17 @@ def report(op: Operation, waited: float, timeout: float, states: dict, now: floa
     return "\n".join(lines)
 
 
-def _mpi_abort(code: int):
-    timer = threading.Timer(ABORT_FALLBACK_S, os._exit, (code,))
-    timer.daemon = True
-    timer.start()
-    from mpi4py import MPI
-
-    MPI.COMM_WORLD.Abort(code)
-
-
 def where_this_rank_is() -> str | None:
     """For error messages: where the latest watchdog of this process says its rank is (None: unwatched)."""
     return _active.where() if _active is not None else None
+
+
+def error_agreement_seconds() -> float | None:
+    """How long a rank with a user error may wait for the others to share it (``launch.report_error``)
+    once this process has started a watchdog thread (stopped since, maybe, while the error unwound
+    the run; the other ranks' threads still run): half the shortest timeout, so the rank's own error
+    is printed before the others' watchdog fires and aborts the job for it. None: never watched."""
+    return None if _shortest_started_timeout is None else _shortest_started_timeout / 2
 
 
 class _WatchedRequest(Request):

@@ -19,14 +19,14 @@ memory holds and moves half the bytes and every sum runs in float32. Sums run in
 precision (float32, or float64 for float64 weights), in another order than BLAS's: the result
 matches numpy's product to rounding.
 
-Without numba (or with ``HPC_TP_CPU_KERNELS=0``) ``takes`` answers False and ``nn.blas`` keeps its
-BLAS path (half weights: ``widened_matmul``).
+Without numba (or with ``HPC_TP_CPU_KERNELS=0``) ``takes`` answers False and ``kernels.blas`` keeps its
+BLAS path (half weights: ``blas.widened_matmul``).
 """
 from __future__ import annotations
 
 import numpy
 
-from ..nn import cpu_kernels
+from . import cpu_kernels
 
 # Rows it takes: for float32/float64 weights MKL's GEMV is as fast for one row and its GEMM for many
 # (the ranges are where these kernels were faster, measured on the 135M model's shapes); half weights
@@ -66,7 +66,7 @@ def result_dtype(b_dtype):
     return numpy.dtype("float32") if half_kind(b_dtype) != FULL else numpy.dtype(b_dtype)
 
 
-def _layout(b):
+def layout(b):
     """"rows" for a row-major [K, N], "transposed" for the transposed view of a row-major [N, K], else None."""
     if b.flags.c_contiguous:
         return "rows"
@@ -91,7 +91,7 @@ def takes(a, b, out=None) -> bool:
     if out is not None and (out.dtype != result_dtype(b.dtype) or not out.flags.c_contiguous
                             or out.shape != (a.shape[0], b.shape[1])):
         return False
-    return _layout(b) is not None
+    return layout(b) is not None
 
 
 def matmul(a, b, out=None):
@@ -105,37 +105,11 @@ def matmul(a, b, out=None):
         padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
         padded[:, :a.shape[1]] = a
         a = padded
-    stored = b if _layout(b) == "rows" else b.T
+    stored = b if layout(b) == "rows" else b.T
     flat = stored.reshape(-1)
     weight, bits = (flat, _NO_BITS) if kind == FULL else (_NO_FLOATS, flat.view(numpy.uint16))
     kernel = _rows_by_matrix if stored is b else _rows_by_transposed
     kernel(a, weight, bits, kind, dtype.type(0), out)
-    return out
-
-
-def widened_matmul(a, b, out=None, accumulate: bool = False, block_bytes: int = 4 << 20):
-    """``a @ b`` for a half-precision ``b`` with many rows (prefill) or without numba: ``b`` is widened
-    to float32 a block at a time (``block_bytes`` of float32; blocks of its rows, or of its columns
-    when it is a transposed view) and each block's product is summed by BLAS, so no float32 copy of
-    the whole weight is made. Returns float32."""
-    from ..nn import blas  # imports this module: here, not at the top
-
-    k, n = b.shape
-    if out is None:
-        out = numpy.zeros((a.shape[0], n), numpy.float32)
-    elif not accumulate:
-        out[...] = 0
-    a = a.astype(numpy.float32, copy=False)
-    if _layout(b) == "transposed":  # b's columns are the stored rows: widen runs of them
-        step = max(1, block_bytes // (4 * k))
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            blas.matmul(a, b[:, start:stop].astype(numpy.float32), out=out[:, start:stop], accumulate=True)
-        return out
-    step = max(1, block_bytes // (4 * n))
-    for start in range(0, k, step):
-        stop = min(k, start + step)
-        blas.matmul(a[:, start:stop], b[start:stop].astype(numpy.float32), out=out, accumulate=True)
     return out
 
 

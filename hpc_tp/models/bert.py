@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..module import Module, ModuleList, Parameter, param_buffer, replicated
 from ..nn.attention import ParallelAttention
 from ..nn.dropout import Dropout
-from ..nn.functional import scatter_add_rows
+from ..kernels.functional import scatter_add_rows
 from ..nn.mlp import ParallelMLP
 from ..nn.norms import LayerNorm
 from ..tensor_parallel.random import DropoutRNG

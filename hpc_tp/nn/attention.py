@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy
 
@@ -38,8 +39,8 @@ from ..tensor_parallel.layers import Segment
 from ..tensor_parallel.sequence_parallel import linear_classes
 from ..tensor_parallel.random import DropoutRNG
 from ..module import Module
-from . import blas, cpu_attention
-from . import functional as F
+from ..kernels import blas, cpu_attention
+from ..kernels import functional as F
 from .dropout import keep_mask
 
 
@@ -140,6 +141,25 @@ def _per_row(tables, ndim: int):
     return tuple(t.reshape(t.shape[0], *(1,) * (ndim - 3), *t.shape[1:]) for t in tables)
 
 
+class AttentionContext(NamedTuple):
+    """What ``ParallelAttention.forward`` keeps for backward. Under selective recomputation
+    (``recompute_scores``) ``probs`` and ``mask`` are None, and ``lse``, ``key_mask`` and ``dropped``
+    are what rebuilds them."""
+    qkv_ctx: object  # the QKV projection's context
+    q: object  # rotated and scaled queries [B, hk, g, T, d]
+    k: object  # keys and values [B, hk, keys, d]: with a cache, every filled slot
+    v: object
+    probs: object  # the softmax of each query block (None: recomputed)
+    lse: object  # each query row's log-sum-exp [B, hk, g, T] (None: probs kept)
+    mask: object  # the dropout keep-mask (None: no dropout, or recomputed)
+    key_mask: object  # the key padding mask [B, keys], kept for recomputation only
+    dropped: bool  # whether dropout ran (recomputation redraws its mask)
+    fused: bool  # whether the fused CPU kernel ran (backward takes the same path)
+    rope: object  # the rotary tables (None: no rope)
+    offset: int  # cache slots filled before this call
+    out_ctx: object  # the output projection's context
+
+
 class ParallelAttention(Module):
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, comm: Communicator, *, causal=True,
                  bias=True, rope_theta: float | None = None, rope_scaling: dict | None = None, dropout: float = 0.0,
@@ -220,11 +240,13 @@ class ParallelAttention(Module):
         fused = cpu_attention.supported(q, k, v, attn, *(() if mask is None else (mask,)))
         saved = self._core(q, k, v, attn, key_mask, offset, mask, fused, self.recompute_scores)
         y, out_ctx = self.out.forward(merged)
-        # Selective recomputation keeps what rebuilds the softmax and masks instead: the rows'
-        # log-sum-exp, the key mask ([B, keys], small) and whether dropout ran.
-        kept = (None, saved, None, key_mask, mask is not None) if self.recompute_scores else (
-            saved, None, mask, None, False)
-        return y, (qkv_ctx, q, k, v, *kept, fused, rope, offset, out_ctx)
+        ctx = AttentionContext(qkv_ctx, q, k, v, probs=saved, lse=None, mask=mask, key_mask=None, dropped=False,
+                               fused=fused, rope=rope, offset=offset, out_ctx=out_ctx)
+        if self.recompute_scores:
+            # Selective recomputation keeps what rebuilds the softmax and masks instead: the rows'
+            # log-sum-exp, the key mask ([B, keys], small) and whether dropout ran.
+            ctx = ctx._replace(probs=None, lse=saved, mask=None, key_mask=key_mask, dropped=mask is not None)
+        return y, ctx
 
     def _core(self, q, k, v, attn, key_mask, offset, mask, fused, statistics=False):
         """softmax(Q K^T + masks) per query block, returned for backward, and P V (through the

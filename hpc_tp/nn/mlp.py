@@ -12,7 +12,7 @@ from ..errors import ConfigError
 from ..module import Module
 from ..tensor_parallel.layers import Segment
 from ..tensor_parallel.sequence_parallel import linear_classes
-from . import functional as F
+from ..kernels import functional as F
 
 ACTIVATIONS = {
     "gelu_tanh": (F.gelu_tanh_forward, F.gelu_tanh_backward),

@@ -20,13 +20,14 @@ model sets ``loss_scale`` (1 / global token count) before backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .. import backend
 from ..comm.base import Communicator
 from ..module import Module, ModuleList, Parameter, param_buffer, replicated
 from ..tensor_parallel.experts import ExpertDispatcher
 from ..tensor_parallel.sequence_parallel import gather_sequence, scatter_sequence
-from . import blas, functional as F
+from ..kernels import blas, functional as F
 from .mlp import ParallelMLP
 
 
@@ -58,6 +59,20 @@ class LocalExperts(ModuleList):
     def named_parameters(self, prefix: str = ""):
         for i, m in enumerate(self.items):
             yield from m.named_parameters(f"{prefix}{self.first + i}.")
+
+
+class MoEContext(NamedTuple):
+    """What ``MoEMLP.forward`` keeps for backward (and ``aux_sum``)."""
+    shape: tuple  # the input's
+    xs: object  # the input's tokens [N, hidden]
+    probs: object  # router probabilities [N, E]
+    choices: object  # top-k expert ids [N, k]
+    chosen: object  # their probabilities [N, k]
+    gates: object  # the weights their outputs are summed with [N, k]
+    share: object  # f_e: each expert's share of the group's assignments [E]
+    plan: object  # the dispatcher's DispatchPlan
+    y_rows: object  # the experts' outputs, one row per kept assignment
+    expert_ctxs: list  # each local expert's own context
 
 
 class MoEMLP(Module):
@@ -101,7 +116,7 @@ class MoEMLP(Module):
         share = xp.asarray(plan.assignments / (plan.group_tokens * self.top_k))  # f_e
         if self.count_stats:
             self._count(plan, float(self.num_experts * share @ xp.asarray(plan.group_prob_sum / plan.group_tokens)))
-        return y.reshape(x.shape), (x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs)
+        return y.reshape(x.shape), MoEContext(x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs)
 
     def _count(self, plan, aux: float):
         stats = self.stats
@@ -114,8 +129,7 @@ class MoEMLP(Module):
     def aux_sum(self, ctx) -> float:
         """This rank's share of the scaled load-balancing loss, ``coef * sum_t E * sum_e f_e p_te``;
         summed over the ep group it is ``coef * tokens * aux``."""
-        probs, share = ctx[2], ctx[6]
-        return float(self.aux_loss_coef * self.num_experts * (probs.sum(axis=0) @ share))
+        return float(self.aux_loss_coef * self.num_experts * (ctx.probs.sum(axis=0) @ ctx.share))
 
     def backward(self, dy, ctx):
         shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs = ctx

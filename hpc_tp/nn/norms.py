@@ -3,7 +3,7 @@ so their gains are replicated too and their gradients come out identical on ever
 from __future__ import annotations
 
 from ..module import Module, Parameter, param_buffer, replicated
-from . import functional as F
+from ..kernels import functional as F
 
 
 class LayerNorm(Module):

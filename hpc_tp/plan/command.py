@@ -13,6 +13,9 @@ import argparse
 import json
 import math
 
+from ..errors import ConfigError
+from ..paths import check_output_file
+
 
 def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--model", default="gpt2", help="preset name or JSON config (default %(default)s)")
@@ -64,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def build_cluster(args):
-    from ..errors import ConfigError
+    # loaded when the command runs, not by hpc-tp --help
     from .clusters import GB, MIXED_BF16, GiB, TFLOPS, engine_precision, get_cluster
 
     for flag in ("gpus", "gpus_per_node", "device_mem", "device_flops", "efficiency", "intra_bw", "inter_bw"):
@@ -83,9 +86,8 @@ def build_cluster(args):
 
 
 def run(args) -> int:
-    from ..errors import ConfigError
+    # loaded when the command runs, not by hpc-tp --help
     from ..models.config import load_config, parse_overrides
-    from ..paths import check_output_file
     from ..pipeline.partition import parse_virtual_stages
     from .search import AUTO_VIRTUAL_STAGES
 
@@ -101,6 +103,7 @@ def run(args) -> int:
         return _validate(args, overrides, virtual_stages)
     if args.json:
         check_output_file(args.json, "--json")
+    # loaded when the command runs, not by hpc-tp --help
     from .calibration import load_calibration
     from .report import format_plan, plan_json
     from .search import search
@@ -128,6 +131,7 @@ def run(args) -> int:
 
 
 def _validate(args, overrides, virtual_stages) -> int:
+    # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import world
     from ..launch import check_launch
     from .validate import format_rows, validate

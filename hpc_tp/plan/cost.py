@@ -66,9 +66,9 @@ from dataclasses import dataclass, field, replace
 import numpy
 
 from ..models.config import ModelConfig
+from ..module import DEFAULT_BUCKET_BYTES
 from ..pipeline.partition import balanced_layers, rank_layers, stage_costs
 from ..recompute import recompute_mode
-from ..train.grad_sync import DEFAULT_BUCKET_BYTES
 from .memory import (ENGINE, ENGINE_ON_GPU, Routing, expert_params, kv_heads_local, norm_params, sharded_elements, stage_memory,
                      stage_params, vocab_rows)
 

@@ -21,6 +21,8 @@ from ..grid import factorizations
 from ..models.config import ModelConfig
 from ..nn.attention import heads_fit
 from ..pipeline.partition import balanced_layers
+from .calibration import Calibration, load_calibration
+from .clusters import get_cluster
 from .cost import Layout, Prediction, predict
 
 GiB = 2**30
@@ -181,9 +183,6 @@ def choose_layout(cfg: ModelConfig, world_size: int, global_batch: int, seq_len:
     whose dp it divides); ``distributed_optimizer``: whether the run shards its optimizer (its memory
     and update time); ``virtual_stages``: None tries ``AUTO_VIRTUAL_STAGES`` where the engine runs
     them, a number keeps only the layouts that run that V (so 1: no interleaving)."""
-    from .calibration import Calibration, load_calibration
-    from .clusters import get_cluster
-
     if virtual_stages is not None and (not isinstance(virtual_stages, int) or virtual_stages < 1):
         raise ConfigError(f"--virtual-stages {virtual_stages!r}: expected a positive integer")
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster

@@ -22,10 +22,19 @@ from time import perf_counter
 
 import numpy
 
+from ..bench.comm import benchmark_comm
+from ..bench.step import benchmark_step
 from ..errors import ConfigError
 from ..grid import factorizations
+from ..models.config import load_config
+from ..module import Parameter, Partition
+from ..train.optim import AdamW, sum_of_squares
+from ..train.settings import TrainSettings
+from ..train.trainer import Trainer
 from .calibration import Calibration, from_comm_records, step_rate
-from .cost import Layout, predict
+from .clusters import engine_precision, get_cluster
+from .cost import Layout, UPDATE_PASSES, _update_bytes, predict
+from .search import chunk_counts, structural_reason, variant_reason, variants
 
 COMM_SIZES = [2**k for k in range(6, 23, 2)]  # 64 B .. 4 MiB
 
@@ -37,11 +46,6 @@ def measure_update_bw(world, elements: int = 1 << 20, repeats: int = 5, dtype: s
     ``UPDATE_PASSES`` x the bytes ``cost._update_bytes`` counts for them. An elementwise ``c = a + b``
     would not do: the fused AdamW makes one pass where the model counts numpy's eleven, and its
     square roots and divisions, left unfused for exact bits, bound it on some CPUs."""
-    from ..module import Parameter, Partition
-    from ..train.optim import AdamW, sum_of_squares
-    from .clusters import engine_precision
-    from .cost import UPDATE_PASSES, _update_bytes
-
     shape = (elements // 1024, 1024)
     param = Parameter(numpy.ones(shape, dtype), Partition(shape))
     param.grad[...] = 1e-3
@@ -61,8 +65,6 @@ def measure_update_bw(world, elements: int = 1 << 20, repeats: int = 5, dtype: s
 
 def measure_links(world) -> Calibration:
     """All-reduce and p2p over the world, fitted (nothing to measure on one rank)."""
-    from ..bench.comm import benchmark_comm
-
     if world.size == 1:
         return Calibration(sources=["measured in-process"])
     records = benchmark_comm(world, COMM_SIZES, ("all_reduce", "p2p"), iters=4, warmup=1)
@@ -71,8 +73,6 @@ def measure_links(world) -> Calibration:
 
 def measure_step_rate(world, cfg, tp: int, micro_batch: int, seq: int, dtype: str = "float32"):
     """The block stack's rate at ``tp``: the world cut into groups of tp ranks, all running at once."""
-    from ..bench.step import benchmark_step
-
     group = world.split(color=world.rank // tp, key=world.rank)
     record = benchmark_step(group, cfg, micro_batch, seq, dtype, repeats=5, warmup=1)
     rates = world.allgather_object(step_rate(record, ranks=world.size))
@@ -82,9 +82,6 @@ def measure_step_rate(world, cfg, tp: int, micro_batch: int, seq: int, dtype: st
 def measure_layout(world, model: str, overrides: dict, layout: Layout, global_batch: int, seq: int,
                    dtype: str = "float32", steps: int = 3, warmup: int = 1) -> dict:
     """Median step time (slowest rank) of real training steps, and this layout's state bytes."""
-    from ..train.settings import TrainSettings
-    from ..train.trainer import Trainer
-
     overrides = {**overrides, "sequence_parallel": layout.sequence_parallel}
     settings = TrainSettings(model=model, model_overrides=overrides, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                              ep=layout.ep, micro_batch=layout.micro_batch, global_batch=global_batch, seq_len=seq,
@@ -114,8 +111,6 @@ def world_layouts(cfg, world_size: int, global_batch: int, seq: int, micro_batch
     """Every tp x pp x dp of the world that the model allows at this micro-batch (1F1B at pp > 1),
     with ZeRO-1 at dp > 1 if ``distributed_optimizer``, once per V of ``virtual_stages`` the engine
     runs there (``search``'s own rule)."""
-    from .search import chunk_counts, structural_reason, variant_reason, variants
-
     return [Layout(t, p, d, micro_batch, sequence_parallel=sp, distributed_optimizer=distributed_optimizer and d > 1,
                    virtual_stages=v)
             for t, p, d in factorizations(world_size)
@@ -134,9 +129,6 @@ def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, 
     row has the layout, predicted_s and measured_s (medians over rounds), error (the median over
     rounds of predicted / measured, minus 1), errors (each round's), measured_comm_s, and the
     predicted and measured parameter + optimizer bytes of the busiest rank."""
-    from ..models.config import load_config
-    from .clusters import engine_precision, get_cluster
-
     overrides = dict(overrides or {})
     cfg = load_config(model, **{"vocab_size": 258, **overrides})  # the byte tokenizer's vocabulary
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster

@@ -26,7 +26,7 @@ from ..errors import ConfigError
 
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = "chat template"):
-        import jinja2
+        import jinja2  # loaded when a template is used: hpc-tp --help imports this module
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -41,7 +41,7 @@ class ChatTemplate:
     def end_of_turn_ids(self, tokenizer) -> frozenset[int]:
         """The special token the template writes right after an assistant's reply (empty where it
         writes none, or refuses the probe conversation)."""
-        import jinja2
+        import jinja2  # loaded when a template is used: hpc-tp --help imports this module
 
         probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": _REPLY}]
         try:
@@ -59,7 +59,7 @@ class ChatTemplate:
         False: the conversation as it stands, as fine-tuning reads it); ConfigError saying what is wrong
         otherwise. ``context``: further names the template sees, such as ``tools`` (``serve.tools``);
         one that is None is left undefined, as Hugging Face's templates test ``tools is defined``."""
-        import jinja2
+        import jinja2  # loaded when a template is used: hpc-tp --help imports this module
 
         context = {name: value for name, value in context.items() if value is not None}
         try:
@@ -137,6 +137,6 @@ def stop_at_end_of_turn(tokenizer, template: ChatTemplate | None):
 
 
 def _refuse(message: str):
-    import jinja2
+    import jinja2  # loaded when a template is used: hpc-tp --help imports this module
 
     raise jinja2.TemplateError(message)

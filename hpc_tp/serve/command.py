@@ -18,6 +18,15 @@ batch's metrics (per-rank KV-cache bytes, communication time).
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..comm.base import on_rank0
+from ..errors import ConfigError
+from ..jsonl import read_json_lines
+from ..paths import check_output_file
+from .chat import read_template, stop_at_end_of_turn, template_for
 
 # The half types keep weights, activations and the KV cache in 16 bits (half the memory and the bytes
 # each decode step reads); products sum in float32 (``kernels.small_m``), norms and softmax too.
@@ -79,61 +88,12 @@ def sampling_defaults(args) -> dict:
     return {key: getattr(args, key) for key in SAMPLING_KEYS}
 
 
-def open_checkpoint(args):
-    """(grid, checkpoint folder, ModelConfig) for ``args.ckpt`` at ``--tp`` (default: the world) on
-    ``--device``: the start every inference command shares. Collective over the world."""
-    from dataclasses import replace
-
-    from .. import backend
-    from ..checkpoint import load_checkpoint
-    from ..checkpoint.format import resolve_checkpoint
-    from ..errors import ConfigError
-    from ..grid import ProcessGrid
-    from ..launch import check_launch, install_abort_on_exception
-    from ..models import ModelConfig
-
-    if args.tp is not None and args.tp < 1:
-        raise ConfigError(f"--tp {args.tp}: expected a positive integer (default: the world size)")
-    check_launch()
-    install_abort_on_exception()
-    grid = ProcessGrid(tp=args.tp or _world_size(), pp=1)
-    backend.use(args.device, grid.local_rank)
-    folder = resolve_checkpoint(args.ckpt)
-    meta = load_checkpoint(folder, {}, grid)
-    if not isinstance(meta.get("config"), dict):
-        raise ConfigError(f"checkpoint {folder} has no model config (meta['config']); was it written by hpc-tp?")
-    # Sequence parallelism is a training layout of the same weights; the KV-cache path runs without it.
-    return grid, folder, replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=False)
-
-
-def load_for_inference(args, opened=None):
-    """(grid, model, tokenizer) from ``args.ckpt``, or from ``opened`` (``open_checkpoint``'s answer,
-    where the caller looked at the config first): collective over the world."""
-    from ..checkpoint import load_checkpoint
-    from ..errors import ConfigError
-    from ..models import GPTModel
-    from ..train.mixed_precision import resolve_dtype
-    from ..train.tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
-
-    grid, folder, cfg = opened or open_checkpoint(args)
-    if not cfg.causal:
-        raise ConfigError(f"checkpoint {folder} holds an encoder (causal=false): use `hpc-tp embed` for it")
-    model = GPTModel(cfg, grid.tp, dtype=resolve_dtype(args.dtype))
-    load_checkpoint(folder, model.state(), grid)
-    tokenizer = load_tokenizer_dir(folder) if (folder / CONFIG_FILE).is_file() else ByteTokenizer()
-    return grid, model, tokenizer
-
-
-def _world_size() -> int:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_size()
-
-
 def run(args) -> int:
-    from ..errors import ConfigError
-    from ..paths import check_output_file
-    from .chat import read_template, stop_at_end_of_turn, template_for
+    # The model and the engine load only when the command runs (``hpc-tp --help`` imports this module).
+    from .continuous import ContinuousBatcher
+    from .generate import Engine, check_request
+    from .loading import load_for_inference
+    from .sampling import SamplingParams
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
@@ -151,10 +111,6 @@ def run(args) -> int:
         return [(r["ids"], r["sampling"]) for r in requests]
 
     work = on_rank0(world, read)
-    from .continuous import ContinuousBatcher
-    from .generate import Engine, check_request
-    from .sampling import SamplingParams
-
     params = [SamplingParams(**sampling) for _, sampling in work]
     for n, ((ids, _), p) in enumerate(zip(work, params), start=1):  # every rank alike, before any replica starts
         try:
@@ -185,31 +141,9 @@ def run(args) -> int:
     return 0
 
 
-def on_rank0(world, work, idle: bool = False):
-    """``work()`` on rank 0 of the communicator ``world``; its result, or its ConfigError, on every rank.
-    ``idle``: the work may take long (waiting for requests), and the other ranks sleep while they wait."""
-    from ..errors import ConfigError
-
-    payload = None
-    if world.rank == 0:
-        try:
-            payload = (work(), None)
-        except ConfigError as e:
-            payload = (None, str(e))
-    result, error = world.bcast_object(payload, idle=idle)
-    if error is not None:
-        raise ConfigError(error)
-    return result
-
-
 def _read_requests(args, tokenizer, template) -> list[dict]:
     """Rank 0: the prompts with their token ids and sampling; a "messages" line's prompt is the chat
     ``template``'s rendering of them."""
-    from pathlib import Path
-
-    from ..errors import ConfigError
-    from ..jsonl import read_json_lines
-
     defaults = sampling_defaults(args)
     if args.prompt is not None:
         lines = [{"prompt": args.prompt}]
@@ -239,8 +173,6 @@ def _read_requests(args, tokenizer, template) -> list[dict]:
 
 
 def _chat_prompt(template, messages, where: str) -> str:
-    from ..errors import ConfigError
-
     if template is None:
         raise ConfigError(f"{where}: messages need a chat template, and the checkpoint carries none: "
                           "pass --chat-template FILE")
@@ -251,8 +183,6 @@ def _chat_prompt(template, messages, where: str) -> str:
 
 
 def _encoded(tokenizer, prompt: str, n: int) -> list[int]:
-    from ..errors import ConfigError
-
     try:
         return tokenizer.encode(prompt)
     except ConfigError as e:  # a prompt no encoding holds (a lone surrogate): say which
@@ -268,10 +198,6 @@ def _record(request: dict, completion, metrics) -> dict:
 
 
 def _write_results(args, records: list[dict]):
-    import json
-    import sys
-    from pathlib import Path
-
     if args.prompt is not None and args.out is None:
         print(records[0]["prompt"] + records[0]["completion"], flush=True)
         print(json.dumps({k: v for k, v in records[0].items() if k not in ("prompt", "completion")}),

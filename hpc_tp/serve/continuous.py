@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy
 
 from .. import backend
-from .command import on_rank0
+from ..comm.base import on_rank0
 from .decoding import step_rows
 from .generate import _Row, check_request
 from .kv_cache import KVCache, RowsPrefill

@@ -16,12 +16,21 @@ An output line: {"id", "tokens", "embedding"} and, with --token-states, "token_s
 """
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+from ..comm.base import on_rank0
+from ..errors import ConfigError
+from ..jsonl import read_json_lines
+from ..paths import check_output_file
+from .command import add_model_arguments
+from .encoder import check_row, encode_batch, integer, mean_pool, pad_id_of, show
+
 INPUT_KEYS = ("text", "ids", "id", "type_ids")
 
 
 def add_arguments(parser):
-    from .command import add_model_arguments
-
     add_model_arguments(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", action="append", help="a text to embed (repeatable)")
@@ -32,10 +41,6 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..errors import ConfigError
-    from ..paths import check_output_file
-    from .command import on_rank0
-
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: expected an integer >= 1")
     if args.out is not None:  # every rank, though rank 0 alone writes it: they fail together
@@ -63,11 +68,11 @@ def run(args) -> int:
 def load_encoder(args, opened=None):
     """(grid, BertModel, tokenizers.Tokenizer or None) from ``args.ckpt``, or from ``opened``
     (``open_checkpoint``'s answer); collective over the world."""
+    # loaded when the command runs, not by hpc-tp --help
+    from ..backend import resolve_dtype
     from ..checkpoint import load_checkpoint
-    from ..errors import ConfigError
     from ..models.bert import BertModel
-    from ..train.mixed_precision import resolve_dtype
-    from .command import open_checkpoint
+    from .loading import open_checkpoint
 
     grid, folder, cfg = opened or open_checkpoint(args)
     if cfg.family != "bert":
@@ -88,11 +93,8 @@ def load_encoder(args, opened=None):
 
 def read_inputs(args, tokenizer, cfg) -> list[dict]:
     """Rows {id, ids, type_ids} from --text or --inputs, checked against the model."""
-    from pathlib import Path
-
-    from ..errors import ConfigError
-    from ..jsonl import read_json_lines
-    from ..train.tokenizer import utf8
+    # loaded when the command runs, not by hpc-tp --help
+    from ..tokenizer import utf8
 
     if args.text is not None:
         lines = [(f"--text {n}", {"text": t}) for n, t in enumerate(args.text, start=1)]
@@ -108,15 +110,15 @@ def read_inputs(args, tokenizer, cfg) -> list[dict]:
     rows, seen = [], set()
     for n, (label, line) in enumerate(lines):
         row_id = line.get("id", n)
-        if not (isinstance(row_id, str) or _integer(row_id)):  # it orders the results and is written back
-            raise ConfigError(f'{label}: "id" {_show(row_id)}: expected a string or an integer')
+        if not (isinstance(row_id, str) or integer(row_id)):  # it orders the results and is written back
+            raise ConfigError(f'{label}: "id" {show(row_id)}: expected a string or an integer')
         if row_id in seen:
-            raise ConfigError(f'{label}: "id" {_show(row_id)} is used twice; expected unique ids '
+            raise ConfigError(f'{label}: "id" {show(row_id)} is used twice; expected unique ids '
                               "(a line without one has its 0-based position)")
         seen.add(row_id)
         if "text" in line:
             if not isinstance(line["text"], str):
-                raise ConfigError(f'{label}: "text" {_show(line["text"])}: expected a string')
+                raise ConfigError(f'{label}: "text" {show(line["text"])}: expected a string')
             if tokenizer is None:
                 raise ConfigError(f"{label}: the checkpoint has no tokenizer.json; give token ids ({{\"ids\": [...]}})")
             try:
@@ -129,94 +131,12 @@ def read_inputs(args, tokenizer, cfg) -> list[dict]:
             ids = line["ids"]
             type_ids = [0] * len(ids) if isinstance(ids, list) else []  # a bad "ids" is named first
         type_ids = line.get("type_ids", type_ids)
-        _check_row(label, ids, type_ids, cfg)
+        check_row(label, ids, type_ids, cfg)
         rows.append({"id": row_id, "ids": list(ids), "type_ids": list(type_ids)})
     return rows
 
 
-def _check_row(label: str, ids, type_ids, cfg):
-    from ..errors import ConfigError
-
-    _check_integers(label, "ids", ids, cfg.vocab_size)
-    _check_integers(label, "type_ids", type_ids, max(cfg.type_vocab_size, 1))
-    if not ids or len(ids) > cfg.max_seq_len:  # a text too: it is not cut short silently
-        raise ConfigError(f"{label}: {len(ids)} tokens; expected 1 to max_seq_len={cfg.max_seq_len}")
-    if len(type_ids) != len(ids):
-        raise ConfigError(f"{label}: {len(type_ids)} type_ids for {len(ids)} tokens")
-
-
-def _check_integers(label: str, field: str, values, bound: int):
-    """ConfigError naming the field and its first bad value unless ``values`` is a list of integers in [0, bound)."""
-    from ..errors import ConfigError
-
-    if not isinstance(values, list):
-        got = _show(values)
-    else:
-        bad = next((i for i, v in enumerate(values) if not (_integer(v) and 0 <= v < bound)), None)
-        if bad is None:
-            return
-        got = f"{_show(values[bad])} at index {bad}"
-    raise ConfigError(f'{label}: "{field}" must be a list of integers in [0, {bound}), got {got}')
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _show(value, limit: int = 40) -> str:
-    """A JSON value as the user wrote it, cut short to stay on one line."""
-    import json
-
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def pad_id_of(tokenizer) -> int:
-    """The padding id of a BERT tokenizer (``[PAD]``; 0 without a tokenizer, as BERT's vocabularies have it)."""
-    return (tokenizer.token_to_id("[PAD]") if tokenizer is not None else None) or 0
-
-
-def encode_batch(model, rows: list[dict], pad_id: int):
-    """Final token states [B, T, hidden] of ``rows`` ({ids, type_ids}) padded together (at least float32),
-    and the key mask (host); collective over the model's tp group."""
-    from .. import backend
-
-    ids, type_ids, mask = pad_batch(rows, pad_id)
-    states, _ = model.forward(*(backend.xp.asarray(a) for a in (ids, mask, type_ids)))
-    if states.dtype.itemsize < 4:  # half precision: the mean sums in float32, and JSON writes float32's digits
-        states = states.astype("float32")
-    return states, mask
-
-
-def pad_batch(rows: list[dict], pad_id: int):
-    """ids, type ids [B, T] right-padded to the longest row, and the key mask (1 = real token)."""
-    import numpy
-
-    longest = max(len(r["ids"]) for r in rows)
-    ids = numpy.full((len(rows), longest), pad_id, dtype=numpy.int64)
-    type_ids = numpy.zeros_like(ids)
-    mask = numpy.zeros_like(ids)
-    for i, r in enumerate(rows):
-        n = len(r["ids"])
-        ids[i, :n], type_ids[i, :n], mask[i, :n] = r["ids"], r["type_ids"], 1
-    return ids, type_ids, mask
-
-
-def mean_pool(states, mask):
-    """Mean of the real tokens' states, L2-normalised: [B, hidden]."""
-    from .. import backend
-
-    xp = backend.xp_of(states)
-    mask = xp.asarray(mask, dtype=states.dtype)[..., None]  # padding adds nothing to the sum
-    mean = (states * mask).sum(axis=1) / mask.sum(axis=1)
-    return backend.to_numpy(mean / xp.linalg.norm(mean, axis=-1, keepdims=True))
-
-
 def _write(args, records: list[dict]):
-    import json
-    import sys
-    from pathlib import Path
-
     text = "".join(json.dumps(r) + "\n" for r in records)
     if args.out is None:
         sys.stdout.write(text)

@@ -20,7 +20,7 @@ import numpy
 
 from ..errors import ConfigError
 from .api_request import check_model, read_body
-from .embed import _check_row, encode_batch, mean_pool
+from .encoder import check_row, encode_batch, mean_pool
 
 _FIELDS = {"input", "model", "encoding_format", "user", "dimensions"}
 
@@ -55,7 +55,7 @@ class EmbeddingJob:
 
 def parse_embedding_request(body: bytes, tokenizer, cfg, model_name: str) -> EmbeddingJob:
     """The job for an embeddings request, or ConfigError naming what is wrong with it."""
-    from ..train.tokenizer import utf8
+    from ..tokenizer import utf8
 
     request = read_body(body)
     unknown = sorted(set(request) - _FIELDS)
@@ -81,7 +81,7 @@ def parse_embedding_request(body: bytes, tokenizer, cfg, model_name: str) -> Emb
             ids, type_ids = encoded.ids, encoded.type_ids
         else:
             ids, type_ids = item, [0] * len(item)
-        _check_row(label, ids, type_ids, cfg)
+        check_row(label, ids, type_ids, cfg)
         rows.append({"ids": list(ids), "type_ids": list(type_ids)})
     return EmbeddingJob(rows, encoding)
 

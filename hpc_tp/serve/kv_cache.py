@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy
 
 from .. import backend
-from ..nn import cuda_kernels
+from ..kernels import cuda_kernels
 
 
 class LayerCache:

@@ -48,6 +48,7 @@ import os
 import time
 from pathlib import Path
 
+from ..errors import ConfigError
 from .command import add_batching_argument, add_chat_template_argument, add_model_arguments
 
 DEFAULT_MAX_TOKENS = 16  # the completions API's default
@@ -81,10 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    from ..errors import ConfigError
+    # loaded when the command runs, not by hpc-tp --help
     from .chat import read_template, stop_at_end_of_turn, template_for
-    from .command import load_for_inference, open_checkpoint
     from .embed import load_encoder
+    from .loading import load_for_inference, open_checkpoint
     from .replicas import RemoteJobs, Router
     from .shutdown import Shutdown
 
@@ -146,7 +147,7 @@ def run(args) -> int:
 def _batcher(args, model, tokenizer, max_len: int, encoder: bool):
     """The loop every rank runs, and a word on its memory for the start-up line."""
     from .continuous import ContinuousBatcher
-    from .embed import pad_id_of
+    from .encoder import pad_id_of
     from .embeddings import EmbeddingBatches
     from .generate import Engine
 
@@ -215,6 +216,7 @@ class _Jobs:
 
 def _model_name(ckpt: str) -> str:
     """The checkpoint's folder name: the root's, where ``ckpt`` is one of its step folders."""
+    # loaded when the command runs, not by hpc-tp --help
     from ..checkpoint.format import is_step_folder
 
     folder = Path(ckpt).resolve()

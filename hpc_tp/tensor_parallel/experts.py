@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy
+
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
@@ -56,8 +58,6 @@ class ExpertDispatcher:
     def plan(self, choices, probs, dropless: bool = False) -> DispatchPlan:
         """``choices`` [N, k] expert ids of this rank's tokens, ``probs`` [N, E] router probabilities;
         ``dropless``: no capacity (an expert can be chosen by each token once, so by at most all of them)."""
-        import numpy
-
         xp = backend.xp_of(probs)
         n, k = choices.shape
         E, ep = self.num_experts, self.ep
@@ -102,8 +102,6 @@ class ExpertDispatcher:
     def _expert_rows(self, per_expert, rows: int) -> list:
         """Rows of the receive buffer per local expert: from each source in rank order, whose
         piece lists this rank's experts one after another."""
-        import numpy
-
         mine = per_expert[:, self.first_expert:self.first_expert + self.local_experts]  # [source, local expert]
         starts = numpy.cumsum(mine, axis=1) - mine
         return [numpy.concatenate([source * rows + starts[source, e] + numpy.arange(mine[source, e])

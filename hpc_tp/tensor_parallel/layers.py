@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..comm.base import Communicator
 from ..errors import ConfigError
 from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
-from ..nn import blas
+from ..kernels import blas
 from .mappings import local_chunk
 
 
@@ -43,7 +43,7 @@ def _flat(x):
 
 
 def product(a, b, keep_sums: bool = False):
-    """``a @ b`` (``a`` [..., k], ``b`` [k, n]) in ``a``'s dtype, through ``nn.blas``: a product of
+    """``a @ b`` (``a`` [..., k], ``b`` [k, n]) in ``a``'s dtype, through ``kernels.blas``: a product of
     half-precision operands comes back as float32 sums, and activations keep the model's dtype
     (pipeline messages and buffers are allocated for it). ``keep_sums``: return those float32 sums
     as they are (partial products that are summed over tp before they are rounded)."""

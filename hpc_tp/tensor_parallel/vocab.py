@@ -13,7 +13,7 @@ import numpy
 from .. import backend
 from ..comm.base import Communicator
 from ..module import Module, Parameter, param_buffer, split
-from ..nn.functional import scatter_add_rows
+from ..kernels.functional import scatter_add_rows
 from .layers import add_weight_grad, product
 
 IGNORE_INDEX = -100

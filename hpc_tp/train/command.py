@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 
+from ..recompute import MODES
+from .settings import TrainSettings
+
 
 def add_arguments(parser: argparse.ArgumentParser):
-    from ..recompute import MODES
-    from .settings import TrainSettings
-
     d = TrainSettings()
     model = parser.add_argument_group("model and layout")
     model.add_argument("--model", default=d.model, help=f"preset name or JSON config (default: {d.model})")
@@ -101,8 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def settings_from_args(args):
+    # loaded when the command runs, not by hpc-tp --help
     from ..models.config import parse_overrides
-    from .settings import TrainSettings
 
     overrides = parse_overrides(args.model_overrides)
     if args.sequence_parallel:
@@ -113,6 +113,7 @@ def settings_from_args(args):
 
 
 def run(args) -> int:
+    # loaded when the command runs, not by hpc-tp --help
     from ..launch import check_launch, install_abort_on_exception
     from .trainer import Trainer
 

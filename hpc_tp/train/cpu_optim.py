@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy
 
-from ..nn.cpu_kernels import DTYPES, ENABLED, _jit, _rows, numba
+from ..kernels.cpu_kernels import DTYPES, ENABLED, _jit, _rows, numba
 
 
 def fused(*arrays) -> bool:

@@ -39,6 +39,7 @@ from .. import backend
 from ..checkpoint.collective import agreed
 from ..checkpoint.streamed import StreamedTensor
 from ..module import Parameter, address, same_view, strided_like
+from ..nn.moe import is_expert_parameter
 from .optim import (AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares, weighted_sum_of_squares,
                     zero_states)
 
@@ -247,8 +248,6 @@ class ShardedAdamW(AdamW):
         super().__init__(named_params, lr, **kwargs)
 
     def _make_states(self):
-        from ..nn.moe import is_expert_parameter
-
         self.pieces: list[tuple[_Piece, bool]] = []  # (piece, of MoE experts)
         self._groups = {}
         whole: dict[str, Parameter] = {}

@@ -6,14 +6,14 @@ checks the answers, then broadcasts them).
 """
 from __future__ import annotations
 
+from ..serve.generate import Engine
+from ..serve.sampling import SamplingParams
+
 PROMPTS_PER_BATCH = 256  # bounds the KV cache a batch holds
 
 
 def heldout_accuracy(model, task, tokenizer, problems: int) -> tuple[float, list]:
     """(fraction of the first ``problems`` held-out problems answered exactly, [(prompt, completion, ok)])."""
-    from ..serve.generate import Engine
-    from ..serve.sampling import SamplingParams
-
     engine, comm = Engine(model, tokenizer), model.comm
     examples = task.heldout_examples()[:problems]
     largest = 10 ** task.digits - 1

@@ -1,7 +1,7 @@
 """Data-parallel gradient all-reduce in buckets, in place, overlapped with backward.
 
 The model's gradients live in a ``GradArena`` (``hpc_tp.module``): flat chunks of
-``DEFAULT_BUCKET_BYTES``, filled in the order the layers allocate them. A bucket is a contiguous
+``module.DEFAULT_BUCKET_BYTES``, filled in the order the layers allocate them. A bucket is a contiguous
 run of one chunk, so its all-reduce reads and writes the gradients where they are: no copy into
 a flat buffer and back, no second gradient-sized buffer. Buckets go in reverse order of
 allocation (about the order backward produces gradients). A fused layer's gradient (QKV,
@@ -26,8 +26,7 @@ in. With a dp group of one nothing is sent.
 from __future__ import annotations
 
 from ..module import GradArena, Parameter
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+from ..nn.moe import is_expert_parameter
 
 
 class _Bucket:
@@ -169,8 +168,6 @@ class ExpertAwareBucketer:
 
     def __init__(self, named_params: dict[str, Parameter], grid, arena: GradArena, shard: bool = False,
                  whole=frozenset()):
-        from ..nn.moe import is_expert_parameter
-
         self.posted: list = []
 
         def part(names, comm, sharded):

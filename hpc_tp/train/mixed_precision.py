@@ -20,27 +20,11 @@ from __future__ import annotations
 
 import math
 
-import numpy
 
 from ..errors import ConfigError
 from ..module import Parameter
 
 HALF = ("float16", "bfloat16")
-
-
-def resolve_dtype(name: str):
-    """The numpy dtype called ``name`` (bfloat16 needs ml_dtypes; a ConfigError says so)."""
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise ConfigError("--dtype bfloat16 needs the ml_dtypes package (numpy has no bfloat16): "
-                              "pip install ml_dtypes, or use --dtype float16") from None
-        return numpy.dtype(ml_dtypes.bfloat16)
-    try:
-        return numpy.dtype(name)
-    except TypeError:
-        raise ConfigError(f"--dtype {name!r} is not a numpy dtype") from None
 
 
 class LossScaler:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy
+
 from .. import backend
 from ..errors import ConfigError
 from ..module import Parameter, Partition
+from ..nn.moe import is_expert_parameter
 from . import cpu_optim
 
 
@@ -125,8 +128,6 @@ def global_grad_norm(named_params: dict[str, Parameter], grid, skip=frozenset())
 
 def local_squares(named_params: dict[str, Parameter], skip=frozenset()) -> tuple:
     """This rank's sums of squared gradients, each divided by its replicas: (dense, MoE experts)."""
-    from ..nn.moe import is_expert_parameter
-
     dense = experts = 0.0
     for name, p in named_params.items():
         if name in skip:
@@ -159,8 +160,6 @@ def weighted_sum_of_squares(g, replicas):
 def reduce_squares(dense, experts, grid) -> float:
     """The global norm from this rank's weighted sums of squares (dense, MoE experts): summed over tp
     and pp, the experts also over ep (where the dense sum is the same on every ep rank: counted once)."""
-    import numpy
-
     buffer = numpy.array([float(dense), float(experts)])
     grid.tp.all_reduce(buffer)
     grid.pp.all_reduce(buffer)

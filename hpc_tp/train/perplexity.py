@@ -16,10 +16,13 @@ import argparse
 import json
 import math
 
+from .. import backend
+from ..errors import ConfigError
+from ..paths import check_output_file, check_output_folder
+from ..serve.command import add_model_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser):
-    from ..serve.command import add_model_arguments
-
     add_model_arguments(parser)
     parser.add_argument("--data", required=True, help="a .txt file, or a folder of .txt files")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens a window predicts (default %(default)s)")
@@ -30,10 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    from .. import backend
-    from ..errors import ConfigError
-    from ..paths import check_output_file, check_output_folder
-    from ..serve.command import load_for_inference
+    # loaded when the command runs, not by hpc-tp --help
+    from ..serve.loading import load_for_inference
     from .data import CorpusDataset, build_dataset
 
     for flag, value in (("--seq-len", args.seq_len), ("--batch", args.batch), ("--max-windows", args.max_windows)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..paths import check_output_file
 
 
 def add_arguments(parser):
@@ -17,7 +18,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from ..paths import check_output_file
+    # loaded when the command runs, not by hpc-tp --help
     from .metrics import read_metrics
 
     check_output_file(args.output, "--output")
@@ -27,6 +28,7 @@ def run(args) -> int:
     except ImportError:
         raise ConfigError("hpc-tp plot needs matplotlib: pip install 'hpc_tp[plot]'") from None
     matplotlib.use("Agg")
+    # loaded when the command runs, not by hpc-tp --help
     from matplotlib import pyplot
 
     figure, axes = pyplot.subplots(figsize=(8, 5))

@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+from ..launch import detect_launcher
+
 
 def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -38,7 +40,7 @@ class Progress:
         self._started = self._printed = time.monotonic()
         self._bar = None
         if enabled and _wants_bar(self.stream):
-            from tqdm import tqdm
+            from tqdm import tqdm  # only for a terminal's bar
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=self.stream, dynamic_ncols=True)
 
@@ -81,8 +83,6 @@ class Progress:
 
 
 def _wants_bar(stream) -> bool:
-    from ..launch import detect_launcher
-
     choice = os.environ.get("HPC_TP_PROGRESS", "")
     if choice in ("bar", "lines"):
         return choice == "bar"

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..paths import check_output_file, check_output_folder
 from ..recompute import recompute_mode
-from .mixed_precision import resolve_dtype
+from ..backend import resolve_dtype
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")  # the half ones: mixed precision (train/mixed_precision.py)
 DEMO_SEQ_LEN = 16  # the demo task's rows ("99+99=198\n" plus eos) need 10 tokens

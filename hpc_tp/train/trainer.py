@@ -30,31 +30,34 @@ from .. import backend
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoint.format import resolve_checkpoint
 from ..comm import use_device
+from ..comm.mpi import world as mpi_world
 from ..comm.watchdog import WatchedCommunicator, watched
 from ..errors import ConfigError
 from ..grid import ProcessGrid
-from ..module import GradArena
 from ..models import load_config
 from ..models.config import PRESETS, ModelConfig
+from ..module import DEFAULT_BUCKET_BYTES, GradArena
 from ..pipeline import (build_stage, parse_pp_layers, pipeline_forward_backward, sync_tied_embeddings, tied_copy_names,
                         tied_names)
+from ..plan import choose_layout
+from ..plan.cost import Layout
+from ..preemption import StopRequest
 from ..tensor_parallel.sequence_parallel import check_sequence_divisible
 from ..tensor_parallel.vocab import IGNORE_INDEX
+from ..tokenizer import load_tokenizer, load_tokenizer_dir, saved_files
 from ..serve.chat import read_template, template_for
 from .chats import build_chat_datasets
 from .data import DistributedSampler, TaskDataset, build_dataset
+from .distributed_optim import ShardedAdamW
 from .evaluate import heldout_accuracy
 from .expert_parallel import check_expert_parallel, moe_metrics, moe_summary
-from .grad_sync import DEFAULT_BUCKET_BYTES, ExpertAwareBucketer
+from .grad_sync import ExpertAwareBucketer
 from .metrics import MetricsLogger
 from .mixed_precision import MixedPrecision
-from .distributed_optim import ShardedAdamW
 from .optim import AdamW, agree_finite, clip_coefficient
-from .preemption import StopRequest
 from .progress import Progress, format_duration
 from .schedule import lr_at
 from .settings import DEMO_SEQ_LEN, TrainSettings
-from .tokenizer import load_tokenizer, load_tokenizer_dir, saved_files
 
 # Settings a resumed run must share with the run that saved: they decide which samples each step sees.
 SAME_ON_RESUME = ("seed", "global_batch", "data", "tokenizer")
@@ -137,8 +140,6 @@ class Trainer:
         """The settings with the planner's fastest layout (hpc_tp.plan) for this world and model, its
         virtual stages included (only the asked V if --virtual-stages was given); the planner is
         arithmetic, so every rank reaches the same answer without a message."""
-
-        from ..plan import choose_layout
 
         s = self.settings
         if s.init:
@@ -455,8 +456,6 @@ def describe_layout(settings: TrainSettings, cfg: ModelConfig, tp: int, pp: int,
     """The layout as ``hpc-tp plan`` prints it (schedule and V at pp > 1, ep, sp, recompute), and the
     micro-batches a step runs: ``tp=1 pp=2 dp=1 micro-batch=2 1f1b V=2, 4 micro-batches a step``.
     ZeRO-1 is left to the line's optimizer note."""
-    from ..plan.cost import Layout
-
     micro = settings.micro_batch_for(dp, pp)
     count = settings.global_batch // (dp * micro)
     layout = Layout(tp, pp, dp, micro, settings.recompute, settings.schedule, cfg.sequence_parallel, settings.ep,
@@ -467,7 +466,5 @@ def describe_layout(settings: TrainSettings, cfg: ModelConfig, tp: int, pp: int,
 def _watched_world(world, settings: TrainSettings) -> WatchedCommunicator:
     """The run's world, every call named and numbered (what the exception hook and the watchdog report)."""
     if world is None:
-        from ..comm.mpi import world as mpi_world
-
         world = mpi_world()
     return watched(world, settings.comm_timeout, settings.debug_collectives)

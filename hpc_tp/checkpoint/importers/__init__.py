@@ -7,7 +7,7 @@ transposed, ...) only when the checkpoint writer asks for them, one at a time, s
 never holds the model in memory, let alone twice. Every name and shape is checked against the
 source's config before anything is written.
 
-    open_source(path) -> Imported(config, tensors, files, source)
+    source.open_source(path) -> Imported(config, tensors, files, source)
 
 Supported: Hugging Face folders (config.json + safetensors, sharded too) of GPT-2, Llama-family
 (Llama, SmolLM, Qwen2, Mistral, Phi-3, Mixtral) and BERT encoders; GGUF files of the llama (Mixtral's
@@ -16,7 +16,6 @@ experts included), qwen2 and phi3 architectures.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy
@@ -125,20 +124,3 @@ def lazy_tensors(rules: list[Rule], reader, config_name: str) -> tuple[dict[str,
         if rule.theirs is None:
             tensors[rule.ours] = SourceTensor(rule.shape, dtype, lambda rule=rule: numpy.zeros(rule.shape, dtype))
     return tensors, sorted(available - used)
-
-
-def open_source(path) -> Imported:
-    """A Hugging Face model folder or a GGUF file, by what it is."""
-    path = Path(path)
-    if path.is_dir():
-        from .huggingface import import_folder
-        return import_folder(path)
-    if path.is_file():
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic == b"GGUF":
-            from .gguf import import_gguf
-            return import_gguf(path)
-        raise ConfigError(f"{path}: not a GGUF file (no GGUF magic); expected a GGUF file or a Hugging Face "
-                          "model folder (config.json + model.safetensors)")
-    raise ConfigError(f"{path} does not exist: expected a Hugging Face model folder or a GGUF file")

@@ -8,6 +8,8 @@ Other tokenizer models are not kept (the caller gets None).
 """
 from __future__ import annotations
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
 _CONTROL, _USABLE = 3, (1, 4)  # GGUF token types: control; normal and user-defined
 _SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -17,8 +19,6 @@ def tokenizer_json(meta) -> bytes | None:
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind not in ("gpt2", "llama") or not tokens:
         return None
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
     if kind == "gpt2":

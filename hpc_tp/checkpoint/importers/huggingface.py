@@ -25,7 +25,7 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
-# Read back by hpc_tp.train.tokenizer.load_tokenizer_dir: which kind of tokenizer the folder holds.
+# Read back by hpc_tp.tokenizer.load_tokenizer_dir: which kind of tokenizer the folder holds.
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
 GENERATION_CONFIG = "generation_config.json"

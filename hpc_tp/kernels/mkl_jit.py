@@ -2,14 +2,14 @@
 
 A kernel that multiplies small tiles pays a Python call, a ctypes call and numpy's checks per tile
 when it runs from Python; from inside one numba loop it pays only MKL's own call. The symbols are
-bound by name (llvmlite loads ``nn.blas``'s libmkl_rt into the JIT's symbol table and numba calls
+bound by name (llvmlite loads the libmkl_rt ``kernels.mkl`` opened into the JIT's symbol table and numba calls
 an ``ExternalFunction``) rather than by a ctypes address baked into the machine code, so the
 kernels that use them stay cacheable on disk like the rest of ``cpu_kernels``.
 
 ``gemm`` takes arrays and element offsets into them (the tile's first element), so a kernel can
 address any row-major tile of a strided view; numba picks the single or double precision routine
 from the output array's dtype when it compiles. Row-major, and the same integer layer (LP64) that
-``nn.blas`` sets at load.
+``kernels.mkl`` sets at load.
 
 ``AVAILABLE`` is False without numba, without MKL (``HPC_TP_BLAS=numpy`` included) or with
 ``HPC_TP_CPU_KERNELS=0``; callers then take their composed numpy path.
@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import numpy
 
-from . import blas, cpu_kernels
-from .blas import ROW_MAJOR
+from . import cpu_kernels
+from .mkl import LIBRARY, ROW_MAJOR
 
-AVAILABLE = cpu_kernels.ENABLED and blas.LIBRARY is not None
+AVAILABLE = cpu_kernels.ENABLED and LIBRARY is not None
 
 if AVAILABLE:
     import llvmlite.binding
     from numba import types
     from numba.extending import overload
 
-    llvmlite.binding.load_library_permanently(blas.LIBRARY)
+    llvmlite.binding.load_library_permanently(LIBRARY)
     _i32, _pointer = types.int32, types.uintp  # pointers travel as addresses: same register, same ABI
 
     def _gemm_symbol(name, scalar):

@@ -144,9 +144,9 @@ def gelu_tanh_backward(dy, saved):
 def _erf(x):
     xp = xp_of(x)
     if xp.__name__ == "numpy":
-        from scipy.special import erf
+        from scipy.special import erf  # scipy is slow to load, and only the exact GELU needs it
     else:
-        from cupyx.scipy.special import erf
+        from cupyx.scipy.special import erf  # optional (hpc_tp[gpu]): device arrays only
     return erf(x)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 CONFIG_FILE = "tokenizer_config.json"
 HF_FILE = "tokenizer.json"

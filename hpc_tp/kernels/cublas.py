@@ -160,7 +160,7 @@ def _library():
     """(GemmStridedBatchedEx, SetStream) of the cuBLAS cupy loaded, called through ctypes: cupy 14's
     own wrappers refuse any cuBLAS call while a stream is being captured into a CUDA graph
     (``serve.decoding``), which cuBLAS itself supports."""
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     cupy.cuda.device.get_cublas_handle()  # cupy loads its cuBLAS with the first handle
     with open("/proc/self/maps") as maps:
@@ -180,7 +180,7 @@ def _library():
 def gemm(a, b, out, accumulate: bool = False):
     """``out[...] = a @ b`` (``out += a @ b`` with ``accumulate``) on the current stream. ``a`` and ``b``
     share one dtype; ``out`` has it or float32 (half inputs, float32 sums). Returns ``out``."""
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     if a.dtype != b.dtype or out.dtype not in (a.dtype, _FLOAT32):
         raise TypeError(f"cublas.gemm: {a.dtype} @ {b.dtype} into {out.dtype} is not a product cuBLAS has here")

@@ -68,7 +68,7 @@ ELEMENTWISE = {
 
 @functools.cache
 def _elementwise(name: str):
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     inputs, outputs, body = ELEMENTWISE[name]
     return cupy.ElementwiseKernel(inputs, outputs, "typedef typename acc<T>::type A; " + body,
@@ -179,7 +179,7 @@ ROW_OPTIONS = ("-std=c++14",)
 
 @functools.cache
 def _row_module():
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     names = [f"{k}<{t}>" for k in _ROW_KERNELS for t in _CTYPES.values()]
     return cupy.RawModule(code=_ROWS, options=ROW_OPTIONS, name_expressions=names)
@@ -207,7 +207,7 @@ def _launch(name: str, x, *args):
 def _c(x, dtype=None):
     """Contiguous, and in the kernel's dtype: it reads raw pointers, so a float64 gain with float32
     activations would be read as garbage rather than converted."""
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     return cupy.ascontiguousarray(x if dtype is None else x.astype(dtype, copy=False))
 
@@ -252,7 +252,7 @@ def swiglu_backward(dy, saved):
 # -- KV cache -------------------------------------------------------------------------------------------
 @functools.cache
 def _slot_writer():
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     return cupy.ElementwiseKernel("T token, raw int64 slot, int64 slots, int64 width", "raw T cache",
                                   "cache[(i / width * slots + slot[0]) * width + i % width] = token;",
@@ -270,7 +270,7 @@ def write_slot(cache, new, slot):
 def softmax_forward(scores, causal_offset: int | None = None):
     """Softmax over the last axis; ``causal_offset`` masks key j > query + offset in the kernel
     (scores [..., Tq, Tk]) instead of an added -inf bias."""
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     x = _c(scores)
     y = cupy.empty_like(x)
@@ -281,7 +281,7 @@ def softmax_forward(scores, causal_offset: int | None = None):
 
 
 def softmax_backward(dp, p):
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     dp = _c(dp)
     p = _c(p, dp.dtype)  # dp's dtype is the one functional checked (float32/float64); p's may be half
@@ -291,7 +291,7 @@ def softmax_backward(dp, p):
 
 
 def _norm_forward(x, gain, bias, eps, rms: bool):
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     x = _c(x)
     gain = _c(gain, x.dtype)
@@ -304,7 +304,7 @@ def _norm_forward(x, gain, bias, eps, rms: bool):
 
 
 def _norm_backward(dy, gain, saved, rms: bool):
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     xhat, rstd = saved
     dy = _c(dy)

@@ -10,7 +10,7 @@ turns it off (an A/B, or a site that must use its own BLAS).
 reads a transposed view as it is (no copy) and accumulates with beta = 1, so a weight gradient is
 summed into its buffer without a temporary. Anything MKL cannot take as it is (other dtypes,
 strided views, small products where numpy's call is cheaper) goes to numpy, which gives the same
-product to rounding; cupy arrays go to cuBLAS (``nn.cublas``).
+product to rounding; cupy arrays go to cuBLAS (``kernels.cublas``).
 
 Threads: MKL's OpenMP layer reads ``MKL_NUM_THREADS`` or ``OMP_NUM_THREADS`` as OpenBLAS reads
 ``OPENBLAS_NUM_THREADS`` or ``OMP_NUM_THREADS`` (the Makefile and the tests set 1: ranks share the
@@ -19,18 +19,13 @@ as MKL's sequential layer (13.5-13.9 ms for [1024,768] @ [768,1536], either way)
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
-import sys
-from pathlib import Path
-
 import numpy
 
 from ..backend import xp_of
-from ..errors import ConfigError
-from ..kernels import small_m
-from . import cublas
+from . import cublas, mkl_jit, small_m
+from .mkl import GEMMS, LIBRARY, NO_TRANS, ROW_MAJOR, TRANS
+
+BACKEND = "mkl" if LIBRARY is not None else "numpy"
 
 # Below this many multiply-adds numpy's own call costs less than the ctypes one (64x256x64: numpy 117-124
 # GFLOP/s, MKL 89-111; 256x64x256 and up: MKL ahead).
@@ -40,60 +35,12 @@ MIN_MACS = 1 << 21
 # small enough to pack in L2 read it once: W1's head [8, 768] @ [768, 50304] 37 -> 21 ms. Smaller
 # weights stay whole (they pack in cache, and blocking made them slower).
 FEW_ROWS, LARGE_OPERAND, COLUMN_BLOCK = 32, 32 << 20, 256
-ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enums (also the numba kernels')
-_LP64, _INT_LIMIT = 0, 2**31  # MKL's 32-bit integer interface: larger sizes go to numpy
-LIBRARY_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
-
-
-def _open(candidates) -> ctypes.CDLL | None:
-    for candidate in candidates:
-        try:
-            return ctypes.CDLL(candidate)
-        except OSError:
-            continue
-    return None
-
-
-def _find_mkl() -> ctypes.CDLL | None:
-    """libmkl_rt from this environment's lib/ (the mkl wheel puts it there) or the loader's path (a
-    site MKL module); ``find_library`` runs ldconfig and gcc, so it is asked last."""
-    local = [str(Path(sys.prefix) / "lib" / name) for name in LIBRARY_NAMES]
-    library = _open(local + list(LIBRARY_NAMES))
-    if library is None and (found := ctypes.util.find_library("mkl_rt")):
-        library = _open([found])
-    return library
-
-
-def _load():
-    choice = os.environ.get("HPC_TP_BLAS", "mkl")
-    if choice not in ("mkl", "numpy"):
-        raise ConfigError(f"HPC_TP_BLAS={choice!r}: expected 'mkl' (where installed, the default) or 'numpy'")
-    if choice == "numpy":
-        return None, {}
-    library = _find_mkl()
-    # 32-bit integers (LP64), as the ctypes signatures below say, whatever MKL_INTERFACE_LAYER asks for
-    # (ILP64 would read each int as 64 bits: a crash).
-    if library is None or library.MKL_Set_Interface_Layer(_LP64) != _LP64:
-        return None, {}
-    pointer, index = ctypes.c_void_p, ctypes.c_int
-    kernels = {}
-    for dtype, name, scalar in (("float32", "cblas_sgemm", ctypes.c_float), ("float64", "cblas_dgemm", ctypes.c_double)):
-        function = getattr(library, name)
-        function.argtypes = [index, index, index, index, index, index, scalar, pointer, index, pointer, index,
-                             scalar, pointer, index]
-        function.restype = None
-        kernels[numpy.dtype(dtype)] = function
-    return library, kernels
-
-
-_library, _kernels = _load()
-BACKEND = "mkl" if _library is not None else "numpy"
-LIBRARY = None if _library is None else _library._name  # the path or soname it was opened by (``mkl_jit`` binds it too)
+_INT_LIMIT = 2**31  # MKL's 32-bit integer interface (LP64): larger sizes go to numpy
 
 
 def backend_for(dtype) -> str:
     """Which library multiplies ``dtype`` arrays on the CPU: MKL has float32/float64 GEMMs only."""
-    return "mkl" if numpy.dtype(dtype) in _kernels else "numpy"
+    return "mkl" if numpy.dtype(dtype) in GEMMS else "numpy"
 
 
 def _operand(x, itemsize: int):
@@ -109,7 +56,7 @@ def _operand(x, itemsize: int):
 
 def _mkl_gemm(a, b, out, beta: float) -> bool:
     """C = a @ b + beta C through MKL when every operand can be passed as it is; False otherwise."""
-    kernel = _kernels.get(a.dtype)
+    kernel = GEMMS.get(a.dtype)
     if kernel is None or not (isinstance(a, numpy.ndarray) and isinstance(b, numpy.ndarray)
                               and isinstance(out, numpy.ndarray)):
         return False
@@ -129,8 +76,6 @@ def _mkl_gemm(a, b, out, beta: float) -> bool:
     if numpy.may_share_memory(out, a) or numpy.may_share_memory(out, b):
         return False
     if m <= FEW_ROWS and b.nbytes >= LARGE_OPERAND:
-        from . import mkl_jit  # imports this module: here, not at the top
-
         if mkl_jit.AVAILABLE:
             # b's column j starts j elements in (row-major) or j rows in (a transposed view).
             step = right[1] if right[0] == TRANS else 1
@@ -144,7 +89,7 @@ def _mkl_gemm(a, b, out, beta: float) -> bool:
 
 def _device_matmul(a, b, out, accumulate: bool):
     """``matmul`` for cupy arrays: one dtype per product (numpy's promotion of the two), through
-    cuBLAS directly (``nn.cublas``): cupy's matmul has no bfloat16 GEMM, would round a half product
+    cuBLAS directly (``kernels.cublas``): cupy's matmul has no bfloat16 GEMM, would round a half product
     before it is summed into a float32 ``out``, needs a temporary to accumulate, and plans every
     call anew in Python where ``cublas`` keeps the plan of each layout it has seen."""
     xp = xp_of(a)
@@ -180,12 +125,12 @@ def matmul(a, b, out=None, accumulate: bool = False):
         return small_m.matmul(a, b, out)
     if (small_m.half_kind(b.dtype) != small_m.FULL and a.ndim == b.ndim == 2
             and (out is None or out.dtype == numpy.float32)):
-        return small_m.widened_matmul(a, b, out, accumulate)
+        return widened_matmul(a, b, out, accumulate)
     # --
     if out is None:
         if accumulate:
             raise ValueError("accumulate needs out")
-        if not (a.dtype in _kernels and a.dtype == b.dtype and a.ndim == b.ndim == 2):
+        if not (a.dtype in GEMMS and a.dtype == b.dtype and a.ndim == b.ndim == 2):
             return a @ b
         out = numpy.empty((a.shape[0], b.shape[1]), a.dtype)
     if _mkl_gemm(a, b, out, 1.0 if accumulate else 0.0):
@@ -196,4 +141,28 @@ def matmul(a, b, out=None, accumulate: bool = False):
         xp_of(a).matmul(a, b, out=out)
     else:
         out[...] = a @ b
+    return out
+
+
+def widened_matmul(a, b, out=None, accumulate: bool = False, block_bytes: int = 4 << 20):
+    """``a @ b`` for a half-precision ``b`` with many rows (prefill) or without numba: ``b`` is widened
+    to float32 a block at a time (``block_bytes`` of float32; blocks of its rows, or of its columns
+    when it is a transposed view) and each block's product is summed by BLAS, so no float32 copy of
+    the whole weight is made. Returns float32."""
+    k, n = b.shape
+    if out is None:
+        out = numpy.zeros((a.shape[0], n), numpy.float32)
+    elif not accumulate:
+        out[...] = 0
+    a = a.astype(numpy.float32, copy=False)
+    if small_m.layout(b) == "transposed":  # b's columns are the stored rows: widen runs of them
+        step = max(1, block_bytes // (4 * k))
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            matmul(a, b[:, start:stop].astype(numpy.float32), out=out[:, start:stop], accumulate=True)
+        return out
+    step = max(1, block_bytes // (4 * n))
+    for start in range(0, k, step):
+        stop = min(k, start + step)
+        matmul(a[:, start:stop], b[start:stop].astype(numpy.float32), out=out, accumulate=True)
     return out

@@ -31,7 +31,7 @@ import numpy
 
 from . import mkl_jit
 from .cpu_kernels import DTYPES, _jit, _softmax_normalize, numba
-from .blas import NO_TRANS, TRANS
+from .mkl import NO_TRANS, TRANS
 from .mkl_jit import exp, gemm
 
 

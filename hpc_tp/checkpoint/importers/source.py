@@ -1,0 +1,24 @@
+"""A model saved by another tool, opened by what it is: a Hugging Face folder or a GGUF file."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...errors import ConfigError
+from . import Imported
+from .gguf import import_gguf
+from .huggingface import import_folder
+
+
+def open_source(path) -> Imported:
+    """A Hugging Face model folder or a GGUF file, by what it is."""
+    path = Path(path)
+    if path.is_dir():
+        return import_folder(path)
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            return import_gguf(path)
+        raise ConfigError(f"{path}: not a GGUF file (no GGUF magic); expected a GGUF file or a Hugging Face "
+                          "model folder (config.json + model.safetensors)")
+    raise ConfigError(f"{path} does not exist: expected a Hugging Face model folder or a GGUF file")
