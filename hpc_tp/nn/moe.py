@@ -111,7 +111,8 @@ class MoEMLP(Module):
         share = xp.asarray(plan.assignments / (plan.group_tokens * self.top_k))  # f_e
         if self.count_stats:
             self._count(plan, float(self.num_experts * share @ xp.asarray(plan.group_prob_sum / plan.group_tokens)))
-        return self._scatter_sequence.forward(y.reshape(x.shape)), (x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs)
+        ctx = (x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs)
+        return self._scatter_sequence.forward(y.reshape(x.shape)), ctx
 
     def _count(self, plan, aux: float):
         stats = self.stats

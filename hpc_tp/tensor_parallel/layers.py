@@ -163,7 +163,8 @@ class RowParallelLinear(Module):
         if in_features % comm.size:
             raise ConfigError(f"input size {in_features} is not divisible by tensor-parallel size {comm.size}")
         self.input_region = Identity() if input_is_parallel else ScatterToTensorParallel(comm)
-        self.g = ReduceScatterToSequenceParallel(comm, SEQUENCE_AXIS) if sequence_parallel else ReduceFromTensorParallel(comm)
+        self.g = (ReduceScatterToSequenceParallel(comm, SEQUENCE_AXIS) if sequence_parallel
+                  else ReduceFromTensorParallel(comm))
         self.weight = Parameter(param_buffer((in_features // comm.size, out_features), dtype),
                                 split((in_features, out_features), 0, comm.size, comm.rank))
         self.bias = (Parameter(param_buffer(out_features, dtype), replicated((out_features,), comm.size), decay=False)
