@@ -60,8 +60,9 @@ class Region:
 
     def backward_async(self, dy) -> Request:
         """``backward`` started; ``wait()`` returns its result. The caller computes in between (the
-        column-parallel layer its weight gradient). Only f's all-reduce is left running here; the
-        other regions complete before they return."""
+        column-parallel layer its weight gradient). f posts its all-reduce to the transport (NCCL
+        runs it on its stream meanwhile; MPI runs it inside ``wait``, ``comm/mpi.py`` says why);
+        the other regions complete before they return."""
         return Done(self.backward(dy))
 
     def _gather(self, x):
