@@ -1,39 +1,11 @@
-"""Communicator correctness and adjoint tests <F x, y> == <x, F* y> for every tensor-parallel region."""
+"""Communicator correctness: every collective's values, in every dtype, and the flat pairs' adjoints
+(the tensor-parallel regions' adjoint tests are in test_regions.py)."""
 import numpy as np
 import pytest
 
 from hpc_tp.comm.mpi import world
-from hpc_tp.tensor_parallel.mappings import REGIONS
 
 pytestmark = pytest.mark.mpi(min_size=1)
-
-
-def _inner(a, b, kind, comm):
-    """Inner product in the region's space: a replicated value counts once, sharded pieces sum over ranks."""
-    local = float(np.vdot(a, b))
-    return comm.all_reduce_scalar(local) if kind == "sharded" else local
-
-
-def _input(region_cls, comm, rng_seed, shape):
-    # A replicated input is the same on every rank; a sharded one differs per rank.
-    seed = rng_seed if region_cls.input_kind == "replicated" else rng_seed + 1000 * (comm.rank + 1)
-    return np.random.default_rng(seed).standard_normal(shape)
-
-
-@pytest.mark.parametrize("region_cls", REGIONS, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("axis", [-1, 1])
-def test_adjoint(region_cls, axis):
-    comm = world()
-    shape = (3, 4 * comm.size, 4 * comm.size)
-    region = region_cls(comm, axis=axis)
-    x = _input(region_cls, comm, 1, shape)
-    fx = region.forward(x.copy())
-    y_seed = 2 if region_cls.output_kind == "replicated" else 2 + 1000 * (comm.rank + 1)
-    y = np.random.default_rng(y_seed).standard_normal(fx.shape)
-    fty = region.backward(y.copy())
-    lhs = _inner(fx, y, region_cls.output_kind, comm)
-    rhs = _inner(x, fty, region_cls.input_kind, comm)
-    assert abs(lhs - rhs) <= 1e-12 * max(abs(lhs), 1.0), (lhs, rhs)
 
 
 def _dtype(name):

@@ -529,7 +529,7 @@ def test_tied_embedding_gradients_are_summed_between_the_end_stages(tied):
 @pytest.mark.parametrize("bias", [False, True])
 def test_replicated_kv_gradients_are_summed_over_their_replicas(bias):
     """tp = 4 over 2 KV heads: each K and V weight gradient (and bias) is one all-reduce over its 2
-    replicas per layer and micro-batch (``ColumnParallelLinear._sum_over_replicas``), not over tp."""
+    replicas per layer and micro-batch (``ColumnParallelLinear._add_param_grads``), not over tp."""
     cfg, m = replace(LLAMA, bias=bias), 3
     layout = Layout(4, 1, 1, 1)
     found = {c.what: c for c in stage_collectives(cfg, layout, 8, range(cfg.n_layers), True, True, m, 4, 4)

@@ -24,8 +24,8 @@ from ..nn.block import TransformerBlock
 from ..nn.moe import MoEMLP
 from ..nn.norms import make_norm
 from ..tensor_parallel.random import DropoutRNG
-from ..tensor_parallel.sequence_parallel import (check_sequence_divisible, gather_sequence, scatter_sequence,
-                                                 sum_grads_over)
+from ..tensor_parallel.mappings import SEQUENCE_AXIS, GatherFromTensorParallel, ScatterToTensorParallel
+from ..tensor_parallel.sequence_parallel import check_sequence_divisible, sum_grads_over
 from ..tensor_parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelLMHead
 from .config import ModelConfig
 from .init import initialize
@@ -49,6 +49,11 @@ class GPTModel(Module):
                                  replicated((cfg.max_seq_len, cfg.hidden), comm.size))
         self.layers = ModuleList(TransformerBlock(cfg, comm, i, self.rng, dtype, ep_comm) for i in self.layer_ids)
         self._sequence_comm = comm if cfg.sequence_parallel and comm.size > 1 else None
+        # Sequence parallelism: the embedding's output is cut into the blocks' sequence shards, and
+        # the final norm's shards are gathered for the head (each region's backward the other way).
+        self._to_shards = ScatterToTensorParallel(comm, SEQUENCE_AXIS)
+        self._from_shards = GatherFromTensorParallel(comm, SEQUENCE_AXIS)
+        self._vocab_gather = GatherFromTensorParallel(comm)  # whole logits, for evaluation and sampling
         if has_head:
             self.final_norm = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
             if cfg.tie_embeddings:
@@ -86,12 +91,13 @@ class GPTModel(Module):
                 raise ConfigError(f"sequence length {t} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
             x += self.pos.data[:t] if positions is None else self.pos.data[positions]
         if self._sequence_comm is not None:
-            x = scatter_sequence(x, self._sequence_comm)
+            check_sequence_divisible(x.shape[SEQUENCE_AXIS], self._sequence_comm.size)
+            x = self._to_shards.forward(x)
         return x, ctx
 
     def embed_backward(self, dx, ctx):
         if self._sequence_comm is not None:
-            dx = gather_sequence(dx, self._sequence_comm)
+            dx = self._to_shards.backward(dx)
         if self.cfg.position == "learned":
             self.pos.grad[:dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
         self.embed.backward(dx, ctx)
@@ -111,7 +117,7 @@ class GPTModel(Module):
     def logits_forward(self, x):
         h, norm_ctx = self.final_norm.forward(x)
         if self._sequence_comm is not None:
-            h = gather_sequence(h, self._sequence_comm)
+            h = self._from_shards.forward(h)
         logits, head_ctx = self.head.forward(h)
         return logits, (norm_ctx, head_ctx)
 
@@ -122,7 +128,7 @@ class GPTModel(Module):
             return self.final_norm.backward(dh, norm_ctx)
         # The head's f already summed dh over tp: every rank cuts its own shard.
         with sum_grads_over(self._sequence_comm, self.final_norm.parameters()):
-            return self.final_norm.backward(scatter_sequence(dh, self._sequence_comm), norm_ctx)
+            return self.final_norm.backward(self._from_shards.backward(dh), norm_ctx)
 
     def head_forward(self, x, targets):
         logits, lctx = self.logits_forward(x)
@@ -183,7 +189,7 @@ class GPTModel(Module):
 
     def _full_logits(self, x):
         local, _ = self.logits_forward(x)
-        full = self.comm.all_gather(local, axis=local.ndim - 1) if self.comm.size > 1 else local
+        full = self._vocab_gather.forward(local)
         return full[..., :self.cfg.vocab_size]
 
     @contextmanager

@@ -35,8 +35,7 @@ import numpy
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..tensor_parallel.layers import Segment
-from ..tensor_parallel.sequence_parallel import linear_classes
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
 from ..tensor_parallel.random import DropoutRNG
 from ..module import Module
 from ..kernels import blas, cpu_attention
@@ -185,12 +184,12 @@ class ParallelAttention(Module):
         self.causal, self.dropout, self.rng, self.layer_id = causal, dropout, rng, layer_id
         self.recompute_scores = False  # selective recomputation (GPTModel.set_selective_recompute)
         self.inv_freq = None if rope_theta is None else rope_inv_freq(d, rope_theta, rope_scaling)
-        column, row = linear_classes(sequence_parallel)
-        self.qkv = column(hidden, None, comm, bias, segments=[
+        self.qkv = ColumnParallelLinear(hidden, None, comm, bias, sequence_parallel=sequence_parallel, segments=[
             Segment("q", n_heads * d, tp, rank),
             Segment("k", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
             Segment("v", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm)], dtype=dtype)
-        self.out = row(n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype)
+        self.out = RowParallelLinear(n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype,
+                                     sequence_parallel=sequence_parallel)
 
     def _split_heads(self, qkv):
         """Views of Q [B, hk, g, T, d] and of K, V [B, hk, T, d] in a [B, T, (hq + 2 hk) d] buffer:

@@ -10,8 +10,7 @@ from ..backend import xp_of
 from ..comm.base import Communicator
 from ..errors import ConfigError
 from ..module import Module
-from ..tensor_parallel.layers import Segment
-from ..tensor_parallel.sequence_parallel import linear_classes
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
 from ..kernels import functional as F
 
 ACTIVATIONS = {
@@ -32,9 +31,10 @@ class ParallelMLP(Module):
         self.act_forward, self.act_backward = ACTIVATIONS["silu" if self.gated else activation]
         segments = ([Segment("gate", ffn_hidden, comm.size, comm.rank), Segment("up", ffn_hidden, comm.size, comm.rank)]
                     if self.gated else None)
-        column, row = linear_classes(sequence_parallel)
-        self.fc1 = column(hidden, ffn_hidden, comm, bias, segments=segments, dtype=dtype)
-        self.fc2 = row(ffn_hidden, hidden, comm, bias, input_is_parallel=True, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, comm, bias, segments=segments, dtype=dtype,
+                                        sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, comm, bias, input_is_parallel=True, dtype=dtype,
+                                     sequence_parallel=sequence_parallel)
         self.local = ffn_hidden // comm.size
 
     def forward(self, x):

@@ -26,8 +26,8 @@ from .. import backend
 from ..comm.base import Communicator
 from ..module import Module, ModuleList, Parameter, param_buffer, replicated
 from ..tensor_parallel.experts import ExpertDispatcher
-from ..tensor_parallel.sequence_parallel import gather_sequence, scatter_sequence
 from ..kernels import blas, functional as F
+from ..tensor_parallel.mappings import SEQUENCE_AXIS, GatherFromTensorParallel, Identity, ScatterToTensorParallel
 from .mlp import ParallelMLP
 
 
@@ -78,9 +78,18 @@ class MoEContext(NamedTuple):
 class MoEMLP(Module):
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, comm: Communicator,
                  ep_comm: Communicator | None = None, capacity_factor: float = 1.25, aux_loss_coef: float = 0.01,
-                 activation: str = "gelu_tanh", bias: bool = True, dtype="float64"):
+                 activation: str = "gelu_tanh", bias: bool = True, dtype="float64", sequence_parallel: bool = False):
         self.num_experts, self.top_k, self.aux_loss_coef = num_experts, top_k, aux_loss_coef
-        self._comm = comm
+        # Inside a sequence-parallel block the input is a sequence shard [B, T/tp, H], but the experts
+        # are tensor-parallel: every tp rank must route and feed them the same tokens. The shards are
+        # all-gathered in (backward keeps this rank's shard of the input gradient, which the experts'
+        # f has already summed over tp) and the replicated output is cut back to this rank's shard
+        # (backward all-gathers the output gradient). The bytes are those of the all-reduce plain tp
+        # does before this layer; the layer keeps its gathered input, so its own activations are not
+        # divided by tp.
+        sharded = sequence_parallel and comm.size > 1
+        self._gather_sequence = GatherFromTensorParallel(comm, SEQUENCE_AXIS) if sharded else Identity()
+        self._scatter_sequence = ScatterToTensorParallel(comm, SEQUENCE_AXIS) if sharded else Identity()
         self._dispatcher = ExpertDispatcher(num_experts, ep_comm, capacity_factor)
         self.router = Parameter(param_buffer((hidden, num_experts), dtype),
                                 replicated((hidden, num_experts), comm.size))
@@ -103,6 +112,7 @@ class MoEMLP(Module):
         return probs, choices, chosen, gates
 
     def forward(self, x):
+        x = self._gather_sequence.forward(x)
         xp = backend.xp_of(x)
         xs = x.reshape(-1, x.shape[-1])
         probs, choices, chosen, gates = self.route(xs)
@@ -116,7 +126,8 @@ class MoEMLP(Module):
         share = xp.asarray(plan.assignments / (plan.group_tokens * self.top_k))  # f_e
         if self.count_stats:
             self._count(plan, float(self.num_experts * share @ xp.asarray(plan.group_prob_sum / plan.group_tokens)))
-        return y.reshape(x.shape), MoEContext(x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs)
+        ctx = MoEContext(x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs)
+        return self._scatter_sequence.forward(y.reshape(x.shape)), ctx
 
     def _count(self, plan, aux: float):
         stats = self.stats
@@ -134,7 +145,7 @@ class MoEMLP(Module):
     def backward(self, dy, ctx):
         shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs = ctx
         xp = backend.xp_of(dy)
-        d = dy.reshape(-1, shape[-1])
+        d = self._scatter_sequence.backward(dy).reshape(-1, shape[-1])
         d_rows = d[plan.token]
         dgates = xp.zeros_like(gates)
         dgates[plan.token, plan.choice] = (d_rows * y_rows).sum(axis=1)
@@ -153,28 +164,7 @@ class MoEMLP(Module):
         dlogits = F.softmax_backward(dprobs, probs)
         blas.matmul(xs.T, dlogits, out=self.router.grad, accumulate=True)
         blas.matmul(dlogits, self.router.data.T, out=dx, accumulate=True)
-        return dx.reshape(shape)
-
-
-class SequenceParallelMoEMLP(MoEMLP):
-    """A MoE layer inside a sequence-parallel block, whose input is a sequence shard [B, T/tp, H].
-
-    The experts are tensor-parallel, so every tp rank must route and feed them the same tokens:
-    the shards are all-gathered (the f of sequence parallelism), the layer runs as under plain
-    tp, and each rank keeps its shard of the replicated output. Backward gathers the output
-    gradient (every rank then holds the whole of it, as plain tp expects) and keeps its shard of
-    the input gradient, which the experts' f has already summed over tp. The bytes are those of
-    the all-reduce plain tp would do before this layer; the layer keeps its gathered input for
-    backward, so its own activations are not divided by tp.
-    """
-
-    def forward(self, x):
-        y, ctx = super().forward(gather_sequence(x, self._comm))
-        return scatter_sequence(y, self._comm), ctx
-
-    def backward(self, dy, ctx):
-        dx = super().backward(gather_sequence(dy, self._comm), ctx)
-        return scatter_sequence(dx, self._comm)
+        return self._gather_sequence.backward(dx.reshape(shape))
 
 
 def feed_forward(cfg, comm: Communicator, layer_id: int, ep_comm: Communicator | None, dtype):
@@ -182,6 +172,5 @@ def feed_forward(cfg, comm: Communicator, layer_id: int, ep_comm: Communicator |
     if not cfg.is_moe_layer(layer_id):
         return ParallelMLP(cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype,
                            sequence_parallel=cfg.sequence_parallel)
-    moe = SequenceParallelMoEMLP if cfg.sequence_parallel and comm.size > 1 else MoEMLP
-    return moe(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.top_k, comm, ep_comm, cfg.capacity_factor,
-               cfg.aux_loss_coef, cfg.activation, cfg.bias, dtype)
+    return MoEMLP(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.top_k, comm, ep_comm, cfg.capacity_factor,
+                  cfg.aux_loss_coef, cfg.activation, cfg.bias, dtype, sequence_parallel=cfg.sequence_parallel)

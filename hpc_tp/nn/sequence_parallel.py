@@ -8,8 +8,7 @@ tp=1 drops. Drawing the whole mask costs random numbers, never memory: only the 
 from __future__ import annotations
 
 from ..comm.base import Communicator
-from ..tensor_parallel.mappings import local_chunk
-from ..tensor_parallel.sequence_parallel import SEQUENCE_AXIS
+from ..tensor_parallel.mappings import SEQUENCE_AXIS, local_chunk
 from .dropout import Dropout, keep_mask
 
 

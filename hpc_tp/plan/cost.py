@@ -272,7 +272,7 @@ def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, l
         out.append(Collective("tp", "all_reduce", tokens * elem, m, "loss row max"))
         out.append(Collective("tp", "all_reduce", 2 * tokens * elem, m, "loss sum-exp and target logit"))
     if cfg.n_kv_heads < tp:
-        # ColumnParallelLinear._sum_over_replicas: one all-reduce per K and V segment (and per bias).
+        # ColumnParallelLinear._add_param_grads: one all-reduce per K and V segment (and per bias), its replica f.
         columns = cfg.head_dim * kv_heads_local(cfg, tp)
         replicas = tp // cfg.n_kv_heads
         out.append(Collective("tp", "all_reduce", cfg.hidden * columns * elem, 2 * len(layers) * m,

@@ -1,10 +1,8 @@
 """Column- and row-parallel linear layers (weights stored [in, out] so ``y = x @ W`` needs no transpose).
 
-ColumnParallelLinear: W split by output columns. Input enters through f (identity forward,
-all-reduce of the input gradient backward); ``gather_output`` all-gathers the result.
-RowParallelLinear: W split by input rows. Each rank computes a partial product; g (one
-all-reduce) sums them and the bias is added once, after the reduction. ``input_is_parallel``
-says the input already arrives split (the usual case: the output of a column-parallel layer).
+Each layer holds its communication regions (``mappings.py``) and calls them by name: the column
+layer its f, the row layer its g. With ``sequence_parallel`` the same layers take the sequence
+regions instead: f all-gathers the input's sequence shards, g reduce-scatters along the sequence.
 
 A column-parallel layer may carry several output segments in one fused weight (Q, K, V or
 gate, up): one GEMM, while each segment stays its own Parameter (a view into the buffer)
@@ -18,7 +16,8 @@ from ..comm.base import Communicator
 from ..errors import ConfigError
 from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
 from ..kernels import blas
-from .mappings import local_chunk
+from .mappings import (SEQUENCE_AXIS, CopyToTensorParallel, GatherFromSequenceParallel, GatherFromTensorParallel,
+                       Identity, ReduceFromTensorParallel, ReduceScatterToSequenceParallel, ScatterToTensorParallel)
 
 
 @dataclass(frozen=True)
@@ -57,15 +56,32 @@ def add_weight_grad(grad, x2, dy2):
 
 
 class ColumnParallelLinear(Module):
+    """``y = x W + b`` with W [in, out] split by output columns: each rank computes its out / tp
+    columns of y from the whole input.
+
+    What crosses the wire (x [B, T, in] over tp ranks), all of it through the layer's regions:
+      f forward     nothing, every rank holds x. Sequence parallel: all-gather of the [B, T/tp, in]
+                    shards into x, done again in backward (only the shard is kept in between).
+      f backward    all-reduce of the input gradient [B, T, in], running while the weight gradient
+                    is computed. Sequence parallel: reduce-scatter of it to [B, T/tp, in].
+      gather_output all-gather of y [B, T, out / tp] to [B, T, out] forward; backward keeps this
+                    rank's columns of the gradient and sends nothing.
+      K/V segments held by several ranks (tp > kv heads): all-reduce of each one's weight and bias
+                    gradient increment ([in, width] and [width]) over the ranks holding it, backward.
+    """
+
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
-                 gather_output: bool = False, segments: list[Segment] | None = None, dtype="float64"):
+                 gather_output: bool = False, segments: list[Segment] | None = None, dtype="float64",
+                 sequence_parallel: bool = False):
         if segments is None:
             if out_features % comm.size:
                 raise ConfigError(f"output size {out_features} is not divisible by tensor-parallel size {comm.size}")
             segments = [Segment("", out_features, comm.size, comm.rank)]
         if gather_output and (len(segments) > 1 or segments[0].parts != comm.size):
             raise ValueError("gather_output needs a single segment split over the whole tp group")
-        self.comm, self.gather_output, self.segments = comm, gather_output, segments
+        self.segments = segments
+        self.f = GatherFromSequenceParallel(comm, SEQUENCE_AXIS) if sequence_parallel else CopyToTensorParallel(comm)
+        self.output_region = GatherFromTensorParallel(comm) if gather_output else Identity()
         widths = [s.full // s.parts for s in segments]
         self.out_local = sum(widths)
         self._weight = param_buffer((in_features, self.out_local), dtype)
@@ -74,11 +90,16 @@ class ColumnParallelLinear(Module):
         self._bias_grad = grad_buffer(self._bias) if bias else None
         self.params: list[tuple[str, Parameter]] = []
         self.columns: list[slice] = []
+        # K/V weights reach every replica's query heads through an f over the replica group: their
+        # gradient is that f's backward.
+        self._replica_regions: list[tuple[CopyToTensorParallel, slice]] = []
         start = 0
         for seg, width in zip(segments, widths):
             cols = slice(start, start + width)
             start += width
             self.columns.append(cols)
+            if seg.replica_comm is not None and seg.replica_comm.size > 1:
+                self._replica_regions.append((CopyToTensorParallel(seg.replica_comm), cols))
             prefix = f"{seg.name}." if seg.name else ""
             self.params.append((prefix + "weight", Parameter(
                 self._weight[:, cols], split((in_features, seg.full), 1, seg.parts, seg.index, seg.replicas),
@@ -93,73 +114,75 @@ class ColumnParallelLinear(Module):
             yield prefix + name, p
 
     def forward(self, x):
-        y = product(x, self._weight)
+        y = product(self.f.forward(x), self._weight)
         if self._bias is not None:
             y += self._bias
-        if self.gather_output:
-            y = self.comm.all_gather(y, axis=y.ndim - 1)
-        return y, x
+        return self.output_region.forward(y), x
 
     def backward(self, dy, x):
-        if self.gather_output:
-            dy = local_chunk(dy, self.comm)
-        dy2, x2 = _flat(dy), _flat(x)
-        dx = product(dy2, self._weight.T)
-        # f's backward all-reduce of the input gradient runs while the weight gradient is computed.
-        pending = self.comm.iall_reduce(dx) if self.comm.size > 1 else None
-        self._add_param_grads(x2, dy2)
-        if pending is not None:
-            dx = pending.wait()
-        return dx.reshape(x.shape)
+        dy2 = _flat(self.output_region.backward(dy))
+        x = self.f.forward(x)  # x itself; under sequence parallelism the sequence gathered again
+        dx = product(dy2, self._weight.T).reshape(x.shape)
+        pending = self.f.backward_async(dx)  # overlaps the weight gradient below
+        self._add_param_grads(_flat(x), dy2)
+        return pending.wait()
 
     def _add_param_grads(self, x2, dy2):
         """This micro-batch's weight and bias gradients, added into the buffers. A K/V segment
         held by several replicas (tp > kv heads) saw only its own query heads' share: its
         increment alone is summed over the replicas, then what earlier micro-batches left is
         added back (summing the accumulated gradient would count each earlier micro-batch again)."""
-        replicated = [(seg.replica_comm, cols) for seg, cols in zip(self.segments, self.columns)
-                      if seg.replica_comm is not None and seg.replica_comm.size > 1]
         buffers = [b for b in (self._weight_grad, self._bias_grad) if b is not None]
-        earlier = [[b[..., cols].copy() for b in buffers] for _, cols in replicated]
-        for _, cols in replicated:
+        earlier = [[b[..., cols].copy() for b in buffers] for _, cols in self._replica_regions]
+        for _, cols in self._replica_regions:
             for b in buffers:
                 b[..., cols] = 0
         add_weight_grad(self._weight_grad, x2, dy2)
         if self._bias_grad is not None:
             self._bias_grad += dy2.sum(axis=0, dtype=self._bias_grad.dtype)
-        for (comm, cols), kept in zip(replicated, earlier):
+        for (f, cols), kept in zip(self._replica_regions, earlier):
             for b, before in zip(buffers, kept):
-                b[..., cols] = comm.all_reduce(b[..., cols].copy()) + before
+                b[..., cols] = f.backward(b[..., cols].copy()) + before
 
 
 class RowParallelLinear(Module):
+    """``y = x W + b`` with W [in, out] split by input rows: each rank multiplies its in / tp slice
+    of x and g sums the partial products; the bias is added once, after the sum.
+    ``input_is_parallel``: x arrives split already (the output of a column-parallel layer).
+
+    What crosses the wire (y [B, T, out] over tp ranks), all of it through the layer's regions:
+      g forward     all-reduce of the partial product [B, T, out], in place. Sequence parallel:
+                    reduce-scatter of it to [B, T/tp, out], the bias added to the shard.
+      g backward    nothing. Sequence parallel: all-gather of the output gradient's [B, T/tp, out]
+                    shards to [B, T, out].
+      an input not split yet: forward keeps this rank's slice [B, T, in / tp] and sends nothing;
+                    backward all-gathers the input gradient to [B, T, in].
+    """
+
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
-                 input_is_parallel: bool = True, dtype="float64"):
+                 input_is_parallel: bool = True, dtype="float64", sequence_parallel: bool = False):
         if in_features % comm.size:
             raise ConfigError(f"input size {in_features} is not divisible by tensor-parallel size {comm.size}")
-        self.comm, self.input_is_parallel = comm, input_is_parallel
+        self.input_region = Identity() if input_is_parallel else ScatterToTensorParallel(comm)
+        self.g = (ReduceScatterToSequenceParallel(comm, SEQUENCE_AXIS) if sequence_parallel
+                  else ReduceFromTensorParallel(comm))
         self.weight = Parameter(param_buffer((in_features // comm.size, out_features), dtype),
                                 split((in_features, out_features), 0, comm.size, comm.rank))
         self.bias = (Parameter(param_buffer(out_features, dtype), replicated((out_features,), comm.size), decay=False)
                      if bias else None)
 
     def forward(self, x):
-        if not self.input_is_parallel:
-            x = local_chunk(x, self.comm)
-        # g: sum the partial products; half ones in float32 and rounded once, as one process rounds them
-        y = product(x, self.weight.data, keep_sums=self.comm.size > 1)
-        self.comm.all_reduce(y)
-        y = y.astype(x.dtype, copy=False)
+        x = self.input_region.forward(x)
+        # g sums the partial products: half ones as float32 sums, rounded once after, as one process rounds them
+        y = self.g.forward(product(x, self.weight.data, keep_sums=self.g.comm.size > 1)).astype(x.dtype, copy=False)
         if self.bias is not None:
             y += self.bias.data
         return y, x
 
     def backward(self, dy, x):
-        dy2, x2 = _flat(dy), _flat(x)
+        dy2, x2 = _flat(self.g.backward(dy)), _flat(x)
         if self.bias is not None:
             self.bias.grad += dy2.sum(axis=0, dtype=self.bias.grad.dtype)
         dx = product(dy2, self.weight.data.T).reshape(x.shape)
         add_weight_grad(self.weight.grad, x2, dy2)
-        if not self.input_is_parallel:
-            dx = self.comm.all_gather(dx, axis=dx.ndim - 1)
-        return dx
+        return self.input_region.backward(dx)

@@ -4,7 +4,8 @@ The vocabulary is cut into tp contiguous row blocks of ``ceil(V / tp)``; the las
 run past V (padding rows that hold zeros). The embedding looks up the ids that fall in this
 rank's block and g sums the blocks. The cross entropy never gathers the logits: it reduces
 the row max, then (in one all-reduce) the sum of exponentials and the target logit. Padding
-columns are set to -inf, so they can never win the max or take probability mass.
+columns are set to -inf, so they can never win the max or take probability mass. Each class
+holds its communication regions (``mappings.py``) and says in its docstring what they send.
 """
 from __future__ import annotations
 
@@ -15,13 +16,23 @@ from ..comm.base import Communicator
 from ..module import Module, Parameter, param_buffer, split
 from ..kernels.functional import scatter_add_rows
 from .layers import add_weight_grad, product
+from .mappings import CopyToTensorParallel, MaxFromTensorParallel, ReduceFromTensorParallel
 
 IGNORE_INDEX = -100
 
 
 class VocabParallelEmbedding(Module):
+    """The rows of ids [B, T] in the embedding matrix W [V, hidden], split by vocabulary rows: each
+    rank looks up the ids in its block (zeros for the others).
+
+    What crosses the wire: g forward, an all-reduce of the looked-up rows [B, T, hidden] in
+    place; nothing backward (g's backward is the identity: each rank adds the gradient rows of
+    its own ids).
+    """
+
     def __init__(self, vocab_size: int, hidden: int, comm: Communicator, dtype="float64"):
-        self.comm, self.vocab_size = comm, vocab_size
+        self.vocab_size = vocab_size
+        self.g = ReduceFromTensorParallel(comm)
         self.weight = Parameter(param_buffer((-(-vocab_size // comm.size), hidden), dtype),
                                 split((vocab_size, hidden), 0, comm.size, comm.rank))
         self.vocab_start, stop = self.weight.partition.local_range()
@@ -37,41 +48,53 @@ class VocabParallelEmbedding(Module):
         # Not ``y[outside] = 0``: cupy counts a boolean mask's hits on the host, which a captured
         # decode step cannot do (serve.decoding).
         y = backend.xp_of(ids).where(outside[..., None], 0, self.weight.data[local])
-        self.comm.all_reduce(y)  # g
-        return y, (local, outside)
+        return self.g.forward(y), (local, outside)
 
     def backward(self, dy, ctx):
         local, outside = ctx
+        dy = self.g.backward(dy)
         keep = ~outside
         scatter_add_rows(self.weight.grad, local[keep], dy[keep])
         return None
 
 
 class VocabParallelLMHead(Module):
-    """logits_local = h @ W_local.T with W [V, hidden] split by vocab rows (tied: the embedding's W)."""
+    """logits_local = h @ W_local.T with W [V, hidden] split by vocab rows (tied: the embedding's W):
+    each rank's logits [B, T, V / tp] for its block of the vocabulary, never gathered.
+
+    What crosses the wire: f before the head, so nothing forward (every rank holds h [B, T, hidden]);
+    backward an all-reduce of the hidden-state gradient [B, T, hidden], running while the weight
+    gradient is computed.
+    """
 
     def __init__(self, weight: Parameter, comm: Communicator, owns_weight: bool):
-        self.comm = comm
+        self.f = CopyToTensorParallel(comm)
         # Tied: the embedding owns and names the weight; the underscore keeps Module from listing it twice.
         self.weight = weight if owns_weight else None
         self._w = weight
 
     def forward(self, h):
-        return product(h, self._w.data.T), h
+        return product(self.f.forward(h), self._w.data.T), h
 
     def backward(self, dlogits, h):
         h2, d2 = h.reshape(-1, h.shape[-1]), dlogits.reshape(-1, dlogits.shape[-1])
-        dh = product(dlogits, self._w.data)
-        pending = self.comm.iall_reduce(dh) if self.comm.size > 1 else None  # f before the head
+        pending = self.f.backward_async(product(dlogits, self._w.data))  # overlaps the weight gradient
         add_weight_grad(self._w.grad, d2, h2)
-        return pending.wait() if pending is not None else dh
+        return pending.wait()
 
 
 class VocabParallelCrossEntropy:
-    """Sum of token losses over targets != IGNORE_INDEX; the caller divides by the global token count."""
+    """Sum of token losses over targets != IGNORE_INDEX; the caller divides by the global token count.
+
+    What crosses the wire, forward only, for N = B * T tokens: the row max [N] (an all-reduce max,
+    ``MaxFromTensorParallel``), then the sum of exponentials and the target logit [2, N] in one
+    message through g. Backward sends nothing: g's backward is the identity, so each rank's logit
+    gradient follows from the summed statistics and its own logits.
+    """
 
     def __init__(self, vocab_size: int, comm: Communicator):
-        self.comm, self.vocab_size = comm, vocab_size
+        self.vocab_size = vocab_size
+        self.g, self.row_max = ReduceFromTensorParallel(comm), MaxFromTensorParallel(comm)
         local = -(-vocab_size // comm.size)
         self.vocab_start = min(comm.rank * local, vocab_size)
         self.vocab_valid = min(local, vocab_size - self.vocab_start)
@@ -88,7 +111,7 @@ class VocabParallelCrossEntropy:
         logits = logits if overwrite and logits.dtype == work and logits.flags.c_contiguous else logits.astype(work)
         targets = targets.reshape(-1)
         logits[:, self.vocab_valid:] = -xp.inf
-        row_max = self.comm.all_reduce(logits.max(axis=1), op="max")
+        row_max = self.row_max.forward(logits.max(axis=1))
         local_t = targets - self.vocab_start
         mine = (local_t >= 0) & (local_t < self.vocab_valid)
         picked = xp.where(mine, local_t, 0)
@@ -99,7 +122,7 @@ class VocabParallelCrossEntropy:
             sums[1, rows] = xp.where(mine[rows], block[xp.arange(block.shape[0]), picked[rows]], 0.0)
             xp.exp(block, out=block)  # block now holds exp(z - max): the softmax numerators
             sums[0, rows] = block.sum(axis=1)
-        self.comm.all_reduce(sums)  # sum of exponentials and target logit, in one message
+        self.g.forward(sums)  # sum of exponentials and target logit, in one message, in place
         valid = targets != IGNORE_INDEX
         token_loss = xp.where(valid, xp.log(sums[0]) - sums[1], 0.0)
         ctx = (logits, sums[0], local_t, mine & valid, valid, logits_local.shape, logits_local.dtype)
