@@ -27,7 +27,7 @@ MPI_MODULE ?=
 VERSION    := $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml)
 MODULEDIR   = $(abspath $(PREFIX))/modulefiles/hpc_tp
 
-.PHONY: install install-prefix run verify test test-serial test-mpi clean gpu-check gpu-deps
+.PHONY: install install-prefix run verify test test-serial test-mpi lint format clean gpu-check gpu-deps
 
 install: $(STAMP)
 
@@ -76,6 +76,15 @@ verify: install
 
 test: install
 	MPIEXEC=$(MPIEXEC) PY=$(abspath $(PY)) bash tests/run_suite.sh
+
+# ruff, configured in pyproject.toml: the linter's rules and the formatter's check (`make format` applies it).
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # The GPU backend on a GPU machine: environment, GPU checks, W1 on the device, one table (jobs/gpu_check.sh; it
 # prints "skipped: no CUDA device" and exits 0 without one). Needs no install: python3 runs the checkout.
