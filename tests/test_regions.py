@@ -5,11 +5,11 @@ import sys
 
 import numpy as np
 import pytest
+from tp_helpers import lm_batch
 
 from hpc_tp.comm.mpi import world
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.tensor_parallel.mappings import REGIONS, Identity, MaxFromTensorParallel, Region
-from tp_helpers import lm_batch
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
