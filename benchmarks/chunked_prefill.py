@@ -10,6 +10,7 @@ one iteration in which D's next token waits for all of it; in chunks of C tokens
 between chunks. Per chunk size, rank 0 prints D's gaps between tokens (median and longest) and L's
 time to first token, each the median over rounds (milliseconds); rounds alternate the order.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ import statistics
 import time
 
 import numpy
+from queued_ttft import PICK, Request, Source
 
 from hpc_tp.comm.mpi import world
 from hpc_tp.models import GPTModel
@@ -26,7 +28,6 @@ from hpc_tp.serve import generate
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
 from hpc_tp.tokenizer import ByteTokenizer
-from queued_ttft import PICK, Request, Source
 
 
 class Clock:
@@ -56,8 +57,11 @@ def one_run(engine, args, chunk: int, round_: int):
         return None
     gaps = numpy.diff(clock.times)
     done, queued, _ = arriving.done
-    return {"gap_p50_ms": 1e3 * float(numpy.median(gaps)), "gap_max_ms": 1e3 * float(gaps.max()),
-            "long_ttft_ms": 1e3 * (queued + done.ttft_s)}
+    return {
+        "gap_p50_ms": 1e3 * float(numpy.median(gaps)),
+        "gap_max_ms": 1e3 * float(gaps.max()),
+        "long_ttft_ms": 1e3 * (queued + done.ttft_s),
+    }
 
 
 def main():

@@ -11,6 +11,7 @@ memory as in a decode step, not from cache. Times are the thread's CPU time per 
 (CPU time rather than wall time: on a shared machine a descheduled thread is not the kernel's cost;
 memory traffic of other processes still is). GB/s: the weight's bytes over the best time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,11 @@ import time
 
 import numpy
 
-SHAPES = {"mlp in [576, 3072]": (576, 3072, False), "mlp out [1536, 576]": (1536, 576, False),
-          "head [576, 49152] (E.T)": (576, 49152, True)}
+SHAPES = {
+    "mlp in [576, 3072]": (576, 3072, False),
+    "mlp out [1536, 576]": (1536, 576, False),
+    "head [576, 49152] (E.T)": (576, 49152, True),
+}
 
 
 def best_seconds(product, weights, repeats: int) -> float:
@@ -35,8 +39,7 @@ def best_seconds(product, weights, repeats: int) -> float:
 def main():
     import ml_dtypes
 
-    from hpc_tp.kernels import small_m
-    from hpc_tp.kernels import blas
+    from hpc_tp.kernels import blas, small_m
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,32", help="values of M (default %(default)s)")
@@ -53,9 +56,11 @@ def main():
             a = rng.standard_normal((m, k)).astype(numpy.float32)
             out = numpy.empty((m, n), numpy.float32)
             # kernels.blas's MKL call as it was before the few-row kernels (numpy where MKL is missing)
-            ways = {"blas f32": (lambda w: blas._mkl_gemm(a, w, out, 0.0) or numpy.matmul(a, w, out=out), full),
-                    "small_m f32": (lambda w: small_m.matmul(a, w, out), full),
-                    "small_m bf16": (lambda w: small_m.matmul(a, w, out), half)}
+            ways = {
+                "blas f32": (lambda w: blas._mkl_gemm(a, w, out, 0.0) or numpy.matmul(a, w, out=out), full),
+                "small_m f32": (lambda w: small_m.matmul(a, w, out), full),
+                "small_m bf16": (lambda w: small_m.matmul(a, w, out), half),
+            }
             times = {way: [] for way in ways}
             for _ in range(args.rounds):
                 for way, (product, weights) in ways.items():
@@ -63,8 +68,9 @@ def main():
             parts = []
             for way, seconds in times.items():
                 gigabytes = (ways[way][1][0].nbytes) / 1e9
-                parts.append(f"{way} {min(seconds) * 1e3:.3f}-{max(seconds) * 1e3:.3f} ms "
-                             f"({gigabytes / min(seconds):.1f} GB/s)")
+                parts.append(
+                    f"{way} {min(seconds) * 1e3:.3f}-{max(seconds) * 1e3:.3f} ms ({gigabytes / min(seconds):.1f} GB/s)"
+                )
             print(f"{name} M={m}: " + ", ".join(parts), flush=True)
 
 

@@ -9,6 +9,7 @@ Each round samples ``--answers`` whole answers to a small object schema from ran
 with the mask and once timing ``next_token`` on the same logits without it. Prints one JSON line a
 round and the medians: microseconds a token with the grammar and without, and the tokens counted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,16 @@ from hpc_tp.serve.sampling import SamplingParams, next_token
 from hpc_tp.serve.structured import Grammar, vocabulary
 from hpc_tp.tokenizer import load_tokenizer
 
-SCHEMA = {"type": "object", "required": ["name", "age", "tags"], "additionalProperties": False,
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
-                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4}}}
+SCHEMA = {
+    "type": "object",
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4},
+    },
+}
 
 
 def answer(grammar, tokenizer, seed: int, masked: bool) -> tuple[float, int]:
@@ -65,8 +73,15 @@ def main():
             row["tokens"] = tokens
         rows.append(row)
         print(json.dumps({"round": r, **row}))
-    print(json.dumps({"median_masked_us": statistics.median(r["masked_us"] for r in rows),
-                      "median_plain_us": statistics.median(r["plain_us"] for r in rows), "tokens": rows[0]["tokens"]}))
+    print(
+        json.dumps(
+            {
+                "median_masked_us": statistics.median(r["masked_us"] for r in rows),
+                "median_plain_us": statistics.median(r["plain_us"] for r in rows),
+                "tokens": rows[0]["tokens"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ broadcast (spins) and the idle broadcast (``bcast_object(idle=True)``: sleeps be
 
 Rounds alternate the two waits; rank 0 sleeps ``--wait`` seconds, then sends its clock.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,11 @@ def main():
         for idle in (False, True):
             cpu = [c for r in rows[1:] for c, _ in r[idle]]
             late = [w for r in rows[1:] for _, w in r[idle]]
-            print(f"{'idle broadcast ' if idle else 'MPI blocking   '}: waiting ranks' CPU {100 * statistics.median(cpu):5.1f}% "
-                  f"(max {100 * max(cpu):.1f}%), woke {statistics.median(late):.3f} ms after the send "
-                  f"(max {max(late):.3f})")
+            print(
+                f"{'idle broadcast ' if idle else 'MPI blocking   '}: waiting ranks' CPU {100 * statistics.median(cpu):5.1f}% "
+                f"(max {100 * max(cpu):.1f}%), woke {statistics.median(late):.3f} ms after the send "
+                f"(max {max(late):.3f})"
+            )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ rank spent in it: the last to arrive waits for no one, and its time is the agree
 cost. A last line gives the medians over the rounds (a load's seconds: its slowest rank's). The
 checkpoint goes to a temporary folder, removed after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ def make_tensors(grid, count: int, side: int, fill: bool) -> dict:
 
 def unagreed_load(path, tensors: dict, comm) -> dict:
     """``load_checkpoint`` without its agreements: the same reads, nothing exchanged between them."""
+
     def walk():
         with closing(read._reads(path, tensors)) as reads:
             meta = next(reads)
@@ -102,8 +104,13 @@ def main():
                     waits = comm.allgather_object(list(agreements))
             rows = comm.allgather_object(row)
             if comm.rank == 0:
-                line = {"round": round_, "tensors": args.tensors, "side": args.side, "ranks": rows,
-                        "agreements_own_cost_s": round(sum(map(min, zip(*waits))), 5)}
+                line = {
+                    "round": round_,
+                    "tensors": args.tensors,
+                    "side": args.side,
+                    "ranks": rows,
+                    "agreements_own_cost_s": round(sum(map(min, zip(*waits))), 5),
+                }
                 print(json.dumps(line), flush=True)
                 for key in ("agreed_s", "unagreed_s"):  # a load lasts as long as its slowest rank
                     medians[key].append(max(r[key] for r in rows))

@@ -13,6 +13,7 @@ ways, which separates what the continuous step costs from what sharing steps wit
 costs. Rank 0 prints one JSON line a round and then the medians (milliseconds): the short request's
 time to first token and the long request's time to its last token, each way, and the long one's alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -125,8 +126,11 @@ def main():
     comm = world()
     cfg = load_config(args.model, vocab_size=ByteTokenizer().vocab_size)
     engine = Engine(GPTModel(cfg, comm, dtype="float32", seed=0), ByteTokenizer())
-    runs = {f"{name}{'_alone' if alone else ''}": (run, alone) for alone in (False, True)
-            for name, run in (("static", static), ("continuous", continuous))}
+    runs = {
+        f"{name}{'_alone' if alone else ''}": (run, alone)
+        for alone in (False, True)
+        for name, run in (("static", static), ("continuous", continuous))
+    }
     rows = {key: [] for key in runs}
     for round_ in range(args.rounds + 1):  # round 0 warms every path up and is not counted
         for key, (run, alone) in runs.items():
@@ -143,8 +147,11 @@ def main():
 
 def _named(results: dict) -> dict:
     """{"static_long_ms": ..., "static_short_ttft_ms": ..., ...} from {key: (long s, short ttft s)}."""
-    return {f"{key}_{what}_ms": round(1e3 * value, 2)
-            for key, values in results.items() for what, value in zip(("long", "short_ttft"), values)}
+    return {
+        f"{key}_{what}_ms": round(1e3 * value, 2)
+        for key, values in results.items()
+        for what, value in zip(("long", "short_ttft"), values)
+    }
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ temporaries, not the parameters and gradients. Printed next to it: the planner's
 what the step holds (``stage_memory``: activations plus the recomputed layer). Rank 0 prints one
 JSON line per mode.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,15 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     comm = world()
-    cfg = ModelConfig(vocab_size=258, hidden=args.hidden, n_layers=args.layers, n_heads=args.heads,
-                      max_seq_len=args.seq_len, dropout=0.1, attn_dropout=args.attn_dropout)
+    cfg = ModelConfig(
+        vocab_size=258,
+        hidden=args.hidden,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        max_seq_len=args.seq_len,
+        dropout=0.1,
+        attn_dropout=args.attn_dropout,
+    )
     grid = ProcessGrid(comm.size, 1, 1, comm)
     model = build_stage(cfg, grid, args.dtype)
     rng = numpy.random.default_rng(0)
@@ -69,16 +77,40 @@ def main():
         step(mode, 0)
         peak = tracemalloc.get_traced_memory()[1] - before
         tracemalloc.stop()
-        predicted = stage_memory(cfg, grid.tp_size, 1, 0, range(cfg.n_layers), args.micro_batch, args.seq_len, 1,
-                                 "1f1b", mode, engine_precision(args.dtype))
+        predicted = stage_memory(
+            cfg,
+            grid.tp_size,
+            1,
+            0,
+            range(cfg.n_layers),
+            args.micro_batch,
+            args.seq_len,
+            1,
+            "1f1b",
+            mode,
+            engine_precision(args.dtype),
+        )
         slowest = max(grid.world.allgather_object(median(times[mode])))
         if comm.rank == 0:
-            print(json.dumps(dict(mode=mode, tp=grid.tp_size, hidden=args.hidden, heads=args.heads, layers=args.layers,
-                                  seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
-                                  attn_dropout=args.attn_dropout, step_ms=round(slowest * 1e3, 1),
-                                  peak_step_mib=round(peak / 2**20, 2),
-                                  predicted_mib=round((predicted.activations + predicted.recompute_peak) / 2**20, 2))),
-                  flush=True)
+            print(
+                json.dumps(
+                    dict(
+                        mode=mode,
+                        tp=grid.tp_size,
+                        hidden=args.hidden,
+                        heads=args.heads,
+                        layers=args.layers,
+                        seq_len=args.seq_len,
+                        micro_batch=args.micro_batch,
+                        dtype=args.dtype,
+                        attn_dropout=args.attn_dropout,
+                        step_ms=round(slowest * 1e3, 1),
+                        peak_step_mib=round(peak / 2**20, 2),
+                        predicted_mib=round((predicted.activations + predicted.recompute_peak) / 2**20, 2),
+                    )
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ short requests alone (the ones a static batch makes wait behind a long one), the
 tokens a second over the round, and the prompt tokens the server found cached (``cached_tokens``). The last lines are the medians over rounds. No time is asserted
 anywhere: the machine is shared and noisy, and only variants of one run compare.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,25 +53,48 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--rate", type=float, default=8.0, help="mean arrivals a second (default %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=8)
-    p.add_argument("--shared-prefix", type=int, default=0, metavar="BYTES",
-                   help="bytes every prompt begins with, before its own (default %(default)s)")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="bytes every prompt begins with, before its own (default %(default)s)",
+    )
     p.add_argument("--short-tokens", type=int, default=4)
     p.add_argument("--long-tokens", type=int, default=48)
     p.add_argument("--long-every", type=int, default=6, help="every k-th request is long (default %(default)s)")
-    p.add_argument("--long-prompt-tokens", type=int, default=None, metavar="BYTES",
-                   help="the long requests' own prompt bytes (default: --prompt-tokens)")
-    p.add_argument("--variant", action="append", metavar="NAME=SERVE_ARGS",
-                   help="a server to compare, e.g. 'batch8=--max-batch 8' (repeat; default: one, 'default=')")
+    p.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="the long requests' own prompt bytes (default: --prompt-tokens)",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME=SERVE_ARGS",
+        help="a server to compare, e.g. 'batch8=--max-batch 8' (repeat; default: one, 'default=')",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mpiexec", default=None, help="MPI launcher (default: the one next to this Python)")
     p.add_argument("--json", metavar="FILE", help="every round's figures and the medians as JSON")
     args = p.parse_args(argv)
-    numbers = (args.np, args.requests, args.prompt_tokens, args.short_tokens, args.long_tokens, args.long_every,
-               args.rounds)
+    numbers = (
+        args.np,
+        args.requests,
+        args.prompt_tokens,
+        args.short_tokens,
+        args.long_tokens,
+        args.long_every,
+        args.rounds,
+    )
     if min(numbers) < 1 or not args.rate > 0 or args.shared_prefix < 0 or (args.long_prompt_tokens or 1) < 1:
-        p.error("--np, --requests, --prompt-tokens, --short-tokens, --long-tokens, --long-every and --rounds "
-                "must be >= 1, --long-prompt-tokens too if given, --shared-prefix >= 0 and --rate > 0")
+        p.error(
+            "--np, --requests, --prompt-tokens, --short-tokens, --long-tokens, --long-every and --rounds "
+            "must be >= 1, --long-prompt-tokens too if given, --shared-prefix >= 0 and --rate > 0"
+        )
     variants = {}
     for spec in args.variant or ["default="]:
         name, sep, serve_args = spec.partition("=")
@@ -94,8 +118,9 @@ def write_checkpoint(folder: Path, preset: str, max_len: int) -> Path:
     cfg = load_config(preset, vocab_size=tokenizer.vocab_size, max_seq_len=max_len)
     grid = ProcessGrid(tp=1, world=self_comm())
     model = GPTModel(cfg, grid.tp, seed=0)
-    return save_checkpoint(folder, 1, model.state(), {"step": 1, "config": cfg.to_dict()}, grid,
-                           files=saved_files(tokenizer))
+    return save_checkpoint(
+        folder, 1, model.state(), {"step": 1, "config": cfg.to_dict()}, grid, files=saved_files(tokenizer)
+    )
 
 
 def workload(args) -> list[dict]:
@@ -108,8 +133,12 @@ def workload(args) -> list[dict]:
         long = i % args.long_every == 0
         own = (args.long_prompt_tokens or args.prompt_tokens) if long else args.prompt_tokens
         prompt = shared + "".join(chr(c) for c in rng.integers(ord("a"), ord("z") + 1, own))
-        body = {"prompt": prompt, "max_tokens": args.long_tokens if long else args.short_tokens,
-                "temperature": 0, "stream": True}
+        body = {
+            "prompt": prompt,
+            "max_tokens": args.long_tokens if long else args.short_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
         requests.append({"offset": float(max(offset, 0.0)), "body": json.dumps(body).encode(), "long": long})
     return requests
 
@@ -118,8 +147,22 @@ class Server:
     """``hpc-tp serve`` under mpiexec on loopback, port from its start-up line; stopped with SIGTERM."""
 
     def __init__(self, mpiexec: str, ranks: int, ckpt: Path, dtype: str, extra: list[str]):
-        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "hpc_tp.cli", "serve", "--ckpt", str(ckpt),
-               "--port", "0", "--dtype", dtype, *extra]
+        cmd = [
+            mpiexec,
+            "-n",
+            str(ranks),
+            sys.executable,
+            "-m",
+            "hpc_tp.cli",
+            "serve",
+            "--ckpt",
+            str(ckpt),
+            "--port",
+            "0",
+            "--dtype",
+            dtype,
+            *extra,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines = queue.Queue()
         threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
@@ -154,19 +197,25 @@ def one_request(port: int, request: dict, start: float) -> dict:
     """Send at the request's offset and read its stream to the end; the usage comes in the last chunk."""
     time.sleep(max(0.0, start + request["offset"] - time.perf_counter()))
     sent = time.perf_counter()
-    http = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=request["body"],
-                                  headers={"Content-Type": "application/json"})
+    http = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=request["body"], headers={"Content-Type": "application/json"}
+    )
     usage = None
     with urllib.request.urlopen(http, timeout=600) as response:
         for raw in response:
             line = raw.decode().strip()
             if line.startswith("data: {"):
-                usage = json.loads(line[len("data: "):]).get("usage") or usage
+                usage = json.loads(line[len("data: ") :]).get("usage") or usage
     if usage is None:
         raise SystemExit(f"no usage in the answer to {request['body'][:80]!r}")
-    return {"long": request["long"], "ttft_s": usage["time_to_first_token_s"], "latency_s": time.perf_counter() - sent,
-            "tokens": usage["completion_tokens"], "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-            "decode_tokens_per_s": usage["decode_tokens_per_s"]}
+    return {
+        "long": request["long"],
+        "ttft_s": usage["time_to_first_token_s"],
+        "latency_s": time.perf_counter() - sent,
+        "tokens": usage["completion_tokens"],
+        "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        "decode_tokens_per_s": usage["decode_tokens_per_s"],
+    }
 
 
 def run_round(server: Server, requests: list[dict]) -> dict:
@@ -181,10 +230,13 @@ def run_round(server: Server, requests: list[dict]) -> dict:
         return float(numpy.median(values)), float(numpy.percentile(values, 90))
 
     decoding = [r["decode_tokens_per_s"] for r in short if r["tokens"] > 1]
-    figures = {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
-               "cached_tokens": sum(r["cached"] for r in results),
-               # the slowest short decodes: a long prefill run whole stalls the rows decoding beside it
-               "short_decode_tokens_per_s_p10": float(numpy.percentile(decoding, 10)) if decoding else 0.0}
+    figures = {
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "wall_s": wall,
+        "cached_tokens": sum(r["cached"] for r in results),
+        # the slowest short decodes: a long prefill run whole stalls the rows decoding beside it
+        "short_decode_tokens_per_s_p10": float(numpy.percentile(decoding, 10)) if decoding else 0.0,
+    }
     for label, rows in (("", results), ("short_", short)):
         figures[f"{label}ttft_p50_s"], figures[f"{label}ttft_p90_s"] = quantiles([r["ttft_s"] for r in rows])
         figures[f"{label}latency_p50_s"], figures[f"{label}latency_p90_s"] = quantiles([r["latency_s"] for r in rows])
@@ -193,11 +245,13 @@ def run_round(server: Server, requests: list[dict]) -> dict:
 
 def describe(name: str, f: dict) -> str:
     ms = {k: v * 1e3 for k, v in f.items() if k.endswith("_s")}
-    return (f"{name:>12}: TTFT p50/p90 {ms['ttft_p50_s']:7.1f} / {ms['ttft_p90_s']:7.1f} ms, latency "
-            f"{ms['latency_p50_s']:7.1f} / {ms['latency_p90_s']:7.1f} ms; short requests TTFT "
-            f"{ms['short_ttft_p50_s']:7.1f} / {ms['short_ttft_p90_s']:7.1f} ms, latency "
-            f"{ms['short_latency_p50_s']:7.1f} / {ms['short_latency_p90_s']:7.1f} ms; {f['tokens_per_s']:.1f} tokens/s; "
-            f"{f['cached_tokens']:.0f} prompt tokens cached; short decode p10 {f['short_decode_tokens_per_s_p10']:.1f} tokens/s")
+    return (
+        f"{name:>12}: TTFT p50/p90 {ms['ttft_p50_s']:7.1f} / {ms['ttft_p90_s']:7.1f} ms, latency "
+        f"{ms['latency_p50_s']:7.1f} / {ms['latency_p90_s']:7.1f} ms; short requests TTFT "
+        f"{ms['short_ttft_p50_s']:7.1f} / {ms['short_ttft_p90_s']:7.1f} ms, latency "
+        f"{ms['short_latency_p50_s']:7.1f} / {ms['short_latency_p90_s']:7.1f} ms; {f['tokens_per_s']:.1f} tokens/s; "
+        f"{f['cached_tokens']:.0f} prompt tokens cached; short decode p10 {f['short_decode_tokens_per_s_p10']:.1f} tokens/s"
+    )
 
 
 def main(argv=None) -> int:
@@ -223,15 +277,29 @@ def main(argv=None) -> int:
                 print(f"round {i} " + describe(name, figures), flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    summary = {name: {key: statistics.median(r[key] for r in rounds if r["variant"] == name)
-                      for key in rounds[0] if key not in ("variant", "round")} for name in args.variants}
-    print(f"\nmedians over {args.rounds} round(s), {args.requests} requests at {args.rate}/s, tp={args.np}, "
-          f"{args.model} (random weights), machine may be shared:")
+    summary = {
+        name: {
+            key: statistics.median(r[key] for r in rounds if r["variant"] == name)
+            for key in rounds[0]
+            if key not in ("variant", "round")
+        }
+        for name in args.variants
+    }
+    print(
+        f"\nmedians over {args.rounds} round(s), {args.requests} requests at {args.rate}/s, tp={args.np}, "
+        f"{args.model} (random weights), machine may be shared:"
+    )
     for name, figures in summary.items():
         print(describe(name, figures))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "rounds": rounds,
-                                               "summary": summary}, indent=1, default=str) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": {k: v for k, v in vars(args).items()}, "rounds": rounds, "summary": summary},
+                indent=1,
+                default=str,
+            )
+            + "\n"
+        )
     return 0
 
 

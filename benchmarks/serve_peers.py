@@ -24,6 +24,7 @@ hpc-tp servers run (tp = 1 on one rank; tp = 1 x 2 replicas). Peers, each in its
 Rounds alternate the servers' order; each server first answers one request untimed. No time is
 asserted anywhere: the machine is shared, and only servers of one run compare.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,16 +44,22 @@ import numpy
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-DEFAULT_SERVERS = [f"hpc-tp=mpiexec -n 1 {BIN / 'hpc-tp'} serve --ckpt {{ckpt}} --port {{port}} --max-batch 8",
-                   f"hpc-tp-2-replicas=mpiexec -n 2 {BIN / 'hpc-tp'} serve --ckpt {{ckpt}} --port {{port}} --tp 1 "
-                   "--max-batch 8"]
+DEFAULT_SERVERS = [
+    f"hpc-tp=mpiexec -n 1 {BIN / 'hpc-tp'} serve --ckpt {{ckpt}} --port {{port}} --max-batch 8",
+    f"hpc-tp-2-replicas=mpiexec -n 2 {BIN / 'hpc-tp'} serve --ckpt {{ckpt}} --port {{port}} --tp 1 --max-batch 8",
+]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a GGUF file")
-    p.add_argument("--server", action="append", default=None, metavar="NAME=COMMAND",
-                   help="a server to measure (repeatable; default: two hpc-tp layouts)")
+    p.add_argument(
+        "--server",
+        action="append",
+        default=None,
+        metavar="NAME=COMMAND",
+        help="a server to measure (repeatable; default: two hpc-tp layouts)",
+    )
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--port", type=int, default=8431, help="the port every server is started on, one at a time")
     p.add_argument("--json", metavar="FILE", help="every round's figures as JSON")
@@ -72,25 +79,37 @@ def prepare(model: Path, folder: Path) -> dict:
 def prompts(seed: int, count: int, low: int, high: int) -> list[str]:
     """Prompts of ``low`` to ``high`` words: plain English words, so every tokenizer makes about one token
     of each."""
-    words = ("the model reads a long text about cities rivers mountains and people who live there "
-             "while the server answers many requests at once and each one waits its turn").split()
+    words = (
+        "the model reads a long text about cities rivers mountains and people who live there "
+        "while the server answers many requests at once and each one waits its turn"
+    ).split()
     rng = numpy.random.default_rng(seed)
     return [" ".join(rng.choice(words, int(rng.integers(low, high + 1)))) for _ in range(count)]
 
 
 def complete(port: int, model: str, prompt: str, tokens: int) -> dict:
     """One streamed greedy completion: time to first token, end, and the tokens made (usage, or chunks)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     start, first, chunks, usage = time.perf_counter(), None, 0, None
     with urllib.request.urlopen(request, timeout=600) as response:
         for line in response:
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if event.get("usage"):
                 usage = event["usage"]
             if any(c.get("text") for c in event.get("choices", [])):
@@ -98,14 +117,20 @@ def complete(port: int, model: str, prompt: str, tokens: int) -> dict:
                 chunks += 1
     end = time.perf_counter()
     made = usage["completion_tokens"] if usage else chunks
-    return {"ttft_s": (first or end) - start, "latency_s": end - start, "tokens": made,
-            "decode_tokens_per_s": (made - 1) / max(end - (first or end), 1e-9)}
+    return {
+        "ttft_s": (first or end) - start,
+        "latency_s": end - start,
+        "tokens": made,
+        "decode_tokens_per_s": (made - 1) / max(end - (first or end), 1e-9),
+    }
 
 
 def workload_a(port, model) -> dict:
     runs = [complete(port, model, p, 128) for p in prompts(1, 3, 95, 105)]
-    return {"A_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
-            "A_ttft_s": statistics.median(r["ttft_s"] for r in runs)}
+    return {
+        "A_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
+        "A_ttft_s": statistics.median(r["ttft_s"] for r in runs),
+    }
 
 
 def workload_b(port, model) -> dict:
@@ -113,15 +138,18 @@ def workload_b(port, model) -> dict:
     with ThreadPoolExecutor(max_workers=8) as pool:
         runs = list(pool.map(lambda p: complete(port, model, p, 64), prompts(2, 32, 50, 200)))
     wall = time.perf_counter() - started
-    return {"B_tokens_per_s": sum(r["tokens"] for r in runs) / wall,
-            "B_ttft_p50_s": statistics.median(r["ttft_s"] for r in runs),
-            "B_latency_p50_s": statistics.median(r["latency_s"] for r in runs)}
+    return {
+        "B_tokens_per_s": sum(r["tokens"] for r in runs) / wall,
+        "B_ttft_p50_s": statistics.median(r["ttft_s"] for r in runs),
+        "B_latency_p50_s": statistics.median(r["latency_s"] for r in runs),
+    }
 
 
 def serve(command: str, port: int):
     """Start the server, wait until it lists its model, return (process, model name)."""
-    proc = subprocess.Popen(shlex.split(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, cwd=REPO)
+    proc = subprocess.Popen(
+        shlex.split(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO
+    )
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -150,7 +178,7 @@ def main(argv=None):
     names = prepare(Path(args.model), folder)
     results = {name: [] for name in servers}
     for r in range(args.rounds):
-        for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+        for name in list(servers) if r % 2 == 0 else list(servers)[::-1]:
             proc, model = serve(servers[name].format(port=args.port, **names), args.port)
             try:
                 complete(args.port, model, "warm up", 4)
@@ -161,8 +189,10 @@ def main(argv=None):
             print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()), flush=True)
     print(f"\n{args.rounds} alternating rounds, {os.cpu_count()} cores; ranges over rounds:")
     for name, rounds in results.items():
-        print(f"  {name:20s} " + "; ".join(f"{k} {min(x[k] for x in rounds):.3g}-{max(x[k] for x in rounds):.3g}"
-                                           for k in rounds[0]))
+        print(
+            f"  {name:20s} "
+            + "; ".join(f"{k} {min(x[k] for x in rounds):.3g}-{max(x[k] for x in rounds):.3g}" for k in rounds[0])
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -23,6 +23,7 @@ Both sides run with glibc's heap on transparent huge pages (GLIBC_TUNABLES=glibc
 the Makefile and jobs/ set for the engine), the same environment for both; --no-huge-pages leaves the
 tunable out for both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,11 +49,17 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per rank count (default %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per round, each engine (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="BLAS / torch threads per rank (default %(default)s)")
-    p.add_argument("--peer", default=os.environ.get("HPC_TP_TORCH_PEER", str(DEFAULT_PEER)),
-                   help="the PyTorch peer script (default: $HPC_TP_TORCH_PEER or ../shared/peers/torch_tp_step.py)")
+    p.add_argument(
+        "--peer",
+        default=os.environ.get("HPC_TP_TORCH_PEER", str(DEFAULT_PEER)),
+        help="the PyTorch peer script (default: $HPC_TP_TORCH_PEER or ../shared/peers/torch_tp_step.py)",
+    )
     p.add_argument("--mpiexec", default=None, help="MPI launcher (default: the one next to this Python, else on PATH)")
-    p.add_argument("--no-huge-pages", action="store_true",
-                   help="run both without GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (default: both with it)")
+    p.add_argument(
+        "--no-huge-pages",
+        action="store_true",
+        help="run both without GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (default: both with it)",
+    )
     p.add_argument("--json", metavar="FILE", help="write every round and the summary as JSON")
     args = p.parse_args(argv)
     args.np = [int(n) for n in args.np.split(",")]
@@ -70,8 +77,11 @@ def launcher(name: str | None) -> str:
 
 def torch_missing() -> str | None:
     """Why the peer cannot run here, or None when it can."""
-    probe = subprocess.run([sys.executable, "-c", "import torch, torch.distributed; print(torch.__version__)"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch, torch.distributed; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode:
         return probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "import torch failed"
     return None
@@ -81,8 +91,9 @@ def run_env(args) -> dict:
     """The environment of both sides: ``args.threads`` per rank, and the heap on huge pages unless
     ``--no-huge-pages`` (either way the same for the engine and the peer)."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(args.threads), OPENBLAS_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads))
+    env.update(
+        OMP_NUM_THREADS=str(args.threads), OPENBLAS_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads)
+    )
     tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
     if not args.no_huge_pages:
         tunables.append("glibc.malloc.hugetlb=1")
@@ -93,8 +104,24 @@ def run_env(args) -> dict:
 def run_engine(mpiexec: str, ranks: int, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step.json"
-        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "hpc_tp.cli", "bench", "step", "--model", "w1",
-               "--threads", str(args.threads), "--repeats", str(args.repeats), "--json", str(out)]
+        cmd = [
+            mpiexec,
+            "-n",
+            str(ranks),
+            sys.executable,
+            "-m",
+            "hpc_tp.cli",
+            "bench",
+            "step",
+            "--model",
+            "w1",
+            "--threads",
+            str(args.threads),
+            "--repeats",
+            str(args.repeats),
+            "--json",
+            str(out),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, env=run_env(args), cwd=REPO)
         if done.returncode:
             raise SystemExit(f"engine failed ({' '.join(cmd)}):\n{done.stdout}{done.stderr}")
@@ -103,8 +130,19 @@ def run_engine(mpiexec: str, ranks: int, args) -> dict:
 
 def run_peer(ranks: int, args) -> float:
     """The peer's median step in seconds."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", args.peer,
-           *W1_PEER_ARGS, "--iters", str(args.repeats), "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        args.peer,
+        *W1_PEER_ARGS,
+        "--iters",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=run_env(args))
     found = PEER_LINE.search(done.stdout)
     if done.returncode or not found:
@@ -118,8 +156,10 @@ def main(argv=None) -> int:
     missing = None if Path(args.peer).is_file() else f"peer script not found at {args.peer} (use --peer)"
     missing = missing or torch_missing()
     if missing:
-        print(f"PyTorch peer NOT run: {missing}. Install the optional extra (pip install torch==2.13.0) "
-              "for the comparison; reporting this engine only.")
+        print(
+            f"PyTorch peer NOT run: {missing}. Install the optional extra (pip install torch==2.13.0) "
+            "for the comparison; reporting this engine only."
+        )
     rounds, summary = [], {}
     for ranks in args.np:
         for i in range(args.rounds):
@@ -129,42 +169,76 @@ def main(argv=None) -> int:
             for who in order:
                 if who == "engine":
                     record = run_engine(mpiexec, ranks, args)
-                    row.update(engine_step_s=record["step_s"], engine_mfu=record["mfu"],
-                               engine_comm_s=record["comm_s"], gemm_peak_per_rank=record["gemm_peak_flops_per_rank"],
-                               floor_s=record["floor_s"])
+                    row.update(
+                        engine_step_s=record["step_s"],
+                        engine_mfu=record["mfu"],
+                        engine_comm_s=record["comm_s"],
+                        gemm_peak_per_rank=record["gemm_peak_flops_per_rank"],
+                        floor_s=record["floor_s"],
+                    )
                 elif not missing:
                     row["peer_step_s"] = run_peer(ranks, args)
             if "peer_step_s" in row:
                 row["peer_over_engine"] = row["peer_step_s"] / row["engine_step_s"]
                 row["peer_over_floor"] = row["peer_step_s"] / row["floor_s"]
             rounds.append(row)
-            print(f"tp={ranks} round {i}: engine {row['engine_step_s'] * 1e3:.1f} ms (MFU {row['engine_mfu'] * 100:.1f}%, "
-                  f"floor {row['floor_s'] * 1e3:.1f} ms)"
-                  + (f", peer {row['peer_step_s'] * 1e3:.1f} ms, peer/engine {row['peer_over_engine']:.2f}x "
-                     f"(ceiling {row['peer_over_floor']:.2f}x)" if "peer_step_s" in row else ""), flush=True)
+            print(
+                f"tp={ranks} round {i}: engine {row['engine_step_s'] * 1e3:.1f} ms (MFU {row['engine_mfu'] * 100:.1f}%, "
+                f"floor {row['floor_s'] * 1e3:.1f} ms)"
+                + (
+                    f", peer {row['peer_step_s'] * 1e3:.1f} ms, peer/engine {row['peer_over_engine']:.2f}x "
+                    f"(ceiling {row['peer_over_floor']:.2f}x)"
+                    if "peer_step_s" in row
+                    else ""
+                ),
+                flush=True,
+            )
         mine = [r for r in rounds if r["ranks"] == ranks]
-        summary[ranks] = {key: statistics.median(r[key] for r in mine)
-                          for key in ("engine_step_s", "engine_mfu", "engine_comm_s", "gemm_peak_per_rank", "floor_s",
-                                      "peer_step_s", "peer_over_engine", "peer_over_floor") if key in mine[0]}
-    print(f"\nW1 summary (median of {args.rounds} rounds, {args.threads} thread(s) per rank, "
-          f"{'without' if args.no_huge_pages else 'with'} huge pages for both; machine may be shared):")
+        summary[ranks] = {
+            key: statistics.median(r[key] for r in mine)
+            for key in (
+                "engine_step_s",
+                "engine_mfu",
+                "engine_comm_s",
+                "gemm_peak_per_rank",
+                "floor_s",
+                "peer_step_s",
+                "peer_over_engine",
+                "peer_over_floor",
+            )
+            if key in mine[0]
+        }
+    print(
+        f"\nW1 summary (median of {args.rounds} rounds, {args.threads} thread(s) per rank, "
+        f"{'without' if args.no_huge_pages else 'with'} huge pages for both; machine may be shared):"
+    )
     for ranks, s in summary.items():
-        line = (f"  tp={ranks}: engine {s['engine_step_s'] * 1e3:.1f} ms, MFU {s['engine_mfu'] * 100:.1f}% "
-                f"(GEMM peak {s['gemm_peak_per_rank'] / 1e9:.1f} GFLOP/s per rank)")
+        line = (
+            f"  tp={ranks}: engine {s['engine_step_s'] * 1e3:.1f} ms, MFU {s['engine_mfu'] * 100:.1f}% "
+            f"(GEMM peak {s['gemm_peak_per_rank'] / 1e9:.1f} GFLOP/s per rank)"
+        )
         if "peer_step_s" in s:
-            line += (f"; PyTorch peer {s['peer_step_s'] * 1e3:.1f} ms; peer/engine {s['peer_over_engine']:.2f}x "
-                     f"(ceiling peer/floor {s['peer_over_floor']:.2f}x, floor {s['floor_s'] * 1e3:.1f} ms)")
+            line += (
+                f"; PyTorch peer {s['peer_step_s'] * 1e3:.1f} ms; peer/engine {s['peer_over_engine']:.2f}x "
+                f"(ceiling peer/floor {s['peer_over_floor']:.2f}x, floor {s['floor_s'] * 1e3:.1f} ms)"
+            )
         print(line)
     base = min(summary)
     for ranks in sorted(summary):
         if ranks != base:
-            print(f"  strong scaling tp={base} -> tp={ranks}: engine "
-                  f"{summary[base]['engine_step_s'] / summary[ranks]['engine_step_s']:.2f}x"
-                  + (f", peer {summary[base]['peer_step_s'] / summary[ranks]['peer_step_s']:.2f}x"
-                     if "peer_step_s" in summary[ranks] else ""))
+            print(
+                f"  strong scaling tp={base} -> tp={ranks}: engine "
+                f"{summary[base]['engine_step_s'] / summary[ranks]['engine_step_s']:.2f}x"
+                + (
+                    f", peer {summary[base]['peer_step_s'] / summary[ranks]['peer_step_s']:.2f}x"
+                    if "peer_step_s" in summary[ranks]
+                    else ""
+                )
+            )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": rounds, "summary": summary, "peer_missing": missing},
-                                              indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"rounds": rounds, "summary": summary, "peer_missing": missing}, indent=1) + "\n"
+        )
     return 0
 
 

@@ -11,6 +11,7 @@ resident memory before and the peak during (Linux's high-water mark, reset throu
 counted (``Communicator.bytes``: the buffers they filled or sent). The checkpoint goes to a
 temporary folder, removed after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,12 @@ def peak_during(work, dp) -> dict[str, float]:
         f.write("5")  # the high-water mark starts again from the resident memory now
     before, counted, start = memory()["VmRSS"], dp.bytes, time.perf_counter()
     work()
-    return {"before": round(before, 1), "peak": round(memory()["VmHWM"], 1),
-            "seconds": round(time.perf_counter() - start, 3), "dp_MiB": round((dp.bytes - counted) / 2**20, 1)}
+    return {
+        "before": round(before, 1),
+        "peak": round(memory()["VmHWM"], 1),
+        "seconds": round(time.perf_counter() - start, 3),
+        "dp_MiB": round((dp.bytes - counted) / 2**20, 1),
+    }
 
 
 def main():
@@ -51,16 +56,30 @@ def main():
     args = parser.parse_args()
     comm = world()
     folder = comm.bcast_object(tempfile.mkdtemp(prefix="zero-ckpt-") if comm.rank == 0 else None)
-    settings = TrainSettings(model="w1", model_overrides=MODEL, dtype=args.dtype, dp=comm.size, global_batch=8,
-                             steps=4, warmup=1, save=f"{folder}/ckpt", distributed_optimizer=not args.plain,
-                             progress=False)
+    settings = TrainSettings(
+        model="w1",
+        model_overrides=MODEL,
+        dtype=args.dtype,
+        dp=comm.size,
+        global_batch=8,
+        steps=4,
+        warmup=1,
+        save=f"{folder}/ckpt",
+        distributed_optimizer=not args.plain,
+        progress=False,
+    )
     try:
         trainer = Trainer(settings, comm)
         for _ in range(2):
             trainer.train_step()
-        report = {"rank": comm.rank, "optimizer": type(trainer.optimizer).__name__, "dtype": args.dtype,
-                  "parameters_M": round(trainer.cfg.parameter_count() / 1e6, 2),
-                  "steps_peak": round(memory()["VmHWM"], 1), "save": peak_during(trainer.save, trainer.grid.dp)}
+        report = {
+            "rank": comm.rank,
+            "optimizer": type(trainer.optimizer).__name__,
+            "dtype": args.dtype,
+            "parameters_M": round(trainer.cfg.parameter_count() / 1e6, 2),
+            "steps_peak": round(memory()["VmHWM"], 1),
+            "save": peak_during(trainer.save, trainer.grid.dp),
+        }
         del trainer
         resumer = Trainer(replace(settings, resume=True), comm)
         report["resume"] = peak_during(resumer.resume, resumer.grid.dp)

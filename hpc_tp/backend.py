@@ -3,6 +3,7 @@
 Layers ask ``xp_of(array)`` for the module that owns their inputs, so the same code runs on
 both; parameters are allocated with ``backend.xp`` chosen once at start-up by ``use``.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -71,9 +72,11 @@ def device_index(local_rank: int, n_devices: int) -> int:
     means ranks share a device, which NCCL refuses within one communicator.
     """
     if n_devices < 1:
-        raise ConfigError(f"no GPU visible to local rank {local_rank} (CUDA_VISIBLE_DEVICES="
-                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): request GPUs for the job "
-                          "(#SBATCH --gpus-per-node=N) or run with the cpu device")
+        raise ConfigError(
+            f"no GPU visible to local rank {local_rank} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): request GPUs for the job "
+            "(#SBATCH --gpus-per-node=N) or run with the cpu device"
+        )
     if local_rank < 0:
         raise ConfigError(f"local rank {local_rank}: expected a rank >= 0")
     return local_rank % n_devices
@@ -113,8 +116,11 @@ def retain_freed_memory() -> bool:
     if libc is None:
         return False
     m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4  # malloc.h
-    applied = [libc.mallopt(m_mmap_threshold, 32 << 20), libc.mallopt(m_trim_threshold, 1 << 30),
-               libc.mallopt(m_mmap_max, 0)]
+    applied = [
+        libc.mallopt(m_mmap_threshold, 32 << 20),
+        libc.mallopt(m_trim_threshold, 1 << 30),
+        libc.mallopt(m_mmap_max, 0),
+    ]
     return all(applied)
 
 
@@ -180,8 +186,10 @@ def resolve_dtype(name: str):
         try:
             import ml_dtypes
         except ImportError:
-            raise ConfigError("--dtype bfloat16 needs the ml_dtypes package (numpy has no bfloat16): "
-                              "pip install ml_dtypes, or use --dtype float16") from None
+            raise ConfigError(
+                "--dtype bfloat16 needs the ml_dtypes package (numpy has no bfloat16): "
+                "pip install ml_dtypes, or use --dtype float16"
+            ) from None
         return numpy.dtype(ml_dtypes.bfloat16)
     try:
         return numpy.dtype(name)

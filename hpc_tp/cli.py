@@ -1,5 +1,6 @@
 """The ``hpc-tp`` command. Each subcommand lives in its own module with ``add_arguments(parser)``
 and ``run(args) -> int``; they are imported only when chosen, so ``hpc-tp --help`` is instant."""
+
 from __future__ import annotations
 
 import argparse

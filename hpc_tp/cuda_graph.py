@@ -21,6 +21,7 @@ A replay returns the captured call's outputs, the same arrays every time, overwr
 A capture that fails warns and leaves ``work`` running eagerly. ``HPC_TP_CUDA_GRAPHS=0`` turns
 graphs off where callers ask ``enabled()``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,8 +73,10 @@ class Replayed:
                 with contextlib.suppress(Exception):
                     stream.end_capture()
                 self.failed, self._outputs = True, None
-                warnings.warn(f"{self.what} runs without a CUDA graph: its capture failed "
-                              f"({type(error).__name__}: {error})")
+                warnings.warn(
+                    f"{self.what} runs without a CUDA graph: its capture failed ({type(error).__name__}: {error})",
+                    stacklevel=2,
+                )
         return outputs
 
     def close(self):

@@ -13,6 +13,7 @@ rank. Non-expert gradients are still summed over the whole ``dp`` group; an expe
 over ``expert_dp`` (same e, pp and tp: the dp/ep ranks that hold that same expert). Experts are
 tensor-parallel inside over the tp group, so ep never crosses tp.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -26,8 +27,13 @@ from .errors import ConfigError
 
 def factorizations(world: int) -> list[tuple[int, int, int]]:
     """Every (tp, pp, dp) with tp*pp*dp == world."""
-    return [(t, p, world // (t * p)) for t in range(1, world + 1) if world % t == 0
-            for p in range(1, world // t + 1) if (world // t) % p == 0]
+    return [
+        (t, p, world // (t * p))
+        for t in range(1, world + 1)
+        if world % t == 0
+        for p in range(1, world // t + 1)
+        if (world // t) % p == 0
+    ]
 
 
 def _layouts_that_fit(world: int) -> str:
@@ -45,8 +51,10 @@ def nodes_spanned(comm: Communicator) -> int:
 
 
 def tp_across_nodes_warning(tp: int, nodes: int) -> str:
-    return (f"a tensor-parallel group of {tp} ranks spans {nodes} nodes: its all-reduces will cross the slow "
-            "network; use tp <= ranks per node")
+    return (
+        f"a tensor-parallel group of {tp} ranks spans {nodes} nodes: its all-reduces will cross the slow "
+        "network; use tp <= ranks per node"
+    )
 
 
 def warn_if_tp_spans_nodes(tp_group: Communicator) -> bool:
@@ -54,7 +62,7 @@ def warn_if_tp_spans_nodes(tp_group: Communicator) -> bool:
     warn, on its rank 0, when it spans nodes. Collective over ``tp_group``."""
     nodes = nodes_spanned(tp_group)
     if nodes > 1 and tp_group.rank == 0:
-        warnings.warn(tp_across_nodes_warning(tp_group.size, nodes))
+        warnings.warn(tp_across_nodes_warning(tp_group.size, nodes), stacklevel=2)
     return nodes > 1
 
 
@@ -67,8 +75,7 @@ class Coordinates:
 
 
 class ProcessGrid:
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, world: Communicator | None = None,
-                 ep: int = 1):
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, world: Communicator | None = None, ep: int = 1):
         if world is None:
             from .comm.mpi import world as mpi_world  # starts MPI: the planner builds grids without it
 
@@ -78,12 +85,15 @@ class ProcessGrid:
                 raise ConfigError(f"--{name} {value!r} must be a positive integer")
         if dp is None:
             if world.size % (tp * pp):
-                raise ConfigError(f"world size {world.size} is not divisible by tp*pp = {tp}*{pp}; "
-                                  f"{_layouts_that_fit(world.size)}")
+                raise ConfigError(
+                    f"world size {world.size} is not divisible by tp*pp = {tp}*{pp}; {_layouts_that_fit(world.size)}"
+                )
             dp = world.size // (tp * pp)
         if tp * pp * dp != world.size:
-            raise ConfigError(f"world size {world.size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
-                              f"{_layouts_that_fit(world.size)}")
+            raise ConfigError(
+                f"world size {world.size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
+                f"{_layouts_that_fit(world.size)}"
+            )
         self.world, self.tp_size, self.pp_size, self.dp_size = world, tp, pp, dp
         self.ranks = numpy.arange(world.size).reshape(dp, pp, tp)
         d, p, t = (int(i[0]) for i in numpy.nonzero(self.ranks == world.rank))
@@ -93,8 +103,9 @@ class ProcessGrid:
         self.pp = world.split(color=d * tp + t, key=p)
         self.dp = world.split(color=p * tp + t, key=d)
         if dp % ep:
-            raise ConfigError(f"--ep {ep} must divide the data-parallel size {dp} "
-                              "(expert parallelism is carved out of dp)")
+            raise ConfigError(
+                f"--ep {ep} must divide the data-parallel size {dp} (expert parallelism is carved out of dp)"
+            )
         self.ep_size = ep
         outer, self.coords.ep = divmod(d, ep)
         self.ep = world.split(color=(outer * pp + p) * tp + t, key=self.coords.ep)
@@ -106,7 +117,7 @@ class ProcessGrid:
         widest = max(self.world.allgather_object(nodes_spanned(self.tp)))  # every tp group, not only rank 0's
         self.tp_spans_nodes = widest > 1
         if self.tp_spans_nodes and self.world.rank == 0:
-            warnings.warn(tp_across_nodes_warning(self.tp_size, widest))
+            warnings.warn(tp_across_nodes_warning(self.tp_size, widest), stacklevel=2)
 
     @property
     def local_rank(self) -> int:
@@ -121,5 +132,7 @@ class ProcessGrid:
         return self.coords.pp == self.pp_size - 1
 
     def __repr__(self):
-        return (f"ProcessGrid(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, ep={self.ep_size}, "
-                f"rank={self.world.rank}, coords={self.coords})")
+        return (
+            f"ProcessGrid(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, ep={self.ep_size}, "
+            f"rank={self.world.rank}, coords={self.coords})"
+        )

@@ -1,5 +1,6 @@
 """JSON-lines files (one object per line: metrics logs, prompt and input batches), read with
 errors that name the file and the line."""
+
 from __future__ import annotations
 
 import json

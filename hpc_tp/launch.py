@@ -16,6 +16,7 @@ Which hints can be trusted, as measured under SLURM 22.05 and Open MPI 5 (tests/
   ``srun`` (one task per node), so the ranks also carry that daemon step's ``SLURM_*`` variables:
   when an MPI launcher's variable is present, it is the one that counts ranks.
 """
+
 from __future__ import annotations
 
 import os
@@ -125,7 +126,8 @@ def check_launch(env=None):
             raise ConfigError(
                 f"{var}={hinted} but MPI formed {world}: the launcher and the MPI library disagree, so each "
                 "process started alone (srun without --mpi=pmix, e.g. MpiDefault=none: use `srun --mpi=pmix` or "
-                "the mpirun of the MPI mpi4py was built against; `python -m mpi4py --mpi-lib-version` names it)")
+                "the mpirun of the MPI mpi4py was built against; `python -m mpi4py --mpi-lib-version` names it)"
+            )
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class LaunchInfo:
     ``nodes`` lists each node name once, in the order of the lowest rank on it; ``node_index`` is this
     process's node in that list. ``launcher`` is a hint from the environment (see ``detect_launcher``).
     """
+
     rank: int
     local_rank: int
     world_size: int
@@ -148,7 +151,7 @@ class LaunchInfo:
         return len(self.nodes)
 
     @classmethod
-    def from_mpi(cls, comm=None, env=None) -> "LaunchInfo":
+    def from_mpi(cls, comm=None, env=None) -> LaunchInfo:
         """Collective over ``comm`` (default COMM_WORLD): every rank must call it."""
         comm = MPI.COMM_WORLD if comm is None else comm
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
@@ -159,12 +162,21 @@ class LaunchInfo:
         name = MPI.Get_processor_name()
         names = comm.allgather(name)
         nodes = list(dict.fromkeys(names))
-        return cls(rank=comm.Get_rank(), local_rank=local_rank, world_size=comm.Get_size(), local_size=local_size,
-                   nodes=nodes, launcher=detect_launcher(env), node_index=nodes.index(name))
+        return cls(
+            rank=comm.Get_rank(),
+            local_rank=local_rank,
+            world_size=comm.Get_size(),
+            local_size=local_size,
+            nodes=nodes,
+            launcher=detect_launcher(env),
+            node_index=nodes.index(name),
+        )
 
     def summary(self) -> str:
-        return (f"{self.world_size} ranks on {self.num_nodes} node(s) ({', '.join(self.nodes[:4])}"
-                f"{', ...' if self.num_nodes > 4 else ''}), {self.local_size} on this node, launcher {self.launcher}")
+        return (
+            f"{self.world_size} ranks on {self.num_nodes} node(s) ({', '.join(self.nodes[:4])}"
+            f"{', ...' if self.num_nodes > 4 else ''}), {self.local_size} on this node, launcher {self.launcher}"
+        )
 
 
 def install_abort_on_exception():
@@ -184,8 +196,9 @@ def install_abort_on_exception():
     def hook(kind, value, tb):
         previous(kind, value, tb)
         where = where_this_rank_is()
-        last_words(f"rank {world_rank()} raised {kind.__name__}: {value}{' ' + where if where else ''}; "
-                   "aborting the job")
+        last_words(
+            f"rank {world_rank()} raised {kind.__name__}: {value}{' ' + where if where else ''}; aborting the job"
+        )
         abort_job(1)
 
     sys.excepthook = hook

@@ -9,11 +9,12 @@ divides a shard's contribution by its replica count, all from this one descripti
 Modules have explicit backward: ``y, ctx = m.forward(x)`` and ``dx = m.backward(dy, ctx)``.
 The ctx (not the module) holds saved activations, so several micro-batches can be in flight.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy
 
@@ -161,7 +162,7 @@ class GradArena:
 
     def zeros(self, shape, dtype, xp):
         index, start = self._take(shape, numpy.dtype(dtype), None, xp)
-        view = self.chunks[index][start:start + math.prod(shape)].reshape(shape)
+        view = self.chunks[index][start : start + math.prod(shape)].reshape(shape)
         view[...] = 0
         return view
 
@@ -171,9 +172,9 @@ class GradArena:
         if self.param_chunks[index] is None:
             self.param_chunks[index] = xp.empty(self.chunks[index].size, dtype=dtype)
         size = math.prod(shape)
-        data = self.param_chunks[index][start:start + size].reshape(shape)
+        data = self.param_chunks[index][start : start + size].reshape(shape)
         data[...] = fill
-        grad = self.chunks[index][start:start + size].reshape(shape)
+        grad = self.chunks[index][start : start + size].reshape(shape)
         grad[...] = 0
         self._paired[address(data)] = grad
         return data
@@ -222,8 +223,12 @@ def address(array) -> int:
 
 def same_view(a, b) -> bool:
     """``a`` and ``b`` are the same elements of the same memory."""
-    return (a.shape == b.shape and a.strides == b.strides and a.dtype.itemsize == b.dtype.itemsize
-            and (a.size == 0 or address(a) == address(b)))
+    return (
+        a.shape == b.shape
+        and a.strides == b.strides
+        and a.dtype.itemsize == b.dtype.itemsize
+        and (a.size == 0 or address(a) == address(b))
+    )
 
 
 def strided_like(buffer, view, base):
@@ -268,7 +273,9 @@ class Parameter:
         """Set this rank's slice from the logical (unpadded) tensor; padding stays zero."""
         full = backend.xp.asarray(full, dtype=self.data.dtype)
         if tuple(full.shape) != tuple(self.partition.full_shape):
-            raise ValueError(f"tensor shape {tuple(full.shape)} does not match logical shape {self.partition.full_shape}")
+            raise ValueError(
+                f"tensor shape {tuple(full.shape)} does not match logical shape {self.partition.full_shape}"
+            )
         self.data[...] = 0
         self.data[self.partition.valid_local()] = full[self.partition.local_slice()]
 

@@ -5,6 +5,7 @@ Every rank of a command under MPI runs the same check, so a bad path fails them 
 is created: a path that is missing is fine when its nearest existing ancestor is a folder that
 takes new files (the writer creates the rest).
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ A handler only records the signal; the trainer asks ``agreed(comm)`` once per st
 all-reduce, so every rank stops after the same step even when the signal reached only some
 of them, then checkpoints and exits.
 """
+
 from __future__ import annotations
 
 import signal

@@ -7,6 +7,7 @@ log-sum-exp ([b, heads, s]); backward makes the softmax again tile by tile from 
 statistics (as FlashAttention's backward does), so no layer's whole softmax is rebuilt, and
 redraws the dropout masks (``nn.attention``).
 """
+
 from __future__ import annotations
 
 from .errors import ConfigError

@@ -13,6 +13,7 @@ id that ends a generation: the model's own list (``generation_config.json``'s ``
 eos/eot/eom ids, kept in the saved config as ``eos_token_ids``), the named ``eos_token`` and ``eos_id``.
 A chat template's end-of-turn token joins them when a server or ``generate`` renders chats with it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -89,7 +90,7 @@ class HFTokenizer:
         self.identity = "hf-" + hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 
     @classmethod
-    def from_file(cls, path, chat: dict | None = None, eos_token_ids=()) -> "HFTokenizer":
+    def from_file(cls, path, chat: dict | None = None, eos_token_ids=()) -> HFTokenizer:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"tokenizer file {path} does not exist (expected a Hugging Face tokenizer.json)")

@@ -2,6 +2,7 @@
 numbers of one process. Every rank builds the model twice, once split over the whole world
 (tp = world size) and once alone, runs forward and backward on a batch of the embedded
 arithmetic task (float64), and compares loss, logits and every gradient."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--batch", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=12)
     parser.add_argument("--tolerance", type=float, default=1e-10)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="cpu (numpy, default) or cuda (cupy, one GPU per node-local rank)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu (numpy, default) or cuda (cupy, one GPU per node-local rank)",
+    )
 
 
 def run(args) -> int:
@@ -28,8 +33,8 @@ def run(args) -> int:
     from .comm.mpi import self_comm, world
     from .launch import check_launch
     from .models import GPTModel, load_config
-    from .train.data import build_dataset
     from .tokenizer import ByteTokenizer
+    from .train.data import build_dataset
 
     _check_arguments(args)
     check_launch()
@@ -53,9 +58,11 @@ def run(args) -> int:
     worst = max(errors, key=errors.get)
     ok = errors[worst] <= args.tolerance
     if tp.rank == 0:
-        print(f"tp={tp.size} vs one process, {cfg.n_layers} layers, hidden {cfg.hidden}, loss {loss_one:.6f}: "
-              f"{len(errors)} quantities compared, worst relative error {errors[worst]:.2e} ({worst}) -> "
-              f"{'OK' if ok else 'MISMATCH'} (tolerance {args.tolerance:g})")
+        print(
+            f"tp={tp.size} vs one process, {cfg.n_layers} layers, hidden {cfg.hidden}, loss {loss_one:.6f}: "
+            f"{len(errors)} quantities compared, worst relative error {errors[worst]:.2e} ({worst}) -> "
+            f"{'OK' if ok else 'MISMATCH'} (tolerance {args.tolerance:g})"
+        )
     return 0 if ok else 1
 
 
@@ -81,6 +88,9 @@ def gradient_errors(parallel, alone, comm) -> dict[str, float]:
     # The K bias gradient is zero in exact math (softmax ignores a per-query constant), so its
     # round-off is measured against the largest gradient rather than against itself.
     largest = max(float(np.abs(to_numpy(p.grad)).max(initial=0.0)) for p in ref.values())
-    return {f"grad {name}": _rel(gather_full(p.grad, p.partition, comm), ref[name].grad,
-                                 largest if name.endswith("k.bias") else 1e-300)
-            for name, p in parallel.named_parameters()}
+    return {
+        f"grad {name}": _rel(
+            gather_full(p.grad, p.partition, comm), ref[name].grad, largest if name.endswith("k.bias") else 1e-300
+        )
+        for name, p in parallel.named_parameters()
+    }

@@ -5,6 +5,7 @@
 - ``comm_world`` / ``comm_self`` fixtures give the communicators; ``allclose_all_ranks``
   checks a condition on every rank and agrees on the verdict.
 """
+
 import os
 import sys
 
@@ -27,7 +28,9 @@ def pytest_configure(config):
 
 def pytest_runtest_logreport(report):
     if report.failed and WORLD.Get_size() > 1:
-        sys.stderr.write(f"\n[rank {WORLD.Get_rank()}] FAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
+        sys.stderr.write(
+            f"\n[rank {WORLD.Get_rank()}] FAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n"
+        )
         sys.stderr.flush()
         WORLD.Abort(1)
 
@@ -35,12 +38,14 @@ def pytest_runtest_logreport(report):
 @pytest.fixture
 def comm_world():
     from hpc_tp.comm.mpi import world
+
     return world()
 
 
 @pytest.fixture
 def comm_self():
     from hpc_tp.comm.mpi import self_comm
+
     return self_comm()
 
 

@@ -12,6 +12,7 @@ The fault strikes rank RANK just before the trainer computes step STEP + 1:
   only a second for the others to agree on it
 - user-error: the same, waiting as long as the engine decides
 """
+
 import os
 import signal
 import sys

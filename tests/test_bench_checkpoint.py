@@ -1,4 +1,5 @@
 """`hpc-tp bench checkpoint`: the record's structure, and that the timed load really restores the tensors."""
+
 from pathlib import Path
 
 import numpy as np

@@ -1,16 +1,21 @@
 """``hpc-tp bench comm``: record fields, bus-bandwidth formulas, sizes and the JSON output. No speed asserted."""
+
 import json
 
 import pytest
 
 from hpc_tp.bench import command
-from hpc_tp.bench.command import size_range
 from hpc_tp.bench.comm import DEFAULT_OPS, OPS, benchmark_comm, element_count
+from hpc_tp.bench.command import size_range
 from hpc_tp.cli import build_parser, main
 from hpc_tp.errors import ConfigError
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}  # nccl-tests' PERFORMANCE.md
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "p2p": lambda n: 1.0,
+}  # nccl-tests' PERFORMANCE.md
 
 
 @pytest.mark.mpi(min_size=1)
@@ -19,7 +24,8 @@ def test_records_are_sane(comm_world):
     records = benchmark_comm(comm_world, [8, 1000, 4096], iters=3, warmup=1)
     expected_ops = [name for name in DEFAULT_OPS if n >= OPS[name].min_ranks]
     assert [(r["op"], r["bytes"]) for r in records] == [
-        (name, element_count(OPS[name], size, n) * 4) for name in expected_ops for size in (8, 1000, 4096)]
+        (name, element_count(OPS[name], size, n) * 4) for name in expected_ops for size in (8, 1000, 4096)
+    ]
     assert ("p2p" in expected_ops) == (n > 1)
     for r in records:
         assert r["ranks"] == n and r["iters"] == 3 and r["dtype"] == "float32" and r["link"] == "intra"
@@ -35,8 +41,25 @@ def test_records_are_sane(comm_world):
 @pytest.mark.mpi(min_size=1)
 def test_command_writes_json_on_rank_0(comm_world, tmp_path, capsys):
     path = comm_world.bcast_object(str(tmp_path / "out" / "comm.json"))
-    assert main(["bench", "comm", "--sizes", "8:128", "--iters", "2", "--warmup", "0",
-                 "--ops", "all_reduce,p2p", "--json", path]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "comm",
+                "--sizes",
+                "8:128",
+                "--iters",
+                "2",
+                "--warmup",
+                "0",
+                "--ops",
+                "all_reduce,p2p",
+                "--json",
+                path,
+            ]
+        )
+        == 0
+    )
     comm_world.barrier()
     printed = capsys.readouterr().out
     if comm_world.rank == 0:

@@ -1,4 +1,5 @@
 """``hpc-tp bench step``: the FLOP formula, the record's fields and their relations, the JSON file. No speed asserted."""
+
 import json
 
 import pytest
@@ -46,8 +47,31 @@ def test_huge_page_request_is_read_from_the_glibc_tunables():
 @pytest.mark.mpi(min_size=1)
 def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
     path = comm_world.bcast_object(str(tmp_path / "out" / "step.json"))
-    assert main(["bench", "step", "--model", "tiny", "--layers", "1", "--seq-len", "8", "--micro-batch", "2",
-                 "--repeats", "3", "--warmup", "1", "--threads", "1", "--json", path]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step",
+                "--model",
+                "tiny",
+                "--layers",
+                "1",
+                "--seq-len",
+                "8",
+                "--micro-batch",
+                "2",
+                "--repeats",
+                "3",
+                "--warmup",
+                "1",
+                "--threads",
+                "1",
+                "--json",
+                path,
+            ]
+        )
+        == 0
+    )
     comm_world.barrier()
     printed = capsys.readouterr().out
     if comm_world.rank == 0:
@@ -77,8 +101,15 @@ def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
     comm_world.barrier()  # rank 0 reads before tmp dirs go
 
 
-@pytest.mark.parametrize("argv, message", [(["--layers", "0"], "--layers 0"), (["--micro-batch", "-1"], "--micro-batch"),
-                                           (["--warmup", "-1"], "--warmup"), (["--model", "nope"], "nope")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layers", "0"], "--layers 0"),
+        (["--micro-batch", "-1"], "--micro-batch"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--model", "nope"], "nope"),
+    ],
+)
 def test_bad_options(argv, message):
     with pytest.raises(ConfigError, match=message):
         command.run(build_parser().parse_args(["bench", "step", *argv]))

@@ -1,6 +1,7 @@
 """BERT encoder: a Hugging Face BERT folder written here with random weights, converted, matches a plain
 numpy post-LN reference at every tp (padding masked); its backward agrees with finite differences and
 with tp=1; ``hpc-tp embed`` pools L2-normalised sentence embeddings that do not depend on padding."""
+
 import argparse
 import json
 import math
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from tp_helpers import assert_grads_match
 
 from hpc_tp.checkpoint import convert, load_checkpoint
 from hpc_tp.checkpoint.importers.source import open_source
@@ -19,7 +21,6 @@ from hpc_tp.grid import ProcessGrid
 from hpc_tp.models.bert import BertModel
 from hpc_tp.models.config import ModelConfig
 from hpc_tp.serve import embed
-from tp_helpers import assert_grads_match
 
 mpi = pytest.mark.mpi(min_size=1)
 VOCAB, HIDDEN, LAYERS, HEADS, FFN, CONTEXT, TYPES = 50, 16, 2, 4, 32, 24, 2
@@ -29,21 +30,40 @@ WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + [f"w{i}" for i in range(VOCAB - 4
 def bert_source(seed=0, prefix="bert."):
     rng = np.random.default_rng(seed)
     h = HIDDEN
-    config = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": VOCAB, "hidden_size": h,
-              "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "intermediate_size": FFN,
-              "max_position_embeddings": CONTEXT, "type_vocab_size": TYPES, "layer_norm_eps": 1e-12,
-              "hidden_act": "gelu", "position_embedding_type": "absolute"}
+    config = {
+        "model_type": "bert",
+        "architectures": ["BertModel"],
+        "vocab_size": VOCAB,
+        "hidden_size": h,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "intermediate_size": FFN,
+        "max_position_embeddings": CONTEXT,
+        "type_vocab_size": TYPES,
+        "layer_norm_eps": 1e-12,
+        "hidden_act": "gelu",
+        "position_embedding_type": "absolute",
+    }
     e = prefix + "embeddings."
-    t = {e + "word_embeddings.weight": rng.normal(0, 0.5, (VOCAB, h)),
-         e + "position_embeddings.weight": rng.normal(0, 0.5, (CONTEXT, h)),
-         e + "token_type_embeddings.weight": rng.normal(0, 0.5, (TYPES, h)),
-         e + "LayerNorm.weight": 1 + rng.normal(0, 0.1, h), e + "LayerNorm.bias": rng.normal(0, 0.1, h),
-         prefix + "pooler.dense.weight": rng.normal(0, 0.3, (h, h)), prefix + "pooler.dense.bias": np.zeros(h)}
+    t = {
+        e + "word_embeddings.weight": rng.normal(0, 0.5, (VOCAB, h)),
+        e + "position_embeddings.weight": rng.normal(0, 0.5, (CONTEXT, h)),
+        e + "token_type_embeddings.weight": rng.normal(0, 0.5, (TYPES, h)),
+        e + "LayerNorm.weight": 1 + rng.normal(0, 0.1, h),
+        e + "LayerNorm.bias": rng.normal(0, 0.1, h),
+        prefix + "pooler.dense.weight": rng.normal(0, 0.3, (h, h)),
+        prefix + "pooler.dense.bias": np.zeros(h),
+    }
     for i in range(LAYERS):
         p = f"{prefix}encoder.layer.{i}."
-        for name, (n_out, n_in) in (("attention.self.query", (h, h)), ("attention.self.key", (h, h)),
-                                    ("attention.self.value", (h, h)), ("attention.output.dense", (h, h)),
-                                    ("intermediate.dense", (FFN, h)), ("output.dense", (h, FFN))):
+        for name, (n_out, n_in) in (
+            ("attention.self.query", (h, h)),
+            ("attention.self.key", (h, h)),
+            ("attention.self.value", (h, h)),
+            ("attention.output.dense", (h, h)),
+            ("intermediate.dense", (FFN, h)),
+            ("output.dense", (h, FFN)),
+        ):
             t[p + name + ".weight"] = rng.normal(0, 0.3, (n_out, n_in))
             t[p + name + ".bias"] = rng.normal(0, 0.3, n_out)
         for name in ("attention.output.LayerNorm", "output.LayerNorm"):
@@ -61,8 +81,9 @@ def write_bert(folder: Path, config, tensors, tokenizer=True) -> Path:
 
         tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
         tk.pre_tokenizer = pre_tokenizers.Whitespace()
-        tk.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
-                                                                                                  ("[SEP]", 3)])
+        tk.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+        )
         tk.save(str(folder / "tokenizer.json"))
     return folder
 
@@ -78,20 +99,28 @@ def bert_reference(t, ids, type_ids, key_mask, prefix="bert."):
     lin = lambda z, name: z @ t[name + ".weight"].T + t[name + ".bias"]  # noqa: E731
     e = prefix + "embeddings."
     b, n = ids.shape
-    x = t[e + "word_embeddings.weight"][ids] + t[e + "position_embeddings.weight"][:n] \
+    x = (
+        t[e + "word_embeddings.weight"][ids]
+        + t[e + "position_embeddings.weight"][:n]
         + t[e + "token_type_embeddings.weight"][type_ids]
+    )
     x = layer_norm(x, t[e + "LayerNorm.weight"], t[e + "LayerNorm.bias"])
     d = HIDDEN // HEADS
     for i in range(LAYERS):
         p = f"{prefix}encoder.layer.{i}."
-        q, k, v = (lin(x, p + f"attention.self.{m}").reshape(b, n, HEADS, d).transpose(0, 2, 1, 3)
-                   for m in ("query", "key", "value"))
+        q, k, v = (
+            lin(x, p + f"attention.self.{m}").reshape(b, n, HEADS, d).transpose(0, 2, 1, 3)
+            for m in ("query", "key", "value")
+        )
         scores = np.where(key_mask[:, None, None, :] > 0, q @ k.transpose(0, 1, 3, 2) / np.sqrt(d), -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         a = (probs @ v).transpose(0, 2, 1, 3).reshape(b, n, HIDDEN)
-        x = layer_norm(x + lin(a, p + "attention.output.dense"), t[p + "attention.output.LayerNorm.weight"],
-                       t[p + "attention.output.LayerNorm.bias"])
+        x = layer_norm(
+            x + lin(a, p + "attention.output.dense"),
+            t[p + "attention.output.LayerNorm.weight"],
+            t[p + "attention.output.LayerNorm.bias"],
+        )
         m = lin(x, p + "intermediate.dense")
         m = lin(0.5 * m * (1 + erf(m / np.sqrt(2))), p + "output.dense")
         x = layer_norm(x + m, t[p + "output.LayerNorm.weight"], t[p + "output.LayerNorm.bias"])
@@ -113,6 +142,7 @@ def shared_dir(comm_world):
     comm_world.barrier()
     if comm_world.rank == 0:
         import shutil
+
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -120,16 +150,32 @@ def converted(shared_dir, comm, tokenizer=True, prefix="bert."):
     config, tensors = bert_source(prefix=prefix)
     if comm.rank == 0:
         source = write_bert(shared_dir / "hf", config, tensors, tokenizer)
-        convert.replace_folder(shared_dir / "ckpt", False,
-                               lambda temp: convert.write_checkpoint(open_source(source), temp))
+        convert.replace_folder(
+            shared_dir / "ckpt", False, lambda temp: convert.write_checkpoint(open_source(source), temp)
+        )
     comm.barrier()
     return shared_dir / "ckpt", tensors
 
 
 def tiny_config(**overrides):
-    return ModelConfig(**{**dict(vocab_size=VOCAB, hidden=HIDDEN, n_layers=LAYERS, n_heads=HEADS, ffn_hidden=FFN,
-                                 max_seq_len=CONTEXT, norm_eps=1e-12, activation="gelu", causal=False, family="bert",
-                                 type_vocab_size=TYPES), **overrides})
+    return ModelConfig(
+        **{
+            **dict(
+                vocab_size=VOCAB,
+                hidden=HIDDEN,
+                n_layers=LAYERS,
+                n_heads=HEADS,
+                ffn_hidden=FFN,
+                max_seq_len=CONTEXT,
+                norm_eps=1e-12,
+                activation="gelu",
+                causal=False,
+                family="bert",
+                type_vocab_size=TYPES,
+            ),
+            **overrides,
+        }
+    )
 
 
 # -- the model ----------------------------------------------------------------------------------------------
@@ -196,8 +242,22 @@ def test_encoder_config_is_checked():
 
 # -- hpc-tp embed -------------------------------------------------------------------------------------------
 def embed_args(ckpt, **values):
-    return argparse.Namespace(**{**dict(ckpt=str(ckpt), tp=None, dtype="float64", device="cpu", text=None,
-                                        inputs=None, out=None, batch_size=2, token_states=False), **values})
+    return argparse.Namespace(
+        **{
+            **dict(
+                ckpt=str(ckpt),
+                tp=None,
+                dtype="float64",
+                device="cpu",
+                text=None,
+                inputs=None,
+                out=None,
+                batch_size=2,
+                token_states=False,
+            ),
+            **values,
+        }
+    )
 
 
 @mpi
@@ -241,19 +301,33 @@ def test_embed_errors_are_one_line(shared_dir, comm_world):
 
 
 @mpi
-@pytest.mark.parametrize("lines, message", [
-    ('{"ids": 7}', r'line 1: "ids" must be a list of integers in \[0, 50\), got 7$'),
-    ('{"ids": [2, true]}', r'line 1: "ids" must be a list of integers in \[0, 50\), got true at index 1$'),
-    ('{"ids": [2, 3], "type_ids": null}', r'line 1: "type_ids" must be a list of integers in \[0, 2\), got null$'),
-    ('{"ids": [2, 3], "type_ids": [0]}', r"line 1: 1 type_ids for 2 tokens$"),
-    ('{"ids": [2, 3], "id": [1]}', r'line 1: "id" \[1\]: expected a string or an integer$'),
-    ('{"ids": [2, 3], "id": 1}\n{"ids": [2, 4], "id": 1.0}', r'line 2: "id" 1.0: expected a string or an integer$'),
-    ('{"ids": [2, 3], "id": 1}\n{"ids": [2, 4], "id": 1}', r'line 2: "id" 1 is used twice'),
-    ('{"text": 5}', r'line 1: "text" 5: expected a string$'),
-    ('{"text": "\\ud800"}', r"line 1: text is not valid Unicode: surrogates not allowed at character 0$"),
-    (json.dumps({"ids": [2] * 30}), r"line 1: 30 tokens; expected 1 to max_seq_len=24$"),
-], ids=["ids-not-a-list", "ids-bool", "type-ids-null", "type-ids-short", "id-list", "id-float", "id-twice",
-        "text-not-a-string", "text-lone-surrogate", "ids-too-long"])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ('{"ids": 7}', r'line 1: "ids" must be a list of integers in \[0, 50\), got 7$'),
+        ('{"ids": [2, true]}', r'line 1: "ids" must be a list of integers in \[0, 50\), got true at index 1$'),
+        ('{"ids": [2, 3], "type_ids": null}', r'line 1: "type_ids" must be a list of integers in \[0, 2\), got null$'),
+        ('{"ids": [2, 3], "type_ids": [0]}', r"line 1: 1 type_ids for 2 tokens$"),
+        ('{"ids": [2, 3], "id": [1]}', r'line 1: "id" \[1\]: expected a string or an integer$'),
+        ('{"ids": [2, 3], "id": 1}\n{"ids": [2, 4], "id": 1.0}', r'line 2: "id" 1.0: expected a string or an integer$'),
+        ('{"ids": [2, 3], "id": 1}\n{"ids": [2, 4], "id": 1}', r'line 2: "id" 1 is used twice'),
+        ('{"text": 5}', r'line 1: "text" 5: expected a string$'),
+        ('{"text": "\\ud800"}', r"line 1: text is not valid Unicode: surrogates not allowed at character 0$"),
+        (json.dumps({"ids": [2] * 30}), r"line 1: 30 tokens; expected 1 to max_seq_len=24$"),
+    ],
+    ids=[
+        "ids-not-a-list",
+        "ids-bool",
+        "type-ids-null",
+        "type-ids-short",
+        "id-list",
+        "id-float",
+        "id-twice",
+        "text-not-a-string",
+        "text-lone-surrogate",
+        "ids-too-long",
+    ],
+)
 def test_embed_refuses_a_malformed_line_on_every_rank(shared_dir, comm_world, lines, message):
     """A wrong type was a TypeError traceback and an MPI abort: now one line naming the line and the field."""
     ckpt, _ = converted(shared_dir, comm_world)

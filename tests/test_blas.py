@@ -1,5 +1,6 @@
 """kernels.blas: the linear layers' GEMM (MKL where installed) gives numpy's product for every operand
 layout it accepts, accumulates into the buffer, and hands everything else to numpy."""
+
 import subprocess
 import sys
 
@@ -30,18 +31,22 @@ def test_matches_numpy_for_every_operand_layout(dtype, tol, a_layout, b_layout):
     assert np.abs(got - expected).max() <= tol * scale
     # Into a strided destination (a column block of a wider buffer), then accumulated on top of it.
     wide = np.full((M, N + 8), 3.0, dtype)
-    blas.matmul(a, b, out=wide[:, 4:N + 4])
-    assert np.abs(wide[:, 4:N + 4] - expected).max() <= tol * scale and (wide[:, :4] == 3).all()
-    blas.matmul(a, b, out=wide[:, 4:N + 4], accumulate=True)
-    assert np.abs(wide[:, 4:N + 4] - 2 * expected).max() <= 2 * tol * scale and (wide[:, N + 4:] == 3).all()
+    blas.matmul(a, b, out=wide[:, 4 : N + 4])
+    assert np.abs(wide[:, 4 : N + 4] - expected).max() <= tol * scale and (wide[:, :4] == 3).all()
+    blas.matmul(a, b, out=wide[:, 4 : N + 4], accumulate=True)
+    assert np.abs(wide[:, 4 : N + 4] - 2 * expected).max() <= 2 * tol * scale and (wide[:, N + 4 :] == 3).all()
 
 
 @pytest.mark.parametrize("view", ["row-strided", "offset", "transposed slice", "Fortran order"])
 def test_views_passed_as_they_are(view):
     """Views BLAS can read in place (a leading dimension, a transpose flag) give numpy's product."""
     wide = rng.standard_normal((2 * M + 3, K + 5))
-    a = {"row-strided": wide[::2, :K], "offset": wide[3:M + 3, 5:],
-         "transposed slice": wide[:K, 1:M + 1].T, "Fortran order": np.asfortranarray(wide[:M, :K])}[view]
+    a = {
+        "row-strided": wide[::2, :K],
+        "offset": wide[3 : M + 3, 5:],
+        "transposed slice": wide[:K, 1 : M + 1].T,
+        "Fortran order": np.asfortranarray(wide[:M, :K]),
+    }[view]
     b = rng.standard_normal((K, N))
     np.testing.assert_allclose(blas.matmul(a, b), a @ b, rtol=1e-12, atol=1e-12)
 
@@ -58,8 +63,7 @@ def _count_mkl_calls(monkeypatch):
     """The MKL GEMM calls made from here on, as (m, n, k); none where MKL is not installed."""
     calls = []
     for dtype, kernel in list(blas.GEMMS.items()):
-        monkeypatch.setitem(blas.GEMMS, dtype,
-                            lambda *args, kernel=kernel: (calls.append(args[3:6]), kernel(*args)))
+        monkeypatch.setitem(blas.GEMMS, dtype, lambda *args, kernel=kernel: (calls.append(args[3:6]), kernel(*args)))
     return calls
 
 
@@ -111,33 +115,45 @@ def test_few_rows_against_a_large_matrix_go_by_column_blocks(dtype, tol, b_layou
     monkeypatch.setattr(blas, "LARGE_OPERAND", k * n)
     calls = _count_mkl_calls(monkeypatch)
     blocked = []
-    monkeypatch.setattr(mkl_jit, "column_blocks", lambda *args, column_blocks=mkl_jit.column_blocks: (
-        blocked.append(args[2:5]), column_blocks(*args))[1])
+    monkeypatch.setattr(
+        mkl_jit,
+        "column_blocks",
+        lambda *args, column_blocks=mkl_jit.column_blocks: (blocked.append(args[2:5]), column_blocks(*args))[1],
+    )
     a, b = rng.standard_normal((m, k)).astype(dtype), _layouts(k, n, dtype)[b_layout]
     expected = a.astype("float64") @ b.astype("float64")
     scale = np.abs(expected).max()
     wide = np.full((m, n + 8), 3.0, dtype)
-    blas.matmul(a, b, out=wide[:, 4:n + 4])
-    blas.matmul(a, b, out=wide[:, 4:n + 4], accumulate=True)
-    assert np.abs(wide[:, 4:n + 4] - 2 * expected).max() <= 2 * tol * scale
-    assert (wide[:, :4] == 3).all() and (wide[:, n + 4:] == 3).all()
+    blas.matmul(a, b, out=wide[:, 4 : n + 4])
+    blas.matmul(a, b, out=wide[:, 4 : n + 4], accumulate=True)
+    assert np.abs(wide[:, 4 : n + 4] - 2 * expected).max() <= 2 * tol * scale
+    assert (wide[:, :4] == 3).all() and (wide[:, n + 4 :] == 3).all()
     blas.matmul(rng.standard_normal((m + 1, k)).astype(dtype), b)  # more rows: one whole call
     assert blocked == [(m, n, k)] * 2 and calls == [(m + 1, n, k)]
 
 
 def _backend_in_subprocess(value):
     code = "from hpc_tp.kernels import blas; print(blas.BACKEND)"
-    return subprocess.run([sys.executable, "-c", code], env={"HPC_TP_BLAS": value, "PATH": ""},
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-c", code], env={"HPC_TP_BLAS": value, "PATH": ""}, capture_output=True, text=True
+    )
 
 
 def test_environment_switch():
     result = _backend_in_subprocess("numpy")
     assert result.returncode == 0 and result.stdout.strip() == "numpy"
     # MKL's 64-bit integer layer, asked for by the environment, is overridden (it would crash the 32-bit calls).
-    result = subprocess.run([sys.executable, "-c", "import numpy as np; from hpc_tp.kernels import blas; a = np.ones((256, 256)); "
-                             "assert (blas.matmul(a, a) == 256).all(); print(blas.BACKEND)"],
-                            env={"MKL_INTERFACE_LAYER": "ILP64", "PATH": ""}, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import numpy as np; from hpc_tp.kernels import blas; a = np.ones((256, 256)); "
+            "assert (blas.matmul(a, a) == 256).all(); print(blas.BACKEND)",
+        ],
+        env={"MKL_INTERFACE_LAYER": "ILP64", "PATH": ""},
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     result = _backend_in_subprocess("openblas")
     assert result.returncode != 0 and "HPC_TP_BLAS='openblas': expected 'mkl'" in result.stderr

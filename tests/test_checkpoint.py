@@ -1,5 +1,6 @@
 """Checkpoints: saved at one layout, loaded at another, exactly; plain HDF5 readable from anywhere;
 corruption, a missing shard and a failed save are caught; old steps are pruned; ``hpc-tp inspect``."""
+
 import dataclasses
 import json
 import os
@@ -14,8 +15,15 @@ import h5py
 import numpy as np
 import pytest
 
-from hpc_tp.checkpoint import (CheckpointError, StreamedTensor, describe_checkpoint, latest_checkpoint,
-                               load_checkpoint, save_checkpoint, verify_checkpoint)
+from hpc_tp.checkpoint import (
+    CheckpointError,
+    StreamedTensor,
+    describe_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from hpc_tp.checkpoint import read as checkpoint_read
 from hpc_tp.checkpoint import write as checkpoint_write
 from hpc_tp.cli import main
@@ -28,11 +36,11 @@ mpi = pytest.mark.mpi(min_size=1)
 
 # name -> (logical shape, split axis or None for replicated)
 SPECS = {
-    "col.weight": ((3, 8), 1),                # column-parallel
-    "row.weight": ((8, 3), 0),                # row-parallel
-    "norm.gain": ((6,), None),                # replicated
-    "embed.weight": ((11, 3), 0),             # vocab padding: 11 rows in pieces of ceil(11 / tp)
-    "kv.weight": ((3, 4), 1),                 # fewer pieces than tp ranks: pairs of ranks share one
+    "col.weight": ((3, 8), 1),  # column-parallel
+    "row.weight": ((8, 3), 0),  # row-parallel
+    "norm.gain": ((6,), None),  # replicated
+    "embed.weight": ((11, 3), 0),  # vocab padding: 11 rows in pieces of ceil(11 / tp)
+    "kv.weight": ((3, 4), 1),  # fewer pieces than tp ranks: pairs of ranks share one
     "optim.exp_avg.col.weight": ((3, 8), 1),  # an optimizer state, float32
 }
 
@@ -53,7 +61,7 @@ def make_tensors(grid, fill=True):
     """This rank's parameters for its pipeline stage; padding (and, unfilled, everything) holds 99,
     so a save that wrote padding or a load that left stale values would show."""
     tensors = {}
-    for name in sorted(SPECS)[grid.coords.pp::grid.pp_size]:
+    for name in sorted(SPECS)[grid.coords.pp :: grid.pp_size]:
         part = partition(name, grid.tp_size, grid.coords.tp)
         if name == "col.weight":  # a strided view into a fused buffer, as QKV is
             data = np.zeros((part.local_shape[0], 2 * part.local_shape[1]))[:, ::2]
@@ -78,6 +86,7 @@ def assert_hold_full_tensors(tensors):
 def as_streamed(tensors, fetched: list) -> dict:
     """``tensors`` as StreamedTensors that note each fetch in ``fetched`` and load into the tensors'
     own data, in reverse name order (not the order a save plans in)."""
+
     def fetch(name, failed):
         fetched.append(name)
         return tensors[name].data
@@ -85,8 +94,12 @@ def as_streamed(tensors, fetched: list) -> dict:
     def store(name, local):
         tensors[name].data[...] = local
 
-    return {name: StreamedTensor(tensors[name].partition, tensors[name].data.dtype, partial(fetch, name),
-                                 partial(store, name)) for name in sorted(tensors, reverse=True)}
+    return {
+        name: StreamedTensor(
+            tensors[name].partition, tensors[name].data.dtype, partial(fetch, name), partial(store, name)
+        )
+        for name in sorted(tensors, reverse=True)
+    }
 
 
 @pytest.fixture
@@ -116,8 +129,14 @@ def test_every_layout_loads_at_tp1_and_at_tp_world(comm_world, root, alone, ever
         meta = {"layout": [tp, pp, dp], "config": {"d_model": 8}}
         path = save_checkpoint(root, step, make_tensors(grid), meta, grid, keep=0)
         pieces = {t["name"]: t["pieces"] for t in describe_checkpoint(path)["tensors"]}
-        assert pieces == {"col.weight": tp, "row.weight": tp, "norm.gain": 1, "embed.weight": tp,
-                          "kv.weight": max(1, tp // 2), "optim.exp_avg.col.weight": tp}
+        assert pieces == {
+            "col.weight": tp,
+            "row.weight": tp,
+            "norm.gain": 1,
+            "embed.weight": tp,
+            "kv.weight": max(1, tp // 2),
+            "optim.exp_avg.col.weight": tp,
+        }
         for target in (alone, everywhere):
             tensors = make_tensors(target, fill=False)
             assert load_checkpoint(path, tensors, target) == meta
@@ -125,8 +144,9 @@ def test_every_layout_loads_at_tp1_and_at_tp_world(comm_world, root, alone, ever
 
 
 @mpi
-def test_master_is_plain_hdf5_readable_after_a_move_from_another_folder(comm_world, root, alone, everywhere,
-                                                                        monkeypatch):
+def test_master_is_plain_hdf5_readable_after_a_move_from_another_folder(
+    comm_world, root, alone, everywhere, monkeypatch
+):
     path = save_checkpoint(root, 7, make_tensors(everywhere), {"step": 7}, everywhere)
     comm_world.barrier()
     if comm_world.rank == 0:
@@ -210,8 +230,9 @@ def test_a_failed_save_leaves_the_previous_checkpoint(comm_world, root, everywhe
 
 
 @mpi
-def test_streamed_tensors_are_fetched_by_every_rank_in_order_and_stored_on_load(comm_world, root, everywhere,
-                                                                                 monkeypatch):
+def test_streamed_tensors_are_fetched_by_every_rank_in_order_and_stored_on_load(
+    comm_world, root, everywhere, monkeypatch
+):
     """Every rank fetches every streamed tensor once per save, in the order given, though only dp
     rank 0 writes (a fetch may be a collective), and so even when the writer fails at its first
     piece; the checkpoint is the one plain tensors make, and a load at another layout hands each
@@ -295,8 +316,9 @@ def note_reads(monkeypatch, call=0, error=None) -> list:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("max_agreements", [64, 2])
-def test_a_corrupt_slice_one_rank_reads_stops_every_rank_at_that_tensor(comm_world, root, everywhere, monkeypatch,
-                                                                       max_agreements):
+def test_a_corrupt_slice_one_rank_reads_stops_every_rank_at_that_tensor(
+    comm_world, root, everywhere, monkeypatch, max_agreements
+):
     """At tp = world each rank reads only its own columns of col.weight, the first tensor; the last
     rank's are corrupted. Every rank raises that rank's error, in one line, and no rank reads a
     tensor after it (the ranks agree after each tensor), where the others used to read all six;
@@ -313,10 +335,12 @@ def test_a_corrupt_slice_one_rank_reads_stops_every_rank_at_that_tensor(comm_wor
     reads = note_reads(monkeypatch)
     with pytest.raises(ConfigError) as raised:
         load_checkpoint(path, tensors, everywhere)
-    assert re.fullmatch(rf"rank {last}: checkpoint \S+: tensor 'col.weight': checksum mismatch at 1 of \d+ indices "
-                        rf"along axis 1 \(first: \d+, stored in \S*rank-{last:05d}.h5\); the file is corrupted",
-                        str(raised.value)), str(raised.value)
-    assert reads == list(tensors)[:1 if comm_world.rank == last or max_agreements >= 6 else 3]
+    assert re.fullmatch(
+        rf"rank {last}: checkpoint \S+: tensor 'col.weight': checksum mismatch at 1 of \d+ indices "
+        rf"along axis 1 \(first: \d+, stored in \S*rank-{last:05d}.h5\); the file is corrupted",
+        str(raised.value),
+    ), str(raised.value)
+    assert reads == list(tensors)[: 1 if comm_world.rank == last or max_agreements >= 6 else 3]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -337,7 +361,7 @@ def test_a_store_failing_on_one_rank_stops_every_rank_at_that_tensor(comm_world,
     with pytest.raises(CheckpointError) as raised:
         load_checkpoint(path, noted, everywhere)
     assert str(raised.value) == f"rank {last}: RuntimeError: no room to store (injected)"
-    assert stored == list(streamed)[:1 if comm_world.rank == last else 2]
+    assert stored == list(streamed)[: 1 if comm_world.rank == last else 2]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -351,7 +375,7 @@ def test_ranks_loading_different_tensors_agree_position_by_position(comm_world, 
     path = save_checkpoint(root, 1, make_tensors(grid), {"v": 1}, grid)
     last = comm_world.size - 1
     everything = make_tensors(grid, fill=False)
-    mine = dict(list(everything.items())[:1 + 5 * comm_world.rank // last])
+    mine = dict(list(everything.items())[: 1 + 5 * comm_world.rank // last])
     failing_rank, call = {None: (None, 0), "fewest": (0, 1), "most": (last, 6)}[failing]
     injected = ConfigError("injected read failure") if comm_world.rank == failing_rank else None
     reads = note_reads(monkeypatch, call, injected)
@@ -368,9 +392,18 @@ def test_ranks_loading_different_tensors_agree_position_by_position(comm_world, 
 
 @mpi
 def test_inspect_shows_config_tensors_and_verification(comm_world, root, everywhere, capsys):
-    meta = {"config": {"family": "gpt2", "vocab_size": 11, "d_model": 8, "n_layers": 2, "n_heads": 2,
-                       "comment": "long enough to be listed key by key"},
-            "step": 3, "rng": list(range(624))}
+    meta = {
+        "config": {
+            "family": "gpt2",
+            "vocab_size": 11,
+            "d_model": 8,
+            "n_layers": 2,
+            "n_heads": 2,
+            "comment": "long enough to be listed key by key",
+        },
+        "step": 3,
+        "rng": list(range(624)),
+    }
     path = save_checkpoint(root, 3, make_tensors(everywhere), meta, everywhere, files={"tokenizer.json": b"{}"})
     assert (path / "tokenizer.json").read_bytes() == b"{}"
     capsys.readouterr()

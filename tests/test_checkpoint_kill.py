@@ -1,4 +1,5 @@
 """A rank killed (SIGKILL) in the middle of a save never damages the checkpoint before it."""
+
 import os
 import subprocess
 import sys
@@ -47,8 +48,9 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
     script = tmp_path / "die.py"
     script.write_text(SCRIPT)
     root = tmp_path / "ckpt"
-    run = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), str(root)], capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode != 0 and "returned" not in run.stdout, run.stdout + run.stderr
     assert not (root / "step-000002").exists()
     assert latest_checkpoint(root) == root / "step-000001"

@@ -1,5 +1,6 @@
 """Communicator correctness: every collective's values, in every dtype, and the flat pairs' adjoints
 (the tensor-parallel regions' adjoint tests are in test_regions.py)."""
+
 import numpy as np
 import pytest
 
@@ -72,10 +73,10 @@ def test_flat_reduce_scatter_and_all_gather_are_adjoint(length, native):
     summed = xs[r].copy()
     piece = call("ireduce_scatter_flat")(summed, counts).wait()
     assert piece.shape == (counts[r],) and np.shares_memory(piece, summed[:1]) or not counts[r]  # in place, in front
-    np.testing.assert_allclose(piece, sum(xs)[start:start + counts[r]], rtol=1e-14)
+    np.testing.assert_allclose(piece, sum(xs)[start : start + counts[r]], rtol=1e-14)
     y = np.random.default_rng(100 + r).standard_normal(counts[r])
     gathered = np.full(length, np.nan)
-    gathered[start:start + counts[r]] = y
+    gathered[start : start + counts[r]] = y
     assert call("iall_gather_flat")(gathered, counts).wait() is gathered
     ys = comm.allgather_object(y)
     assert np.array_equal(gathered, np.concatenate(ys))  # every piece exactly, on every rank
@@ -106,17 +107,18 @@ def test_flat_gather_to_one_rank_is_adjoint_to_a_scatter(dtype, counts, root, na
     xs = [np.random.default_rng(rank).integers(-8, 8, counts[rank]).astype(_dtype(dtype)) for rank in range(n)]
     if r == root:
         x = np.full(length, np.nan, xs[r].dtype)
-        x[start:start + counts[r]] = xs[r]
+        x[start : start + counts[r]] = xs[r]
     else:
         x = xs[r].copy()
     assert gather(x, counts, root).wait() is x
     if r == root:
-        assert x.dtype == xs[r].dtype and np.array_equal(x.view(f"u{x.itemsize}"),
-                                                          np.concatenate(xs).view(f"u{x.itemsize}"))
+        assert x.dtype == xs[r].dtype and np.array_equal(
+            x.view(f"u{x.itemsize}"), np.concatenate(xs).view(f"u{x.itemsize}")
+        )
     else:
         assert x.shape == (counts[r],) and np.array_equal(x, xs[r])
     y = comm.broadcast(np.random.default_rng(100).integers(-8, 8, length).astype("float64"), root=root)
-    scattered = y[start:start + counts[r]]  # S y: root's y, this rank's piece of it
+    scattered = y[start : start + counts[r]]  # S y: root's y, this rank's piece of it
     lhs = comm.all_reduce_scalar(float(np.dot(x.astype("float64"), y)) if r == root else 0.0)
     rhs = comm.all_reduce_scalar(float(np.dot(xs[r].astype("float64"), scattered)))
     assert lhs == rhs, (lhs, rhs)
@@ -144,7 +146,9 @@ def test_split_groups_and_grid_layout():
         grid = ProcessGrid(tp, pp, dp, world=comm)
         assert grid.tp.size == tp and grid.pp.size == pp and grid.dp.size == dp
         # tp groups are neighbouring ranks, dp the outermost axis
-        assert grid.tp.allgather_object(comm.rank) == list(range(comm.rank - comm.rank % tp, comm.rank - comm.rank % tp + tp))
+        assert grid.tp.allgather_object(comm.rank) == list(
+            range(comm.rank - comm.rank % tp, comm.rank - comm.rank % tp + tp)
+        )
         assert grid.coords.dp == comm.rank // (tp * pp)
         assert not grid.tp_spans_nodes
     with pytest.raises(ConfigError, match=r"world size .* != tp\*pp\*dp"):

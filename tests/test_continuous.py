@@ -2,20 +2,21 @@
 freed by others, give the tokens and logits they give alone; a request that arrives while a long one
 decodes starts at once; a cancelled request frees its row; a prompt that begins with what a free row
 holds prefills only the rest, with the logits of a whole prefill. At tp = world size, float64."""
+
 import itertools
 import time
 
 import numpy as np
 import pytest
+from test_generate import CONFIGS, PROMPTS, _model, larger_weights
+from tp_helpers import max_rel_err, tp_and_reference
 
+from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve import continuous, generate
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.tokenizer import ByteTokenizer
-from hpc_tp.models import GPTModel, ModelConfig
-from test_generate import CONFIGS, PROMPTS, _model, larger_weights
-from tp_helpers import max_rel_err, tp_and_reference
 
 pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.filterwarnings("error")]
 
@@ -95,8 +96,9 @@ def _serve(comm, name, rows, due, events, prefix_caching=True, engine=None):
 def _alone(engine, request, events):
     """The request by itself through ``Engine.generate`` (collective): completion and logits."""
     probe = events.watch(Request(request.ids, request.params.max_new_tokens, stop=request.params.stop))
-    out = engine.generate([probe.ids] if engine.comm.rank == 0 else None,
-                          [probe.params] if engine.comm.rank == 0 else None)
+    out = engine.generate(
+        [probe.ids] if engine.comm.rank == 0 else None, [probe.params] if engine.comm.rank == 0 else None
+    )
     return out, probe
 
 
@@ -113,11 +115,24 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
 
     monkeypatch.setattr(continuous, "step_rows", finite_step)
     long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
-    requests = [Request(PROMPTS[2], 3), Request(PROMPTS[1], 10), Request(PROMPTS[3], 5), Request(PROMPTS[0], 4),
-                Request(long_prompt, 6), Request([9, 8, 7], 7),  # 27 + 6 - 1: every position of max_seq_len 32
-                Request([200, 3], 1)]  # done at its prefill: never decodes
-    due = [(1, requests[0]), (1, requests[1]), (2, requests[2]), (2, requests[3]), (4, requests[4]),
-           (9, requests[5]), (9, requests[6])]
+    requests = [
+        Request(PROMPTS[2], 3),
+        Request(PROMPTS[1], 10),
+        Request(PROMPTS[3], 5),
+        Request(PROMPTS[0], 4),
+        Request(long_prompt, 6),
+        Request([9, 8, 7], 7),  # 27 + 6 - 1: every position of max_seq_len 32
+        Request([200, 3], 1),
+    ]  # done at its prefill: never decodes
+    due = [
+        (1, requests[0]),
+        (1, requests[1]),
+        (2, requests[2]),
+        (2, requests[3]),
+        (4, requests[4]),
+        (9, requests[5]),
+        (9, requests[6]),
+    ]
     engine = _serve(tp, name, 2, due, events)
     order = [requests.index(r) for r in events]  # the batcher's tokens, before the runs alone
     for request in requests:
@@ -135,7 +150,7 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
         first = [order.index(i) for i in range(len(requests))]
         last = [len(order) - 1 - order[::-1].index(i) for i in range(len(requests))]
         assert first[2] > last[0] and first[2] < last[1]  # into row 0 once the first request left it
-        assert first[4] < last[1] or first[4] < last[3]   # admitted while another row decodes
+        assert first[4] < last[1] or first[4] < last[3]  # admitted while another row decodes
         assert max(steps) == 2 and min(steps) == 1
 
 
@@ -143,12 +158,19 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
 MODELS = {**CONFIGS, "moe": dict(CONFIGS["gpt2"], num_experts=4, top_k=2, capacity_factor=0.5)}
 
 
-@pytest.mark.parametrize("prefill_tokens, shapes", [(None, [(6, 27)]), (16, [(1, 27), (1, 13), (2, 7), (2, 2)]),
-                                                    (1, [(1, 27), (1, 13), (1, 7), (1, 5), (1, 2), (1, 1)])],
-                         ids=["one-prefill", "bounded", "one-at-a-time"])
+@pytest.mark.parametrize(
+    "prefill_tokens, shapes",
+    [
+        (None, [(6, 27)]),
+        (16, [(1, 27), (1, 13), (2, 7), (2, 2)]),
+        (1, [(1, 27), (1, 13), (1, 7), (1, 5), (1, 2), (1, 1)]),
+    ],
+    ids=["one-prefill", "bounded", "one-at-a-time"],
+)
 @pytest.mark.parametrize("name", MODELS)
-def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone(name, prefill_tokens, shapes,
-                                                                                  events, monkeypatch):
+def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone(
+    name, prefill_tokens, shapes, events, monkeypatch
+):
     """``generate`` with a row for every prompt admits them all at once: prompts of different lengths
     right-padded into one forward pass (or into passes of at most ``prefill_tokens`` padded tokens,
     longest first), each request's tokens and logits those it has alone."""
@@ -156,12 +178,21 @@ def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone
     model = larger_weights(GPTModel(ModelConfig(**MODELS[name]), tp, seed=4))
     engine, prefills = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
     long_prompt = [int(i) for i in np.random.default_rng(5).integers(0, 256, 27)]
-    requests = [events.watch(Request(ids, new)) for ids, new in
-                [(PROMPTS[0], 4), (long_prompt, 6), (PROMPTS[3], 5), (PROMPTS[1], 3), (list(b"thirteen long"), 2),
-                 (PROMPTS[2], 1)]]
+    requests = [
+        events.watch(Request(ids, new))
+        for ids, new in [
+            (PROMPTS[0], 4),
+            (long_prompt, 6),
+            (PROMPTS[3], 5),
+            (PROMPTS[1], 3),
+            (list(b"thirteen long"), 2),
+            (PROMPTS[2], 1),
+        ]
+    ]
     batcher = ContinuousBatcher(engine, len(requests), prefill_tokens=prefill_tokens)
-    out = batcher.generate([r.ids for r in requests] if tp.rank == 0 else None,
-                           [r.params for r in requests] if tp.rank == 0 else None)
+    out = batcher.generate(
+        [r.ids for r in requests] if tp.rank == 0 else None, [r.params for r in requests] if tp.rank == 0 else None
+    )
     assert [shape for shape, _ in prefills] == shapes
     for i, request in enumerate(requests):
         alone, probe = _alone(engine, request, events)
@@ -220,7 +251,7 @@ def test_a_stop_string_ends_a_row_its_streamed_text_held_back_and_frees_it(event
     if tp.rank == 0:
         completion = stopped.done[0]
         text = out[0][0].text
-        assert completion.finish_reason == "stop" and completion.text == text[:text.find(stop)]
+        assert completion.finish_reason == "stop" and completion.text == text[: text.find(stop)]
         assert "".join(stopped.pieces) == completion.text and len(completion.ids) < 12
         assert waiting.done[0].finish_reason == "length" and len(waiting.done[0].ids) == 4
 
@@ -315,8 +346,9 @@ def test_prompts_with_a_cached_prefix_share_a_prefill_after_it(name, events, mon
     own = [[1], [2, 3, 4], [5, 6], [7, 8, 9, 10, 11], [12], [13, 14]]
     requests = [events.watch(Request(system + tokens, 1 if i < 3 else 3)) for i, tokens in enumerate(own)]
     batcher = ContinuousBatcher(engine, 3)
-    out = batcher.generate([r.ids for r in requests] if tp.rank == 0 else None,
-                           [r.params for r in requests] if tp.rank == 0 else None)
+    out = batcher.generate(
+        [r.ids for r in requests] if tp.rank == 0 else None, [r.params for r in requests] if tp.rank == 0 else None
+    )
     assert prefills == [((3, 9), 0), ((3, 5), len(system))]
     for i, request in enumerate(requests):
         alone, probe = _alone(engine, request, events)
@@ -343,12 +375,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(name, prefix_
     due = [(1, short), (1, long), (40, later)]
     for _, request in due:
         events.watch(request)
-    ContinuousBatcher(engine, 2, prefix_caching=prefix_caching, chunk_tokens=4).run(Script(due) if tp.rank == 0 else None)
+    ContinuousBatcher(engine, 2, prefix_caching=prefix_caching, chunk_tokens=4).run(
+        Script(due) if tp.rank == 0 else None
+    )
     order = list(events)
     # (prompts, tokens) and first slot of each pass: S 4 + 3, then L 1 + 4 a time with the budget's rest, P 4 + 1
-    p_chunks = [((1, 4), 20), ((1, 1), 24)] if prefix_caching else [((1, 4), s) for s in range(0, 24, 4)] + [((1, 1), 24)]
-    assert chunks == ([((1, 4), 0), ((1, 3), 4), ((1, 1), 0)] + [((1, 4), s) for s in range(1, 25, 4)]
-                      + [((1, 2), 25)] + p_chunks)
+    p_chunks = (
+        [((1, 4), 20), ((1, 1), 24)] if prefix_caching else [((1, 4), s) for s in range(0, 24, 4)] + [((1, 1), 24)]
+    )
+    assert chunks == (
+        [((1, 4), 0), ((1, 3), 4), ((1, 1), 0)] + [((1, 4), s) for s in range(1, 25, 4)] + [((1, 2), 25)] + p_chunks
+    )
     for request in (short, long, later):
         _agrees_with_alone(engine, request, events)
     if tp.rank == 0:

@@ -2,6 +2,7 @@
 tests write themselves with random weights, checked against a forward pass written here in plain numpy;
 the converted checkpoint gives the same logits at every tp; convert -> export -> convert is exact;
 bad inputs are one-line errors naming the file and the tensor, and nothing is overwritten."""
+
 import argparse
 import json
 import tempfile
@@ -30,19 +31,39 @@ IDS = np.array([[1, 7, 3, 49, 0, 12], [5, 5, 9, 2, 48, 30]])
 def gpt2_source(seed=0):
     rng = np.random.default_rng(seed)
     h, f = HIDDEN, 4 * HIDDEN
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": VOCAB, "n_embd": h,
-              "n_layer": LAYERS, "n_head": HEADS, "n_positions": CONTEXT, "layer_norm_epsilon": 1e-5,
-              "activation_function": "gelu_new"}
-    t = {"wte.weight": rng.normal(0, 0.5, (VOCAB, h)), "wpe.weight": rng.normal(0, 0.5, (CONTEXT, h)),
-         "ln_f.weight": 1 + rng.normal(0, 0.1, h), "ln_f.bias": rng.normal(0, 0.1, h)}
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": VOCAB,
+        "n_embd": h,
+        "n_layer": LAYERS,
+        "n_head": HEADS,
+        "n_positions": CONTEXT,
+        "layer_norm_epsilon": 1e-5,
+        "activation_function": "gelu_new",
+    }
+    t = {
+        "wte.weight": rng.normal(0, 0.5, (VOCAB, h)),
+        "wpe.weight": rng.normal(0, 0.5, (CONTEXT, h)),
+        "ln_f.weight": 1 + rng.normal(0, 0.1, h),
+        "ln_f.bias": rng.normal(0, 0.1, h),
+    }
     for i in range(LAYERS):
         p = f"h.{i}."
         for name, shape in (("ln_1.weight", h), ("ln_2.weight", h)):
             t[p + name] = 1 + rng.normal(0, 0.1, shape)
-        for name, shape in (("ln_1.bias", (h,)), ("ln_2.bias", (h,)), ("attn.c_attn.weight", (h, 3 * h)),
-                            ("attn.c_attn.bias", (3 * h,)), ("attn.c_proj.weight", (h, h)), ("attn.c_proj.bias", (h,)),
-                            ("mlp.c_fc.weight", (h, f)), ("mlp.c_fc.bias", (f,)), ("mlp.c_proj.weight", (f, h)),
-                            ("mlp.c_proj.bias", (h,))):
+        for name, shape in (
+            ("ln_1.bias", (h,)),
+            ("ln_2.bias", (h,)),
+            ("attn.c_attn.weight", (h, 3 * h)),
+            ("attn.c_attn.bias", (3 * h,)),
+            ("attn.c_proj.weight", (h, h)),
+            ("attn.c_proj.bias", (h,)),
+            ("mlp.c_fc.weight", (h, f)),
+            ("mlp.c_fc.bias", (f,)),
+            ("mlp.c_proj.weight", (f, h)),
+            ("mlp.c_proj.bias", (h,)),
+        ):
             t[p + name] = rng.normal(0, 0.3, shape)
     return config, t
 
@@ -50,10 +71,21 @@ def gpt2_source(seed=0):
 def llama_source(seed=0, tie=False, qwen=False, hidden=HIDDEN, ffn=FFN, rope_scaling=None):
     rng = np.random.default_rng(seed)
     h, d = hidden, hidden // HEADS
-    config = {"model_type": "qwen2" if qwen else "llama", "vocab_size": VOCAB, "hidden_size": h,
-              "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-              "intermediate_size": ffn, "max_position_embeddings": CONTEXT, "rms_norm_eps": 1e-6,
-              "rope_theta": 500.0, "tie_word_embeddings": tie, "hidden_act": "silu", "rope_scaling": rope_scaling}
+    config = {
+        "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": h,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "intermediate_size": ffn,
+        "max_position_embeddings": CONTEXT,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500.0,
+        "tie_word_embeddings": tie,
+        "hidden_act": "silu",
+        "rope_scaling": rope_scaling,
+    }
     t = {"model.embed_tokens.weight": rng.normal(0, 0.5, (VOCAB, h)), "model.norm.weight": 1 + rng.normal(0, 0.1, h)}
     if not tie:
         t["lm_head.weight"] = rng.normal(0, 0.3, (VOCAB, h))
@@ -61,9 +93,15 @@ def llama_source(seed=0, tie=False, qwen=False, hidden=HIDDEN, ffn=FFN, rope_sca
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = 1 + rng.normal(0, 0.1, h)
         t[p + "post_attention_layernorm.weight"] = 1 + rng.normal(0, 0.1, h)
-        for name, shape in (("self_attn.q_proj", (HEADS * d, h)), ("self_attn.k_proj", (KV_HEADS * d, h)),
-                            ("self_attn.v_proj", (KV_HEADS * d, h)), ("self_attn.o_proj", (h, HEADS * d)),
-                            ("mlp.gate_proj", (ffn, h)), ("mlp.up_proj", (ffn, h)), ("mlp.down_proj", (h, ffn))):
+        for name, shape in (
+            ("self_attn.q_proj", (HEADS * d, h)),
+            ("self_attn.k_proj", (KV_HEADS * d, h)),
+            ("self_attn.v_proj", (KV_HEADS * d, h)),
+            ("self_attn.o_proj", (h, HEADS * d)),
+            ("mlp.gate_proj", (ffn, h)),
+            ("mlp.up_proj", (ffn, h)),
+            ("mlp.down_proj", (h, ffn)),
+        ):
             t[p + name + ".weight"] = rng.normal(0, 0.3, shape)
             if qwen and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 t[p + name + ".bias"] = rng.normal(0, 0.3, shape[0])
@@ -92,10 +130,20 @@ def llama_cpp_permute(w, heads):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "block_sparse_moe.gate": "ffn_gate_inp"}
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+}
 
 
 def mixtral_source(seed=0, experts=4, top_k=2) -> tuple[dict, dict]:
@@ -109,8 +157,13 @@ def mixtral_source(seed=0, experts=4, top_k=2) -> tuple[dict, dict]:
         for e in range(experts):
             for name, shape in (("w1", (FFN, HIDDEN)), ("w3", (FFN, HIDDEN)), ("w2", (HIDDEN, FFN))):
                 t[f"{p}experts.{e}.{name}.weight"] = rng.normal(0, 0.3, shape)
-    return {**config, "model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": top_k,
-            "sliding_window": None}, t
+    return {
+        **config,
+        "model_type": "mixtral",
+        "num_local_experts": experts,
+        "num_experts_per_tok": top_k,
+        "sliding_window": None,
+    }, t
 
 
 def mixtral_mlp(config, t, layer, m):
@@ -119,7 +172,7 @@ def mixtral_mlp(config, t, layer, m):
     logits = m @ t[p + "gate.weight"].T
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    top = np.argsort(-probs, axis=-1, kind="stable")[..., :config["num_experts_per_tok"]]
+    top = np.argsort(-probs, axis=-1, kind="stable")[..., : config["num_experts_per_tok"]]
     out = np.zeros_like(m)
     for idx in np.ndindex(m.shape[:-1]):
         chosen = top[idx]
@@ -133,14 +186,19 @@ def mixtral_mlp(config, t, layer, m):
 def phi3_source(config: dict, tensors: dict) -> tuple[dict, dict]:
     """A Llama source as Phi-3 stores it: q, k, v fused by rows into qkv_proj, gate and up into
     gate_up_proj; a sliding window one short of the context, as Phi-3's 4k models declare."""
-    fused = {k: v for k, v in tensors.items() if not k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
-                                                                 "gate_proj.weight", "up_proj.weight"))}
+    fused = {
+        k: v
+        for k, v in tensors.items()
+        if not k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight"))
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        fused[p + "self_attn.qkv_proj.weight"] = np.concatenate([tensors[p + f"self_attn.{x}_proj.weight"]
-                                                                 for x in "qkv"])
-        fused[p + "mlp.gate_up_proj.weight"] = np.concatenate([tensors[p + "mlp.gate_proj.weight"],
-                                                               tensors[p + "mlp.up_proj.weight"]])
+        fused[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+            [tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]
+        )
+        fused[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+            [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]
+        )
     return {**config, "model_type": "phi3", "sliding_window": config["max_position_embeddings"] - 1}, fused
 
 
@@ -152,9 +210,15 @@ def unfused(config: dict, tensors: dict) -> dict:
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         qkv, gate_up = out.pop(p + "self_attn.qkv_proj.weight"), out.pop(p + "mlp.gate_up_proj.weight")
-        out.update({p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q:q + kv],
-                    p + "self_attn.v_proj.weight": qkv[q + kv:], p + "mlp.gate_proj.weight": gate_up[:len(gate_up) // 2],
-                    p + "mlp.up_proj.weight": gate_up[len(gate_up) // 2:]})
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": qkv[:q],
+                p + "self_attn.k_proj.weight": qkv[q : q + kv],
+                p + "self_attn.v_proj.weight": qkv[q + kv :],
+                p + "mlp.gate_proj.weight": gate_up[: len(gate_up) // 2],
+                p + "mlp.up_proj.weight": gate_up[len(gate_up) // 2 :],
+            }
+        )
     return out
 
 
@@ -173,8 +237,14 @@ def quantized_blocks(data: np.ndarray, kind) -> np.ndarray:
         return (raw & 0xBF).astype(np.uint8)
 
 
-def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers.0.mlp.gate_proj.weight",),
-               arch="llama", tokenizer=None) -> dict:
+def write_gguf(
+    path: Path,
+    config: dict,
+    tensors: dict,
+    quantized=("model.layers.0.mlp.gate_proj.weight",),
+    arch="llama",
+    tokenizer=None,
+) -> dict:
     """A llama GGUF of ``tensors`` (HF names): float32, except ``quantized`` (names in Q8_0, or a dict
     name -> GGML type). Returns the weights it really holds (dequantized, in HF layout) for the reference."""
     import gguf
@@ -216,8 +286,11 @@ def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers
             stored = data
         held[name] = np.empty(value.shape)
         held[name][order] = stored
-        gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}.get(name)
+        gguf_name = {
+            "model.embed_tokens.weight": "token_embd.weight",
+            "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight",
+        }.get(name)
         if gguf_name is None:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
@@ -228,8 +301,10 @@ def write_gguf(path: Path, config: dict, tensors: dict, quantized=("model.layers
             w.add_tensor(gguf_name, data)
     for layer in range(config["num_hidden_layers"]):
         for part, stacked in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
-            experts = [tensors[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{part}.weight"]
-                       for e in range(config.get("num_local_experts", 0))]
+            experts = [
+                tensors[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{part}.weight"]
+                for e in range(config.get("num_local_experts", 0))
+            ]
             if experts:
                 w.add_tensor(f"blk.{layer}.{stacked}.weight", np.stack(experts).astype(np.float32))
     w.write_header_to_file()
@@ -278,29 +353,36 @@ def rope(x, heads, theta, factor=1.0):
     inv = 1.0 / theta ** (np.arange(0, d, 2) / d) / factor
     angles = np.arange(t)[:, None] * inv[None, :]
     cos, sin = np.cos(np.concatenate([angles, angles], -1)), np.sin(np.concatenate([angles, angles], -1))
-    rotated = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+    rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
     return (x * cos[None, :, None] + rotated * sin[None, :, None]).reshape(b, t, heads * d)
 
 
 def gpt2_reference(config, t, ids):
     h, eps = config["n_embd"], config["layer_norm_epsilon"]
-    x = t["wte.weight"][ids] + t["wpe.weight"][:ids.shape[1]]
-    gelu = lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))  # noqa: E731
+    x = t["wte.weight"][ids] + t["wpe.weight"][: ids.shape[1]]
+    gelu = lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))  # noqa: E731
     for i in range(config["n_layer"]):
         p = f"h.{i}."
         a = layer_norm(x, t[p + "ln_1.weight"], t[p + "ln_1.bias"], eps)
         qkv = a @ t[p + "attn.c_attn.weight"] + t[p + "attn.c_attn.bias"]
-        o = attention(qkv[..., :h], qkv[..., h:2 * h], qkv[..., 2 * h:], config["n_head"], config["n_head"])
+        o = attention(qkv[..., :h], qkv[..., h : 2 * h], qkv[..., 2 * h :], config["n_head"], config["n_head"])
         x = x + o @ t[p + "attn.c_proj.weight"] + t[p + "attn.c_proj.bias"]
         m = layer_norm(x, t[p + "ln_2.weight"], t[p + "ln_2.bias"], eps)
-        x = x + gelu(m @ t[p + "mlp.c_fc.weight"] + t[p + "mlp.c_fc.bias"]) @ t[p + "mlp.c_proj.weight"] \
+        x = (
+            x
+            + gelu(m @ t[p + "mlp.c_fc.weight"] + t[p + "mlp.c_fc.bias"]) @ t[p + "mlp.c_proj.weight"]
             + t[p + "mlp.c_proj.bias"]
+        )
     return layer_norm(x, t["ln_f.weight"], t["ln_f.bias"], eps) @ t["wte.weight"].T
 
 
 def llama_reference(config, t, ids):
-    heads, kv, eps, theta = (config["num_attention_heads"], config["num_key_value_heads"], config["rms_norm_eps"],
-                             config["rope_theta"])
+    heads, kv, eps, theta = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["rms_norm_eps"],
+        config["rope_theta"],
+    )
     factor = (config.get("rope_scaling") or {}).get("factor", 1.0)
     linear = lambda z, name: z @ t[name + ".weight"].T + t.get(name + ".bias", 0.0)  # noqa: E731
     x = t["model.embed_tokens.weight"][ids]
@@ -349,6 +431,7 @@ def shared_dir(comm_world):
     comm_world.barrier()
     if comm_world.rank == 0:
         import shutil
+
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -366,13 +449,16 @@ def test_gpt2_logits_match_reference_at_every_tp(shared_dir, comm_world):
 
 
 @mpi
-@pytest.mark.parametrize("tie,qwen,shards,scaling", [(False, False, 1, None), (True, False, 3, None),
-                                                     (True, True, 1, None), (False, True, 2, 2.0)])
+@pytest.mark.parametrize(
+    "tie,qwen,shards,scaling",
+    [(False, False, 1, None), (True, False, 3, None), (True, True, 1, None), (False, True, 2, 2.0)],
+)
 def test_llama_family_logits_match_reference_at_every_tp(shared_dir, comm_world, tie, qwen, shards, scaling):
     """GQA (4 heads, 2 kv heads: replicated kv heads at tp=4), tied and untied heads, Qwen2 q/k/v
     biases, sharded safetensors, linear rope scaling carried from config.json."""
-    config, tensors = llama_source(tie=tie, qwen=qwen,
-                                   rope_scaling=scaling and {"rope_type": "linear", "factor": scaling})
+    config, tensors = llama_source(
+        tie=tie, qwen=qwen, rope_scaling=scaling and {"rope_type": "linear", "factor": scaling}
+    )
     convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors, shards), shared_dir / "ckpt", comm_world)
     logits = tp_logits(shared_dir / "ckpt", comm_world)
     assert rel_err(logits, llama_reference(config, tensors, IDS)) < 1e-9
@@ -388,10 +474,14 @@ def test_phi3_fused_projections_split_on_import_logits_match_reference_at_every_
     convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors), shared_dir / "ckpt", comm_world)
     assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), reference) < 1e-9
     path = shared_dir / "phi3.gguf"
-    held = comm_world.bcast_object(write_gguf(path, config, tensors, quantized=(), arch="phi3")
-                                   if comm_world.rank == 0 else None)
+    held = comm_world.bcast_object(
+        write_gguf(path, config, tensors, quantized=(), arch="phi3") if comm_world.rank == 0 else None
+    )
     convert_on_rank0(lambda: path, shared_dir / "gguf-ckpt", comm_world)
-    assert rel_err(tp_logits(shared_dir / "gguf-ckpt", comm_world), llama_reference(config, unfused(config, held), IDS)) < 1e-9
+    assert (
+        rel_err(tp_logits(shared_dir / "gguf-ckpt", comm_world), llama_reference(config, unfused(config, held), IDS))
+        < 1e-9
+    )
     if comm_world.rank == 0:
         assert main(["export", str(shared_dir / "ckpt"), "-o", str(shared_dir / "out")]) == 0
         assert json.loads((shared_dir / "out" / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
@@ -426,8 +516,9 @@ def test_qwen2_gguf_biases_and_halves_rope_logits_match_reference_at_every_tp(sh
     """llama.cpp keeps Qwen2's q/k rows as Hugging Face does (no interleaving), with q/k/v biases."""
     config, tensors = llama_source(qwen=True)
     path = shared_dir / "qwen2.gguf"
-    held = comm_world.bcast_object(write_gguf(path, config, tensors, quantized=(), arch="qwen2")
-                                   if comm_world.rank == 0 else None)
+    held = comm_world.bcast_object(
+        write_gguf(path, config, tensors, quantized=(), arch="qwen2") if comm_world.rank == 0 else None
+    )
     convert_on_rank0(lambda: path, shared_dir / "ckpt", comm_world)
     assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), llama_reference(config, held, IDS)) < 1e-9
 
@@ -445,8 +536,22 @@ def test_gguf_llama_dequantized_logits_match_reference_at_every_tp(shared_dir, c
     assert np.abs(held[gate] - tensors[gate]).max() > 0  # the reference really used the quantized weight
 
 
-GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-              "IQ4_NL", "IQ4_XS")
+GGUF_TYPES = (
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+)
 
 
 @pytest.mark.parametrize("kind", GGUF_TYPES)
@@ -456,8 +561,10 @@ def test_every_gguf_type_a_user_downloads_reads_as_the_gguf_package_dequantizes_
     import gguf
 
     config, tensors = llama_source(hidden=256, ffn=256)
-    names = {"model.layers.0.self_attn.q_proj.weight": "layers.0.attn.qkv.q.weight",
-             "model.layers.1.mlp.down_proj.weight": "layers.1.mlp.fc2.weight"}
+    names = {
+        "model.layers.0.self_attn.q_proj.weight": "layers.0.attn.qkv.q.weight",
+        "model.layers.1.mlp.down_proj.weight": "layers.1.mlp.fc2.weight",
+    }
     kinds = dict.fromkeys(names, gguf.GGMLQuantizationType[kind])
     held = write_gguf(tmp_path / "m.gguf", config, tensors, quantized=kinds)
     imported = open_source(tmp_path / "m.gguf")
@@ -470,8 +577,12 @@ def test_a_gguf_type_the_package_cannot_dequantize_is_one_line_naming_the_tensor
     import gguf
 
     config, tensors = llama_source(hidden=256, ffn=256)
-    write_gguf(tmp_path / "m.gguf", config, tensors,
-               quantized={"model.layers.1.mlp.down_proj.weight": gguf.GGMLQuantizationType.Q8_1})
+    write_gguf(
+        tmp_path / "m.gguf",
+        config,
+        tensors,
+        quantized={"model.layers.1.mlp.down_proj.weight": gguf.GGMLQuantizationType.Q8_1},
+    )
     assert main(["convert", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tensor blk.1.ffn_down.weight is Q8_1" in err[0], err
@@ -480,12 +591,18 @@ def test_a_gguf_type_the_package_cannot_dequantize_is_one_line_naming_the_tensor
 
 def test_gguf_quantized_tensor_is_the_dequantized_weight(tmp_path):
     config, tensors = llama_source(hidden=32, ffn=64)
-    held = write_gguf(tmp_path / "m.gguf", config, tensors, quantized=("model.layers.1.mlp.up_proj.weight",
-                                                                      "model.layers.0.self_attn.q_proj.weight"))
+    held = write_gguf(
+        tmp_path / "m.gguf",
+        config,
+        tensors,
+        quantized=("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"),
+    )
     imported = open_source(tmp_path / "m.gguf")
-    for name, ours in (("model.layers.1.mlp.up_proj.weight", "layers.1.mlp.fc1.up.weight"),
-                       ("model.layers.0.self_attn.q_proj.weight", "layers.0.attn.qkv.q.weight"),
-                       ("model.layers.0.self_attn.k_proj.weight", "layers.0.attn.qkv.k.weight")):
+    for name, ours in (
+        ("model.layers.1.mlp.up_proj.weight", "layers.1.mlp.fc1.up.weight"),
+        ("model.layers.0.self_attn.q_proj.weight", "layers.0.attn.qkv.q.weight"),
+        ("model.layers.0.self_attn.k_proj.weight", "layers.0.attn.qkv.k.weight"),
+    ):
         assert np.array_equal(imported.tensors[ours][...], held[name].T.astype(np.float32))
 
 
@@ -520,8 +637,9 @@ def test_gguf_tokenizers_become_tokenizer_json(tmp_path):
         assert tokenizer.decode(ids) == text
         assert tokenizer.eos_id == (7 if name == "gpt2" else 2)
         # a chat template in the file is kept, with the special tokens it names
-        assert tokenizer.chat == ({} if name == "gpt2" else
-                                  {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"})
+        assert tokenizer.chat == (
+            {} if name == "gpt2" else {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}
+        )
 
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -536,9 +654,16 @@ def test_hf_tokenizer_json_is_kept_and_round_trips_through_export(tmp_path):
     source = write_hf(tmp_path / "hf", config, tensors)
     Tokenizer(models.WordLevel({"hi": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(source / "tokenizer.json"))
     # Hugging Face's own tokenizer_config.json: named templates, the eos token as an added-token object
-    (source / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": [{"name": "tool_use", "template": "no"}, {"name": "default", "template": TEMPLATE}],
-        "bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "model_max_length": 1024}))
+    (source / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [{"name": "tool_use", "template": "no"}, {"name": "default", "template": TEMPLATE}],
+                "bos_token": "<s>",
+                "eos_token": {"content": "</s>", "special": True},
+                "model_max_length": 1024,
+            }
+        )
+    )
     assert main(["convert", str(source), "-o", str(tmp_path / "ckpt")]) == 0
     step = tmp_path / "ckpt" / "step-000000"
     assert (step / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
@@ -551,7 +676,9 @@ def test_hf_tokenizer_json_is_kept_and_round_trips_through_export(tmp_path):
     # a folder's chat_template.jinja wins over the config's, as in Hugging Face's loader
     (source / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert main(["convert", str(source), "-o", str(tmp_path / "ckpt2")]) == 0
-    assert load_tokenizer_dir(tmp_path / "ckpt2" / "step-000000").chat["chat_template"] == "{{ messages[0]['content'] }}"
+    assert (
+        load_tokenizer_dir(tmp_path / "ckpt2" / "step-000000").chat["chat_template"] == "{{ messages[0]['content'] }}"
+    )
 
 
 # -- export ----------------------------------------------------------------------------------------------
@@ -583,8 +710,11 @@ def test_export_refuses_what_the_format_cannot_hold(tmp_path):
     write_hf(tmp_path / "hf", config, tensors)
     main(["convert", str(tmp_path / "hf"), "-o", str(tmp_path / "ckpt")])
     with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.up_proj\.weight: values up to 1e\+05 overflow F16"):
-        export.run(cli_args(checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "out"), arch=None,
-                            dtype="float16", force=False))
+        export.run(
+            cli_args(
+                checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "out"), arch=None, dtype="float16", force=False
+            )
+        )
     assert not (tmp_path / "out").exists()
     from hpc_tp.checkpoint import save_checkpoint
     from hpc_tp.comm.mpi import self_comm
@@ -593,8 +723,11 @@ def test_export_refuses_what_the_format_cannot_hold(tmp_path):
     grid = ProcessGrid(tp=1, world=self_comm())
     save_checkpoint(tmp_path / "moe", 0, GPTModel(moe, grid.tp).state(), {"config": moe.to_dict()}, grid)
     with pytest.raises(ConfigError, match=r"num_experts=2; Mixture-of-Experts models export as mixtral"):
-        export.run(cli_args(checkpoint=str(tmp_path / "moe"), output=str(tmp_path / "out"), arch=None,
-                            dtype="stored", force=False))
+        export.run(
+            cli_args(
+                checkpoint=str(tmp_path / "moe"), output=str(tmp_path / "out"), arch=None, dtype="stored", force=False
+            )
+        )
 
 
 def test_export_refuses_a_nonzero_bias_qwen2_has_no_place_for(tmp_path):
@@ -604,14 +737,21 @@ def test_export_refuses_a_nonzero_bias_qwen2_has_no_place_for(tmp_path):
     with h5py.File(tmp_path / "ckpt" / "step-000000" / "shards" / "rank-00000.h5", "r+") as f:
         f["tensors/layers.0.attn.out.bias"][0] = 1.0  # (the checksum would catch it too: make it agree)
     from hpc_tp.checkpoint.format import unit_checksums
+
     with h5py.File(tmp_path / "ckpt" / "step-000000" / "master.h5", "r+") as f:
         f["checksums/layers.0.attn.out.bias"][...] = unit_checksums(f["tensors/layers.0.attn.out.bias"][...], 0)
     with pytest.raises(ConfigError, match=r"layers\.0\.attn\.out\.bias.*not zero"):
-        export.run(cli_args(checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "out"), arch=None,
-                            dtype="stored", force=False))
+        export.run(
+            cli_args(
+                checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "out"), arch=None, dtype="stored", force=False
+            )
+        )
     assert not (tmp_path / "out").exists()
-    export.run(cli_args(checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "out"), arch="llama",
-                        dtype="float32", force=False))
+    export.run(
+        cli_args(
+            checkpoint=str(tmp_path / "ckpt"), output=str(tmp_path / "out"), arch="llama", dtype="float32", force=False
+        )
+    )
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["attention_bias"] and cfg["torch_dtype"] == "float32"
 
@@ -639,8 +779,21 @@ def test_bfloat16_source_is_widened_exactly(tmp_path):
 def test_narrowing_to_bfloat16_rounds_to_nearest_even_and_keeps_nan_inf():
     from hpc_tp.checkpoint.importers.bfloat16 import bfloat16_to_float32, float32_to_bfloat16_bytes
 
-    bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF, 0x7F800000, 0xFF800000,
-                     0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001], dtype="<u4")
+    bits = np.array(
+        [
+            0x3F808000,
+            0x3F818000,
+            0x3F808001,
+            0x7F7FFFFF,
+            0x7F800000,
+            0xFF800000,
+            0x7FC00000,
+            0x7FFFFFFF,
+            0xFFFFFFFF,
+            0x7F800001,
+        ],
+        dtype="<u4",
+    )
     halves = np.frombuffer(float32_to_bfloat16_bytes(bits.view("<f4")), "<u2")
     # ties to even (down, up), above the tie, overflow to inf, +-inf, then four NaNs (the last three
     # would wrap or carry into the exponent if rounded as numbers)
@@ -682,9 +835,10 @@ def convert_error(source, output) -> str:
     return message
 
 
-@pytest.mark.parametrize("key, value, expected", [("hidden_size", "16", "an integer"),
-                                                   ("num_hidden_layers", 2.5, "an integer"),
-                                                   ("rope_theta", "1e4", "a number")])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [("hidden_size", "16", "an integer"), ("num_hidden_layers", 2.5, "an integer"), ("rope_theta", "1e4", "a number")],
+)
 def test_a_config_value_of_the_wrong_type_is_named(tmp_path, key, value, expected):
     config, tensors = llama_source()
     write_hf(tmp_path / "hf", {**config, key: value}, tensors)
@@ -723,7 +877,7 @@ def test_truncated_safetensors_file(tmp_path):
     config, tensors = gpt2_source()
     source = write_hf(tmp_path / "hf", config, tensors)
     data = (source / "model.safetensors").read_bytes()
-    (source / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (source / "model.safetensors").write_bytes(data[: len(data) // 2])
     message = convert_error(source, tmp_path / "ckpt")
     assert "model.safetensors" in message and "truncated" in message
 

@@ -5,15 +5,16 @@ masked rows included), attention dropout and no mask; both paths give the same n
 forward keeps only the rows' log-sum-exp and backward recomputes the softmax from it (selective
 recomputation); and a whole attention layer (with and without rope, with dropout) is the same
 either way."""
+
 import numpy as np
 import pytest
 
+from hpc_tp.backend import resolve_dtype
 from hpc_tp.comm.mpi import world
 from hpc_tp.kernels import cpu_attention, mkl_jit
 from hpc_tp.nn import attention
 from hpc_tp.nn.attention import ParallelAttention, attention_bias, query_blocks
 from hpc_tp.tensor_parallel.random import DropoutRNG
-from hpc_tp.backend import resolve_dtype
 
 pytestmark = pytest.mark.skipif(not mkl_jit.AVAILABLE, reason="needs numba and MKL (hpc_tp[mkl])")
 TOL = {"float64": 1e-12, "float32": 1e-5}
@@ -26,7 +27,7 @@ def rel_err(a, b):
 def heads(buffer, width, hk, g, d):
     """[B, hk, g, T, d] view of columns [width * ..., ...) of a [B, T, C] buffer."""
     b, t, _ = buffer.shape
-    return buffer[..., width:width + hk * g * d].reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
+    return buffer[..., width : width + hk * g * d].reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
 
 
 def inputs(dtype, b, hk, g, t, keys, d, dropout=0.0, seed=0):
@@ -54,14 +55,19 @@ def core(fused, statistics, q, k, v, dout, keep, causal, offset, key_mask):
             cpu_attention.backward_recompute(dout, q, k, v, kept, blocks, offset, causal, key_bias, dq, dk, dv, keep)
         else:
             cpu_attention.backward(dout, q, k, v, kept, blocks, dq, dk, dv, keep)
-            kept = [p.reshape(b, hk, g, rows.stop - rows.start, seen)
-                    for p, (rows, seen) in zip(np.split(kept.reshape(b, hk, g, -1), _tile_ends(blocks), axis=-1), blocks)]
+            kept = [
+                p.reshape(b, hk, g, rows.stop - rows.start, seen)
+                for p, (rows, seen) in zip(np.split(kept.reshape(b, hk, g, -1), _tile_ends(blocks), axis=-1), blocks)
+            ]
     else:
-        masks = (None if key_mask is None else attention_bias(b, t, keys, False, key_mask, offset, dtype),
-                 offset if causal else None)
+        masks = (
+            None if key_mask is None else attention_bias(b, t, keys, False, key_mask, offset, dtype),
+            offset if causal else None,
+        )
         kept = attention._composed_forward(q, k, v, out, blocks, masks, keep, statistics)
-        attention._composed_backward(dout, q, k, v, None if statistics else kept, blocks, keep, dq, dk, dv,
-                                     (kept, masks) if statistics else None)
+        attention._composed_backward(
+            dout, q, k, v, None if statistics else kept, blocks, keep, dq, dk, dv, (kept, masks) if statistics else None
+        )
         if causal and not statistics:  # the softmax's causal mask is the added -inf bias it replaces, to the bit
             whole = attention_bias(b, t, keys, True, key_mask, offset, dtype)
             by_bias = attention._composed_forward(q, k, v, np.empty_like(out), blocks, (whole, None), keep)
@@ -151,8 +157,9 @@ def test_half_precision_recomputation_keeps_float32_statistics(case, dtype):
     if padding == "padded":
         key_mask = (np.random.default_rng(1).random((b, keys)) > 0.3).astype("int64")
         key_mask[0, :] = 0
-    arrays = [None if a is None else a.astype(resolve_dtype(dtype))
-              for a in inputs("float32", b, hk, g, t, keys, d, dropout)]
+    arrays = [
+        None if a is None else a.astype(resolve_dtype(dtype)) for a in inputs("float32", b, hk, g, t, keys, d, dropout)
+    ]
     out, _, *grads = core(False, False, *arrays, causal, offset, key_mask)
     again, lse, *again_grads = core(False, True, *arrays, causal, offset, key_mask)
     assert lse.dtype == np.float32 and np.array_equal(again, out)

@@ -1,10 +1,12 @@
 """The fused CPU kernels (numba, hpc_tp/kernels/cpu_kernels.py) give the composed numpy code's numbers:
 forward outputs, saved tensors and every gradient, float64 within 1e-12 and float32 within 1e-5,
 on ragged shapes, with and without a bias; a forward on one path feeds a backward on the other."""
+
 import numpy as np
 import pytest
 
-from hpc_tp.kernels import cpu_kernels, functional as F
+from hpc_tp.kernels import cpu_kernels
+from hpc_tp.kernels import functional as F
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.ENABLED, reason="numba is not installed (or HPC_TP_CPU_KERNELS=0)")
 TOL = {"float64": 1e-12, "float32": 1e-5}
@@ -78,7 +80,7 @@ def test_softmax_with_masked_rows(monkeypatch, dtype):
 
 
 def test_non_contiguous_inputs_take_a_copy_not_the_wrong_strides(monkeypatch):
-    x, = arrays("float64", (3, 24, 7), seed=3)
+    (x,) = arrays("float64", (3, 24, 7), seed=3)
     view = x.swapaxes(1, 2)  # [3, 7, 24], not C-contiguous: the composed path runs
     assert not cpu_kernels.fused(view)
     dy = np.ascontiguousarray(arrays("float64", view.shape, seed=4)[0])

@@ -3,6 +3,7 @@
 dimensions, batch strides) and must give ``a @ b`` for every layout the engine passes.
 
 The call itself runs on a GPU in tests/test_gpu.py and ``make gpu-check``."""
+
 import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided

@@ -1,6 +1,7 @@
 """``hpc_tp.cuda_graph.Replayed``'s order of events, without a device: a stand-in for the few cupy
 calls it makes records them (the device tests in test_gpu.py check that replays compute the eager
 numbers)."""
+
 import sys
 import types
 
@@ -65,6 +66,7 @@ def fake_cupy(monkeypatch):
         module.cuda = FakeCuda(events, fail_capture)
         monkeypatch.setitem(sys.modules, "cupy", module)
         return events
+
     return install
 
 
@@ -79,8 +81,16 @@ def test_the_first_call_runs_eagerly_then_is_captured_and_later_calls_replay(fak
 
     replayed = cuda_graph.Replayed(work, "the step")
     assert replayed() == "outputs of call 0"  # the eager call's own outputs
-    assert events == ["private pool", "on capture stream", "work", "begin capture", "work", "end capture",
-                      "off capture stream", "default pool"]
+    assert events == [
+        "private pool",
+        "on capture stream",
+        "work",
+        "begin capture",
+        "work",
+        "end capture",
+        "off capture stream",
+        "default pool",
+    ]
     events.clear()
     assert [replayed(), replayed()] == ["outputs of call 1"] * 2  # the captured call's arrays, every replay
     assert events == ["launch", "launch"] and len(calls) == 2 and not replayed.failed
@@ -91,8 +101,11 @@ def test_the_first_call_runs_eagerly_then_is_captured_and_later_calls_replay(fak
 def test_a_refused_capture_warns_and_leaves_the_work_eager(fake_cupy):
     events = fake_cupy(fail_capture=True)
     replayed = cuda_graph.Replayed(lambda: events.append("work") or len(events), "decoding")
-    with pytest.warns(UserWarning, match=r"decoding runs without a CUDA graph: its capture failed \(RuntimeError: "
-                                         r"operation not permitted when stream is capturing\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"decoding runs without a CUDA graph: its capture failed \(RuntimeError: "
+        r"operation not permitted when stream is capturing\)",
+    ):
         replayed()
     assert replayed.failed
     events.clear()

@@ -1,12 +1,13 @@
 """The data pipeline: tokenizers, the demo addition task, the corpus cache and the sampler."""
+
 import numpy as np
 import pytest
 
 from hpc_tp.errors import ConfigError
+from hpc_tp.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, load_tokenizer_dir
 from hpc_tp.train import data as data_module
 from hpc_tp.train.data import DistributedSampler, build_dataset
 from hpc_tp.train.tasks import IGNORE, ArithmeticTask
-from hpc_tp.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, load_tokenizer_dir
 
 BYTES = ByteTokenizer()
 
@@ -17,14 +18,19 @@ def tiny_hf_tokenizer(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<pad>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["12+34=46\n", "héllo wörld, hello world\n"] * 20, trainer)
     tok.save(str(path))
     return path
 
 
 # ---- tokenizers ----
+
 
 def test_byte_tokenizer_round_trip_non_ascii():
     text = "héllo, wörld — 日本 🚀\n"
@@ -60,6 +66,7 @@ def test_tokenizer_errors(tmp_path):
 
 
 # ---- the addition task ----
+
 
 def test_task_is_deterministic_and_split_is_disjoint():
     task = ArithmeticTask(digits=2, seed=3)
@@ -125,6 +132,7 @@ def test_demo_dataset(tmp_path):
 
 # ---- corpus and cache ----
 
+
 def test_corpus_windows_and_cache_reuse(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -184,6 +192,7 @@ def test_corpus_errors(tmp_path):
 
 
 # ---- the sampler ----
+
 
 def test_sampler_dp_chunks_union_is_the_dp1_batch():
     full = DistributedSampler(100, 12, seed=5)

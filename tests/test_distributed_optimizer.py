@@ -1,11 +1,13 @@
 """ZeRO-1 (``--distributed-optimizer``): the same training as plain AdamW in every layout, states
 sharded over dp, checkpoints that load with or without it."""
+
 import time
 import tracemalloc
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from test_train import MOE, _truncate_to, moe_settings, settings, shared_tmp
 
 from hpc_tp.checkpoint import CheckpointError, StreamedTensor, latest_checkpoint, verify_checkpoint
 from hpc_tp.checkpoint import read as checkpoint_read
@@ -16,21 +18,31 @@ from hpc_tp.train.distributed_optim import ShardedAdamW, _Piece
 from hpc_tp.train.grad_sync import ExpertAwareBucketer
 from hpc_tp.train.optim import AdamW
 from hpc_tp.train.trainer import Trainer
-from test_train import MOE, _truncate_to, moe_settings, settings, shared_tmp
 
 # (tp, pp, dp, ep) per world size, each with a model that exercises one part of the sharding:
 # fused QKV with K/V columns replicated over tp (GQA, 1 kv head at tp=2), tied embeddings kept whole
 # at pp > 1, MoE experts sharded over expert_dp.
 GQA = {"n_kv_heads": 1, "dropout": 0.1}
 TIED = {"n_layers": 4}
-LAYOUTS = {2: [(1, 1, 2, 1, GQA)],
-           4: [(1, 1, 4, 1, GQA), (2, 1, 2, 1, GQA), (1, 2, 2, 1, TIED), (1, 1, 4, 2, MOE)]}
+LAYOUTS = {2: [(1, 1, 2, 1, GQA)], 4: [(1, 1, 4, 1, GQA), (2, 1, 2, 1, GQA), (1, 2, 2, 1, TIED), (1, 1, 4, 2, MOE)]}
 
 
 def _run(comm, zero, tp, pp, dp, ep, model):
     make = moe_settings if model is MOE else settings
-    trainer = Trainer(make(tp=tp, pp=pp, dp=dp, ep=ep, steps=5, warmup=1, micro_batch=8 // dp // 2 or 1,
-                           model_overrides=model, distributed_optimizer=zero), comm)
+    trainer = Trainer(
+        make(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            ep=ep,
+            steps=5,
+            warmup=1,
+            micro_batch=8 // dp // 2 or 1,
+            model_overrides=model,
+            distributed_optimizer=zero,
+        ),
+        comm,
+    )
     return trainer, trainer.run().records
 
 
@@ -74,17 +86,26 @@ def test_checkpoints_move_between_sharded_and_whole_states(tmp_path):
     runs = [(sharded, [whole_states, sharded]), (whole_states, [sharded])]
     if comm.size == 4:
         runs += [(mixed, [sharded]), (sharded, [mixed]), (piped, [sharded])]
-    uninterrupted = np.array([r["loss"] for r in Trainer(settings(model_overrides=model, **whole_states), comm)
-                              .run().records])
+    uninterrupted = np.array(
+        [r["loss"] for r in Trainer(settings(model_overrides=model, **whole_states), comm).run().records]
+    )
     for index, (saver, resumers) in enumerate(runs):
         folder = f"{root}/run-{index}"
         Trainer(settings(model_overrides=model, save=folder, save_every=6, **saver), comm).run()
         for resumer in resumers:
             _truncate_to(folder, 6, comm)
-            tail = np.array([r["loss"] for r in Trainer(settings(model_overrides=model, save=folder, resume=True,
-                                                                 **resumer), comm).run().records])
-            assert len(tail) == 6 and np.max(np.abs(tail - uninterrupted[6:]) / uninterrupted[6:]) < 1e-9, (saver,
-                                                                                                            resumer)
+            tail = np.array(
+                [
+                    r["loss"]
+                    for r in Trainer(settings(model_overrides=model, save=folder, resume=True, **resumer), comm)
+                    .run()
+                    .records
+                ]
+            )
+            assert len(tail) == 6 and np.max(np.abs(tail - uninterrupted[6:]) / uninterrupted[6:]) < 1e-9, (
+                saver,
+                resumer,
+            )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -99,8 +120,14 @@ def test_moe_checkpoints_stream_dense_and_expert_states(tmp_path):
     Trainer(moe_settings(save=folder, save_every=2, distributed_optimizer=True, **layout), comm).run()
     for zero in (True, False):
         _truncate_to(folder, 2, comm)
-        tail = np.array([r["loss"] for r in Trainer(moe_settings(save=folder, resume=True, distributed_optimizer=zero,
-                                                                 **layout), comm).run().records])
+        tail = np.array(
+            [
+                r["loss"]
+                for r in Trainer(moe_settings(save=folder, resume=True, distributed_optimizer=zero, **layout), comm)
+                .run()
+                .records
+            ]
+        )
         assert len(tail) == 2 and np.max(np.abs(tail - whole[2:]) / whole[2:]) < 1e-9, zero
 
 
@@ -131,13 +158,21 @@ def test_a_save_and_a_resume_hold_a_bucket_of_states_at_a_time(tmp_path, monkeyp
 
     monkeypatch.setattr(trainer_module, "DEFAULT_BUCKET_BYTES", 256 << 10)
     comm = world()
-    layout = dict(dp=comm.size, micro_batch=8 // comm.size, steps=1, warmup=1, distributed_optimizer=True,
-                  save=f"{shared_tmp(tmp_path, comm)}/bounded",
-                  model_overrides={"hidden": 256, "n_layers": 4, "ffn_hidden": 1024, "dropout": 0.0})
+    layout = dict(
+        dp=comm.size,
+        micro_batch=8 // comm.size,
+        steps=1,
+        warmup=1,
+        distributed_optimizer=True,
+        save=f"{shared_tmp(tmp_path, comm)}/bounded",
+        model_overrides={"hidden": 256, "n_layers": 4, "ffn_hidden": 1024, "dropout": 0.0},
+    )
     saver = Trainer(settings(**layout), comm)
     saver.train_step()
-    unit = max([bucket.flat.nbytes for part in saver.bucketer.parts for bucket in part.buckets]
-               + [p.data.nbytes for p in saver.params.values()])  # a bucket, or a parameter longer than one
+    unit = max(
+        [bucket.flat.nbytes for part in saver.bucketer.parts for bucket in part.buckets]
+        + [p.data.nbytes for p in saver.params.values()]
+    )  # a bucket, or a parameter longer than one
     moments = sum(2 * p.data.nbytes for p in saver.params.values())
     assert moments > 20 * unit
     peaks = {"save": _traced_peak(saver.save)}
@@ -159,8 +194,10 @@ def test_a_write_failing_mid_save_fails_every_rank_and_keeps_the_last_checkpoint
     went through the same gathers)."""
     comm = world()
     root = f"{shared_tmp(tmp_path, comm)}/failing"
-    trainer = Trainer(settings(dp=comm.size, micro_batch=8 // comm.size, steps=3, warmup=1, save=root,
-                               distributed_optimizer=True), comm)
+    trainer = Trainer(
+        settings(dp=comm.size, micro_batch=8 // comm.size, steps=3, warmup=1, save=root, distributed_optimizer=True),
+        comm,
+    )
     trainer.train_step()
     first = trainer.save()
     trainer.train_step()
@@ -184,8 +221,18 @@ def test_a_write_failing_mid_save_fails_every_rank_and_keeps_the_last_checkpoint
     monkeypatch.undo()
     saved = _moments(trainer)
     second = trainer.save()
-    resumed = Trainer(settings(dp=comm.size, micro_batch=8 // comm.size, steps=3, warmup=1, save=root, resume=True,
-                               distributed_optimizer=True), comm)
+    resumed = Trainer(
+        settings(
+            dp=comm.size,
+            micro_batch=8 // comm.size,
+            steps=3,
+            warmup=1,
+            save=root,
+            resume=True,
+            distributed_optimizer=True,
+        ),
+        comm,
+    )
     assert resumed.resume() == second and resumed.step == 2
     for got, want in zip(_moments(resumed), saved, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -196,8 +243,9 @@ def _count_gathers(monkeypatch, trainer) -> list:
     calls = []
     for comm in {id(piece.comm): piece.comm for piece, _ in trainer.optimizer.pieces}.values():
         real = comm.igather_flat
-        monkeypatch.setattr(comm, "igather_flat", lambda *args, real=real, **kwargs: calls.append(1) or real(*args,
-                                                                                                              **kwargs))
+        monkeypatch.setattr(
+            comm, "igather_flat", lambda *args, real=real, **kwargs: calls.append(1) or real(*args, **kwargs)
+        )
     return calls
 
 
@@ -244,8 +292,16 @@ def test_a_rank_failing_before_its_gather_fails_every_rank_at_once(tmp_path, mon
     comm = world()
     bad = 0 if failing == "writer" else comm.size - 1
     root = shared_tmp(tmp_path, comm)
-    layout = dict(dp=comm.size, micro_batch=8 // comm.size, steps=3, warmup=1, save=f"{root}/ckpt",
-                  distributed_optimizer=True, comm_timeout=COMM_TIMEOUT, cache_dir=f"{root}/cache")
+    layout = dict(
+        dp=comm.size,
+        micro_batch=8 // comm.size,
+        steps=3,
+        warmup=1,
+        save=f"{root}/ckpt",
+        distributed_optimizer=True,
+        comm_timeout=COMM_TIMEOUT,
+        cache_dir=f"{root}/cache",
+    )
     trainer = Trainer(settings(**layout), comm)
     trainer.train_step()
     first, saved = trainer.save(), _moments(trainer)
@@ -256,8 +312,7 @@ def test_a_rank_failing_before_its_gather_fails_every_rank_at_once(tmp_path, mon
         if comm.rank == bad:  # the first moments gathered, then the second's first bucket fails
             _fail_at_call(patch, _Piece, "_outgoing", buckets + 1, MemoryError("injected: no room for the bucket"))
         gathers = _count_gathers(patch, trainer)
-        with _timed_under_watchdog(trainer, f"{root}/watchdog") as seconds, \
-                pytest.raises(CheckpointError) as raised:
+        with _timed_under_watchdog(trainer, f"{root}/watchdog") as seconds, pytest.raises(CheckpointError) as raised:
             trainer.save()
     assert str(raised.value) == f"rank {bad}: MemoryError: injected: no room for the bucket"
     assert seconds[0] < 5.0 and len(gathers) == buckets, (seconds, len(gathers), buckets)
@@ -268,8 +323,13 @@ def test_a_rank_failing_before_its_gather_fails_every_rank_at_once(tmp_path, mon
     resumer = Trainer(settings(resume=True, **layout), comm)
     with monkeypatch.context() as patch:
         if comm.rank == bad:  # a moment's read, after the weights'
-            _fail_at_call(patch, checkpoint_read, "read_verified", len(resumer.params) + 3,
-                          MemoryError("injected: no room to read"))
+            _fail_at_call(
+                patch,
+                checkpoint_read,
+                "read_verified",
+                len(resumer.params) + 3,
+                MemoryError("injected: no room to read"),
+            )
         with _timed_under_watchdog(resumer, f"{root}/watchdog") as seconds, pytest.raises(CheckpointError) as raised:
             resumer.resume()
     assert str(raised.value) == f"rank {bad}: MemoryError: injected: no room to read" and seconds[0] < 5.0, seconds
@@ -287,8 +347,18 @@ def test_a_failure_in_an_expert_group_reaches_the_whole_dp_group(tmp_path, monke
     rank raises the one error within seconds; the checkpoint before stays the latest."""
     comm = world()
     root = shared_tmp(tmp_path, comm)
-    trainer = Trainer(moe_settings(dp=4, ep=2, micro_batch=2, save=f"{root}/moe", distributed_optimizer=True,
-                                   comm_timeout=COMM_TIMEOUT, cache_dir=f"{root}/cache"), comm)
+    trainer = Trainer(
+        moe_settings(
+            dp=4,
+            ep=2,
+            micro_batch=2,
+            save=f"{root}/moe",
+            distributed_optimizer=True,
+            comm_timeout=COMM_TIMEOUT,
+            cache_dir=f"{root}/cache",
+        ),
+        comm,
+    )
     trainer.train_step()
     first = trainer.save()
     kinds = [experts for _, experts in trainer.optimizer.pieces]
@@ -324,8 +394,9 @@ def test_init_and_a_rollback_read_the_sharded_states(tmp_path):
         np.testing.assert_array_equal(p.data, saved.params[name].data, err_msg=name)
 
     clean = [r["loss"] for r in Trainer(settings(steps=6, **layout), comm).run().records]
-    faulty = PoisonedTrainer(settings(steps=6, save=f"{root}/faulty", save_every=2, max_bad_steps=2, **layout), comm,
-                             at=(2,))
+    faulty = PoisonedTrainer(
+        settings(steps=6, save=f"{root}/faulty", save_every=2, max_bad_steps=2, **layout), comm, at=(2,)
+    )
     records = faulty.run().records
     assert [r["step"] for r in records] == [1, 2, 3, 4, 3, 4, 5, 6]
     assert [r["loss"] for r in records if not r["skipped"]] == clean
@@ -348,8 +419,15 @@ def test_pieces_of_strided_fused_gradients_update_like_whole_parameters(laid_out
             fused = param_buffer((rows, 9), "float64")
             fused[...] = rng.standard_normal((rows, 9))
             grads = grad_buffer(fused)
-            params = {f"qkv{i}": Parameter(fused[:, 3 * i:3 * i + 3], split((rows, 6), 1, 2, 0, replicas=1 + i),
-                                           grad=grads[:, 3 * i:3 * i + 3], decay=i != 1) for i in range(3)}
+            params = {
+                f"qkv{i}": Parameter(
+                    fused[:, 3 * i : 3 * i + 3],
+                    split((rows, 6), 1, 2, 0, replicas=1 + i),
+                    grad=grads[:, 3 * i : 3 * i + 3],
+                    decay=i != 1,
+                )
+                for i in range(3)
+            }
             params["bias"] = Parameter(param_buffer(4, "float64"), replicated((4,), 2), decay=False)
             params["bias"].data[...] = rng.standard_normal(4)
         return params, arena
@@ -419,18 +497,25 @@ def test_half_precision_masters_live_in_the_pieces(tmp_path, dtype):
         pytest.importorskip("ml_dtypes")
     comm = world()
     folder = f"{shared_tmp(tmp_path, comm)}/half"
-    layout = dict(dp=comm.size, micro_batch=8 // comm.size, dtype=dtype, steps=6, warmup=1,
-                  model_overrides={"dropout": 0.0, "attn_dropout": 0.0})
+    layout = dict(
+        dp=comm.size,
+        micro_batch=8 // comm.size,
+        dtype=dtype,
+        steps=6,
+        warmup=1,
+        model_overrides={"dropout": 0.0, "attn_dropout": 0.0},
+    )
     records = {}
     for zero in (False, True):
         trainer = Trainer(settings(distributed_optimizer=zero, save=f"{folder}-{zero}", save_every=3, **layout), comm)
         if trainer.precision.scaler is not None:
-            trainer.precision.scaler = LossScaler(scale=2.0 ** 10)  # no overflow in this short run
+            trainer.precision.scaler = LossScaler(scale=2.0**10)  # no overflow in this short run
         records[zero] = trainer.run().records
         if zero:  # the sharded names have no float32 copy beside the pieces
             assert all(trainer.precision.master[n] is p for n, p in trainer.params.items())
-            assert all(piece.values is not None and piece.values.dtype.itemsize == 2
-                       for piece, _ in trainer.optimizer.pieces)
+            assert all(
+                piece.values is not None and piece.values.dtype.itemsize == 2 for piece, _ in trainer.optimizer.pieces
+            )
             masters = trainer.optimizer.masters(trainer.precision.master)
             assert all(isinstance(m, StreamedTensor) and m.dtype == np.float32 for m in masters.values())
     for key in ("loss", "grad_norm"):
@@ -441,6 +526,6 @@ def test_half_precision_masters_live_in_the_pieces(tmp_path, dtype):
         _truncate_to(f"{folder}-True", 3, comm)
         tail = Trainer(settings(distributed_optimizer=zero, save=f"{folder}-True", resume=True, **layout), comm)
         if tail.precision.scaler is not None:
-            tail.precision.scaler = LossScaler(scale=2.0 ** 10)
+            tail.precision.scaler = LossScaler(scale=2.0**10)
         losses = np.array([r["loss"] for r in tail.run().records])
         assert np.max(np.abs(losses - want) / want) < 1e-6, zero

@@ -9,6 +9,7 @@
 
 These start their own processes (some under mpiexec), so they run in the one-rank launch only.
 """
+
 import argparse
 import os
 import re
@@ -44,18 +45,28 @@ def runnable_blocks(path: Path) -> list[str]:
 
 
 def relative_links(path: Path) -> list[str]:
-    return [target for target in LINK.findall(path.read_text())
-            if not re.match(r"[a-z]+:", target) and not target.startswith("#")]
+    return [
+        target
+        for target in LINK.findall(path.read_text())
+        if not re.match(r"[a-z]+:", target) and not target.startswith("#")
+    ]
 
 
 def doc_env() -> dict:
     """The environment a reader has after `make install`: this checkout's venv first on PATH, and
     the Makefile's settings for ranks that share cores and may run as root."""
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", OMPI_MCA_rmaps_base_oversubscribe="1",
-               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPC_TP_PROGRESS="lines")
+    env = dict(
+        os.environ,
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        HPC_TP_PROGRESS="lines",
+    )
     return env
 
 
@@ -68,8 +79,15 @@ def test_the_runnable_marker_is_found():
 def run_block(block: str, folder: Path) -> tuple[int, str]:
     """Run one shell block in its own process group, so that a block stuck past its time limit is
     ended with everything it started (a server in the background, the ranks under mpiexec)."""
-    with subprocess.Popen(["bash", "-euo", "pipefail", "-c", block], cwd=folder, env=doc_env(), text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0) as shell:
+    with subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", block],
+        cwd=folder,
+        env=doc_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        process_group=0,
+    ) as shell:
         try:
             output, _ = shell.communicate(timeout=BLOCK_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -93,8 +111,7 @@ def test_runnable_blocks_run_as_written(path, tmp_path):
 
 @pytest.mark.parametrize("path", [p for p in LINKED if p.exists()], ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_point_to_files_that_exist(path):
-    missing = [target for target in relative_links(path)
-               if not (path.parent / target.split("#")[0]).exists()]
+    missing = [target for target in relative_links(path) if not (path.parent / target.split("#")[0]).exists()]
     assert not missing, f"{path.relative_to(ROOT)} links to missing files: {missing}"
 
 
@@ -131,7 +148,7 @@ def documented_invocations(path: Path):
             words = command.split()
             if "hpc-tp" not in words:
                 continue
-            words = words[words.index("hpc-tp") + 1:]
+            words = words[words.index("hpc-tp") + 1 :]
             if not words or not re.fullmatch(r"[a-z]+", words[0]):
                 continue  # `hpc-tp --help`, or an elided `hpc-tp ...`
             sub = words[:2] if words[0] == "bench" and len(words) > 1 and words[1].isalpha() else words[:1]

@@ -1,11 +1,14 @@
 """A chat reply ends at the end of the assistant's turn: the ids that stop a generation come from the
 checkpoint (its tokenizer's eos, generation_config.json's list, GGUF's eos/eot ids) and from the chat
 template (the token it writes after a reply), for ChatML, Llama 3 and Gemma style templates."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
+from test_convert import gpt2_source, llama_source, write_gguf, write_hf
+from test_generate import larger_weights
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from hpc_tp.cli import main
@@ -15,27 +18,36 @@ from hpc_tp.serve.chat import ChatTemplate, stop_at_end_of_turn
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.tokenizer import HFTokenizer, load_tokenizer_dir
-from test_convert import gpt2_source, llama_source, write_gguf, write_hf
-from test_generate import larger_weights
 
 # Templates in the style of each family: where the turns open, the token that closes them, the
 # tokenizer's own eos (another token: a reply must stop at the turn's end all the same).
 FAMILIES = {
     "chatml": dict(
         source="{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-        specials=["<|im_start|>", "<|im_end|>"], end="<|im_end|>", eos="<|endoftext|>", bos=""),
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        specials=["<|im_start|>", "<|im_end|>"],
+        end="<|im_end|>",
+        eos="<|endoftext|>",
+        bos="",
+    ),
     "llama3": dict(
         source="{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-               "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
-        specials=["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], end="<|eot_id|>",
-        eos="<|end_of_text|>", bos="<|begin_of_text|>"),
+        "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+        specials=["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        end="<|eot_id|>",
+        eos="<|end_of_text|>",
+        bos="<|begin_of_text|>",
+    ),
     "gemma": dict(
         source="{{ bos_token }}{% for m in messages %}<start_of_turn>"
-               "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n"
-               "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
-        specials=["<start_of_turn>", "<end_of_turn>"], end="<end_of_turn>", eos="<eos>", bos="<bos>"),
+        "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n"
+        "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+        specials=["<start_of_turn>", "<end_of_turn>"],
+        end="<end_of_turn>",
+        eos="<eos>",
+        bos="<bos>",
+    ),
 }
 WORDS = ["user", "assistant", "model", "What", "is", "the", "capital", "of", "France", "?", "Paris", "."]
 V = 64
@@ -71,8 +83,20 @@ def test_a_template_without_special_tokens_or_one_that_refuses_the_probe_adds_no
 
 
 def _untied_model(seed=4):
-    cfg = ModelConfig(vocab_size=V, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=64,
-                      norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=V,
+        hidden=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=48,
+        max_seq_len=64,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    )
     return larger_weights(GPTModel(cfg, self_comm(), seed=seed))
 
 
@@ -96,7 +120,7 @@ def test_a_greedy_chat_stops_at_the_end_of_its_turn_and_no_template_text_follows
     assert out[0].finish_reason == "stop" and out[0].ids == picks[:k]
     assert out[0].text == tokenizer.decode(picks[:k])
     without_the_stop, _ = Engine(model, family(name)[0]).generate([prompt], [SamplingParams(max_new_tokens=k + 3)])
-    assert without_the_stop[0].ids[:k + 1] == picks[:k] + [end_id]  # what the template's stop id cut off
+    assert without_the_stop[0].ids[: k + 1] == picks[:k] + [end_id]  # what the template's stop id cut off
 
 
 def test_stop_ids_come_from_the_checkpoint_and_are_kept_by_convert_and_export(tmp_path):

@@ -1,17 +1,18 @@
 """``hpc-tp eval``: a checkpoint's loss and perplexity on a corpus are those of one process, at tp =
 world size and with the windows split over data-parallel replicas (float64)."""
+
 import json
 import math
 
 import numpy as np
 import pytest
+from test_generate import _model, write_checkpoint
 
 from hpc_tp.cli import main
 from hpc_tp.comm.mpi import self_comm, world
 from hpc_tp.grid import ProcessGrid
-from hpc_tp.train.data import build_dataset
 from hpc_tp.tokenizer import ByteTokenizer
-from test_generate import _model, write_checkpoint
+from hpc_tp.train.data import build_dataset
 
 pytestmark = pytest.mark.mpi(min_size=1)
 TEXT = "the quick brown fox jumps over the lazy dog; " * 12  # 540 bytes: 33 windows of 16
@@ -39,9 +40,27 @@ def test_eval_gives_one_process_loss_and_perplexity(tmp_path, tp_flag):
     flags = ["--tp", tp_flag] if tp_flag else []
     for windows in (None, 5):
         more = ["--max-windows", str(windows)] if windows else []
-        code = main(["eval", "--ckpt", str(ckpt), "--data", str(folder / "corpus.txt"), "--seq-len", "16",
-                     "--batch", "4", "--dtype", "float64", "--cache-dir", str(folder / "cache"),
-                     "--json", str(folder / "out.json"), *flags, *more])
+        code = main(
+            [
+                "eval",
+                "--ckpt",
+                str(ckpt),
+                "--data",
+                str(folder / "corpus.txt"),
+                "--seq-len",
+                "16",
+                "--batch",
+                "4",
+                "--dtype",
+                "float64",
+                "--cache-dir",
+                str(folder / "cache"),
+                "--json",
+                str(folder / "out.json"),
+                *flags,
+                *more,
+            ]
+        )
         comm.barrier()
         assert code == 0
         result = json.loads((folder / "out.json").read_text())

@@ -1,11 +1,13 @@
 """Incremental decoding: the KV cache gives the full forward pass's logits at every position, greedy
 tokens are the same at every tp, a Llama-family model matches a plain-numpy reference, sampling and
 stop rules behave, and ``hpc-tp generate`` serves a JSON-lines batch from a checkpoint."""
+
 import json
 import math
 
 import numpy as np
 import pytest
+from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.errors import ConfigError
@@ -18,7 +20,6 @@ from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache, RowsPrefill
 from hpc_tp.serve.sampling import SamplingParams, next_token
 from hpc_tp.tokenizer import ByteTokenizer
-from tp_helpers import max_rel_err, tp_and_reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -26,11 +27,29 @@ V = 258  # the byte tokenizer's vocabulary
 CONFIGS = {
     "gpt2": dict(vocab_size=V, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=32),
     # 2 kv heads: replicated at tp = 4; llama3 rope scaling with a short original context so every band is hit
-    "llama-gqa": dict(vocab_size=V, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
-                      norm="rmsnorm", norm_eps=1e-6, activation="swiglu", position="rope", rope_theta=500.0,
-                      bias=False, tie_embeddings=False,
-                      rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama-gqa": dict(
+        vocab_size=V,
+        hidden=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=48,
+        max_seq_len=32,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        activation="swiglu",
+        position="rope",
+        rope_theta=500.0,
+        bias=False,
+        tie_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
 }
 PROMPTS = [[5, 17, 99, 3, 250], [42, 7], [1, 2, 3, 4, 5, 6, 7], [200]]
 
@@ -63,12 +82,15 @@ def test_cached_logits_equal_full_forward_at_every_position(name, query_block, m
     lens = np.array([len(p) for p in PROMPTS])
     for s in range(new):
         key_mask[:, width + s] = True
-        steps.append(model.infer(follow[:, s:s + 1], (lens + s)[:, None], key_mask[:, :width + s + 1], cache,
-                                 all_positions=True))
+        steps.append(
+            model.infer(
+                follow[:, s : s + 1], (lens + s)[:, None], key_mask[:, : width + s + 1], cache, all_positions=True
+            )
+        )
     for i, prompt in enumerate(PROMPTS):
         seq = np.array(prompt + list(follow[i]))[None]
         full = model.logits(seq)[0]
-        cached = np.concatenate([steps[0][i, width - len(prompt):]] + [step[i] for step in steps[1:]])
+        cached = np.concatenate([steps[0][i, width - len(prompt) :]] + [step[i] for step in steps[1:]])
         assert max_rel_err(cached, full) <= 1e-10, f"row {i}"
 
 
@@ -99,18 +121,19 @@ def test_right_padded_prompts_prefilled_into_chosen_rows_are_each_as_alone(name)
     rows, lens = np.array([4, 0, 2, 3]), np.array([len(p) for p in PROMPTS])
     tokens = np.zeros((len(PROMPTS), lens.max()), dtype=np.int64)
     for i, prompt in enumerate(PROMPTS):
-        tokens[i, :len(prompt)] = prompt
+        tokens[i, : len(prompt)] = prompt
     cache = KVCache.for_model(model, 6, 10)
     cache.k[:], cache.v[:] = 7.0, 7.0  # what earlier requests left: stays where no prompt is written
-    batched = model.infer(tokens, np.arange(lens.max()), np.arange(lens.max()) < lens[:, None],
-                          RowsPrefill(cache, rows), last=lens - 1)
+    batched = model.infer(
+        tokens, np.arange(lens.max()), np.arange(lens.max()) < lens[:, None], RowsPrefill(cache, rows), last=lens - 1
+    )
     for i, prompt in enumerate(PROMPTS):
         alone = KVCache.for_model(model, 1, len(prompt))
         logits = model.infer(np.array([prompt]), np.arange(len(prompt))[None], np.ones((1, len(prompt)), bool), alone)
         assert max_rel_err(batched[i], logits[0]) <= 1e-10, f"prompt {i}"
         for mine, own in ((cache.k, alone.k), (cache.v, alone.v)):
-            assert max_rel_err(mine[:, rows[i], :, :len(prompt)], own[:, 0]) <= 1e-10, f"prompt {i}"
-    assert (cache.k[:, [1, 5]] == 7.0).all() and (cache.k[:, rows, :, lens.max():] == 7.0).all()
+            assert max_rel_err(mine[:, rows[i], :, : len(prompt)], own[:, 0]) <= 1e-10, f"prompt {i}"
+    assert (cache.k[:, [1, 5]] == 7.0).all() and (cache.k[:, rows, :, lens.max() :] == 7.0).all()
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -125,7 +148,7 @@ def test_fixed_shape_decode_steps_equal_growing_ones(name):
     for stepper in (GrowingStep, FixedStep):
         tokens, key_mask, positions = left_pad(PROMPTS, new, pad_id=0)
         cache = KVCache.for_model(model, len(PROMPTS), tokens.shape[1] + new)
-        model.infer(tokens, positions, key_mask[:, :tokens.shape[1]], cache)
+        model.infer(tokens, positions, key_mask[:, : tokens.shape[1]], cache)
         step = stepper(model, cache, key_mask, lens)
         runs[stepper] = [step.step(follow[:, s]) for s in range(new)], cache
     (growing, cache), (fixed, fixed_cache) = runs[GrowingStep], runs[FixedStep]
@@ -168,7 +191,7 @@ def _greedy_without_cache(model, prompt, n):
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(np.argmax(model.logits(np.array(ids)[None])[0, -1])))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -177,8 +200,9 @@ def test_greedy_tokens_same_at_every_tp(name):
     params = [SamplingParams(max_new_tokens=n) for n in (6, 3, 6, 5)]
     results = {}
     for label, comm in (("tp", tp), ("one", one)):
-        out = Engine(_model(name, comm), ByteTokenizer()).generate(PROMPTS if comm.rank == 0 else None,
-                                                                   params if comm.rank == 0 else None)
+        out = Engine(_model(name, comm), ByteTokenizer()).generate(
+            PROMPTS if comm.rank == 0 else None, params if comm.rank == 0 else None
+        )
         results[label] = None if out is None else [c.ids for c in out[0]]
     gathered = tp.allgather_object(results["tp"])[0]  # tp rank 0's answer, on every rank
     assert gathered == results["one"]
@@ -238,8 +262,9 @@ def test_decoding_never_drops():
     """A checkpoint trained with dropout decodes as the same weights without it (the model's
     dropout switch, on by default for training, is off inside every inference call)."""
     plain = _model("llama-gqa", self_comm())
-    dropped = GPTModel(ModelConfig(**dict(CONFIGS["llama-gqa"], dropout=0.5, attn_dropout=0.5)), self_comm(),
-                       dtype="float64", seed=0)
+    dropped = GPTModel(
+        ModelConfig(**dict(CONFIGS["llama-gqa"], dropout=0.5, attn_dropout=0.5)), self_comm(), dtype="float64", seed=0
+    )
     for name, p in dropped.state().items():
         p.data[...] = plain.state()[name].data
     assert dropped.rng.training
@@ -251,8 +276,10 @@ def test_decoding_never_drops():
 
 def test_a_cancelled_row_stops_and_the_batch_ends_with_the_others():
     engine = Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
-    prompts, params = [list(b"abandoned"), list(b"kept")], [SamplingParams(max_new_tokens=20),
-                                                            SamplingParams(max_new_tokens=4)]
+    prompts, params = (
+        [list(b"abandoned"), list(b"kept")],
+        [SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=4)],
+    )
     alone, _ = engine.generate([prompts[1]], [params[1]])
     infer, calls = engine.model.infer, []
     engine.model.infer = lambda *args: calls.append(1) or infer(*args)
@@ -270,9 +297,12 @@ def test_stop_string_eos_and_streamed_text():
     stop = text[3:5]
     assert plain[0].finish_reason == "length" and len(plain[0].ids) == 12 and len(stop) == 2
     pieces = []
-    out, metrics = engine.generate([PROMPTS[0]] * 2, [SamplingParams(max_new_tokens=12, stop=[stop])] * 2,
-                                   on_text=lambda row, piece, finish: pieces.append((row, piece, finish)))
-    assert out[0].text == text[:text.find(stop)] and out[0].finish_reason == "stop"
+    out, metrics = engine.generate(
+        [PROMPTS[0]] * 2,
+        [SamplingParams(max_new_tokens=12, stop=[stop])] * 2,
+        on_text=lambda row, piece, finish: pieces.append((row, piece, finish)),
+    )
+    assert out[0].text == text[: text.find(stop)] and out[0].finish_reason == "stop"
     assert "".join(p for r, p, _ in pieces if r == 0) == out[0].text
     assert [f for r, _, f in pieces if r == 0][-1] == "stop"
     assert metrics.new_tokens == 2 * len(out[0].ids) and metrics.kv_cache_bytes_per_rank[0] > 0
@@ -323,7 +353,7 @@ def _numpy_llama(w, cfg, ids):
     cos, sin = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
 
     def rotate(x):  # x [heads, T, d]; HF's rotate_half
-        return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+        return x * cos + np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
     x = w["embed.weight"][ids]
     for layer in range(cfg.n_layers):
@@ -352,10 +382,13 @@ def test_llama_matches_numpy_reference():
     prompt = PROMPTS[2]
     want = _numpy_llama(weights, cfg, np.array(prompt))
     cache = KVCache.for_model(model, 1, len(prompt))
-    got = np.concatenate([model.infer(np.array([prompt[:3]]), np.arange(3)[None], np.ones((1, 3), bool), cache,
-                                      all_positions=True)[0]] +
-                         [model.infer(np.array([[tok]]), np.array([[i]]), np.ones((1, i + 1), bool), cache,
-                                      all_positions=True)[0] for i, tok in enumerate(prompt[3:], start=3)])
+    got = np.concatenate(
+        [model.infer(np.array([prompt[:3]]), np.arange(3)[None], np.ones((1, 3), bool), cache, all_positions=True)[0]]
+        + [
+            model.infer(np.array([[tok]]), np.array([[i]]), np.ones((1, i + 1), bool), cache, all_positions=True)[0]
+            for i, tok in enumerate(prompt[3:], start=3)
+        ]
+    )
     assert max_rel_err(got, want) <= 1e-6
     assert max_rel_err(model.logits(np.array([prompt]))[0], want) <= 1e-6
 
@@ -389,16 +422,36 @@ def test_generate_command_serves_a_jsonl_batch(tmp_path, tp_flag, batching):
     if comm.rank == 0:
         (folder / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     comm.barrier()
-    flags = ["generate", "--ckpt", str(ckpt), "--prompts", str(folder / "in.jsonl"), "--out",
-             str(folder / "out.jsonl"), "--max-new-tokens", "5", "--batch-size", "2", "--dtype", "float64",
-             "--batching", batching]
+    flags = [
+        "generate",
+        "--ckpt",
+        str(ckpt),
+        "--prompts",
+        str(folder / "in.jsonl"),
+        "--out",
+        str(folder / "out.jsonl"),
+        "--max-new-tokens",
+        "5",
+        "--batch-size",
+        "2",
+        "--dtype",
+        "float64",
+        "--batching",
+        batching,
+    ]
     assert main(flags + (["--tp", tp_flag] if tp_flag else [])) == 0
     comm.barrier()
     got = [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
     assert [g["id"] for g in got] == [line["id"] for line in lines]
     engine = Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
-    params = [SamplingParams(max_new_tokens=line.get("max_new_tokens", 5), temperature=line.get("temperature", 0.0),
-                             seed=line.get("seed", 0)) for line in lines]
+    params = [
+        SamplingParams(
+            max_new_tokens=line.get("max_new_tokens", 5),
+            temperature=line.get("temperature", 0.0),
+            seed=line.get("seed", 0),
+        )
+        for line in lines
+    ]
     want, _ = engine.generate([list(t.encode()) for t in texts], params)
     assert [g["completion"] for g in got] == [w.text for w in want]
     assert [g["completion_tokens"] for g in got] == [len(w.ids) for w in want]

@@ -6,17 +6,18 @@ laptops). Without a device: every kernel is compiled in every dtype functional s
 cupy finds NVRTC and the CUDA headers, and the wrappers' dtype handling runs everywhere (numpy
 standing in for cupy). The 2-rank test shares one device through MPI (NCCL refuses one device twice).
 """
+
 import sys
 
 import numpy as np
 import pytest
+from test_cublas import LAYOUTS, layout
 
 from hpc_tp import backend
+from hpc_tp.backend import resolve_dtype
 from hpc_tp.bench import gpu_check as G
 from hpc_tp.kernels import cuda_kernels as K
 from hpc_tp.kernels import functional as F
-from hpc_tp.backend import resolve_dtype
-from test_cublas import LAYOUTS, layout
 
 CUDA = backend.cuda_available()
 if CUDA:
@@ -26,7 +27,8 @@ if CUDA:
 def device_test(test):
     """On the device (``on_device``), or skipped with the reason where there is none."""
     return pytest.mark.skipif(not CUDA, reason="no CUDA device (cupy missing or no GPU visible)")(
-        pytest.mark.usefixtures("on_device")(test))
+        pytest.mark.usefixtures("on_device")(test)
+    )
 
 
 @pytest.fixture
@@ -46,7 +48,7 @@ def _nvrtc(options=()):
     try:
         nvrtc.getVersion()
         return nvrtc, [*core.assemble_cupy_compiler_options(tuple(options)), "-arch=compute_90"]
-    except Exception as error:  # noqa: BLE001: NVRTC and the CUDA headers are separate packages
+    except Exception as error:  # noqa: BLE001 -- NVRTC and the CUDA headers are separate packages
         pytest.skip(f"NVRTC or the CUDA headers are not found here: {error}")
 
 
@@ -57,7 +59,7 @@ def _compile(label, source, names=(), options=()):
         nvrtc.addNameExpression(program, name)
     try:
         nvrtc.compileProgram(program, options)
-    except Exception:  # noqa: BLE001: the log says why
+    except Exception:  # noqa: BLE001 -- the log says why
         pytest.fail(f"{label} does not compile for sm_90:\n{nvrtc.getProgramLog(program)}")
     assert nvrtc.getPTX(program)
 
@@ -82,7 +84,7 @@ def test_elementwise_kernels_compile_for_sm90(dtype):
     dtype = np.dtype(dtype)
     try:
         get_typename(dtype)
-    except Exception:  # noqa: BLE001: cupy < 14 has no bfloat16 arrays, so functional never sends one
+    except Exception:  # noqa: BLE001 -- cupy < 14 has no bfloat16 arrays, so functional never sends one
         pytest.skip(f"cupy {cupy.__version__} has no C type for {dtype}")
     headers = "".join(f"#include <{h}>\n" for h in core._cupy_header_list)  # what cupy puts first
     for name in K.ELEMENTWISE:
@@ -90,8 +92,9 @@ def test_elementwise_kernels_compile_for_sm90(dtype):
         types = kernel._decide_params_type((dtype,) * kernel.nin, ())[2]
         args = tuple(_kernel._ArgInfo(1, cupy.ndarray, dtype, 1, True, True) for _ in range(kernel.nargs))
         args += (_kernel._ArgInfo(2, _carray.Indexer, None, 1, True, True),)  # kinds: ndarray 1, indexer 2
-        source = _kernel._get_elementwise_kernel_code(args, types, kernel.params, kernel.operation, kernel.name,
-                                                      kernel.preamble)
+        source = _kernel._get_elementwise_kernel_code(
+            args, types, kernel.params, kernel.operation, kernel.name, kernel.preamble
+        )
         _compile(f"{name} {dtype}", headers + source)
 
 
@@ -113,6 +116,7 @@ def host_kernels(monkeypatch):
         def run(*arrays):
             launch(name, *arrays)
             return np.zeros_like(arrays[0]) if outputs == 1 else tuple(np.zeros_like(arrays[0]) for _ in range(outputs))
+
         return run
 
     def rows(name, x, *args):
@@ -134,12 +138,18 @@ def test_kernels_run_in_the_dispatched_dtype(host_kernels, grad, saved):
     def a(dtype, shape=(3, 8)):
         return rng.standard_normal(shape).astype(dtype)
 
-    results = [K.gelu_tanh_backward(a(grad), (a(saved), a(saved))), K.silu_backward(a(grad), (a(saved), a(saved))),
-               *K.swiglu_backward(a(grad), (a(saved), a(saved))), K.swiglu_forward(a(grad), a(saved))[0]]
+    results = [
+        K.gelu_tanh_backward(a(grad), (a(saved), a(saved))),
+        K.silu_backward(a(grad), (a(saved), a(saved))),
+        *K.swiglu_backward(a(grad), (a(saved), a(saved))),
+        K.swiglu_forward(a(grad), a(saved))[0],
+    ]
     if grad in K._CTYPES:  # the row kernels' dtypes (functional sends them no other)
-        results += [K.softmax_backward(a(grad), a(saved)),
-                    K.layernorm_backward(a(grad), a(saved, 8), (a(saved), a(saved, (3, 1))))[0],
-                    K.rmsnorm_backward(a(grad), a(saved, 8), (a(saved), a(saved, (3, 1))))[0]]
+        results += [
+            K.softmax_backward(a(grad), a(saved)),
+            K.layernorm_backward(a(grad), a(saved, 8), (a(saved), a(saved, (3, 1))))[0],
+            K.rmsnorm_backward(a(grad), a(saved, 8), (a(saved), a(saved, (3, 1))))[0],
+        ]
     assert {dtype.name for _, dtype in host_kernels} == {grad}
     assert all(r.dtype == grad for r in results)
 
@@ -220,7 +230,7 @@ def _attention_pass(device: str, t: int, padded: bool) -> list:
     rng = np.random.default_rng(0)
     x, dy = (backend.xp.asarray(rng.standard_normal((2, t, 32))) for _ in range(2))
     key_mask = np.ones((2, t), "int64")
-    key_mask[1, t - 20:] = 0
+    key_mask[1, t - 20 :] = 0
     y, ctx = layer.forward(x, key_mask=backend.xp.asarray(key_mask) if padded else None)
     dx = layer.backward(dy, ctx)
     return [backend.to_numpy(a) for a in (y, dx, *(p.grad for _, p in layer.named_parameters()))]
@@ -240,11 +250,12 @@ def test_attention_in_device_blocks_equals_the_cpu_blocks(padded):
 def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
     """Greedy generation with the KV cache (a left-padded prefill, then a token a step) on the device
     picks the CPU's tokens, and the device's logits of the whole sequences equal the CPU's (float64)."""
+    from test_generate import PROMPTS, _model
+
     from hpc_tp.comm.mpi import self_comm
     from hpc_tp.serve.generate import Engine
     from hpc_tp.serve.sampling import SamplingParams
     from hpc_tp.tokenizer import ByteTokenizer
-    from test_generate import PROMPTS, _model
 
     params = [SamplingParams(max_new_tokens=n) for n in (6, 3, 6, 5)]
     ids, logits = {}, {}
@@ -320,13 +331,16 @@ def test_training_on_the_device_equals_the_cpu_in_float64(model):
 
 
 @device_test
-@pytest.mark.parametrize("dtype, model", [("float16", {}), ("bfloat16", {}), ("bfloat16", G.MOE)],
-                         ids=["float16", "bfloat16", "bfloat16-moe"])
+@pytest.mark.parametrize(
+    "dtype, model",
+    [("float16", {}), ("bfloat16", {}), ("bfloat16", G.MOE)],
+    ids=["float16", "bfloat16", "bfloat16-moe"],
+)
 def test_mixed_precision_on_the_device_follows_float32(dtype, model):
     if dtype == "bfloat16" and G._bfloat16_missing():
         pytest.skip(G._bfloat16_missing())
     full, _ = G.train_losses("cuda", "float32", steps=5, **model)
-    half, trainer = G.train_losses("cuda", dtype, steps=5, loss_scale=2.0 ** 10, **model)
+    half, trainer = G.train_losses("cuda", dtype, steps=5, loss_scale=2.0**10, **model)
     assert all(p.data.dtype == np.float32 for p in trainer.precision.master.values())
     assert max(abs(a - b) / b for a, b in zip(half, full)) <= G.MIXED_TOL[dtype] and half[-1] < half[0]
 
@@ -362,4 +376,6 @@ def test_a_check_that_fails_without_a_message_is_a_row_not_a_crash(tmp_path):
     report.check("silent", "1e-9", lambda: (_ for _ in ()).throw(AssertionError()))
     report.check("next", "1e-9", lambda: G._bounded(0.0, 1e-9))
     assert [(row["check"], row["result"], row["detail"]) for row in report.checks] == [
-        ("silent", "FAIL", "AssertionError: "), ("next", "ok", "")]
+        ("silent", "FAIL", "AssertionError: "),
+        ("next", "ok", ""),
+    ]

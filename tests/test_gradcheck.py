@@ -1,4 +1,5 @@
 """Finite-difference checks of every layer's hand-written backward at tp=1 (float64)."""
+
 import numpy as np
 import pytest
 
@@ -55,13 +56,31 @@ X = np.random.default_rng(1).standard_normal((B, T, H))
 C = self_comm()
 
 
-@pytest.mark.parametrize("layer", [
-    lambda: ColumnParallelLinear(H, 8, C), lambda: RowParallelLinear(8, H, C, input_is_parallel=False),
-    lambda: LayerNorm(H, 1), lambda: RMSNorm(H, 1),
-    lambda: ParallelMLP(H, 16, C, "gelu_tanh"), lambda: ParallelMLP(H, 16, C, "gelu"), lambda: ParallelMLP(H, 16, C, "swiglu"),
-    lambda: ParallelAttention(H, 6, 2, C, causal=True, rope_theta=100.0),
-    lambda: ParallelAttention(H, 3, 3, C, causal=False),
-], ids=["column", "row", "layernorm", "rmsnorm", "mlp-gelu-tanh", "mlp-gelu-erf", "mlp-swiglu", "attn-gqa-rope", "attn-bidir"])
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: ColumnParallelLinear(H, 8, C),
+        lambda: RowParallelLinear(8, H, C, input_is_parallel=False),
+        lambda: LayerNorm(H, 1),
+        lambda: RMSNorm(H, 1),
+        lambda: ParallelMLP(H, 16, C, "gelu_tanh"),
+        lambda: ParallelMLP(H, 16, C, "gelu"),
+        lambda: ParallelMLP(H, 16, C, "swiglu"),
+        lambda: ParallelAttention(H, 6, 2, C, causal=True, rope_theta=100.0),
+        lambda: ParallelAttention(H, 3, 3, C, causal=False),
+    ],
+    ids=[
+        "column",
+        "row",
+        "layernorm",
+        "rmsnorm",
+        "mlp-gelu-tanh",
+        "mlp-gelu-erf",
+        "mlp-swiglu",
+        "attn-gqa-rope",
+        "attn-bidir",
+    ],
+)
 def test_layer_gradients(layer, monkeypatch):
     monkeypatch.setattr(attention, "QUERY_BLOCK", 2)  # T = 5: causal blocks of 2, 2 and 1 queries
     m = _init(layer())

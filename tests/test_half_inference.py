@@ -1,17 +1,18 @@
 """Inference with half-precision weights (``--dtype bfloat16|float16``): prefill and KV-cached decode
 steps at tp = the world size give one process's logits at the same precision, and stay close to
 float32's; products run through ``kernels.small_m`` (few rows) and its blockwise widening (prefill)."""
+
 import json
 
 import numpy as np
 import pytest
+from test_generate import CONFIGS, PROMPTS, larger_weights
+from tp_helpers import max_rel_err, tp_and_reference
 
+from hpc_tp.backend import resolve_dtype
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.generate import left_pad
 from hpc_tp.serve.kv_cache import KVCache
-from hpc_tp.backend import resolve_dtype
-from test_generate import CONFIGS, PROMPTS, larger_weights
-from tp_helpers import max_rel_err, tp_and_reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
 pytest.importorskip("ml_dtypes")
@@ -41,7 +42,7 @@ def _logits(comm, dtype):
     ids, lens = np.argmax(np.asarray(prefill[:, -1], np.float32), axis=-1), np.array([len(p) for p in PROMPTS])
     for s in range(STEPS):
         key_mask[:, width + s] = True
-        out.append(model.infer(ids[:, None], (lens + s)[:, None], key_mask[:, :width + s + 1], cache))
+        out.append(model.infer(ids[:, None], (lens + s)[:, None], key_mask[:, : width + s + 1], cache))
         ids = (ids * 7 + 3) % CONFIG["vocab_size"]  # fixed follow-ups: every run feeds the same tokens
     return [np.asarray(o, np.float64) for o in out]
 
@@ -63,14 +64,15 @@ def test_half_logits_close_to_float32(dtype):
 def test_generate_command_loads_a_checkpoint_in_bfloat16(tmp_path):
     """``hpc-tp generate --dtype bfloat16`` rounds the checkpoint's weights to 16 bits (half float32's
     bytes) and writes the completions the same model gives in-process at the same tp."""
+    from test_generate import write_checkpoint
+
     from hpc_tp.cli import main
     from hpc_tp.comm.mpi import world
     from hpc_tp.grid import ProcessGrid
-    from hpc_tp.serve.loading import load_for_inference
     from hpc_tp.serve.generate import Engine
+    from hpc_tp.serve.loading import load_for_inference
     from hpc_tp.serve.sampling import SamplingParams
     from hpc_tp.tokenizer import ByteTokenizer
-    from test_generate import write_checkpoint
 
     comm = world()
     folder = comm.bcast_object(tmp_path if comm.rank == 0 else None)
@@ -79,8 +81,24 @@ def test_generate_command_loads_a_checkpoint_in_bfloat16(tmp_path):
     if comm.rank == 0:
         (folder / "in.jsonl").write_text("".join(f'{{"prompt": "{t}"}}\n' for t in texts))
     comm.barrier()
-    assert main(["generate", "--ckpt", str(ckpt), "--prompts", str(folder / "in.jsonl"), "--out",
-                 str(folder / "out.jsonl"), "--max-new-tokens", "5", "--dtype", "bfloat16"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(ckpt),
+                "--prompts",
+                str(folder / "in.jsonl"),
+                "--out",
+                str(folder / "out.jsonl"),
+                "--max-new-tokens",
+                "5",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
     comm.barrier()
     got = (folder / "out.jsonl").read_text().splitlines()
     args = type("Args", (), {"ckpt": str(ckpt), "tp": None, "dtype": "bfloat16", "device": "cpu"})()
@@ -88,7 +106,9 @@ def test_generate_command_loads_a_checkpoint_in_bfloat16(tmp_path):
     full = GPTModel(ModelConfig(**CONFIGS["llama-gqa"]), comm, dtype="float32")
     assert model.local_bytes() * 2 == full.local_bytes()
     lead = comm.rank == 0  # the engine takes the prompts on world rank 0 and answers there
-    out = Engine(model, tokenizer).generate([list(t.encode()) for t in texts] if lead else None,
-                                            [SamplingParams(max_new_tokens=5)] * len(texts) if lead else None)
+    out = Engine(model, tokenizer).generate(
+        [list(t.encode()) for t in texts] if lead else None,
+        [SamplingParams(max_new_tokens=5)] * len(texts) if lead else None,
+    )
     if lead:
         assert [json.loads(line)["completion"] for line in got] == [w.text for w in out[0]]

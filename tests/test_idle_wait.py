@@ -1,5 +1,6 @@
 """An idle broadcast: ranks that wait long for rank 0 (a server between requests) sleep instead of
 spinning in MPI's progress loop, and still receive exactly what rank 0 sends."""
+
 from __future__ import annotations
 
 import time

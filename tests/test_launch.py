@@ -3,6 +3,7 @@
 The environments below are the ones measured under SLURM 22.05 and Open MPI 5 (tests/test_slurm.py
 runs the real thing): an sbatch script, an srun step with and without PMI, mpirun inside an allocation.
 """
+
 import pytest
 from mpi4py import MPI
 
@@ -20,17 +21,20 @@ HYDRA = {"PMI_SIZE": "4", "PMI_RANK": "1", "PMI_FD": "5", "MPI_LOCALNRANKS": "4"
 HYDRA_REMOTE = {**HYDRA, "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}
 
 
-@pytest.mark.parametrize("env, launcher, hints", [
-    ({}, "none", {}),
-    (BATCH, "none", {}),  # a lone `python` inside sbatch: SLURM_NTASKS is the allocation's, not a hint
-    (STEP, "slurm", {"SLURM_STEP_NUM_TASKS": 4}),
-    ({k: v for k, v in STEP.items() if k != "SLURM_STEP_NUM_TASKS"}, "slurm", {"SLURM_NTASKS": 4}),
-    (OMPI, "openmpi", {"OMPI_COMM_WORLD_SIZE": 4}),
-    (OMPI_REMOTE, "openmpi", {"OMPI_COMM_WORLD_SIZE": 4}),  # the daemon step's SLURM_NTASKS=2 is not about ranks
-    (PMI2, "slurm", {"PMI_SIZE": 4}),
-    (HYDRA, "mpich", {"PMI_SIZE": 4}),
-    (HYDRA_REMOTE, "mpich", {"PMI_SIZE": 4}),
-])
+@pytest.mark.parametrize(
+    "env, launcher, hints",
+    [
+        ({}, "none", {}),
+        (BATCH, "none", {}),  # a lone `python` inside sbatch: SLURM_NTASKS is the allocation's, not a hint
+        (STEP, "slurm", {"SLURM_STEP_NUM_TASKS": 4}),
+        ({k: v for k, v in STEP.items() if k != "SLURM_STEP_NUM_TASKS"}, "slurm", {"SLURM_NTASKS": 4}),
+        (OMPI, "openmpi", {"OMPI_COMM_WORLD_SIZE": 4}),
+        (OMPI_REMOTE, "openmpi", {"OMPI_COMM_WORLD_SIZE": 4}),  # the daemon step's SLURM_NTASKS=2 is not about ranks
+        (PMI2, "slurm", {"PMI_SIZE": 4}),
+        (HYDRA, "mpich", {"PMI_SIZE": 4}),
+        (HYDRA_REMOTE, "mpich", {"PMI_SIZE": 4}),
+    ],
+)
 def test_launcher_and_hints(env, launcher, hints):
     assert detect_launcher(env) == launcher
     assert launch_hints(env) == hints
@@ -49,7 +53,9 @@ def _scaled(env, size):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("env", [STEP, OMPI, OMPI_REMOTE, PMI2, HYDRA], ids=["step", "ompi", "ompi-remote", "pmi2", "hydra"])
+@pytest.mark.parametrize(
+    "env", [STEP, OMPI, OMPI_REMOTE, PMI2, HYDRA], ids=["step", "ompi", "ompi-remote", "pmi2", "hydra"]
+)
 def test_check_launch_agrees_with_matching_hints(env):
     check_launch(_scaled(env, MPI.COMM_WORLD.Get_size()))
 
@@ -60,8 +66,10 @@ def test_check_launch_ignores_the_allocation_outside_a_step():
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("env, var", [(STEP, "SLURM_STEP_NUM_TASKS"), (OMPI, "OMPI_COMM_WORLD_SIZE"),
-                                      (PMI2, "PMI_SIZE"), (HYDRA, "PMI_SIZE")])
+@pytest.mark.parametrize(
+    "env, var",
+    [(STEP, "SLURM_STEP_NUM_TASKS"), (OMPI, "OMPI_COMM_WORLD_SIZE"), (PMI2, "PMI_SIZE"), (HYDRA, "PMI_SIZE")],
+)
 def test_check_launch_rejects_a_disagreeing_launcher(env, var):
     size = MPI.COMM_WORLD.Get_size()
     with pytest.raises(ConfigError, match=f"{var}={size + 1} but MPI formed a world of") as info:

@@ -5,6 +5,7 @@ with ``ast`` and mapped to its layer; an import of a higher layer fails, naming 
 and both layers. Modules import each other without cycles, and mpi4py is imported only where
 ``MPI_ALLOWED`` says.
 """
+
 import ast
 from pathlib import Path
 
@@ -33,8 +34,12 @@ LAYERS = {
     "bench": ["hpc_tp.bench"],
     # The command line: each subcommand's module; plan.validate, which `hpc-tp plan --validate` runs
     # (the benchmarks and the trainer on the planned layouts); bench.gpu_check, a program of its own.
-    "cli": ["hpc_tp.cli", *(module for module, _ in COMMANDS.values()), "hpc_tp.plan.validate",
-            "hpc_tp.bench.gpu_check"],
+    "cli": [
+        "hpc_tp.cli",
+        *(module for module, _ in COMMANDS.values()),
+        "hpc_tp.plan.validate",
+        "hpc_tp.bench.gpu_check",
+    ],
 }
 RANK = {layer: n for n, layer in enumerate(LAYERS)}
 # Importing mpi4py starts MPI: the communicators and the launch checks do, and the benchmark that
@@ -73,7 +78,7 @@ def imports(module: str):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             for alias in node.names:
                 yield node.lineno, f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
@@ -90,9 +95,12 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_go_downward(module):
     mine = layer_of(module)
-    upward = [f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {target}: layer {mine} "
-              f"imports layer {layer_of(target)} above it"
-              for line, target in project_imports(module) if RANK.get(layer_of(target), len(RANK)) > RANK[mine]]
+    upward = [
+        f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {target}: layer {mine} "
+        f"imports layer {layer_of(target)} above it"
+        for line, target in project_imports(module)
+        if RANK.get(layer_of(target), len(RANK)) > RANK[mine]
+    ]
     assert upward == []
 
 
@@ -102,7 +110,7 @@ def test_no_module_imports_itself_through_others():
 
     def visit(module):
         if module in path:
-            cycles.append(" -> ".join(path[path.index(module):] + [module]))
+            cycles.append(" -> ".join(path[path.index(module) :] + [module]))
             return
         if module in done:
             return
@@ -118,8 +126,12 @@ def test_no_module_imports_itself_through_others():
 
 
 def test_only_comm_and_launch_import_mpi4py():
-    users = [f"{MODULES[m].relative_to(PACKAGE.parent)}:{line}" for m in MODULES for line, target in imports(m)
-             if target.split(".")[0] == "mpi4py" and not any(m == a or m.startswith(a + ".") for a in MPI_ALLOWED)]
+    users = [
+        f"{MODULES[m].relative_to(PACKAGE.parent)}:{line}"
+        for m in MODULES
+        for line, target in imports(m)
+        if target.split(".")[0] == "mpi4py" and not any(m == a or m.startswith(a + ".") for a in MPI_ALLOWED)
+    ]
     assert users == []
 
 

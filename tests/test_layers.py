@@ -1,19 +1,24 @@
 """Every tensor-parallel layer at tp = world size gives the numbers of the one-process layer:
 outputs, input gradients and every parameter gradient (float64, relative error <= 1e-10),
 on ragged shapes (odd batch, sequence 7, vocab 37 that no tp divides)."""
+
 import numpy as np
 import pytest
+from tp_helpers import assert_grads_match, max_rel_err, same_random, tp_and_reference
 
+from hpc_tp.models.config import ModelConfig
 from hpc_tp.models.init import initialize
 from hpc_tp.nn import attention
 from hpc_tp.nn.attention import ParallelAttention
 from hpc_tp.nn.block import TransformerBlock
 from hpc_tp.nn.mlp import ParallelMLP
-from hpc_tp.models.config import ModelConfig
-from hpc_tp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
-                                    VocabParallelEmbedding)
+from hpc_tp.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+)
 from hpc_tp.tensor_parallel.mappings import local_chunk
-from tp_helpers import assert_grads_match, max_rel_err, same_random, tp_and_reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
 B, T, H = 3, 7, 24
@@ -70,12 +75,14 @@ def test_vocab_parallel_cross_entropy_padding_never_leaks():
     loss_ref, n_ref, ctx_ref = ref_ce.forward(logits, targets)
     local = -(-V // tp.size)
     padded = np.concatenate([logits, np.full((B * T, local * tp.size - V), 1e6)], axis=1)  # huge padding logits
-    mine = padded[:, tp.rank * local:(tp.rank + 1) * local]
+    mine = padded[:, tp.rank * local : (tp.rank + 1) * local]
     loss_par, n_par, ctx_par = par_ce.forward(mine, targets)
     # the textbook formula, for the reference itself
     keep = targets != -100
     z = logits[keep]
-    expected = np.sum(np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1) - z[np.arange(len(z)), targets[keep]])
+    expected = np.sum(
+        np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1) - z[np.arange(len(z)), targets[keep]]
+    )
     assert abs(loss_ref - expected) <= 1e-12 * abs(expected)
     assert n_par == n_ref == keep.sum() and abs(loss_par - loss_ref) <= TOL * abs(loss_ref)
     g_ref = ref_ce.backward(ctx_ref, 0.5)
@@ -97,7 +104,9 @@ def test_cross_entropy_row_blocks_and_overwrite_keep_the_bits(dtype, monkeypatch
     targets = np.random.default_rng(5).integers(0, 29, B * T)
     targets[::3] = -100
     local = -(-29 // tp.size)
-    mine = np.ascontiguousarray(np.pad(logits, ((0, 0), (0, local * tp.size - 29)))[:, tp.rank * local:(tp.rank + 1) * local])
+    mine = np.ascontiguousarray(
+        np.pad(logits, ((0, 0), (0, local * tp.size - 29)))[:, tp.rank * local : (tp.rank + 1) * local]
+    )
     results = []
     for block_bytes, overwrite in ((1 << 40, False), (1, False), (3 * local * mine.itemsize, True)):
         monkeypatch.setattr(vocab, "ROW_BLOCK_BYTES", block_bytes)
@@ -112,7 +121,7 @@ def test_cross_entropy_row_blocks_and_overwrite_keep_the_bits(dtype, monkeypatch
 
 ATTN_CASES = {
     "mha-causal": dict(n_heads=4, n_kv_heads=4, causal=True),
-    "gqa-kv2": dict(n_heads=4, n_kv_heads=2, causal=True),          # kv replicated when tp = 4
+    "gqa-kv2": dict(n_heads=4, n_kv_heads=2, causal=True),  # kv replicated when tp = 4
     "mqa-rope": dict(n_heads=4, n_kv_heads=1, causal=True, rope_theta=10000.0),
     "bidirectional-padded": dict(n_heads=4, n_kv_heads=4, causal=False, padded=True),
 }
@@ -147,7 +156,9 @@ def test_parallel_mlp(activation):
 
 @pytest.mark.parametrize("style", ["gpt", "llama"])
 def test_transformer_block_with_dropout(style, query_block):
-    extra = dict(norm="rmsnorm", activation="swiglu", position="rope", n_kv_heads=2, bias=False) if style == "llama" else {}
+    extra = (
+        dict(norm="rmsnorm", activation="swiglu", position="rope", n_kv_heads=2, bias=False) if style == "llama" else {}
+    )
     cfg = ModelConfig(vocab_size=37, hidden=H, n_heads=4, ffn_hidden=40, dropout=0.1, attn_dropout=0.2, **extra)
     from hpc_tp.tensor_parallel.random import DropoutRNG
 
@@ -160,8 +171,9 @@ def test_transformer_block_with_dropout(style, query_block):
 
 
 @pytest.mark.parametrize("on_device", [False, True])
-@pytest.mark.parametrize("q_len, k_len, offset", [(7, 7, 0), (5, 12, 7), (200, 200, 0), (130, 140, 10),
-                                                  (1100, 1100, 0)])
+@pytest.mark.parametrize(
+    "q_len, k_len, offset", [(7, 7, 0), (5, 12, 7), (200, 200, 0), (130, 140, 10), (1100, 1100, 0)]
+)
 def test_query_blocks_see_exactly_the_causal_keys(q_len, k_len, offset, on_device):
     rows = []
     for block, seen in attention.query_blocks(q_len, k_len, offset, causal=True, on_device=on_device):

@@ -1,4 +1,5 @@
 """Metrics log, progress output and the ``hpc-tp plot`` command."""
+
 import io
 import json
 import subprocess
@@ -19,8 +20,15 @@ def test_log_written_by_rank_0_with_every_ranks_memory(comm_world, tmp_path):
     path = comm_world.bcast_object(str(tmp_path / "run" / "metrics.jsonl"))  # one file for all ranks
     with MetricsLogger(path, comm_world) as logger:
         for step in (1, 2):
-            logger.log({"step": np.int64(step), "loss": np.float32(2.5), "grad_norm": np.float64(0.5),
-                        "lr": 1e-3, "shape": np.array([2, 3])})
+            logger.log(
+                {
+                    "step": np.int64(step),
+                    "loss": np.float32(2.5),
+                    "grad_norm": np.float64(0.5),
+                    "lr": 1e-3,
+                    "shape": np.array([2, 3]),
+                }
+            )
     comm_world.barrier()
     if comm_world.rank == 0:
         records = read_metrics(path)
@@ -110,9 +118,16 @@ def test_plot_writes_png(tmp_path):
     assert _plot(a, "--metric", "lr", "-o", str(tmp_path / "lr.png")) == 0
 
 
-@pytest.mark.parametrize("content, where", [(None, "cannot read"), ("", "empty"), ("\n\n", "empty"),
-                                            ('{"step": 1, "loss": 2}\n{"step": 2, "lo\n', ":2: not a JSON line"),
-                                            ("[1, 2]\n", ":1: expected a JSON object")])
+@pytest.mark.parametrize(
+    "content, where",
+    [
+        (None, "cannot read"),
+        ("", "empty"),
+        ("\n\n", "empty"),
+        ('{"step": 1, "loss": 2}\n{"step": 2, "lo\n', ":2: not a JSON line"),
+        ("[1, 2]\n", ":1: expected a JSON object"),
+    ],
+)
 def test_plot_bad_log_names_file_and_line(tmp_path, content, where):
     path = tmp_path / "bad.jsonl"
     if content is not None:

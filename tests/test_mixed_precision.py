@@ -1,12 +1,13 @@
 """Mixed precision on the CPU (numpy float16): fp32 masters, dynamic loss scaling, checkpoints of masters."""
+
 import math
 
 import h5py
 import numpy as np
 import pytest
 
-from hpc_tp.errors import ConfigError
 from hpc_tp.backend import resolve_dtype
+from hpc_tp.errors import ConfigError
 from hpc_tp.train.mixed_precision import LossScaler, MixedPrecision
 from hpc_tp.train.settings import TrainSettings
 from hpc_tp.train.trainer import Trainer
@@ -62,7 +63,7 @@ def test_full_precision_runs_share_the_parameters():
 
 def test_fp16_follows_fp32_and_keeps_fp32_masters(quiet_fp16):
     fp32, fp16 = _trainer("float32"), _trainer("float16")
-    fp16.precision.scaler = LossScaler(scale=2.0 ** 10)  # low enough that no step of this run overflows
+    fp16.precision.scaler = LossScaler(scale=2.0**10)  # low enough that no step of this run overflows
     records = {name: [t.train_step() for _ in range(6)] for name, t in (("fp32", fp32), ("fp16", fp16))}
     assert not any(r["skipped"] for r in records["fp16"])
     losses = {name: [r["loss"] for r in rs] for name, rs in records.items()}
@@ -92,6 +93,7 @@ def test_an_overflow_is_skipped_and_halves_the_scale(quiet_fp16):
         loss = forward_backward(*args)
         next(iter(t.params.values())).grad.flat[0] = np.inf  # what an fp16 overflow leaves behind
         return loss
+
     t._forward_backward = overflowing
     record = t.train_step()
     assert record["skipped"] and math.isnan(record["grad_norm"])
@@ -112,8 +114,9 @@ def test_checkpoints_store_fp32_masters_and_resume_the_scale(tmp_path, quiet_fp1
     with h5py.File(folder / "master.h5", "r") as f:
         stored = f[f"tensors/{name}"]
         assert stored.dtype == np.float32
-        np.testing.assert_array_equal(stored[...][master.partition.local_slice()],
-                                      master.data[master.partition.valid_local()])
+        np.testing.assert_array_equal(
+            stored[...][master.partition.local_slice()], master.data[master.partition.valid_local()]
+        )
     t.precision.scaler.scale = 8.0
     t.save()  # the latest checkpoint now carries scale 8
     again = _trainer("float16", save=str(tmp_path), steps=3, resume=True)
@@ -127,7 +130,7 @@ def test_checkpoints_store_fp32_masters_and_resume_the_scale(tmp_path, quiet_fp1
 def test_masters_share_the_float32_grads_and_the_update_rounds_masters_into_the_model():
     from hpc_tp.module import Parameter, replicated
 
-    p = Parameter(np.array([1.0, 2.0 ** -20], dtype=np.float16), replicated((2,), 1))
+    p = Parameter(np.array([1.0, 2.0**-20], dtype=np.float16), replicated((2,), 1))
     mp = MixedPrecision({"w": p}, "float16", LossScaler(scale=4.0))
     assert mp.master["w"].grad is p.grad and p.grad.dtype == np.float32
     mp.master["w"].data[...] = [3.0, 5.0]
@@ -175,6 +178,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(comm_world, quiet_
         if comm_world.rank == comm_world.size - 1:
             next(iter(t.params.values())).grad.flat[0] = np.inf
         return loss
+
     t._forward_backward = overflowing
     assert t.train_step()["skipped"]
     assert comm_world.allgather_object(t.precision.loss_scale) == [scale / 2] * comm_world.size
@@ -197,8 +201,10 @@ def test_float16_cross_entropy_and_norms_do_not_overflow():
     assert ce.backward(ctx, 1.0 / count).dtype == np.float16
     x = (rng.standard_normal((4, 1024)) * 30).astype(np.float16)
     gain, bias = np.ones(1024, np.float16), np.zeros(1024, np.float16)
-    for forward, backward, args in ((F.layernorm_forward, F.layernorm_backward, (gain, bias, 1e-5)),
-                                    (F.rmsnorm_forward, F.rmsnorm_backward, (gain, 1e-5))):
+    for forward, backward, args in (
+        (F.layernorm_forward, F.layernorm_backward, (gain, bias, 1e-5)),
+        (F.rmsnorm_forward, F.rmsnorm_backward, (gain, 1e-5)),
+    ):
         y, saved = forward(x, *args)
         y32, _ = forward(x.astype(np.float32), *(a.astype(np.float32) for a in args[:-1]), args[-1])
         assert y.dtype == np.float16 and np.abs(y.astype(np.float32) - y32).max() < 1e-2 and np.abs(y).max() > 1
@@ -219,10 +225,11 @@ def test_loss_scale_overflows_are_not_bad_steps(quiet_fp16):
         loss = forward_backward(*args)
         next(iter(t.params.values())).grad.flat[0] = np.inf
         return loss
+
     t._forward_backward = overflowing
     records = t.run().records
     assert [r["loss_scale_overflow"] for r in records] == [True] * 3 and all(r["skipped"] for r in records)
-    assert [r["loss_scale"] for r in records] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
+    assert [r["loss_scale"] for r in records] == [2.0**16, 2.0**15, 2.0**14]
 
 
 @pytest.mark.mpi(min_size=2)

@@ -1,25 +1,44 @@
 """The whole model at tp = world size equals the one-process model: loss, logits and every gradient."""
+
 import dataclasses
 import re
 
 import numpy as np
 import pytest
+from tp_helpers import assert_grads_match, lm_batch, max_rel_err, tp_and_reference
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
-from tp_helpers import assert_grads_match, lm_batch, max_rel_err, tp_and_reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
 CONFIGS = {
     "gpt2-tied": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=16),
-    "gpt2-untied-erf": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=16,
-                            tie_embeddings=False, activation="gelu"),
-    "llama-gqa": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=16,
-                      norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False),
+    "gpt2-untied-erf": dict(
+        vocab_size=37,
+        hidden=24,
+        n_layers=2,
+        n_heads=4,
+        ffn_hidden=40,
+        max_seq_len=16,
+        tie_embeddings=False,
+        activation="gelu",
+    ),
+    "llama-gqa": dict(
+        vocab_size=37,
+        hidden=24,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=40,
+        max_seq_len=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
 }
-
-
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -67,7 +86,10 @@ def test_parameter_bytes_per_rank():
             replicated += full
         else:
             sharded += int(np.prod(p.partition.local_shape)) * p.data.itemsize
-            assert p.partition.local_shape[p.partition.axis] * p.partition.parts >= p.partition.full_shape[p.partition.axis]
+            assert (
+                p.partition.local_shape[p.partition.axis] * p.partition.parts
+                >= p.partition.full_shape[p.partition.axis]
+            )
     assert model.local_bytes() == sharded + replicated
     kv_parts = min(tp.size, cfg.n_kv_heads)
     total = cfg.parameter_count() * 8
@@ -82,7 +104,10 @@ def test_heads_not_divisible_error_lists_working_tp():
     from hpc_tp.comm.mpi import self_comm
     from hpc_tp.nn.attention import check_heads
 
-    with pytest.raises(ConfigError, match=r"6 attention heads with 6 kv heads cannot be split over tp=4; tp values that work: 1, 2, 3, 6"):
+    with pytest.raises(
+        ConfigError,
+        match=r"6 attention heads with 6 kv heads cannot be split over tp=4; tp values that work: 1, 2, 3, 6",
+    ):
         check_heads(6, 6, 4)
     with pytest.raises(ConfigError, match=r"8 attention heads with 2 kv heads cannot be split over tp=3"):
         check_heads(8, 2, 3)
@@ -92,17 +117,20 @@ def test_heads_not_divisible_error_lists_working_tp():
     del self_comm
 
 
-@pytest.mark.parametrize("values, message", [
-    (dict(tie_embeddings="False"), "tie_embeddings='False': expected true or false"),
-    (dict(causal=1), "causal=1: expected true or false"),
-    (dict(dropout="0.1"), "dropout='0.1': expected a probability 0 <= p < 1"),
-    (dict(attn_dropout=1.0), "attn_dropout=1.0: expected a probability"),
-    (dict(init_std="x"), "init_std='x': expected a number > 0"),
-    (dict(norm_eps=-1), "norm_eps=-1: expected a number > 0"),
-    (dict(rope_theta=float("nan")), "rope_theta=nan: expected a number > 0"),
-    (dict(rope_scaling=[8.0]), "rope_scaling=[8.0]: expected an object or null"),
-    (dict(num_experts=2, capacity_factor="1"), "capacity_factor='1': expected a number > 0"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(tie_embeddings="False"), "tie_embeddings='False': expected true or false"),
+        (dict(causal=1), "causal=1: expected true or false"),
+        (dict(dropout="0.1"), "dropout='0.1': expected a probability 0 <= p < 1"),
+        (dict(attn_dropout=1.0), "attn_dropout=1.0: expected a probability"),
+        (dict(init_std="x"), "init_std='x': expected a number > 0"),
+        (dict(norm_eps=-1), "norm_eps=-1: expected a number > 0"),
+        (dict(rope_theta=float("nan")), "rope_theta=nan: expected a number > 0"),
+        (dict(rope_scaling=[8.0]), "rope_scaling=[8.0]: expected an object or null"),
+        (dict(num_experts=2, capacity_factor="1"), "capacity_factor='1': expected a number > 0"),
+    ],
+)
 def test_config_values_of_the_wrong_type_or_range_are_one_clear_line(values, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         ModelConfig.from_dict(values)
@@ -112,7 +140,12 @@ def test_set_reads_true_and_false_as_python_and_json_spell_them():
     from hpc_tp.models.config import parse_overrides
 
     assert parse_overrides(["bias=False", "causal=true", "tie_embeddings=True", "norm=rmsnorm", "dropout=0.1"]) == {
-        "bias": False, "causal": True, "tie_embeddings": True, "norm": "rmsnorm", "dropout": 0.1}
+        "bias": False,
+        "causal": True,
+        "tie_embeddings": True,
+        "norm": "rmsnorm",
+        "dropout": 0.1,
+    }
 
 
 def test_sequence_longer_than_context_is_clear_error():

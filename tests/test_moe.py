@@ -2,12 +2,14 @@
 whole batch (outputs, input gradients, every expert's and the router's gradients, dropped counts),
 the dispatch loses or duplicates no token, the load-balancing gradient matches finite differences,
 and a checkpoint saved at one ep loads at another with the same logits."""
+
 import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tp_helpers import max_rel_err
 
 from hpc_tp.checkpoint import load_checkpoint, save_checkpoint
 from hpc_tp.comm.mpi import self_comm, world
@@ -18,11 +20,10 @@ from hpc_tp.models.init import initialize
 from hpc_tp.module import gather_full
 from hpc_tp.nn.moe import MoEMLP, is_expert_parameter
 from hpc_tp.tensor_parallel.experts import ExpertDispatcher
-from tp_helpers import max_rel_err
 
 pytestmark = pytest.mark.mpi(min_size=1)
 TOL = 1e-9
-N, H, F, E = 6, 8, 12, 4   # tokens per data-parallel rank, hidden, expert ffn, experts
+N, H, F, E = 6, 8, 12, 4  # tokens per data-parallel rank, hidden, expert ffn, experts
 
 
 def _layouts(size):
@@ -110,8 +111,11 @@ def test_load_balancing_gradient_matches_finite_differences():
     dx = moe.backward(dy, ctx)
     assert max(abs(g) for g in moe.router.grad.ravel()) > 0
     params = dict(moe.named_parameters())
-    for array, grad in ((moe.router.data, moe.router.grad), (x, dx),
-                        (params["experts.1.fc1.weight"].data, params["experts.1.fc1.weight"].grad)):
+    for array, grad in (
+        (moe.router.data, moe.router.grad),
+        (x, dx),
+        (params["experts.1.fc1.weight"].data, params["experts.1.fc1.weight"].grad),
+    ):
         for index in [(0, 0), (0, 1), (0, 3)] if array.ndim == 2 else [(0, 1, 2), (0, 4, 5)]:
             keep = array[index]
             array[index] = keep + 1e-6
@@ -144,8 +148,19 @@ def test_experts_not_divisible_by_ep_is_a_clear_error():
 
 
 # No biases: the K bias gradient is zero in exact math, so relative errors of it are round-off.
-CONFIG = dict(vocab_size=37, hidden=16, n_layers=2, n_heads=4, ffn_hidden=24, max_seq_len=16,
-              num_experts=E, top_k=2, moe_every=2, capacity_factor=1.0, bias=False)
+CONFIG = dict(
+    vocab_size=37,
+    hidden=16,
+    n_layers=2,
+    n_heads=4,
+    ffn_hidden=24,
+    max_seq_len=16,
+    num_experts=E,
+    top_k=2,
+    moe_every=2,
+    capacity_factor=1.0,
+    bias=False,
+)
 
 
 def test_model_at_every_layout_matches_one_process():
@@ -179,8 +194,8 @@ def test_checkpoint_saved_at_one_ep_loads_at_another():
     cfg = ModelConfig(**CONFIG)
     ids = np.random.default_rng(6).integers(0, 37, (comm.size, 8))
     root = Path(comm.bcast_object(tempfile.mkdtemp(prefix="hpc_tp-moe-") if comm.rank == 0 else None))
-    wide = ProcessGrid(tp=1, dp=comm.size, ep=comm.size, world=comm)   # experts spread, one row each
-    deep = ProcessGrid(tp=comm.size, world=comm)                          # every expert here, tp inside
+    wide = ProcessGrid(tp=1, dp=comm.size, ep=comm.size, world=comm)  # experts spread, one row each
+    deep = ProcessGrid(tp=comm.size, world=comm)  # every expert here, tp inside
     saved = GPTModel(cfg, wide.tp, seed=1, ep_comm=wide.ep)
     logits_saved = comm.all_gather(saved.logits(ids[comm.rank][None]))
     assert len(saved.moe_layers()) == 1 and saved.moe_layers()[0].stats.dropped > 0

@@ -7,6 +7,7 @@ machine cannot build the cluster (not root, no `ip`, SLURM not installed: `.ci/r
 Every wait is bounded; the cluster (daemons, namespaces, bridge) is removed when the module ends,
 whatever happened.
 """
+
 import json
 import os
 import subprocess
@@ -54,19 +55,36 @@ def cluster(tmp_path_factory):
 
 def job_env(cluster, **settings) -> dict:
     """What a user's submitting shell would hold: the checkout's venv and code, the run's settings."""
-    env = {"HPC_TP_VENV": str(VENV), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           # Open MPI's default placement: one rank per slot, node by node ("by core" with oversubscription
-           # allowed, the Makefile's setting for one host, would put every rank on the first node).
-           "PRTE_MCA_rmaps_default_mapping_policy": "slot"}
+    env = {
+        "HPC_TP_VENV": str(VENV),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        # Open MPI's default placement: one rank per slot, node by node ("by core" with oversubscription
+        # allowed, the Makefile's setting for one host, would put every rank on the first node).
+        "PRTE_MCA_rmaps_default_mapping_policy": "slot",
+    }
     return {**env, **{f"HPC_TP_{k.upper()}": str(v) for k, v in settings.items()}}
 
 
 def train_settings(save, log, steps, tp, pp, dp=1, extra=""):
-    return dict(model=RUN["model"], tp=tp, pp=pp, dp=dp, micro_batch=RUN["micro_batch"],
-                global_batch=RUN["global_batch"], seq_len=RUN["seq_len"], steps=steps, lr=RUN["lr"], data="demo",
-                save=save, save_every=100000, log=log,
-                extra_args=f"--dtype float64 --eval-problems 4 --samples 0 {extra}".strip())
+    return dict(
+        model=RUN["model"],
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=RUN["micro_batch"],
+        global_batch=RUN["global_batch"],
+        seq_len=RUN["seq_len"],
+        steps=steps,
+        lr=RUN["lr"],
+        data="demo",
+        save=save,
+        save_every=100000,
+        log=log,
+        extra_args=f"--dtype float64 --eval-problems 4 --samples 0 {extra}".strip(),
+    )
 
 
 def one_process_losses(steps: int, **changes) -> list[float]:
@@ -99,6 +117,7 @@ def assert_same_losses(got, expected, tolerance=1e-12):
 
 # ------------------------------------------------------------------ train.sbatch: tp inside, pp across
 
+
 def train_job_env(cluster, launcher, settings) -> dict:
     env = job_env(cluster, launcher=launcher, **settings)
     if launcher == "mpirun":
@@ -112,8 +131,16 @@ def test_train_job_tp_inside_pp_across_two_nodes(cluster):
     jobs = cluster.dir / "jobs"
     log, steps = jobs / "two-nodes.jsonl", 4
     settings = train_settings(jobs / "two-nodes-ckpt", log, steps, tp=2, pp=2)
-    info, out = run_job(cluster, JOBS / "train.sbatch", "two-nodes", "--nodes=2", "--ntasks-per-node=2",
-                        "--cpus-per-task=1", "--time=5", env=train_job_env(cluster, "srun", settings))
+    info, out = run_job(
+        cluster,
+        JOBS / "train.sbatch",
+        "two-nodes",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=5",
+        env=train_job_env(cluster, "srun", settings),
+    )
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
     assert "on node[1-2]: 4 ranks, launched by: srun --mpi=pmix" in out
     assert "spans" not in out, "tp=2 with 2 ranks per node stays inside a node: no warning"
@@ -127,14 +154,25 @@ def test_train_job_preempted_across_two_nodes_resumes_with_the_same_losses(clust
     jobs, steps = cluster.dir / "jobs", 40
     out, log, save = jobs / "preempt.out", jobs / "preempt.jsonl", jobs / "preempt-ckpt"
     settings = train_settings(save, log, steps, tp=2, pp=2)
-    job = cluster.sbatch(JOBS / "train.sbatch", "--job-name=preempt", f"--output={out}", "--nodes=2",
-                         "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
-                         env=train_job_env(cluster, "mpirun", settings))
+    job = cluster.sbatch(
+        JOBS / "train.sbatch",
+        "--job-name=preempt",
+        f"--output={out}",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=10",
+        env=train_job_env(cluster, "mpirun", settings),
+    )
     deadline = time.monotonic() + 120
     # A USR1 before the ranks install their handler would kill them: wait for the trainer's line saying
     # it has, and for a few steps.
-    while not (out.exists() and "checkpoint and stop" in out.read_text(errors="replace")
-               and log.exists() and log.read_text().count('"loss"') >= 3):
+    while not (
+        out.exists()
+        and "checkpoint and stop" in out.read_text(errors="replace")
+        and log.exists()
+        and log.read_text().count('"loss"') >= 3
+    ):
         assert time.monotonic() < deadline, out.read_text(errors="replace") if out.exists() else "(no output)"
         time.sleep(0.2)
     stopped = cluster.preempt(job, out)
@@ -151,6 +189,7 @@ def test_train_job_preempted_across_two_nodes_resumes_with_the_same_losses(clust
 
 # ------------------------------------------------------------------ a node lost mid-run
 
+
 @pytest.mark.timeout(400)
 def test_node_lost_mid_run_then_resume_smaller_on_the_nodes_left(cluster):
     """node2 (ranks 2-3 of tp=2 x pp=2) is killed, slurmd and ranks, after the first checkpoints: the job
@@ -162,13 +201,21 @@ def test_node_lost_mid_run_then_resume_smaller_on_the_nodes_left(cluster):
     save, out = jobs / "lost-ckpt", jobs / "lost.out"
     settings = train_settings(save, jobs / "lost.jsonl", steps, tp=2, pp=2)
     settings["save_every"] = 5
-    job = cluster.sbatch(JOBS / "train.sbatch", "--job-name=lost", f"--output={out}", "--nodes=2",
-                         "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
-                         env=job_env(cluster, launcher="srun", **settings))
+    job = cluster.sbatch(
+        JOBS / "train.sbatch",
+        "--job-name=lost",
+        f"--output={out}",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=10",
+        env=job_env(cluster, launcher="srun", **settings),
+    )
     deadline = time.monotonic() + 180
     while not (save / "step-000010").exists():
-        assert time.monotonic() < deadline and cluster.job_info(job).get("JobState") in ("PENDING", "RUNNING"), \
+        assert time.monotonic() < deadline and cluster.job_info(job).get("JobState") in ("PENDING", "RUNNING"), (
             out.read_text(errors="replace") if out.exists() else "(no output)"
+        )
         time.sleep(0.2)
     try:
         killed = time.monotonic()
@@ -185,9 +232,18 @@ def test_node_lost_mid_run_then_resume_smaller_on_the_nodes_left(cluster):
 
         resumed_log = jobs / "lost-resumed.jsonl"
         settings = train_settings(save, resumed_log, steps, tp=2, pp=1)
-        info, text = run_job(cluster, JOBS / "train.sbatch", "lost-resumed", "--nodes=1", "--ntasks-per-node=2",
-                             "--cpus-per-task=1", "--time=10", "--exclude=node2",
-                             env=job_env(cluster, launcher="srun", **settings), timeout=240)
+        info, text = run_job(
+            cluster,
+            JOBS / "train.sbatch",
+            "lost-resumed",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--cpus-per-task=1",
+            "--time=10",
+            "--exclude=node2",
+            env=job_env(cluster, launcher="srun", **settings),
+            timeout=240,
+        )
         assert info["JobState"] == "COMPLETED", text
         stopped = latest["step"]
         assert f"resumed from {save}/step-{stopped:06d} at step {stopped}" in text, text
@@ -199,14 +255,24 @@ def test_node_lost_mid_run_then_resume_smaller_on_the_nodes_left(cluster):
 
 # ------------------------------------------------------------------ dp across nodes, tp across nodes
 
+
 @pytest.mark.timeout(240)
 def test_zero1_dp_across_nodes_tp_inside(cluster):
     """tp=2 on each node, dp=2 across them with the optimizer states sharded over dp (ZeRO-1)."""
     jobs, steps = cluster.dir / "jobs", 4
-    settings = train_settings(jobs / "zero-ckpt", jobs / "zero.jsonl", steps, tp=2, pp=1, dp=2,
-                              extra="--distributed-optimizer")
-    info, out = run_job(cluster, JOBS / "train.sbatch", "zero", "--nodes=2", "--ntasks-per-node=2",
-                        "--cpus-per-task=1", "--time=5", env=job_env(cluster, launcher="srun", **settings))
+    settings = train_settings(
+        jobs / "zero-ckpt", jobs / "zero.jsonl", steps, tp=2, pp=1, dp=2, extra="--distributed-optimizer"
+    )
+    info, out = run_job(
+        cluster,
+        JOBS / "train.sbatch",
+        "zero",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=5",
+        env=job_env(cluster, launcher="srun", **settings),
+    )
     assert info["JobState"] == "COMPLETED", out
     assert "spans" not in out
     assert_same_losses(logged_losses(jobs / "zero.jsonl"), one_process_losses(steps))
@@ -216,8 +282,16 @@ def hpc_tp_step(cluster, *args, nodes=2, per_node=1, timeout=120):
     """`srun --mpi=pmix hpc-tp ARGS` over ``nodes`` nodes: one job step, output and exit status."""
     env = job_env(cluster)
     env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
-    return cluster.srun("--mpi=pmix", f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--cpus-per-task=1",
-                        str(VENV / "bin" / "hpc-tp"), *args, timeout=timeout, env=env)
+    return cluster.srun(
+        "--mpi=pmix",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={per_node}",
+        "--cpus-per-task=1",
+        str(VENV / "bin" / "hpc-tp"),
+        *args,
+        timeout=timeout,
+        env=env,
+    )
 
 
 @pytest.mark.timeout(240)
@@ -225,14 +299,50 @@ def test_tp_across_nodes_runs_and_warns(cluster):
     """One rank per node and tp=2: every all-reduce crosses the network. It trains, with the losses of
     one process, and says so; `bench step` (tp = the world) says so too."""
     log = cluster.dir / "jobs" / "tp-across.jsonl"
-    train = hpc_tp_step(cluster, "train", "--model", "tiny", "--tp", "2", "--micro-batch", "4", "--global-batch", "8",
-                        "--seq-len", "16", "--steps", "3", "--lr", "3e-3", "--dtype", "float64", "--eval-problems", "4",
-                        "--samples", "0", "--log", str(log))
+    train = hpc_tp_step(
+        cluster,
+        "train",
+        "--model",
+        "tiny",
+        "--tp",
+        "2",
+        "--micro-batch",
+        "4",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "16",
+        "--steps",
+        "3",
+        "--lr",
+        "3e-3",
+        "--dtype",
+        "float64",
+        "--eval-problems",
+        "4",
+        "--samples",
+        "0",
+        "--log",
+        str(log),
+    )
     assert train.returncode == 0, train.stdout + train.stderr
     assert "a tensor-parallel group of 2 ranks spans 2 nodes" in train.stderr
     assert_same_losses(logged_losses(log), one_process_losses(3))
-    bench = hpc_tp_step(cluster, "bench", "step", "--model", "tiny", "--seq-len", "16", "--micro-batch", "2",
-                        "--repeats", "1", "--warmup", "0")
+    bench = hpc_tp_step(
+        cluster,
+        "bench",
+        "step",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "16",
+        "--micro-batch",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+    )
     assert bench.returncode == 0, bench.stdout + bench.stderr
     assert "a tensor-parallel group of 2 ranks spans 2 nodes" in bench.stderr
     assert "hpc-tp bench step" in bench.stdout
@@ -257,14 +367,42 @@ def test_planner_keeps_tp_inside_a_node_when_a_layout_fits():
 
 # ------------------------------------------------------------------ generate and serve across nodes
 
+
 @pytest.fixture(scope="module")
 def small_checkpoint(tmp_path_factory):
     """A checkpoint of the tiny model after a few float64 steps, written by one process."""
     save = tmp_path_factory.mktemp("small-ckpt") / "ckpt"
-    result = subprocess.run([str(VENV / "bin" / "hpc-tp"), "train", "--model", "tiny", "--micro-batch", "4",
-                             "--global-batch", "8", "--seq-len", "16", "--steps", "3", "--lr", "3e-3", "--dtype",
-                             "float64", "--eval-problems", "4", "--samples", "0", "--save", str(save), "--no-progress"],
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            str(VENV / "bin" / "hpc-tp"),
+            "train",
+            "--model",
+            "tiny",
+            "--micro-batch",
+            "4",
+            "--global-batch",
+            "8",
+            "--seq-len",
+            "16",
+            "--steps",
+            "3",
+            "--lr",
+            "3e-3",
+            "--dtype",
+            "float64",
+            "--eval-problems",
+            "4",
+            "--samples",
+            "0",
+            "--save",
+            str(save),
+            "--no-progress",
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return save
 
@@ -274,8 +412,13 @@ GENERATE = ("--prompt", "12+34=", "--max-new-tokens", "6", "--dtype", "float64")
 
 @pytest.mark.timeout(240)
 def test_generate_across_two_nodes_matches_one_process(cluster, small_checkpoint):
-    alone = subprocess.run([str(VENV / "bin" / "hpc-tp"), "generate", "--checkpoint", str(small_checkpoint), *GENERATE],
-                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    alone = subprocess.run(
+        [str(VENV / "bin" / "hpc-tp"), "generate", "--checkpoint", str(small_checkpoint), *GENERATE],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert alone.returncode == 0, alone.stderr
     spread = hpc_tp_step(cluster, "generate", "--checkpoint", str(small_checkpoint), "--tp", "2", *GENERATE)
     assert spread.returncode == 0, spread.stderr
@@ -293,15 +436,37 @@ def test_serve_across_two_nodes_answers_from_another_namespace(cluster, small_ch
     host = cluster.address("node1")
     env = {**cluster.env, **job_env(cluster), "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
     name = f"serve-{os.getpid()}"
-    server = subprocess.Popen(["srun", f"--job-name={name}", "--mpi=pmix", "--nodes=2", "--ntasks-per-node=1",
-                               "--cpus-per-task=1", str(VENV / "bin" / "hpc-tp"), "serve", "--checkpoint",
-                               str(small_checkpoint), "--dtype", "float64", "--host", host, "--port", str(port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            "srun",
+            f"--job-name={name}",
+            "--mpi=pmix",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--cpus-per-task=1",
+            str(VENV / "bin" / "hpc-tp"),
+            "serve",
+            "--checkpoint",
+            str(small_checkpoint),
+            "--dtype",
+            "float64",
+            "--host",
+            host,
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        request = urllib.request.Request(f"http://{host}:{port}/v1/completions", method="POST",
-                                         data=json.dumps({"prompt": "12+34=", "max_tokens": 6,
-                                                          "temperature": 0}).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://{host}:{port}/v1/completions",
+            method="POST",
+            data=json.dumps({"prompt": "12+34=", "max_tokens": 6, "temperature": 0}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -314,13 +479,19 @@ def test_serve_across_two_nodes_answers_from_another_namespace(cluster, small_ch
     finally:
         cluster._run("scancel", f"--name={name}", check=False)
         out, err = server.communicate(timeout=60)
-    alone = subprocess.run([str(VENV / "bin" / "hpc-tp"), "generate", "--checkpoint", str(small_checkpoint), *GENERATE],
-                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    alone = subprocess.run(
+        [str(VENV / "bin" / "hpc-tp"), "generate", "--checkpoint", str(small_checkpoint), *GENERATE],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert answer["choices"][0]["text"] and answer["choices"][0]["text"] in alone.stdout, (answer, alone.stdout)
     assert f"listening on http://{host}:{port} (tp=2" in out, out + err
 
 
 # ------------------------------------------------------------------ the two links, measured apart
+
 
 @pytest.mark.timeout(240)
 def test_bench_comm_measures_intra_and_inter_node_links_apart(cluster):
@@ -329,15 +500,32 @@ def test_bench_comm_measures_intra_and_inter_node_links_apart(cluster):
     path = cluster.dir / "jobs" / "links.json"
     cluster.throttle("100mbit")
     try:
-        result = hpc_tp_step(cluster, "bench", "comm", "--ops", "p2p_intra,p2p_inter,all_reduce", "--sizes", "4M",
-                             "--iters", "2", "--warmup", "1", "--json", str(path), per_node=2)
+        result = hpc_tp_step(
+            cluster,
+            "bench",
+            "comm",
+            "--ops",
+            "p2p_intra,p2p_inter,all_reduce",
+            "--sizes",
+            "4M",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(path),
+            per_node=2,
+        )
     finally:
         cluster.throttle(None)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 ranks on 2 node(s)" in result.stdout
     records = {r["op"]: r for r in json.loads(path.read_text())}
-    assert {op: r["link"] for op, r in records.items()} == {"p2p_intra": "intra", "p2p_inter": "inter",
-                                                             "all_reduce": "inter"}
+    assert {op: r["link"] for op, r in records.items()} == {
+        "p2p_intra": "intra",
+        "p2p_inter": "inter",
+        "all_reduce": "inter",
+    }
     limit = 100e6 / 8 / 1e9  # GB/s
     assert records["p2p_inter"]["raw_algbw_GBps"] < 1.1 * limit, records["p2p_inter"]
     assert records["p2p_intra"]["raw_algbw_GBps"] > 3 * limit, records["p2p_intra"]

@@ -1,5 +1,6 @@
 """Device transports: the chooser, group set-up and NCCLCommunicator's order of calls (over a fake
 NCCL) on the CPU with plain objects; NCCL itself where a GPU is."""
+
 import sys
 from types import SimpleNamespace
 
@@ -11,16 +12,19 @@ from hpc_tp.comm import use_device
 from hpc_tp.comm.nccl import HostStagedCommunicator, choose_transport, cuda_aware_mpi, device_communicator
 
 
-@pytest.mark.parametrize("places, nccl, aware, p2p, expected", [
-    ([("a", 0), ("a", 1)], True, False, False, "nccl"),            # one node, own devices
-    ([("a", 0)], True, False, False, "mpi"),                       # a group of one calls nothing
-    ([("a", 0), ("a", 0)], True, True, False, "mpi-cuda-aware"),   # NCCL refuses one device twice
-    ([("a", 0), ("a", 0)], True, False, False, "mpi-staged"),
-    ([("a", 0), ("b", 0)], True, True, False, "mpi-cuda-aware"),   # across nodes: MPI
-    ([("a", 0), ("b", 0)], True, False, False, "mpi-staged"),
-    ([("a", 0), ("a", 1)], False, False, False, "mpi-staged"),     # cupy without NCCL
-    ([("a", 0), ("a", 1)], True, True, True, "mpi-cuda-aware"),    # pipeline sends keep their MPI tags
-])
+@pytest.mark.parametrize(
+    "places, nccl, aware, p2p, expected",
+    [
+        ([("a", 0), ("a", 1)], True, False, False, "nccl"),  # one node, own devices
+        ([("a", 0)], True, False, False, "mpi"),  # a group of one calls nothing
+        ([("a", 0), ("a", 0)], True, True, False, "mpi-cuda-aware"),  # NCCL refuses one device twice
+        ([("a", 0), ("a", 0)], True, False, False, "mpi-staged"),
+        ([("a", 0), ("b", 0)], True, True, False, "mpi-cuda-aware"),  # across nodes: MPI
+        ([("a", 0), ("b", 0)], True, False, False, "mpi-staged"),
+        ([("a", 0), ("a", 1)], False, False, False, "mpi-staged"),  # cupy without NCCL
+        ([("a", 0), ("a", 1)], True, True, True, "mpi-cuda-aware"),  # pipeline sends keep their MPI tags
+    ],
+)
 def test_choose_transport(places, nccl, aware, p2p, expected):
     assert choose_transport(places, cuda=True, nccl=nccl, cuda_aware_mpi=aware, p2p=p2p) == expected
 
@@ -73,8 +77,13 @@ def test_group_building_wraps_what_each_group_carries(monkeypatch):
     grid = SimpleNamespace(tp=tp, dp=_Group(), ep=_Group(1), expert_dp=_Group(1), pp=_Group())
     pp = grid.pp
     chosen = nccl.use_device_communicators(grid)
-    assert chosen == {"tp": "mpi-staged", "dp": "mpi-staged", "ep": "mpi-staged", "expert_dp": "mpi-staged",
-                      "pp": "mpi"}
+    assert chosen == {
+        "tp": "mpi-staged",
+        "dp": "mpi-staged",
+        "ep": "mpi-staged",
+        "expert_dp": "mpi-staged",
+        "pp": "mpi",
+    }
     assert grid.tp is tp and tp.label == "tp" and isinstance(tp.inner, HostStagedCommunicator)  # still watched
     assert isinstance(grid.dp, HostStagedCommunicator) and grid.pp is pp
 
@@ -128,6 +137,7 @@ class _Host:
         def call(*args):
             self.log.append(f"host {name}")
             return self if name.startswith("split") else args[0] if args else None  # a split keeps both ranks
+
         return call
 
 
@@ -146,11 +156,29 @@ def nccl_log(monkeypatch):
         def __getattr__(self, name):  # send, recv, allReduce, ...: (pointers, count, type, peer or op, stream)
             return lambda *args: log.append(f"{name} {args[3]}" if name in ("send", "recv") else name)
 
-    constants = ("INT8", "UINT8", "INT32", "UINT32", "INT64", "UINT64", "FLOAT16", "FLOAT32", "FLOAT64", "SUM", "MAX",
-                 "MIN")
-    nccl = SimpleNamespace(available=True, get_unique_id=lambda: 0, NcclCommunicator=Comm, get_version=lambda: 22000,
-                           groupStart=lambda: log.append("groupStart"), groupEnd=lambda: log.append("groupEnd"),
-                           **{f"NCCL_{name}": i for i, name in enumerate(constants)})
+    constants = (
+        "INT8",
+        "UINT8",
+        "INT32",
+        "UINT32",
+        "INT64",
+        "UINT64",
+        "FLOAT16",
+        "FLOAT32",
+        "FLOAT64",
+        "SUM",
+        "MAX",
+        "MIN",
+    )
+    nccl = SimpleNamespace(
+        available=True,
+        get_unique_id=lambda: 0,
+        NcclCommunicator=Comm,
+        get_version=lambda: 22000,
+        groupStart=lambda: log.append("groupStart"),
+        groupEnd=lambda: log.append("groupEnd"),
+        **{f"NCCL_{name}": i for i, name in enumerate(constants)},
+    )
     stream = SimpleNamespace(ptr=0, synchronize=lambda: None)
     cuda = SimpleNamespace(nccl=nccl, get_current_stream=lambda: stream)
     cupy = SimpleNamespace(cuda=cuda, ascontiguousarray=lambda x: x)
@@ -225,9 +253,12 @@ def test_host_staged_gathers_device_pieces_to_one_rank(comm_world):
     counts = [rank % 3 for rank in range(n)]  # 0, 1, 2, 0: some empty
     whole = np.arange(float(sum(counts)))
     start = sum(counts[:r])
-    mine = whole[start:start + counts[r]]
-    x = _Staged(np.concatenate([np.full(start, np.nan), mine, np.full(whole.size - start - mine.size, np.nan)])
-                if r == n - 1 else mine.copy())
+    mine = whole[start : start + counts[r]]
+    x = _Staged(
+        np.concatenate([np.full(start, np.nan), mine, np.full(whole.size - start - mine.size, np.nan)])
+        if r == n - 1
+        else mine.copy()
+    )
     assert HostStagedCommunicator(comm_world).igather_flat(x, counts, root=n - 1).wait() is x
     if r == n - 1:
         np.testing.assert_array_equal(x.array, whole)

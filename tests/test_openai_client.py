@@ -1,6 +1,7 @@
 """`hpc-tp serve` driven by the official OpenAI client, as applications and frameworks drive it: every
 option and input shape they send, sync and async, each answer the same as the reference engine's at
 tp = 1 and accepted by the client's own pydantic models; and vLLM's /tokenize and /detokenize."""
+
 import asyncio
 import json
 import urllib.error
@@ -11,6 +12,8 @@ import openai
 import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from test_generate import _model, write_checkpoint
+from test_serve import serving
 
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.grid import ProcessGrid
@@ -18,8 +21,6 @@ from hpc_tp.serve.chat import ChatTemplate
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.tokenizer import ByteTokenizer
-from test_generate import _model, write_checkpoint
-from test_serve import serving
 
 TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:"
 MAX_MODEL_LEN = 31
@@ -31,8 +32,18 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("openai")
     ckpt = write_checkpoint(folder / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
     (folder / "chat.jinja").write_text(TEMPLATE)
-    with serving("--ckpt", str(ckpt), "--dtype", "float64", "--max-batch", "6", "--max-model-len", str(MAX_MODEL_LEN),
-                 "--chat-template", str(folder / "chat.jinja")) as served:
+    with serving(
+        "--ckpt",
+        str(ckpt),
+        "--dtype",
+        "float64",
+        "--max-batch",
+        "6",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--chat-template",
+        str(folder / "chat.jinja"),
+    ) as served:
         yield f"http://127.0.0.1:{served.port}", Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
 
 
@@ -41,8 +52,9 @@ def _client(url, cls=openai.OpenAI):
 
 
 def _reference(engine, prompt: str | list[int], **params):
-    completions, _ = engine.generate([list(prompt.encode()) if isinstance(prompt, str) else prompt],
-                                     [SamplingParams(**params)])
+    completions, _ = engine.generate(
+        [list(prompt.encode()) if isinstance(prompt, str) else prompt], [SamplingParams(**params)]
+    )
     return completions[0]
 
 
@@ -69,8 +81,12 @@ def test_prompts_as_text_lists_and_token_ids_with_n_choices_and_echo(server):
     url, engine = server
     client = _client(url)
     prompts = ["alpha: ", "be"]
-    answer = _raw(lambda: client.completions.with_raw_response.create(
-        model="ckpt", prompt=prompts, n=2, max_tokens=5, temperature=0, echo=True), Completion)
+    answer = _raw(
+        lambda: client.completions.with_raw_response.create(
+            model="ckpt", prompt=prompts, n=2, max_tokens=5, temperature=0, echo=True
+        ),
+        Completion,
+    )
     assert [c.index for c in answer.choices] == [0, 1, 2, 3]
     for choice in answer.choices:
         prompt = prompts[choice.index // 2]
@@ -78,8 +94,9 @@ def test_prompts_as_text_lists_and_token_ids_with_n_choices_and_echo(server):
         assert (choice.text, choice.finish_reason) == (prompt + want.text, want.finish_reason)
     assert answer.usage.prompt_tokens == sum(len(p) for p in prompts)
     streamed, finishes = {}, {}
-    for chunk in client.completions.create(model="ckpt", prompt=prompts, n=2, max_tokens=5, temperature=0, echo=True,
-                                           stream=True):
+    for chunk in client.completions.create(
+        model="ckpt", prompt=prompts, n=2, max_tokens=5, temperature=0, echo=True, stream=True
+    ):
         [piece] = chunk.choices  # one choice a chunk, the choices interleaved
         streamed[piece.index] = streamed.get(piece.index, "") + piece.text
         finishes[piece.index] = piece.finish_reason
@@ -97,31 +114,49 @@ def test_penalties_min_p_ignore_eos_and_seed_as_the_reference_samples_them(serve
     client = _client(url)
     options = dict(presence_penalty=0.7, frequency_penalty=0.4)
     extra = dict(repetition_penalty=1.3, min_p=0.05, top_k=0, ignore_eos=True)
-    answer = client.completions.create(model="ckpt", prompt="UUUU", max_tokens=9, temperature=0, **options,
-                                       extra_body=extra)
+    answer = client.completions.create(
+        model="ckpt", prompt="UUUU", max_tokens=9, temperature=0, **options, extra_body=extra
+    )
     want = _reference(engine, "UUUU", max_new_tokens=9, **options, **extra)
     assert (answer.choices[0].text, answer.usage.completion_tokens) == (want.text, 9) and want.finish_reason == "length"
     plain = _reference(engine, "UUUU", max_new_tokens=9)
     assert want.ids != plain.ids  # the penalties changed the greedy choices
-    sampled = [client.completions.create(model="ckpt", prompt="seed ", max_tokens=8, temperature=1.0, seed=11,
-                                         extra_body={"min_p": 0.1}).choices[0].text for _ in range(2)]
-    assert sampled[0] == sampled[1] == _reference(engine, "seed ", max_new_tokens=8, temperature=1.0, seed=11,
-                                                  min_p=0.1).text
+    sampled = [
+        client.completions.create(
+            model="ckpt", prompt="seed ", max_tokens=8, temperature=1.0, seed=11, extra_body={"min_p": 0.1}
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert (
+        sampled[0]
+        == sampled[1]
+        == _reference(engine, "seed ", max_new_tokens=8, temperature=1.0, seed=11, min_p=0.1).text
+    )
 
 
 def test_logprobs_of_completions_and_chats_are_the_models(server):
     url, engine = server
     client = _client(url)
-    answer = _raw(lambda: client.completions.with_raw_response.create(
-        model="ckpt", prompt="log ", max_tokens=6, temperature=0, logprobs=3), Completion)
+    answer = _raw(
+        lambda: client.completions.with_raw_response.create(
+            model="ckpt", prompt="log ", max_tokens=6, temperature=0, logprobs=3
+        ),
+        Completion,
+    )
     want = _reference(engine, "log ", max_new_tokens=6, logprobs=3)
     got = answer.choices[0].logprobs
     np.testing.assert_allclose(got.token_logprobs, [e.logprob for e in want.logprobs], rtol=0, atol=1e-9)
     assert got.text_offset == [e.text_offset for e in want.logprobs] and all(len(t) == 3 for t in got.top_logprobs)
     assert got.tokens[0] == bytes([want.ids[0]]).decode("utf-8", "replace") or got.tokens[0].startswith("bytes:")
     messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    chat = _raw(lambda: client.chat.completions.with_raw_response.create(
-        model="ckpt", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2), ChatCompletion)
+    chat = _raw(
+        lambda: client.chat.completions.with_raw_response.create(
+            model="ckpt", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+        ),
+        ChatCompletion,
+    )
     want = _reference(engine, _chat_text(messages), max_new_tokens=5, logprobs=2)
     content = chat.choices[0].logprobs.content
     assert [c.bytes for c in content] == [[i] for i in want.ids]
@@ -132,17 +167,27 @@ def test_logprobs_of_completions_and_chats_are_the_models(server):
 def test_a_chat_with_parts_a_tool_turn_and_null_content_streams_as_openai_streams(server):
     url, engine = server
     client = _client(url)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "q"}]},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-                {"role": "tool", "content": "4", "tool_call_id": "c1"}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "q"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "4", "tool_call_id": "c1"},
+    ]
     want = _reference(engine, _chat_text(messages), max_new_tokens=6)
     for include_usage in (True, False):
         raw = client.chat.completions.with_raw_response.create(
-            model="ckpt", messages=messages, max_tokens=6, temperature=0, stream=True,
-            stream_options={"include_usage": include_usage})
+            model="ckpt",
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": include_usage},
+        )
         body = raw.http_response.read().decode()
-        events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [ChatCompletionChunk.model_validate(json.loads(e)) for e in events[:-1]]
         if include_usage:  # its own last chunk, with no choices; null on every other
@@ -164,7 +209,8 @@ def test_sixteen_concurrent_async_streams_each_equal_the_request_alone(server):
 
     async def chat(client, prompt):
         stream = await client.chat.completions.create(
-            model="ckpt", messages=[{"role": "user", "content": prompt}], max_tokens=5, temperature=0, stream=True)
+            model="ckpt", messages=[{"role": "user", "content": prompt}], max_tokens=5, temperature=0, stream=True
+        )
         pieces, finish = [], None
         async for chunk in stream:
             pieces.append(chunk.choices[0].delta.content or "")
@@ -192,8 +238,10 @@ def _call(url, path, body=None):
 
 def test_tokenize_detokenize_version_health_and_a_prompt_too_long(server):
     url, _ = server
-    assert _call(url, "/tokenize", {"prompt": "héllo"}) == (200, {"tokens": list("héllo".encode()), "count": 6,
-                                                                  "max_model_len": MAX_MODEL_LEN})
+    assert _call(url, "/tokenize", {"prompt": "héllo"}) == (
+        200,
+        {"tokens": list("héllo".encode()), "count": 6, "max_model_len": MAX_MODEL_LEN},
+    )
     messages = [{"role": "user", "content": "hi"}]
     status, rendered = _call(url, "/tokenize", {"model": "ckpt", "messages": messages})
     assert status == 200 and rendered["tokens"] == list(_chat_text(messages).encode())

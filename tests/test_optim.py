@@ -1,12 +1,13 @@
 """Optimizer, gradient norm, clipping, lr schedule and dp gradient buckets: every layout gives the
 numbers of one process."""
+
 import math
 import zlib
 
 import numpy as np
 import pytest
-
 from conftest import world_size
+
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid, factorizations
@@ -48,9 +49,15 @@ def _padding(partition):
 
 
 def _mixed_params(tp: int, rank: int, grad_seed: int, prefix: str = "") -> dict:
-    return {prefix + name: Parameter(_local(_full(name, part.full_shape, 0), part), part,
-                                     grad=_local(_full(prefix + name, part.full_shape, grad_seed), part), decay=decay)
-            for name, (part, decay) in _mixed_partitions(tp, rank).items()}
+    return {
+        prefix + name: Parameter(
+            _local(_full(name, part.full_shape, 0), part),
+            part,
+            grad=_local(_full(prefix + name, part.full_shape, grad_seed), part),
+            decay=decay,
+        )
+        for name, (part, decay) in _mixed_partitions(tp, rank).items()
+    }
 
 
 def _set_grads(named: dict, seed: int, scale: float = 1.0):
@@ -63,6 +70,7 @@ def _full_sum_of_squares(names_and_shapes, seed: int) -> float:
 
 
 # -- AdamW ------------------------------------------------------------------------------------------------
+
 
 def test_adamw_sharded_equals_full_then_sliced():
     grid = ProcessGrid(tp=world_size())
@@ -79,9 +87,11 @@ def test_adamw_sharded_equals_full_then_sliced():
     assert sorted(states) == sorted(f"optim.{kind}.{name}" for kind in ("exp_avg", "exp_avg_sq") for name in sharded)
     for name, p in sharded.items():
         part = p.partition
-        for local, reference in [(p.data, full[name].data), (states[f"optim.exp_avg.{name}"].data,
-                                                               full_states[f"optim.exp_avg.{name}"].data),
-                                 (states[f"optim.exp_avg_sq.{name}"].data, full_states[f"optim.exp_avg_sq.{name}"].data)]:
+        for local, reference in [
+            (p.data, full[name].data),
+            (states[f"optim.exp_avg.{name}"].data, full_states[f"optim.exp_avg.{name}"].data),
+            (states[f"optim.exp_avg_sq.{name}"].data, full_states[f"optim.exp_avg_sq.{name}"].data),
+        ]:
             assert local.shape == part.local_shape
             # Elementwise updates: bit-identical, not merely close.
             np.testing.assert_array_equal(local[part.valid_local()], reference[part.local_slice()], err_msg=name)
@@ -100,14 +110,18 @@ def test_adamw_decays_only_where_asked_and_updates_views_in_place():
     np.testing.assert_array_equal(fused[:, 2:], 1.0)
 
 
-@pytest.mark.parametrize("kwargs", [{"lr": -1.0}, {"lr": 1.0, "betas": (0.9, 1.0)}, {"lr": 1.0, "eps": 0.0},
-                                    {"lr": 1.0, "weight_decay": -0.1}], ids=str)
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"lr": -1.0}, {"lr": 1.0, "betas": (0.9, 1.0)}, {"lr": 1.0, "eps": 0.0}, {"lr": 1.0, "weight_decay": -0.1}],
+    ids=str,
+)
 def test_adamw_rejects_bad_settings(kwargs):
     with pytest.raises(ConfigError):
         AdamW({}, **kwargs)
 
 
 # -- gradient norm, clipping, finiteness ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tp,pp,dp", factorizations(world_size()))
 def test_global_grad_norm_equals_norm_of_full_gradients(tp, pp, dp):
@@ -118,9 +132,15 @@ def test_global_grad_norm_equals_norm_of_full_gradients(tp, pp, dp):
     named = _mixed_params(tp, grid.coords.tp, grad_seed=7, prefix=f"layers.{stage}.")
     tied = split((7, 3), 0, tp, grid.coords.tp)
     if grid.is_first_stage or grid.is_last_stage:
-        named["tied.weight"] = Parameter(np.zeros(tied.local_shape), tied, grad=_local(_full("tied.weight", (7, 3), 7), tied))
+        named["tied.weight"] = Parameter(
+            np.zeros(tied.local_shape), tied, grad=_local(_full("tied.weight", (7, 3), 7), tied)
+        )
     skip = {"tied.weight"} if grid.is_last_stage and not grid.is_first_stage else set()
-    shapes = [(f"layers.{s}.{name}", part.full_shape) for s in range(pp) for name, (part, _) in _mixed_partitions(1, 0).items()]
+    shapes = [
+        (f"layers.{s}.{name}", part.full_shape)
+        for s in range(pp)
+        for name, (part, _) in _mixed_partitions(1, 0).items()
+    ]
     expected = math.sqrt(_full_sum_of_squares(shapes + [("tied.weight", (7, 3))], seed=7))
     norm = global_grad_norm(named, grid, skip)
     assert abs(norm - expected) <= 1e-12 * expected, (norm, expected)
@@ -168,6 +188,7 @@ def test_a_bad_gradient_anywhere_makes_every_rank_skip(bad):
 
 # -- schedule ---------------------------------------------------------------------------------------------
 
+
 def test_lr_schedule_warmup_peak_and_end():
     lr = [lr_at(step, 1.0, warmup_steps=4, total_steps=10) for step in range(12)]
     assert lr[:4] == [0.25, 0.5, 0.75, 1.0]  # the last warmup step takes the peak
@@ -177,8 +198,11 @@ def test_lr_schedule_warmup_peak_and_end():
     assert lr_at(0, 3e-4, warmup_steps=0, total_steps=1, min_lr_ratio=0.0) == 0.0
 
 
-@pytest.mark.parametrize("args", [(-1, 1.0, 2, 10), (0, 0.0, 2, 10), (0, 1.0, 11, 10), (0, 1.0, 2, 0),
-                                  (0, 1.0, 2.5, 10), (0, 1.0, 2, 10, 1.5)], ids=str)
+@pytest.mark.parametrize(
+    "args",
+    [(-1, 1.0, 2, 10), (0, 0.0, 2, 10), (0, 1.0, 11, 10), (0, 1.0, 2, 0), (0, 1.0, 2.5, 10), (0, 1.0, 2, 10, 1.5)],
+    ids=str,
+)
 def test_lr_schedule_rejects_bad_arguments(args):
     with pytest.raises(ConfigError) as error:
         lr_at(*args)
@@ -186,6 +210,7 @@ def test_lr_schedule_rejects_bad_arguments(args):
 
 
 # -- data-parallel gradient buckets -----------------------------------------------------------------------
+
 
 def _dp_params(rank: int) -> tuple[dict, GradArena]:
     """Gradients that differ per rank, in an arena of 128-byte chunks: two of them non-contiguous
@@ -291,9 +316,11 @@ def _adamw_run(dtype, fused: bool, monkeypatch, steps: int = 3):
     monkeypatch.setattr(cpu_optim, "ENABLED", fused and cpu_optim.ENABLED)
     rng = np.random.default_rng(0)
     buffer = rng.standard_normal((6, 10)).astype(dtype)
-    params = {"w": Parameter(rng.standard_normal((4, 6)).astype(dtype), replicated((4, 6), 1)),
-              "qkv.k": Parameter(buffer[:, 3:7], replicated((6, 4), 1)),
-              "b": Parameter(rng.standard_normal(6).astype(dtype), replicated((6,), 1), decay=False)}
+    params = {
+        "w": Parameter(rng.standard_normal((4, 6)).astype(dtype), replicated((4, 6), 1)),
+        "qkv.k": Parameter(buffer[:, 3:7], replicated((6, 4), 1)),
+        "b": Parameter(rng.standard_normal(6).astype(dtype), replicated((6,), 1), decay=False),
+    }
     opt = AdamW(params, lr=1e-2, weight_decay=0.1)
     for step in range(steps):
         for p in params.values():

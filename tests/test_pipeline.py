@@ -7,6 +7,7 @@ than stages at pp = 4; the interleaved 1F1B schedule runs the same layouts with 
 per rank (3 and 4 at pp = 2); sequence parallelism and MoE layers go through the pipeline too.
 The reference is one process looping over the same micro-batches with the same dropout positions.
 """
+
 import dataclasses
 import math
 from pathlib import Path
@@ -20,9 +21,19 @@ from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.module import GradArena
-from hpc_tp.pipeline import (PipelineStats, balanced_layers, build_stage, layers_from_counts, model_chunks,
-                             parse_pp_layers, pipeline_forward_backward, stage_layers, stage_ops,
-                             sync_tied_embeddings, tied_copy_names)
+from hpc_tp.pipeline import (
+    PipelineStats,
+    balanced_layers,
+    build_stage,
+    layers_from_counts,
+    model_chunks,
+    parse_pp_layers,
+    pipeline_forward_backward,
+    stage_layers,
+    stage_ops,
+    sync_tied_embeddings,
+    tied_copy_names,
+)
 from hpc_tp.pipeline.schedules import BACKWARD, FORWARD
 from hpc_tp.train.grad_sync import GradBucketer
 from hpc_tp.train.optim import global_grad_norm
@@ -38,8 +49,20 @@ INTERLEAVED = {2: [(1, 2, 1, 2), (1, 2, 1, 3), (1, 2, 1, 4)], 4: [(1, 4, 1, 2), 
 # Dropout everywhere, tied embeddings, 5 layers (uneven at pp = 2 and 4).
 GPT = ModelConfig(vocab_size=37, hidden=16, n_layers=5, n_heads=2, max_seq_len=8, dropout=0.1, attn_dropout=0.1)
 # Llama-style: no tying, RMSNorm, RoPE, SwiGLU, grouped-query attention.
-LLAMA = ModelConfig(vocab_size=29, hidden=16, n_layers=4, n_heads=2, n_kv_heads=1, ffn_hidden=24, max_seq_len=8,
-                    norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+LLAMA = ModelConfig(
+    vocab_size=29,
+    hidden=16,
+    n_layers=4,
+    n_heads=2,
+    n_kv_heads=1,
+    ffn_hidden=24,
+    max_seq_len=8,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+)
 
 
 def layouts():
@@ -97,15 +120,29 @@ def run_pipeline(cfg, layout, batches, schedule, recompute=False, layers=None, v
         bucketer.mark_ready(*names)
 
     stats = PipelineStats()
-    loss, count = pipeline_forward_backward(model, batches[first:first + m], grid, token_scale(batches), schedule,
-                                            recompute, on_grads_final, step=STEP, first_sample=first * len(batches[0][0]),
-                                            stats=stats)
+    loss, count = pipeline_forward_backward(
+        model,
+        batches[first : first + m],
+        grid,
+        token_scale(batches),
+        schedule,
+        recompute,
+        on_grads_final,
+        step=STEP,
+        first_sample=first * len(batches[0][0]),
+        stats=stats,
+    )
     bucketer.finish()
     # Reported gradients were already final: the buckets (summed in place) hold the sums of what was reported.
     assert sorted(final) == sorted(params)
     for name in sorted(final):
-        np.testing.assert_allclose(params[name].grad, grid.dp.all_reduce(final[name]), rtol=1e-14, atol=0,
-                                   err_msg=f"{name} changed after it was reported final")
+        np.testing.assert_allclose(
+            params[name].grad,
+            grid.dp.all_reduce(final[name]),
+            rtol=1e-14,
+            atol=0,
+            err_msg=f"{name} changed after it was reported final",
+        )
     sync_tied_embeddings(model, grid)
     return grid, model, loss, count, stats
 
@@ -121,12 +158,13 @@ def check_against_reference(cfg, batches, grid, model, loss, count):
     for name, err in gradient_errors(model, ref, grid.tp).items():
         assert err <= TOL, f"stage {grid.coords.pp}: {name} relative error {err:.2e}"
     # The global norm counts the tied matrix once, as one process does.
-    ref_norm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in ref.parameters()))
+    ref_norm = math.sqrt(sum(float((p.grad**2).sum()) for p in ref.parameters()))
     norm = global_grad_norm(model.state(), grid, tied_copy_names(model, grid))
     assert abs(norm - ref_norm) <= TOL * ref_norm, (norm, ref_norm)
 
 
 # -- multi-rank: pipeline == one process ---------------------------------------------------------------
+
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
@@ -149,8 +187,9 @@ def test_interleaved_pipeline_matches_one_process(recompute):
         batches = make_micro_batches(GPT9, 2 * pp * dp)
         grid, model, loss, count, _ = run_pipeline(GPT9, (tp, pp, dp), batches, "1f1b", recompute, virtual_stages=v)
         chunks = balanced_layers(GPT9, pp, virtual_stages=v)
-        assert [[model.layer_ids[p] for p in c] for c in model_chunks(model)] == \
-            [list(c) for c in chunks[grid.coords.pp::pp]]
+        assert [[model.layer_ids[p] for p in c] for c in model_chunks(model)] == [
+            list(c) for c in chunks[grid.coords.pp :: pp]
+        ]
         check_against_reference(GPT9, batches, grid, model, loss, count)
 
 
@@ -166,9 +205,10 @@ def test_untied_llama_one_micro_batch_explicit_split(schedule, virtual_stages):
             cfg = dataclasses.replace(LLAMA, n_layers=2 * pp + 1)
             layers = parse_pp_layers(",".join(["2"] + ["1"] * (2 * pp - 1)), cfg.n_layers, pp, virtual_stages)
             batches = make_micro_batches(cfg, pp * layout[2], seed=1)
-        grid, model, loss, count, _ = run_pipeline(cfg, layout, batches, schedule, layers=layers,
-                                                   virtual_stages=virtual_stages)
-        assert list(model.layer_ids) == [i for r in layers[grid.coords.pp::pp] for i in r]
+        grid, model, loss, count, _ = run_pipeline(
+            cfg, layout, batches, schedule, layers=layers, virtual_stages=virtual_stages
+        )
+        assert list(model.layer_ids) == [i for r in layers[grid.coords.pp :: pp] for i in r]
         assert tied_copy_names(model, grid) == frozenset()
         check_against_reference(cfg, batches, grid, model, loss, count)
 
@@ -188,8 +228,9 @@ def test_sequence_parallel_pipeline_matches_one_process(cfg, virtual_stages):
             continue
         batches = make_micro_batches(cfg, 3 * layout[2] if virtual_stages == 1 else 2 * layout[1] * layout[2])
         m = len(batches) // layout[2]
-        grid, model, loss, count, _ = run_pipeline(cfg, layout, batches, "1f1b", recompute=True,
-                                                   virtual_stages=virtual_stages)
+        grid, model, loss, count, _ = run_pipeline(
+            cfg, layout, batches, "1f1b", recompute=True, virtual_stages=virtual_stages
+        )
         assert model.hidden_shape(MICRO, SEQ) == (MICRO, SEQ // layout[0], cfg.hidden)
         check_against_reference(cfg, batches, grid, model, loss, count)
         for moe in model.moe_layers():  # a forward rerun by recomputation is not counted twice
@@ -257,8 +298,17 @@ def test_bubble_benchmark_reports_every_stage():
 def test_bubble_benchmark_measures_virtual_stages_side_by_side():
     tp, pp, dp = layouts()[0]
     grid = ProcessGrid(tp, pp, dp, world())
-    records = measure_bubble(GPT9, grid, micro_batches=4, micro_batch=2, seq_len=4, schedule="1f1b", repeats=1,
-                             warmup=0, virtual_stages=(1, 2))
+    records = measure_bubble(
+        GPT9,
+        grid,
+        micro_batches=4,
+        micro_batch=2,
+        seq_len=4,
+        schedule="1f1b",
+        repeats=1,
+        warmup=0,
+        virtual_stages=(1, 2),
+    )
     assert [(r["virtual_stages"], r["stage"]) for r in records] == [(v, s) for v in (1, 2) for s in range(pp)]
     for v in (1, 2):
         assert sum(r["layers"] for r in records if r["virtual_stages"] == v) == GPT9.n_layers
@@ -266,6 +316,7 @@ def test_bubble_benchmark_measures_virtual_stages_side_by_side():
 
 
 # -- one process ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -308,8 +359,9 @@ def _replay(pp, m, chunks=1, schedule="1f1b"):
             progressed = True
         assert progressed, f"{schedule} deadlocks at pp={pp}, V={chunks}, m={m}: ranks stopped at {position}"
     for s in range(pp):
-        assert sorted(ops[s]) == sorted((op, c, i) for op in (FORWARD, BACKWARD) for c in range(chunks)
-                                        for i in range(m))
+        assert sorted(ops[s]) == sorted(
+            (op, c, i) for op in (FORWARD, BACKWARD) for c in range(chunks) for i in range(m)
+        )
     return peak
 
 
@@ -327,8 +379,12 @@ def test_interleaved_schedule_never_deadlocks_and_bounds_activations():
         for chunks in range(2, 5):
             for m in range(pp, 4 * pp + 1, pp):
                 peak = _replay(pp, m, chunks)
-                assert peak == [min(2 * (pp - 1 - s) + (chunks - 1) * pp + 1, m * chunks) for s in range(pp)], \
-                    (pp, chunks, m, peak)
+                assert peak == [min(2 * (pp - 1 - s) + (chunks - 1) * pp + 1, m * chunks) for s in range(pp)], (
+                    pp,
+                    chunks,
+                    m,
+                    peak,
+                )
 
 
 def test_bubble_formula():
@@ -357,19 +413,22 @@ def test_stage_split():
     assert layers_from_counts([1, 4], 5, 2) == [range(0, 1), range(1, 5)]
 
 
-@pytest.mark.parametrize("call, words", [
-    (lambda: stage_layers(3, 4), ["--pp 4", "3 layers"]),
-    (lambda: parse_pp_layers("3,x", 5, 2), ["3,x", "comma-separated"]),
-    (lambda: parse_pp_layers("3,2", 5, 3), ["2 stages", "--pp is 3"]),
-    (lambda: parse_pp_layers("3,3", 5, 2), ["6 layers", "has 5"]),
-    (lambda: parse_pp_layers("5,0", 5, 2), ["positive"]),
-    (lambda: pipeline_forward_backward(None, [None], None, 1.0, schedule="zb"), ["zb", "gpipe", "1f1b"]),
-    (lambda: parse_pp_layers("3,2", 5, 2, 2), ["2 stages", "--pp 2 x --virtual-stages 2 is 4 chunks"]),
-    (lambda: stage_ops("1f1b", 3, 2, 0, 2), ["3 micro-batches", "--virtual-stages 2", "multiple of --pp 2"]),
-    (lambda: stage_ops("gpipe", 4, 2, 0, 2), ["--schedule gpipe", "--virtual-stages 2 needs --schedule 1f1b"]),
-    (lambda: build_stage(GPT, ProcessGrid(1, 1, 1, world()), virtual_stages=2), ["--virtual-stages 2", "--pp > 1"]),
-    (lambda: build_stage(GPT, ProcessGrid(1, 1, 1, world()), virtual_stages=0), ["--virtual-stages 0", "positive"]),
-])
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: stage_layers(3, 4), ["--pp 4", "3 layers"]),
+        (lambda: parse_pp_layers("3,x", 5, 2), ["3,x", "comma-separated"]),
+        (lambda: parse_pp_layers("3,2", 5, 3), ["2 stages", "--pp is 3"]),
+        (lambda: parse_pp_layers("3,3", 5, 2), ["6 layers", "has 5"]),
+        (lambda: parse_pp_layers("5,0", 5, 2), ["positive"]),
+        (lambda: pipeline_forward_backward(None, [None], None, 1.0, schedule="zb"), ["zb", "gpipe", "1f1b"]),
+        (lambda: parse_pp_layers("3,2", 5, 2, 2), ["2 stages", "--pp 2 x --virtual-stages 2 is 4 chunks"]),
+        (lambda: stage_ops("1f1b", 3, 2, 0, 2), ["3 micro-batches", "--virtual-stages 2", "multiple of --pp 2"]),
+        (lambda: stage_ops("gpipe", 4, 2, 0, 2), ["--schedule gpipe", "--virtual-stages 2 needs --schedule 1f1b"]),
+        (lambda: build_stage(GPT, ProcessGrid(1, 1, 1, world()), virtual_stages=2), ["--virtual-stages 2", "--pp > 1"]),
+        (lambda: build_stage(GPT, ProcessGrid(1, 1, 1, world()), virtual_stages=0), ["--virtual-stages 0", "positive"]),
+    ],
+)
 def test_stage_split_errors_name_the_values(call, words):
     with pytest.raises(ConfigError) as error:
         call()
@@ -387,8 +446,27 @@ def test_bench_pipeline_command_reports_every_stage(capsys, tmp_path):
     if world().rank == 0:
         Path(config).write_text(json.dumps(dict(hidden=32, n_layers=4, n_heads=4, max_seq_len=64)))
     world().barrier()
-    assert main(["bench", "pipeline", "--model", config, "--pp", "2", "--micro-batches", "2", "--repeats", "1",
-                 "--schedule", "1f1b", "--virtual-stages", "1,2"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "pipeline",
+                "--model",
+                config,
+                "--pp",
+                "2",
+                "--micro-batches",
+                "2",
+                "--repeats",
+                "1",
+                "--schedule",
+                "1f1b",
+                "--virtual-stages",
+                "1,2",
+            ]
+        )
+        == 0
+    )
     if world().rank == 0:
         out = capsys.readouterr().out
         assert "1f1b, pp=2, V=2, m=2: formula idle (p-1)/(V*m+p-1) = 0.200" in out and out.count("  stage ") == 4

@@ -1,6 +1,7 @@
 """The planner: its memory model against the engine's real bytes, Korthikanti's formula, rejections
 with reasons, the well-known plans, calibration files, the command, and predicted against measured
 step time on this machine (errors printed; only a loose sanity bound is asserted, never a timing)."""
+
 import json
 import os
 from dataclasses import replace
@@ -31,28 +32,57 @@ from hpc_tp.train.trainer import Trainer
 # Tied, learned positions, a vocabulary that no tp > 1 divides, 3 layers (uneven at pp = 2).
 GPT = ModelConfig(vocab_size=37, hidden=16, n_layers=3, n_heads=4, max_seq_len=8, dropout=0.1, attn_dropout=0.1)
 # Untied, RoPE, SwiGLU, RMSNorm, 2 kv heads: replicated at tp = 4.
-LLAMA = ModelConfig(vocab_size=29, hidden=16, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=24, max_seq_len=8,
-                    norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+LLAMA = ModelConfig(
+    vocab_size=29,
+    hidden=16,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_hidden=24,
+    max_seq_len=8,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+)
 # Every expert sees every token (top_k = num_experts, capacity >= tokens): the routing, and so what
 # an MoE layer keeps, is the capacity bound the planner counts, at any ep.
-MOE = ModelConfig(vocab_size=37, hidden=16, n_layers=2, n_heads=4, max_seq_len=8, num_experts=4, top_k=4,
-                  moe_every=2, capacity_factor=1.0)
+MOE = ModelConfig(
+    vocab_size=37,
+    hidden=16,
+    n_layers=2,
+    n_heads=4,
+    max_seq_len=8,
+    num_experts=4,
+    top_k=4,
+    moe_every=2,
+    capacity_factor=1.0,
+)
 # Routed by the weights (top 1 of 4, capacity 1.25): the bound must hold, with tokens dropped or not.
 ROUTED = replace(MOE, top_k=1, capacity_factor=1.25, moe_every=1)
-SP = {"gpt-sp": replace(GPT, sequence_parallel=True), "llama-sp": replace(LLAMA, sequence_parallel=True),
-      "moe-sp": replace(MOE, sequence_parallel=True)}
+SP = {
+    "gpt-sp": replace(GPT, sequence_parallel=True),
+    "llama-sp": replace(LLAMA, sequence_parallel=True),
+    "moe-sp": replace(MOE, sequence_parallel=True),
+}
 MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, **SP}
 MICRO, SEQ, MICRO_BATCHES = 2, 8, 4
 
 
 def engine_layouts(cfg):
     """(tp, pp, dp, ep) the engine runs, by the planner's own rules (so they are tested too)."""
-    return [(t, p, d, e) for t, p, d in factorizations(world().size) if structural_reason(cfg, t, p, d, 4) is None
-            for e in (divisors(d) if cfg.num_experts else [1])
-            if variant_reason(cfg, t, d, SEQ, cfg.sequence_parallel, e) is None]
+    return [
+        (t, p, d, e)
+        for t, p, d in factorizations(world().size)
+        if structural_reason(cfg, t, p, d, 4) is None
+        for e in (divisors(d) if cfg.num_experts else [1])
+        if variant_reason(cfg, t, d, SEQ, cfg.sequence_parallel, e) is None
+    ]
 
 
 # -- memory: exact against the engine -------------------------------------------------------------------
+
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("name", ["gpt", "llama", "moe", "moe-sp"])
@@ -65,8 +95,9 @@ def test_parameter_and_optimizer_bytes_are_the_engines(name, dtype):
         optimizer = AdamW(model.state(), 1e-3)
         states = sum(a.nbytes for kind in (optimizer.exp_avg, optimizer.exp_avg_sq) for a in kind.values())
         layers = balanced_layers(cfg, pp)[grid.coords.pp]
-        predicted = stage_memory(cfg, tp, pp, grid.coords.pp, layers, MICRO, SEQ, MICRO_BATCHES, "1f1b",
-                                 False, precision, ep=ep)
+        predicted = stage_memory(
+            cfg, tp, pp, grid.coords.pp, layers, MICRO, SEQ, MICRO_BATCHES, "1f1b", False, precision, ep=ep
+        )
         assert (predicted.params, predicted.optimizer) == (model.local_bytes(), states), (tp, pp, dp, ep)
         assert predicted.grads == sum(p.grad.nbytes for p in model.parameters()), (tp, pp, dp, ep)
 
@@ -90,10 +121,24 @@ def test_distributed_optimizer_bytes_are_the_engines(name):
             model = build_stage(cfg, grid, "float64")
         params = model.state()
         optimizer = ShardedAdamW(params, ExpertAwareBucketer(params, grid, arena, shard=True), 1e-3)
-        assert optimizer.state_bytes() == sum(a.nbytes for piece, _ in optimizer.pieces
-                                              for a in (piece.exp_avg, piece.exp_avg_sq))
-        predicted = stage_memory(cfg, tp, pp, 0, balanced_layers(cfg, pp)[0], MICRO, SEQ, MICRO_BATCHES, "1f1b",
-                                 False, precision, ep=ep, optimizer_shards=dp).optimizer
+        assert optimizer.state_bytes() == sum(
+            a.nbytes for piece, _ in optimizer.pieces for a in (piece.exp_avg, piece.exp_avg_sq)
+        )
+        predicted = stage_memory(
+            cfg,
+            tp,
+            pp,
+            0,
+            balanced_layers(cfg, pp)[0],
+            MICRO,
+            SEQ,
+            MICRO_BATCHES,
+            "1f1b",
+            False,
+            precision,
+            ep=ep,
+            optimizer_shards=dp,
+        ).optimizer
         slack = 2 * 8 * dp * len(optimizer.pieces)  # two float64 moments per piece, up to dp - 1 short
         assert predicted - slack <= optimizer.state_bytes() <= predicted + slack, (tp, dp, ep, predicted)
     layout = search(GPT, 4, 8, SEQ, get_cluster("cpu-2core"), distributed_optimizer=True).ranked
@@ -104,23 +149,27 @@ def test_distributed_optimizer_bytes_are_the_engines(name):
 def held_activations(cfg, tp, pp, dp, ep, schedule, recompute, virtual_stages=1):
     """(predicted, measured) activation bytes of this rank's stage over a few micro-batches."""
     rng = np.random.default_rng(0)
-    batches = [(rng.integers(0, cfg.vocab_size, (MICRO, SEQ)), rng.integers(0, cfg.vocab_size, (MICRO, SEQ)))
-               for _ in range(MICRO_BATCHES)]
+    batches = [
+        (rng.integers(0, cfg.vocab_size, (MICRO, SEQ)), rng.integers(0, cfg.vocab_size, (MICRO, SEQ)))
+        for _ in range(MICRO_BATCHES)
+    ]
     grid = ProcessGrid(tp, pp, dp, world(), ep=ep)
     model = build_stage(cfg, grid, "float64", virtual_stages=virtual_stages)
     stats = PipelineStats()
     m = MICRO_BATCHES // dp
-    pipeline_forward_backward(model, batches[grid.coords.dp * m:][:m], grid, 1.0, schedule, recompute, stats=stats)
+    pipeline_forward_backward(model, batches[grid.coords.dp * m :][:m], grid, 1.0, schedule, recompute, stats=stats)
     layers = rank_layers(balanced_layers(cfg, pp, virtual_stages=virtual_stages), pp, grid.coords.pp)
-    predicted = stage_memory(cfg, tp, pp, grid.coords.pp, layers, MICRO, SEQ, m, schedule, recompute,
-                             engine_precision("float64"), ep=ep)
+    predicted = stage_memory(
+        cfg, tp, pp, grid.coords.pp, layers, MICRO, SEQ, m, schedule, recompute, engine_precision("float64"), ep=ep
+    )
     return predicted.activations, stats.peak_bytes
 
 
 # GPipe only changes how many micro-batches are in flight: checked on the two dense models.
 SCHEDULES = [("1f1b", "none"), ("1f1b", "selective"), ("1f1b", "full")]
 ACTIVATION_CASES = [(name, *case) for name in MODELS for case in SCHEDULES] + [
-    (name, "gpipe", "none") for name in ("gpt", "llama")]
+    (name, "gpipe", "none") for name in ("gpt", "llama")
+]
 
 
 @pytest.mark.mpi(min_size=1)
@@ -178,13 +227,16 @@ def test_megatron_list_gives_korthikanti_formula(t):
 
 def test_recompute_and_1f1b_bound_activations():
     cfg, precision = load_config("gpt2"), engine_precision("float32")
-    kept = [stage_memory(cfg, 1, 4, 0, range(3), 4, 1024, 16, schedule, again, precision).activations
-            for schedule, again in (("gpipe", False), ("1f1b", False), ("1f1b", True))]
+    kept = [
+        stage_memory(cfg, 1, 4, 0, range(3), 4, 1024, 16, schedule, again, precision).activations
+        for schedule, again in (("gpipe", False), ("1f1b", False), ("1f1b", True))
+    ]
     assert kept[0] == 4 * kept[1]  # 16 micro-batches in flight against pp - stage = 4
     assert kept[2] < kept[1] / 10  # a block's input against everything it saves
 
 
 # -- search -----------------------------------------------------------------------------------------------
+
 
 def test_every_rejected_layout_has_its_reason():
     cfg = ModelConfig(vocab_size=258, hidden=48, n_layers=2, n_heads=6, max_seq_len=32)
@@ -212,8 +264,9 @@ def test_sequence_parallel_and_expert_parallel_layouts():
     reasons = {r.kind: r for r in plan.rejected}
     assert "tp=4 with sequence parallelism" in reasons["sequence"].reason
     assert "num_experts=4 is not divisible by ep=8" in reasons["experts"].reason
-    by_layout = {(p.layout.tp, p.layout.pp, p.layout.dp, p.layout.sequence_parallel, p.layout.ep): p
-                 for p in plan.ranked}
+    by_layout = {
+        (p.layout.tp, p.layout.pp, p.layout.dp, p.layout.sequence_parallel, p.layout.ep): p for p in plan.ranked
+    }
     plain, sp = by_layout[(2, 1, 4, False, 1)], by_layout[(2, 1, 4, True, 1)]
     ops = {(c.group, c.op) for c in sp.collectives}
     assert {("tp", "all_gather"), ("tp", "reduce_scatter")} <= ops
@@ -228,8 +281,10 @@ def test_gpt3_175b_on_1536_a100s_keeps_tp_in_a_node():
     cluster = get_cluster("dgx-a100")
     plan = search(load_config("gpt3-175b"), 1536, 1536, 2048, cluster, micro_batches=(1, 2))
     best = plan.ranked[0]
-    print(f"\ngpt3-175b, 1536 A100 80GB: {best.layout.describe()}, step {best.step_s:.2f} s, "
-          f"{best.model_flops_per_device / 1e12:.0f} TFLOP/s per GPU, {best.peak_memory / 2**30:.1f} GiB")
+    print(
+        f"\ngpt3-175b, 1536 A100 80GB: {best.layout.describe()}, step {best.step_s:.2f} s, "
+        f"{best.model_flops_per_device / 1e12:.0f} TFLOP/s per GPU, {best.peak_memory / 2**30:.1f} GiB"
+    )
     assert best.layout.tp == 8 and best.layout.pp > 1  # tp fills the NVLink node; 175B needs stages too
     assert best.peak_memory <= cluster.device_mem
     # Model FLOP/s per GPU below the assumed sustained rate, and not absurdly below it.
@@ -285,8 +340,11 @@ def test_choose_layout_interleaves_where_the_bubble_dominates():
         choose_layout(BUBBLY, 1, 2, 32, virtual_stages=2)
 
 
-@pytest.mark.parametrize("world_size, global_batch, layers", [(1, 2, 8), (2, 3, 8), (2, 2, 2)],
-                         ids=["one-rank", "odd-micro-batches", "a-layer-per-stage"])
+@pytest.mark.parametrize(
+    "world_size, global_batch, layers",
+    [(1, 2, 8), (2, 3, 8), (2, 2, 2)],
+    ids=["one-rank", "odd-micro-batches", "a-layer-per-stage"],
+)
 def test_choose_layout_runs_one_chunk_where_interleaving_is_impossible(world_size, global_batch, layers):
     """No pipeline; 3 micro-batches (or 1) that pp = 2 does not divide; as many layers as stages."""
     choice = choose_layout(replace(BUBBLY, n_layers=layers), world_size, global_batch, 32)
@@ -294,9 +352,19 @@ def test_choose_layout_runs_one_chunk_where_interleaving_is_impossible(world_siz
 
 
 def plan_settings(**changes):
-    base = dict(model="tiny", model_overrides=dict(hidden=48, n_layers=8, n_heads=4, max_seq_len=32), seq_len=32,
-                global_batch=4, steps=2, warmup=1, lr=3e-3, dtype="float64", eval_problems=4, samples=0,
-                progress=False)
+    base = dict(
+        model="tiny",
+        model_overrides=dict(hidden=48, n_layers=8, n_heads=4, max_seq_len=32),
+        seq_len=32,
+        global_batch=4,
+        steps=2,
+        warmup=1,
+        lr=3e-3,
+        dtype="float64",
+        eval_problems=4,
+        samples=0,
+        progress=False,
+    )
     return TrainSettings(**{**base, **changes})
 
 
@@ -312,14 +380,22 @@ def test_plan_auto_trains_the_chosen_virtual_stages():
     if comm.size == 1:
         assert s.virtual_stages == 1
     assert len(planned.model.layer_ids) == 8 // s.pp  # this rank's chunks hold its share of the layers
-    by_hand = plan_settings(tp=s.tp, pp=s.pp, dp=s.dp, micro_batch=s.micro_batch, recompute=s.recompute,
-                            schedule=s.schedule, virtual_stages=s.virtual_stages)
+    by_hand = plan_settings(
+        tp=s.tp,
+        pp=s.pp,
+        dp=s.dp,
+        micro_batch=s.micro_batch,
+        recompute=s.recompute,
+        schedule=s.schedule,
+        virtual_stages=s.virtual_stages,
+    )
     first, second = ([r["loss"] for r in t.run().records] for t in (planned, Trainer(by_hand, comm)))
     assert first == second
     assert Trainer(plan_settings(plan="auto", virtual_stages=1), comm).settings.virtual_stages == 1
 
 
 # -- calibration and the cost formulas -----------------------------------------------------------------
+
 
 def test_ring_formulas():
     assert traffic("all_reduce", 4) == 1.5 and traffic("all_gather", 4) == 0.75 and traffic("p2p", 2) == 1
@@ -329,9 +405,11 @@ def test_ring_formulas():
 
 def test_comm_fit_recovers_alpha_and_bandwidth(tmp_path):
     alpha, bw, ranks = 7e-6, 3e9, 4
-    records = [{"op": op, "ranks": ranks, "bytes": n,
-                "project_time_s": hops(op, ranks) * alpha + traffic(op, ranks) * n / bw}
-               for op in ("all_reduce", "p2p") for n in (64, 4096, 2**20, 2**24)]
+    records = [
+        {"op": op, "ranks": ranks, "bytes": n, "project_time_s": hops(op, ranks) * alpha + traffic(op, ranks) * n / bw}
+        for op in ("all_reduce", "p2p")
+        for n in (64, 4096, 2**20, 2**24)
+    ]
     path = tmp_path / "comm.json"
     path.write_text(json.dumps(records))
     cal = load_calibration([path])
@@ -343,10 +421,21 @@ def test_comm_fit_recovers_alpha_and_bandwidth(tmp_path):
 
 
 def test_step_record_gives_rate_and_wait():
-    record = {"benchmark": "step", "tp": 2, "flops": 6e9, "compute_s": 0.1, "comm_s": 0.01, "dtype": "float32",
-              "layers": 2, "micro_batch": 2, "seq_len": 8, "hidden": 16}
-    cal = from_comm_records([{"op": "all_reduce", "ranks": 2, "bytes": n, "project_time_s": 1e-5 + n / 1e9}
-                             for n in (8, 2**20)]).merge(from_step_records([record]))
+    record = {
+        "benchmark": "step",
+        "tp": 2,
+        "flops": 6e9,
+        "compute_s": 0.1,
+        "comm_s": 0.01,
+        "dtype": "float32",
+        "layers": 2,
+        "micro_batch": 2,
+        "seq_len": 8,
+        "hidden": 16,
+    }
+    cal = from_comm_records(
+        [{"op": "all_reduce", "ranks": 2, "bytes": n, "project_time_s": 1e-5 + n / 1e9} for n in (8, 2**20)]
+    ).merge(from_step_records([record]))
     assert cal.steps[0].rate == pytest.approx(3e10) and cal.steps[0].forward_flops == pytest.approx(1e9)
     link = cal.links["all_reduce"]
     expected_wait = (0.01 - 8 * link.time("all_reduce", 2, 2 * 8 * 16 * 4)) / 0.1  # per second of compute
@@ -365,10 +454,33 @@ def test_bad_calibration_files(tmp_path, content, message):
 
 # -- the command -----------------------------------------------------------------------------------------
 
+
 def test_plan_command_prints_and_writes_json(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    assert main(["plan", "--model", "llama2-7b", "--gpus", "16", "--cluster", "dgx-h100", "--global-batch", "64",
-                 "--seq-len", "4096", "--top", "3", "--json", str(path), "--serve-batch", "4"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama2-7b",
+                "--gpus",
+                "16",
+                "--cluster",
+                "dgx-h100",
+                "--global-batch",
+                "64",
+                "--seq-len",
+                "4096",
+                "--top",
+                "3",
+                "--json",
+                str(path),
+                "--serve-batch",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tp=" in out and "rejected" in out and "KV cache" in out
     data = json.loads(path.read_text())
@@ -379,18 +491,39 @@ def test_plan_command_prints_and_writes_json(tmp_path, capsys):
 
 def plan_rows(out: str) -> list[list[str]]:
     """The ranked table's rows of ``hpc-tp plan``'s output, split into words."""
-    return [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()
-            and "tp=" in line]
+    return [
+        line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit() and "tp=" in line
+    ]
 
 
-BUBBLY_ARGS = ["plan", "--model", "tiny", "--set", "hidden=192", "--set", "n_layers=8", "--set", "n_heads=3",
-               "--set", "max_seq_len=32", "--gpus", "2", "--cluster", "cpu-2core", "--global-batch", "2",
-               "--seq-len", "32"]
+BUBBLY_ARGS = [
+    "plan",
+    "--model",
+    "tiny",
+    "--set",
+    "hidden=192",
+    "--set",
+    "n_layers=8",
+    "--set",
+    "n_heads=3",
+    "--set",
+    "max_seq_len=32",
+    "--gpus",
+    "2",
+    "--cluster",
+    "cpu-2core",
+    "--global-batch",
+    "2",
+    "--seq-len",
+    "32",
+]
 
 
-@pytest.mark.parametrize("argv, chunks", [([], {"1", "2", "3", "4"}), (["--virtual-stages", "1"], {"1"}),
-                                          (["--virtual-stages", "1,3"], {"1", "3"})],
-                         ids=["default-as-plan-auto", "one-chunk", "a-list"])
+@pytest.mark.parametrize(
+    "argv, chunks",
+    [([], {"1", "2", "3", "4"}), (["--virtual-stages", "1"], {"1"}), (["--virtual-stages", "1,3"], {"1", "3"})],
+    ids=["default-as-plan-auto", "one-chunk", "a-list"],
+)
 def test_plan_command_searches_virtual_stages_as_plan_auto_does(argv, chunks, tmp_path, capsys):
     """Plain ``hpc-tp plan`` tries V = 1..4 where the engine interleaves, as ``--plan auto`` does, and
     its top row is ``choose_layout``'s; ``--virtual-stages`` limits it. V is its own column."""
@@ -419,16 +552,27 @@ def test_plan_validate_measures_the_virtual_stages_it_would_plan(monkeypatch, ca
 
     asked = []
     monkeypatch.setattr(hpc_tp.launch, "check_launch", lambda: None)
-    monkeypatch.setattr(hpc_tp.plan.validate, "validate",
-                        lambda *a, virtual_stages, **k: asked.append(virtual_stages) or ([], Calibration()))
+    monkeypatch.setattr(
+        hpc_tp.plan.validate,
+        "validate",
+        lambda *a, virtual_stages, **k: asked.append(virtual_stages) or ([], Calibration()),
+    )
     for argv in ([], ["--virtual-stages", "2"]):
         assert main(["plan", "--model", "tiny", "--validate", *argv]) == 0
     assert asked == [AUTO_VIRTUAL_STAGES, (2,)]
 
 
-@pytest.mark.parametrize("argv, message", [(["--gpus", "0"], "--gpus 0"), (["--cluster", "nope"], "nope"),
-                                           (["--set", "oops"], "KEY=VALUE"), (["--global-batch", "0"], "global-batch"),
-                                           (["--ep", "0"], "--ep 0"), (["--ep", "2"], "has no experts")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "0"], "--gpus 0"),
+        (["--cluster", "nope"], "nope"),
+        (["--set", "oops"], "KEY=VALUE"),
+        (["--global-batch", "0"], "global-batch"),
+        (["--ep", "0"], "--ep 0"),
+        (["--ep", "2"], "has no experts"),
+    ],
+)
 def test_plan_command_errors(argv, message):
     from hpc_tp.cli import build_parser
     from hpc_tp.plan import command
@@ -449,8 +593,11 @@ def test_cluster_presets_are_sane():
 # A model whose GEMMs outweigh Python's per-call cost, small enough for seconds per launch.
 MEASURED = dict(hidden=192, n_layers=2, n_heads=4, max_seq_len=64)
 # A few layouts per launch keep it short; `hpc-tp plan --validate` measures every one of a world.
-MEASURED_LAYOUTS = {1: [Layout(1, 1, 1, 2)], 2: [Layout(2, 1, 1, 2), Layout(1, 2, 1, 2), Layout(1, 1, 2, 2)],
-                    4: [Layout(4, 1, 1, 2), Layout(1, 2, 2, 2)]}
+MEASURED_LAYOUTS = {
+    1: [Layout(1, 1, 1, 2)],
+    2: [Layout(2, 1, 1, 2), Layout(1, 2, 1, 2), Layout(1, 1, 2, 2)],
+    4: [Layout(4, 1, 1, 2), Layout(1, 2, 2, 2)],
+}
 # Interleaving needs pp x V <= layers: 4 layers run pp = 2 at V = 2, one block per chunk.
 INTERLEAVED = dict(MEASURED, n_layers=4)
 INTERLEAVED_LAYOUTS = {2: [Layout(1, 2, 1, 2, virtual_stages=2)], 4: [Layout(1, 2, 2, 2, virtual_stages=2)]}
@@ -466,9 +613,11 @@ OVERSUBSCRIBED_BOUND = 0.45
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case, overrides, layouts", [("one-chunk", MEASURED, MEASURED_LAYOUTS),
-                                                     ("interleaved", INTERLEAVED, INTERLEAVED_LAYOUTS)],
-                         ids=["one-chunk", "interleaved"])
+@pytest.mark.parametrize(
+    "case, overrides, layouts",
+    [("one-chunk", MEASURED, MEASURED_LAYOUTS), ("interleaved", INTERLEAVED, INTERLEAVED_LAYOUTS)],
+    ids=["one-chunk", "interleaved"],
+)
 def test_predicted_step_time_within_25_percent_of_the_trainer(case, overrides, layouts):
     """Each layout's error is the median over 3 (interleaved: 5) rounds of (calibrate, train,
     calibrate, predict); a layout
@@ -487,11 +636,21 @@ def test_predicted_step_time_within_25_percent_of_the_trainer(case, overrides, l
     for attempt in range(ATTEMPTS):
         if not pending:
             break
-        rows, calibration = validate(comm, "tiny", overrides, global_batch=8, seq=64, micro_batch=2,
-                                     layouts=pending, steps=3, repeats=ROUNDS[case])
+        rows, calibration = validate(
+            comm,
+            "tiny",
+            overrides,
+            global_batch=8,
+            seq=64,
+            micro_batch=2,
+            layouts=pending,
+            steps=3,
+            repeats=ROUNDS[case],
+        )
         if comm.rank == 0:
-            print(f"\n{comm.size} ranks, attempt {attempt + 1}, calibrated: {calibration.describe()}\n"
-                  f"{format_rows(rows)}")
+            print(
+                f"\n{comm.size} ranks, attempt {attempt + 1}, calibrated: {calibration.describe()}\n{format_rows(rows)}"
+            )
         for r in rows:
             assert r["predicted_state_bytes"] == r["measured_state_bytes"]
             if r["layout"] not in best or abs(r["error"]) < abs(best[r["layout"]]["error"]):
@@ -532,15 +691,21 @@ def test_replicated_kv_gradients_are_summed_over_their_replicas(bias):
     replicas per layer and micro-batch (``ColumnParallelLinear._add_param_grads``), not over tp."""
     cfg, m = replace(LLAMA, bias=bias), 3
     layout = Layout(4, 1, 1, 1)
-    found = {c.what: c for c in stage_collectives(cfg, layout, 8, range(cfg.n_layers), True, True, m, 4, 4)
-             if "replicated K/V" in c.what}
+    found = {
+        c.what: c
+        for c in stage_collectives(cfg, layout, 8, range(cfg.n_layers), True, True, m, 4, 4)
+        if "replicated K/V" in c.what
+    }
     expected = {"replicated K/V weight grads": cfg.hidden * cfg.head_dim * 4}
     if bias:
         expected["replicated K/V bias grads"] = cfg.head_dim * 4
     assert {what: c.nbytes for what, c in found.items()} == expected
     assert all(c.ranks == 2 and c.count == 2 * cfg.n_layers * m and c.group == "tp" for c in found.values())
-    assert not [c for c in stage_collectives(cfg, Layout(2, 1, 1, 1), 8, range(cfg.n_layers), True, True, m, 4, 4)
-                if "replicated" in c.what]
+    assert not [
+        c
+        for c in stage_collectives(cfg, Layout(2, 1, 1, 1), 8, range(cfg.n_layers), True, True, m, 4, 4)
+        if "replicated" in c.what
+    ]
 
 
 def test_interleaved_bubble_is_a_vth_of_1f1b():
@@ -559,8 +724,7 @@ def test_interleaved_bubble_is_a_vth_of_1f1b():
     (p2p_one,), (p2p_three,) = ([c for c in p.collectives if c.op == "p2p"] for p in (one, three))
     assert p2p_three.count == 3 * p2p_one.count == 3 * 2 * m
     # Up to the embedding's bytes, which only chunk 0's passes keep.
-    assert three.memory[0].activations == pytest.approx(one.memory[0].activations * (pp + (pp - 1) / 3) / pp,
-                                                        rel=1e-4)
+    assert three.memory[0].activations == pytest.approx(one.memory[0].activations * (pp + (pp - 1) / 3) / pp, rel=1e-4)
     assert "1f1b V=3" in three.layout.describe()
 
 
@@ -568,8 +732,13 @@ def test_search_tries_virtual_stages_where_the_engine_runs_them():
     cfg = ModelConfig(vocab_size=258, hidden=48, n_layers=4, n_heads=6, max_seq_len=32)
     ranked = search(cfg, 2, 8, 32, get_cluster("cpu-2core"), virtual_stages=(1, 2, 3)).ranked
     interleaved = [p.layout for p in ranked if p.layout.virtual_stages > 1]
-    assert interleaved and all(lay.virtual_stages == 2 and lay.pp == 2 and lay.schedule == "1f1b"
-                               and (8 // (lay.dp * lay.micro_batch)) % lay.pp == 0 for lay in interleaved)
+    assert interleaved and all(
+        lay.virtual_stages == 2
+        and lay.pp == 2
+        and lay.schedule == "1f1b"
+        and (8 // (lay.dp * lay.micro_batch)) % lay.pp == 0
+        for lay in interleaved
+    )
     assert len({p.layout.virtual_stages for p in search(cfg, 2, 8, 32, get_cluster("cpu-2core")).ranked}) == 1
 
 
@@ -581,5 +750,13 @@ def test_validate_measures_every_virtual_stage_count_the_engine_runs():
     both = world_layouts(cfg, 4, 8, 64, 2, virtual_stages=(1, 2))
     # pp = 4 at V = 2 would need 8 layers; tp = 4 divides the 4 heads.
     assert {(lay.tp, lay.pp, lay.dp, lay.virtual_stages) for lay in both} == {
-        (4, 1, 1, 1), (2, 2, 1, 1), (2, 2, 1, 2), (2, 1, 2, 1), (1, 4, 1, 1), (1, 2, 2, 1), (1, 2, 2, 2), (1, 1, 4, 1)}
+        (4, 1, 1, 1),
+        (2, 2, 1, 1),
+        (2, 2, 1, 2),
+        (2, 1, 2, 1),
+        (1, 4, 1, 1),
+        (1, 2, 2, 1),
+        (1, 2, 2, 2),
+        (1, 1, 4, 1),
+    }
     assert world_layouts(cfg, 4, 8, 64, 2) == [lay for lay in both if lay.virtual_stages == 1]

@@ -8,6 +8,7 @@ kernel and the composed path; one layer likewise with key padding (a fully maske
 included); and the trainer's losses and gradient norms must match over a few steps. Then the
 planner's side: the memory it predicts and the settings that ask for it.
 """
+
 import argparse
 from dataclasses import replace
 
@@ -18,14 +19,19 @@ from hpc_tp import backend
 from hpc_tp.comm.mpi import self_comm, world
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
-from hpc_tp.models import ModelConfig, load_config
 from hpc_tp.kernels import cpu_attention
+from hpc_tp.models import ModelConfig, load_config
 from hpc_tp.nn import attention
 from hpc_tp.pipeline import build_stage, pipeline_forward_backward
 from hpc_tp.plan.clusters import engine_precision, get_cluster
 from hpc_tp.plan.cost import Layout, predict
-from hpc_tp.plan.memory import (MEGATRON, attention_mask_bytes, attention_score_bytes, layer_activation_bytes,
-                                stage_memory)
+from hpc_tp.plan.memory import (
+    MEGATRON,
+    attention_mask_bytes,
+    attention_score_bytes,
+    layer_activation_bytes,
+    stage_memory,
+)
 from hpc_tp.tensor_parallel.random import DropoutRNG
 from hpc_tp.train.command import add_arguments, settings_from_args
 from hpc_tp.train.settings import TrainSettings
@@ -38,24 +44,33 @@ VARIANTS = {  # model config changes; 4 heads and 2 kv heads split over tp = 1, 
     "dropout": dict(dropout=0.1, attn_dropout=0.1),
     "no dropout": dict(),
     "bidirectional": dict(causal=False, attn_dropout=0.1),
-    "gqa rope": dict(n_kv_heads=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
-                     tie_embeddings=False, attn_dropout=0.1),
+    "gqa rope": dict(
+        n_kv_heads=2,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+        attn_dropout=0.1,
+    ),
 }
 
 
 def step_grads(cfg, grid, batches, recompute):
     """Loss and this rank's gradients after one pipeline step of ``batches``."""
     model = build_stage(cfg, grid, "float64", seed=5)
-    loss, _ = pipeline_forward_backward(model, batches, grid, 1.0 / (len(batches) * MICRO * SEQ), "1f1b", recompute,
-                                        step=3)
+    loss, _ = pipeline_forward_backward(
+        model, batches, grid, 1.0 / (len(batches) * MICRO * SEQ), "1f1b", recompute, step=3
+    )
     return loss, {name: backend.to_numpy(p.grad).copy() for name, p in model.named_parameters()}
 
 
 def check_modes_agree(cfg, grid):
     """Selective and full recomputation against none: the loss, and every gradient relative to the largest."""
     rng = np.random.default_rng(0)
-    batches = [(rng.integers(0, cfg.vocab_size, (MICRO, SEQ)), rng.integers(0, cfg.vocab_size, (MICRO, SEQ)))
-               for _ in range(2)]
+    batches = [
+        (rng.integers(0, cfg.vocab_size, (MICRO, SEQ)), rng.integers(0, cfg.vocab_size, (MICRO, SEQ))) for _ in range(2)
+    ]
     loss, grads = step_grads(cfg, grid, batches, "none")
     scale = max(float(np.abs(g).max()) for g in grads.values())
     for mode in ("selective", "full"):
@@ -87,8 +102,9 @@ def test_selective_attention_with_key_padding(causal, fused, monkeypatch):
     if not fused:
         monkeypatch.setattr(cpu_attention, "supported", lambda *arrays: False)
     rng = np.random.default_rng(4)
-    layer = attention.ParallelAttention(32, 4, 2, world(), causal=causal, rope_theta=10000.0, dropout=0.1,
-                                        rng=DropoutRNG(7), dtype="float64")
+    layer = attention.ParallelAttention(
+        32, 4, 2, world(), causal=causal, rope_theta=10000.0, dropout=0.1, rng=DropoutRNG(7), dtype="float64"
+    )
     for _, p in layer.named_parameters():
         p.data[...] = rng.standard_normal(p.data.shape) * 0.3
     x, dy = rng.standard_normal((3, SEQ, 32)), rng.standard_normal((3, SEQ, 32))
@@ -124,9 +140,22 @@ def test_trainer_with_selective_recompute_trains_like_without():
     comm = world()
     runs = {}
     for mode in ("none", "selective", True):  # True: the old spelling of full
-        settings = TrainSettings(model="tiny", model_overrides={**VARIANTS["gqa rope"], "n_layers": 2}, dtype="float64",
-                                 tp=comm.size, micro_batch=2, global_batch=4, seq_len=12, steps=3, lr=3e-3, warmup=1,
-                                 samples=0, eval_problems=4, progress=False, recompute=mode)
+        settings = TrainSettings(
+            model="tiny",
+            model_overrides={**VARIANTS["gqa rope"], "n_layers": 2},
+            dtype="float64",
+            tp=comm.size,
+            micro_batch=2,
+            global_batch=4,
+            seq_len=12,
+            steps=3,
+            lr=3e-3,
+            warmup=1,
+            samples=0,
+            eval_problems=4,
+            progress=False,
+            recompute=mode,
+        )
         records = Trainer(settings, comm).run().records
         runs[mode] = np.array([[r["loss"], r["grad_norm"]] for r in records])
     for mode in ("selective", True):
@@ -134,6 +163,7 @@ def test_trainer_with_selective_recompute_trains_like_without():
 
 
 # -- the planner and the settings ------------------------------------------------------------------------
+
 
 def test_selective_keeps_all_but_the_scores():
     # Megatron's list without its 5 a s^2 b / t of softmax, dropout mask and output: s b h (10 + 24 / t).
@@ -143,14 +173,16 @@ def test_selective_keeps_all_but_the_scores():
         assert layer_activation_bytes(cfg, b, s, t, 2, MEGATRON, selective=True) == s * b * h * (10 + 24 // t)
     # The engine keeps each query row's log-sum-exp instead: a b s / t values, float32 at least.
     for t, elem in ((1, 8), (2, 4), (4, 2)):
-        assert (layer_activation_bytes(cfg, b, s, t, elem, selective=True)
-                == layer_activation_bytes(cfg, b, s, t, elem) - attention_score_bytes(cfg, b, s, t, elem)
-                + b * a // t * s * max(elem, 4))
+        assert layer_activation_bytes(cfg, b, s, t, elem, selective=True) == layer_activation_bytes(
+            cfg, b, s, t, elem
+        ) - attention_score_bytes(cfg, b, s, t, elem) + b * a // t * s * max(elem, 4)
     gpt2, precision = load_config("gpt2"), engine_precision("float32")
     for attn_dropout in (0.0, 0.1):
         cfg = replace(gpt2, attn_dropout=attn_dropout)
-        kept = {mode: stage_memory(cfg, 1, 1, 0, range(12), 4, 1024, 1, "1f1b", mode, precision)
-                for mode in ("none", "selective", "full")}
+        kept = {
+            mode: stage_memory(cfg, 1, 1, 0, range(12), 4, 1024, 1, "1f1b", mode, precision)
+            for mode in ("none", "selective", "full")
+        }
         assert kept["full"].activations < kept["selective"].activations < kept["none"].activations
         # Backward makes the softmax again block by block: of one layer only its redrawn dropout masks are whole.
         assert kept["selective"].recompute_peak == attention_mask_bytes(cfg, 4, 1024, 1, 4)
@@ -160,8 +192,10 @@ def test_selective_keeps_all_but_the_scores():
 
 def test_selective_costs_between_none_and_full():
     cfg, cluster = load_config("gpt2"), get_cluster("cpu-2core")
-    compute = {mode: predict(cfg, Layout(1, 1, 1, 4, mode), 4, 1024, cluster).compute_s
-               for mode in ("none", "selective", "full")}
+    compute = {
+        mode: predict(cfg, Layout(1, 1, 1, 4, mode), 4, 1024, cluster).compute_s
+        for mode in ("none", "selective", "full")
+    }
     assert compute["none"] < compute["selective"] < compute["full"]
     # 2 s h more per token and layer, against 3 x (24 h^2 + 4 s h): under 5% at s = 1024, h = 768.
     assert compute["selective"] / compute["none"] < 1.05
@@ -172,7 +206,7 @@ def test_selective_costs_between_none_and_full():
 def test_recompute_settings_and_flag():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    parse = (lambda *flags: settings_from_args(parser.parse_args(list(flags))).recompute)
+    parse = lambda *flags: settings_from_args(parser.parse_args(list(flags))).recompute
     assert (parse(), parse("--recompute"), parse("--recompute", "selective")) == ("none", "full", "selective")
     settings = TrainSettings(recompute=True)
     settings.check()

@@ -1,6 +1,7 @@
 """The tensor-parallel communication regions: each backward is its forward's adjoint,
 <F x, y> == <x, F* y>, also when started with ``backward_async``; and a model's every collective
 goes through one of these regions, so the adjoint tests cover what a training step runs."""
+
 import sys
 
 import numpy as np
@@ -85,14 +86,29 @@ class _Recording:
             made_by = type(caller).__name__ if isinstance(caller, (Region, MaxFromTensorParallel)) else None
             self._calls.append((name, made_by, f"{frame.f_code.co_filename}:{frame.f_code.co_name}"))
             return attr(*args, **kwargs)
+
         return call
 
 
 # GQA with one KV head: its K/V gradients are summed over every tp rank that holds it; a MoE layer
 # (one expert-parallel rank) in the sequence-parallel run.
-CONFIG = dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, n_kv_heads=1, ffn_hidden=40, max_seq_len=16,
-              norm="rmsnorm", activation="swiglu", position="rope", bias=True, tie_embeddings=True,
-              num_experts=2, top_k=1, moe_every=2)
+CONFIG = dict(
+    vocab_size=37,
+    hidden=24,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=1,
+    ffn_hidden=40,
+    max_seq_len=16,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=True,
+    tie_embeddings=True,
+    num_experts=2,
+    top_k=1,
+    moe_every=2,
+)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -110,6 +126,10 @@ def test_every_collective_of_a_training_step_is_a_region(sequence_parallel):
     assert used <= {c.__name__ for c in REGIONS} | {"MaxFromTensorParallel"}
     if comm.size > 1:  # at one rank the gathers and reduce-scatters send nothing and are not called
         plain = {"CopyToTensorParallel", "ReduceFromTensorParallel", "MaxFromTensorParallel"}
-        sequence = {"GatherFromSequenceParallel", "ReduceScatterToSequenceParallel", "ScatterToTensorParallel",
-                    "GatherFromTensorParallel"}
+        sequence = {
+            "GatherFromSequenceParallel",
+            "ReduceScatterToSequenceParallel",
+            "ScatterToTensorParallel",
+            "GatherFromTensorParallel",
+        }
         assert used == (plain | sequence if sequence_parallel else plain | {"GatherFromTensorParallel"})

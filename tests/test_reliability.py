@@ -8,18 +8,20 @@
 - Bad values and bad files for every command: one ``hpc-tp: error:`` line, a non-zero exit, no
   traceback, no file overwritten.
 """
+
 import subprocess
 from pathlib import Path
 
 import h5py
 import pytest
+from test_train import settings, shared_tmp
+from test_watchdog import BIN, JOB_TIMEOUT, MPIEXEC, ROOT, TRAIN, inject
 
 from hpc_tp.checkpoint import verify_checkpoint
 from hpc_tp.comm.mpi import self_comm, world
 from hpc_tp.train.metrics import read_metrics
 from hpc_tp.train.trainer import NumericalFault, Trainer
-from test_train import settings, shared_tmp
-from test_watchdog import BIN, JOB_TIMEOUT, MPIEXEC, ROOT, TRAIN, inject
+
 
 def test_a_killed_rank_ends_the_job_and_resume_continues_with_the_same_losses(tmp_path):
     save, log = tmp_path / "ckpt", tmp_path / "killed.jsonl"
@@ -32,9 +34,25 @@ def test_a_killed_rank_ends_the_job_and_resume_continues_with_the_same_losses(tm
     assert sorted(before) == list(range(1, 8))  # the kill came before step 8
 
     resumed_log = tmp_path / "resumed.jsonl"
-    resumed = subprocess.run([MPIEXEC, "-n", "4", str(BIN / "hpc-tp"), *TRAIN, "--cache-dir", str(tmp_path),
-                              *flags, "--resume", "--log", str(resumed_log)], cwd=ROOT, capture_output=True,
-                             text=True, timeout=JOB_TIMEOUT)
+    resumed = subprocess.run(
+        [
+            MPIEXEC,
+            "-n",
+            "4",
+            str(BIN / "hpc-tp"),
+            *TRAIN,
+            "--cache-dir",
+            str(tmp_path),
+            *flags,
+            "--resume",
+            "--log",
+            str(resumed_log),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT,
+    )
     assert resumed.returncode == 0, resumed.stderr
     after = {r["step"]: r["loss"] for r in read_metrics(resumed_log) if "loss" in r}
     assert sorted(after) == [5, 6, 7, 8]
@@ -62,13 +80,17 @@ def test_non_finite_steps_are_skipped_then_rolled_back_without_losing_a_step(tmp
     comm = world()
     root = f"{shared_tmp(tmp_path, comm)}/ckpt"
     clean = [r["loss"] for r in Trainer(settings(tp=comm.size, steps=6, warmup=2), comm).run().records]
-    faulty = PoisonedTrainer(settings(tp=comm.size, steps=6, warmup=2, save=root, save_every=2, max_bad_steps=2),
-                             comm, value=value, at=(2,))
+    faulty = PoisonedTrainer(
+        settings(tp=comm.size, steps=6, warmup=2, save=root, save_every=2, max_bad_steps=2), comm, value=value, at=(2,)
+    )
     records = faulty.run().records
     assert [r["step"] for r in records] == [1, 2, 3, 4, 3, 4, 5, 6]  # 3, 4 bad, then replayed from 2
     assert [r["skipped"] for r in records] == [False] * 2 + [True] * 2 + [False] * 4
-    assert any("2 steps in a row with a non-finite loss or gradient (up to step 4): rolled back to" in m
-               and m.endswith("step 2") for m in faulty.messages)
+    assert any(
+        "2 steps in a row with a non-finite loss or gradient (up to step 4): rolled back to" in m
+        and m.endswith("step 2")
+        for m in faulty.messages
+    )
     kept = [r["loss"] for r in records if not r["skipped"]]
     assert kept == clean  # the rollback lost nothing: the losses of a run without the fault
 
@@ -88,8 +110,11 @@ def test_a_bad_step_never_becomes_a_checkpoint(tmp_path):
 def test_no_checkpoint_to_roll_back_to_is_a_clear_error(tmp_path):
     comm = world()
     trainer = PoisonedTrainer(settings(tp=comm.size, steps=8, max_bad_steps=2), comm, at=(2,))
-    with pytest.raises(NumericalFault, match=r"^2 steps in a row with a non-finite loss or gradient \(up to step 4\) "
-                                             r"and no checkpoint to roll back to"):
+    with pytest.raises(
+        NumericalFault,
+        match=r"^2 steps in a row with a non-finite loss or gradient \(up to step 4\) "
+        r"and no checkpoint to roll back to",
+    ):
         trainer.run()
 
 
@@ -97,8 +122,9 @@ def test_no_checkpoint_to_roll_back_to_is_a_clear_error(tmp_path):
 def test_a_fault_that_comes_back_after_a_rollback_stops_the_run(tmp_path):
     comm = world()
     root = f"{shared_tmp(tmp_path, comm)}/ckpt"
-    trainer = PoisonedTrainer(settings(tp=comm.size, steps=8, save=root, save_every=2, max_bad_steps=2), comm,
-                              at=(2, 2))
+    trainer = PoisonedTrainer(
+        settings(tp=comm.size, steps=8, save=root, save_every=2, max_bad_steps=2), comm, at=(2, 2)
+    )
     with pytest.raises(NumericalFault, match=r"again after rolling back to .*step-000002: the fault repeats"):
         trainer.run()
 
@@ -106,9 +132,11 @@ def test_a_fault_that_comes_back_after_a_rollback_stops_the_run(tmp_path):
 def test_settings_of_the_fault_handling_are_checked():
     from hpc_tp.errors import ConfigError
 
-    for change, message in [(dict(comm_timeout=-1.0), "--comm-timeout -1.0: expected seconds >= 0"),
-                            (dict(comm_timeout=float("inf")), "--comm-timeout inf"),
-                            (dict(max_bad_steps=-2), "--max-bad-steps -2: expected an integer >= 0")]:
+    for change, message in [
+        (dict(comm_timeout=-1.0), "--comm-timeout -1.0: expected seconds >= 0"),
+        (dict(comm_timeout=float("inf")), "--comm-timeout inf"),
+        (dict(max_bad_steps=-2), "--max-bad-steps -2: expected an integer >= 0"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             Trainer(settings(**change), self_comm())
 
@@ -137,16 +165,19 @@ def test_output_checks_create_nothing(tmp_path):
     check_output_folder(tmp_path / "new" / "deeper", "--save")  # folders the writer will create
     check_output_file(tmp_path / "new" / "m.jsonl", "--log")
     (tmp_path / "afile").write_text("kept")
-    for check, path, message in [(check_output_file, tmp_path, "is a folder: expected a file"),
-                                 (check_output_folder, tmp_path / "afile", "is a file: expected a folder"),
-                                 (check_output_file, tmp_path / "afile" / "x", "afile is not a folder"),
-                                 (check_output_folder, "/proc/x/y", "cannot create files in /proc")]:
+    for check, path, message in [
+        (check_output_file, tmp_path, "is a folder: expected a file"),
+        (check_output_folder, tmp_path / "afile", "is a file: expected a folder"),
+        (check_output_file, tmp_path / "afile" / "x", "afile is not a folder"),
+        (check_output_folder, "/proc/x/y", "cannot create files in /proc"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             check(path, "--out")
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]  # no probe file, no folder left behind
 
 
 # -- bad input on the command line ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
@@ -261,8 +292,9 @@ def test_bad_input_is_one_clear_line_and_overwrites_nothing(files, command, mess
     monkeypatch.chdir(files)
     paths = lambda: {p for p in files.rglob("*") if "cache" not in p.parts}  # noqa: E731
     before, listed = {p: p.read_bytes() for p in paths() if p.is_file()}, paths()
-    steps = (["--steps", "2"] if "--steps" not in command else []) + (["--cache-dir", "cache"]
-                                                                       if "--cache-dir" not in command else [])
+    steps = (["--steps", "2"] if "--steps" not in command else []) + (
+        ["--cache-dir", "cache"] if "--cache-dir" not in command else []
+    )
     steps = steps if command.startswith("train") else []
     assert cli.main(command.split() + steps) != 0
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpc-tp: error:")]

@@ -1,6 +1,7 @@
 """Logits processors and log-probabilities (``serve.sampling``) against plain references on known
 logits, and what a row (``generate._Row``) makes of them: EOS ignored, log-probabilities of the tokens
 it keeps, text streamed whole characters at a time."""
+
 import math
 
 import numpy as np
@@ -103,15 +104,18 @@ def test_a_streamed_row_sends_whole_characters_and_its_offsets_count_them():
 def test_logprobs_and_penalties_at_every_tp_equal_one_process(comm_world):
     """Rank 0 reports log-probabilities from the logits gathered over the vocabulary-parallel head:
     the same, to float64 rounding, at 1, 2 and 4 ranks as in one process; penalised choices alike."""
+    from test_generate import _model
+
     from hpc_tp.comm.mpi import self_comm
     from hpc_tp.serve.continuous import ContinuousBatcher
     from hpc_tp.serve.generate import Engine
-    from test_generate import _model
 
     prompts = [list(b"UUUU"), list(b"tp logprobs "), list(b"x")]
-    params = [SamplingParams(max_new_tokens=6, logprobs=3, ignore_eos=True, repetition_penalty=1.5),
-              SamplingParams(max_new_tokens=4, logprobs=0, presence_penalty=1.0, frequency_penalty=0.5),
-              SamplingParams(max_new_tokens=5, logprobs=2, temperature=0.8, min_p=0.05, seed=3)]
+    params = [
+        SamplingParams(max_new_tokens=6, logprobs=3, ignore_eos=True, repetition_penalty=1.5),
+        SamplingParams(max_new_tokens=4, logprobs=0, presence_penalty=1.0, frequency_penalty=0.5),
+        SamplingParams(max_new_tokens=5, logprobs=2, temperature=0.8, min_p=0.05, seed=3),
+    ]
     batcher = ContinuousBatcher(Engine(_model("llama-gqa", comm_world), ByteTokenizer()), rows=2)
     got = batcher.generate(prompts, params)
     if comm_world.rank != 0:
@@ -120,6 +124,7 @@ def test_logprobs_and_penalties_at_every_tp_equal_one_process(comm_world):
     for (completion, _), expected in zip(got, want):
         assert completion.ids == expected.ids
         assert [(e.token, [t for t, _ in e.top]) for e in completion.logprobs] == [
-            (e.token, [t for t, _ in e.top]) for e in expected.logprobs]
+            (e.token, [t for t, _ in e.top]) for e in expected.logprobs
+        ]
         values = [[[e.logprob] + [lp for _, lp in e.top] for e in c.logprobs] for c in (completion, expected)]
         np.testing.assert_allclose(*values, rtol=0, atol=1e-12)

@@ -1,8 +1,10 @@
 """Sequence parallelism at tp = world size gives the numbers of the plain tensor-parallel run
 (loss, logits, every gradient; float64, dropout on; Mixture-of-Experts layers too), and a block
 keeps 1/tp of the activations the one-process block keeps."""
+
 import numpy as np
 import pytest
+from tp_helpers import lm_batch, max_rel_err, same_random, tp_and_reference
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
@@ -12,21 +14,43 @@ from hpc_tp.nn.block import TransformerBlock
 from hpc_tp.nn.sequence_parallel import held_bytes
 from hpc_tp.tensor_parallel.mappings import local_chunk
 from hpc_tp.tensor_parallel.random import DropoutRNG
-from tp_helpers import lm_batch, max_rel_err, same_random, tp_and_reference
 
 pytestmark = pytest.mark.mpi(min_size=1)
 TOL = 1e-9
 CONFIGS = {
-    "gpt2-dropout": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=16,
-                         dropout=0.2, attn_dropout=0.1),
-    "llama-gqa": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=40, max_seq_len=16,
-                      norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False),
+    "gpt2-dropout": dict(
+        vocab_size=37, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=16, dropout=0.2, attn_dropout=0.1
+    ),
+    "llama-gqa": dict(
+        vocab_size=37,
+        hidden=24,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=40,
+        max_seq_len=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
     # The MoE layer gathers the sequence its tensor-parallel experts need; some assignments are dropped.
-    "moe-dropout": dict(vocab_size=37, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=16, dropout=0.2,
-                        num_experts=4, top_k=2, capacity_factor=0.75, aux_loss_coef=0.1, bias=False),
+    "moe-dropout": dict(
+        vocab_size=37,
+        hidden=24,
+        n_layers=2,
+        n_heads=4,
+        ffn_hidden=40,
+        max_seq_len=16,
+        dropout=0.2,
+        num_experts=4,
+        top_k=2,
+        capacity_factor=0.75,
+        aux_loss_coef=0.1,
+        bias=False,
+    ),
 }
-
-
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -55,8 +79,9 @@ def test_sequence_parallel_matches_plain_tensor_parallel(name):
 
 
 def _block(comm, sp: bool):
-    cfg = ModelConfig(hidden=24, n_heads=4, ffn_hidden=48, max_seq_len=16, dropout=0.2, attn_dropout=0.1,
-                      sequence_parallel=sp)
+    cfg = ModelConfig(
+        hidden=24, n_heads=4, ffn_hidden=48, max_seq_len=16, dropout=0.2, attn_dropout=0.1, sequence_parallel=sp
+    )
     block = TransformerBlock(cfg, comm, 0, DropoutRNG(7))
     initialize(block, 0.3, 1, 5)
     return block
@@ -71,8 +96,12 @@ def test_block_keeps_one_tp_th_of_the_activations():
     _, ctx_plain = plain.forward(x)
     y_sp, ctx_sp = sp.forward(local_chunk(x, tp, axis=1).copy())
     assert max_rel_err(tp.all_gather(y_sp, axis=1), y_one) <= TOL
-    assert max_rel_err(tp.all_gather(sp.backward(local_chunk(dy, tp, axis=1).copy(), ctx_sp), axis=1),
-                       one.backward(dy, ctx_one)) <= TOL
+    assert (
+        max_rel_err(
+            tp.all_gather(sp.backward(local_chunk(dy, tp, axis=1).copy(), ctx_sp), axis=1), one.backward(dy, ctx_one)
+        )
+        <= TOL
+    )
     # Predicted (Korthikanti et al.): every saved activation is split by heads or by sequence.
     assert held_bytes(ctx_sp) * tp.size == held_bytes(ctx_one)
     if tp.size > 1:  # plain tp keeps norm, dropout and residual inputs whole

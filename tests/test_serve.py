@@ -2,6 +2,7 @@
 streamed) each get their own complete greedy completion, malformed ones get a 400 with the reason
 without disturbing the others, and SIGTERM stops every rank with exit 0; with continuous batching
 and with static batches (`--batching static`)."""
+
 import json
 import os
 import queue
@@ -20,13 +21,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_generate import _model, write_checkpoint
 
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.tokenizer import ByteTokenizer
-from test_generate import _model, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -35,8 +36,9 @@ N_REQUESTS = 50
 
 
 def _post(port, body: bytes, path="/v1/completions"):
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.headers.get("Content-Type"), response.read().decode()
@@ -47,6 +49,7 @@ def _post(port, body: bytes, path="/v1/completions"):
 def _text_of(content_type, body):
     """(text, finish_reason, usage) of a JSON answer or of a server-sent event stream, from
     /v1/completions (``text``) or /v1/chat/completions (the assistant's ``message``, or ``delta`` chunks)."""
+
     def text(choice, first=True):
         turn = choice.get("message", choice.get("delta"))
         if turn is None:
@@ -55,13 +58,16 @@ def _text_of(content_type, body):
         return turn.get("content", "")
 
     if content_type == "text/event-stream":
-        events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         usage = chunks.pop()["usage"] if not chunks[-1]["choices"] else None  # only where include_usage asked it
         assert all(c.get("usage") is None for c in chunks)
-        return ("".join(text(c["choices"][0], i == 0) for i, c in enumerate(chunks)),
-                chunks[-1]["choices"][0]["finish_reason"], usage)
+        return (
+            "".join(text(c["choices"][0], i == 0) for i, c in enumerate(chunks)),
+            chunks[-1]["choices"][0]["finish_reason"],
+            usage,
+        )
     answer = json.loads(body)
     return text(answer["choices"][0]), answer["choices"][0]["finish_reason"], answer["usage"]
 
@@ -86,8 +92,13 @@ def _start_line(proc, lines: queue.Queue, timeout=60):
 def serving(*flags):
     """``mpiexec -n 2 hpc-tp serve --port 0 FLAGS`` for the block: yields its process, port, rank pids,
     a queue of its output lines and the thread reading them; a server still up after it is stopped."""
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--port", "0", *flags],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--port", "0", *flags],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
     reader.start()
@@ -109,20 +120,43 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
     ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:")
-    with serving("--ckpt", str(ckpt), "--dtype", "float64", "--max-batch", "8", "--batching", batching,
-                 "--max-model-len", "31", "--chat-template", str(template)) as served:
+    with serving(
+        "--ckpt",
+        str(ckpt),
+        "--dtype",
+        "float64",
+        "--max-batch",
+        "8",
+        "--batching",
+        batching,
+        "--max-model-len",
+        "31",
+        "--chat-template",
+        str(template),
+    ) as served:
         port, pids, proc, lines = served.port, served.pids, served.proc, served.lines
         prompts = [f"request {i}: " + "xy" * (i % 7) for i in range(N_REQUESTS)]
-        bodies = [json.dumps({"prompt": p, "max_tokens": 3 + i % 6, "temperature": 0, "stream": i % 5 == 0,
-                              "stream_options": {"include_usage": True} if i % 5 == 0 else None}).encode()
-                  for i, p in enumerate(prompts)]
-        malformed = {b"{not json": "body is not JSON",
-                     b'{"prompt": "hi", "max_tokens": 0}': "max_tokens=0: expected an integer >= 1",
-                     b'{"prompt": {"a": "b"}}': "prompt must be a string, a list of strings",
-                     b'{"prompt": "hi", "temprature": 0.5}': "unknown fields temprature",
-                     b'{"prompt": "\\ud800"}': "text is not valid Unicode",  # a lone surrogate
-                     b'{"prompt": "' + b"z" * 30 + b'", "max_tokens": 3}': "this server takes 31 (--max-model-len)",
-                     b"[" * 100000 + b"]" * 100000: "nested too deeply"}
+        bodies = [
+            json.dumps(
+                {
+                    "prompt": p,
+                    "max_tokens": 3 + i % 6,
+                    "temperature": 0,
+                    "stream": i % 5 == 0,
+                    "stream_options": {"include_usage": True} if i % 5 == 0 else None,
+                }
+            ).encode()
+            for i, p in enumerate(prompts)
+        ]
+        malformed = {
+            b"{not json": "body is not JSON",
+            b'{"prompt": "hi", "max_tokens": 0}': "max_tokens=0: expected an integer >= 1",
+            b'{"prompt": {"a": "b"}}': "prompt must be a string, a list of strings",
+            b'{"prompt": "hi", "temprature": 0.5}': "unknown fields temprature",
+            b'{"prompt": "\\ud800"}': "text is not valid Unicode",  # a lone surrogate
+            b'{"prompt": "' + b"z" * 30 + b'", "max_tokens": 3}': "this server takes 31 (--max-model-len)",
+            b"[" * 100000 + b"]" * 100000: "nested too deeply",
+        }
         with ThreadPoolExecutor(max_workers=N_REQUESTS + len(malformed)) as pool:
             bad = [pool.submit(_post, port, body) for body in malformed]
             good = [pool.submit(_post, port, body) for body in bodies]
@@ -130,8 +164,9 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         for (status, _, body), reason in zip(refusals, malformed.values()):
             assert status == 400 and reason in json.loads(body)["error"]["message"], body
         engine = Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
-        want, _ = engine.generate([list(p.encode()) for p in prompts],
-                                  [SamplingParams(max_new_tokens=3 + i % 6) for i in range(N_REQUESTS)])
+        want, _ = engine.generate(
+            [list(p.encode()) for p in prompts], [SamplingParams(max_new_tokens=3 + i % 6) for i in range(N_REQUESTS)]
+        )
         for i, ((status, content_type, body), expected) in enumerate(zip(answers, want)):
             assert status == 200, body
             assert content_type == ("text/event-stream" if i % 5 == 0 else "application/json")
@@ -146,8 +181,15 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         # least the first one's prompt cached
         turns, chats = [{"role": "user", "content": "hi"}], []
         for stream in (False, True):
-            body = json.dumps({"messages": turns, "max_tokens": 4, "temperature": 0, "stream": stream,
-                               "stream_options": {"include_usage": stream}}).encode()
+            body = json.dumps(
+                {
+                    "messages": turns,
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "stream": stream,
+                    "stream_options": {"include_usage": stream},
+                }
+            ).encode()
             status, content_type, answer = _post(port, body, path="/v1/chat/completions")
             assert status == 200, answer
             chats.append(_text_of(content_type, answer))
@@ -155,7 +197,9 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
             want_chat, _ = engine.generate([list(rendered.encode())], [SamplingParams(max_new_tokens=4)])
             assert chats[-1][:2] == (want_chat[0].text, want_chat[0].finish_reason)
             turns += [{"role": "assistant", "content": chats[-1][0]}, {"role": "user", "content": "ok"}]
-        assert chats[1][2]["prompt_tokens_details"]["cached_tokens"] >= (len("u:hi\na:") if batching == "continuous" else 0)
+        assert chats[1][2]["prompt_tokens_details"]["cached_tokens"] >= (
+            len("u:hi\na:") if batching == "continuous" else 0
+        )
         # the model is served by its checkpoint folder's name: listed, answered under it, others refused
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as response:
             assert [m["id"] for m in json.loads(response.read())["data"]] == ["ckpt"]
@@ -164,12 +208,12 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         other = _post(port, json.dumps({"prompt": "hi", "model": "gpt-4"}).encode())
         assert other[0] == 404 and "model 'gpt-4' is not served here" in json.loads(other[2])["error"]["message"]
         refused = _post(port, json.dumps({"messages": "hi"}).encode(), path="/v1/chat/completions")
-        assert json.loads(refused[2])["error"]["message"].startswith(
-            "messages must be a non-empty list")
+        assert json.loads(refused[2])["error"]["message"].startswith("messages must be a non-empty list")
         # what the server counted so far: every answer, the refusals, nothing running or waiting
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
-            counted = dict(line.rsplit(" ", 1) for line in response.read().decode().splitlines()
-                           if not line.startswith("#"))
+            counted = dict(
+                line.rsplit(" ", 1) for line in response.read().decode().splitlines() if not line.startswith("#")
+            )
         answered = N_REQUESTS + len(cached) + len(chats) + 1
         assert sum(float(v) for k, v in counted.items() if k.startswith("hpc_tp_requests_total{")) == answered
         assert float(counted["hpc_tp_time_to_first_token_seconds_count"]) == answered
@@ -184,15 +228,23 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         assert _post(port, b" " * (16 * 2**20 + 1))[0] == 413  # a client sending the body still reads the answer
         idle = socket.create_connection(("127.0.0.1", port), timeout=60)  # sends nothing: must not stall the stop
         # SIGTERM while streamed requests are open: they are answered in full, then every rank exits 0
-        late = [json.dumps({"prompt": p, "max_tokens": 12, "temperature": 0, "stream": True}).encode()
-                for p in prompts[:3]]
-        opened = [urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b),
-                                         timeout=60) for b in late]  # returns once the headers came: accepted
+        late = [
+            json.dumps({"prompt": p, "max_tokens": 12, "temperature": 0, "stream": True}).encode() for p in prompts[:3]
+        ]
+        opened = [
+            urllib.request.urlopen(
+                urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b), timeout=60
+            )
+            for b in late
+        ]  # returns once the headers came: accepted
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         want_late, _ = engine.generate([list(p.encode()) for p in prompts[:3]], [SamplingParams(max_new_tokens=12)] * 3)
         for response, expected in zip(opened, want_late):
-            assert _text_of("text/event-stream", response.read().decode())[:2] == (expected.text, expected.finish_reason)
+            assert _text_of("text/event-stream", response.read().decode())[:2] == (
+                expected.text,
+                expected.finish_reason,
+            )
         assert proc.wait(timeout=30) == 0
         idle.close()
         served.reader.join(timeout=10)

@@ -1,16 +1,17 @@
 """`hpc-tp serve` of a BERT checkpoint answers OpenAI's /v1/embeddings (through the official client,
 float and base64) with `hpc-tp embed`'s vectors, batched over tp = 2; it refuses completions in one
 line, as a decoder's server refuses embeddings (tests/test_openai_client.py)."""
+
 import urllib.request
 
 import numpy as np
 import openai
 import pytest
 from openai.types import CreateEmbeddingResponse
-
-from hpc_tp.comm.mpi import self_comm
 from test_bert import WORDS, converted, pooled_reference
 from test_serve import serving
+
+from hpc_tp.comm.mpi import self_comm
 
 
 def test_an_encoder_serves_embeddings_and_refuses_completions(tmp_path):
@@ -31,11 +32,14 @@ def test_an_encoder_serves_embeddings_and_refuses_completions(tmp_path):
             assert float(np.abs(np.array(data.embedding) - pooled_reference(tensors, row)).max()) < 1e-6  # float32
         with pytest.raises(openai.BadRequestError, match="input\\[0\\]: .*expected 1 to max_seq_len"):
             client.embeddings.create(model="ckpt", input=" ".join(["w5"] * 30))
-        with pytest.raises(openai.BadRequestError, match="serves an encoder \\(bert\\) checkpoint: it answers "
-                                                         "/v1/embeddings, not /v1/completions"):
+        with pytest.raises(
+            openai.BadRequestError,
+            match="serves an encoder \\(bert\\) checkpoint: it answers /v1/embeddings, not /v1/completions",
+        ):
             client.completions.create(model="ckpt", prompt="w1")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
-            counted = dict(line.rsplit(" ", 1) for line in response.read().decode().splitlines()
-                           if not line.startswith("#"))
+            counted = dict(
+                line.rsplit(" ", 1) for line in response.read().decode().splitlines() if not line.startswith("#")
+            )
         assert counted['hpc_tp_requests_total{finish_reason="embedding"}'] == "2"
         assert counted["hpc_tp_requests_running"] == "0"

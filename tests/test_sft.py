@@ -1,5 +1,6 @@
 """Supervised fine-tuning on chats: the loss on assistant tokens only, the same gradient in every layout,
 bad lines named, and a chat dataset the test makes from the demo task learned."""
+
 import json
 
 import numpy as np
@@ -8,15 +9,17 @@ import pytest
 from hpc_tp.comm.mpi import self_comm, world
 from hpc_tp.errors import ConfigError
 from hpc_tp.serve.chat import ChatTemplate
+from hpc_tp.tokenizer import ByteTokenizer
 from hpc_tp.train.chats import build_chat_datasets, render_conversation
 from hpc_tp.train.settings import TrainSettings
 from hpc_tp.train.tasks import IGNORE, ArithmeticTask
-from hpc_tp.tokenizer import ByteTokenizer
 from hpc_tp.train.trainer import Trainer
 
 # ChatML's layout, spelled in bytes: turns open with "<|", close with "|>\n".
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}\n{{ m['content'] }}|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}\n{{ m['content'] }}|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant\n{% endif %}"
+)
 BYTES = ByteTokenizer()
 
 
@@ -28,15 +31,26 @@ def write_chats(path, conversations):
 def arithmetic_chats(n: int, seed: int = 0) -> list[dict]:
     """The demo task's problems as chats: a system turn, the problem, the answer."""
     task = ArithmeticTask(seed=seed)
-    return [{"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": prompt},
-                          {"role": "assistant", "content": answer}]}
-            for prompt, answer in task.train_examples()[:n]]
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": "Add."},
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": answer},
+            ]
+        }
+        for prompt, answer in task.train_examples()[:n]
+    ]
 
 
 def test_only_assistant_turns_and_what_closes_them_are_learned():
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok?"},
-                {"role": "assistant", "content": "ok"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "ok?"},
+        {"role": "assistant", "content": "ok"},
+    ]
     ids, learned = render_conversation(ChatTemplate(TEMPLATE), BYTES, messages, "test")
     text = BYTES.decode(ids)
     assert text == "<|system\nS|>\n<|user\nhi|>\n<|assistant\nyo|>\n<|user\nok?|>\n<|assistant\nok|>\n"
@@ -50,17 +64,24 @@ def test_prompt_completion_lines_split_and_padding_are_never_targets(tmp_path):
     ids, targets = train.get(range(len(train)))
     rows = [BYTES.decode([t for t in row if t != IGNORE]) for row in targets]
     assert all(row.endswith("|>\n") and "<|" not in row for row in rows), rows
-    assert (ids[targets != IGNORE] >= 0).all() and train.seq_len == max(len(BYTES.encode(
-        ChatTemplate(TEMPLATE).render(c["messages"], add_generation_prompt=False))) - 1 for c in arithmetic_chats(9))
+    assert (ids[targets != IGNORE] >= 0).all() and train.seq_len == max(
+        len(BYTES.encode(ChatTemplate(TEMPLATE).render(c["messages"], add_generation_prompt=False))) - 1
+        for c in arithmetic_chats(9)
+    )
 
 
-@pytest.mark.parametrize("line,reason", [
-    ("{not json", "line 2: not JSON"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2: the conversation has no assistant turn"),
-    ('{"text": "hi"}', 'line 2: expected {"messages"'),
-    (json.dumps({"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "y"}]}),
-     "line 2: the conversation is 226 tokens, more than --seq-len 64 + 1"),
-])
+@pytest.mark.parametrize(
+    "line,reason",
+    [
+        ("{not json", "line 2: not JSON"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2: the conversation has no assistant turn"),
+        ('{"text": "hi"}', 'line 2: expected {"messages"'),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "y"}]}),
+            "line 2: the conversation is 226 tokens, more than --seq-len 64 + 1",
+        ),
+    ],
+)
 def test_a_bad_line_is_one_error_naming_it(tmp_path, line, reason):
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps(arithmetic_chats(1)[0]) + "\n" + line + "\n")
@@ -75,8 +96,20 @@ def test_chats_without_a_template_are_refused(tmp_path):
 
 
 def _settings(data, **changes) -> TrainSettings:
-    base = dict(model="tiny", model_overrides={"max_seq_len": 160}, dtype="float64", global_batch=8, micro_batch=2, steps=4, lr=3e-3, warmup=1,
-                samples=0, progress=False, data=str(data), tokenizer="bytes")
+    base = dict(
+        model="tiny",
+        model_overrides={"max_seq_len": 160},
+        dtype="float64",
+        global_batch=8,
+        micro_batch=2,
+        steps=4,
+        lr=3e-3,
+        warmup=1,
+        samples=0,
+        progress=False,
+        data=str(data),
+        tokenizer="bytes",
+    )
     return TrainSettings(**{**base, **changes})
 
 
@@ -92,14 +125,29 @@ def test_user_turns_after_the_last_reply_change_nothing_and_earlier_ones_conditi
     masked: loss and step stay exactly as they were. A change to the question before the answer
     changes the loss: the inputs still condition the assistant's tokens."""
     chats = arithmetic_chats(8)
-    trailing = [{"messages": c["messages"] + [{"role": "user", "content": "thanks! " * (i + 1)}]}
-                for i, c in enumerate(chats)]
-    asked = [{"messages": [c["messages"][0], {"role": "user", "content": "9" + c["messages"][1]["content"]},
-                           c["messages"][2]]} for c in chats]
+    trailing = [
+        {"messages": c["messages"] + [{"role": "user", "content": "thanks! " * (i + 1)}]} for i, c in enumerate(chats)
+    ]
+    asked = [
+        {
+            "messages": [
+                c["messages"][0],
+                {"role": "user", "content": "9" + c["messages"][1]["content"]},
+                c["messages"][2],
+            ]
+        }
+        for c in chats
+    ]
     (tmp_path / "chat.jinja").write_text(TEMPLATE)
-    results = {name: _one_step(_settings(write_chats(tmp_path / f"{name}.jsonl", data), seq_len=128,
-                                         chat_template=str(tmp_path / "chat.jinja")), self_comm())
-               for name, data in (("plain", chats), ("trailing", trailing), ("asked", asked))}
+    results = {
+        name: _one_step(
+            _settings(
+                write_chats(tmp_path / f"{name}.jsonl", data), seq_len=128, chat_template=str(tmp_path / "chat.jinja")
+            ),
+            self_comm(),
+        )
+        for name, data in (("plain", chats), ("trailing", trailing), ("asked", asked))
+    }
     (loss, params), (trailing_loss, trailing_params) = results["plain"], results["trailing"]
     assert trailing_loss == loss and all(np.array_equal(params[k], trailing_params[k]) for k in params)
     assert abs(results["asked"][0] - loss) > 1e-6 * loss
@@ -128,8 +176,18 @@ def test_a_chat_dataset_made_from_the_demo_task_is_learned(tmp_path):
     """Its held-out assistant-token loss falls well below where it started."""
     write_chats(tmp_path / "c.jsonl", arithmetic_chats(400))
     (tmp_path / "chat.jinja").write_text(TEMPLATE)
-    settings = _settings(tmp_path / "c.jsonl", chat_template=str(tmp_path / "chat.jinja"), dtype="float32",
-                         steps=60, lr=3e-3, warmup=5, global_batch=16, micro_batch=16, eval_split=0.1, eval_every=20)
+    settings = _settings(
+        tmp_path / "c.jsonl",
+        chat_template=str(tmp_path / "chat.jinja"),
+        dtype="float32",
+        steps=60,
+        lr=3e-3,
+        warmup=5,
+        global_batch=16,
+        micro_batch=16,
+        eval_split=0.1,
+        eval_every=20,
+    )
     trainer = Trainer(settings, self_comm())
     start = trainer.heldout_loss()
     result = trainer.run()

@@ -7,13 +7,14 @@ timeout and cancelled when it runs out; the cluster's daemons, and anything a jo
 when the module ends. They skip, saying what to install, where slurmctld/munge or lmod are missing
 (`.ci/run` installs them) or when not root (slurmd and SlurmUser=root need it).
 """
+
 import json
 import os
 import re
 import shutil
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,12 @@ SCRIPTS = sorted(JOBS.glob("*.sbatch"))
 LMOD_INIT = Path("/usr/share/lmod/lmod/init/bash")
 VENV = Path(sys.prefix)
 # Open MPI as root, more ranks than cores (the Makefile exports the same; repeated for a bare pytest run).
-OPEN_MPI_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                 "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+OPEN_MPI_ROOT = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+    "OMPI_MCA_rmaps_base_oversubscribe": "1",
+}
 
 single_launch = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="SLURM tests run in the 1-rank launch")
 
@@ -51,8 +56,10 @@ def slurm(tmp_path_factory):
         pytest.skip("SLURM tests run in the 1-rank launch")
     missing = missing_programs()
     if missing:
-        pytest.skip(f"SLURM not installed (missing {', '.join(missing)}): "
-                    "apt-get install -y slurmctld slurmd slurm-client munge (.ci/run does)")
+        pytest.skip(
+            f"SLURM not installed (missing {', '.join(missing)}): "
+            "apt-get install -y slurmctld slurmd slurm-client munge (.ci/run does)"
+        )
     if os.geteuid() != 0:
         pytest.skip("the test SLURM runs slurmd and SlurmUser=root: needs root")
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
@@ -82,6 +89,7 @@ def _run_job(cluster, script, name, *options, env, timeout=60):
 
 # ------------------------------------------------------------------ the scripts themselves (no SLURM needed)
 
+
 def _launcher_block(path):
     text = path.read_text()
     match = re.search(r"^# ---- launcher:.*?^# ---- end of launcher block ----$", text, re.S | re.M)
@@ -103,8 +111,15 @@ def test_scripts_share_one_launcher_block_and_parse():
 
 def test_train_script_forwards_usr1_and_requeues():
     text = (JOBS / "train.sbatch").read_text()
-    for needle in ("#SBATCH --signal=B:USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                   "trap forward_usr1 USR1", 'kill -USR1 "$step_pid"', 'scontrol requeue "$SLURM_JOB_ID"', "--resume"):
+    for needle in (
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "trap forward_usr1 USR1",
+        'kill -USR1 "$step_pid"',
+        'scontrol requeue "$SLURM_JOB_ID"',
+        "--resume",
+    ):
         assert needle in text, f"train.sbatch: expected {needle!r}"
 
 
@@ -127,12 +142,25 @@ def test_preflight_passes_or_names_the_issue(script, tmp_path):
 
 # ------------------------------------------------------------------ jobs on the test SLURM
 
+
 @single_launch
 def test_bench_job_with_mpiexec_writes_json(slurm):
-    env = _job_env(HPC_TP_LAUNCHER="mpirun", HPC_TP_MPIRUN=str(VENV / "bin" / "mpiexec"),
-                   HPC_TP_BENCH_ARGS="--sizes 8:1024 --iters 2", HPC_TP_JSON="out.json")
-    info, out = _run_job(slurm, JOBS / "bench.sbatch", "bench-mpiexec", "--nodes=1", "--ntasks-per-node=2",
-                         "--cpus-per-task=1", "--time=5", env=env)
+    env = _job_env(
+        HPC_TP_LAUNCHER="mpirun",
+        HPC_TP_MPIRUN=str(VENV / "bin" / "mpiexec"),
+        HPC_TP_BENCH_ARGS="--sizes 8:1024 --iters 2",
+        HPC_TP_JSON="out.json",
+    )
+    info, out = _run_job(
+        slurm,
+        JOBS / "bench.sbatch",
+        "bench-mpiexec",
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=5",
+        env=env,
+    )
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
     assert "launched by: " + str(VENV / "bin" / "mpiexec") + " -n 2" in out
     records = json.loads((slurm.dir / "jobs" / "out.json").read_text())
@@ -146,8 +174,16 @@ def test_bench_job_picks_its_launcher(slurm):
     """No HPC_TP_LAUNCHER: srun --mpi=pmix where it really starts (libpmix present), else the venv's mpirun."""
     expected = "srun --mpi=pmix" if _pmix_works(slurm) else str(VENV / "bin" / "mpirun")
     env = _job_env(HPC_TP_BENCH_ARGS="--sizes 8:64 --iters 1 --warmup 0 --ops all_reduce", HPC_TP_JSON="auto.json")
-    info, out = _run_job(slurm, JOBS / "bench.sbatch", "bench-auto", "--nodes=1", "--ntasks-per-node=2",
-                         "--cpus-per-task=1", "--time=5", env=env)
+    info, out = _run_job(
+        slurm,
+        JOBS / "bench.sbatch",
+        "bench-auto",
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=5",
+        env=env,
+    )
     assert info["JobState"] == "COMPLETED", out
     assert f"launched by: {expected}" in out
     assert len(json.loads((slurm.dir / "jobs" / "auto.json").read_text())) == 3
@@ -158,8 +194,9 @@ CHECK = "from hpc_tp.launch import check_launch; check_launch(); print('launch o
 
 @single_launch
 def test_srun_without_pmi_is_a_world_of_one(slurm):
-    result = slurm.srun("--mpi=none", "-n", "2", "--cpus-per-task=1", sys.executable, "-c", CHECK,
-                        timeout=60, env=_job_env())
+    result = slurm.srun(
+        "--mpi=none", "-n", "2", "--cpus-per-task=1", sys.executable, "-c", CHECK, timeout=60, env=_job_env()
+    )
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "SLURM_STEP_NUM_TASKS=2 but MPI formed a world of one" in out
@@ -171,8 +208,9 @@ def test_srun_with_pmix_forms_the_world(slurm):
     if not _pmix_works(slurm):
         pytest.skip("this SLURM cannot load its pmix plugin (apt-get install libpmix-dev; .ci/run does)")
     code = CHECK + "; from mpi4py import MPI; print('size', MPI.COMM_WORLD.Get_size())"
-    result = slurm.srun("--mpi=pmix", "-n", "2", "--cpus-per-task=1", sys.executable, "-c", code,
-                        timeout=60, env=_job_env())
+    result = slurm.srun(
+        "--mpi=pmix", "-n", "2", "--cpus-per-task=1", sys.executable, "-c", code, timeout=60, env=_job_env()
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("launch ok") == 2 and result.stdout.count("size 2") == 2
 
@@ -181,13 +219,14 @@ def test_srun_with_pmix_forms_the_world(slurm):
 def test_lone_python_in_an_allocation_is_fine(slurm, tmp_path):
     """Inside sbatch -n 2, SLURM_NTASKS=2 describes the allocation: a plain `python` (no srun) is not a mistake."""
     script = tmp_path / "lone.sbatch"
-    script.write_text(f"#!/bin/bash\necho ntasks=$SLURM_NTASKS\n{sys.executable} -c \"{CHECK}\"\n")
+    script.write_text(f'#!/bin/bash\necho ntasks=$SLURM_NTASKS\n{sys.executable} -c "{CHECK}"\n')
     info, out = _run_job(slurm, script, "lone", "-n", "2", "--cpus-per-task=1", "--time=5", env=_job_env())
     assert info["JobState"] == "COMPLETED", out
     assert "ntasks=2" in out and "launch ok" in out
 
 
 # ------------------------------------------------------------------ make install-prefix + module load
+
 
 @single_launch
 @pytest.mark.timeout(300)
@@ -198,8 +237,13 @@ def test_install_prefix_then_module_load(tmp_path):
         pytest.skip("make not installed")
     prefix = tmp_path / "apps" / "hpc_tp" / "0.1.0"
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "VIRTUAL_ENV")}
-    make = subprocess.run(["make", "-C", str(REPO), "install-prefix", f"PREFIX={prefix}"], env=env,
-                          capture_output=True, text=True, timeout=280)
+    make = subprocess.run(
+        ["make", "-C", str(REPO), "install-prefix", f"PREFIX={prefix}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert make.returncode == 0, make.stdout[-3000:] + make.stderr[-3000:]
     version = re.search(r'^version = "(.+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
     moduledir = prefix / "modulefiles" / "hpc_tp"
@@ -211,12 +255,15 @@ def test_install_prefix_then_module_load(tmp_path):
     tcl_only.mkdir(parents=True)
     shutil.copy(moduledir / version, tcl_only / version)
     for modulepath in (prefix / "modulefiles", tmp_path / "tcl"):
-        shell = (f"source {LMOD_INIT}; module use {modulepath}; module load hpc_tp/{version} || exit 3; "
-                 "command -v hpc-tp; hpc-tp --version; hpc-tp --help; echo HPC_TP_HOME=$HPC_TP_HOME OMP_NUM_THREADS=$OMP_NUM_THREADS; "
-                 "module unload hpc_tp; echo after=$(command -v hpc-tp)")
+        shell = (
+            f"source {LMOD_INIT}; module use {modulepath}; module load hpc_tp/{version} || exit 3; "
+            "command -v hpc-tp; hpc-tp --version; hpc-tp --help; echo HPC_TP_HOME=$HPC_TP_HOME OMP_NUM_THREADS=$OMP_NUM_THREADS; "
+            "module unload hpc_tp; echo after=$(command -v hpc-tp)"
+        )
         clean = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/bin:/bin", "LMOD_ALLOW_ROOT_USE": "yes"}
-        result = subprocess.run(["bash", "--noprofile", "--norc", "-c", shell], env=clean, capture_output=True,
-                                text=True, timeout=60)
+        result = subprocess.run(
+            ["bash", "--noprofile", "--norc", "-c", shell], env=clean, capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, result.stdout + result.stderr
         lines = result.stdout.splitlines()
         assert lines[0] == str(prefix / "bin" / "hpc-tp"), result.stdout
@@ -227,14 +274,17 @@ def test_install_prefix_then_module_load(tmp_path):
 
 # ------------------------------------------------------------------ preemption: USR1, checkpoint, requeue, resume
 
+
 def _wait_for_text(path, text, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists() and text in path.read_text(errors="replace"):
             return
         time.sleep(0.5)
-    raise AssertionError(f"{path.name}: no {text!r} within {timeout}s:\n"
-                         + (path.read_text(errors="replace") if path.exists() else "(no file)"))
+    raise AssertionError(
+        f"{path.name}: no {text!r} within {timeout}s:\n"
+        + (path.read_text(errors="replace") if path.exists() else "(no file)")
+    )
 
 
 @single_launch
@@ -248,13 +298,34 @@ def test_train_job_resumes_after_usr1_and_requeue(slurm):
     jobs = slurm.dir / "jobs"
     out, log, save = jobs / "preempt.out", jobs / "preempt.jsonl", jobs / "preempt-ckpt"
     run = dict(model="tiny", micro_batch=4, global_batch=8, seq_len=16, steps=400, lr=3e-3, dtype="float64")
-    env = _job_env(HPC_TP_LAUNCHER="mpirun", HPC_TP_MPIRUN=str(VENV / "bin" / "mpiexec"), HPC_TP_MODEL="tiny",
-                   HPC_TP_TP="2", HPC_TP_PP="1", HPC_TP_DP="1", HPC_TP_MICRO_BATCH="4", HPC_TP_GLOBAL_BATCH="8",
-                   HPC_TP_SEQ_LEN="16", HPC_TP_STEPS=str(run["steps"]), HPC_TP_LR="3e-3", HPC_TP_DATA="demo",
-                   HPC_TP_SAVE=str(save), HPC_TP_SAVE_EVERY="100000", HPC_TP_LOG=str(log),
-                   HPC_TP_EXTRA_ARGS="--dtype float64 --eval-problems 4 --samples 0")
-    job = slurm.sbatch(JOBS / "train.sbatch", "--job-name=preempt", f"--output={out}", "--nodes=1",
-                       "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", env=env)
+    env = _job_env(
+        HPC_TP_LAUNCHER="mpirun",
+        HPC_TP_MPIRUN=str(VENV / "bin" / "mpiexec"),
+        HPC_TP_MODEL="tiny",
+        HPC_TP_TP="2",
+        HPC_TP_PP="1",
+        HPC_TP_DP="1",
+        HPC_TP_MICRO_BATCH="4",
+        HPC_TP_GLOBAL_BATCH="8",
+        HPC_TP_SEQ_LEN="16",
+        HPC_TP_STEPS=str(run["steps"]),
+        HPC_TP_LR="3e-3",
+        HPC_TP_DATA="demo",
+        HPC_TP_SAVE=str(save),
+        HPC_TP_SAVE_EVERY="100000",
+        HPC_TP_LOG=str(log),
+        HPC_TP_EXTRA_ARGS="--dtype float64 --eval-problems 4 --samples 0",
+    )
+    job = slurm.sbatch(
+        JOBS / "train.sbatch",
+        "--job-name=preempt",
+        f"--output={out}",
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=10",
+        env=env,
+    )
     _wait_for_text(out, "checkpoint and stop", timeout=120)
     _wait_for_text(out, "step 20/", timeout=120)  # well inside the run
     stopped = slurm.preempt(job, out)
@@ -269,5 +340,5 @@ def test_train_job_resumes_after_usr1_and_requeue(slurm):
     assert numbers == list(range(1, run["steps"] + 1)), "every step once: resumed where it stopped"
     reference = Trainer(TrainSettings(**run, progress=False), self_comm())
     expected = [reference.train_step()["loss"] for _ in range(stopped + 5)]
-    got = [r["loss"] for r in steps[:stopped + 5]]
+    got = [r["loss"] for r in steps[: stopped + 5]]
     assert max(abs(a - b) / b for a, b in zip(got, expected)) < 1e-9  # the same losses as one uninterrupted run

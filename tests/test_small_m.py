@@ -1,11 +1,11 @@
 """kernels.small_m: few-row products against a weight give numpy's product (computed in float64)
 to rounding, for both weight layouts, odd shapes, every dtype it takes; half weights are widened
 exactly; kernels.blas sends it the products it takes and nothing else."""
+
 import numpy as np
 import pytest
 
-from hpc_tp.kernels import small_m
-from hpc_tp.kernels import blas, cpu_kernels
+from hpc_tp.kernels import blas, cpu_kernels, small_m
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 needs_numba = pytest.mark.skipif(not cpu_kernels.ENABLED, reason="needs numba")
@@ -16,7 +16,8 @@ TOLERANCE = {"float32": 3e-6, "float64": 1e-13, "bfloat16": 3e-6, "float16": 3e-
 
 def _weight(k, n, dtype, layout):
     w = rng.standard_normal((k, n) if layout == "row-major" else (n, k)).astype(
-        ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+        ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    )
     return w if layout == "row-major" else w.T
 
 
@@ -54,15 +55,19 @@ def test_every_half_bit_pattern_widens_exactly(dtype):
     expected = patterns.view(half).astype(np.float32)
     finite = np.isfinite(expected)
     assert np.array_equal(got[finite], expected[finite])
-    assert np.array_equal(np.isnan(got), np.isnan(expected)) and np.array_equal(got[~finite & ~np.isnan(expected)],
-                                                                              expected[~finite & ~np.isnan(expected)])
+    assert np.array_equal(np.isnan(got), np.isnan(expected)) and np.array_equal(
+        got[~finite & ~np.isnan(expected)], expected[~finite & ~np.isnan(expected)]
+    )
 
 
 @needs_numba
 def test_blas_sends_it_the_few_row_products(monkeypatch):
     taken = []
-    monkeypatch.setattr(small_m, "matmul", lambda a, b, out=None, kernel=small_m.matmul: (
-        taken.append(a.shape[0]), kernel(a, b, out))[1])
+    monkeypatch.setattr(
+        small_m,
+        "matmul",
+        lambda a, b, out=None, kernel=small_m.matmul: (taken.append(a.shape[0]), kernel(a, b, out))[1],
+    )
     w = _weight(256, 512, "float32", "row-major")
     for m in (1, small_m.MIN_FULL_ROWS, small_m.MAX_FULL_ROWS, small_m.MAX_FULL_ROWS + 1):
         a = rng.standard_normal((m, 256)).astype("float32")

@@ -3,6 +3,7 @@ masked by the grammar, over a byte vocabulary and a trained BPE one, always give
 random-weight models asked for a schema answer with JSON that validates, the same tokens at every tp
 as with one process (float64), through continuous batching and static batches; a bad
 ``response_format`` is one line naming the problem."""
+
 import json
 
 import jsonschema
@@ -21,15 +22,36 @@ from hpc_tp.serve.structured import Grammar, response_format
 from hpc_tp.tokenizer import ByteTokenizer, HFTokenizer
 
 # Bounded everywhere (string lengths, item counts, number ranges), so a whole answer fits a budget.
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
-          "properties": {"name": {"type": "string", "maxLength": 6},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 99},
-                         "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2},
-                         "ok": {"type": "boolean"},
-                         "where": {"type": "object", "required": ["x"], "additionalProperties": False,
-                                   "properties": {"x": {"type": "number"}}}}}
-CFG = ModelConfig(vocab_size=258, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=160,
-                  norm="rmsnorm", activation="swiglu", position="rope", bias=False)
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags", "ok"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2},
+        "ok": {"type": "boolean"},
+        "where": {
+            "type": "object",
+            "required": ["x"],
+            "additionalProperties": False,
+            "properties": {"x": {"type": "number"}},
+        },
+    },
+}
+CFG = ModelConfig(
+    vocab_size=258,
+    hidden=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_hidden=48,
+    max_seq_len=160,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+)
 
 
 def bpe_tokenizer() -> HFTokenizer:
@@ -40,10 +62,17 @@ def bpe_tokenizer() -> HFTokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    samples = ['{"name": "Ann", "age": 31, "tags": ["red"], "ok": true}', '{"x": -1.5e3, "y": [null, false]}',
-               "plain words, not JSON at all\n"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    samples = [
+        '{"name": "Ann", "age": 31, "tags": ["red"], "ok": true}',
+        '{"x": -1.5e3, "y": [null, false]}',
+        "plain words, not JSON at all\n",
+    ]
     tok.train_from_iterator(samples * 30, trainer)
     return HFTokenizer(tok)
 
@@ -95,8 +124,10 @@ def test_the_mask_allows_exactly_what_can_continue_and_forbids_ids_past_the_voca
 
 def _requests(grammar):
     prompts = [list(b"A person: "), list(b"{"), list(b"JSON please\n")]
-    params = [SamplingParams(max_new_tokens=128, temperature=t, seed=s, grammar=grammar)
-              for t, s in ((0.0, None), (1.0, 3), (0.7, 11))]
+    params = [
+        SamplingParams(max_new_tokens=128, temperature=t, seed=s, grammar=grammar)
+        for t, s in ((0.0, None), (1.0, 3), (0.7, 11))
+    ]
     return prompts, params
 
 
@@ -133,27 +164,41 @@ def test_json_object_answers_a_json_object():
     engine = Engine(larger_weights(GPTModel(cfg, tp, seed=4)), tokenizer)
     grammar = response_format({"type": "json_object"})
     prompts = [tokenizer.encode(p) for p in ("{", "JSON please\n", "x", "name")]
-    params = [SamplingParams(max_new_tokens=128, temperature=t, seed=s, grammar=grammar)
-              for t, s in ((1.0, 3), (0.7, 11), (1.0, 5), (1.0, 6))]
+    params = [
+        SamplingParams(max_new_tokens=128, temperature=t, seed=s, grammar=grammar)
+        for t, s in ((1.0, 3), (0.7, 11), (1.0, 5), (1.0, 6))
+    ]
     out = ContinuousBatcher(engine, 3).generate(prompts, params)
     if tp.rank == 0:
         for completion, _ in out:
             assert completion.finish_reason == "stop" and isinstance(json.loads(completion.text), dict)
 
 
-@pytest.mark.parametrize("value, reason", [
-    ({"type": "xml"}, "response_format={'type': 'xml'}: expected"),
-    ("json", "response_format='json': expected"),
-    ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema=.*expected"),
-    ({"type": "json_schema", "json_schema": {"name": "s", "schema": {}, "strict": "yes"}}, "strict"),
-    ({"type": "json_schema", "json_schema": {"name": "s", "schema": [1]}}, "must be a JSON schema object, got list"),
-    ({"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}},
-     r"schema \(s\): cannot constrain output to this schema: Invalid type: frob"),
-    ({"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "pattern": "(("}}},
-     "cannot constrain output to this schema: regex parse error: .*unclosed group"),
-    ({"type": "json_schema", "json_schema": {"name": "s", "schema": {"not": {"type": "string"}}}},
-     "Unimplemented keys"),
-])
+@pytest.mark.parametrize(
+    "value, reason",
+    [
+        ({"type": "xml"}, "response_format={'type': 'xml'}: expected"),
+        ("json", "response_format='json': expected"),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema=.*expected"),
+        ({"type": "json_schema", "json_schema": {"name": "s", "schema": {}, "strict": "yes"}}, "strict"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": [1]}},
+            "must be a JSON schema object, got list",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}},
+            r"schema \(s\): cannot constrain output to this schema: Invalid type: frob",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "pattern": "(("}}},
+            "cannot constrain output to this schema: regex parse error: .*unclosed group",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"not": {"type": "string"}}}},
+            "Unimplemented keys",
+        ),
+    ],
+)
 def test_a_bad_response_format_is_refused_in_one_line(value, reason):
     body = json.dumps({"prompt": "Hi", "response_format": value}).encode()
     with pytest.raises(ConfigError, match=reason) as refused:
@@ -163,7 +208,9 @@ def test_a_bad_response_format_is_refused_in_one_line(value, reason):
 
 def test_a_request_carries_its_grammar_and_plain_text_none():
     body = {"prompt": "Hi", "response_format": {"type": "json_object"}}
-    assert isinstance(parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16).jobs[0].params.grammar, Grammar)
+    assert isinstance(
+        parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16).jobs[0].params.grammar, Grammar
+    )
     body["response_format"] = {"type": "text"}
     assert parse_request(json.dumps(body).encode(), ByteTokenizer(), CFG, 16).jobs[0].params.grammar is None
 

@@ -2,6 +2,7 @@
 earlier calls and results; the common call formats parse into OpenAI's ``tool_calls``; a named
 tool_choice (and "required") holds a random-weight model's answer to a call whose arguments validate,
 the same at every tp as with one process; over HTTP, whole and streamed; bad input is one line."""
+
 import json
 import threading
 import urllib.error
@@ -15,22 +16,38 @@ from tp_helpers import tp_and_reference
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
+from hpc_tp.serve import api_response
 from hpc_tp.serve.chat import ChatTemplate
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
-from hpc_tp.serve import api_response
 from hpc_tp.serve.http import CHAT, CompletionServer, parse_request
 from hpc_tp.serve.tools import CallStream, ToolUse
 from hpc_tp.tokenizer import ByteTokenizer
 
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-           "properties": {"city": {"type": "string", "maxLength": 5}, "unit": {"enum": ["C", "F"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "parameters": {
-             "type": "object", "additionalProperties": False, "required": ["a", "b"],
-             "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
-                            "b": {"type": "integer", "minimum": 0, "maximum": 9}}}}}]
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "unit"],
+    "properties": {"city": {"type": "string", "maxLength": 5}, "unit": {"enum": ["C", "F"]}},
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["a", "b"],
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+            },
+        },
+    },
+]
 # The shape of Qwen 2.5's template, shortened: tools listed as JSON in the system turn, calls as
 # <tool_call> blocks, results as <tool_response> in a user turn.
 HERMES = """{% if tools %}<|im_start|>system
@@ -53,8 +70,14 @@ PLAIN = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assis
 
 
 def _request(body: dict, template=HERMES, cfg=LONG):
-    return parse_request(json.dumps({"messages": ASK, **body}).encode(), ByteTokenizer(), cfg, 64,
-                         endpoint=CHAT, chat_template=ChatTemplate(template))
+    return parse_request(
+        json.dumps({"messages": ASK, **body}).encode(),
+        ByteTokenizer(),
+        cfg,
+        64,
+        endpoint=CHAT,
+        chat_template=ChatTemplate(template),
+    )
 
 
 def _job(body: dict, template=HERMES, cfg=LONG):
@@ -66,15 +89,26 @@ def _tools(choice="auto") -> ToolUse:
 
 
 def test_tools_and_earlier_calls_reach_the_template():
-    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
-                         {"id": "call_1", "type": "function",
-                          "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
-                     {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
     prompt = ChatTemplate(HERMES).render(history, tools=TOOLS)
     listed = prompt.split("<tools>\n")[1].split("</tools>")[0].splitlines()
     assert [json.loads(line) for line in listed] == TOOLS
-    assert ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>'
-            not in prompt)  # OpenAI's arguments are a JSON string: a template prints it quoted...
+    assert (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>' not in prompt
+    )  # OpenAI's arguments are a JSON string: a template prints it quoted...
     job = _job({"tools": TOOLS, "messages": history})
     prompt = ByteTokenizer().decode(job.ids)  # ...so the request hands the template an object
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>' in prompt
@@ -82,25 +116,52 @@ def test_tools_and_earlier_calls_reach_the_template():
     assert "<tools>" not in ByteTokenizer().decode(_job({}).ids)  # no tools: the template's `if tools` is false
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
-     "Let me check.", [("get_weather", {"city": "Paris", "unit": "C"})]),
-    (('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
-      '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'),
-     None, [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
-    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', None, [("add", {"a": 1, "b": 2})]),  # EOS for </...>
-    ('{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}', None,
-     [("get_weather", {"city": "Oslo", "unit": "F"})]),  # Llama 3.1
-    ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 5, "b": 6}}',
-     None, [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 6})]),
-    ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 0, "b": 9}}]', None, [("add", {"a": 0, "b": 9})]),  # Mistral
-    ('[{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}]', None,
-     [("get_weather", {"city": "Rome", "unit": "C"})]),  # Mistral's, its marker dropped as a special token
-    ('{"name": "launch", "parameters": {}}', '{"name": "launch", "parameters": {}}', []),  # not a declared tool
-    ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
-     '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', []),  # arguments must be an object
-    ("It is sunny.", "It is sunny.", []),
-])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        (
+            'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
+            "Let me check.",
+            [("get_weather", {"city": "Paris", "unit": "C"})],
+        ),
+        (
+            (
+                '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+                '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+            ),
+            None,
+            [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})],
+        ),
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}',
+            None,
+            [("add", {"a": 1, "b": 2})],
+        ),  # EOS for </...>
+        (
+            '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}',
+            None,
+            [("get_weather", {"city": "Oslo", "unit": "F"})],
+        ),  # Llama 3.1
+        (
+            '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 5, "b": 6}}',
+            None,
+            [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 6})],
+        ),
+        ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 0, "b": 9}}]', None, [("add", {"a": 0, "b": 9})]),  # Mistral
+        (
+            '[{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}]',
+            None,
+            [("get_weather", {"city": "Rome", "unit": "C"})],
+        ),  # Mistral's, its marker dropped as a special token
+        ('{"name": "launch", "parameters": {}}', '{"name": "launch", "parameters": {}}', []),  # not a declared tool
+        (
+            '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
+            '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
+            [],
+        ),  # arguments must be an object
+        ("It is sunny.", "It is sunny.", []),
+    ],
+)
 def test_each_call_format_parses_into_openai_tool_calls(text, content, calls):
     message, finish = _tools().turn(text, "stop")
     assert message["content"] == content
@@ -124,7 +185,7 @@ def test_tool_choice_none_and_a_cut_forced_call_answer_content():
 def test_a_stream_holds_back_what_may_be_a_call_and_ends_with_the_calls():
     stream = CallStream(_tools())
     answer = 'Checking <weather>.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-    sent = [stream.feed(answer[i:i + 3]) for i in range(0, len(answer), 3)]
+    sent = [stream.feed(answer[i : i + 3]) for i in range(0, len(answer), 3)]
     assert "".join(sent) == "Checking <weather>."  # "<we" was held until it could not begin "<tool_call>"
     last, finish = stream.last("stop")
     assert finish == "tool_calls" and last["content"] is None
@@ -134,30 +195,46 @@ def test_a_stream_holds_back_what_may_be_a_call_and_ends_with_the_calls():
     assert whole.last("stop")[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b": 2}'
     plain = CallStream(_tools())
     assert plain.feed("Sunny, ") + plain.feed("21 C") == "Sunny, 21 C" and plain.last("stop") == (
-        {"role": "assistant", "content": None}, "stop")
+        {"role": "assistant", "content": None},
+        "stop",
+    )
     held = CallStream(_tools())
     assert held.feed("[1, 2]") == "" and held.last("stop") == ({"role": "assistant", "content": "[1, 2]"}, "stop")
 
 
-@pytest.mark.parametrize("body, reason", [
-    ({"tools": []}, "tools must be a non-empty list"),
-    ({"tools": [{"type": "function"}]}, r"tools\[0\]=.*expected"),
-    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, r"tools\[0\].function.name='a b': expected"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "args": {}}}]}, "unknown fields args"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "must be a JSON schema object"),
-    ({"tools": TOOLS + TOOLS[:1]}, "function names must differ"),
-    ({"tool_choice": "auto"}, "tool_choice='auto' needs tools"),
-    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice='always': expected one of none, auto, required"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     r"expected .*one of \['get_weather', 'add'\]"),
-    ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls='no': expected true or false"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
-      "tool_choice": "required"},
-     "cannot constrain output to this schema: Invalid type: frob"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "cannot also take a response_format"),
-    ({"messages": [{"role": "user", "content": None}]}, r"messages\[0\] must be an object with a string role"),
-])
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        ({"tools": []}, "tools must be a non-empty list"),
+        ({"tools": [{"type": "function"}]}, r"tools\[0\]=.*expected"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, r"tools\[0\].function.name='a b': expected"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "args": {}}}]}, "unknown fields args"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "must be a JSON schema object",
+        ),
+        ({"tools": TOOLS + TOOLS[:1]}, "function names must differ"),
+        ({"tool_choice": "auto"}, "tool_choice='auto' needs tools"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice='always': expected one of none, auto, required"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            r"expected .*one of \['get_weather', 'add'\]",
+        ),
+        ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls='no': expected true or false"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+                "tool_choice": "required",
+            },
+            "cannot constrain output to this schema: Invalid type: frob",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "cannot also take a response_format",
+        ),
+        ({"messages": [{"role": "user", "content": None}]}, r"messages\[0\] must be an object with a string role"),
+    ],
+)
 def test_bad_tool_requests_are_refused_in_one_line(body, reason):
     with pytest.raises(ConfigError, match=reason):
         _job(body)
@@ -171,10 +248,12 @@ def _schema_of(name):
 def test_a_forced_call_gives_arguments_that_validate_the_same_at_every_tp():
     tp, one = tp_and_reference()
     # (a greedy "required" answer of this random model adds calls past any budget: sampled ones end)
-    requests = [({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "temperature": 0}, 1),
-                ({"tool_choice": "required", "temperature": 1.0, "seed": 2}, None),
-                ({"tool_choice": "required", "temperature": 1.0, "seed": 3}, None),
-                ({"tool_choice": "required", "parallel_tool_calls": False, "temperature": 0.8, "seed": 9}, 1)]
+    requests = [
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "temperature": 0}, 1),
+        ({"tool_choice": "required", "temperature": 1.0, "seed": 2}, None),
+        ({"tool_choice": "required", "temperature": 1.0, "seed": 3}, None),
+        ({"tool_choice": "required", "parallel_tool_calls": False, "temperature": 0.8, "seed": 9}, 1),
+    ]
     asked = [_request({"tools": TOOLS, "max_tokens": 120, **body}, PLAIN, CFG) for body, _ in requests]
     jobs = [request.jobs[0] for request in asked]
     answers = []
@@ -184,8 +263,9 @@ def test_a_forced_call_gives_arguments_that_validate_the_same_at_every_tp():
     if tp.rank == 0:
         for request, (mine, _), (reference, _), (_, count) in zip(asked, *answers, requests):
             assert mine.ids == reference.ids and mine.finish_reason == "stop"
-            answer = api_response.choice(request, 0, mine.text, mine.finish_reason, None, ByteTokenizer(),
-                                         streamed=False, first=True)
+            answer = api_response.choice(
+                request, 0, mine.text, mine.finish_reason, None, ByteTokenizer(), streamed=False, first=True
+            )
             calls = answer["message"]["tool_calls"]
             assert answer["finish_reason"] == "tool_calls" and calls and len(calls) == (count or len(calls))
             for call in calls:
@@ -193,8 +273,9 @@ def test_a_forced_call_gives_arguments_that_validate_the_same_at_every_tp():
 
 
 def _post(port, body):
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{CHAT}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{CHAT}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.read().decode()
@@ -227,8 +308,13 @@ class _Serving:
 def test_over_http_a_forced_call_whole_and_streamed_and_a_bad_schema_400():
     serving = _Serving()
     try:
-        forced = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}},
-                  "max_tokens": 60, "temperature": 0}
+        forced = {
+            "messages": ASK,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "add"}},
+            "max_tokens": 60,
+            "temperature": 0,
+        }
         status, body = _post(serving.server.port, forced)
         choice = json.loads(body)["choices"][0]
         assert status == 200 and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
@@ -236,19 +322,30 @@ def test_over_http_a_forced_call_whole_and_streamed_and_a_bad_schema_400():
         assert [c["function"]["name"] for c in whole] == ["add"]
         jsonschema.validate(json.loads(whole[0]["function"]["arguments"]), _schema_of("add"))
         status, body = _post(serving.server.port, {**forced, "stream": True})
-        chunks = [json.loads(line[len("data: "):]) for line in body.split("\n\n")
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [
+            json.loads(line[len("data: ") :])
+            for line in body.split("\n\n")
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         assert status == 200 and "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks) == ""
         last = chunks[-1]["choices"][0]
         assert last["finish_reason"] == "tool_calls"
         assert [(c["index"], c["function"]) for c in last["delta"]["tool_calls"]] == [(0, whole[0]["function"])]
-        bad = {"messages": ASK, "response_format": {"type": "json_schema",
-                                                     "json_schema": {"name": "s", "schema": {"type": "frob"}}}}
+        bad = {
+            "messages": ASK,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}},
+        }
         status, body = _post(serving.server.port, bad)
         assert status == 400 and "Invalid type: frob" in json.loads(body)["error"]["message"]
-        status, body = _post(serving.server.port, {"messages": ASK, "max_tokens": 100, "temperature": 0,
-                                                   "response_format": {"type": "json_schema", "json_schema": {
-                                                       "name": "weather", "schema": WEATHER}}})
+        status, body = _post(
+            serving.server.port,
+            {
+                "messages": ASK,
+                "max_tokens": 100,
+                "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}},
+            },
+        )
         jsonschema.validate(json.loads(json.loads(body)["choices"][0]["message"]["content"]), WEATHER)
     finally:
         serving.close()

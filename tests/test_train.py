@@ -1,8 +1,10 @@
 """The trainer: the same numbers in every layout, bit-identical reruns and resumes, the metrics log."""
+
 import json
 
 import numpy as np
 import pytest
+from tp_helpers import max_rel_err
 
 from hpc_tp.comm.mpi import self_comm, world
 from hpc_tp.errors import ConfigError
@@ -12,13 +14,23 @@ from hpc_tp.train.expert_parallel import check_expert_parallel
 from hpc_tp.train.metrics import read_metrics
 from hpc_tp.train.settings import TrainSettings
 from hpc_tp.train.trainer import Trainer
-from tp_helpers import max_rel_err
 
 
 def settings(**changes) -> TrainSettings:
-    base = dict(model="tiny", model_overrides={"dropout": 0.1, "attn_dropout": 0.1}, dtype="float64",
-                micro_batch=2, global_batch=8, seq_len=12, steps=12, lr=3e-3, warmup=3, eval_problems=6,
-                samples=0, progress=False)
+    base = dict(
+        model="tiny",
+        model_overrides={"dropout": 0.1, "attn_dropout": 0.1},
+        dtype="float64",
+        micro_batch=2,
+        global_batch=8,
+        seq_len=12,
+        steps=12,
+        lr=3e-3,
+        warmup=3,
+        eval_problems=6,
+        samples=0,
+        progress=False,
+    )
     base.update(changes)
     return TrainSettings(**base)
 
@@ -62,9 +74,15 @@ def test_data_parallel_equals_one_data_parallel_rank():
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("model", [{"sequence_parallel": True}, {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0},
-                                   {"sequence_parallel": True, "num_experts": 4, "top_k": 2, "capacity_factor": 1.0}],
-                         ids=["sequence-parallel", "moe", "sequence-parallel-moe"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"sequence_parallel": True},
+        {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0},
+        {"sequence_parallel": True, "num_experts": 4, "top_k": 2, "capacity_factor": 1.0},
+    ],
+    ids=["sequence-parallel", "moe", "sequence-parallel-moe"],
+)
 def test_sequence_parallel_and_moe_train_like_one_process(model):
     comm = world()
     changes = dict(model, dropout=0.1)
@@ -107,8 +125,11 @@ def test_expert_parallel_trains_like_ep_1():
         assert np.allclose([r["moe_load"] for r in records], [r["moe_load"] for r in ref_records], rtol=0, atol=1e-12)
         for name, p in par.params.items():
             assert max_rel_err(gather_full(p.data, p.partition, par.grid.tp), ref.params[name].data) < 1e-9, name
-        experts = comm.allgather_object(sorted(n for n in par.params if ".experts." in n) if par.grid.coords.tp == 0
-                                        and par.grid.coords.dp < ep else [])
+        experts = comm.allgather_object(
+            sorted(n for n in par.params if ".experts." in n)
+            if par.grid.coords.tp == 0 and par.grid.coords.dp < ep
+            else []
+        )
         assert sorted(sum(experts, [])) == sorted(n for n in ref.params if ".experts." in n)  # each once per group
 
 
@@ -138,8 +159,7 @@ def test_pipeline_layouts_train_like_one_process(schedule):
     four_layers = {"n_layers": 4, "dropout": 0.1, "attn_dropout": 0.1}  # tied embeddings: synced across stages
     alone = losses(settings(model_overrides=four_layers, steps=6), self_comm())
     for tp, pp, dp in PIPELINE_LAYOUTS.get(comm.size, []):
-        run = settings(model_overrides=four_layers, steps=6, tp=tp, pp=pp, dp=dp, schedule=schedule,
-                       recompute=tp == 1)
+        run = settings(model_overrides=four_layers, steps=6, tp=tp, pp=pp, dp=dp, schedule=schedule, recompute=tp == 1)
         assert np.max(np.abs(losses(run, comm) - alone) / alone) < 1e-9, (tp, pp, dp)
 
 
@@ -190,8 +210,9 @@ def test_resume_is_bit_identical_and_works_under_another_layout(tmp_path):
 
     if comm.size > 1:  # what tp=world saved, resumed by tp=1 x dp=world
         _truncate_to(root, 6, comm)
-        moved = np.array([r["loss"] for r in
-                          Trainer(settings(tp=1, dp=comm.size, save=root, resume=True), comm).run().records])
+        moved = np.array(
+            [r["loss"] for r in Trainer(settings(tp=1, dp=comm.size, save=root, resume=True), comm).run().records]
+        )
         assert np.max(np.abs(moved - whole[6:]) / whole[6:]) < 1e-9
 
 
@@ -208,8 +229,8 @@ def test_dropout_drops_the_same_elements_however_the_batch_is_split():
 
 def _truncate_to(root, step, comm):
     """Point ``latest`` back at ``step`` and drop later checkpoints, as if the run had stopped there."""
-    from pathlib import Path
     import shutil
+    from pathlib import Path
 
     comm.barrier()
     if comm.rank == 0:
@@ -240,17 +261,20 @@ def test_metrics_log_has_every_step(tmp_path):
 
 def test_bad_settings_name_the_value():
     comm = self_comm()
-    cases = {"--global-batch 10 is not divisible by --micro-batch 4 x dp 1": dict(global_batch=10, micro_batch=4),
-             "--seq-len 99 is longer than the model's context: max_seq_len 64": dict(seq_len=99),
-             "world size 1 != tp*pp*dp = 2*1*1": dict(tp=2, dp=1),
-             "corpus nowhere.txt does not exist": dict(data="nowhere.txt"),
-             "--dtype 'int8': expected one of float32, float64": dict(dtype="int8"),
-             "--resume needs --save DIR": dict(resume=True),
-             "--ep 0: expected a positive integer": dict(ep=0),
-             "--virtual-stages 2 runs the interleaved 1F1B schedule: use --schedule 1f1b, not gpipe":
-                 dict(virtual_stages=2, schedule="gpipe"),
-             "--virtual-stages 2 needs a pipeline (--pp > 1)": dict(virtual_stages=2),
-             "--ep 2 must divide the data-parallel size 1": dict(ep=2, model_overrides=MOE)}
+    cases = {
+        "--global-batch 10 is not divisible by --micro-batch 4 x dp 1": dict(global_batch=10, micro_batch=4),
+        "--seq-len 99 is longer than the model's context: max_seq_len 64": dict(seq_len=99),
+        "world size 1 != tp*pp*dp = 2*1*1": dict(tp=2, dp=1),
+        "corpus nowhere.txt does not exist": dict(data="nowhere.txt"),
+        "--dtype 'int8': expected one of float32, float64": dict(dtype="int8"),
+        "--resume needs --save DIR": dict(resume=True),
+        "--ep 0: expected a positive integer": dict(ep=0),
+        "--virtual-stages 2 runs the interleaved 1F1B schedule: use --schedule 1f1b, not gpipe": dict(
+            virtual_stages=2, schedule="gpipe"
+        ),
+        "--virtual-stages 2 needs a pipeline (--pp > 1)": dict(virtual_stages=2),
+        "--ep 2 must divide the data-parallel size 1": dict(ep=2, model_overrides=MOE),
+    }
     for message, change in cases.items():
         with pytest.raises(ConfigError) as e:
             Trainer(settings(**change), comm)
@@ -277,16 +301,21 @@ def test_resume_refuses_another_model(tmp_path):
 def test_resume_may_turn_sequence_parallelism_on_or_off(tmp_path):
     """A layout, not a model: the checkpoint holds the same tensors either way."""
     dropout = settings().model_overrides
-    Trainer(settings(steps=2, warmup=1, save=str(tmp_path), model_overrides={**dropout, "sequence_parallel": True}),
-            self_comm()).run()
+    Trainer(
+        settings(steps=2, warmup=1, save=str(tmp_path), model_overrides={**dropout, "sequence_parallel": True}),
+        self_comm(),
+    ).run()
     resumed = Trainer(settings(steps=3, warmup=1, save=str(tmp_path), resume=True), self_comm()).run()
     assert [r["step"] for r in resumed.records] == [3]
 
 
 def test_interleaved_needs_micro_batches_a_multiple_of_pp():
     assert settings(global_batch=8, micro_batch=1, virtual_stages=2).micro_batch_for(1, 4) == 1
-    with pytest.raises(ConfigError, match=r"/ \(--micro-batch 1 x dp 1\) = 6 micro-batches per step: the interleaved "
-                                          r"schedule \(--virtual-stages 2\) needs a multiple of --pp 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"/ \(--micro-batch 1 x dp 1\) = 6 micro-batches per step: the interleaved "
+        r"schedule \(--virtual-stages 2\) needs a multiple of --pp 4",
+    ):
         settings(global_batch=6, micro_batch=1, virtual_stages=2).micro_batch_for(1, 4)
 
 
@@ -297,8 +326,11 @@ def test_settings_round_trip_through_the_command_line():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    parsed = settings_from_args(parser.parse_args(["--tp", "2", "--set", "dropout=0.1", "--set", "norm=rmsnorm",
-                                                   "--global-batch", "32", "--no-progress"]))
+    parsed = settings_from_args(
+        parser.parse_args(
+            ["--tp", "2", "--set", "dropout=0.1", "--set", "norm=rmsnorm", "--global-batch", "32", "--no-progress"]
+        )
+    )
     assert parsed.tp == 2 and parsed.global_batch == 32 and not parsed.progress
     assert parsed.model_overrides == {"dropout": 0.1, "norm": "rmsnorm"}
     with pytest.raises(ConfigError, match="KEY=VALUE"):

@@ -2,6 +2,7 @@
 missing, the first divergence in debug mode; and faults injected into real 4-rank ``hpc-tp train``
 jobs under mpiexec (tests/inject_fault.py), each under a subprocess timeout, so a hang fails.
 """
+
 import os
 import subprocess
 import sys
@@ -19,14 +20,40 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MPIEXEC = os.environ.get("MPIEXEC", str(BIN / "mpiexec"))
 JOB_TIMEOUT = 60  # a job that hangs instead of aborting fails here
-TRAIN = ["train", "--model", "tiny", "--tp", "2", "--global-batch", "8", "--micro-batch", "2", "--steps", "8",
-         "--no-progress", "--eval-problems", "4"]
+TRAIN = [
+    "train",
+    "--model",
+    "tiny",
+    "--tp",
+    "2",
+    "--global-batch",
+    "8",
+    "--micro-batch",
+    "2",
+    "--steps",
+    "8",
+    "--no-progress",
+    "--eval-problems",
+    "4",
+]
 
 
 def inject(fault: str, rank: int, step: int, *flags: str, cache) -> subprocess.CompletedProcess:
     """A 4-rank tp=2 x dp=2 training job with ``fault`` on ``rank`` before step ``step + 1``."""
-    command = [MPIEXEC, "-n", "4", sys.executable, str(ROOT / "tests" / "inject_fault.py"), fault, str(rank),
-               str(step), *TRAIN, "--cache-dir", str(cache), *flags]
+    command = [
+        MPIEXEC,
+        "-n",
+        "4",
+        sys.executable,
+        str(ROOT / "tests" / "inject_fault.py"),
+        fault,
+        str(rank),
+        str(step),
+        *TRAIN,
+        "--cache-dir",
+        str(cache),
+        *flags,
+    ]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT)
 
 
@@ -45,7 +72,9 @@ def test_watched_calls_give_the_same_results_and_number_each_group():
     assert np.array_equal(comm.all_gather(x, axis=0), plain.all_gather(x, axis=0))
     assert np.array_equal(comm.iall_reduce(x.copy()).wait(), plain.all_reduce(x.copy()))
     assert comm.watchdog.last.name == "wait iall_reduce(sum)" and comm.watchdog.last.seq == 3
-    assert str(comm.watchdog.last).startswith(f"wait iall_reduce(sum) #3 on world [{', '.join(map(str, range(comm.size)))}]")
+    assert str(comm.watchdog.last).startswith(
+        f"wait iall_reduce(sum) #3 on world [{', '.join(map(str, range(comm.size)))}]"
+    )
     pairs = comm.split(color=comm.rank // 2, key=comm.rank)
     assert pairs.members == tuple(r for r in range(comm.size) if r // 2 == comm.rank // 2)
     pairs.label = "tp"
@@ -64,10 +93,15 @@ def test_debug_mode_names_the_first_divergence_on_every_rank():
         comm.all_reduce(odd)
     others = ", ".join(str(r) for r in range(comm.size) if r != 1)
     plural = "ranks" if comm.size > 2 else "rank"
-    assert str(e.value) == (f"collectives diverge on {comm.group} at #2: {plural} {others} call"
-                            f"{'' if comm.size > 2 else 's'} all_reduce(sum) (3,) float64; "
-                            "rank 1 calls all_reduce(sum) (2,) float32")
-    assert comm.watchdog.where() == f"in all_reduce(sum) #2 on {comm.group} ({'(2,) float32' if comm.rank == 1 else '(3,) float64'})"
+    assert str(e.value) == (
+        f"collectives diverge on {comm.group} at #2: {plural} {others} call"
+        f"{'' if comm.size > 2 else 's'} all_reduce(sum) (3,) float64; "
+        "rank 1 calls all_reduce(sum) (2,) float32"
+    )
+    assert (
+        comm.watchdog.where()
+        == f"in all_reduce(sum) #2 on {comm.group} ({'(2,) float32' if comm.rank == 1 else '(3,) float64'})"
+    )
     assert comm.all_reduce(np.ones(1))[0] == comm.size  # nothing half-done: the group goes on
 
 
@@ -120,16 +154,32 @@ def test_the_report_names_who_waits_who_is_missing_and_who_is_gone():
     earlier = dict(waiting, seq=11, text="all_reduce(sum) #11 on dp [0, 1, 2, 3] ((4,) float32)")
 
     def state(rank, op=None, in_op=0.0, idle=0.0, age=0.1, last=None):
-        return {"rank": rank, "host": "n1", "pid": 100 + rank, "time": now - age, "op": op, "in_op_s": in_op,
-                "last": last, "idle_s": idle}
+        return {
+            "rank": rank,
+            "host": "n1",
+            "pid": 100 + rank,
+            "time": now - age,
+            "op": op,
+            "in_op_s": in_op,
+            "last": last,
+            "idle_s": idle,
+        }
 
-    states = {0: state(0, waiting, 5.0), 1: state(1, None, idle=4.9, last=earlier), 2: state(2, waiting, 5.0, age=30.0),
-              3: None}
+    states = {
+        0: state(0, waiting, 5.0),
+        1: state(1, None, idle=4.9, last=earlier),
+        2: state(2, waiting, 5.0, age=30.0),
+        3: None,
+    }
     text = report(op, 5.0, 5.0, states, now, stale_after=2.0).splitlines()
-    assert text[0] == ("collective timeout: all_reduce(sum) #12 on dp [0, 1, 2, 3] ((4,) float32) waited 5.0 s "
-                       "(--comm-timeout 5); missing: rank 1, rank 2, rank 3; aborting the job")
-    assert text[1] == ("  missing rank 1 (n1 pid 101): outside collectives for 5.0 s "
-                       "(last: all_reduce(sum) #11 on dp [0, 1, 2, 3] ((4,) float32))")
+    assert text[0] == (
+        "collective timeout: all_reduce(sum) #12 on dp [0, 1, 2, 3] ((4,) float32) waited 5.0 s "
+        "(--comm-timeout 5); missing: rank 1, rank 2, rank 3; aborting the job"
+    )
+    assert text[1] == (
+        "  missing rank 1 (n1 pid 101): outside collectives for 5.0 s "
+        "(last: all_reduce(sum) #11 on dp [0, 1, 2, 3] ((4,) float32))"
+    )
     assert text[2] == "  missing rank 2 (n1 pid 102): no heartbeat for 30.0 s (killed or frozen)"
     assert text[3] == "  missing rank 3: no status file (never started its watchdog?)"
     assert text[4] == f"  rank 0 (n1 pid 100): waiting 5.1 s in {op}"
@@ -145,6 +195,7 @@ def test_a_failing_rank_says_which_operation_it_left():
 
 
 # -- faults injected into real jobs -----------------------------------------------------------------------
+
 
 def test_a_rank_that_raises_aborts_the_job_naming_rank_exception_and_collective(tmp_path):
     run = inject("raise", 1, 3, cache=tmp_path)
@@ -187,15 +238,18 @@ def test_ranks_that_disagree_on_shapes_are_named_in_debug_mode(tmp_path):
     assert diverge, run.stderr
     message = diverge[0].split(": ", 1)[1]
     assert message.startswith("collectives diverge on tp [0, 1] at #")
-    assert message.endswith(": rank 0 calls all_reduce(sum) (2, 16, 32) float32; rank 1 calls all_reduce(sum) (2,) float64")
+    assert message.endswith(
+        ": rank 0 calls all_reduce(sum) (2, 16, 32) float32; rank 1 calls all_reduce(sum) (2,) float64"
+    )
 
 
 def test_a_user_error_on_one_rank_aborts_instead_of_waiting_in_finalize(tmp_path):
     run = inject("config", 3, 2, cache=tmp_path)
     assert run.returncode != 0
     errors = [line for line in hpc_tp_lines(run) if line.startswith("hpc-tp: error:")]
-    assert errors == ["hpc-tp: error: rank 3: injected user error (the other ranks did not fail alike: "
-                      "aborting the job)"], run.stderr
+    assert errors == [
+        "hpc-tp: error: rank 3: injected user error (the other ranks did not fail alike: aborting the job)"
+    ], run.stderr
 
 
 def test_a_user_error_on_one_rank_is_printed_before_the_watchdog_fires(tmp_path):
@@ -203,5 +257,7 @@ def test_a_user_error_on_one_rank_is_printed_before_the_watchdog_fires(tmp_path)
     line says why, rather than the others' watchdog reporting it as frozen."""
     run = inject("user-error", 3, 2, "--comm-timeout", "3", cache=tmp_path)
     assert run.returncode != 0
-    assert "hpc-tp: error: rank 3: injected user error (the other ranks did not fail alike: aborting the job)" \
-        in hpc_tp_lines(run), run.stderr
+    assert (
+        "hpc-tp: error: rank 3: injected user error (the other ranks did not fail alike: aborting the job)"
+        in hpc_tp_lines(run)
+    ), run.stderr

@@ -1,4 +1,5 @@
 """Helpers that compare a tensor-parallel run with the one-process reference run on every rank."""
+
 import numpy as np
 
 from hpc_tp.comm.mpi import self_comm, world

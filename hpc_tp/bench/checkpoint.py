@@ -9,6 +9,7 @@ reads every rank's hyperslab back and checks its checksums. The baseline has eac
 no layout independence, no checksums, no atomic publish. Throughput is logical bytes (each
 tensor counted once) per second; the ratio says what the checkpoint format costs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--model", default="gpt2", help="preset name or JSON config (default %(default)s)")
     parser.add_argument("--layers", type=int, help="number of blocks (default: the model's n_layers)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default %(default)s")
-    parser.add_argument("--dir", default="io/out/bench-checkpoint",
-                        help="folder shared by all ranks (default %(default)s); the run writes into a fresh "
-                             "bench-checkpoint-* folder inside it and removes only that")
+    parser.add_argument(
+        "--dir",
+        default="io/out/bench-checkpoint",
+        help="folder shared by all ranks (default %(default)s); the run writes into a fresh "
+        "bench-checkpoint-* folder inside it and removes only that",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed saves and loads (default %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the record as JSON (rank 0)")
 
@@ -71,14 +75,21 @@ def benchmark_checkpoint(grid, model, optimizer, folder, repeats: int = 3) -> di
 
     times = {"save": [], "load": [], "np_save": [], "np_load": []}
     for step in range(repeats):
-        times["save"].append(timed(lambda: save_checkpoint(folder / "hdf5", step, tensors, {"step": step}, grid, keep=1)))
+        times["save"].append(
+            timed(lambda: save_checkpoint(folder / "hdf5", step, tensors, {"step": step}, grid, keep=1))
+        )
         times["load"].append(timed(lambda: load_checkpoint(folder / "hdf5", tensors, grid)))
         times["np_save"].append(timed(save_plain))
         times["np_load"].append(timed(load_plain))
     median = {k: float(numpy.median(v)) for k, v in times.items()}
-    record = {"ranks": world.size, "tensors": len(tensors), "logical_bytes": logical, "repeats": repeats,
-              **{f"{k}_s": v for k, v in median.items()},
-              **{f"{k}_mb_per_s": logical / v / 1e6 for k, v in median.items()}}
+    record = {
+        "ranks": world.size,
+        "tensors": len(tensors),
+        "logical_bytes": logical,
+        "repeats": repeats,
+        **{f"{k}_s": v for k, v in median.items()},
+        **{f"{k}_mb_per_s": logical / v / 1e6 for k, v in median.items()},
+    }
     record["save_vs_np"] = median["np_save"] / median["save"]
     record["load_vs_np"] = median["np_load"] / median["load"]
     if world.rank == 0:
@@ -87,11 +98,13 @@ def benchmark_checkpoint(grid, model, optimizer, folder, repeats: int = 3) -> di
 
 
 def format_record(r: dict) -> str:
-    return (f"{r['tensors']} tensors, {r['logical_bytes'] / 1e6:.1f} MB on {r['ranks']} ranks, median of {r['repeats']}:\n"
-            f"  save  {r['save_mb_per_s']:8.1f} MB/s   np.save {r['np_save_mb_per_s']:8.1f} MB/s   "
-            f"ratio {r['save_vs_np']:.2f}\n"
-            f"  load  {r['load_mb_per_s']:8.1f} MB/s   np.load {r['np_load_mb_per_s']:8.1f} MB/s   "
-            f"ratio {r['load_vs_np']:.2f}")
+    return (
+        f"{r['tensors']} tensors, {r['logical_bytes'] / 1e6:.1f} MB on {r['ranks']} ranks, median of {r['repeats']}:\n"
+        f"  save  {r['save_mb_per_s']:8.1f} MB/s   np.save {r['np_save_mb_per_s']:8.1f} MB/s   "
+        f"ratio {r['save_vs_np']:.2f}\n"
+        f"  load  {r['load_mb_per_s']:8.1f} MB/s   np.load {r['np_load_mb_per_s']:8.1f} MB/s   "
+        f"ratio {r['load_vs_np']:.2f}"
+    )
 
 
 def run(args) -> int:
@@ -116,4 +129,3 @@ def run(args) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 0
-

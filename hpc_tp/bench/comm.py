@@ -10,11 +10,12 @@ Bandwidths follow nccl-tests (doc/PERFORMANCE.md there): algbw = bytes / time, w
 full buffer (the gathered or reduced whole for all-gather and reduce-scatter); busbw scales algbw
 by the share of the data each link carries, so it compares with the link's speed at any rank count.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Callable
 
 import numpy
 from mpi4py import MPI
@@ -38,6 +39,7 @@ class Op:
 
 # Zeros: repeated in-place sums stay zero, never reaching inf or the slow denormal paths.
 
+
 def _all_reduce(comm, count):
     x = numpy.zeros(count, DTYPE)
     return (lambda: comm.all_reduce(x)), (lambda: comm.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM))
@@ -56,6 +58,7 @@ def _reduce_scatter(comm, count):
 def _ping_pong_with(peer_of):
     """A ping-pong between rank 0 and ``peer_of(nodes)`` (``nodes``: each rank's node); the other ranks
     only join the barriers."""
+
     def setup(comm, count, nodes):
         x, raw, peer = numpy.zeros(count, DTYPE), comm.comm, peer_of(nodes)
         if comm.rank == 0:
@@ -63,6 +66,7 @@ def _ping_pong_with(peer_of):
         if comm.rank == peer:
             return (lambda: (comm.recv(x, 0), comm.send(x, 0))), (lambda: (raw.Recv(x, 0), raw.Send(x, 0)))
         return (lambda: None), (lambda: None)
+
     return setup
 
 
@@ -84,14 +88,26 @@ def _collective(setup):
     return lambda comm, count, nodes: setup(comm, count)
 
 
-OPS = {op.name: op for op in (
-    Op("all_reduce", _collective(_all_reduce), lambda n: 2 * (n - 1) / n),
-    Op("all_gather", _collective(_all_gather), lambda n: (n - 1) / n, split=True),
-    Op("reduce_scatter", _collective(_reduce_scatter), lambda n: (n - 1) / n, split=True),
-    Op("p2p", _ping_pong_with(_last_rank), lambda n: 1.0, transfers=2, min_ranks=2, peer=_last_rank),
-    Op("p2p_intra", _ping_pong_with(_same_node_rank), lambda n: 1.0, transfers=2, min_ranks=2, peer=_same_node_rank),
-    Op("p2p_inter", _ping_pong_with(_other_node_rank), lambda n: 1.0, transfers=2, min_ranks=2, peer=_other_node_rank),
-)}
+OPS = {
+    op.name: op
+    for op in (
+        Op("all_reduce", _collective(_all_reduce), lambda n: 2 * (n - 1) / n),
+        Op("all_gather", _collective(_all_gather), lambda n: (n - 1) / n, split=True),
+        Op("reduce_scatter", _collective(_reduce_scatter), lambda n: (n - 1) / n, split=True),
+        Op("p2p", _ping_pong_with(_last_rank), lambda n: 1.0, transfers=2, min_ranks=2, peer=_last_rank),
+        Op(
+            "p2p_intra", _ping_pong_with(_same_node_rank), lambda n: 1.0, transfers=2, min_ranks=2, peer=_same_node_rank
+        ),
+        Op(
+            "p2p_inter",
+            _ping_pong_with(_other_node_rank),
+            lambda n: 1.0,
+            transfers=2,
+            min_ranks=2,
+            peer=_other_node_rank,
+        ),
+    )
+}
 # What runs when no --ops is given; p2p_intra and p2p_inter measure the two link kinds of a multi-node run.
 DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
@@ -102,7 +118,7 @@ def runs_here(op: Op, nodes: list) -> bool:
 
 
 def link_of(op: Op, nodes: list) -> str:
-    """"inter" when the measured ranks sit on more than one node, else "intra"."""
+    """ "inter" when the measured ranks sit on more than one node, else "intra"."""
     ranks = [0, op.peer(nodes)] if op.peer is not None else range(len(nodes))
     return "inter" if len({nodes[r] for r in ranks}) > 1 else "intra"
 
@@ -118,8 +134,12 @@ def benchmark_comm(comm: MPICommunicator, sizes, ops=DEFAULT_OPS, iters: int = 2
     that cannot run here (too few ranks, no partner on the link they measure) are left out.
     Collective over ``comm``; every rank returns the same records."""
     nodes = node_of_ranks(comm)
-    return [_measure(comm, OPS[name], element_count(OPS[name], nbytes, comm.size), iters, warmup, nodes)
-            for name in ops if runs_here(OPS[name], nodes) for nbytes in sizes]
+    return [
+        _measure(comm, OPS[name], element_count(OPS[name], nbytes, comm.size), iters, warmup, nodes)
+        for name in ops
+        if runs_here(OPS[name], nodes)
+        for nbytes in sizes
+    ]
 
 
 def _measure(comm, op: Op, count: int, iters: int, warmup: int, nodes: list) -> dict:
@@ -138,15 +158,26 @@ def _measure(comm, op: Op, count: int, iters: int, warmup: int, nodes: list) -> 
     comm.comm.Allreduce(MPI.IN_PLACE, seconds, op=MPI.MAX)
     project_s, raw_s = numpy.median(seconds, axis=1) / op.transfers
     nbytes = count * DTYPE.itemsize
-    return {"op": op.name, "ranks": comm.size, "link": link_of(op, nodes), "bytes": nbytes, "dtype": DTYPE.name,
-            "iters": iters, **_rates("project", project_s, nbytes, op.bus_factor(comm.size)),
-            **_rates("raw", raw_s, nbytes, op.bus_factor(comm.size)),
-            "project_over_raw": float(project_s / raw_s)}
+    return {
+        "op": op.name,
+        "ranks": comm.size,
+        "link": link_of(op, nodes),
+        "bytes": nbytes,
+        "dtype": DTYPE.name,
+        "iters": iters,
+        **_rates("project", project_s, nbytes, op.bus_factor(comm.size)),
+        **_rates("raw", raw_s, nbytes, op.bus_factor(comm.size)),
+        "project_over_raw": float(project_s / raw_s),
+    }
 
 
 def _rates(prefix: str, seconds: float, nbytes: int, bus_factor: float) -> dict:
     algbw = nbytes / seconds / 1e9
-    return {f"{prefix}_time_s": float(seconds), f"{prefix}_algbw_GBps": algbw, f"{prefix}_busbw_GBps": algbw * bus_factor}
+    return {
+        f"{prefix}_time_s": float(seconds),
+        f"{prefix}_algbw_GBps": algbw,
+        f"{prefix}_busbw_GBps": algbw * bus_factor,
+    }
 
 
 def format_size(nbytes: int) -> str:
@@ -158,11 +189,35 @@ def format_size(nbytes: int) -> str:
 
 def format_table(records: list[dict]) -> str:
     """A fixed-width table: times in microseconds, bandwidths in GB/s (1e9 bytes/s)."""
-    header = ("op", "link", "size", "proj us", "raw us", "proj algbw", "proj busbw", "raw algbw", "raw busbw", "proj/raw")
-    rows = [(r["op"], r["link"], format_size(r["bytes"]), f"{r['project_time_s'] * 1e6:.1f}", f"{r['raw_time_s'] * 1e6:.1f}",
-             f"{r['project_algbw_GBps']:.3f}", f"{r['project_busbw_GBps']:.3f}",
-             f"{r['raw_algbw_GBps']:.3f}", f"{r['raw_busbw_GBps']:.3f}", f"{r['project_over_raw']:.2f}")
-            for r in records]
+    header = (
+        "op",
+        "link",
+        "size",
+        "proj us",
+        "raw us",
+        "proj algbw",
+        "proj busbw",
+        "raw algbw",
+        "raw busbw",
+        "proj/raw",
+    )
+    rows = [
+        (
+            r["op"],
+            r["link"],
+            format_size(r["bytes"]),
+            f"{r['project_time_s'] * 1e6:.1f}",
+            f"{r['raw_time_s'] * 1e6:.1f}",
+            f"{r['project_algbw_GBps']:.3f}",
+            f"{r['project_busbw_GBps']:.3f}",
+            f"{r['raw_algbw_GBps']:.3f}",
+            f"{r['raw_busbw_GBps']:.3f}",
+            f"{r['project_over_raw']:.2f}",
+        )
+        for r in records
+    ]
     widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-                     for row in [header] + rows)
+    return "\n".join(
+        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in [header] + rows
+    )

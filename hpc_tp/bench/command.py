@@ -4,6 +4,7 @@ The measuring code of a benchmark lives in its own module (``comm.py``, ``step.p
 benchmark runs, so listing the options stays instant. Options are checked inside ``run`` and raise
 ConfigError there, which rank 0 alone reports (an argparse error would print once per rank).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -19,45 +20,71 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 def add_arguments(parser):
     benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    comm = benchmarks.add_parser("comm", help="collective and p2p latency/bandwidth: the project's communicator vs raw mpi4py",
-                                 description="Run under mpiexec/srun; times are the slowest rank's, median over iterations.")
-    comm.add_argument("--sizes", default="8:64M",
-                      help="message sizes in bytes, MIN[:MAX[:FACTOR]] with K/M/G suffixes (binary); "
-                           "MIN times powers of FACTOR (default 4), up to and including MAX (default %(default)s)")
-    comm.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,p2p",
-                      help="comma-separated operations (default %(default)s); p2p (rank 0 and the last) needs 2 "
-                           "ranks; p2p_intra and p2p_inter: rank 0 and a rank on its node / on another node")
+    comm = benchmarks.add_parser(
+        "comm",
+        help="collective and p2p latency/bandwidth: the project's communicator vs raw mpi4py",
+        description="Run under mpiexec/srun; times are the slowest rank's, median over iterations.",
+    )
+    comm.add_argument(
+        "--sizes",
+        default="8:64M",
+        help="message sizes in bytes, MIN[:MAX[:FACTOR]] with K/M/G suffixes (binary); "
+        "MIN times powers of FACTOR (default 4), up to and including MAX (default %(default)s)",
+    )
+    comm.add_argument(
+        "--ops",
+        default="all_reduce,all_gather,reduce_scatter,p2p",
+        help="comma-separated operations (default %(default)s); p2p (rank 0 and the last) needs 2 "
+        "ranks; p2p_intra and p2p_inter: rank 0 and a rank on its node / on another node",
+    )
     comm.add_argument("--iters", type=int, default=20, help="timed iterations per size (default %(default)s)")
     comm.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default %(default)s)")
     comm.add_argument("--json", metavar="FILE", help="also write the records as a JSON list (rank 0)")
     comm.set_defaults(_benchmark=_run_comm)
 
-    step = benchmarks.add_parser("step", help="forward+backward of a GPT block stack: time, FLOP/s, MFU against "
-                                              "the measured GEMM peak, compute/communication split, memory",
-                                 description="tp = the world size (run under mpiexec/srun); the step is the slowest "
-                                             "rank's, median over repeats; FLOPs count matrix products (see "
-                                             "hpc_tp/bench/step.py).")
+    step = benchmarks.add_parser(
+        "step",
+        help="forward+backward of a GPT block stack: time, FLOP/s, MFU against "
+        "the measured GEMM peak, compute/communication split, memory",
+        description="tp = the world size (run under mpiexec/srun); the step is the slowest "
+        "rank's, median over repeats; FLOPs count matrix products (see "
+        "hpc_tp/bench/step.py).",
+    )
     step.add_argument("--model", default="w1", help="preset name or JSON config (default %(default)s)")
     step.add_argument("--layers", type=int, help="number of blocks (default: the model's n_layers)")
     step.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default %(default)s)")
     step.add_argument("--micro-batch", type=int, default=4, help="sequences per step (default %(default)s)")
-    step.add_argument("--dtype", default="float32", choices=("float32", "float64", "float16", "bfloat16"),
-                      help="default %(default)s (bfloat16 needs ml_dtypes)")
-    step.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                      help="cpu (numpy, default) or cuda (cupy, one GPU per node-local rank)")
-    step.add_argument("--threads", type=int,
-                      help="BLAS threads per rank (default: this rank's cores / ranks on its node, at least 1)")
+    step.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float64", "float16", "bfloat16"),
+        help="default %(default)s (bfloat16 needs ml_dtypes)",
+    )
+    step.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu (numpy, default) or cuda (cupy, one GPU per node-local rank)",
+    )
+    step.add_argument(
+        "--threads", type=int, help="BLAS threads per rank (default: this rank's cores / ranks on its node, at least 1)"
+    )
     step.add_argument("--repeats", type=int, default=5, help="timed steps (default %(default)s)")
     step.add_argument("--warmup", type=int, default=2, help="untimed steps first (default %(default)s)")
-    step.add_argument("--cuda-graph", action="store_true",
-                      help="on a GPU at tp=1, replay each step as a CUDA graph captured at the first one")
+    step.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="on a GPU at tp=1, replay each step as a CUDA graph captured at the first one",
+    )
     step.add_argument("--json", metavar="FILE", help="also write the record as JSON (rank 0)")
     step.set_defaults(_benchmark=_run_step)
 
     # -- more benchmarks (e.g. `decode`) are added here: a parser with set_defaults(_benchmark=...) --
-    for name, help_text in (("decode", "incremental decoding with the KV cache: ms per token, compute/communication"),
-                            ("checkpoint", "HDF5 checkpoint save/load MB/s against np.save/np.load of the same bytes"),
-                            ("pipeline", "pipeline bubble: each stage's measured idle against (p-1)/(V*m+p-1)")):
+    for name, help_text in (
+        ("decode", "incremental decoding with the KV cache: ms per token, compute/communication"),
+        ("checkpoint", "HDF5 checkpoint save/load MB/s against np.save/np.load of the same bytes"),
+        ("pipeline", "pipeline bubble: each stage's measured idle against (p-1)/(V*m+p-1)"),
+    ):
         module = importlib.import_module(f"hpc_tp.bench.{name}")
         sub = benchmarks.add_parser(name, help=help_text, description=module.__doc__.split("\n\n")[0])
         module.add_arguments(sub)
@@ -79,7 +106,9 @@ def _run_comm(args) -> int:
 
     sizes, ops = size_range(args.sizes), args.ops.split(",")
     if args.iters < 1 or args.warmup < 0:
-        raise ConfigError(f"--iters {args.iters} --warmup {args.warmup}: need at least 1 iteration and no negative warm-up")
+        raise ConfigError(
+            f"--iters {args.iters} --warmup {args.warmup}: need at least 1 iteration and no negative warm-up"
+        )
     check_launch()
     # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import world
@@ -93,12 +122,18 @@ def _run_comm(args) -> int:
     nodes = node_of_ranks(comm)
     records = benchmark_comm(comm, sizes, ops, iters=args.iters, warmup=args.warmup)
     if comm.rank == 0:
-        print(f"hpc-tp bench comm: {comm.size} ranks on {len(set(nodes))} node(s), float32, median of {args.iters} iterations "
-              f"after {args.warmup} warm-up, slowest rank; bandwidths in GB/s as nccl-tests defines them")
+        print(
+            f"hpc-tp bench comm: {comm.size} ranks on {len(set(nodes))} node(s), float32, median of {args.iters} iterations "
+            f"after {args.warmup} warm-up, slowest rank; bandwidths in GB/s as nccl-tests defines them"
+        )
         print(format_table(records))
         for name in ops:
             if not runs_here(OPS[name], nodes):
-                need = f"{OPS[name].min_ranks} ranks" if comm.size < OPS[name].min_ranks else "a rank on the link it measures"
+                need = (
+                    f"{OPS[name].min_ranks} ranks"
+                    if comm.size < OPS[name].min_ranks
+                    else "a rank on the link it measures"
+                )
                 print(f"{name}: skipped, needs {need}")
         _write_json(args.json, records)
     return 0
@@ -118,10 +153,10 @@ def _run_step(args) -> int:
     # loaded when the command runs, not by hpc-tp --help
     from threadpoolctl import threadpool_limits
 
+    from ..backend import resolve_dtype
     from ..comm import select_device
     from ..comm.mpi import world
     from ..models.config import load_config
-    from ..backend import resolve_dtype
     from .step import benchmark_step, format_record
 
     # The block stack has no position table, so any sequence length fits.
@@ -132,8 +167,17 @@ def _run_step(args) -> int:
     # Set explicitly: ranks that share cores must not each start a thread per core (oversubscription).
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // comm.split_node().size)
     with threadpool_limits(limits=threads, user_api="blas"):
-        record = benchmark_step(comm, cfg, args.micro_batch, args.seq_len, args.dtype,
-                                repeats=args.repeats, warmup=args.warmup, threads=threads, graphs=args.cuda_graph)
+        record = benchmark_step(
+            comm,
+            cfg,
+            args.micro_batch,
+            args.seq_len,
+            args.dtype,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            threads=threads,
+            graphs=args.cuda_graph,
+        )
     if comm.rank == 0:
         print(format_record(record))
         _write_json(args.json, record)

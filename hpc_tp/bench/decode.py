@@ -12,6 +12,7 @@ latency: tp splits the first and adds the second.
 
 Light imports at the top, so ``hpc-tp bench --help`` can import this module for its options.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,26 +33,46 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per sequence (default %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"),
-                        help="weights, activations and KV cache; the half types sum products in float32 "
-                             "(default %(default)s)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="array backend: cuda puts each rank on its node-local GPU (default %(default)s)")
-    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                        help="on a GPU at tp=1, replay each decode step as a captured CUDA graph (default on)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float64", "bfloat16", "float16"),
+        help="weights, activations and KV cache; the half types sum products in float32 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="array backend: cuda puts each rank on its node-local GPU (default %(default)s)",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU at tp=1, replay each decode step as a captured CUDA graph (default on)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the record as JSON (rank 0)")
 
 
-def benchmark_decode(comm, cfg, batch: int, prompt_len: int, new_tokens: int, dtype: str = "float32",
-                     warmup: int = 3, seed: int = 0, graphs: bool = True) -> dict:
+def benchmark_decode(
+    comm,
+    cfg,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    dtype: str = "float32",
+    warmup: int = 3,
+    seed: int = 0,
+    graphs: bool = True,
+) -> dict:
     """One record (the same on every rank) for ``cfg`` split over ``comm`` (tp = comm.size); ``graphs``:
     replay a captured CUDA graph per step where ``serve.decoding`` can (a GPU at tp = 1)."""
     # loaded when the command runs, not by hpc-tp --help
+    from ..backend import resolve_dtype
     from ..grid import warn_if_tp_spans_nodes
     from ..models.gpt import GPTModel
     from ..serve.decoding import decode_stepper
     from ..serve.kv_cache import KVCache
-    from ..backend import resolve_dtype
 
     xp = backend.xp
     warn_if_tp_spans_nodes(comm)
@@ -74,7 +95,7 @@ def benchmark_decode(comm, cfg, batch: int, prompt_len: int, new_tokens: int, dt
     prefill = perf_counter() - start
     stepper = decode_stepper(model, cache, key_mask, numpy.full(batch, prompt_len), graphs)
     steps, comms = [], []
-    for s in range(warmup + new_tokens):
+    for _ in range(warmup + new_tokens):
         start, comm_start = perf_counter(), comm.seconds
         logits = stepper.step(logits.argmax(axis=-1))
         backend.synchronize()
@@ -82,26 +103,36 @@ def benchmark_decode(comm, cfg, batch: int, prompt_len: int, new_tokens: int, dt
         comms.append(comm.seconds - comm_start)
     stepper.close()
     # The first step of a graph is an eager one plus the capture: what a batch pays once for it.
-    per_rank = comm.allgather_object((median(steps[warmup:]), median(comms[warmup:]), prefill, cache.nbytes,
-                                      steps[0]))
+    per_rank = comm.allgather_object((median(steps[warmup:]), median(comms[warmup:]), prefill, cache.nbytes, steps[0]))
     step_s, comm_s, prefill_s, kv_bytes, _ = max(per_rank, key=lambda r: r[0])
-    return {"tp": comm.size, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
-            "prefill_s": max(r[2] for r in per_rank), "first_step_s": max(r[4] for r in per_rank),
-            "token_s": step_s, "compute_s": step_s - comm_s,
-            "comm_s": comm_s, "tokens_per_s": batch / step_s, "kv_cache_bytes_per_rank": [r[3] for r in per_rank],
-            "cuda_graph": stepper.uses_graph,
-            "weight_bytes_per_rank": model.local_bytes()}
+    return {
+        "tp": comm.size,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "dtype": dtype,
+        "prefill_s": max(r[2] for r in per_rank),
+        "first_step_s": max(r[4] for r in per_rank),
+        "token_s": step_s,
+        "compute_s": step_s - comm_s,
+        "comm_s": comm_s,
+        "tokens_per_s": batch / step_s,
+        "kv_cache_bytes_per_rank": [r[3] for r in per_rank],
+        "cuda_graph": stepper.uses_graph,
+        "weight_bytes_per_rank": model.local_bytes(),
+    }
 
 
 def format_record(r: dict) -> str:
     ms = 1e3
-    return (f"tp={r['tp']} batch={r['batch']} prompt={r['prompt_len']} {r['dtype']}: "
-            f"{r['token_s'] * ms:.2f} ms/token step (compute {r['compute_s'] * ms:.2f}, comm {r['comm_s'] * ms:.2f}), "
-            f"{r['tokens_per_s']:.1f} tokens/s, prefill {r['prefill_s'] * ms:.1f} ms, "
-            f"first decode step {r['first_step_s'] * ms:.1f} ms, "
-            f"KV cache {r['kv_cache_bytes_per_rank'][0] / 2**20:.2f} MiB/rank, "
-            f"weights {r['weight_bytes_per_rank'] / 2**20:.1f} MiB/rank"
-            + (", CUDA graph" if r.get("cuda_graph") else ""))
+    return (
+        f"tp={r['tp']} batch={r['batch']} prompt={r['prompt_len']} {r['dtype']}: "
+        f"{r['token_s'] * ms:.2f} ms/token step (compute {r['compute_s'] * ms:.2f}, comm {r['comm_s'] * ms:.2f}), "
+        f"{r['tokens_per_s']:.1f} tokens/s, prefill {r['prefill_s'] * ms:.1f} ms, "
+        f"first decode step {r['first_step_s'] * ms:.1f} ms, "
+        f"KV cache {r['kv_cache_bytes_per_rank'][0] / 2**20:.2f} MiB/rank, "
+        f"weights {r['weight_bytes_per_rank'] / 2**20:.1f} MiB/rank" + (", CUDA graph" if r.get("cuda_graph") else "")
+    )
 
 
 def run(args) -> int:
@@ -124,12 +155,15 @@ def run(args) -> int:
     cfg = load_config(args.model)
     check_heads(cfg.n_heads, cfg.n_kv_heads, world().size)
     if cfg.position == "learned" and args.prompt_len + args.warmup + args.new_tokens > cfg.max_seq_len:
-        raise ConfigError(f"--prompt-len {args.prompt_len} + --warmup {args.warmup} + --new-tokens {args.new_tokens} "
-                          f"exceeds the model's max_seq_len {cfg.max_seq_len}")
+        raise ConfigError(
+            f"--prompt-len {args.prompt_len} + --warmup {args.warmup} + --new-tokens {args.new_tokens} "
+            f"exceeds the model's max_seq_len {cfg.max_seq_len}"
+        )
     comm = world()
     select_device(args.device, comm)
-    record = benchmark_decode(comm, cfg, args.batch, args.prompt_len, args.new_tokens, args.dtype, args.warmup,
-                              graphs=args.cuda_graph)
+    record = benchmark_decode(
+        comm, cfg, args.batch, args.prompt_len, args.new_tokens, args.dtype, args.warmup, graphs=args.cuda_graph
+    )
     if comm.rank == 0:
         print("hpc-tp bench decode: " + format_record(record), flush=True)
         if args.json:

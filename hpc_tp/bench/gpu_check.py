@@ -16,6 +16,7 @@ The table goes to stdout and, with ``--out DIR`` or ``$OUT``, to DIR/gpu_check.m
 Exit status: 0 when every check passed, and also when there is no CUDA device (the only line
 then starts "gpu-check skipped: no CUDA device"); 1 when a check failed or raised.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,35 +65,47 @@ def kernel_errors(dtype: str, rows: int = 37, n: int = 300) -> dict[str, float]:
     x, dy, gain, bias = (rng.standard_normal(s).astype(dtype) for s in ((rows, n), (rows, n), (n,), (n,)))
     scores = x.copy()
     scores[0] = -numpy.inf  # a fully masked row
-    scores[1, n // 3:] = -numpy.inf
-    d = {name: cupy.asarray(v) for name, v in (("x", x), ("dy", dy), ("gain", gain), ("bias", bias),
-                                               ("scores", scores))}
+    scores[1, n // 3 :] = -numpy.inf
+    d = {
+        name: cupy.asarray(v) for name, v in (("x", x), ("dy", dy), ("gain", gain), ("bias", bias), ("scores", scores))
+    }
     errors = {}
-    for name, fwd, bwd in (("gelu_tanh", F.gelu_tanh_forward, F.gelu_tanh_backward),
-                           ("silu", F.silu_forward, F.silu_backward)):
+    for name, fwd, bwd in (
+        ("gelu_tanh", F.gelu_tanh_forward, F.gelu_tanh_backward),
+        ("silu", F.silu_forward, F.silu_backward),
+    ):
         (y, saved), (dev_y, dev_saved) = fwd(x), fwd(d["x"])
         errors[name] = max(_worst(dev_y, y), _worst(bwd(d["dy"], dev_saved), bwd(dy, saved)))
     act, act_saved = F.silu_forward(x)
     dev_y, dev_saved = K.swiglu_forward(d["x"], d["dy"])
-    errors["swiglu"] = max(_worst(dev_y, act * dy),
-                           _worst(K.swiglu_backward(d["gain"][None] * d["dy"], dev_saved),
-                                  (F.silu_backward(gain * dy * dy, act_saved), gain * dy * act)))
+    errors["swiglu"] = max(
+        _worst(dev_y, act * dy),
+        _worst(
+            K.swiglu_backward(d["gain"][None] * d["dy"], dev_saved),
+            (F.silu_backward(gain * dy * dy, act_saved), gain * dy * act),
+        ),
+    )
     p, dev_p = F.softmax_forward(scores), F.softmax_forward(d["scores"])
     errors["softmax"] = max(_worst(dev_p, p), _worst(F.softmax_backward(d["dy"], dev_p), F.softmax_backward(dy, p)))
-    (y, saved), (dev_y, dev_saved) = F.layernorm_forward(x, gain, bias, 1e-5), F.layernorm_forward(
-        d["x"], d["gain"], d["bias"], 1e-5)
-    errors["layernorm"] = max(_worst((dev_y, dev_saved), (y, saved)),
-                              _worst(F.layernorm_backward(d["dy"], d["gain"], dev_saved),
-                                     F.layernorm_backward(dy, gain, saved)))
+    (y, saved), (dev_y, dev_saved) = (
+        F.layernorm_forward(x, gain, bias, 1e-5),
+        F.layernorm_forward(d["x"], d["gain"], d["bias"], 1e-5),
+    )
+    errors["layernorm"] = max(
+        _worst((dev_y, dev_saved), (y, saved)),
+        _worst(F.layernorm_backward(d["dy"], d["gain"], dev_saved), F.layernorm_backward(dy, gain, saved)),
+    )
     (y, saved), (dev_y, dev_saved) = F.rmsnorm_forward(x, gain, 1e-6), F.rmsnorm_forward(d["x"], d["gain"], 1e-6)
-    errors["rmsnorm"] = max(_worst((dev_y, dev_saved), (y, saved)),
-                            _worst(F.rmsnorm_backward(d["dy"], d["gain"], dev_saved),
-                                   F.rmsnorm_backward(dy, gain, saved)))
+    errors["rmsnorm"] = max(
+        _worst((dev_y, dev_saved), (y, saved)),
+        _worst(F.rmsnorm_backward(d["dy"], d["gain"], dev_saved), F.rmsnorm_backward(dy, gain, saved)),
+    )
     return errors
 
 
-def train_losses(device: str, dtype: str, steps: int = 3, loss_scale: float | None = None,
-                 **model) -> tuple[list, object]:
+def train_losses(
+    device: str, dtype: str, steps: int = 3, loss_scale: float | None = None, **model
+) -> tuple[list, object]:
     """Losses of ``steps`` demo training steps on ``device`` (one process), and the trainer.
     ``loss_scale``: float16's starting scale (default 2^16), low enough that no step overflows
     when a run is compared step by step with float32 (a skipped step would shift it by one).
@@ -102,8 +115,9 @@ def train_losses(device: str, dtype: str, steps: int = 3, loss_scale: float | No
     from ..train.settings import TrainSettings
     from ..train.trainer import Trainer
 
-    settings = TrainSettings(device=device, dtype=dtype, steps=10, global_batch=8, progress=False, samples=0,
-                             model_overrides=model)
+    settings = TrainSettings(
+        device=device, dtype=dtype, steps=10, global_batch=8, progress=False, samples=0, model_overrides=model
+    )
     trainer = Trainer(settings, world=self_comm())
     if loss_scale is not None and trainer.precision.scaler is not None:
         trainer.precision.scaler = LossScaler(scale=loss_scale)
@@ -141,13 +155,26 @@ def tp_equality(world, transport: str | None = None) -> tuple[float, str]:
 
 
 # A Llama-style decoder (GQA, RoPE, SwiGLU, RMSNorm) and left-padded prompts of unequal lengths.
-DECODE_MODEL = dict(vocab_size=258, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
-                    norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+DECODE_MODEL = dict(
+    vocab_size=258,
+    hidden=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_hidden=48,
+    max_seq_len=32,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+)
 DECODE_PROMPTS = ([5, 17, 99, 3, 250], [42, 7], [1, 2, 3, 4, 5, 6, 7], [200])
 
 
-def decode_replay_error(config: dict = DECODE_MODEL, prompts=DECODE_PROMPTS, steps: int = 6,
-                        weights=None) -> tuple[float, bool]:
+def decode_replay_error(
+    config: dict = DECODE_MODEL, prompts=DECODE_PROMPTS, steps: int = 6, weights=None
+) -> tuple[float, bool]:
     """Decode steps after a left-padded prefill, float64, one process: the device's fixed-shape step
     captured as a CUDA graph at its first step and replayed for the rest (``serve.decoding``), against
     the CPU's growing steps on the same ids. (worst relative logit error, whether the graph replayed).
@@ -168,9 +195,12 @@ def decode_replay_error(config: dict = DECODE_MODEL, prompts=DECODE_PROMPTS, ste
             weights(model)
         tokens, key_mask, positions = left_pad([list(p) for p in prompts], steps, pad_id=0)
         cache = KVCache.for_model(model, len(prompts), tokens.shape[1] + steps)
-        model.infer(xp.asarray(tokens), xp.asarray(positions), xp.asarray(key_mask[:, :tokens.shape[1]]), cache)
-        stepper = (FixedStep(model, cache, key_mask, lens, capture=True) if device == "cuda"
-                   else GrowingStep(model, cache, key_mask, lens))
+        model.infer(xp.asarray(tokens), xp.asarray(positions), xp.asarray(key_mask[:, : tokens.shape[1]]), cache)
+        stepper = (
+            FixedStep(model, cache, key_mask, lens, capture=True)
+            if device == "cuda"
+            else GrowingStep(model, cache, key_mask, lens)
+        )
         logits[device] = [backend.to_numpy(stepper.step(follow[:, s])) for s in range(steps)]  # a replay overwrites
         replayed = replayed or stepper.uses_graph
         stepper.close()
@@ -225,7 +255,7 @@ def card_peak(dtype: str, size: int = 8192, repeats: int = 5) -> float:
         stop.record()
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-    return 2 * size ** 3 / sorted(times)[len(times) // 2]
+    return 2 * size**3 / sorted(times)[len(times) // 2]
 
 
 def benchmark(dtype: str, batch: int, seq: int, graphs: bool = False) -> dict:
@@ -244,20 +274,26 @@ def environment() -> list[tuple[str, str]]:
     rt = cupy.cuda.runtime
     props = rt.getDeviceProperties(cupy.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    rows = [("card", f"{name}, {props['totalGlobalMem'] / 2**30:.0f} GiB, sm_{props['major']}{props['minor']}, "
-                     f"{props['multiProcessorCount']} SMs, {rt.getDeviceCount()} visible"),
-            ("driver / runtime",
-             f"CUDA {_cuda_version(rt.driverGetVersion())} / {_cuda_version(rt.runtimeGetVersion())}"),
-            ("python / numpy / cupy", f"{sys.version.split()[0]} / {numpy.__version__} / {cupy.__version__}")]
+    rows = [
+        (
+            "card",
+            f"{name}, {props['totalGlobalMem'] / 2**30:.0f} GiB, sm_{props['major']}{props['minor']}, "
+            f"{props['multiProcessorCount']} SMs, {rt.getDeviceCount()} visible",
+        ),
+        ("driver / runtime", f"CUDA {_cuda_version(rt.driverGetVersion())} / {_cuda_version(rt.runtimeGetVersion())}"),
+        ("python / numpy / cupy", f"{sys.version.split()[0]} / {numpy.__version__} / {cupy.__version__}"),
+    ]
     from ..comm.nccl import nccl_available
 
     if nccl_available():
         from cupy.cuda import nccl
+
         rows.append(("nccl", f"available, version {nccl.get_version()}"))
     else:
         rows.append(("nccl", "not available (cupy finds no libnccl): groups use MPI"))
     try:
         import ml_dtypes
+
         rows.append(("ml_dtypes (bfloat16)", ml_dtypes.__version__))
     except ImportError:
         rows.append(("ml_dtypes (bfloat16)", "missing: bfloat16 rows are skipped, float16 measured instead"))
@@ -277,18 +313,29 @@ def _mpiexec() -> str | None:
 def _mpi_env() -> dict:
     """This environment for a child ``mpiexec``, without the launch variables of any parent MPI job."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMIX_", "OMPI_COMM_WORLD", "PMI_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
-               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH")])))
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")])
+        ),
+    )
     return env
 
 
 def _mpiexec_2(*command: str, timeout: float) -> subprocess.CompletedProcess:
     """``mpiexec -n 2`` in a process group of its own: on a timeout the whole group is killed, so no rank is
     left holding the card while the next checks are timed."""
-    with subprocess.Popen([_mpiexec(), "-n", "2", sys.executable, *command], env=_mpi_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, process_group=0) as proc:
+    with subprocess.Popen(
+        [_mpiexec(), "-n", "2", sys.executable, *command],
+        env=_mpi_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -307,8 +354,16 @@ def zero_equality(world, steps: int = 3, device: str = "cuda") -> float:
 
     losses = []
     for zero in (False, True):
-        settings = TrainSettings(device=device, dtype="float64", dp=2, steps=10, global_batch=8, progress=False,
-                                 samples=0, distributed_optimizer=zero)
+        settings = TrainSettings(
+            device=device,
+            dtype="float64",
+            dp=2,
+            steps=10,
+            global_batch=8,
+            progress=False,
+            samples=0,
+            distributed_optimizer=zero,
+        )
         trainer = Trainer(settings, world=world)
         losses.append([trainer.train_step()["loss"] for _ in range(steps)])
     return max(abs(a - b) / abs(b) for a, b in zip(*losses))
@@ -325,6 +380,7 @@ def _run_pair_worker(timeout: float = 150) -> dict[str, tuple[str, str, str]]:
     """The two-rank checks under ``mpiexec -n 2`` (this module, --pair-worker), a row for each of
     "tp" and "zero": skipped where mpiexec cannot start two ranks of this Python (probed first),
     FAIL where it can and a check does not pass."""
+
     def both(*row):
         return {"tp": row, "zero": row}
 
@@ -344,8 +400,10 @@ def _run_pair_worker(timeout: float = 150) -> dict[str, tuple[str, str, str]]:
     if done.returncode or not lines:
         return both("FAIL", "", f"exit {done.returncode}: {_last_line(done)}")
     report = json.loads(lines[-1])
-    return {"tp": _bounded(report["tp_error"], TP_TOL, f"2 ranks on one card via {report['transport']}"),
-            "zero": _bounded(report["zero_error"], TP_TOL, "dp=2 on one card, 3 demo steps")}
+    return {
+        "tp": _bounded(report["tp_error"], TP_TOL, f"2 ranks on one card via {report['transport']}"),
+        "zero": _bounded(report["zero_error"], TP_TOL, "dp=2 on one card, 3 demo steps"),
+    }
 
 
 def _pair_worker() -> int:
@@ -369,7 +427,7 @@ def _bfloat16_missing() -> str | None:
         return "ml_dtypes missing (make gpu-deps)"
     try:
         backend.xp.zeros(1, dtype=ml_dtypes.bfloat16)
-    except Exception as error:  # noqa: BLE001: cupy 13 raises TypeError, others may differ
+    except Exception as error:  # noqa: BLE001 -- cupy 13 raises TypeError, others may differ
         return f"cupy {backend.xp.__version__} has no bfloat16 arrays ({type(error).__name__})"
     return None
 
@@ -394,8 +452,13 @@ class Report:
             return
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "gpu_check.md").write_text(self.text())
-        (self.out / "gpu_check.json").write_text(json.dumps({"environment": dict(self.env), "checks": self.checks,
-                                                             "w1": self.bench, "w1_decode": self.decode}, indent=1) + "\n")
+        (self.out / "gpu_check.json").write_text(
+            json.dumps(
+                {"environment": dict(self.env), "checks": self.checks, "w1": self.bench, "w1_decode": self.decode},
+                indent=1,
+            )
+            + "\n"
+        )
 
     def text(self) -> str:
         return markdown(self.env, self) + f"\ntotal {time.perf_counter() - self.started:.0f} s\n"
@@ -415,11 +478,17 @@ class Report:
             result, measured, detail = run()
         except ModuleNotFoundError as error:  # a package this machine lacks: not a failure of the backend
             result, measured, detail = "skipped", "", f"needs {error.name} (make gpu-deps, see README)"
-        except Exception as error:  # noqa: BLE001: the table says what broke, the next check still runs
+        except Exception as error:  # noqa: BLE001 -- the table says what broke, the next check still runs
             first_line = (str(error).splitlines() or [""])[0]  # an exception may carry no message at all
             result, measured, detail = "FAIL", "", f"{type(error).__name__}: {first_line[:160]}"
-        row = dict(check=name, result=result, measured=measured, bound=bound, detail=detail,
-                   seconds=round(time.perf_counter() - started, 1))
+        row = dict(
+            check=name,
+            result=result,
+            measured=measured,
+            bound=bound,
+            detail=detail,
+            seconds=round(time.perf_counter() - started, 1),
+        )
         self.checks.append(row)
         self.save()
         print(f"  {result:7s} {name:34s} {measured:>9s}  (bound {bound}) {detail}", flush=True)
@@ -442,51 +511,78 @@ def run_checks(report: Report):
             pair.update(tp=("FAIL", "", "the two-rank worker raised"), zero=("FAIL", "", "the two-rank worker raised"))
             pair.update(_run_pair_worker())
         return pair[key]
+
     report.check("tp=2 vs tp=1 on the device, float64", f"{TP_TOL:.0e}", lambda: pair_row("tp"))
     report.check("ZeRO-1 vs AdamW, dp=2, float64", f"{TP_TOL:.0e}", lambda: pair_row("zero"))
     for dtype in ("float64", "float32"):
+
         def kernels(dtype=dtype):
             errors = kernel_errors(dtype)
             worst = max(errors, key=errors.get)
-            return _bounded(errors[worst], KERNEL_TOL[dtype], f"worst: {worst}; " +
-                            ", ".join(f"{k} {v:.0e}" for k, v in errors.items()))
+            return _bounded(
+                errors[worst],
+                KERNEL_TOL[dtype],
+                f"worst: {worst}; " + ", ".join(f"{k} {v:.0e}" for k, v in errors.items()),
+            )
+
         report.check(f"fused kernels vs numpy, {dtype}", f"{KERNEL_TOL[dtype]:.0e}", kernels)
 
     for label, model in (("", {}), ("MoE ", MOE)):
+
         def training(model=model):
             cpu, _ = train_losses("cpu", "float64", **model)
             gpu, trainer = train_losses("cuda", "float64", **model)
             on_device = all(not isinstance(p.data, numpy.ndarray) for p in trainer.params.values())
             error = max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu))
             result, measured, _ = _bounded(error, TP_TOL)
-            return (result if on_device else "FAIL"), measured, (
-                f"3 demo steps, losses {', '.join(f'{v:.4f}' for v in gpu)}; groups: {trainer.transports}")
+            return (
+                (result if on_device else "FAIL"),
+                measured,
+                (f"3 demo steps, losses {', '.join(f'{v:.4f}' for v in gpu)}; groups: {trainer.transports}"),
+            )
+
         report.check(f"{label}training on the device vs CPU, float64", f"{TP_TOL:.0e}", training)
+
     def decoding():
         error, replayed = decode_replay_error()
         result, measured, _ = _bounded(error, TP_TOL)
-        return (result if replayed else "FAIL"), measured, (
-            "6 steps replayed from one captured CUDA graph" if replayed else "the capture failed: steps ran eagerly")
+        return (
+            (result if replayed else "FAIL"),
+            measured,
+            ("6 steps replayed from one captured CUDA graph" if replayed else "the capture failed: steps ran eagerly"),
+        )
+
     report.check("decode steps as a CUDA graph vs CPU, float64", f"{TP_TOL:.0e}", decoding)
 
     def continuous():
         device, host = continuous_completions("cuda"), continuous_completions("cpu")
         same, cached = device == host, [c for _, c in host]
-        return ("ok" if same and any(cached) else "FAIL"), "same" if same else "differ", (
-            f"5 requests in 2 rows, prefill chunks of 4, cached prompt tokens {cached}")
+        return (
+            ("ok" if same and any(cached) else "FAIL"),
+            "same" if same else "differ",
+            (f"5 requests in 2 rows, prefill chunks of 4, cached prompt tokens {cached}"),
+        )
+
     report.check("continuous batching vs CPU (rows, prefixes, chunks), float64", "same tokens", continuous)
     for dtype, model in (("float16", {}), ("bfloat16", {}), ("bfloat16", MOE)):
+
         def mixed(dtype=dtype, model=model):
             if dtype == "bfloat16" and _bfloat16_missing():
                 return "skipped", "", _bfloat16_missing()
             full, _ = train_losses("cuda", "float32", steps=5, **model)
-            half, trainer = train_losses("cuda", dtype, steps=5, loss_scale=2.0 ** 10, **model)
+            half, trainer = train_losses("cuda", dtype, steps=5, loss_scale=2.0**10, **model)
             fp32_masters = all(p.data.dtype == numpy.float32 for p in trainer.precision.master.values())
             drift = max(abs(a - b) / b for a, b in zip(half, full))
             ok = fp32_masters and half[-1] < half[0] and drift <= MIXED_TOL[dtype]
-            return ("ok" if ok else "FAIL"), f"{drift:.1e}", (
-                f"5 steps, loss {half[0]:.3f} -> {half[-1]:.3f} (fp32 {full[0]:.3f} -> {full[-1]:.3f}), "
-                f"loss scale {trainer.precision.loss_scale:g}, fp32 masters: {fp32_masters}")
+            return (
+                ("ok" if ok else "FAIL"),
+                f"{drift:.1e}",
+                (
+                    f"5 steps, loss {half[0]:.3f} -> {half[-1]:.3f} (fp32 {full[0]:.3f} -> {full[-1]:.3f}), "
+                    f"loss scale {trainer.precision.loss_scale:g}, fp32 masters: {fp32_masters}"
+                ),
+            )
+
         report.check(f"{'MoE ' if model else ''}mixed precision {dtype} vs float32", f"{MIXED_TOL[dtype]:.0e}", mixed)
 
 
@@ -502,21 +598,38 @@ def run_benchmarks(report: Report):
             try:
                 r, replayed = benchmark(dtype, batch, seq), benchmark(dtype, batch, seq, graphs=True)
             except Exception as error:  # noqa: BLE001
-                report.add_bench({"dtype": dtype, "micro_batch": batch, "seq_len": seq,
-                                  "error": f"{type(error).__name__}: {error}"[:200]})
+                report.add_bench(
+                    {
+                        "dtype": dtype,
+                        "micro_batch": batch,
+                        "seq_len": seq,
+                        "error": f"{type(error).__name__}: {error}"[:200],
+                    }
+                )
                 print(f"  {dtype} {batch}x{seq}: failed: {report.bench[-1]['error']}", flush=True)
                 continue
-            row = {"dtype": dtype, "micro_batch": batch, "seq_len": seq, "step_ms": r["step_s"] * 1e3,
-                   "tokens_per_s": r["tokens_per_s"], "achieved_tflops": r["achieved_flops"] / 1e12,
-                   "same_shape_gemm_tflops": r["gemm_peak_flops_per_rank"] / 1e12, "mfu_same_shape": r["mfu"],
-                   "card_gemm_tflops": peak / 1e12, "mfu_card": r["achieved_flops"] / peak,
-                   "graph_step_ms": replayed["step_s"] * 1e3 if replayed["cuda_graph"] else None}
+            row = {
+                "dtype": dtype,
+                "micro_batch": batch,
+                "seq_len": seq,
+                "step_ms": r["step_s"] * 1e3,
+                "tokens_per_s": r["tokens_per_s"],
+                "achieved_tflops": r["achieved_flops"] / 1e12,
+                "same_shape_gemm_tflops": r["gemm_peak_flops_per_rank"] / 1e12,
+                "mfu_same_shape": r["mfu"],
+                "card_gemm_tflops": peak / 1e12,
+                "mfu_card": r["achieved_flops"] / peak,
+                "graph_step_ms": replayed["step_s"] * 1e3 if replayed["cuda_graph"] else None,
+            }
             report.add_bench(row)
-            print(f"  W1 {dtype:8s} {batch:3d}x{seq}: {row['step_ms']:8.2f} ms ({_graph_cell(row)} as a CUDA graph)  "
-                  f"{row['tokens_per_s']:10.0f} tok/s  "
-                  f"{row['achieved_tflops']:7.2f} TFLOP/s  MFU {100 * row['mfu_same_shape']:5.1f}% of the same-shape "
-                  f"GEMM ({row['same_shape_gemm_tflops']:.1f}), {100 * row['mfu_card']:5.1f}% of the card's "
-                  f"{row['card_gemm_tflops']:.1f} TFLOP/s", flush=True)
+            print(
+                f"  W1 {dtype:8s} {batch:3d}x{seq}: {row['step_ms']:8.2f} ms ({_graph_cell(row)} as a CUDA graph)  "
+                f"{row['tokens_per_s']:10.0f} tok/s  "
+                f"{row['achieved_tflops']:7.2f} TFLOP/s  MFU {100 * row['mfu_same_shape']:5.1f}% of the same-shape "
+                f"GEMM ({row['same_shape_gemm_tflops']:.1f}), {100 * row['mfu_card']:5.1f}% of the card's "
+                f"{row['card_gemm_tflops']:.1f} TFLOP/s",
+                flush=True,
+            )
 
 
 def run_decode_benchmarks(report: Report, batches=(1, 8, 64)):
@@ -543,28 +656,38 @@ def _decode_cells(d: dict) -> str:
     if "error" in d:
         return f"batch {d['batch']}: failed: {d['error']}"
     graph = f"{d['graph_ms']:.3f}" + ("" if d["graph_used"] else " (no graph: the capture failed)")
-    return f"batch {d['batch']}: {d['eager_ms']:.3f} ms a token without a graph, {graph} with one, " \
-           f"{d['eager_ms'] / d['graph_ms']:.2f}x; first decode step {d['eager_first_ms']:.1f} / " \
-           f"{d['graph_first_ms']:.1f} ms (with the graph: an eager step and the capture)"
+    return (
+        f"batch {d['batch']}: {d['eager_ms']:.3f} ms a token without a graph, {graph} with one, "
+        f"{d['eager_ms'] / d['graph_ms']:.2f}x; first decode step {d['eager_first_ms']:.1f} / "
+        f"{d['graph_first_ms']:.1f} ms (with the graph: an eager step and the capture)"
+    )
 
 
 def markdown(env, report: Report) -> str:
     lines = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
     lines += [f"- {k}: {v}" for k, v in env]
     lines += ["", "| check | result | measured | bound | detail |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {c['check']} | {c['result']} | {c['measured']} | {c['bound']} | {c['detail']} |"
-              for c in report.checks]
-    lines += ["", "| W1 dtype | micro-batch x seq | step ms | step ms, CUDA graph | tokens/s | TFLOP/s "
-                  "| MFU (same-shape GEMM) | MFU (card GEMM peak) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        f"| {c['check']} | {c['result']} | {c['measured']} | {c['bound']} | {c['detail']} |" for c in report.checks
+    ]
+    lines += [
+        "",
+        "| W1 dtype | micro-batch x seq | step ms | step ms, CUDA graph | tokens/s | TFLOP/s "
+        "| MFU (same-shape GEMM) | MFU (card GEMM peak) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for b in report.bench:
         if "error" in b:
-            lines.append(f"| {b['dtype']} | {b.get('micro_batch', '')}x{b.get('seq_len', '')} | failed: {b['error']} "
-                         "| | | | | |")
+            lines.append(
+                f"| {b['dtype']} | {b.get('micro_batch', '')}x{b.get('seq_len', '')} | failed: {b['error']} | | | | | |"
+            )
         else:
-            lines.append(f"| {b['dtype']} | {b['micro_batch']}x{b['seq_len']} | {b['step_ms']:.2f} | {_graph_cell(b)} | "
-                         f"{b['tokens_per_s']:.0f} | {b['achieved_tflops']:.2f} | {100 * b['mfu_same_shape']:.1f}% "
-                         f"of {b['same_shape_gemm_tflops']:.1f} | {100 * b['mfu_card']:.1f}% of "
-                         f"{b['card_gemm_tflops']:.1f} |")
+            lines.append(
+                f"| {b['dtype']} | {b['micro_batch']}x{b['seq_len']} | {b['step_ms']:.2f} | {_graph_cell(b)} | "
+                f"{b['tokens_per_s']:.0f} | {b['achieved_tflops']:.2f} | {100 * b['mfu_same_shape']:.1f}% "
+                f"of {b['same_shape_gemm_tflops']:.1f} | {100 * b['mfu_card']:.1f}% of "
+                f"{b['card_gemm_tflops']:.1f} |"
+            )
     if report.decode:
         lines += ["", "W1 decode, float32, prompt 64, 32 timed tokens (median ms a token):", ""]
         lines += [f"- {_decode_cells(d)}" for d in report.decode]

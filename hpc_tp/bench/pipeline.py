@@ -13,6 +13,7 @@ allow; what remains unequal shows up as extra idle time on the cheaper stages.
 Several V are measured in one run, their steps alternating, so a slow spell of a noisy machine
 falls on all of them alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,19 @@ def bubble_formula(pp: int, micro_batches: int, virtual_stages: int = 1) -> floa
     return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
 
 
-def measure_bubble(cfg, grid, micro_batches: int, micro_batch: int, seq_len: int, schedule: str = "gpipe",
-                   repeats: int = 3, warmup: int = 1, dtype: str = "float32", seed: int = 0,
-                   virtual_stages=(1,)) -> list[dict]:
+def measure_bubble(
+    cfg,
+    grid,
+    micro_batches: int,
+    micro_batch: int,
+    seq_len: int,
+    schedule: str = "gpipe",
+    repeats: int = 3,
+    warmup: int = 1,
+    dtype: str = "float32",
+    seed: int = 0,
+    virtual_stages=(1,),
+) -> list[dict]:
     """One record per stage and V in ``virtual_stages`` (the same list on every rank): measured idle
     fraction (median over repeats), the formula's, and the stage's busy and step seconds."""
     # loaded when the command runs, not by hpc-tp --help
@@ -39,8 +50,13 @@ def measure_bubble(cfg, grid, micro_batches: int, micro_batch: int, seq_len: int
 
     models = {v: build_stage(cfg, grid, dtype, seed, virtual_stages=v) for v in virtual_stages}
     rng = numpy.random.default_rng(seed)
-    batches = [(rng.integers(0, cfg.vocab_size, (micro_batch, seq_len)),
-                rng.integers(0, cfg.vocab_size, (micro_batch, seq_len))) for _ in range(micro_batches)]
+    batches = [
+        (
+            rng.integers(0, cfg.vocab_size, (micro_batch, seq_len)),
+            rng.integers(0, cfg.vocab_size, (micro_batch, seq_len)),
+        )
+        for _ in range(micro_batches)
+    ]
     scale = 1.0 / (micro_batches * micro_batch * seq_len)
     samples = {v: ([], [], []) for v in models}  # idle, busy, step
     for repeat in range(warmup + repeats):
@@ -55,9 +71,18 @@ def measure_bubble(cfg, grid, micro_batches: int, micro_batch: int, seq_len: int
             if repeat >= warmup:
                 for kept, value in zip(samples[v], (1.0 - stats.busy_seconds / seconds, stats.busy_seconds, seconds)):
                     kept.append(value)
-    mine = [dict(virtual_stages=v, stage=grid.coords.pp, layers=len(model.layer_ids), idle=median(samples[v][0]),
-                 formula=bubble_formula(grid.pp_size, micro_batches, v), busy_s=median(samples[v][1]),
-                 step_s=median(samples[v][2])) for v, model in models.items()]
+    mine = [
+        dict(
+            virtual_stages=v,
+            stage=grid.coords.pp,
+            layers=len(model.layer_ids),
+            idle=median(samples[v][0]),
+            formula=bubble_formula(grid.pp_size, micro_batches, v),
+            busy_s=median(samples[v][1]),
+            step_s=median(samples[v][2]),
+        )
+        for v, model in models.items()
+    ]
     records = [r for stage in grid.pp.allgather_object(mine) for r in stage]
     return sorted(records, key=lambda r: (r["virtual_stages"], r["stage"]))
 
@@ -67,10 +92,14 @@ def report_lines(records: list[dict], pp: int, micro_batches: int, schedule: str
     for r in records:
         v = r["virtual_stages"]
         if r["stage"] == 0:
-            lines.append(f"{schedule}, pp={pp}, V={v}, m={micro_batches}: formula idle (p-1)/(V*m+p-1) = "
-                         f"{r['formula']:.3f}, bubble (p-1)/(V*m) = {(pp - 1) / (v * micro_batches):.3f}")
-        lines.append(f"  stage {r['stage']} ({r['layers']} layers): idle {r['idle']:.3f} measured, "
-                     f"busy {r['busy_s'] * 1e3:.1f} ms of a {r['step_s'] * 1e3:.1f} ms step")
+            lines.append(
+                f"{schedule}, pp={pp}, V={v}, m={micro_batches}: formula idle (p-1)/(V*m+p-1) = "
+                f"{r['formula']:.3f}, bubble (p-1)/(V*m) = {(pp - 1) / (v * micro_batches):.3f}"
+            )
+        lines.append(
+            f"  stage {r['stage']} ({r['layers']} layers): idle {r['idle']:.3f} measured, "
+            f"busy {r['busy_s'] * 1e3:.1f} ms of a {r['step_s'] * 1e3:.1f} ms step"
+        )
     return lines
 
 
@@ -80,11 +109,18 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default %(default)s)")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default %(default)s)")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default %(default)s)")
-    parser.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"),
-                        help="default %(default)s; 1f1b with a virtual-stage count > 1 is interleaved 1F1B")
-    parser.add_argument("--virtual-stages", default="1", metavar="V[,V...]",
-                        help="chunks per rank, e.g. 1,2 to measure both in one run, steps alternating "
-                             "(default %(default)s)")
+    parser.add_argument(
+        "--schedule",
+        default="gpipe",
+        choices=("gpipe", "1f1b"),
+        help="default %(default)s; 1f1b with a virtual-stage count > 1 is interleaved 1F1B",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        default="1",
+        metavar="V[,V...]",
+        help="chunks per rank, e.g. 1,2 to measure both in one run, steps alternating (default %(default)s)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (default %(default)s)")
 
 
@@ -107,8 +143,16 @@ def run(args) -> int:
         raise ConfigError(f"--pp {pp}: expected a divisor of the world size {comm.size}")
     grid = ProcessGrid(tp=comm.size // pp, pp=pp, dp=1, world=comm)
     cfg = load_config(args.model, vocab_size=258)
-    records = measure_bubble(cfg, grid, args.micro_batches, args.micro_batch, args.seq_len, args.schedule,
-                             repeats=args.repeats, virtual_stages=virtual_stages)
+    records = measure_bubble(
+        cfg,
+        grid,
+        args.micro_batches,
+        args.micro_batch,
+        args.seq_len,
+        args.schedule,
+        repeats=args.repeats,
+        virtual_stages=virtual_stages,
+    )
     if comm.rank == 0:
         print("\n".join(report_lines(records, pp, args.micro_batches, args.schedule)))
     return 0

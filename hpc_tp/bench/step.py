@@ -42,6 +42,7 @@ it) glibc also asks for transparent huge pages for that heap, and the record say
 rank's memory ended up on them: W1 at tp=2 runs ~2.5% faster so (fewer TLB misses in the GEMMs that
 stream activations from memory).
 """
+
 from __future__ import annotations
 
 from statistics import median
@@ -53,9 +54,9 @@ from .. import backend, cuda_graph
 from ..backend import retain_freed_memory  # also what backend.use('cpu') applies for training
 from ..comm.mpi import MPICommunicator
 from ..grid import warn_if_tp_spans_nodes
+from ..kernels import blas
 from ..models.config import ModelConfig
 from ..models.gpt import GPTModel
-from ..kernels import blas
 from ..tensor_parallel.sequence_parallel import scatter_sequence
 from ..train.metrics import peak_memory_bytes
 
@@ -93,8 +94,17 @@ def build_blocks(cfg: ModelConfig, comm: MPICommunicator, dtype: str, seed: int 
     return GPTModel(cfg, comm, dtype=dtype, seed=seed, has_embedding=False, has_head=False)
 
 
-def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int, dtype: str = "float32",
-                   repeats: int = 5, warmup: int = 2, threads: int | None = None, graphs: bool = False) -> dict:
+def benchmark_step(
+    comm: MPICommunicator,
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    dtype: str = "float32",
+    repeats: int = 5,
+    warmup: int = 2,
+    threads: int | None = None,
+    graphs: bool = False,
+) -> dict:
     """One record (the same on every rank) for the block stack of ``cfg`` split over ``comm``; ``graphs``:
     on a GPU at tp = 1, the first step is captured as a CUDA graph and every later one replays it
     (``hpc_tp.cuda_graph``; the first step is then a warm-up one)."""
@@ -130,37 +140,61 @@ def benchmark_step(comm: MPICommunicator, cfg: ModelConfig, batch: int, seq: int
     peak_flops = median(peaks)
     flops = step_flops(cfg, batch, seq)
     achieved = flops / step_s
-    return {"benchmark": "step", "tp": comm.size, "dtype": numpy.dtype(dtype).name, "threads_per_rank": threads,
-            "gemm": blas.backend_for(dtype) if backend.device == "cpu" else backend.device,
-            "malloc_retained": retained, "huge_pages_requested": backend.heap_huge_pages_requested(),
-            "cuda_graph": replayed is not None and not replayed.failed,
-            "huge_page_bytes": [h for _, _, _, h in per_rank],
-            "layers": cfg.n_layers, "hidden": cfg.hidden, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
-            "ffn_hidden": cfg.ffn_hidden, "activation": cfg.activation, "causal": cfg.causal,
-            "seq_len": seq, "micro_batch": batch, "repeats": repeats, "warmup": warmup,
-            "step_s": step_s, "step_s_all": [float(s) for s in steps], "tokens_per_s": batch * seq / step_s,
-            "comm_s": comm_s, "compute_s": step_s - comm_s,
-            "flops": flops, "achieved_flops": achieved, "gemm_peak_flops_per_rank": peak_flops,
-            "gemm_peak_samples": [float(p) for p in peaks], "mfu": achieved / (peak_flops * comm.size),
-            "floor_s": step_flops(cfg, batch, seq, needed_only=True) / (max(peaks) * comm.size),
-            "peak_mem_bytes": [m for _, _, m, _ in per_rank]}
+    return {
+        "benchmark": "step",
+        "tp": comm.size,
+        "dtype": numpy.dtype(dtype).name,
+        "threads_per_rank": threads,
+        "gemm": blas.backend_for(dtype) if backend.device == "cpu" else backend.device,
+        "malloc_retained": retained,
+        "huge_pages_requested": backend.heap_huge_pages_requested(),
+        "cuda_graph": replayed is not None and not replayed.failed,
+        "huge_page_bytes": [h for _, _, _, h in per_rank],
+        "layers": cfg.n_layers,
+        "hidden": cfg.hidden,
+        "heads": cfg.n_heads,
+        "kv_heads": cfg.n_kv_heads,
+        "ffn_hidden": cfg.ffn_hidden,
+        "activation": cfg.activation,
+        "causal": cfg.causal,
+        "seq_len": seq,
+        "micro_batch": batch,
+        "repeats": repeats,
+        "warmup": warmup,
+        "step_s": step_s,
+        "step_s_all": [float(s) for s in steps],
+        "tokens_per_s": batch * seq / step_s,
+        "comm_s": comm_s,
+        "compute_s": step_s - comm_s,
+        "flops": flops,
+        "achieved_flops": achieved,
+        "gemm_peak_flops_per_rank": peak_flops,
+        "gemm_peak_samples": [float(p) for p in peaks],
+        "mfu": achieved / (peak_flops * comm.size),
+        "floor_s": step_flops(cfg, batch, seq, needed_only=True) / (max(peaks) * comm.size),
+        "peak_mem_bytes": [m for _, _, m, _ in per_rank],
+    }
 
 
 def format_record(r: dict) -> str:
     mib = ", ".join(f"{m / 2**20:.0f}" for m in r["peak_mem_bytes"])
-    return "\n".join([
-        f"hpc-tp bench step: {r['layers']} layers, hidden {r['hidden']}, {r['heads']} heads, ffn {r['ffn_hidden']}, "
-        f"seq {r['seq_len']}, micro-batch {r['micro_batch']}, {r['dtype']}, tp={r['tp']}, "
-        f"{r['threads_per_rank']} BLAS thread(s)/rank, GEMM: {r['gemm']}",
-        f"  step      {r['step_s'] * 1e3:9.1f} ms  (median of {r['repeats']} after {r['warmup']} warm-up, slowest rank)"
-        f"  {r['tokens_per_s']:.0f} tokens/s" + ("  (each a CUDA graph replay)" if r.get("cuda_graph") else ""),
-        f"  compute   {r['compute_s'] * 1e3:9.1f} ms   communication {r['comm_s'] * 1e3:.1f} ms",
-        f"  FLOPs     {r['flops'] / 1e9:9.1f} G    achieved {r['achieved_flops'] / 1e9:.1f} GFLOP/s",
-        f"  GEMM peak {r['gemm_peak_flops_per_rank'] / 1e9:9.1f} GFLOP/s per rank (median of {len(r['gemm_peak_samples'])} between the steps)  "
-        f"MFU {r['mfu'] * 100:.1f}%",
-        f"  floor     {r['floor_s'] * 1e3:9.1f} ms  (the needed products at the highest peak sample, nothing else; step / floor "
-        f"{r['step_s'] / r['floor_s']:.2f})",
-        f"  peak memory per rank: {mib} MiB", _huge_pages_line(r)])
+    return "\n".join(
+        [
+            f"hpc-tp bench step: {r['layers']} layers, hidden {r['hidden']}, {r['heads']} heads, ffn {r['ffn_hidden']}, "
+            f"seq {r['seq_len']}, micro-batch {r['micro_batch']}, {r['dtype']}, tp={r['tp']}, "
+            f"{r['threads_per_rank']} BLAS thread(s)/rank, GEMM: {r['gemm']}",
+            f"  step      {r['step_s'] * 1e3:9.1f} ms  (median of {r['repeats']} after {r['warmup']} warm-up, slowest rank)"
+            f"  {r['tokens_per_s']:.0f} tokens/s" + ("  (each a CUDA graph replay)" if r.get("cuda_graph") else ""),
+            f"  compute   {r['compute_s'] * 1e3:9.1f} ms   communication {r['comm_s'] * 1e3:.1f} ms",
+            f"  FLOPs     {r['flops'] / 1e9:9.1f} G    achieved {r['achieved_flops'] / 1e9:.1f} GFLOP/s",
+            f"  GEMM peak {r['gemm_peak_flops_per_rank'] / 1e9:9.1f} GFLOP/s per rank (median of {len(r['gemm_peak_samples'])} between the steps)  "
+            f"MFU {r['mfu'] * 100:.1f}%",
+            f"  floor     {r['floor_s'] * 1e3:9.1f} ms  (the needed products at the highest peak sample, nothing else; step / floor "
+            f"{r['step_s'] / r['floor_s']:.2f})",
+            f"  peak memory per rank: {mib} MiB",
+            _huge_pages_line(r),
+        ]
+    )
 
 
 def _huge_pages_line(r: dict) -> str:

@@ -14,6 +14,7 @@ holds only in pieces (saving and loading then hold one such tensor's data at a t
 Names are imported on first use, so ``hpc-tp --help`` (which imports ``checkpoint.inspect``)
 does not pay for h5py.
 """
+
 from importlib import import_module
 
 _HOMES = {

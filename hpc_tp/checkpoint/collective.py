@@ -1,5 +1,6 @@
 """Every rank learns whether a step of a checkpoint operation failed anywhere, so all ranks raise
 together instead of the healthy ones waiting forever in the next collective."""
+
 from __future__ import annotations
 
 from ..errors import ConfigError

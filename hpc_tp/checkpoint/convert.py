@@ -8,6 +8,7 @@ writes (a grid of one rank); the result is CKPT/step-000000 with the tokenizer f
 master.h5 and the model config in the meta. An existing CKPT is never touched unless --force,
 and then replaced only once the new checkpoint is complete.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,16 +32,20 @@ def run(args) -> int:
     from .importers.source import open_source
 
     if world().size > 1:
-        raise ConfigError(f"hpc-tp convert runs as one process (started with {world().size} ranks); "
-                          "the checkpoint it writes loads at any tp")
+        raise ConfigError(
+            f"hpc-tp convert runs as one process (started with {world().size} ranks); "
+            "the checkpoint it writes loads at any tp"
+        )
     check_output_folder(args.output, "--output")
     imported = open_source(args.source)
     folder = replace_folder(args.output, args.force, lambda temp: write_checkpoint(imported, temp))
     cfg = imported.config
-    print(f"converted {args.source} ({imported.source['format']}, {imported.source['architecture']}): "
-          f"{cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
-          f"vocab {cfg.vocab_size}, {len(imported.tensors)} tensors -> {folder}"
-          + ("" if imported.files else " (no tokenizer found)"))
+    print(
+        f"converted {args.source} ({imported.source['format']}, {imported.source['architecture']}): "
+        f"{cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
+        f"vocab {cfg.vocab_size}, {len(imported.tensors)} tensors -> {folder}"
+        + ("" if imported.files else " (no tokenizer found)")
+    )
     if imported.ignored:
         print(f"source tensors not used: {', '.join(imported.ignored)}")
     return 0
@@ -57,11 +62,9 @@ def write_checkpoint(imported, root: Path) -> Path:
     axes = split_axes(imported.config)
     if set(axes) != set(imported.tensors):  # an importer rule out of step with the model: a bug, not user input
         raise AssertionError(f"importer and model disagree on tensors: {sorted(set(axes) ^ set(imported.tensors))}")
-    staged = {name: _Staged(tensor, Partition(tensor.shape, axes[name]))
-              for name, tensor in imported.tensors.items()}
+    staged = {name: _Staged(tensor, Partition(tensor.shape, axes[name])) for name, tensor in imported.tensors.items()}
     meta = {"step": 0, "config": imported.config.to_dict(), "source": imported.source}
-    return save_checkpoint(root, 0, staged, meta, ProcessGrid(1, 1, 1, world=self_comm()), keep=1,
-                           files=imported.files)
+    return save_checkpoint(root, 0, staged, meta, ProcessGrid(1, 1, 1, world=self_comm()), keep=1, files=imported.files)
 
 
 class _Staged:
@@ -79,8 +82,14 @@ def split_axes(cfg) -> dict:
     from ..models.bert import BertModel
     from ..models.gpt import GPTModel
 
-    toy = dataclasses.replace(cfg, hidden=2 * cfg.n_heads, ffn_hidden=1, vocab_size=1, max_seq_len=1,
-                              type_vocab_size=min(cfg.type_vocab_size, 1))
+    toy = dataclasses.replace(
+        cfg,
+        hidden=2 * cfg.n_heads,
+        ffn_hidden=1,
+        vocab_size=1,
+        max_seq_len=1,
+        type_vocab_size=min(cfg.type_vocab_size, 1),
+    )
     model = (BertModel if cfg.family == "bert" else GPTModel)(toy, self_comm())
     return {name: p.partition.axis for name, p in model.named_parameters()}
 

@@ -8,6 +8,7 @@ checkpoint with every checksum verified, and streamed into the safetensors file,
 is written first from the shapes alone. A zero bias the import added (Qwen2's output and MLP
 projections) is checked to be still zero, since the target format has nowhere to put it.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,19 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 def add_arguments(parser):
     parser.add_argument("checkpoint", help="a checkpoint folder, or a folder of checkpoints (its latest is exported)")
     parser.add_argument("-o", "--output", required=True, metavar="DIR", help="Hugging Face folder to create")
-    parser.add_argument("--arch", choices=("gpt2", "llama", "qwen2", "phi3", "mixtral"), default=None,
-                        help="target architecture (default: the one it was imported from, else gpt2 for learned "
-                             "positions and llama for rope)")
-    parser.add_argument("--dtype", choices=("stored", *_CODES), default="stored",
-                        help="dtype of the written tensors (default: as stored in the checkpoint)")
+    parser.add_argument(
+        "--arch",
+        choices=("gpt2", "llama", "qwen2", "phi3", "mixtral"),
+        default=None,
+        help="target architecture (default: the one it was imported from, else gpt2 for learned "
+        "positions and llama for rope)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("stored", *_CODES),
+        default="stored",
+        help="dtype of the written tensors (default: as stored in the checkpoint)",
+    )
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists (atomically, when done)")
 
 
@@ -53,10 +62,17 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     import h5py
 
     from ..models.config import ModelConfig
-    from .format import MASTER, SourceCheck
     from ..tokenizer import load_tokenizer_dir
-    from .importers.huggingface import (CONFIG, EXPORTABLE, GENERATION_CONFIG, SINGLE, TOKENIZER, TOKENIZER_CONFIG,
-                                        export_layout)
+    from .format import MASTER, SourceCheck
+    from .importers.huggingface import (
+        CONFIG,
+        EXPORTABLE,
+        GENERATION_CONFIG,
+        SINGLE,
+        TOKENIZER,
+        TOKENIZER_CONFIG,
+        export_layout,
+    )
 
     meta = info["meta"]
     if "config" not in meta:
@@ -65,8 +81,10 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     if cfg.family != "gpt":
         raise ConfigError(f"checkpoint {info['path']} is a {cfg.family} model; export supports {', '.join(EXPORTABLE)}")
     if cfg.num_experts and cfg.moe_every != 1:
-        raise ConfigError(f"checkpoint {info['path']} has Mixture-of-Experts layers every {cfg.moe_every} layers; "
-                          "export writes Mixtral, whose every layer is one")
+        raise ConfigError(
+            f"checkpoint {info['path']} has Mixture-of-Experts layers every {cfg.moe_every} layers; "
+            "export writes Mixtral, whose every layer is one"
+        )
     architecture = architecture or meta.get("source", {}).get("architecture")
     if architecture not in EXPORTABLE:
         architecture = "gpt2" if cfg.position == "learned" else "mixtral" if cfg.num_experts else "llama"
@@ -81,8 +99,10 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
         read = _Reader(f, folder, SourceCheck(folder))
         for rule in rules:
             if rule.theirs is None and read(rule.ours).any():
-                raise ConfigError(f"checkpoint {folder}: tensor {rule.ours!r} is not zero, but {architecture} has no "
-                                  "such parameter; export with --arch llama (it has attention_bias and mlp_bias)")
+                raise ConfigError(
+                    f"checkpoint {folder}: tensor {rule.ours!r} is not zero, but {architecture} has no "
+                    "such parameter; export with --arch llama (it has attention_bias and mlp_bias)"
+                )
         entries = _entries([r for r in rules if r.theirs is not None], read, stored, dtype)
         write_safetensors(dest / SINGLE, entries)
     hf_config["torch_dtype"] = {code: name for name, code in _CODES.items()}[entries[0][2]]
@@ -93,7 +113,9 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
         if tokenizer.chat:  # the chat template and its special tokens, where Hugging Face's tools look for them
             (dest / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer.chat, indent=2) + "\n")
         if tokenizer.eos_token_ids:  # where transformers' generate and vLLM read the ids that end a reply
-            (dest / GENERATION_CONFIG).write_text(json.dumps({"eos_token_id": tokenizer.eos_token_ids}, indent=2) + "\n")
+            (dest / GENERATION_CONFIG).write_text(
+                json.dumps({"eos_token_id": tokenizer.eos_token_ids}, indent=2) + "\n"
+            )
 
 
 class _Reader:
@@ -161,8 +183,10 @@ def write_safetensors(path: Path, entries: list[tuple]):
             with numpy.errstate(over="ignore"):  # checked just below, with the tensor's name
                 narrowed = numpy.ascontiguousarray(values, dtype=f"<f{_ITEMSIZE[code]}")
             if numpy.isinf(narrowed).any() and numpy.isfinite(values).all():
-                raise ConfigError(f"tensor {name}: values up to {numpy.abs(values).max():.4g} overflow {code} "
-                                  f"(largest {numpy.finfo(narrowed.dtype).max:.4g}); export with --dtype float32 or bfloat16")
+                raise ConfigError(
+                    f"tensor {name}: values up to {numpy.abs(values).max():.4g} overflow {code} "
+                    f"(largest {numpy.finfo(narrowed.dtype).max:.4g}); export with --dtype float32 or bfloat16"
+                )
             out.write(narrowed.tobytes())
         out.flush()
         os.fsync(out.fileno())

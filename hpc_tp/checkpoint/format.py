@@ -8,6 +8,7 @@ See io/CHECKPOINT_FORMAT.md for the specification. In short::
     ROOT/step-000120/shards/     rank-00003.h5: the pieces one rank wrote (serial HDF5 only)
     ROOT/step-000120/<file>      extra files (the tokenizer)
 """
+
 from __future__ import annotations
 
 import os
@@ -127,11 +128,13 @@ class SourceCheck:
         for source in ds.virtual_sources():
             listing = self._listing(source.file_name)
             low, high = source.vspace.get_select_bounds()
-            shape = tuple(h - l + 1 for l, h in zip(low, high))  # a piece is a box of the logical tensor
+            shape = tuple(hi - lo + 1 for lo, hi in zip(low, high))  # a piece is a box of the logical tensor
             if isinstance(listing, str):
                 problems.append(f"tensor {name!r}: source {source.file_name} {listing}")
             elif listing.get(source.dset_name) != shape:
-                problems.append(f"tensor {name!r}: {source.file_name} holds no dataset {source.dset_name} of shape {shape}")
+                problems.append(
+                    f"tensor {name!r}: {source.file_name} holds no dataset {source.dset_name} of shape {shape}"
+                )
             covered += source.vspace.get_select_npoints()
         if covered != ds.size:
             problems.append(f"tensor {name!r}: its shard pieces cover {covered} of {ds.size} elements")
@@ -147,8 +150,9 @@ class SourceCheck:
                 try:
                     with h5py.File(path, "r") as f:
                         shapes = {}
-                        f.visititems(lambda key, obj: shapes.update({key: obj.shape})
-                                     if isinstance(obj, h5py.Dataset) else None)
+                        f.visititems(
+                            lambda key, obj: shapes.update({key: obj.shape}) if isinstance(obj, h5py.Dataset) else None
+                        )
                     self._listings[file_name] = shapes
                 except OSError as e:
                     self._listings[file_name] = f"cannot be read ({e})"

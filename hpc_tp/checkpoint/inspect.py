@@ -2,6 +2,7 @@
 
 One process, no MPI: it opens the HDF5 files directly.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,15 +30,26 @@ def run(args) -> int:
 
 def _text(info: dict) -> str:
     layout = info["saved_layout"]
-    lines = [f"checkpoint  {info['path']}",
-             f"step        {info['step']}",
-             f"saved at    tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} (loads at any layout)",
-             f"files       {', '.join(info['files']) or '-'}",
-             "meta"]
+    lines = [
+        f"checkpoint  {info['path']}",
+        f"step        {info['step']}",
+        f"saved at    tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} (loads at any layout)",
+        f"files       {', '.join(info['files']) or '-'}",
+        "meta",
+    ]
     lines += list(_meta_lines(info["meta"], "  "))
     lines.append("")
-    rows = [(t["name"], "x".join(map(str, t["shape"])), "-" if t["split_axis"] is None else str(t["split_axis"]),
-             t["dtype"], _size(t["bytes"]), str(t["pieces"])) for t in info["tensors"]]
+    rows = [
+        (
+            t["name"],
+            "x".join(map(str, t["shape"])),
+            "-" if t["split_axis"] is None else str(t["split_axis"]),
+            t["dtype"],
+            _size(t["bytes"]),
+            str(t["pieces"]),
+        )
+        for t in info["tensors"]
+    ]
     header = ("tensor", "shape", "split", "dtype", "size", "pieces")
     widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + rows]
@@ -62,7 +74,9 @@ def _meta_lines(mapping: dict, indent: str):
             yield f"{indent}{key}:"
             yield from _meta_lines(value, indent + "  ")
         else:
-            yield f"{indent}{key}: " + (f"<list of {len(value)}>" if isinstance(value, list) else text[:_SHORT_VALUE] + "...")
+            yield f"{indent}{key}: " + (
+                f"<list of {len(value)}>" if isinstance(value, list) else text[:_SHORT_VALUE] + "..."
+            )
 
 
 def _size(nbytes: int) -> str:

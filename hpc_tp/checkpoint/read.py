@@ -8,6 +8,7 @@ beyond ``MAX_AGREEMENTS`` tensors) the ranks agree whether any failed (one scala
 failure on one rank ends the load on every rank soon after, not after the others have read the rest
 of the checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,7 +93,9 @@ def _fill(f, name: str, tensor, sources: SourceCheck):
     if ds is None:
         raise ConfigError(f"tensor {name!r} (shape {tuple(part.full_shape)}) is not in the checkpoint")
     if ds.shape != tuple(part.full_shape):
-        raise ConfigError(f"tensor {name!r} has shape {ds.shape} in the checkpoint but {tuple(part.full_shape)} in the model")
+        raise ConfigError(
+            f"tensor {name!r} has shape {ds.shape} in the checkpoint but {tuple(part.full_shape)} in the model"
+        )
     problems = sources.problems(name, ds)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -123,8 +126,10 @@ def read_verified(f, name: str, start: int, stop: int) -> numpy.ndarray:
     bad = numpy.flatnonzero(unit_checksums(values, axis) != expected[start:stop])
     if bad.size:
         first = start + int(bad[0])
-        raise ConfigError(f"tensor {name!r}: checksum mismatch at {bad.size} of {stop - start} indices along axis {axis} "
-                          f"(first: {first}{_stored_in(ds, axis, first)}); the file is corrupted")
+        raise ConfigError(
+            f"tensor {name!r}: checksum mismatch at {bad.size} of {stop - start} indices along axis {axis} "
+            f"(first: {first}{_stored_in(ds, axis, first)}); the file is corrupted"
+        )
     return values
 
 
@@ -141,8 +146,10 @@ def _header(f) -> dict:
     if f.attrs.get("format") != FORMAT:
         raise ConfigError(f"{f.filename} is not an hpc_tp checkpoint (no format attribute {FORMAT!r})")
     if int(f.attrs["format_version"]) > FORMAT_VERSION:
-        raise ConfigError(f"{f.filename} has format version {f.attrs['format_version']}; "
-                          f"this hpc_tp reads up to version {FORMAT_VERSION}")
+        raise ConfigError(
+            f"{f.filename} has format version {f.attrs['format_version']}; "
+            f"this hpc_tp reads up to version {FORMAT_VERSION}"
+        )
     return json.loads(f.attrs["meta"])
 
 
@@ -199,14 +206,25 @@ def describe_checkpoint(path) -> dict:
     try:
         with h5py.File(folder / MASTER, "r") as f:
             meta = _header(f)
-            tensors = [{"name": name, "shape": list(ds.shape),
-                        "split_axis": None if int(ds.attrs["split_axis"]) < 0 else int(ds.attrs["split_axis"]),
-                        "dtype": str(ds.attrs["dtype"]), "bytes": int(ds.size * ds.dtype.itemsize),
-                        "pieces": len(ds.virtual_sources()) if ds.is_virtual else 1}
-                       for name, ds in f["tensors"].items()]
-            return {"path": str(folder), "step": int(f.attrs["step"]),
-                    "format_version": int(f.attrs["format_version"]),
-                    "saved_layout": json.loads(f.attrs["saved_layout"]),
-                    "files": sorted(json.loads(f.attrs["files"])), "meta": meta, "tensors": tensors}
+            tensors = [
+                {
+                    "name": name,
+                    "shape": list(ds.shape),
+                    "split_axis": None if int(ds.attrs["split_axis"]) < 0 else int(ds.attrs["split_axis"]),
+                    "dtype": str(ds.attrs["dtype"]),
+                    "bytes": int(ds.size * ds.dtype.itemsize),
+                    "pieces": len(ds.virtual_sources()) if ds.is_virtual else 1,
+                }
+                for name, ds in f["tensors"].items()
+            ]
+            return {
+                "path": str(folder),
+                "step": int(f.attrs["step"]),
+                "format_version": int(f.attrs["format_version"]),
+                "saved_layout": json.loads(f.attrs["saved_layout"]),
+                "files": sorted(json.loads(f.attrs["files"])),
+                "meta": meta,
+                "tensors": tensors,
+            }
     except OSError as e:  # a truncated or damaged file can still pass is_hdf5
         raise ConfigError(f"checkpoint {folder}: {MASTER}: {e}") from None

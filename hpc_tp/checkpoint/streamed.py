@@ -25,10 +25,11 @@ room the sharding saved; a streamed tensor makes its data on demand instead, one
 
 Without MPI or h5py, so that the optimizer can make them without importing the writer.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..module import Partition
 

@@ -10,6 +10,7 @@
        the ``latest`` pointer, prunes old steps.
 A failure anywhere makes every rank raise and removes the temp folder; earlier steps are untouched.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,23 @@ from .. import backend
 from ..errors import ConfigError
 from ..paths import nearest_existing
 from .collective import CheckpointError, run_everywhere
-from .format import (FORMAT, FORMAT_VERSION, MASTER, POINTER, RESERVED, SET_ASIDE_PREFIX, SHARDS, TEMP_PREFIX,
-                     checksum_axis, fsync, region, shard_name, step_folder_name, step_folders, unit_checksums)
+from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MASTER,
+    POINTER,
+    RESERVED,
+    SET_ASIDE_PREFIX,
+    SHARDS,
+    TEMP_PREFIX,
+    checksum_axis,
+    fsync,
+    region,
+    shard_name,
+    step_folder_name,
+    step_folders,
+    unit_checksums,
+)
 from .streamed import StreamedTensor
 
 # Parallel HDF5 lets every rank write straight into one file; serial HDF5 needs a shard file per
@@ -64,8 +80,9 @@ class TensorPlan:
         return tuple(piece.stop - piece.start if d == self.axis else n for d, n in enumerate(self.shape))
 
 
-def save_checkpoint(root_dir, step: int, tensors: dict, meta: dict, grid, keep: int = 3,
-                    files: dict[str, bytes] | None = None) -> Path:
+def save_checkpoint(
+    root_dir, step: int, tensors: dict, meta: dict, grid, keep: int = 3, files: dict[str, bytes] | None = None
+) -> Path:
     """Save ``tensors`` (name -> object with ``.data`` and ``.partition``, or a ``StreamedTensor``) and
     ``meta`` as step ``step``.
 
@@ -83,8 +100,9 @@ def save_checkpoint(root_dir, step: int, tensors: dict, meta: dict, grid, keep: 
     plans = _plan(comm.allgather_object(claims))
     mine = _pieces_by_rank(plans).get(comm.rank, [])
     try:
-        attrs = run_everywhere(comm, lambda: _prepare(temp, step, meta, files or {}, grid, _bytes(plans))
-                               if comm.rank == 0 else None)
+        attrs = run_everywhere(
+            comm, lambda: _prepare(temp, step, meta, files or {}, grid, _bytes(plans)) if comm.rank == 0 else None
+        )
         if COLLECTIVE_IO:
             run_everywhere(comm, lambda: _write_one_file(temp, plans, mine, tensors, attrs, comm))
         else:
@@ -127,8 +145,10 @@ def _plan(claims_by_rank: list[list[tuple]]) -> dict[str, TensorPlan]:
             plan = plans.setdefault(name, TensorPlan(name, shape, split_axis, dtype))
             first = described_by.setdefault(name, rank)
             if (plan.shape, plan.split_axis, plan.dtype) != (shape, split_axis, dtype):
-                raise ConfigError(f"tensor {name!r} is shape {plan.shape}, split axis {plan.split_axis}, {plan.dtype} "
-                                  f"on rank {first} but shape {shape}, split axis {split_axis}, {dtype} on rank {rank}")
+                raise ConfigError(
+                    f"tensor {name!r} is shape {plan.shape}, split axis {plan.split_axis}, {plan.dtype} "
+                    f"on rank {first} but shape {shape}, split axis {split_axis}, {dtype} on rank {rank}"
+                )
             # Tied copies of one piece (on two pipeline stages) are written once; padding-only parts not at all.
             if stop > start and all((p.start, p.stop) != (start, stop) for p in plan.pieces):
                 plan.pieces.append(Piece(rank, start, stop))
@@ -143,9 +163,11 @@ def _check_tiling(plan: TensorPlan):
     edges = [0] + [p.stop for p in plan.pieces]
     if [p.start for p in plan.pieces] != edges[:-1] or edges[-1] != plan.shape[plan.axis]:
         spans = ", ".join(f"[{p.start}, {p.stop}) on rank {p.rank}" for p in plan.pieces) or "nothing"
-        raise ConfigError(f"tensor {plan.name!r}: the writing ranks hold {spans} of its {plan.shape[plan.axis]} "
-                          f"indices along axis {plan.axis}; pieces must tile it exactly (replicas of a piece "
-                          "must be neighbouring tp ranks: tp_rank % replicas == 0 writes)")
+        raise ConfigError(
+            f"tensor {plan.name!r}: the writing ranks hold {spans} of its {plan.shape[plan.axis]} "
+            f"indices along axis {plan.axis}; pieces must tile it exactly (replicas of a piece "
+            "must be neighbouring tp ranks: tp_rank % replicas == 0 writes)"
+        )
 
 
 def _pieces_by_rank(plans: dict[str, TensorPlan]) -> dict[int, list[tuple[TensorPlan, Piece]]]:
@@ -212,8 +234,9 @@ class _InOrder:
 
 def _fetched(name: str, data):
     if data is None:  # gathered to another rank of its group (``streamed.py``): nothing here to write
-        raise CheckpointError(f"streamed tensor {name!r}: this rank writes it, but its fetch delivered it to another "
-                              "rank")
+        raise CheckpointError(
+            f"streamed tensor {name!r}: this rank writes it, but its fetch delivered it to another rank"
+        )
     return data
 
 
@@ -229,10 +252,16 @@ def _prepare(temp: Path, step: int, meta: dict, files: dict[str, bytes], grid, t
     needed = tensor_bytes + sum(len(content) for content in files.values()) + 2**20  # + HDF5's own bytes
     free = shutil.disk_usage(nearest_existing(temp)).free
     if free < needed:
-        raise ConfigError(f"checkpoint step {step}: {needed / 2**20:.1f} MiB to write, {free / 2**20:.1f} MiB free "
-                          f"in {temp.parent}")
-    attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step), "meta": json.dumps(meta),
-             "saved_layout": json.dumps({"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size})}
+        raise ConfigError(
+            f"checkpoint step {step}: {needed / 2**20:.1f} MiB to write, {free / 2**20:.1f} MiB free in {temp.parent}"
+        )
+    attrs = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "meta": json.dumps(meta),
+        "saved_layout": json.dumps({"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size}),
+    }
     for name in files:
         if name in RESERVED or name.startswith(".") or Path(name).name != name:
             raise ConfigError(f"extra file name {name!r}: use a plain file name other than {sorted(RESERVED)}")
@@ -274,7 +303,7 @@ def _write_one_file(temp: Path, plans: dict, mine: list, tensors: dict, attrs: d
             with _InOrder(tensors, mine) as pieces:
                 for plan, piece, values in pieces:
                     f[f"tensors/{plan.name}"][plan.region(piece)] = values
-                    f[f"checksums/{plan.name}"][piece.start:piece.stop] = unit_checksums(values, plan.axis)
+                    f[f"checksums/{plan.name}"][piece.start : piece.stop] = unit_checksums(values, plan.axis)
         except Exception as e:  # reported once the collective calls below are done
             failure = e
         f.flush()  # MPI_File_sync: the collective fsync
@@ -289,7 +318,7 @@ def _finish(temp: Path, final: Path, plans: dict, attrs: dict, keep: int):
     try:
         _prune(final.parent, keep, final)
     except OSError as e:  # the new checkpoint is complete and in place: pruning is housekeeping
-        warnings.warn(f"checkpoint {final} saved, but pruning old ones failed: {e}")
+        warnings.warn(f"checkpoint {final} saved, but pruning old ones failed: {e}", stacklevel=2)
 
 
 def _start_master(f, attrs: dict):
@@ -313,8 +342,9 @@ def _build_master(temp: Path, plans: dict, attrs: dict):
         for plan in plans.values():
             layout = h5py.VirtualLayout(plan.shape, plan.dtype)
             for piece in plan.pieces:
-                layout[plan.region(piece)] = h5py.VirtualSource(shard_name(piece.rank), f"tensors/{plan.name}",
-                                                                shape=plan.piece_shape(piece))
+                layout[plan.region(piece)] = h5py.VirtualSource(
+                    shard_name(piece.rank), f"tensors/{plan.name}", shape=plan.piece_shape(piece)
+                )
             _describe(f.create_virtual_dataset(f"tensors/{plan.name}", layout), plan)
             f.create_dataset(f"checksums/{plan.name}", data=checksums[plan.name])
     fsync(temp / MASTER)
@@ -327,7 +357,7 @@ def _shard_checksums(temp: Path, plans: dict) -> dict[str, numpy.ndarray]:
     for rank, pieces in _pieces_by_rank(plans).items():
         with h5py.File(temp / shard_name(rank), "r") as f:
             for plan, piece in pieces:
-                checksums[plan.name][piece.start:piece.stop] = f[f"checksums/{plan.name}"][...]
+                checksums[plan.name][piece.start : piece.stop] = f[f"checksums/{plan.name}"][...]
     return checksums
 
 

@@ -1,5 +1,6 @@
 """Communicators: one interface (``base.Communicator``), an MPI implementation, NCCL on GPUs
 (``nccl``: cupy loads only when a device group is built)."""
+
 from .. import backend
 from .base import Communicator, Request
 from .nccl import use_device_communicators

@@ -8,6 +8,7 @@ end in a NUL byte, which then sticks to the front of the next line: a rank's mes
 a line of its own to stay greppable. So ``last_words`` writes its text as one block, one ``write``
 call (lines of several ranks never interleave inside it), after a newline.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,7 @@ def last_words(text: str):
     sys.stderr.flush()  # whatever Python buffered before goes first
     data = ("\n" + "".join(f"hpc-tp: {line}\n" for line in text.splitlines())).encode(errors="replace")
     while data:
-        data = data[os.write(2, data):]
+        data = data[os.write(2, data) :]
 
 
 def abort_job(code: int, comm=None):

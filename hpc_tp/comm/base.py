@@ -5,6 +5,7 @@ Array arguments are numpy (or cupy) arrays. Collectives that can work in place d
 Every blocking call adds its wall time to ``seconds`` so a step can be split into compute
 and communication.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,7 +14,6 @@ from abc import ABC, abstractmethod
 import numpy
 
 from ..errors import ConfigError
-
 
 # The generic ``igather_flat``'s messages: MPI's least upper bound on tags, far from the pipeline's,
 # which count up from 0.
@@ -71,7 +71,7 @@ class Communicator(ABC):
         self.seconds = 0.0
         self.bytes = 0
 
-    def timed(self, nbytes: int = 0) -> "_Timed":
+    def timed(self, nbytes: int = 0) -> _Timed:
         """``with comm.timed(nbytes):`` around a transfer adds its wall time and bytes to the counters."""
         return _Timed(self, nbytes)
 
@@ -100,13 +100,14 @@ class Communicator(ABC):
 
         This generic form is an all-reduce and a copy (twice the traffic of a reduce-scatter);
         transports with a native one override it."""
-        start, count = sum(counts[:self.rank]), counts[self.rank]
+        start, count = sum(counts[: self.rank]), counts[self.rank]
         request = self.iall_reduce(x)
 
         def finish():
             request.wait()
             if start:
-                x[:count] = x[start:start + count].copy()  # the two may overlap
+                x[:count] = x[start : start + count].copy()  # the two may overlap
+
         return Done(x[:count], finish)
 
     def iall_gather_flat(self, x, counts) -> Request:
@@ -115,9 +116,9 @@ class Communicator(ABC):
 
         Generic form: the other pieces zeroed, then an all-reduce (a sum with one non-zero term
         is exact; a -0.0 comes back as +0.0)."""
-        start = sum(counts[:self.rank])
+        start = sum(counts[: self.rank])
         x[:start] = 0
-        x[start + counts[self.rank]:] = 0
+        x[start + counts[self.rank] :] = 0
         return self.iall_reduce(x)
 
     def igather_flat(self, x, counts, root: int = 0) -> Request:
@@ -132,8 +133,11 @@ class Communicator(ABC):
         if self.rank != root:
             requests = [self.isend(x, root, GATHER_TAG)] if counts[self.rank] else []
         else:
-            requests = [self.irecv(x[start:start + count], r, GATHER_TAG)
-                        for r, (start, count) in enumerate(zip(piece_starts(counts), counts)) if r != root and count]
+            requests = [
+                self.irecv(x[start : start + count], r, GATHER_TAG)
+                for r, (start, count) in enumerate(zip(piece_starts(counts), counts))
+                if r != root and count
+            ]
         return Done(x, lambda: [request.wait() for request in requests])
 
     @abstractmethod
@@ -162,11 +166,11 @@ class Communicator(ABC):
     def barrier(self): ...
 
     @abstractmethod
-    def split(self, color: int, key: int) -> "Communicator":
+    def split(self, color: int, key: int) -> Communicator:
         """Sub-communicators of the ranks that share ``color``, ordered by ``key``."""
 
     @abstractmethod
-    def split_node(self) -> "Communicator":
+    def split_node(self) -> Communicator:
         """Sub-communicator of the ranks that share this rank's node (shared memory)."""
 
     @abstractmethod

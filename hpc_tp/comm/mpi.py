@@ -3,6 +3,7 @@
 Works for numpy arrays and, with a CUDA-aware MPI, for cupy arrays: a device buffer is made
 stream-complete before MPI reads it.
 """
+
 from __future__ import annotations
 
 import math
@@ -115,7 +116,7 @@ class MPICommunicator(Communicator):
     def ireduce_scatter_flat(self, x, counts) -> Request:
         if _bfloat16(x):  # no MPI sum of bfloat16: the generic form goes through float32 all-reduces
             return super().ireduce_scatter_flat(x, counts)
-        return Done(x[:counts[self.rank]], lambda: self._reduce_scatter_flat(x, counts))
+        return Done(x[: counts[self.rank]], lambda: self._reduce_scatter_flat(x, counts))
 
     def _reduce_scatter_flat(self, x, counts):
         if self.size == 1:
@@ -124,7 +125,7 @@ class MPICommunicator(Communicator):
         with self.timed(buf.nbytes):
             self.comm.Reduce_scatter(MPI.IN_PLACE, buf, list(counts), op=MPI.SUM)
         if buf is not x:
-            x[:counts[self.rank]] = buf[:counts[self.rank]]
+            x[: counts[self.rank]] = buf[: counts[self.rank]]
 
     def iall_gather_flat(self, x, counts) -> Request:
         return Done(x, lambda: self._all_gather_flat(x, counts))
@@ -165,13 +166,15 @@ class MPICommunicator(Communicator):
             import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
             return cupy.concatenate(list(self.all_gather(buf, axis=0).reshape((self.size,) + buf.shape)), axis=axis)
-        out = _empty_like(buf, buf.shape[:axis] + (buf.shape[axis] * self.size,) + buf.shape[axis + 1:])
+        out = _empty_like(buf, buf.shape[:axis] + (buf.shape[axis] * self.size,) + buf.shape[axis + 1 :])
         send, recv = _wire(buf), _wire(out)
         with self.timed(buf.nbytes * self.size):
             if axis == 0:
                 self.comm.Allgather(send, recv)
             else:  # each shard lands in its interleaved place: no gathered copy to concatenate after
-                self.comm.Allgather(send, [recv, 1, self._interleaved(send.dtype, buf.size, math.prod(buf.shape[:axis]))])
+                self.comm.Allgather(
+                    send, [recv, 1, self._interleaved(send.dtype, buf.size, math.prod(buf.shape[:axis]))]
+                )
         return out
 
     def _interleaved(self, dtype, shard_size: int, outer: int) -> MPI.Datatype:
@@ -188,7 +191,9 @@ class MPICommunicator(Communicator):
 
     def reduce_scatter(self, x, axis: int = 0):
         if x.shape[axis] % self.size:
-            raise ValueError(f"reduce_scatter: axis {axis} of length {x.shape[axis]} is not divisible by {self.size} ranks")
+            raise ValueError(
+                f"reduce_scatter: axis {axis} of length {x.shape[axis]} is not divisible by {self.size} ranks"
+            )
         if self.size == 1:
             return x.copy()
         if _bfloat16(x):
@@ -197,7 +202,7 @@ class MPICommunicator(Communicator):
         outer = math.prod(x.shape[:axis])
         # Rank r's part, packed [ranks, outer, rest]: the result is contiguous in x's layout as it comes.
         send = _ready(x if outer == 1 else x.reshape(outer, self.size, -1).swapaxes(0, 1))
-        out = _empty_like(send, x.shape[:axis] + (x.shape[axis] // self.size,) + x.shape[axis + 1:])
+        out = _empty_like(send, x.shape[:axis] + (x.shape[axis] // self.size,) + x.shape[axis + 1 :])
         with self.timed(send.nbytes):
             self.comm.Reduce_scatter_block(send, out, op=MPI.SUM)
         return out
@@ -234,10 +239,10 @@ class MPICommunicator(Communicator):
         with self.timed():
             self.comm.Barrier()
 
-    def split(self, color: int, key: int) -> "MPICommunicator":
+    def split(self, color: int, key: int) -> MPICommunicator:
         return MPICommunicator(self.comm.Split(color, key))
 
-    def split_node(self) -> "MPICommunicator":
+    def split_node(self) -> MPICommunicator:
         return MPICommunicator(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
 
     def bcast_object(self, obj, root: int = 0, idle: bool = False):

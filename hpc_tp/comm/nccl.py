@@ -14,6 +14,7 @@
 communication time (the compute/communication split of a step) and the watchdog sees a
 collective that hangs; ``blocking=False`` leaves every call stream-ordered (no host waits).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -55,10 +56,20 @@ class NCCLCommunicator(Communicator):
         unique_id = host.bcast_object(nccl.get_unique_id() if host.rank == 0 else None)
         self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
         self._pending: list[tuple[str, object, int]] = []  # p2p posted, sent as one group call
-        self._dtypes = {numpy.dtype(k): getattr(nccl, v) for k, v in (
-            ("int8", "NCCL_INT8"), ("uint8", "NCCL_UINT8"), ("int32", "NCCL_INT32"), ("uint32", "NCCL_UINT32"),
-            ("int64", "NCCL_INT64"), ("uint64", "NCCL_UINT64"), ("float16", "NCCL_FLOAT16"),
-            ("float32", "NCCL_FLOAT32"), ("float64", "NCCL_FLOAT64"))}
+        self._dtypes = {
+            numpy.dtype(k): getattr(nccl, v)
+            for k, v in (
+                ("int8", "NCCL_INT8"),
+                ("uint8", "NCCL_UINT8"),
+                ("int32", "NCCL_INT32"),
+                ("uint32", "NCCL_UINT32"),
+                ("int64", "NCCL_INT64"),
+                ("uint64", "NCCL_UINT64"),
+                ("float16", "NCCL_FLOAT16"),
+                ("float32", "NCCL_FLOAT32"),
+                ("float64", "NCCL_FLOAT64"),
+            )
+        }
         bf16 = _bfloat16_dtype()
         if bf16 is not None and nccl.get_version() >= 21000:  # ncclBfloat16 = 9 since NCCL 2.10; cupy may not name it
             self._dtypes[bf16] = getattr(nccl, "NCCL_BFLOAT16", 9)
@@ -147,8 +158,9 @@ class NCCLCommunicator(Communicator):
         if _on_host(x):
             return self._host_call("reduce_scatter", x, axis)
         if x.shape[axis] % self.size:
-            raise ValueError(f"reduce_scatter: axis {axis} of length {x.shape[axis]} is not divisible by "
-                             f"{self.size} ranks")
+            raise ValueError(
+                f"reduce_scatter: axis {axis} of length {x.shape[axis]} is not divisible by {self.size} ranks"
+            )
         cupy = _cupy()
         send = cupy.ascontiguousarray(cupy.moveaxis(x, axis, 0))
         out = cupy.empty((send.shape[0] // self.size,) + send.shape[1:], dtype=send.dtype)
@@ -177,8 +189,12 @@ class NCCLCommunicator(Communicator):
         send = cupy.ascontiguousarray(x).reshape((self.size, -1) + x.shape[1:])
         out = cupy.empty_like(send)
         out[self.rank] = send[self.rank]
-        self._pending.extend(item for peer in range(self.size) if peer != self.rank
-                             for item in (("send", send[peer], peer), ("recv", out[peer], peer)))
+        self._pending.extend(
+            item
+            for peer in range(self.size)
+            if peer != self.rank
+            for item in (("send", send[peer], peer), ("recv", out[peer], peer))
+        )
         with self._launch(send.nbytes):
             pass  # the exchange is the pending group, sent on entry
         return out.reshape(x.shape)
@@ -213,10 +229,10 @@ class NCCLCommunicator(Communicator):
         _cupy().cuda.get_current_stream().synchronize()
         self._host_call("barrier")
 
-    def split(self, color: int, key: int) -> "NCCLCommunicator":
+    def split(self, color: int, key: int) -> NCCLCommunicator:
         return NCCLCommunicator(self._host_call("split", color, key), self.blocking)
 
-    def split_node(self) -> "NCCLCommunicator":
+    def split_node(self) -> NCCLCommunicator:
         return NCCLCommunicator(self._host_call("split_node"), self.blocking)
 
     def bcast_object(self, obj, root: int = 0, idle: bool = False):
@@ -287,15 +303,16 @@ class HostStagedCommunicator(Communicator):
         def finish():
             request.wait()
             buf.set(staging)
+
         return Done(buf, finish)
 
     def barrier(self):
         self.inner.barrier()
 
-    def split(self, color: int, key: int) -> "HostStagedCommunicator":
+    def split(self, color: int, key: int) -> HostStagedCommunicator:
         return HostStagedCommunicator(self.inner.split(color, key))
 
-    def split_node(self) -> "HostStagedCommunicator":
+    def split_node(self) -> HostStagedCommunicator:
         return HostStagedCommunicator(self.inner.split_node())
 
     def bcast_object(self, obj, root: int = 0, idle: bool = False):
@@ -315,8 +332,9 @@ class HostStagedCommunicator(Communicator):
 
 
 # -- the chooser ----------------------------------------------------------------------------------------
-def choose_transport(places: list[tuple[str, int]], cuda: bool, nccl: bool, cuda_aware_mpi: bool,
-                     p2p: bool = False) -> str:
+def choose_transport(
+    places: list[tuple[str, int]], cuda: bool, nccl: bool, cuda_aware_mpi: bool, p2p: bool = False
+) -> str:
     """How a group whose ranks sit at ``places`` ((host, device) per rank) moves device arrays.
 
     NCCL only where every rank is on one node, each on its own device (NCCL refuses one device

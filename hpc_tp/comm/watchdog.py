@@ -42,6 +42,7 @@ operation, shape, dtype) with ``allgather_object``, and every rank raises ``Coll
 naming the first divergence: which ranks call what at which sequence number. A rank that skips
 a collective shows up as a sequence number or an operation that differs at the next one.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,7 @@ from .base import Communicator, Request
 
 MAX_REPORTED_RANKS = 16  # lines about individual ranks in a report; the rest are counted
 
-_active: "Watchdog | None" = None
+_active: Watchdog | None = None
 _shortest_started_timeout: float | None = None  # of the watchdog threads this process started
 
 
@@ -69,9 +70,9 @@ class CollectiveMismatch(RuntimeError):
 
 @dataclass(slots=True)
 class Operation:
-    name: str                # e.g. "all_reduce(sum)", "wait irecv from 1 tag 2"
-    group: str               # e.g. "dp [0, 2]": the same string on every member
-    seq: int                 # collectives issued on the group so far, this one included
+    name: str  # e.g. "all_reduce(sum)", "wait irecv from 1 tag 2"
+    group: str  # e.g. "dp [0, 2]": the same string on every member
+    seq: int  # collectives issued on the group so far, this one included
     shape: tuple | None = None  # as the array gives them: turned into text only when reported
     dtype: object = None
     peer: int | None = None  # world rank of the other side of a point-to-point wait
@@ -80,8 +81,12 @@ class Operation:
 
     def key(self) -> tuple:
         """What must agree across the group in debug mode (the peer does not: it is relative)."""
-        return (self.seq, self.name, None if self.shape is None else tuple(int(d) for d in self.shape),
-                None if self.dtype is None else str(self.dtype))
+        return (
+            self.seq,
+            self.name,
+            None if self.shape is None else tuple(int(d) for d in self.shape),
+            None if self.dtype is None else str(self.dtype),
+        )
 
     def call(self) -> str:
         """The call alone, e.g. "all_reduce(sum) (2, 16, 32) float32"."""
@@ -104,8 +109,9 @@ def _shape_text(shape) -> str:
 class Watchdog:
     """One per process: the operation in flight, the status file and the thread that checks it."""
 
-    def __init__(self, rank: int, size: int, timeout: float = 0.0, debug: bool = False, period: float | None = None,
-                 abort=None):
+    def __init__(
+        self, rank: int, size: int, timeout: float = 0.0, debug: bool = False, period: float | None = None, abort=None
+    ):
         self.rank, self.size, self.timeout, self.debug = rank, size, float(timeout), debug
         self.period = period if period is not None else min(5.0, max(0.1, self.timeout / 4))
         self.current: Operation | None = None
@@ -183,9 +189,16 @@ class Watchdog:
     def status(self) -> dict:
         now = time.monotonic()
         op, last = self.current, self.last
-        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                "op": op.to_dict() if op else None, "in_op_s": now - op.started if op else 0.0,
-                "last": last.to_dict() if last else None, "idle_s": 0.0 if op else now - self.last_done}
+        return {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "time": time.time(),
+            "op": op.to_dict() if op else None,
+            "in_op_s": now - op.started if op else 0.0,
+            "last": last.to_dict() if last else None,
+            "idle_s": 0.0 if op else now - self.last_done,
+        }
 
     def _publish(self):
         path = self.folder / f"rank-{self.rank}.json"
@@ -209,8 +222,11 @@ class Watchdog:
         states = self._read_all()
         stale_after = max(3 * self.period, 2.0)
         now = time.time()
-        overdue = [r for r, s in states.items() if s and s["op"] and now - s["time"] < stale_after
-                   and s["in_op_s"] + now - s["time"] > self.timeout]
+        overdue = [
+            r
+            for r, s in states.items()
+            if s and s["op"] and now - s["time"] < stale_after and s["in_op_s"] + now - s["time"] > self.timeout
+        ]
         if overdue and min(overdue) < self.rank:  # a lower rank reports; report anyway if it does not
             if self._stop.wait(3 * self.period + 1.0) or self.current is not op:
                 return
@@ -237,6 +253,7 @@ class Watchdog:
 
 def report(op: Operation, waited: float, timeout: float, states: dict, now: float, stale_after: float) -> str:
     """Who waits where and who is missing, from every rank's last published status."""
+
     def describe(r):
         s = states.get(r)
         if s is None:
@@ -252,14 +269,21 @@ def report(op: Operation, waited: float, timeout: float, states: dict, now: floa
 
     def arrived(r):
         s = states.get(r)
-        return bool(s and s["op"] and now - s["time"] <= stale_after and s["op"]["group"] == op.group
-                    and (op.peer is not None or s["op"]["seq"] == op.seq))
+        return bool(
+            s
+            and s["op"]
+            and now - s["time"] <= stale_after
+            and s["op"]["group"] == op.group
+            and (op.peer is not None or s["op"]["seq"] == op.seq)
+        )
 
     expected = [op.peer] if op.peer is not None else list(op.members)
     missing = [r for r in expected if not arrived(r)]
-    lines = [f"collective timeout: {op} waited {waited:.1f} s (--comm-timeout {timeout:g}); "
-             f"missing: {', '.join(f'rank {r}' for r in missing) or 'none (all arrived; MPI itself is stuck)'}; "
-             "aborting the job"]
+    lines = [
+        f"collective timeout: {op} waited {waited:.1f} s (--comm-timeout {timeout:g}); "
+        f"missing: {', '.join(f'rank {r}' for r in missing) or 'none (all arrived; MPI itself is stuck)'}; "
+        "aborting the job"
+    ]
     for r in missing:
         lines.append("  missing " + describe(r))
     others = [r for r in sorted(states) if r not in missing]
@@ -329,8 +353,9 @@ class WatchedCommunicator(Communicator):
     def _call(self, name: str, x, function, *args):
         """``function(*args)`` as collective number ``seq`` of this group, watched (and checked in debug mode)."""
         self._seq += 1
-        op = Operation(name, self.group, self._seq, getattr(x, "shape", None), getattr(x, "dtype", None),
-                       members=self.members)
+        op = Operation(
+            name, self.group, self._seq, getattr(x, "shape", None), getattr(x, "dtype", None), members=self.members
+        )
         watchdog = self.watchdog
         watchdog.enter(op)
         try:
@@ -363,8 +388,7 @@ class WatchedCommunicator(Communicator):
         """A non-blocking collective: posting it is watched, and so is its ``wait``."""
         request = self._call(name, x, function, *args)
         posted = self.watchdog.last
-        waited = Operation(f"wait {name}", posted.group, posted.seq, posted.shape, posted.dtype,
-                           members=posted.members)
+        waited = Operation(f"wait {name}", posted.group, posted.seq, posted.shape, posted.dtype, members=posted.members)
         return _WatchedRequest(request, self.watchdog, waited)
 
     def ireduce_scatter_flat(self, x, counts) -> Request:
@@ -400,13 +424,13 @@ class WatchedCommunicator(Communicator):
     def barrier(self):
         self._call("barrier", None, self.inner.barrier)
 
-    def split(self, color: int, key: int) -> "WatchedCommunicator":
+    def split(self, color: int, key: int) -> WatchedCommunicator:
         return self._watch(self._call("split", None, self.inner.split, color, key), "group")
 
-    def split_node(self) -> "WatchedCommunicator":
+    def split_node(self) -> WatchedCommunicator:
         return self._watch(self._call("split_node", None, self.inner.split_node), "node")
 
-    def _watch(self, inner: Communicator, label: str) -> "WatchedCommunicator":
+    def _watch(self, inner: Communicator, label: str) -> WatchedCommunicator:
         members = inner.allgather_object(self.members[self.rank])  # world ranks, in the new group's order
         return WatchedCommunicator(inner, self.watchdog, members, label)
 
@@ -437,9 +461,11 @@ def _divergence(op: Operation, keys: list, members: list[int]) -> str:
     return f"collectives diverge on {op.group} at #{op.seq}: {'; '.join(calls)}"
 
 
-def watched(comm: Communicator, timeout: float = 0.0, debug: bool = False, period: float | None = None,
-            abort=None) -> WatchedCommunicator:
+def watched(
+    comm: Communicator, timeout: float = 0.0, debug: bool = False, period: float | None = None, abort=None
+) -> WatchedCommunicator:
     """``comm`` watched by a new Watchdog (its thread starts with ``.watchdog.start(folder)``).
     The ranks in reports are ``comm``'s ranks (the world's, for the world)."""
-    return WatchedCommunicator(comm, Watchdog(comm.rank, comm.size, timeout, debug, period, abort),
-                               list(range(comm.size)))
+    return WatchedCommunicator(
+        comm, Watchdog(comm.rank, comm.size, timeout, debug, period, abort), list(range(comm.size))
+    )

@@ -17,6 +17,7 @@ Threads: MKL's OpenMP layer reads ``MKL_NUM_THREADS`` or ``OMP_NUM_THREADS`` as 
 cores), and threadpoolctl limits both (``hpc-tp bench --threads``). At one thread it runs as fast
 as MKL's sequential layer (13.5-13.9 ms for [1024,768] @ [768,1536], either way).
 """
+
 from __future__ import annotations
 
 import numpy
@@ -57,8 +58,9 @@ def _operand(x, itemsize: int):
 def _mkl_gemm(a, b, out, beta: float) -> bool:
     """C = a @ b + beta C through MKL when every operand can be passed as it is; False otherwise."""
     kernel = GEMMS.get(a.dtype)
-    if kernel is None or not (isinstance(a, numpy.ndarray) and isinstance(b, numpy.ndarray)
-                              and isinstance(out, numpy.ndarray)):
+    if kernel is None or not (
+        isinstance(a, numpy.ndarray) and isinstance(b, numpy.ndarray) and isinstance(out, numpy.ndarray)
+    ):
         return False
     if a.ndim != 2 or b.ndim != 2 or b.dtype != a.dtype or out.dtype != a.dtype or not out.flags.writeable:
         return False
@@ -79,11 +81,26 @@ def _mkl_gemm(a, b, out, beta: float) -> bool:
         if mkl_jit.AVAILABLE:
             # b's column j starts j elements in (row-major) or j rows in (a transposed view).
             step = right[1] if right[0] == TRANS else 1
-            mkl_jit.column_blocks(left[0], right[0], m, n, k, a, left[1], b, right[1], step, beta, out, target[1],
-                                  COLUMN_BLOCK)
+            mkl_jit.column_blocks(
+                left[0], right[0], m, n, k, a, left[1], b, right[1], step, beta, out, target[1], COLUMN_BLOCK
+            )
             return True
-    kernel(ROW_MAJOR, left[0], right[0], m, n, k, 1.0, a.ctypes.data, left[1], b.ctypes.data, right[1],
-           beta, out.ctypes.data, target[1])
+    kernel(
+        ROW_MAJOR,
+        left[0],
+        right[0],
+        m,
+        n,
+        k,
+        1.0,
+        a.ctypes.data,
+        left[1],
+        b.ctypes.data,
+        right[1],
+        beta,
+        out.ctypes.data,
+        target[1],
+    )
     return True
 
 
@@ -123,8 +140,11 @@ def matmul(a, b, out=None, accumulate: bool = False):
     # -- few rows against a weight (decoding), and half-precision weights: ``kernels.small_m`` --
     if not accumulate and small_m.takes(a, b, out):
         return small_m.matmul(a, b, out)
-    if (small_m.half_kind(b.dtype) != small_m.FULL and a.ndim == b.ndim == 2
-            and (out is None or out.dtype == numpy.float32)):
+    if (
+        small_m.half_kind(b.dtype) != small_m.FULL
+        and a.ndim == b.ndim == 2
+        and (out is None or out.dtype == numpy.float32)
+    ):
         return widened_matmul(a, b, out, accumulate)
     # --
     if out is None:

@@ -23,6 +23,7 @@ masked row); backward makes each tile again right before using it, with the same
 masks, as exp(S + key bias - lse) (the FlashAttention backward's statistics; no row maxima or sums
 to recompute), so neither pass holds more than a few tiles besides Q, K, V and the dropout mask.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,10 +43,15 @@ def supported(*arrays) -> bool:
     if not mkl_jit.AVAILABLE:
         return False
     first = arrays[0]
-    return all(isinstance(a, numpy.ndarray) and a.dtype == first.dtype and a.dtype in DTYPES
-               and a.strides[-1] == a.itemsize and a.strides[-2] >= a.shape[-1] * a.itemsize
-               and all(s % a.itemsize == 0 and s >= 0 for s in a.strides)
-               for a in arrays)
+    return all(
+        isinstance(a, numpy.ndarray)
+        and a.dtype == first.dtype
+        and a.dtype in DTYPES
+        and a.strides[-1] == a.itemsize
+        and a.strides[-2] >= a.shape[-1] * a.itemsize
+        and all(s % a.itemsize == 0 and s >= 0 for s in a.strides)
+        for a in arrays
+    )
 
 
 def _block_tables(blocks):
@@ -83,9 +89,22 @@ def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, ke
     lse = numpy.empty((b, hk, g, t) if statistics else (0,) * 4, dtype=q.dtype)
     probs = numpy.empty(_largest_tile(tiles) if statistics else b * hk * g * int(tiles[-1]), dtype=q.dtype)
     dropped = numpy.empty(_largest_tile(tiles) if keep is not None else 0, dtype=q.dtype)
-    _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal,
-             _key_bias(key_bias, b, k.shape[2], q.dtype), _none(q.dtype, 5) if keep is None else keep, dropped,
-             lse.reshape(-1))
+    _forward(
+        q,
+        k,
+        v,
+        out,
+        probs,
+        starts,
+        seens,
+        tiles,
+        q_offset,
+        causal,
+        _key_bias(key_bias, b, k.shape[2], q.dtype),
+        _none(q.dtype, 5) if keep is None else keep,
+        dropped,
+        lse.reshape(-1),
+    )
     return lse if statistics else probs
 
 
@@ -98,8 +117,9 @@ def backward(dout, q, k, v, probs, blocks, dq, dk, dv, keep=None):
 def backward_recompute(dout, q, k, v, lse, blocks, q_offset: int, causal: bool, key_bias, dq, dk, dv, keep=None):
     """``backward`` from forward's row statistics (``forward(..., statistics=True)``) instead of its
     softmax: each tile is made again from Q K^T, forward's masks and ``lse`` where it is used."""
-    _backward_call(dout, q, k, v, _none(q.dtype, 1), blocks, dq, dk, dv, keep, lse.reshape(-1), q_offset, causal,
-                   key_bias)
+    _backward_call(
+        dout, q, k, v, _none(q.dtype, 1), blocks, dq, dk, dv, keep, lse.reshape(-1), q_offset, causal, key_bias
+    )
 
 
 def _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, lse, q_offset, causal, key_bias):
@@ -107,9 +127,27 @@ def _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, lse, q_offset
     starts, seens, tiles = _block_tables(blocks)
     largest = _largest_tile(tiles)
     scratch = numpy.empty(largest * (1 + (keep is not None) + (lse.size > 0)), dtype=dout.dtype)
-    _backward(dout, q, k, v, probs, starts, seens, tiles, 1.0 / math.sqrt(q.shape[-1]), dq, dk, dv,
-              _none(dout.dtype, 5) if keep is None else keep, scratch, largest, lse, q_offset, causal,
-              _key_bias(key_bias, q.shape[0], k.shape[2], dout.dtype))
+    _backward(
+        dout,
+        q,
+        k,
+        v,
+        probs,
+        starts,
+        seens,
+        tiles,
+        1.0 / math.sqrt(q.shape[-1]),
+        dq,
+        dk,
+        dv,
+        _none(dout.dtype, 5) if keep is None else keep,
+        scratch,
+        largest,
+        lse,
+        q_offset,
+        causal,
+        _key_bias(key_bias, q.shape[0], k.shape[2], dout.dtype),
+    )
 
 
 def _key_bias(key_bias, batch: int, keys: int, dtype):
@@ -160,7 +198,7 @@ def _exp_tile(p, at, rows, seen, first_query, causal, key_bias, batch, lse, lse_
     none), stored at ``lse[lse_at + r]`` when ``lse`` is not empty; with ``recompute`` it is read
     from there instead (forward's log-sum-exp: the tile is then forward's softmax again).
     (Loops index a 2-D view from 0: offsets that LLVM cannot prove non-negative keep it from vectorizing.)"""
-    tile = p[at:at + rows * seen].reshape((rows, seen))
+    tile = p[at : at + rows * seen].reshape((rows, seen))
     for r in range(rows):
         limit = min(seen, first_query + r + 1) if causal else seen
         if key_bias.shape[0]:
@@ -189,7 +227,7 @@ def _softmax_tile(p, at, rows, seen, first_query, causal, key_bias, batch, lse, 
     """Row-wise softmax of the tile (``_exp_tile``'s arguments), in place; with ``lse`` not empty
     each row's log-sum-exp into it (+inf for a fully masked row, whose outputs are 0)."""
     _exp_tile(p, at, rows, seen, first_query, causal, key_bias, batch, lse, lse_at, False)
-    tile = p[at:at + rows * seen].reshape((rows, seen))
+    tile = p[at : at + rows * seen].reshape((rows, seen))
     if lse.size:
         for r in range(rows):
             total = 0.0
@@ -204,8 +242,8 @@ def _softmax_tile_backward(ds, p, at, rows, seen):
     """dS = P (dP - rowsum(dP P)) in place of dP (``ds``), with P the tile at ``p[at:]``. This is
     ``cpu_kernels._softmax_rows_backward`` on one tile; called in place (dP and dS one array passed
     twice) that one measured 1 ms per layer slower at W1, LLVM unable to prove its arrays apart."""
-    tile = p[at:at + rows * seen].reshape((rows, seen))
-    grad = ds[:rows * seen].reshape((rows, seen))
+    tile = p[at : at + rows * seen].reshape((rows, seen))
+    grad = ds[: rows * seen].reshape((rows, seen))
     for r in range(rows):
         dot = 0.0
         for j in range(seen):
@@ -222,8 +260,7 @@ def _tile(index, q, starts, seens, tiles):
     block, head = index % seens.size, index // seens.size
     b, h, g = head // (nk * ng), (head // ng) % nk, head % ng
     first = starts[block]
-    return (b, h, g, first, starts[block + 1] - first, seens[block], head * tiles[-1] + tiles[block],
-            head * t + first)
+    return (b, h, g, first, starts[block + 1] - first, seens[block], head * tiles[-1] + tiles[block], head * t + first)
 
 
 @_jit
@@ -238,8 +275,24 @@ def _drop(p, at, rows, seen, keep, b, h, g, first, out, out_at):
 @_jit
 def _scores(q, k, b, h, g, first, rows, seen, p, at):
     """S = Q K^T of one tile into ``p[at:]`` (Q already scaled)."""
-    gemm(NO_TRANS, TRANS, rows, seen, q.shape[-1], 1.0, q, _at(q, b, h, g, first), _ld(q),
-         k, _at(k, b, h, 0, 0), _ld(k), 0.0, p, at, seen)
+    gemm(
+        NO_TRANS,
+        TRANS,
+        rows,
+        seen,
+        q.shape[-1],
+        1.0,
+        q,
+        _at(q, b, h, g, first),
+        _ld(q),
+        k,
+        _at(k, b, h, 0, 0),
+        _ld(k),
+        0.0,
+        p,
+        at,
+        seen,
+    )
 
 
 @_jit
@@ -255,13 +308,48 @@ def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bi
         if keep.size:
             _drop(probs, at, rows, seen, keep, b, h, g, first, dropped, 0)
             weights, weights_at = dropped, 0
-        gemm(NO_TRANS, NO_TRANS, rows, d, seen, 1.0, weights, weights_at, seen,
-             v, _at(v, b, h, 0, 0), _ld(v), 0.0, out, _at(out, b, h, g, first), _ld(out))
+        gemm(
+            NO_TRANS,
+            NO_TRANS,
+            rows,
+            d,
+            seen,
+            1.0,
+            weights,
+            weights_at,
+            seen,
+            v,
+            _at(v, b, h, 0, 0),
+            _ld(v),
+            0.0,
+            out,
+            _at(out, b, h, g, first),
+            _ld(out),
+        )
 
 
 @_jit
-def _backward(dout, q, k, v, probs, starts, seens, tiles, scale, dq, dk, dv, keep, scratch, largest, lse, q_offset,
-              causal, key_bias):
+def _backward(
+    dout,
+    q,
+    k,
+    v,
+    probs,
+    starts,
+    seens,
+    tiles,
+    scale,
+    dq,
+    dk,
+    dv,
+    keep,
+    scratch,
+    largest,
+    lse,
+    q_offset,
+    causal,
+    key_bias,
+):
     d = q.shape[-1]
     for index in range(q.shape[0] * q.shape[1] * q.shape[2] * seens.size):
         b, h, g, first, rows, seen, at, lse_at = _tile(index, q, starts, seens, tiles)
@@ -280,8 +368,57 @@ def _backward(dout, q, k, v, probs, starts, seens, tiles, scale, dq, dk, dv, kee
             _drop(p, at, rows, seen, keep, b, h, g, first, scratch, largest)
             weights, weights_at = scratch, largest
         _softmax_tile_backward(scratch, p, at, rows, seen)
-        gemm(NO_TRANS, NO_TRANS, rows, d, seen, scale, scratch, 0, seen, k, k_at, _ld(k),
-             0.0, dq, _at(dq, b, h, g, first), _ld(dq))
-        gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, scratch, 0, seen, q, q_at, _ld(q), 1.0, dk, _at(dk, b, h, 0, 0), _ld(dk))
-        gemm(TRANS, NO_TRANS, seen, d, rows, 1.0, weights, weights_at, seen, dout, dout_at, _ld(dout),
-             1.0, dv, _at(dv, b, h, 0, 0), _ld(dv))
+        gemm(
+            NO_TRANS,
+            NO_TRANS,
+            rows,
+            d,
+            seen,
+            scale,
+            scratch,
+            0,
+            seen,
+            k,
+            k_at,
+            _ld(k),
+            0.0,
+            dq,
+            _at(dq, b, h, g, first),
+            _ld(dq),
+        )
+        gemm(
+            TRANS,
+            NO_TRANS,
+            seen,
+            d,
+            rows,
+            1.0,
+            scratch,
+            0,
+            seen,
+            q,
+            q_at,
+            _ld(q),
+            1.0,
+            dk,
+            _at(dk, b, h, 0, 0),
+            _ld(dk),
+        )
+        gemm(
+            TRANS,
+            NO_TRANS,
+            seen,
+            d,
+            rows,
+            1.0,
+            weights,
+            weights_at,
+            seen,
+            dout,
+            dout_at,
+            _ld(dout),
+            1.0,
+            dv,
+            _at(dv, b, h, 0, 0),
+            _ld(dv),
+        )

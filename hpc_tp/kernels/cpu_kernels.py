@@ -15,6 +15,7 @@ against numpy, never the numbers across tp (every row is whole on every rank).
 Without numba (or with ``HPC_TP_CPU_KERNELS=0``, e.g. for an A/B benchmark) ``fused`` is False and
 the composed numpy code runs. Kernels compile on first use and are cached on disk beside this file.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,9 @@ except ImportError:  # optional: the numpy path in ``functional`` does the same 
 
 DTYPES = (numpy.dtype("float32"), numpy.dtype("float64"))
 ENABLED = numba is not None and os.environ.get("HPC_TP_CPU_KERNELS", "1") != "0"
-CHUNK = 1 << 16  # elements per GELU chunk: x, t and y of one chunk stay in L2 between the passes (fastest of 2^12..2^18)
+CHUNK = (
+    1 << 16
+)  # elements per GELU chunk: x, t and y of one chunk stay in L2 between the passes (fastest of 2^12..2^18)
 _C = math.sqrt(2.0 / math.pi)
 _K = 0.044715
 
@@ -40,8 +43,11 @@ def fused(x, row: bool = False) -> bool:
 
 
 def _jit(function):
-    return numba.njit(cache=True, nogil=True, fastmath={"contract", "reassoc", "nsz", "arcp"})(function) if (
-        numba is not None) else function
+    return (
+        numba.njit(cache=True, nogil=True, fastmath={"contract", "reassoc", "nsz", "arcp"})(function)
+        if (numba is not None)
+        else function
+    )
 
 
 def _rows(x):
@@ -53,6 +59,7 @@ def _c(x):
 
 
 # -- layernorm / rmsnorm ---------------------------------------------------------------------------
+
 
 @_jit
 def _norm_rows(x, gain, bias, eps, center, y, xhat, rstd):
@@ -111,8 +118,16 @@ def _norm_backward(dy, gain, saved, center: bool):
     dy = _c(dy)
     dx = numpy.empty_like(dy)
     dgain, dbias = numpy.zeros(dy.shape[-1]), numpy.zeros(dy.shape[-1])  # float64 sums over every row
-    _norm_rows_backward(_rows(dy), _c(gain.astype(dy.dtype, copy=False)), _rows(_c(xhat.astype(dy.dtype, copy=False))),
-                        _rows(_c(rstd.astype(dy.dtype, copy=False))), center, _rows(dx), dgain, dbias)
+    _norm_rows_backward(
+        _rows(dy),
+        _c(gain.astype(dy.dtype, copy=False)),
+        _rows(_c(xhat.astype(dy.dtype, copy=False))),
+        _rows(_c(rstd.astype(dy.dtype, copy=False))),
+        center,
+        _rows(dx),
+        dgain,
+        dbias,
+    )
     return dx, dgain.astype(dy.dtype), dbias.astype(dy.dtype)
 
 
@@ -133,6 +148,7 @@ def rmsnorm_backward(dy, gain, saved):
 
 
 # -- GELU (tanh approximation) ---------------------------------------------------------------------
+
 
 @_jit
 def _gelu_inner(x, t):
@@ -177,6 +193,7 @@ def gelu_tanh_backward(dy, saved):
 
 # -- softmax backward ------------------------------------------------------------------------------
 
+
 @_jit
 def _softmax_rows_backward(dp, p, ds):
     rows, n = dp.shape
@@ -196,6 +213,7 @@ def softmax_backward(dp, p):
 
 
 # -- softmax forward -------------------------------------------------------------------------------
+
 
 @_jit
 def _softmax_shift(scores, top, p):
@@ -232,6 +250,7 @@ def softmax_forward(scores):
 
 # -- rows summed into a table (embedding gradients, MoE combine) ---------------------------------
 
+
 @_jit
 def _scatter_add_rows(target, rows, values):
     for t in range(rows.size):
@@ -247,4 +266,3 @@ def scatter_add_rows(target, rows, values):
     token by token, so the same bits), without its per-element indexing: 1024 rows of 768 into a
     [25152, 768] table 38 ms -> ~0.3 ms."""
     _scatter_add_rows(_rows(target), rows.reshape(-1), _rows(_c(values.astype(target.dtype, copy=False))))
-

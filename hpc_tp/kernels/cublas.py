@@ -10,6 +10,7 @@ cuBLAS is column-major: a row-major C = A @ B is the column-major C^T = B^T A^T,
 in swapped and a row-major matrix needs no transpose flag. ``plan`` computes the call's arguments from
 shapes and strides alone (tested on the CPU against an emulation of the call); ``gemm`` makes it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -70,6 +71,7 @@ def _as_operand(x, lead: tuple[int, ...], xp) -> Operand:
 
 class Plan(NamedTuple):
     """One ``cublasGemmStridedBatchedEx`` call, as cuBLAS sees it (column-major, operands swapped)."""
+
     transa: int
     transb: int
     m: int
@@ -99,6 +101,7 @@ def plan(a, b, out, xp=numpy) -> Plan:
 
 class Geometry(NamedTuple):
     """A plan without its arrays: the same for any operands of the same shapes, strides and dtypes."""
+
     transa: int
     transb: int
     m: int
@@ -136,11 +139,11 @@ def arguments(a, b, out, xp=numpy) -> tuple[Geometry, object, object]:
     key = (a.shape, a.strides, b.shape, b.strides, out.shape, a.dtype, b.dtype, out.dtype)
     if (kept := _GEOMETRIES.get(key)) is not None:
         geometry, lead, copy_a, copy_b = kept
-        return (geometry, _contiguous(b, lead, xp) if copy_b else b,
-                _contiguous(a, lead, xp) if copy_a else a)
+        return (geometry, _contiguous(b, lead, xp) if copy_b else b, _contiguous(a, lead, xp) if copy_a else a)
     p = plan(a, b, out, xp)
-    geometry = Geometry(p.transa, p.transb, p.m, p.n, p.k, p.a.ld, p.a.stride, p.b.ld, p.b.stride, p.ldc,
-                        p.stride_c, p.batch)
+    geometry = Geometry(
+        p.transa, p.transb, p.m, p.n, p.k, p.a.ld, p.a.stride, p.b.ld, p.b.stride, p.ldc, p.stride_c, p.batch
+    )
     if len(_GEOMETRIES) >= CACHE_LIMIT:
         _GEOMETRIES.clear()
     # A view of an operand starts at the operand's first element; a copy elsewhere.
@@ -151,8 +154,10 @@ def arguments(a, b, out, xp=numpy) -> tuple[Geometry, object, object]:
 
 _FLOAT32 = numpy.dtype("float32")
 # alpha and beta as cuBLAS reads them (host pointers), by compute type.
-_SCALARS = {compute: {value: numpy.array(value, dtype=dtype) for value in (0.0, 1.0)}
-            for compute, dtype in ((COMPUTE_32F, numpy.float32), (COMPUTE_64F, numpy.float64))}
+_SCALARS = {
+    compute: {value: numpy.array(value, dtype=dtype) for value in (0.0, 1.0)}
+    for compute, dtype in ((COMPUTE_32F, numpy.float32), (COMPUTE_64F, numpy.float64))
+}
 
 
 @functools.cache
@@ -164,8 +169,9 @@ def _library():
 
     cupy.cuda.device.get_cublas_handle()  # cupy loads its cuBLAS with the first handle
     with open("/proc/self/maps") as maps:
-        path = next((line.split()[-1] for line in maps
-                     if line.split()[-1].rpartition("/")[2].startswith("libcublas.so")), None)
+        path = next(
+            (line.split()[-1] for line in maps if line.split()[-1].rpartition("/")[2].startswith("libcublas.so")), None
+        )
     if path is None:
         raise RuntimeError("cupy created a cuBLAS handle, yet no libcublas.so is mapped in this process")
     library = ctypes.CDLL(path)
@@ -197,11 +203,31 @@ def gemm(a, b, out, accumulate: bool = False):
             scalars, (call, set_stream) = _SCALARS[compute], _library()
             handle = cupy.cuda.device.get_cublas_handle()
             set_stream(handle, cupy.cuda.get_current_stream().ptr)
-            status = call(handle, g.transa, g.transb, g.m, g.n, g.k, scalars[1.0].ctypes.data,
-                          left.data.ptr, cuda_type(a.dtype), g.lda, g.stride_a,
-                          right.data.ptr, cuda_type(b.dtype), g.ldb, g.stride_b,
-                          scalars[1.0 if accumulate else 0.0].ctypes.data, target.data.ptr, cuda_type(out.dtype),
-                          g.ldc, g.stride_c, g.batch, compute, GEMM_DEFAULT)
+            status = call(
+                handle,
+                g.transa,
+                g.transb,
+                g.m,
+                g.n,
+                g.k,
+                scalars[1.0].ctypes.data,
+                left.data.ptr,
+                cuda_type(a.dtype),
+                g.lda,
+                g.stride_a,
+                right.data.ptr,
+                cuda_type(b.dtype),
+                g.ldb,
+                g.stride_b,
+                scalars[1.0 if accumulate else 0.0].ctypes.data,
+                target.data.ptr,
+                cuda_type(out.dtype),
+                g.ldc,
+                g.stride_c,
+                g.batch,
+                compute,
+                GEMM_DEFAULT,
+            )
             if status:
                 raise RuntimeError(f"cublasGemmStridedBatchedEx returned status {status} for {a.shape} @ {b.shape}")
     if target is not out:

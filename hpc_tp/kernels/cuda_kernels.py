@@ -17,6 +17,7 @@ ElementwiseKernel call whose ``T`` arrays differ and the row kernels read raw po
 
 Importing this module needs no cupy; the kernels compile on first use.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,21 +49,30 @@ def _takes(dtype, row: bool) -> bool:
 _G, _K = f"(A){_C!r}", "(A)0.044715"
 # name: (inputs, outputs, body); the body computes in A (float, or double for float64).
 ELEMENTWISE = {
-    "gelu_fwd": ("T x", "T y, T t",
-                 f"A v = (A)x; A u = tanh({_G} * v * ((A)1 + {_K} * v * v)); t = (T)u;"
-                 "y = (T)((A)0.5 * v * ((A)1 + u));"),
-    "gelu_bwd": ("T dy, T x, T t", "T dx",
-                 f"A v = (A)x; A u = (A)t; A inner = (A)0.5 * {_G} * v * ((A)1 + (A)3 * {_K} * v * v);"
-                 "dx = (T)((A)dy * (inner * ((A)1 - u * u) + (A)0.5 * ((A)1 + u)));"),
-    "silu_fwd": ("T x", "T y, T sig",
-                 "A v = (A)x; A s = (A)1 / ((A)1 + exp(-v)); sig = (T)s; y = (T)(v * s);"),
-    "silu_bwd": ("T dy, T x, T sig", "T dx",
-                 "A v = (A)x; A s = (A)sig; dx = (T)((A)dy * s * ((A)1 + v * ((A)1 - s)));"),
-    "swiglu_fwd": ("T gate, T up", "T y",
-                   "A g = (A)gate; y = (T)(g / ((A)1 + exp(-g)) * (A)up);"),
-    "swiglu_bwd": ("T dy, T gate, T up", "T dgate, T dup",
-                   "A g = (A)gate; A s = (A)1 / ((A)1 + exp(-g)); A d = (A)dy;"
-                   "dgate = (T)(d * (A)up * s * ((A)1 + g * ((A)1 - s))); dup = (T)(d * g * s);"),
+    "gelu_fwd": (
+        "T x",
+        "T y, T t",
+        f"A v = (A)x; A u = tanh({_G} * v * ((A)1 + {_K} * v * v)); t = (T)u;y = (T)((A)0.5 * v * ((A)1 + u));",
+    ),
+    "gelu_bwd": (
+        "T dy, T x, T t",
+        "T dx",
+        f"A v = (A)x; A u = (A)t; A inner = (A)0.5 * {_G} * v * ((A)1 + (A)3 * {_K} * v * v);"
+        "dx = (T)((A)dy * (inner * ((A)1 - u * u) + (A)0.5 * ((A)1 + u)));",
+    ),
+    "silu_fwd": ("T x", "T y, T sig", "A v = (A)x; A s = (A)1 / ((A)1 + exp(-v)); sig = (T)s; y = (T)(v * s);"),
+    "silu_bwd": (
+        "T dy, T x, T sig",
+        "T dx",
+        "A v = (A)x; A s = (A)sig; dx = (T)((A)dy * s * ((A)1 + v * ((A)1 - s)));",
+    ),
+    "swiglu_fwd": ("T gate, T up", "T y", "A g = (A)gate; y = (T)(g / ((A)1 + exp(-g)) * (A)up);"),
+    "swiglu_bwd": (
+        "T dy, T gate, T up",
+        "T dgate, T dup",
+        "A g = (A)gate; A s = (A)1 / ((A)1 + exp(-g)); A d = (A)dy;"
+        "dgate = (T)(d * (A)up * s * ((A)1 + g * ((A)1 - s))); dup = (T)(d * g * s);",
+    ),
 }
 
 
@@ -71,11 +81,14 @@ def _elementwise(name: str):
     import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     inputs, outputs, body = ELEMENTWISE[name]
-    return cupy.ElementwiseKernel(inputs, outputs, "typedef typename acc<T>::type A; " + body,
-                                  f"hpc_tp_{name}", preamble=_ACC)
+    return cupy.ElementwiseKernel(
+        inputs, outputs, "typedef typename acc<T>::type A; " + body, f"hpc_tp_{name}", preamble=_ACC
+    )
 
 
-_ROWS = _ACC + r"""
+_ROWS = (
+    _ACC
+    + r"""
 #define NEG_INF (-__int_as_float(0x7f800000))  // NVRTC has no <cmath> INFINITY
 struct Sum { template <typename A> __device__ A operator()(A a, A b) const { return a + b; } };
 struct Max { template <typename A> __device__ A operator()(A a, A b) const { return a > b ? a : b; } };
@@ -172,6 +185,7 @@ __global__ void norm_bwd(const T* dy, const T* gain, const T* xhat, const T* rst
     dx[base + j] = (T)(r * ((A)dy[base + j] * (A)gain[j] - sg - (A)xhat[base + j] * sgx));
 }
 """
+)
 _ROW_KERNELS = ("softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd")
 _CTYPES = {"float32": "float", "float64": "double"}
 ROW_OPTIONS = ("-std=c++14",)
@@ -254,9 +268,12 @@ def swiglu_backward(dy, saved):
 def _slot_writer():
     import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
-    return cupy.ElementwiseKernel("T token, raw int64 slot, int64 slots, int64 width", "raw T cache",
-                                  "cache[(i / width * slots + slot[0]) * width + i % width] = token;",
-                                  "hpc_tp_write_slot")
+    return cupy.ElementwiseKernel(
+        "T token, raw int64 slot, int64 slots, int64 width",
+        "raw T cache",
+        "cache[(i / width * slots + slot[0]) * width + i % width] = token;",
+        "hpc_tp_write_slot",
+    )
 
 
 def write_slot(cache, new, slot):
@@ -275,8 +292,16 @@ def softmax_forward(scores, causal_offset: int | None = None):
     x = _c(scores)
     y = cupy.empty_like(x)
     tq = x.shape[-2] if x.ndim > 1 else 1
-    _launch("softmax_fwd", x, x, y, numpy.int64(x.shape[-1]), numpy.int64(tq),
-            numpy.int64(causal_offset or 0), numpy.int32(causal_offset is not None))
+    _launch(
+        "softmax_fwd",
+        x,
+        x,
+        y,
+        numpy.int64(x.shape[-1]),
+        numpy.int64(tq),
+        numpy.int64(causal_offset or 0),
+        numpy.int32(causal_offset is not None),
+    )
     return y
 
 
@@ -298,8 +323,20 @@ def _norm_forward(x, gain, bias, eps, rms: bool):
     bias = gain if bias is None else _c(bias, x.dtype)
     y, xhat = cupy.empty_like(x), cupy.empty_like(x)
     rstd = cupy.empty(x.shape[:-1] + (1,), dtype=x.dtype)
-    _launch("norm_fwd", x, x, gain, bias, y, xhat, rstd, numpy.int64(x.shape[-1]), numpy.float64(eps),
-            numpy.int32(rms), numpy.int32(bias is not gain))
+    _launch(
+        "norm_fwd",
+        x,
+        x,
+        gain,
+        bias,
+        y,
+        xhat,
+        rstd,
+        numpy.int64(x.shape[-1]),
+        numpy.float64(eps),
+        numpy.int32(rms),
+        numpy.int32(bias is not gain),
+    )
     return y, (xhat, rstd)
 
 

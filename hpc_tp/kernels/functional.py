@@ -3,6 +3,7 @@
 Each ``*_forward`` returns the output and what its ``*_backward`` needs. They work on numpy
 and cupy arrays alike (``xp_of``) and hold no state.
 """
+
 from __future__ import annotations
 
 import math
@@ -227,8 +228,14 @@ def scatter_add_rows(target, rows, values):
     row lookup (embeddings) and the sum of routed rows (MoE). ``target`` [N, H], ``rows`` integer
     indices of any shape S (in [0, N): the fused loop refuses a negative one, which add.at would
     wrap), ``values`` [*S, H], cast to ``target``'s dtype. Other shapes take add.at's broadcasting."""
-    if (cpu_kernels.fused(target) and isinstance(values, numpy.ndarray) and isinstance(rows, numpy.ndarray)
-            and rows.dtype.kind in "iu" and target.ndim == 2 and values.shape == rows.shape + target.shape[1:]):
+    if (
+        cpu_kernels.fused(target)
+        and isinstance(values, numpy.ndarray)
+        and isinstance(rows, numpy.ndarray)
+        and rows.dtype.kind in "iu"
+        and target.ndim == 2
+        and values.shape == rows.shape + target.shape[1:]
+    ):
         return cpu_kernels.scatter_add_rows(target, rows, values)
     xp = xp_of(target)
     if xp is not numpy and target.dtype.name == "bfloat16":  # cupy's add.at has no bfloat16: sum in float32

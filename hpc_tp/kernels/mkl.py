@@ -5,6 +5,7 @@ from numba kernels. Both need the library and the CBLAS enums, and neither needs
 them, so they live here. ``HPC_TP_BLAS=numpy`` leaves the library closed (``LIBRARY`` None,
 ``GEMMS`` empty): every product then goes to numpy.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -54,10 +55,27 @@ def _load():
         return None, {}
     pointer, index = ctypes.c_void_p, ctypes.c_int
     gemms = {}
-    for dtype, name, scalar in (("float32", "cblas_sgemm", ctypes.c_float), ("float64", "cblas_dgemm", ctypes.c_double)):
+    for dtype, name, scalar in (
+        ("float32", "cblas_sgemm", ctypes.c_float),
+        ("float64", "cblas_dgemm", ctypes.c_double),
+    ):
         function = getattr(library, name)
-        function.argtypes = [index, index, index, index, index, index, scalar, pointer, index, pointer, index,
-                             scalar, pointer, index]
+        function.argtypes = [
+            index,
+            index,
+            index,
+            index,
+            index,
+            index,
+            scalar,
+            pointer,
+            index,
+            pointer,
+            index,
+            scalar,
+            pointer,
+            index,
+        ]
         function.restype = None
         gemms[numpy.dtype(dtype)] = function
     return library, gemms

@@ -14,6 +14,7 @@ from the output array's dtype when it compiles. Row-major, and the same integer 
 ``AVAILABLE`` is False without numba, without MKL (``HPC_TP_BLAS=numpy`` included) or with
 ``HPC_TP_CPU_KERNELS=0``; callers then take their composed numpy path.
 """
+
 from __future__ import annotations
 
 import numpy
@@ -32,12 +33,21 @@ if AVAILABLE:
     _i32, _pointer = types.int32, types.uintp  # pointers travel as addresses: same register, same ABI
 
     def _gemm_symbol(name, scalar):
-        return types.ExternalFunction(name, types.void(_i32, _i32, _i32, _i32, _i32, _i32, scalar, _pointer, _i32,
-                                                       _pointer, _i32, scalar, _pointer, _i32))
+        return types.ExternalFunction(
+            name,
+            types.void(
+                _i32, _i32, _i32, _i32, _i32, _i32, scalar, _pointer, _i32, _pointer, _i32, scalar, _pointer, _i32
+            ),
+        )
 
-    _GEMM = {"float32": _gemm_symbol("cblas_sgemm", types.float32), "float64": _gemm_symbol("cblas_dgemm", types.float64)}
-    _EXP = {"float32": types.ExternalFunction("vsExp", types.void(_i32, _pointer, _pointer)),
-            "float64": types.ExternalFunction("vdExp", types.void(_i32, _pointer, _pointer))}
+    _GEMM = {
+        "float32": _gemm_symbol("cblas_sgemm", types.float32),
+        "float64": _gemm_symbol("cblas_dgemm", types.float64),
+    }
+    _EXP = {
+        "float32": types.ExternalFunction("vsExp", types.void(_i32, _pointer, _pointer)),
+        "float64": types.ExternalFunction("vdExp", types.void(_i32, _pointer, _pointer)),
+    }
 
 
 def gemm(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, c_at, ldc):
@@ -52,6 +62,7 @@ def exp(n, x, x_at, out, out_at):
 
 
 if AVAILABLE:
+
     @cpu_kernels.numba.njit(cache=True, inline="always")
     def _address(array, at):
         """The address of element ``at`` of ``array`` (a strided view's first element plus ``at``)."""
@@ -62,8 +73,23 @@ if AVAILABLE:
         routine = _GEMM[c.dtype.name]
 
         def call(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, c_at, ldc):
-            routine(ROW_MAJOR, trans_a, trans_b, m, n, k, alpha, _address(a, a_at), lda, _address(b, b_at), ldb,
-                    beta, _address(c, c_at), ldc)
+            routine(
+                ROW_MAJOR,
+                trans_a,
+                trans_b,
+                m,
+                n,
+                k,
+                alpha,
+                _address(a, a_at),
+                lda,
+                _address(b, b_at),
+                ldb,
+                beta,
+                _address(c, c_at),
+                ldc,
+            )
+
         return call
 
     @cpu_kernels.numba.njit(cache=True, nogil=True)
@@ -71,8 +97,24 @@ if AVAILABLE:
         """C = op(A) op(B) + beta C, ``block`` columns of B and C at a time (``b_step``: elements
         between B's columns); ``blas`` sends few-row products against a large B here."""
         for start in range(0, n, block):
-            gemm(trans_a, trans_b, m, min(block, n - start), k, 1.0, a, 0, lda, b, start * b_step, ldb,
-                 beta, c, start, ldc)
+            gemm(
+                trans_a,
+                trans_b,
+                m,
+                min(block, n - start),
+                k,
+                1.0,
+                a,
+                0,
+                lda,
+                b,
+                start * b_step,
+                ldb,
+                beta,
+                c,
+                start,
+                ldc,
+            )
 
     @overload(exp, jit_options={"cache": True})
     def _exp_for(n, x, x_at, out, out_at):
@@ -80,4 +122,5 @@ if AVAILABLE:
 
         def call(n, x, x_at, out, out_at):
             routine(n, _address(x, x_at), _address(out, out_at))
+
         return call

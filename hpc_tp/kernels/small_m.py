@@ -22,6 +22,7 @@ matches numpy's product to rounding.
 Without numba (or with ``HPC_TP_CPU_KERNELS=0``) ``takes`` answers False and ``kernels.blas`` keeps its
 BLAS path (half weights: ``blas.widened_matmul``).
 """
+
 from __future__ import annotations
 
 import numpy
@@ -37,7 +38,7 @@ MIN_WEIGHT = 1 << 15
 TILE_ROWS = 4  # input rows per pass (the rows past the last whole tile: one per pass)
 GROUP = 4  # weight rows (row-major) or columns (transposed) per pass: 4 products per accumulator load
 FULL, BF16, F16 = 0, 1, 2
-_F16_SCALE = numpy.float32(2.0 ** 112)  # moves a float16 exponent (bias 15) to float32's (bias 127)
+_F16_SCALE = numpy.float32(2.0**112)  # moves a float16 exponent (bias 15) to float32's (bias 127)
 _NO_BITS = numpy.empty(0, numpy.uint16)  # the operand a kernel call does not use
 _NO_FLOATS = numpy.empty(0, numpy.float32)
 
@@ -67,7 +68,7 @@ def result_dtype(b_dtype):
 
 
 def layout(b):
-    """"rows" for a row-major [K, N], "transposed" for the transposed view of a row-major [N, K], else None."""
+    """ "rows" for a row-major [K, N], "transposed" for the transposed view of a row-major [N, K], else None."""
     if b.flags.c_contiguous:
         return "rows"
     if b.T.flags.c_contiguous:
@@ -88,8 +89,9 @@ def takes(a, b, out=None) -> bool:
             return False
     elif a.dtype.kind not in "fV" or a.shape[0] > MAX_ROWS:
         return False
-    if out is not None and (out.dtype != result_dtype(b.dtype) or not out.flags.c_contiguous
-                            or out.shape != (a.shape[0], b.shape[1])):
+    if out is not None and (
+        out.dtype != result_dtype(b.dtype) or not out.flags.c_contiguous or out.shape != (a.shape[0], b.shape[1])
+    ):
         return False
     return layout(b) is not None
 
@@ -103,7 +105,7 @@ def matmul(a, b, out=None):
     if a.shape[1] % GROUP or a.dtype != dtype or not a.flags.c_contiguous:
         # Columns zero-padded to whole groups (and half activations widened): M x K elements, small.
         padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
-        padded[:, :a.shape[1]] = a
+        padded[:, : a.shape[1]] = a
         a = padded
     stored = b if layout(b) == "rows" else b.T
     flat = stored.reshape(-1)
@@ -116,6 +118,7 @@ def matmul(a, b, out=None):
 if cpu_kernels.ENABLED:
     _jit = cpu_kernels.numba.njit(cache=True, nogil=True, fastmath={"contract", "reassoc", "nsz", "arcp"})
 else:  # never called: ``takes`` answers False without numba
+
     def _jit(function):
         return function
 
@@ -147,14 +150,14 @@ def _stage_rows(weight, bits, kind, at, stride, count, width, scratch, pitch):
     ``scratch`` rows ``g * pitch``, as float32 where they are half; the GROUP - count rows past the
     weight's end are zeros, so every group is multiplied by the same full-width code."""
     for g in range(GROUP):
-        dst = scratch[g * pitch:g * pitch + width]
+        dst = scratch[g * pitch : g * pitch + width]
         first = at + g * stride
         if g >= count:
             dst[:] = 0
         elif kind == FULL:
-            dst[:] = weight[first:first + width]
+            dst[:] = weight[first : first + width]
         else:
-            _widen(bits[first:first + width], dst, kind)
+            _widen(bits[first : first + width], dst, kind)
 
 
 @_jit
@@ -179,16 +182,19 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
                 _stage_rows(weight, bits, kind, p * n + start, n, group, width, scratch, block)
                 src, at, step = scratch, 0, block
             # Slices, not offset indexing: numba's index arithmetic keeps LLVM from vectorizing.
-            w0, w1 = src[at:at + width], src[at + step:at + step + width]
-            w2, w3 = src[at + 2 * step:at + 2 * step + width], src[at + 3 * step:at + 3 * step + width]
+            w0, w1 = src[at : at + width], src[at + step : at + step + width]
+            w2, w3 = src[at + 2 * step : at + 2 * step + width], src[at + 3 * step : at + 3 * step + width]
             for r in range(0, whole, TILE_ROWS):  # each weight vector loaded once for four rows
                 x0, x1, x2, x3 = a[r], a[r + 1], a[r + 2], a[r + 3]
                 a00, a01, a02, a03 = x0[p], x0[p + 1], x0[p + 2], x0[p + 3]
                 a10, a11, a12, a13 = x1[p], x1[p + 1], x1[p + 2], x1[p + 3]
                 a20, a21, a22, a23 = x2[p], x2[p + 1], x2[p + 2], x2[p + 3]
                 a30, a31, a32, a33 = x3[p], x3[p + 1], x3[p + 2], x3[p + 3]
-                row0, row1 = acc[r * block:r * block + width], acc[(r + 1) * block:(r + 1) * block + width]
-                row2, row3 = acc[(r + 2) * block:(r + 2) * block + width], acc[(r + 3) * block:(r + 3) * block + width]
+                row0, row1 = acc[r * block : r * block + width], acc[(r + 1) * block : (r + 1) * block + width]
+                row2, row3 = (
+                    acc[(r + 2) * block : (r + 2) * block + width],
+                    acc[(r + 3) * block : (r + 3) * block + width],
+                )
                 for j in range(width):
                     b0, b1, b2, b3 = w0[j], w1[j], w2[j], w3[j]
                     row0[j] += a00 * b0 + a01 * b1 + a02 * b2 + a03 * b3
@@ -198,11 +204,11 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
             for r in range(whole, rows):  # the rows after the last whole tile: one at a time
                 x0 = a[r]
                 a00, a01, a02, a03 = x0[p], x0[p + 1], x0[p + 2], x0[p + 3]
-                row0 = acc[r * block:r * block + width]
+                row0 = acc[r * block : r * block + width]
                 for j in range(width):
                     row0[j] += a00 * w0[j] + a01 * w1[j] + a02 * w2[j] + a03 * w3[j]
         for r in range(rows):
-            out[r, start:start + width] = acc[r * block:r * block + width]
+            out[r, start : start + width] = acc[r * block : r * block + width]
 
 
 @_jit
@@ -221,7 +227,12 @@ def _rows_by_transposed(a, weight, bits, kind, zero, out):
         else:
             _stage_rows(weight, bits, kind, c * k, k, group, k, scratch, k)
             src, at = scratch, 0
-        e0, e1, e2, e3 = src[at:at + k], src[at + k:at + 2 * k], src[at + 2 * k:at + 3 * k], src[at + 3 * k:at + 4 * k]
+        e0, e1, e2, e3 = (
+            src[at : at + k],
+            src[at + k : at + 2 * k],
+            src[at + 2 * k : at + 3 * k],
+            src[at + 3 * k : at + 4 * k],
+        )
         for r in range(0, whole, TILE_ROWS):  # a 4 x 4 tile: eight vector loads for sixteen multiply-adds
             x0, x1, x2, x3 = a[r][:k], a[r + 1][:k], a[r + 2][:k], a[r + 3][:k]
             s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
@@ -250,7 +261,7 @@ def _rows_by_transposed(a, weight, bits, kind, zero, out):
             sums[2, 0], sums[2, 1], sums[2, 2], sums[2, 3] = s20, s21, s22, s23
             sums[3, 0], sums[3, 1], sums[3, 2], sums[3, 3] = s30, s31, s32, s33
             for i in range(TILE_ROWS):
-                out[r + i, c:c + group] = sums[i, :group]
+                out[r + i, c : c + group] = sums[i, :group]
         for r in range(whole, rows):  # the rows after the last whole tile: one at a time
             x0 = a[r][:k]
             s00 = s01 = s02 = s03 = zero
@@ -260,4 +271,4 @@ def _rows_by_transposed(a, weight, bits, kind, zero, out):
                 s02 += x0[p] * e2[p]
                 s03 += x0[p] * e3[p]
             sums[0, 0], sums[0, 1], sums[0, 2], sums[0, 3] = s00, s01, s02, s03
-            out[r, c:c + group] = sums[0, :group]
+            out[r, c : c + group] = sums[0, :group]

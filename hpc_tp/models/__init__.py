@@ -1,4 +1,5 @@
 """Model configs, presets and families built from the tensor-parallel blocks."""
+
 from .config import PRESETS, ModelConfig, load_config
 from .gpt import GPTModel
 

@@ -9,15 +9,16 @@ key mask) and split by heads; the MLP (GELU, erf form) is column- then row-paral
 LM head: the encoder's output is its token states, which ``hpc_tp.serve.embed`` pools into
 sentence embeddings.
 """
+
 from __future__ import annotations
 
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
+from ..kernels.functional import scatter_add_rows
 from ..module import Module, ModuleList, Parameter, param_buffer, replicated
 from ..nn.attention import ParallelAttention
 from ..nn.dropout import Dropout
-from ..kernels.functional import scatter_add_rows
 from ..nn.mlp import ParallelMLP
 from ..nn.norms import LayerNorm
 from ..tensor_parallel.random import DropoutRNG
@@ -31,8 +32,18 @@ class EncoderBlock(Module):
     normalises the branch input. Same four collectives per direction."""
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, layer_id: int, rng: DropoutRNG, dtype="float64"):
-        self.attn = ParallelAttention(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, comm, causal=False, bias=cfg.bias,
-                                      dropout=cfg.attn_dropout, rng=rng, layer_id=layer_id, dtype=dtype)
+        self.attn = ParallelAttention(
+            cfg.hidden,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            comm,
+            causal=False,
+            bias=cfg.bias,
+            dropout=cfg.attn_dropout,
+            rng=rng,
+            layer_id=layer_id,
+            dtype=dtype,
+        )
         self.norm1 = LayerNorm(cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self.mlp = ParallelMLP(cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype)
         self.norm2 = LayerNorm(cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
@@ -59,17 +70,22 @@ class EncoderBlock(Module):
 class BertModel(Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype="float64", seed: int = 0):
         if cfg.family != "bert" or cfg.causal or cfg.position != "learned" or cfg.norm != "layernorm":
-            raise ConfigError("a BERT encoder needs family='bert', causal=False, position='learned', "
-                              f"norm='layernorm'; got family={cfg.family!r}, causal={cfg.causal}, "
-                              f"position={cfg.position!r}, norm={cfg.norm!r}")
+            raise ConfigError(
+                "a BERT encoder needs family='bert', causal=False, position='learned', "
+                f"norm='layernorm'; got family={cfg.family!r}, causal={cfg.causal}, "
+                f"position={cfg.position!r}, norm={cfg.norm!r}"
+            )
         self.cfg, self.comm, self.dtype = cfg, comm, dtype
         self.rng = DropoutRNG(seed)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, comm, dtype)
-        self.pos = Parameter(param_buffer((cfg.max_seq_len, cfg.hidden), dtype),
-                             replicated((cfg.max_seq_len, cfg.hidden), comm.size))
+        self.pos = Parameter(
+            param_buffer((cfg.max_seq_len, cfg.hidden), dtype), replicated((cfg.max_seq_len, cfg.hidden), comm.size)
+        )
         if cfg.type_vocab_size:
-            self.type_embed = Parameter(param_buffer((cfg.type_vocab_size, cfg.hidden), dtype),
-                                        replicated((cfg.type_vocab_size, cfg.hidden), comm.size))
+            self.type_embed = Parameter(
+                param_buffer((cfg.type_vocab_size, cfg.hidden), dtype),
+                replicated((cfg.type_vocab_size, cfg.hidden), comm.size),
+            )
         self.embed_norm = LayerNorm(cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self._drop_embed = Dropout(cfg.dropout, self.rng, ("embed",))
         self.layers = ModuleList(EncoderBlock(cfg, comm, i, self.rng, dtype) for i in range(cfg.n_layers))
@@ -101,7 +117,7 @@ class BertModel(Module):
         for block, c in zip(reversed(self.layers.items), reversed(block_ctxs)):
             dx = block.backward(dx, c)
         dx = self.embed_norm.backward(self._drop_embed.backward(dx, drop_ctx), norm_ctx)
-        self.pos.grad[:dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
+        self.pos.grad[: dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
         if self.cfg.type_vocab_size:
             scatter_add_rows(self.type_embed.grad, type_ids, dx)
         self.embed.backward(dx, embed_ctx)

@@ -1,4 +1,5 @@
 """ModelConfig: one description of a decoder (GPT-2, Llama family) or encoder (BERT-style) transformer."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,15 +23,15 @@ class ModelConfig:
     hidden: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    n_kv_heads: int | None = None      # None: as many as n_heads (no grouped-query attention)
-    ffn_hidden: int | None = None      # None: 4 * hidden
+    n_kv_heads: int | None = None  # None: as many as n_heads (no grouped-query attention)
+    ffn_hidden: int | None = None  # None: 4 * hidden
     max_seq_len: int = 128
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     activation: str = "gelu_tanh"
     position: str = "learned"
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None   # Hugging Face style, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    rope_scaling: dict | None = None  # Hugging Face style, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     tie_embeddings: bool = True
     bias: bool = True
     causal: bool = True
@@ -38,13 +39,13 @@ class ModelConfig:
     attn_dropout: float = 0.0
     init_std: float = 0.02
     family: str = "gpt"
-    type_vocab_size: int = 0           # token-type (segment) embeddings of a BERT encoder; 0: none
-    sequence_parallel: bool = False    # norms, dropout and residuals on 1/tp of the sequence (training)
-    num_experts: int = 0               # > 0: Mixture-of-Experts MLPs (nn/moe.py) of ffn_hidden each
-    top_k: int = 2                     # experts per token
-    moe_every: int = 1                 # layer i is MoE when (i + 1) % moe_every == 0
-    capacity_factor: float = 1.25      # expert capacity = ceil(factor * tokens * top_k / num_experts)
-    aux_loss_coef: float = 0.01        # weight of the load-balancing loss
+    type_vocab_size: int = 0  # token-type (segment) embeddings of a BERT encoder; 0: none
+    sequence_parallel: bool = False  # norms, dropout and residuals on 1/tp of the sequence (training)
+    num_experts: int = 0  # > 0: Mixture-of-Experts MLPs (nn/moe.py) of ffn_hidden each
+    top_k: int = 2  # experts per token
+    moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0
+    capacity_factor: float = 1.25  # expert capacity = ceil(factor * tokens * top_k / num_experts)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -58,8 +59,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model config {name}={value!r}: expected a positive integer")
-        for name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS), ("position", POSITIONS),
-                              ("family", FAMILIES)):
+        for name, allowed in (
+            ("norm", NORMS),
+            ("activation", ACTIVATIONS),
+            ("position", POSITIONS),
+            ("family", FAMILIES),
+        ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
@@ -84,13 +89,19 @@ class ModelConfig:
 
     def _check_number(self, name: str, allowed, expected: str):
         value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not allowed(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or not allowed(value)
+        ):
             raise ConfigError(f"model config {name}={value!r}: expected {expected}")
 
     def _validate_moe(self):
         if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
-            raise ConfigError(f"model config num_experts={self.num_experts!r}: expected an integer >= 0 "
-                              "(0: dense MLPs)")
+            raise ConfigError(
+                f"model config num_experts={self.num_experts!r}: expected an integer >= 0 (0: dense MLPs)"
+            )
         if not self.num_experts:
             return
         for name in ("top_k", "moe_every"):
@@ -113,11 +124,13 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "ModelConfig":
+    def from_dict(cls, values: dict) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"unknown model config keys: {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"unknown model config keys: {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
+            )
         try:
             return cls(**values)
         except TypeError as e:
@@ -140,19 +153,55 @@ PRESETS = {
     # Tiny shapes for tests and the embedded demo (byte-level vocab of 258).
     "tiny": dict(hidden=32, n_layers=2, n_heads=4, max_seq_len=64),
     "demo": dict(hidden=128, n_layers=2, n_heads=4, max_seq_len=32),
-    "llama-tiny": dict(hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, norm="rmsnorm", norm_eps=1e-6,
-                       activation="swiglu", position="rope", bias=False, tie_embeddings=False, max_seq_len=128),
+    "llama-tiny": dict(
+        hidden=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=128,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+        max_seq_len=128,
+    ),
     # The W1 benchmark workload (issue 8): 4 GPT blocks of hidden 768.
     "w1": dict(vocab_size=50304, hidden=768, n_layers=4, n_heads=12, ffn_hidden=3072, max_seq_len=256),
     "gpt2": dict(vocab_size=50257, hidden=768, n_layers=12, n_heads=12, max_seq_len=1024),
     "gpt2-medium": dict(vocab_size=50257, hidden=1024, n_layers=24, n_heads=16, max_seq_len=1024),
     "gpt3-175b": dict(vocab_size=50257, hidden=12288, n_layers=96, n_heads=96, max_seq_len=2048),
-    "llama2-7b": dict(vocab_size=32000, hidden=4096, n_layers=32, n_heads=32, ffn_hidden=11008, norm="rmsnorm",
-                      norm_eps=1e-5, activation="swiglu", position="rope", bias=False, tie_embeddings=False,
-                      max_seq_len=4096),
-    "llama3-70b": dict(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
-                       norm="rmsnorm", norm_eps=1e-5, activation="swiglu", position="rope", rope_theta=500000.0,
-                       bias=False, tie_embeddings=False, max_seq_len=8192),
+    "llama2-7b": dict(
+        vocab_size=32000,
+        hidden=4096,
+        n_layers=32,
+        n_heads=32,
+        ffn_hidden=11008,
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+        max_seq_len=4096,
+    ),
+    "llama3-70b": dict(
+        vocab_size=128256,
+        hidden=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden=28672,
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        activation="swiglu",
+        position="rope",
+        rope_theta=500000.0,
+        bias=False,
+        tie_embeddings=False,
+        max_seq_len=8192,
+    ),
 }
 
 

@@ -11,6 +11,7 @@ for the vocab-parallel head. With ``cfg.num_experts`` some MLPs are Mixture-of-E
 whose experts are spread over ``ep_comm``; ``set_loss_scale`` tells them the scale of the loss
 their load-balancing term joins (``backward`` sets it, and so does the pipeline schedule).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,13 +19,13 @@ from contextlib import contextmanager
 
 from .. import backend
 from ..comm.base import Communicator
-from ..module import Module, ModuleList, Parameter, param_buffer, replicated, split
 from ..errors import ConfigError
+from ..module import Module, ModuleList, Parameter, param_buffer, replicated, split
 from ..nn.block import TransformerBlock
 from ..nn.moe import MoEMLP
 from ..nn.norms import make_norm
-from ..tensor_parallel.random import DropoutRNG
 from ..tensor_parallel.mappings import SEQUENCE_AXIS, GatherFromTensorParallel, ScatterToTensorParallel
+from ..tensor_parallel.random import DropoutRNG
 from ..tensor_parallel.sequence_parallel import check_sequence_divisible, sum_grads_over
 from ..tensor_parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelLMHead
 from .config import ModelConfig
@@ -32,9 +33,17 @@ from .init import initialize
 
 
 class GPTModel(Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype="float64", seed: int = 0,
-                 layers: Sequence[int] | None = None, has_embedding: bool = True, has_head: bool = True,
-                 ep_comm: Communicator | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        comm: Communicator,
+        dtype="float64",
+        seed: int = 0,
+        layers: Sequence[int] | None = None,
+        has_embedding: bool = True,
+        has_head: bool = True,
+        ep_comm: Communicator | None = None,
+    ):
         self.cfg, self.comm, self.dtype = cfg, comm, dtype
         self.rng = DropoutRNG(seed)
         self.layer_ids = range(cfg.n_layers) if layers is None else layers
@@ -45,8 +54,9 @@ class GPTModel(Module):
         if has_embedding or (has_head and cfg.tie_embeddings):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, comm, dtype)
         if has_embedding and cfg.position == "learned":
-            self.pos = Parameter(param_buffer((cfg.max_seq_len, cfg.hidden), dtype),
-                                 replicated((cfg.max_seq_len, cfg.hidden), comm.size))
+            self.pos = Parameter(
+                param_buffer((cfg.max_seq_len, cfg.hidden), dtype), replicated((cfg.max_seq_len, cfg.hidden), comm.size)
+            )
         self.layers = ModuleList(TransformerBlock(cfg, comm, i, self.rng, dtype, ep_comm) for i in self.layer_ids)
         self._sequence_comm = comm if cfg.sequence_parallel and comm.size > 1 else None
         # Sequence parallelism: the embedding's output is cut into the blocks' sequence shards, and
@@ -59,8 +69,10 @@ class GPTModel(Module):
             if cfg.tie_embeddings:
                 self.head = VocabParallelLMHead(self.embed.weight, comm, owns_weight=False)
             else:
-                weight = Parameter(param_buffer((-(-cfg.vocab_size // comm.size), cfg.hidden), dtype),
-                                   split((cfg.vocab_size, cfg.hidden), 0, comm.size, comm.rank))
+                weight = Parameter(
+                    param_buffer((-(-cfg.vocab_size // comm.size), cfg.hidden), dtype),
+                    split((cfg.vocab_size, cfg.hidden), 0, comm.size, comm.rank),
+                )
                 self.head = VocabParallelLMHead(weight, comm, owns_weight=True)
             self._loss = VocabParallelCrossEntropy(cfg.vocab_size, comm)
         initialize(self, cfg.init_std, cfg.n_layers, seed)
@@ -69,7 +81,7 @@ class GPTModel(Module):
         # Global layer indices in names, so every pipeline stage names its layers as the full model does.
         for name, p in super().named_parameters(prefix):
             if name.startswith(prefix + "layers."):
-                rest = name[len(prefix + "layers."):]
+                rest = name[len(prefix + "layers.") :]
                 local, tail = rest.split(".", 1)
                 name = f"{prefix}layers.{self.layer_ids[int(local)]}.{tail}"
             yield name, p
@@ -99,7 +111,7 @@ class GPTModel(Module):
         if self._sequence_comm is not None:
             dx = self._to_shards.backward(dx)
         if self.cfg.position == "learned":
-            self.pos.grad[:dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
+            self.pos.grad[: dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
         self.embed.backward(dx, ctx)
 
     def blocks_forward(self, x, key_mask=None, positions=None):
@@ -132,7 +144,9 @@ class GPTModel(Module):
 
     def head_forward(self, x, targets):
         logits, lctx = self.logits_forward(x)
-        loss_sum, count, loss_ctx = self._loss.forward(logits, targets, overwrite=True)  # logits: the head's own product
+        loss_sum, count, loss_ctx = self._loss.forward(
+            logits, targets, overwrite=True
+        )  # logits: the head's own product
         return loss_sum, count, (lctx, loss_ctx)
 
     def head_backward(self, ctx, scale: float):
@@ -190,7 +204,7 @@ class GPTModel(Module):
     def _full_logits(self, x):
         local, _ = self.logits_forward(x)
         full = self._vocab_gather.forward(local)
-        return full[..., :self.cfg.vocab_size]
+        return full[..., : self.cfg.vocab_size]
 
     @contextmanager
     def inference(self):

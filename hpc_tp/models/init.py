@@ -1,6 +1,7 @@
 """Initialisation that does not depend on the layout: each logical tensor is drawn from a
 generator keyed by (seed, parameter name) and every rank keeps its slice. tp=1 and tp=N start
 from the very same weights (GPT-2 scheme: N(0, std), residual projections std/sqrt(2 L))."""
+
 from __future__ import annotations
 
 import math

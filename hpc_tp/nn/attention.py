@@ -24,6 +24,7 @@ kernel, block by block in the composed path), so no layer's whole softmax is eve
 dropout masks are redrawn whole from the dropout generator, which the caller sets back to
 forward's position (as the pipeline does for any recomputation).
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,11 +36,11 @@ import numpy
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
-from ..tensor_parallel.random import DropoutRNG
-from ..module import Module
 from ..kernels import blas, cpu_attention
 from ..kernels import functional as F
+from ..module import Module
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
+from ..tensor_parallel.random import DropoutRNG
 from .dropout import keep_mask
 
 
@@ -50,8 +51,10 @@ def heads_fit(n_heads: int, n_kv_heads: int, tp: int) -> bool:
 def check_heads(n_heads: int, n_kv_heads: int, tp: int):
     if not heads_fit(n_heads, n_kv_heads, tp):
         works = [t for t in range(1, n_heads + 1) if heads_fit(n_heads, n_kv_heads, t)]
-        raise ConfigError(f"{n_heads} attention heads with {n_kv_heads} kv heads cannot be split over tp={tp}; "
-                          f"tp values that work: {', '.join(map(str, works))}")
+        raise ConfigError(
+            f"{n_heads} attention heads with {n_kv_heads} kv heads cannot be split over tp={tp}; "
+            f"tp values that work: {', '.join(map(str, works))}"
+        )
 
 
 def attention_bias(batch, q_len, k_len, causal: bool, key_mask, q_offset: int, dtype):
@@ -79,8 +82,9 @@ def query_block(on_device: bool) -> int:
     return DEVICE_QUERY_BLOCK if on_device else QUERY_BLOCK
 
 
-def query_blocks(q_len: int, k_len: int, q_offset: int, causal: bool,
-                 on_device: bool = False) -> list[tuple[slice, int]]:
+def query_blocks(
+    q_len: int, k_len: int, q_offset: int, causal: bool, on_device: bool = False
+) -> list[tuple[slice, int]]:
     """(query rows, keys they may see) per block: with a causal mask a block of queries needs only
     the keys up to its last query's position, so blocks of 64 skip most of the masked upper
     triangle (T = 256: 10 of 16 tiles are computed). Without one, the whole square in one block."""
@@ -90,8 +94,10 @@ def query_blocks(q_len: int, k_len: int, q_offset: int, causal: bool,
 def _blocks(q_len: int, k_len: int, q_offset: int, causal: bool, block: int) -> list[tuple[slice, int]]:
     if not causal or q_len <= block:
         return [(slice(0, q_len), k_len)]
-    return [(slice(start, min(start + block, q_len)), min(k_len, min(start + block, q_len) + q_offset))
-            for start in range(0, q_len, block)]
+    return [
+        (slice(start, min(start + block, q_len)), min(k_len, min(start + block, q_len) + q_offset))
+        for start in range(0, q_len, block)
+    ]
 
 
 def saved_score_elements(q_len: int, k_len: int, causal: bool, on_device: bool = False) -> int:
@@ -112,8 +118,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None):
     xp = backend.xp
     inv_freq = 1.0 / (theta ** (xp.arange(0, head_dim, 2, dtype="float64") / head_dim))
     if scaling is not None and not isinstance(scaling, dict):
-        raise ConfigError(f"rope_scaling {scaling!r}: expected null or an object such as "
-                          '{"rope_type": "linear", "factor": 2.0}')
+        raise ConfigError(
+            f'rope_scaling {scaling!r}: expected null or an object such as {{"rope_type": "linear", "factor": 2.0}}'
+        )
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return inv_freq
@@ -144,6 +151,7 @@ class AttentionContext(NamedTuple):
     """What ``ParallelAttention.forward`` keeps for backward. Under selective recomputation
     (``recompute_scores``) ``probs`` and ``mask`` are None, and ``lse``, ``key_mask`` and ``dropped``
     are what rebuilds them."""
+
     qkv_ctx: object  # the QKV projection's context
     q: object  # rotated and scaled queries [B, hk, g, T, d]
     k: object  # keys and values [B, hk, keys, d]: with a cache, every filled slot
@@ -160,9 +168,23 @@ class AttentionContext(NamedTuple):
 
 
 class ParallelAttention(Module):
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, comm: Communicator, *, causal=True,
-                 bias=True, rope_theta: float | None = None, rope_scaling: dict | None = None, dropout: float = 0.0,
-                 rng: DropoutRNG | None = None, layer_id: int = 0, sequence_parallel: bool = False, dtype="float64"):
+    def __init__(
+        self,
+        hidden: int,
+        n_heads: int,
+        n_kv_heads: int,
+        comm: Communicator,
+        *,
+        causal=True,
+        bias=True,
+        rope_theta: float | None = None,
+        rope_scaling: dict | None = None,
+        dropout: float = 0.0,
+        rng: DropoutRNG | None = None,
+        layer_id: int = 0,
+        sequence_parallel: bool = False,
+        dtype="float64",
+    ):
         if hidden % n_heads:
             raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
         if n_heads % n_kv_heads:
@@ -184,21 +206,31 @@ class ParallelAttention(Module):
         self.causal, self.dropout, self.rng, self.layer_id = causal, dropout, rng, layer_id
         self.recompute_scores = False  # selective recomputation (GPTModel.set_selective_recompute)
         self.inv_freq = None if rope_theta is None else rope_inv_freq(d, rope_theta, rope_scaling)
-        self.qkv = ColumnParallelLinear(hidden, None, comm, bias, sequence_parallel=sequence_parallel, segments=[
-            Segment("q", n_heads * d, tp, rank),
-            Segment("k", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
-            Segment("v", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm)], dtype=dtype)
-        self.out = RowParallelLinear(n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype,
-                                     sequence_parallel=sequence_parallel)
+        self.qkv = ColumnParallelLinear(
+            hidden,
+            None,
+            comm,
+            bias,
+            sequence_parallel=sequence_parallel,
+            segments=[
+                Segment("q", n_heads * d, tp, rank),
+                Segment("k", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
+                Segment("v", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
+            ],
+            dtype=dtype,
+        )
+        self.out = RowParallelLinear(
+            n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype, sequence_parallel=sequence_parallel
+        )
 
     def _split_heads(self, qkv):
         """Views of Q [B, hk, g, T, d] and of K, V [B, hk, T, d] in a [B, T, (hq + 2 hk) d] buffer:
         the QKV output, or its gradient."""
         b, t, _ = qkv.shape
         d, hq, hk = self.head_dim, self.heads_local, self.kv_local
-        q = self._heads_view(qkv[..., :hq * d])
-        k = qkv[..., hq * d:(hq + hk) * d].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
-        v = qkv[..., (hq + hk) * d:].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
+        q = self._heads_view(qkv[..., : hq * d])
+        k = qkv[..., hq * d : (hq + hk) * d].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
+        v = qkv[..., (hq + hk) * d :].reshape(b, t, hk, d).transpose(0, 2, 1, 3)
         return q, k, v
 
     def _dropout_masks(self, shape, dtype):
@@ -207,8 +239,9 @@ class ParallelAttention(Module):
         b, hk, g, tq, tk = shape
         masks = backend.xp.empty(shape, dtype)
         for h in range(hk * g):
-            masks[:, h // g, h % g] = keep_mask(self.rng, ("attn", self.layer_id, self.head_start + h), (b, tq, tk),
-                                                self.dropout, dtype)
+            masks[:, h // g, h % g] = keep_mask(
+                self.rng, ("attn", self.layer_id, self.head_start + h), (b, tq, tk), self.dropout, dtype
+            )
         return masks
 
     def forward(self, x, key_mask=None, positions=None, cache=None):
@@ -239,8 +272,21 @@ class ParallelAttention(Module):
         fused = cpu_attention.supported(q, k, v, attn, *(() if mask is None else (mask,)))
         saved = self._core(q, k, v, attn, key_mask, offset, mask, fused, self.recompute_scores)
         y, out_ctx = self.out.forward(merged)
-        ctx = AttentionContext(qkv_ctx, q, k, v, probs=saved, lse=None, mask=mask, key_mask=None, dropped=False,
-                               fused=fused, rope=rope, offset=offset, out_ctx=out_ctx)
+        ctx = AttentionContext(
+            qkv_ctx,
+            q,
+            k,
+            v,
+            probs=saved,
+            lse=None,
+            mask=mask,
+            key_mask=None,
+            dropped=False,
+            fused=fused,
+            rope=rope,
+            offset=offset,
+            out_ctx=out_ctx,
+        )
         if self.recompute_scores:
             # Selective recomputation keeps what rebuilds the softmax and masks instead: the rows'
             # log-sum-exp, the key mask ([B, keys], small) and whether dropout ran.
@@ -254,15 +300,17 @@ class ParallelAttention(Module):
         t, keys = q.shape[3], k.shape[2]
         blocks = query_blocks(t, keys, offset, self.causal, on_device=backend.xp_of(q) is not numpy)
         if fused:
-            return cpu_attention.forward(q, k, v, attn, blocks, offset, self.causal, _padding_bias(key_mask), mask,
-                                         statistics)
+            return cpu_attention.forward(
+                q, k, v, attn, blocks, offset, self.causal, _padding_bias(key_mask), mask, statistics
+            )
         return _composed_forward(q, k, v, attn, blocks, self._masks(q, keys, key_mask, offset), mask, statistics)
 
     def _masks(self, q, keys, key_mask, offset):
         """The composed path's masks: the key padding as an additive bias (``attention_bias``; None
         without padding) and the causal mask's offset for the softmax (None: not causal)."""
-        bias = None if key_mask is None else attention_bias(q.shape[0], q.shape[3], keys, False, key_mask, offset,
-                                                            q.dtype)
+        bias = (
+            None if key_mask is None else attention_bias(q.shape[0], q.shape[3], keys, False, key_mask, offset, q.dtype)
+        )
         return bias, offset if self.causal else None
 
     def _heads_view(self, merged):
@@ -288,8 +336,21 @@ class ParallelAttention(Module):
         if lse is not None:  # selective recomputation: the same masks (same generator position)
             mask = self._dropout_masks(q.shape[:4] + (keys,), q.dtype) if dropped else None
         if fused and lse is not None:
-            cpu_attention.backward_recompute(dattn.astype(q.dtype, copy=False), q, k, v, lse, blocks, offset,
-                                             self.causal, _padding_bias(key_mask), dq, dk, dv, mask)
+            cpu_attention.backward_recompute(
+                dattn.astype(q.dtype, copy=False),
+                q,
+                k,
+                v,
+                lse,
+                blocks,
+                offset,
+                self.causal,
+                _padding_bias(key_mask),
+                dq,
+                dk,
+                dv,
+                mask,
+            )
         elif fused:
             cpu_attention.backward(dattn.astype(q.dtype, copy=False), q, k, v, probs, blocks, dq, dk, dv, mask)
         else:
@@ -390,8 +451,7 @@ def _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv, recomput
             dprobs *= keep
         dscores = F.softmax_backward(dprobs, p)
         blas.matmul(dscores, k5[..., :seen, :], out=dq[..., rows, :])
-        kv_grads = (blas.matmul(dscores.swapaxes(-1, -2), q[..., rows, :]),
-                    blas.matmul(dropped.swapaxes(-1, -2), dout))
+        kv_grads = (blas.matmul(dscores.swapaxes(-1, -2), q[..., rows, :]), blas.matmul(dropped.swapaxes(-1, -2), dout))
         for grad, total in zip(kv_grads, (dk, dv)):
             total[:, :, :seen] += grad.sum(axis=2) if grouped else grad[:, :, 0]
     dq *= 1.0 / math.sqrt(q.shape[-1])

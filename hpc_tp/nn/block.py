@@ -6,33 +6,54 @@ all-gather, g a reduce-scatter, and the norms' gradients are summed over tp afte
 The MLP is a Mixture-of-Experts layer where ``cfg.is_moe_layer(layer_id)`` (``ep_comm``: its
 expert-parallel group).
 """
+
 from __future__ import annotations
 
 from ..comm.base import Communicator
 from ..module import Module
 from ..tensor_parallel.random import DropoutRNG
+from ..tensor_parallel.sequence_parallel import sum_grads_over
 from .attention import ParallelAttention
 from .dropout import Dropout
-from ..tensor_parallel.sequence_parallel import sum_grads_over
 from .moe import feed_forward
 from .norms import make_norm
 from .sequence_parallel import SequenceShardDropout
 
 
 class TransformerBlock(Module):
-    def __init__(self, cfg, comm: Communicator, layer_id: int, rng: DropoutRNG | None = None, dtype="float64",
-                 ep_comm: Communicator | None = None):
+    def __init__(
+        self,
+        cfg,
+        comm: Communicator,
+        layer_id: int,
+        rng: DropoutRNG | None = None,
+        dtype="float64",
+        ep_comm: Communicator | None = None,
+    ):
         self.norm1 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
-        self.attn = ParallelAttention(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, comm, causal=cfg.causal, bias=cfg.bias,
-                                      rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
-                                      rope_scaling=cfg.rope_scaling,
-                                      dropout=cfg.attn_dropout, rng=rng, layer_id=layer_id,
-                                      sequence_parallel=cfg.sequence_parallel, dtype=dtype)
+        self.attn = ParallelAttention(
+            cfg.hidden,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            comm,
+            causal=cfg.causal,
+            bias=cfg.bias,
+            rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
+            rope_scaling=cfg.rope_scaling,
+            dropout=cfg.attn_dropout,
+            rng=rng,
+            layer_id=layer_id,
+            sequence_parallel=cfg.sequence_parallel,
+            dtype=dtype,
+        )
         self.norm2 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self.mlp = feed_forward(cfg, comm, layer_id, ep_comm, dtype)
         self._sequence_comm = comm if cfg.sequence_parallel else None
-        drop = (lambda site: SequenceShardDropout(cfg.dropout, rng, site, comm)) if cfg.sequence_parallel else (
-            lambda site: Dropout(cfg.dropout, rng, site))
+        drop = (
+            (lambda site: SequenceShardDropout(cfg.dropout, rng, site, comm))
+            if cfg.sequence_parallel
+            else (lambda site: Dropout(cfg.dropout, rng, site))
+        )
         self._drop_attn = drop(("resid_attn", layer_id))
         self._drop_mlp = drop(("resid_mlp", layer_id))
 

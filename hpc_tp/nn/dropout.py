@@ -1,5 +1,6 @@
 """Dropout whose masks come from ``DropoutRNG`` keyed by site and sample, so they depend on
 neither tp nor how the batch is cut into micro-batches and over dp ranks."""
+
 from __future__ import annotations
 
 import numpy

@@ -4,14 +4,15 @@ A is column-parallel, so each rank applies the elementwise activation to its own
 with no communication; B is row-parallel, and one all-reduce sums the partial outputs.
 SwiGLU fuses gate and up projections into one column-parallel GEMM.
 """
+
 from __future__ import annotations
 
 from ..backend import xp_of
 from ..comm.base import Communicator
 from ..errors import ConfigError
+from ..kernels import functional as F
 from ..module import Module
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
-from ..kernels import functional as F
 
 ACTIVATIONS = {
     "gelu_tanh": (F.gelu_tanh_forward, F.gelu_tanh_backward),
@@ -21,26 +22,39 @@ ACTIVATIONS = {
 
 
 class ParallelMLP(Module):
-    def __init__(self, hidden: int, ffn_hidden: int, comm: Communicator, activation: str = "gelu_tanh",
-                 bias: bool = True, dtype="float64", sequence_parallel: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        ffn_hidden: int,
+        comm: Communicator,
+        activation: str = "gelu_tanh",
+        bias: bool = True,
+        dtype="float64",
+        sequence_parallel: bool = False,
+    ):
         if activation != "swiglu" and activation not in ACTIVATIONS:
             raise ConfigError(f"activation {activation!r} is not one of {', '.join([*ACTIVATIONS, 'swiglu'])}")
         if ffn_hidden % comm.size:
             raise ConfigError(f"ffn hidden size {ffn_hidden} is not divisible by tensor-parallel size {comm.size}")
         self.gated = activation == "swiglu"
         self.act_forward, self.act_backward = ACTIVATIONS["silu" if self.gated else activation]
-        segments = ([Segment("gate", ffn_hidden, comm.size, comm.rank), Segment("up", ffn_hidden, comm.size, comm.rank)]
-                    if self.gated else None)
-        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, comm, bias, segments=segments, dtype=dtype,
-                                        sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear(ffn_hidden, hidden, comm, bias, input_is_parallel=True, dtype=dtype,
-                                     sequence_parallel=sequence_parallel)
+        segments = (
+            [Segment("gate", ffn_hidden, comm.size, comm.rank), Segment("up", ffn_hidden, comm.size, comm.rank)]
+            if self.gated
+            else None
+        )
+        self.fc1 = ColumnParallelLinear(
+            hidden, ffn_hidden, comm, bias, segments=segments, dtype=dtype, sequence_parallel=sequence_parallel
+        )
+        self.fc2 = RowParallelLinear(
+            ffn_hidden, hidden, comm, bias, input_is_parallel=True, dtype=dtype, sequence_parallel=sequence_parallel
+        )
         self.local = ffn_hidden // comm.size
 
     def forward(self, x):
         h, fc1_ctx = self.fc1.forward(x)
         if self.gated:
-            gate, up = h[..., :self.local], h[..., self.local:]
+            gate, up = h[..., : self.local], h[..., self.local :]
             act, act_ctx = self.act_forward(gate)
             inner, saved = act * up, (act_ctx, act, up)
         else:

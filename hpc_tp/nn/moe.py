@@ -17,6 +17,7 @@ tokens, ``aux_sum = coef * sum_t E * sum_e f_e p_te`` (= coef * tokens * aux), i
 the cross entropy's token sum: backward adds ``loss_scale * coef * E * f_e`` to dL/dp_te. The
 model sets ``loss_scale`` (1 / global token count) before backward.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,9 +25,10 @@ from typing import NamedTuple
 
 from .. import backend
 from ..comm.base import Communicator
+from ..kernels import blas
+from ..kernels import functional as F
 from ..module import Module, ModuleList, Parameter, param_buffer, replicated
 from ..tensor_parallel.experts import ExpertDispatcher
-from ..kernels import blas, functional as F
 from ..tensor_parallel.mappings import SEQUENCE_AXIS, GatherFromTensorParallel, Identity, ScatterToTensorParallel
 from .mlp import ParallelMLP
 
@@ -43,10 +45,10 @@ class MoEStats:
     a forward rerun by activation recomputation is not counted again)."""
 
     forwards: int = 0
-    assignments: int = 0   # token-choices routed
-    dropped: int = 0       # of those, over capacity
-    aux: float = 0.0       # sum of the per-forward load-balancing loss (without its coefficient)
-    load: object = None    # [E] assignments routed to each expert (before dropping)
+    assignments: int = 0  # token-choices routed
+    dropped: int = 0  # of those, over capacity
+    aux: float = 0.0  # sum of the per-forward load-balancing loss (without its coefficient)
+    load: object = None  # [E] assignments routed to each expert (before dropping)
 
 
 class LocalExperts(ModuleList):
@@ -63,6 +65,7 @@ class LocalExperts(ModuleList):
 
 class MoEContext(NamedTuple):
     """What ``MoEMLP.forward`` keeps for backward (and ``aux_sum``)."""
+
     shape: tuple  # the input's
     xs: object  # the input's tokens [N, hidden]
     probs: object  # router probabilities [N, E]
@@ -76,9 +79,21 @@ class MoEContext(NamedTuple):
 
 
 class MoEMLP(Module):
-    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, comm: Communicator,
-                 ep_comm: Communicator | None = None, capacity_factor: float = 1.25, aux_loss_coef: float = 0.01,
-                 activation: str = "gelu_tanh", bias: bool = True, dtype="float64", sequence_parallel: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        ffn_hidden: int,
+        num_experts: int,
+        top_k: int,
+        comm: Communicator,
+        ep_comm: Communicator | None = None,
+        capacity_factor: float = 1.25,
+        aux_loss_coef: float = 0.01,
+        activation: str = "gelu_tanh",
+        bias: bool = True,
+        dtype="float64",
+        sequence_parallel: bool = False,
+    ):
         self.num_experts, self.top_k, self.aux_loss_coef = num_experts, top_k, aux_loss_coef
         # Inside a sequence-parallel block the input is a sequence shard [B, T/tp, H], but the experts
         # are tensor-parallel: every tp rank must route and feed them the same tokens. The shards are
@@ -91,10 +106,16 @@ class MoEMLP(Module):
         self._gather_sequence = GatherFromTensorParallel(comm, SEQUENCE_AXIS) if sharded else Identity()
         self._scatter_sequence = ScatterToTensorParallel(comm, SEQUENCE_AXIS) if sharded else Identity()
         self._dispatcher = ExpertDispatcher(num_experts, ep_comm, capacity_factor)
-        self.router = Parameter(param_buffer((hidden, num_experts), dtype),
-                                replicated((hidden, num_experts), comm.size))
-        self.experts = LocalExperts([ParallelMLP(hidden, ffn_hidden, comm, activation, bias, dtype)
-                                     for _ in range(self._dispatcher.local_experts)], self._dispatcher.first_expert)
+        self.router = Parameter(
+            param_buffer((hidden, num_experts), dtype), replicated((hidden, num_experts), comm.size)
+        )
+        self.experts = LocalExperts(
+            [
+                ParallelMLP(hidden, ffn_hidden, comm, activation, bias, dtype)
+                for _ in range(self._dispatcher.local_experts)
+            ],
+            self._dispatcher.first_expert,
+        )
         self.loss_scale = 1.0
         self.stats = MoEStats()
         self.count_stats = True
@@ -106,7 +127,7 @@ class MoEMLP(Module):
         xp = backend.xp_of(xs)
         probs = F.softmax_forward(blas.matmul(xs, self.router.data))
         # Sorted as float32 (exact for the half types): cupy cannot sort bfloat16.
-        choices = xp.argsort(-probs.astype("float32", copy=False), axis=1, kind="stable")[:, :self.top_k]
+        choices = xp.argsort(-probs.astype("float32", copy=False), axis=1, kind="stable")[:, : self.top_k]
         chosen = xp.take_along_axis(probs, choices, axis=1)
         gates = chosen / chosen.sum(axis=1, keepdims=True) if self.top_k > 1 else chosen
         return probs, choices, chosen, gates
@@ -155,7 +176,7 @@ class MoEMLP(Module):
         F.scatter_add_rows(dx, plan.token, self._dispatcher.combine(d_expert_in, plan, xs.shape[1], xs.dtype))
         if self.top_k > 1:  # through gates = chosen / sum(chosen)
             total = chosen.sum(axis=1, keepdims=True)
-            dchosen = dgates / total - (dgates * chosen).sum(axis=1, keepdims=True) / total ** 2
+            dchosen = dgates / total - (dgates * chosen).sum(axis=1, keepdims=True) / total**2
         else:
             dchosen = dgates
         dprobs = xp.zeros_like(probs)
@@ -170,7 +191,20 @@ class MoEMLP(Module):
 def feed_forward(cfg, comm: Communicator, layer_id: int, ep_comm: Communicator | None, dtype):
     """The MLP of block ``layer_id``: a MoE layer where ``cfg.is_moe_layer`` says so, else dense."""
     if not cfg.is_moe_layer(layer_id):
-        return ParallelMLP(cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype,
-                           sequence_parallel=cfg.sequence_parallel)
-    return MoEMLP(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.top_k, comm, ep_comm, cfg.capacity_factor,
-                  cfg.aux_loss_coef, cfg.activation, cfg.bias, dtype, sequence_parallel=cfg.sequence_parallel)
+        return ParallelMLP(
+            cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype, sequence_parallel=cfg.sequence_parallel
+        )
+    return MoEMLP(
+        cfg.hidden,
+        cfg.ffn_hidden,
+        cfg.num_experts,
+        cfg.top_k,
+        comm,
+        ep_comm,
+        cfg.capacity_factor,
+        cfg.aux_loss_coef,
+        cfg.activation,
+        cfg.bias,
+        dtype,
+        sequence_parallel=cfg.sequence_parallel,
+    )

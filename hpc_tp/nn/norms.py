@@ -1,16 +1,19 @@
 """LayerNorm and RMSNorm over the hidden axis. Their inputs are replicated across the tp group,
 so their gains are replicated too and their gradients come out identical on every tp rank."""
+
 from __future__ import annotations
 
-from ..module import Module, Parameter, param_buffer, replicated
 from ..kernels import functional as F
+from ..module import Module, Parameter, param_buffer, replicated
 
 
 class LayerNorm(Module):
     def __init__(self, hidden: int, replicas: int, eps: float = 1e-5, bias: bool = True, dtype="float64"):
         self.eps = eps
         self.weight = Parameter(param_buffer(hidden, dtype, 1.0), replicated((hidden,), replicas), decay=False)
-        self.bias = Parameter(param_buffer(hidden, dtype), replicated((hidden,), replicas), decay=False) if bias else None
+        self.bias = (
+            Parameter(param_buffer(hidden, dtype), replicated((hidden,), replicas), decay=False) if bias else None
+        )
 
     def forward(self, x):
         return F.layernorm_forward(x, self.weight.data, None if self.bias is None else self.bias.data, self.eps)

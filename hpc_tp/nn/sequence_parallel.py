@@ -5,6 +5,7 @@ Dropout on a shard draws the mask of the whole [B, T, H] activation, with the sa
 replicated ``Dropout``, and keeps this rank's rows: every layout drops exactly the elements
 tp=1 drops. Drawing the whole mask costs random numbers, never memory: only the shard is kept.
 """
+
 from __future__ import annotations
 
 from ..comm.base import Communicator
@@ -22,8 +23,9 @@ class SequenceShardDropout(Dropout):
             return x, None
         shape = list(x.shape)
         shape[SEQUENCE_AXIS] *= self.comm.size
-        mask = local_chunk(keep_mask(self.rng, self.site, tuple(shape), self.p, x.dtype),
-                           self.comm, SEQUENCE_AXIS).copy()
+        mask = local_chunk(
+            keep_mask(self.rng, self.site, tuple(shape), self.p, x.dtype), self.comm, SEQUENCE_AXIS
+        ).copy()
         return x * mask, mask
 
 

@@ -20,6 +20,7 @@ ranks exchange messages of several chunks, in an order that differs between chun
 micro-batch index modulo a bound every MPI allows; within one chunk's stream messages between
 two ranks with one tag are matched in the order they were posted, so wrapping is safe.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,7 +36,7 @@ class StageLink:
         self.comm, self.shape, self.dtype, self.chunks = pp_comm, tuple(shape), dtype, chunks
         self.stage, self.stages = pp_comm.rank, pp_comm.size
         self._receives = {}  # (kind, chunk, micro-batch) -> request
-        self._sends = {}     # (kind, chunk, micro-batch) -> (request, array kept alive until the send is done)
+        self._sends = {}  # (kind, chunk, micro-batch) -> (request, array kept alive until the send is done)
         self.wait_seconds = 0.0  # time blocked on a neighbour: the pipeline bubble, seen from this stage
 
     def _virtual_stage(self, chunk: int) -> int:
@@ -92,15 +93,17 @@ class StageLink:
     def _post(self, kind, chunk, micro_batch, source, downstream_chunk):
         buf = backend.xp.empty(self.shape, dtype=self.dtype)
         self._receives[(kind, chunk, micro_batch)] = self.comm.irecv(
-            buf, source % self.stages, self._tag(kind, downstream_chunk, micro_batch))
+            buf, source % self.stages, self._tag(kind, downstream_chunk, micro_batch)
+        )
 
     def _wait_receive(self, kind, chunk, micro_batch):
         return self._timed_wait(self._receives.pop((kind, chunk, micro_batch)))
 
     def _send(self, kind, chunk, micro_batch, x, dest, downstream_chunk):
         if tuple(x.shape) != self.shape or x.dtype != self.dtype:
-            raise ValueError(f"pipeline message {tuple(x.shape)} {x.dtype} differs from the agreed "
-                             f"{self.shape} {self.dtype}")
+            raise ValueError(
+                f"pipeline message {tuple(x.shape)} {x.dtype} differs from the agreed {self.shape} {self.dtype}"
+            )
         request = self.comm.isend(x, dest % self.stages, self._tag(kind, downstream_chunk, micro_batch))
         self._sends[(kind, chunk, micro_batch)] = (request, x)
 

@@ -12,6 +12,7 @@ the final norm, LM head and cross entropy on the last (for a small model with a 
 vocabulary the head can weigh as much as several blocks). An explicit split (``--pp-layers
 3,2,3``, one count per chunk) overrides the estimate. Every chunk runs at least one block.
 """
+
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -26,13 +27,14 @@ def stage_costs(cfg: ModelConfig, seq_len: int | None = None) -> tuple[float, fl
     kv = cfg.n_kv_heads * cfg.head_dim
     matmuls = h * (h + 2 * kv) + h * h + (2 if cfg.activation == "swiglu" else 1) * h * f + f * h
     block = 2 * matmuls + 4 * t * h  # projections, then scores and weighted values over t keys
-    embedding = 2 * h                # lookup and position add: memory traffic more than flops
-    head = 2 * h * v + 5 * v         # logits, then max, exp, sum and the target pick per vocab entry
+    embedding = 2 * h  # lookup and position add: memory traffic more than flops
+    head = 2 * h * v + 5 * v  # logits, then max, exp, sum and the target pick per vocab entry
     return float(embedding), float(block), float(head)
 
 
-def stage_layers(n_layers: int, pp: int, weights=None, first_extra: float = 0.0,
-                 last_extra: float = 0.0) -> list[range]:
+def stage_layers(
+    n_layers: int, pp: int, weights=None, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[range]:
     """Contiguous ranges of layer indices, one per stage: the costliest stage as cheap as it can be,
     and among such splits the most even one (least sum of squared stage costs).
 
@@ -42,8 +44,10 @@ def stage_layers(n_layers: int, pp: int, weights=None, first_extra: float = 0.0,
     if not isinstance(pp, int) or pp < 1:
         raise ConfigError(f"--pp {pp!r} must be a positive integer")
     if pp > n_layers:
-        raise ConfigError(f"--pp {pp} is more pipeline stages than the model's {n_layers} layers: "
-                          f"every stage needs at least one layer, use --pp <= {n_layers}")
+        raise ConfigError(
+            f"--pp {pp} is more pipeline stages than the model's {n_layers} layers: "
+            f"every stage needs at least one layer, use --pp <= {n_layers}"
+        )
     weights = [1.0] * n_layers if weights is None else [float(w) for w in weights]
     if len(weights) != n_layers:
         raise ConfigError(f"{len(weights)} layer weights given for a model of {n_layers} layers")
@@ -57,8 +61,12 @@ def stage_layers(n_layers: int, pp: int, weights=None, first_extra: float = 0.0,
 
     worst, _ = _best_split(n_layers, pp, cost, max)
     allowed = worst * (1 + 1e-12)
-    _, stops = _best_split(n_layers, pp, lambda s, a, b: cost(s, a, b) ** 2 if cost(s, a, b) <= allowed
-                           else float("inf"), lambda value, rest: value + rest)
+    _, stops = _best_split(
+        n_layers,
+        pp,
+        lambda s, a, b: cost(s, a, b) ** 2 if cost(s, a, b) <= allowed else float("inf"),
+        lambda value, rest: value + rest,
+    )
     return [range(a, b) for a, b in zip([0] + stops[:-1], stops)]
 
 
@@ -86,19 +94,23 @@ def check_virtual_stages(virtual_stages, pp: int, n_layers: int):
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ConfigError(f"--virtual-stages {virtual_stages!r}: expected a positive integer")
     if virtual_stages > 1 and pp == 1:
-        raise ConfigError(f"--virtual-stages {virtual_stages} needs a pipeline (--pp > 1): one rank runs "
-                          "its layers in one piece")
+        raise ConfigError(
+            f"--virtual-stages {virtual_stages} needs a pipeline (--pp > 1): one rank runs its layers in one piece"
+        )
     if virtual_stages > 1 and pp * virtual_stages > n_layers:
-        raise ConfigError(f"--pp {pp} x --virtual-stages {virtual_stages} = {pp * virtual_stages} chunks is more "
-                          f"than the model's {n_layers} layers: every chunk needs at least one layer")
+        raise ConfigError(
+            f"--pp {pp} x --virtual-stages {virtual_stages} = {pp * virtual_stages} chunks is more "
+            f"than the model's {n_layers} layers: every chunk needs at least one layer"
+        )
 
 
 def balanced_layers(cfg: ModelConfig, pp: int, seq_len: int | None = None, virtual_stages: int = 1) -> list[range]:
     """The default split of ``cfg`` into ``pp * virtual_stages`` chunks, from ``stage_costs``."""
     check_virtual_stages(virtual_stages, pp, cfg.n_layers)
     embedding, block, head = stage_costs(cfg, seq_len)
-    return stage_layers(cfg.n_layers, pp * virtual_stages, [block] * cfg.n_layers, first_extra=embedding,
-                        last_extra=head)
+    return stage_layers(
+        cfg.n_layers, pp * virtual_stages, [block] * cfg.n_layers, first_extra=embedding, last_extra=head
+    )
 
 
 def layers_from_counts(counts, n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]:
@@ -107,8 +119,11 @@ def layers_from_counts(counts, n_layers: int, pp: int, virtual_stages: int = 1) 
     counts = list(counts)
     shown = ",".join(str(c) for c in counts)
     if len(counts) != pp * virtual_stages:
-        expected = f"--pp is {pp}" if virtual_stages == 1 else \
-            f"--pp {pp} x --virtual-stages {virtual_stages} is {pp * virtual_stages} chunks"
+        expected = (
+            f"--pp is {pp}"
+            if virtual_stages == 1
+            else f"--pp {pp} x --virtual-stages {virtual_stages} is {pp * virtual_stages} chunks"
+        )
         raise ConfigError(f"--pp-layers {shown} names {len(counts)} stages but {expected}")
     if any(not isinstance(c, int) or c < 1 for c in counts):
         raise ConfigError(f"--pp-layers {shown}: every stage needs a positive whole number of layers")
@@ -126,8 +141,10 @@ def parse_pp_layers(spec: str, n_layers: int, pp: int, virtual_stages: int = 1) 
     try:
         counts = [int(part) for part in spec.split(",")]
     except ValueError:
-        raise ConfigError(f"--pp-layers {spec!r}: expected comma-separated layer counts, one per stage "
-                          f"(per chunk with --virtual-stages), e.g. 3,2,3") from None
+        raise ConfigError(
+            f"--pp-layers {spec!r}: expected comma-separated layer counts, one per stage "
+            f"(per chunk with --virtual-stages), e.g. 3,2,3"
+        ) from None
     return layers_from_counts(counts, n_layers, pp, virtual_stages)
 
 
@@ -164,8 +181,9 @@ def model_chunks(model) -> list[list[int]]:
     return chunk_runs(model.layer_ids)
 
 
-def build_stage(cfg: ModelConfig, grid, dtype="float64", seed: int = 0, layers_per_stage=None,
-                virtual_stages: int = 1) -> GPTModel:
+def build_stage(
+    cfg: ModelConfig, grid, dtype="float64", seed: int = 0, layers_per_stage=None, virtual_stages: int = 1
+) -> GPTModel:
     """This rank's part of the model: its chunks' layers, the embedding on the first rank (first
     chunk), the final norm, head and loss on the last (last chunk); MoE experts spread over the
     grid's ep group. ``layers_per_stage``: None (balanced by cost), a list of layer counts, or a
@@ -180,5 +198,13 @@ def build_stage(cfg: ModelConfig, grid, dtype="float64", seed: int = 0, layers_p
             raise ConfigError(f"stage layer ranges {list(layers_per_stage)} are not contiguous from layer 0")
     else:
         ranges = layers_from_counts(layers_per_stage, cfg.n_layers, pp, virtual_stages)
-    return GPTModel(cfg, grid.tp, dtype=dtype, seed=seed, layers=rank_layers(ranges, pp, grid.coords.pp),
-                    has_embedding=grid.is_first_stage, has_head=grid.is_last_stage, ep_comm=grid.ep)
+    return GPTModel(
+        cfg,
+        grid.tp,
+        dtype=dtype,
+        seed=seed,
+        layers=rank_layers(ranges, pp, grid.coords.pp),
+        has_embedding=grid.is_first_stage,
+        has_head=grid.is_last_stage,
+        ep_comm=grid.ep,
+    )

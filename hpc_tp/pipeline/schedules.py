@@ -24,6 +24,7 @@ the dropout generator set back to the micro-batch's position, so the masks are t
 "selective" keeps everything but attention's softmax outputs and dropout masks, which attention's
 backward recomputes, the generator set back the same way (``hpc_tp.recompute``).
 """
+
 from __future__ import annotations
 
 import time
@@ -58,8 +59,10 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 def interleaved_one_f_one_b(micro_batches: int, stages: int, stage: int, chunks: int) -> list[tuple[str, int, int]]:
     """Megatron-LM's interleaved 1F1B: (F/B, chunk, micro-batch) for ``stage`` holding ``chunks`` chunks."""
     if micro_batches % stages:
-        raise ConfigError(f"{micro_batches} micro-batches per step: the interleaved schedule (--virtual-stages "
-                          f"{chunks}) needs a multiple of --pp {stages}")
+        raise ConfigError(
+            f"{micro_batches} micro-batches per step: the interleaved schedule (--virtual-stages "
+            f"{chunks}) needs a multiple of --pp {stages}"
+        )
     passes = micro_batches * chunks
 
     def nth(k, op):  # the k-th forward (backward) pass of this rank
@@ -74,14 +77,17 @@ def interleaved_one_f_one_b(micro_batches: int, stages: int, stage: int, chunks:
     return ops + [nth(k, BACKWARD) for k in range(passes - warmup, passes)]
 
 
-def stage_ops(schedule: str, micro_batches: int, stages: int, stage: int,
-              chunks: int = 1) -> list[tuple[str, int, int]]:
+def stage_ops(
+    schedule: str, micro_batches: int, stages: int, stage: int, chunks: int = 1
+) -> list[tuple[str, int, int]]:
     """What ``stage`` runs in a step, in order: (F/B, chunk, micro-batch)."""
     if chunks == 1:
         return [(op, 0, i) for op, i in SCHEDULES[schedule](micro_batches, stages, stage)]
     if schedule != "1f1b":
-        raise ConfigError(f"--schedule {schedule} runs one chunk per rank: --virtual-stages {chunks} needs "
-                          "--schedule 1f1b (the interleaved 1F1B schedule)")
+        raise ConfigError(
+            f"--schedule {schedule} runs one chunk per rank: --virtual-stages {chunks} needs "
+            "--schedule 1f1b (the interleaved 1F1B schedule)"
+        )
     return interleaved_one_f_one_b(micro_batches, stages, stage, chunks)
 
 
@@ -89,17 +95,26 @@ def stage_ops(schedule: str, micro_batches: int, stages: int, stage: int,
 class PipelineStats:
     """What one stage did in a step: filled by ``pipeline_forward_backward(stats=...)``."""
 
-    peak_micro_batches: int = 0   # most micro-batches whose activations were alive at once (with V
-                                  # chunks: most passes of a micro-batch through a chunk, each 1/V of it)
-    peak_bytes: int = 0           # bytes those activations held at that peak
-    busy_seconds: float = 0.0     # forward and backward compute (tp collectives included)
-    wait_seconds: float = 0.0     # blocked on a neighbouring stage's message
-    seconds: float = 0.0          # the whole step on this stage
+    peak_micro_batches: int = 0  # most micro-batches whose activations were alive at once (with V
+    # chunks: most passes of a micro-batch through a chunk, each 1/V of it)
+    peak_bytes: int = 0  # bytes those activations held at that peak
+    busy_seconds: float = 0.0  # forward and backward compute (tp collectives included)
+    wait_seconds: float = 0.0  # blocked on a neighbouring stage's message
+    seconds: float = 0.0  # the whole step on this stage
 
 
-def pipeline_forward_backward(model, micro_batches, grid, scale: float, schedule: str = "1f1b",
-                              recompute: str | bool = "none", on_grads_final=None, step: int = 0,
-                              first_sample: int = 0, stats: PipelineStats | None = None):
+def pipeline_forward_backward(
+    model,
+    micro_batches,
+    grid,
+    scale: float,
+    schedule: str = "1f1b",
+    recompute: str | bool = "none",
+    on_grads_final=None,
+    step: int = 0,
+    first_sample: int = 0,
+    stats: PipelineStats | None = None,
+):
     """Forward and backward of this dp rank's ``micro_batches`` (a list of (ids, targets)) through
     the pipeline; gradients of ``scale * loss_sum`` accumulate into ``p.grad``. ``recompute``: a
     ``hpc_tp.recompute`` mode (or True for full).
@@ -161,11 +176,12 @@ class _StageRunner:
         self.on_grads_final, self.step, self.first_sample = on_grads_final, step, first_sample
         # Each chunk's blocks with their global layer indices, in forward order.
         self.chunks = [[(model.layer_ids[p], model.layers.items[p]) for p in positions] for positions in chunks]
-        self.link = StageLink(grid.pp, model.hidden_shape(*numpy.shape(micro_batches[0][0])),
-                              backend.xp.dtype(model.dtype), len(chunks))
+        self.link = StageLink(
+            grid.pp, model.hidden_shape(*numpy.shape(micro_batches[0][0])), backend.xp.dtype(model.dtype), len(chunks)
+        )
         model.set_loss_scale(scale)  # the MoE layers' load-balancing term joins the loss at this scale
         self.groups = stage_parameter_groups(model)
-        self.ctxs = {}            # (chunk, micro-batch) -> (embedding ctx, per-block ctx or input, head ctx)
+        self.ctxs = {}  # (chunk, micro-batch) -> (embedding ctx, per-block ctx or input, head ctx)
         self.ctx_bytes = {}
         self.backwards_left = [len(micro_batches)] * len(chunks)  # a chunk's gradients are final at 0
         self.loss_sum, self.token_count = 0.0, 0

@@ -6,6 +6,7 @@ The copies stay equal because each step both receive the sum of the two gradient
 all-reduce in a group of two ranks, the first and last stage of the same tp and dp position.
 Only one copy may count in the global gradient norm.
 """
+
 from __future__ import annotations
 
 import weakref

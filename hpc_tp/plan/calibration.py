@@ -12,6 +12,7 @@ record of its tp, else the one whose per-rank work per micro-batch is closest to
 efficiency falls as matrices shrink); on CPU nodes (``compute_units``) the rate is rescaled when the plan puts more
 or fewer ranks on a node than the benchmark did, since ranks share the cores.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,13 +28,13 @@ from .cost import OPS, Link, Network, hops, traffic
 
 @dataclass(frozen=True)
 class StepRate:
-    ranks: int            # ranks that ran at once on the node while this was measured
+    ranks: int  # ranks that ran at once on the node while this was measured
     forward_flops: float  # one rank's forward FLOPs per micro-batch
-    rate: float           # sustained FLOP/s of one rank
+    rate: float  # sustained FLOP/s of one rank
     tp: int = 1
-    messages: int = 0     # tp all-reduces in the measured step: 4 per block
+    messages: int = 0  # tp all-reduces in the measured step: 4 per block
     message_bytes: int = 0
-    comm_s: float = 0.0   # the step's time in them, waiting for the other ranks included
+    comm_s: float = 0.0  # the step's time in them, waiting for the other ranks included
 
     def wait(self, link: Link) -> float | None:
         """Seconds the messages took beyond ``link``'s alpha-beta time, per second of the step's
@@ -46,10 +47,10 @@ class StepRate:
 
 @dataclass
 class Calibration:
-    links: dict = field(default_factory=dict)   # op -> Link, measured
-    link_ranks: int = 0                         # ranks of the communication benchmark
-    steps: list = field(default_factory=list)   # StepRate
-    mem_bw: float | None = None                 # bytes/s of the update per rank (as cost.py counts them), if measured
+    links: dict = field(default_factory=dict)  # op -> Link, measured
+    link_ranks: int = 0  # ranks of the communication benchmark
+    steps: list = field(default_factory=list)  # StepRate
+    mem_bw: float | None = None  # bytes/s of the update per rank (as cost.py counts them), if measured
     sources: list = field(default_factory=list)
 
     def network(self, cluster, tp: int | None = None) -> Network:
@@ -63,31 +64,48 @@ class Calibration:
         waits = [s.wait(link) for s in records if s.wait(link) is not None]
         return replace(base, **{"inter" if inter else "intra": measured}, wait=max(waits, default=0.0))
 
-    def rank_flops(self, cluster, ranks_per_node: int, forward_flops: float, tp: int,
-                   busy_ranks: float | None = None) -> float:
+    def rank_flops(
+        self, cluster, ranks_per_node: int, forward_flops: float, tp: int, busy_ranks: float | None = None
+    ) -> float:
         """FLOP/s of one rank doing ``forward_flops`` per micro-batch at ``tp``: the record measured
         with as many ranks on the node, at the same tp, of the nearest work, in that order;
         ``busy_ranks``: how many of them compute at once on average (``Cluster.rank_flops``)."""
         busy = ranks_per_node if busy_ranks is None else busy_ranks
         if not self.steps:
             return cluster.rank_flops(busy)
-        best = min(self.steps, key=lambda s: (s.ranks != ranks_per_node, s.tp != tp,
-                                              abs(math.log(max(s.forward_flops, 1.0) / max(forward_flops, 1.0)))))
+        best = min(
+            self.steps,
+            key=lambda s: (
+                s.ranks != ranks_per_node,
+                s.tp != tp,
+                abs(math.log(max(s.forward_flops, 1.0) / max(forward_flops, 1.0))),
+            ),
+        )
         rate = best.rate
         if cluster.compute_units is not None:
+
             def share(ranks):
                 return min(1.0, cluster.compute_units / ranks)
+
             rate *= share(busy) / share(best.ranks)
         return rate
 
-    def merge(self, other: "Calibration") -> "Calibration":
-        return Calibration({**self.links, **other.links}, other.link_ranks or self.link_ranks,
-                           self.steps + other.steps, other.mem_bw or self.mem_bw, self.sources + other.sources)
+    def merge(self, other: Calibration) -> Calibration:
+        return Calibration(
+            {**self.links, **other.links},
+            other.link_ranks or self.link_ranks,
+            self.steps + other.steps,
+            other.mem_bw or self.mem_bw,
+            self.sources + other.sources,
+        )
 
     def describe(self) -> str:
         parts = [f"{op} alpha {link.alpha * 1e6:.1f} us, {link.bw / 1e9:.2f} GB/s" for op, link in self.links.items()]
-        parts += [f"compute {s.rate / 1e9:.1f} GFLOP/s per rank ({s.ranks} ranks, tp={s.tp}, "
-                  f"{s.forward_flops / 1e9:.2f} GFLOP forward per micro-batch)" for s in self.steps]
+        parts += [
+            f"compute {s.rate / 1e9:.1f} GFLOP/s per rank ({s.ranks} ranks, tp={s.tp}, "
+            f"{s.forward_flops / 1e9:.2f} GFLOP forward per micro-batch)"
+            for s in self.steps
+        ]
         if self.mem_bw:
             parts.append(f"update {self.mem_bw / 1e9:.1f} GB/s per rank")
         return "; ".join(parts)
@@ -124,8 +142,15 @@ def step_rate(record: dict, ranks: int | None = None) -> StepRate:
     tp = record["tp"]
     itemsize = numpy.dtype(record["dtype"]).itemsize
     messages = 4 * record["layers"] if tp > 1 else 0
-    return StepRate(ranks or tp, record["flops"] / 3 / tp, record["flops"] / tp / record["compute_s"], tp, messages,
-                    record["micro_batch"] * record["seq_len"] * record["hidden"] * itemsize, record["comm_s"])
+    return StepRate(
+        ranks or tp,
+        record["flops"] / 3 / tp,
+        record["flops"] / tp / record["compute_s"],
+        tp,
+        messages,
+        record["micro_batch"] * record["seq_len"] * record["hidden"] * itemsize,
+        record["comm_s"],
+    )
 
 
 def from_step_records(records: list[dict], source: str = "bench step") -> Calibration:
@@ -148,6 +173,7 @@ def load_calibration(paths) -> Calibration:
         elif records and all(isinstance(r, dict) and r.get("benchmark") == "step" for r in records):
             total = total.merge(from_step_records(records, str(path)))
         else:
-            raise ConfigError(f"--calibration {path}: expected the JSON of 'hpc-tp bench comm --json' or "
-                              f"'hpc-tp bench step --json'")
+            raise ConfigError(
+                f"--calibration {path}: expected the JSON of 'hpc-tp bench comm --json' or 'hpc-tp bench step --json'"
+            )
     return total

@@ -19,6 +19,7 @@ half model's gradients in float32, ``module.grad_buffer``, as Megatron-LM's main
 bf16), fp32 master weights and moments: 2 + 4 + 12 = 18 bytes per parameter (the ZeRO paper
 counts 16, with 2-byte gradients).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -29,9 +30,9 @@ from ..errors import ConfigError
 @dataclass(frozen=True)
 class Precision:
     name: str
-    param_bytes: int       # the weights the forward pass reads
+    param_bytes: int  # the weights the forward pass reads
     grad_bytes: int
-    optimizer_bytes: int   # per parameter: master copy (if any) and the two AdamW moments
+    optimizer_bytes: int  # per parameter: master copy (if any) and the two AdamW moments
     activation_bytes: int  # per saved activation element
 
     @property
@@ -54,18 +55,18 @@ MIXED_BF16 = Precision("bf16 mixed", 2, 4, 12, 2)
 class Cluster:
     name: str
     devices_per_node: int
-    device_mem: float          # bytes usable per device
-    device_flops: float        # peak FLOP/s per device in the precision trained
-    intra_bw: float            # bytes/s, one direction, per device, inside a node
-    inter_bw: float            # bytes/s, one direction, per device, across nodes
+    device_mem: float  # bytes usable per device
+    device_flops: float  # peak FLOP/s per device in the precision trained
+    intra_bw: float  # bytes/s, one direction, per device, inside a node
+    inter_bw: float  # bytes/s, one direction, per device, across nodes
     intra_alpha: float = 5e-6  # seconds per message hop
     inter_alpha: float = 2e-5
-    mem_bw: float = 1e12       # bytes/s of device memory: elementwise work (the optimizer update)
+    mem_bw: float = 1e12  # bytes/s of device memory: elementwise work (the optimizer update)
     gemm_efficiency: float = 0.7
     compute_units: int | None = None  # CPU nodes: cores the ranks of a node share
     precision: Precision = MIXED_BF16
 
-    def with_overrides(self, **values) -> "Cluster":
+    def with_overrides(self, **values) -> Cluster:
         return replace(self, **{k: v for k, v in values.items() if v is not None})
 
     def rank_flops(self, ranks_per_node: float) -> float:
@@ -97,8 +98,20 @@ CLUSTERS = {
     # This kind of 2-core CPU machine, numpy/OpenBLAS float32: ~100 GFLOP/s per core (GEMM 2048^3 on
     # one thread), shared-memory MPI ~3-7 GB/s. A "device" is a rank: up to 4 per node (the test
     # suite's largest launch), oversubscribed ranks sharing the two cores.
-    "cpu-2core": Cluster("cpu-2core", 4, 8 * GiB, 100e9, 5 * GB, 1 * GB, intra_alpha=2e-5, inter_alpha=5e-5,
-                         mem_bw=8 * GB, gemm_efficiency=0.6, compute_units=2, precision=engine_precision("float32")),
+    "cpu-2core": Cluster(
+        "cpu-2core",
+        4,
+        8 * GiB,
+        100e9,
+        5 * GB,
+        1 * GB,
+        intra_alpha=2e-5,
+        inter_alpha=5e-5,
+        mem_bw=8 * GB,
+        gemm_efficiency=0.6,
+        compute_units=2,
+        precision=engine_precision("float32"),
+    ),
 }
 
 

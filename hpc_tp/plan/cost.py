@@ -58,6 +58,7 @@ keeps the plan on the safe side on GPUs.
 Update. AdamW, clipping and zeroing are elementwise: ``UPDATE_PASSES`` reads and writes of the
 stage's parameters, gradients and states, at the device's memory bandwidth.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,18 @@ from ..models.config import ModelConfig
 from ..module import DEFAULT_BUCKET_BYTES
 from ..pipeline.partition import balanced_layers, rank_layers, stage_costs
 from ..recompute import recompute_mode
-from .memory import (ENGINE, ENGINE_ON_GPU, Routing, expert_params, kv_heads_local, norm_params, sharded_elements, stage_memory,
-                     stage_params, vocab_rows)
+from .memory import (
+    ENGINE,
+    ENGINE_ON_GPU,
+    Routing,
+    expert_params,
+    kv_heads_local,
+    norm_params,
+    sharded_elements,
+    stage_memory,
+    stage_params,
+    vocab_rows,
+)
 
 UPDATE_PASSES = 11  # numpy AdamW (about 33 array passes), grad norm, finite check, zeroing: / 4 arrays
 
@@ -97,7 +108,7 @@ def traffic(op: str, group: int) -> float:
 @dataclass(frozen=True)
 class Link:
     alpha: float  # seconds per hop
-    bw: float     # bytes/s per rank, one direction
+    bw: float  # bytes/s per rank, one direction
 
     def time(self, op: str, group: int, nbytes: float) -> float:
         return hops(op, group) * self.alpha + traffic(op, group) * nbytes / self.bw
@@ -115,7 +126,7 @@ class Network:
     wait: float = 0.0
 
     @classmethod
-    def of_cluster(cls, cluster) -> "Network":
+    def of_cluster(cls, cluster) -> Network:
         return cls({op: Link(*cluster.link(False)) for op in OPS}, {op: Link(*cluster.link(True)) for op in OPS})
 
     def time(self, op: str, group: int, nbytes: float, inter: bool) -> float:
@@ -169,13 +180,17 @@ class Layout:
     def describe(self, chunks: bool = True) -> str:
         """``tp=1 pp=2 dp=1 micro-batch=2 1f1b V=2``: V with every 1F1B pipeline, so that V=1 says it
         does not interleave; ``chunks`` False leaves V out (a table's own column)."""
-        extras = [f"ep={self.ep}" if self.ep > 1 else "", "sp" if self.sequence_parallel else "",
-                  {"none": "", "selective": "selective", "full": "recompute"}[self.recompute],
-                  self.schedule if self.pp > 1 else "",
-                  f"V={self.virtual_stages}" if chunks and self.pp > 1 and self.schedule == "1f1b" else "",
-                  "zero1" if self.distributed_optimizer else ""]
-        return " ".join([f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch={self.micro_batch}",
-                         *[e for e in extras if e]])
+        extras = [
+            f"ep={self.ep}" if self.ep > 1 else "",
+            "sp" if self.sequence_parallel else "",
+            {"none": "", "selective": "selective", "full": "recompute"}[self.recompute],
+            self.schedule if self.pp > 1 else "",
+            f"V={self.virtual_stages}" if chunks and self.pp > 1 and self.schedule == "1f1b" else "",
+            "zero1" if self.distributed_optimizer else "",
+        ]
+        return " ".join(
+            [f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch={self.micro_batch}", *[e for e in extras if e]]
+        )
 
     @property
     def chunks_shown(self) -> str:
@@ -185,32 +200,32 @@ class Layout:
 
 @dataclass(frozen=True)
 class Collective:
-    group: str     # tp, pp, dp or world
+    group: str  # tp, pp, dp or world
     op: str
-    nbytes: int    # one message
-    count: int     # messages per step on one rank of the stage
+    nbytes: int  # one message
+    count: int  # messages per step on one rank of the stage
     what: str
     per_micro_batch: bool = True  # inside the pipeline (else once per step, after it)
-    seconds: float = 0.0          # count x one message's time
-    ranks: int = 0                # a subgroup's size (K/V replicas inside tp); 0: the whole group
+    seconds: float = 0.0  # count x one message's time
+    ranks: int = 0  # a subgroup's size (K/V replicas inside tp); 0: the whole group
 
 
 @dataclass
 class Prediction:
     layout: Layout
     step_s: float
-    compute_s: float       # the busiest stage's forward and backward FLOPs, m micro-batches
-    tp_s: float            # the busiest stage's tp collectives, m micro-batches
+    compute_s: float  # the busiest stage's forward and backward FLOPs, m micro-batches
+    tp_s: float  # the busiest stage's tp collectives, m micro-batches
     pp_s: float
-    dp_s: float            # gradient buckets, and the step's scalar reductions (tokens, loss, norm, finite)
-    bubble_s: float        # pipeline fill and drain: the step minus m times the slowest stage
+    dp_s: float  # gradient buckets, and the step's scalar reductions (tokens, loss, norm, finite)
+    bubble_s: float  # pipeline fill and drain: the step minus m times the slowest stage
     update_s: float
     tokens_per_s: float
     model_flops_per_device: float  # 3 x forward FLOPs per second per device (recompute not counted)
-    memory: dict = field(default_factory=dict)      # stage -> StageMemory, the first stage of each kind
-    layers: list = field(default_factory=list)      # layers per stage
+    memory: dict = field(default_factory=dict)  # stage -> StageMemory, the first stage of each kind
+    layers: list = field(default_factory=list)  # layers per stage
     collectives: list = field(default_factory=list)
-    ep_s: float = 0.0      # MoE routing counts and all-to-alls over the ep group
+    ep_s: float = 0.0  # MoE routing counts and all-to-alls over the ep group
 
     @property
     def peak_memory(self) -> int:
@@ -221,8 +236,9 @@ def mlp_flops_per_row(cfg: ModelConfig) -> float:
     return 2.0 * ((2 if cfg.activation == "swiglu" else 1) * cfg.hidden * cfg.ffn_hidden + cfg.ffn_hidden * cfg.hidden)
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq: int, layers: range, first: bool, last: bool,
-                            expert_rows_per_token: float | None = None) -> float:
+def forward_flops_per_token(
+    cfg: ModelConfig, seq: int, layers: range, first: bool, last: bool, expert_rows_per_token: float | None = None
+) -> float:
     """Forward FLOPs per token of a stage's ``layers`` (global indices). An MoE layer's MLP counts
     ``expert_rows_per_token`` expert rows (default: top_k, the model's FLOPs) plus its router."""
     embedding, block, head = stage_costs(cfg, seq)
@@ -237,8 +253,7 @@ def router_flops_per_token(cfg: ModelConfig, layers: range) -> float:
     return 2 * cfg.hidden * cfg.num_experts * sum(cfg.is_moe_layer(i) for i in layers)
 
 
-def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, last: bool, m: int,
-                    elem: int) -> list:
+def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, last: bool, m: int, elem: int) -> list:
     """The tp group's messages (module docstring): plain, or sequence-parallel, and the experts'."""
     tp, again = layout.tp, 1 if layout.recompute == "full" else 0
     tokens = layout.micro_batch * seq
@@ -247,10 +262,24 @@ def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, l
     dense = len(layers) - moe
     out = []
     if layout.sequence_parallel:
-        out.append(Collective("tp", "all_gather", activation, (2 * (3 + again) * dense + (5 + 2 * again) * moe) * m,
-                              "SP f: before QKV and fc1 (forward; again backward), output grads; MoE input"))
-        out.append(Collective("tp", "reduce_scatter", activation, (2 * (2 + again) * dense + (2 + again) * moe) * m,
-                              "SP g: after the output projection and fc2, and the input grads"))
+        out.append(
+            Collective(
+                "tp",
+                "all_gather",
+                activation,
+                (2 * (3 + again) * dense + (5 + 2 * again) * moe) * m,
+                "SP f: before QKV and fc1 (forward; again backward), output grads; MoE input",
+            )
+        )
+        out.append(
+            Collective(
+                "tp",
+                "reduce_scatter",
+                activation,
+                (2 * (2 + again) * dense + (2 + again) * moe) * m,
+                "SP g: after the output projection and fc2, and the input grads",
+            )
+        )
         out.append(Collective("tp", "all_reduce", 2 * norm_params(cfg) * elem, len(layers) * m, "SP norm grads"))
         if first:
             out.append(Collective("tp", "all_gather", activation, m, "SP embedding grad"))
@@ -258,13 +287,27 @@ def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, l
             out.append(Collective("tp", "all_gather", activation, m, "SP final norm output"))
             out.append(Collective("tp", "all_reduce", norm_params(cfg) * elem, m, "SP final norm grads"))
     else:
-        out.append(Collective("tp", "all_reduce", activation, ((4 + 2 * again) * dense + (2 + again) * moe) * m,
-                              "f/g of attention and MLP"))
+        out.append(
+            Collective(
+                "tp",
+                "all_reduce",
+                activation,
+                ((4 + 2 * again) * dense + (2 + again) * moe) * m,
+                "f/g of attention and MLP",
+            )
+        )
     if moe:
         routing = Routing.bound(cfg, tokens, layout.ep)
         local = cfg.num_experts // layout.ep
-        out.append(Collective("tp", "all_reduce", math.ceil(routing.received / local) * cfg.hidden * elem,
-                              moe * local * (2 + again) * m, "f/g of each local expert on its rows"))
+        out.append(
+            Collective(
+                "tp",
+                "all_reduce",
+                math.ceil(routing.received / local) * cfg.hidden * elem,
+                moe * local * (2 + again) * m,
+                "f/g of each local expert on its rows",
+            )
+        )
     if first:
         out.append(Collective("tp", "all_reduce", activation, m, "vocab-parallel embedding"))
     if last:
@@ -275,16 +318,36 @@ def _tp_collectives(cfg, layout: Layout, seq: int, layers: range, first: bool, l
         # ColumnParallelLinear._add_param_grads: one all-reduce per K and V segment (and per bias), its replica f.
         columns = cfg.head_dim * kv_heads_local(cfg, tp)
         replicas = tp // cfg.n_kv_heads
-        out.append(Collective("tp", "all_reduce", cfg.hidden * columns * elem, 2 * len(layers) * m,
-                              "replicated K/V weight grads", ranks=replicas))
+        out.append(
+            Collective(
+                "tp",
+                "all_reduce",
+                cfg.hidden * columns * elem,
+                2 * len(layers) * m,
+                "replicated K/V weight grads",
+                ranks=replicas,
+            )
+        )
         if cfg.bias:
-            out.append(Collective("tp", "all_reduce", columns * elem, 2 * len(layers) * m,
-                                  "replicated K/V bias grads", ranks=replicas))
+            out.append(
+                Collective(
+                    "tp", "all_reduce", columns * elem, 2 * len(layers) * m, "replicated K/V bias grads", ranks=replicas
+                )
+            )
     return out
 
 
-def stage_collectives(cfg: ModelConfig, layout: Layout, seq: int, layers: range, first: bool, last: bool,
-                      micro_batches: int, elem: int, grad_bytes: int) -> list[Collective]:
+def stage_collectives(
+    cfg: ModelConfig,
+    layout: Layout,
+    seq: int,
+    layers: range,
+    first: bool,
+    last: bool,
+    micro_batches: int,
+    elem: int,
+    grad_bytes: int,
+) -> list[Collective]:
     """Every collective one rank of a stage issues in a step, with its size and count."""
     tp, ep, m = layout.tp, layout.ep, micro_batches
     tokens = layout.micro_batch * seq
@@ -297,19 +360,43 @@ def stage_collectives(cfg: ModelConfig, layout: Layout, seq: int, layers: range,
         piece = min(tokens * min(cfg.top_k, cfg.num_experts // ep), math.ceil(routing.received / ep))
         counts_bytes = (cfg.top_k * cfg.num_experts + cfg.num_experts + 1) * 8
         out.append(Collective("ep", "all_gather", counts_bytes * ep, moe * (1 + again) * m, "MoE routing counts"))
-        out.append(Collective("ep", "all_to_all", ep * piece * cfg.hidden * elem, moe * (4 + 2 * again) * m,
-                              "MoE dispatch and combine, forward and backward"))
+        out.append(
+            Collective(
+                "ep",
+                "all_to_all",
+                ep * piece * cfg.hidden * elem,
+                moe * (4 + 2 * again) * m,
+                "MoE dispatch and combine, forward and backward",
+            )
+        )
     if layout.pp > 1:
-        out.append(Collective("pp", "p2p", activation // (tp if layout.sequence_parallel else 1),
-                              2 * m * layout.virtual_stages, "activation forward, gradient backward (per chunk)"))
+        out.append(
+            Collective(
+                "pp",
+                "p2p",
+                activation // (tp if layout.sequence_parallel else 1),
+                2 * m * layout.virtual_stages,
+                "activation forward, gradient backward (per chunk)",
+            )
+        )
         out.append(Collective("pp", "all_reduce", 16, 2, "loss broadcast, grad norm", False))
         if cfg.tie_embeddings and (first or last):  # pipeline/tied.py: the two copies' gradients summed
-            out.append(Collective("pp", "all_reduce", vocab_rows(cfg, tp) * cfg.hidden * grad_bytes, 1,
-                                  "tied embedding grads, first and last stage", False, ranks=2))
+            out.append(
+                Collective(
+                    "pp",
+                    "all_reduce",
+                    vocab_rows(cfg, tp) * cfg.hidden * grad_bytes,
+                    1,
+                    "tied embedding grads, first and last stage",
+                    False,
+                    ranks=2,
+                )
+            )
     experts = expert_params(cfg, tp, layers, ep) * grad_bytes
-    for group, size, grads, what in (("dp", layout.dp, stage_params(cfg, tp, layers, first, last, ep) * grad_bytes
-                                      - experts, "gradient buckets"),
-                                     ("expert_dp", layout.dp // ep, experts, "expert gradient buckets")):
+    for group, size, grads, what in (
+        ("dp", layout.dp, stage_params(cfg, tp, layers, first, last, ep) * grad_bytes - experts, "gradient buckets"),
+        ("expert_dp", layout.dp // ep, experts, "expert gradient buckets"),
+    ):
         if size > 1 and grads > 0:
             buckets = max(1, math.ceil(grads / DEFAULT_BUCKET_BYTES))
             out.append(Collective(group, "all_reduce", math.ceil(grads / buckets), buckets, what, False))
@@ -329,8 +416,9 @@ def stage_ranges(counts: list[int]) -> list[range]:
     return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
 
 
-def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, cluster, calibration=None,
-            layers=None) -> Prediction:
+def predict(
+    cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, cluster, calibration=None, layers=None
+) -> Prediction:
     """The layout's step time, its parts and memory per stage. ``layers``: blocks per chunk, pp *
     virtual_stages of them (default: the engine's balanced split, ``balanced_layers``). The layout's
     sequence_parallel replaces the config's."""
@@ -352,11 +440,25 @@ def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, clust
     kinds, stage_times = {}, []
     for s, stage_layers in enumerate(ranges):
         if kind(s) not in kinds:
-            k = kinds[kind(s)] = _stage(cfg, layout, seq, m, stage_layers, s, cluster, calibration, network, mem_bw,
-                                        per_node)
-            k["memory"] = stage_memory(cfg, layout.tp, layout.pp, s, stage_layers, layout.micro_batch,
-                                       seq, m, layout.schedule, layout.recompute, precision, saved, layout.ep,
-                                       layout.optimizer_shards)
+            k = kinds[kind(s)] = _stage(
+                cfg, layout, seq, m, stage_layers, s, cluster, calibration, network, mem_bw, per_node
+            )
+            k["memory"] = stage_memory(
+                cfg,
+                layout.tp,
+                layout.pp,
+                s,
+                stage_layers,
+                layout.micro_batch,
+                seq,
+                m,
+                layout.schedule,
+                layout.recompute,
+                precision,
+                saved,
+                layout.ep,
+                layout.optimizer_shards,
+            )
             k["stage"] = s  # the first of its kind holds the most micro-batches in flight
         stage_times.append(kinds[kind(s)]["micro"])
 
@@ -369,13 +471,27 @@ def predict(cfg: ModelConfig, layout: Layout, global_batch: int, seq: int, clust
     model_flops = 3 * forward_flops_per_token(cfg, seq, range(cfg.n_layers), True, True) * global_batch * seq
     memory = {k["stage"]: k["memory"] for k in kinds.values()}
     comm = worst["in_pipeline"]
-    return Prediction(layout, step, worst["compute"], comm["tp"], comm["pp"], dp_s,
-                      pipeline - m * stage_times[slowest], update_s, global_batch * seq / step,
-                      model_flops / step / layout.world, memory, [len(r) for r in ranges], worst["comms"], comm["ep"])
+    return Prediction(
+        layout,
+        step,
+        worst["compute"],
+        comm["tp"],
+        comm["pp"],
+        dp_s,
+        pipeline - m * stage_times[slowest],
+        update_s,
+        global_batch * seq / step,
+        model_flops / step / layout.world,
+        memory,
+        [len(r) for r in ranges],
+        worst["comms"],
+        comm["ep"],
+    )
 
 
-def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, cluster, calibration, network, mem_bw,
-           per_node) -> dict:
+def _stage(
+    cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, cluster, calibration, network, mem_bw, per_node
+) -> dict:
     """One stage's compute, collectives and update time; ``micro``: one micro-batch forward + backward."""
     first, last = stage == 0, stage == layout.pp - 1
     precision, tokens = cluster.precision, layout.micro_batch * seq
@@ -390,25 +506,55 @@ def _stage(cfg, layout: Layout, seq: int, m: int, layers: range, stage: int, clu
     # A pipeline stage computes m of the m + (pp - 1) / V stage times a step lasts and waits in the
     # rest (MPI yields the core when ranks outnumber cores): on average fewer ranks share the cores.
     busy = per_node * m / (m + (layout.pp - 1) / layout.virtual_stages)
-    rate = (calibration.rank_flops(cluster, per_node, flops, layout.tp, busy) if calibration is not None
-            else cluster.rank_flops(busy))
-    recomputed = {"none": 0.0, "full": per_rank(forward_flops_per_token(cfg, seq, layers, False, False, rows)),
-                  "selective": 2.0 * seq * cfg.hidden * len(layers) * tokens / layout.tp}[layout.recompute]
+    rate = (
+        calibration.rank_flops(cluster, per_node, flops, layout.tp, busy)
+        if calibration is not None
+        else cluster.rank_flops(busy)
+    )
+    recomputed = {
+        "none": 0.0,
+        "full": per_rank(forward_flops_per_token(cfg, seq, layers, False, False, rows)),
+        "selective": 2.0 * seq * cfg.hidden * len(layers) * tokens / layout.tp,
+    }[layout.recompute]
     compute = (3 * flops + recomputed) / rate
-    comms = [replace(c, seconds=c.count * network.time(c.op, c.ranks or layout.group_size(c.group), c.nbytes,
-                                                       layout.spans_nodes(c.group, cluster.devices_per_node)))
-             for c in stage_collectives(cfg, layout, seq, layers, first, last, m, precision.activation_bytes,
-                                        precision.grad_bytes)]
+    comms = [
+        replace(
+            c,
+            seconds=c.count
+            * network.time(
+                c.op,
+                c.ranks or layout.group_size(c.group),
+                c.nbytes,
+                layout.spans_nodes(c.group, cluster.devices_per_node),
+            ),
+        )
+        for c in stage_collectives(
+            cfg, layout, seq, layers, first, last, m, precision.activation_bytes, precision.grad_bytes
+        )
+    ]
     if layout.tp > 1 and network.wait:
-        comms.append(Collective("tp", "wait", 0, m, "waiting for tp partners (calibrated, per compute)",
-                                seconds=network.wait * compute * m))
+        comms.append(
+            Collective(
+                "tp",
+                "wait",
+                0,
+                m,
+                "waiting for tp partners (calibrated, per compute)",
+                seconds=network.wait * compute * m,
+            )
+        )
     in_pipeline = {g: sum(c.seconds for c in comms if c.group == g and c.per_micro_batch) for g in ("tp", "pp", "ep")}
     params = stage_params(cfg, layout.tp, layers, first, last, layout.ep)
-    return dict(compute=compute * m, comms=comms, in_pipeline=in_pipeline,
-                after=sum(c.seconds for c in comms if not c.per_micro_batch),
-                micro=compute + sum(in_pipeline.values()) / m,
-                update=UPDATE_PASSES * _update_bytes(params, expert_params(cfg, layout.tp, layers, layout.ep),
-                                                     precision, layout) / mem_bw)
+    return dict(
+        compute=compute * m,
+        comms=comms,
+        in_pipeline=in_pipeline,
+        after=sum(c.seconds for c in comms if not c.per_micro_batch),
+        micro=compute + sum(in_pipeline.values()) / m,
+        update=UPDATE_PASSES
+        * _update_bytes(params, expert_params(cfg, layout.tp, layers, layout.ep), precision, layout)
+        / mem_bw,
+    )
 
 
 def _update_bytes(params: int, experts: int, precision, layout: Layout) -> float:

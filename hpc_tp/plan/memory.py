@@ -43,11 +43,12 @@ A pipeline stage holds the activations of the micro-batches in flight: all m wit
 ``min(pp - stage, m)`` with 1F1B; with recomputation, backward rebuilds one layer's full set
 (selective: only its attention-dropout masks, redrawn whole; the softmax is never whole again).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache
 
 from ..models.config import ModelConfig
 from ..nn.attention import saved_score_elements
@@ -63,13 +64,13 @@ class SavedTensors:
     """Which tensors an implementation keeps for backward, where implementations differ."""
 
     name: str
-    mask_bytes: int | None     # bytes per dropout-mask element; None: the activation dtype's
-    keeps_dropout_output: bool # attention keeps dropout(softmax) besides softmax and the mask
-    activation_aux: bool       # the activation kernel keeps an extra tensor of its input's size
-    row_statistics: bool       # norms keep per-row 1/std, selective attention its log-sum-exp; RoPE its cos/sin tables
-    always_dropout: bool       # count dropout masks whatever the config (the paper's models use dropout)
-    causal_blocks: bool        # causal softmax kept only for the query blocks' visible keys (nn.attention)
-    on_device: bool = False    # the GPU path: larger query blocks (nn.attention.DEVICE_QUERY_BLOCK)
+    mask_bytes: int | None  # bytes per dropout-mask element; None: the activation dtype's
+    keeps_dropout_output: bool  # attention keeps dropout(softmax) besides softmax and the mask
+    activation_aux: bool  # the activation kernel keeps an extra tensor of its input's size
+    row_statistics: bool  # norms keep per-row 1/std, selective attention its log-sum-exp; RoPE its cos/sin tables
+    always_dropout: bool  # count dropout masks whatever the config (the paper's models use dropout)
+    causal_blocks: bool  # causal softmax kept only for the query blocks' visible keys (nn.attention)
+    on_device: bool = False  # the GPU path: larger query blocks (nn.attention.DEVICE_QUERY_BLOCK)
 
 
 MEGATRON = SavedTensors("megatron", 1, True, False, False, True, False)
@@ -144,12 +145,12 @@ def stage_params(cfg: ModelConfig, tp: int, layers: range, first: bool, last: bo
 class Routing:
     """The capacity bound on one MoE layer's routing for one micro-batch of ``tokens`` per rank."""
 
-    tokens: int       # this rank's tokens (the whole sequence, also with sequence parallelism)
-    received: int     # rows this rank's experts receive at most
-    sent: int         # this rank's kept assignments at most (top_k per token)
+    tokens: int  # this rank's tokens (the whole sequence, also with sequence parallelism)
+    received: int  # rows this rank's experts receive at most
+    sent: int  # this rank's kept assignments at most (top_k per token)
 
     @classmethod
-    def bound(cls, cfg: ModelConfig, tokens: int, ep: int) -> "Routing":
+    def bound(cls, cfg: ModelConfig, tokens: int, ep: int) -> Routing:
         """An expert keeps at most ``capacity`` rows (tensor_parallel/experts.py's rule) and at most
         one per token of the ep group."""
         group, k, experts = ep * tokens, cfg.top_k, cfg.num_experts
@@ -170,19 +171,23 @@ def mlp_saved_per_row(cfg: ModelConfig, tp: int, saved: SavedTensors) -> int:
 def moe_saved_bytes(cfg: ModelConfig, routing: Routing, tp: int, elem: int, saved: SavedTensors) -> int:
     """What an MoE layer's MLP part keeps (its input excepted), at the capacity bound."""
     n, k, experts = routing.tokens, cfg.top_k, cfg.num_experts
-    floats = n * experts + n * k * (2 if k > 1 else 1)       # probabilities, chosen (and gates when k > 1)
-    floats += routing.sent * cfg.hidden                        # combined expert outputs
+    floats = n * experts + n * k * (2 if k > 1 else 1)  # probabilities, chosen (and gates when k > 1)
+    floats += routing.sent * cfg.hidden  # combined expert outputs
     floats += routing.received * (cfg.hidden + mlp_saved_per_row(cfg, tp, saved))  # expert inputs, MLPs
     return floats * elem + n * experts * INDEX_BYTES + experts * 8  # top-k order; load shares (float64)
 
 
-def attention_score_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int,
-                          saved: SavedTensors = ENGINE) -> int:
+def attention_score_bytes(
+    cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int, saved: SavedTensors = ENGINE
+) -> int:
     """The softmax outputs and attention-dropout tensors of one layer and micro-batch: what
     selective recomputation does not keep."""
     scores = micro_batch * (cfg.n_heads // tp) * seq * seq
-    kept = micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal, saved.on_device) if (
-        saved.causal_blocks) else scores
+    kept = (
+        micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal, saved.on_device)
+        if (saved.causal_blocks)
+        else scores
+    )
     dropout_output = scores * elem if saved.keeps_dropout_output and attention_dropout(cfg, saved) else 0
     return kept * elem + attention_mask_bytes(cfg, micro_batch, seq, tp, elem, saved) + dropout_output
 
@@ -191,8 +196,9 @@ def attention_dropout(cfg: ModelConfig, saved: SavedTensors) -> bool:
     return cfg.attn_dropout > 0 or saved.always_dropout
 
 
-def attention_mask_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int,
-                         saved: SavedTensors = ENGINE) -> int:
+def attention_mask_bytes(
+    cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int, saved: SavedTensors = ENGINE
+) -> int:
     """One layer's attention-dropout masks (0 without attention dropout): selective recomputation
     redraws them whole in backward."""
     if not attention_dropout(cfg, saved):
@@ -206,8 +212,17 @@ def softmax_statistics_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: i
     return micro_batch * (cfg.n_heads // tp) * seq * max(elem, 4)
 
 
-def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int,
-                           saved: SavedTensors = ENGINE, layer: int = 0, ep: int = 1, selective: bool = False) -> int:
+def layer_activation_bytes(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq: int,
+    tp: int,
+    elem: int,
+    saved: SavedTensors = ENGINE,
+    layer: int = 0,
+    ep: int = 1,
+    selective: bool = False,
+) -> int:
     """Bytes block ``layer`` keeps for backward for one micro-batch (the list in the module docstring);
     ``selective``: without ``attention_score_bytes`` (with the rows' log-sum-exp where ``saved``
     counts row statistics)."""
@@ -216,18 +231,18 @@ def layer_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int
     moe = cfg.is_moe_layer(layer)
     q, kv = cfg.n_heads // tp * d, kv_heads_local(cfg, tp) * d
     mask = elem if saved.mask_bytes is None else saved.mask_bytes
-    elements = shard * 2 * h    # the two norms' saved inputs (xhat)
-    elements += shard * h       # the QKV input (norm output): replicated over tp without SP
+    elements = shard * 2 * h  # the two norms' saved inputs (xhat)
+    elements += shard * h  # the QKV input (norm output): replicated over tp without SP
     elements += (sb if moe else shard) * h  # the MLP's input; an MoE layer keeps the whole sequence's
-    elements += sb * (q + 2 * kv + q)       # Q, K, V and the output projection's input
+    elements += sb * (q + 2 * kv + q)  # Q, K, V and the output projection's input
     if cfg.position == "rope":
         elements += sb * (q + kv)  # rotated Q and K are new arrays (V stays a view of QKV)
         if saved.row_statistics:
-            elements += seq * d    # cos and sin tables, [s, d/2] each
+            elements += seq * d  # cos and sin tables, [s, d/2] each
     if not moe:
         elements += sb * mlp_saved_per_row(cfg, tp, saved)
     if saved.row_statistics:
-        elements += 2 * shard   # 1/std of each row, both norms
+        elements += 2 * shard  # 1/std of each row, both norms
     total = elements * elem
     if moe:
         total += moe_saved_bytes(cfg, Routing.bound(cfg, sb, ep), tp, elem, saved)
@@ -254,7 +269,7 @@ def head_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int,
     return floats * elem + sb * (INDEX_BYTES + 2)
 
 
-@lru_cache(maxsize=None)
+@cache
 def alive_mixes(schedule: str, pp: int, stage: int, micro_batches: int, chunks: int) -> frozenset:
     """How many passes of each chunk hold activations after each forward of the stage's op list
     (pipeline/schedules.py), the distinct mixes only: the peak is after some forward. One chunk:
@@ -270,11 +285,11 @@ def alive_mixes(schedule: str, pp: int, stage: int, micro_batches: int, chunks: 
 
 @dataclass(frozen=True)
 class StageMemory:
-    params: int            # bytes of parameters
-    grads: int             # gradients (the dp buckets sum them in place)
-    optimizer: int         # AdamW moments (and fp32 master weights in mixed precision)
-    activations: int       # held for backward by the micro-batches in flight
-    recompute_peak: int    # one layer's set (full recomputation) or dropout masks (selective) rebuilt in backward
+    params: int  # bytes of parameters
+    grads: int  # gradients (the dp buckets sum them in place)
+    optimizer: int  # AdamW moments (and fp32 master weights in mixed precision)
+    activations: int  # held for backward by the micro-batches in flight
+    recompute_peak: int  # one layer's set (full recomputation) or dropout masks (selective) rebuilt in backward
 
     @property
     def total(self) -> int:
@@ -285,9 +300,22 @@ class StageMemory:
         return self.params + self.grads + self.optimizer
 
 
-def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, micro_batch: int,
-                 seq: int, micro_batches: int, schedule: str, recompute: str | bool, precision,
-                 saved: SavedTensors = ENGINE, ep: int = 1, optimizer_shards: int = 1) -> StageMemory:
+def stage_memory(
+    cfg: ModelConfig,
+    tp: int,
+    pp: int,
+    stage: int,
+    layers: range,
+    micro_batch: int,
+    seq: int,
+    micro_batches: int,
+    schedule: str,
+    recompute: str | bool,
+    precision,
+    saved: SavedTensors = ENGINE,
+    ep: int = 1,
+    optimizer_shards: int = 1,
+) -> StageMemory:
     """``layers``: the stage's global layer indices (with virtual stages its chunks', whose runs of
     consecutive indices are the chunks); ``optimizer_shards``: dp with the distributed optimizer
     (``optimizer_bytes_per_rank``), else 1; ``recompute``: a ``hpc_tp.recompute`` mode."""
@@ -297,19 +325,26 @@ def stage_memory(cfg: ModelConfig, tp: int, pp: int, stage: int, layers: range, 
     layers = list(layers)
     chunks = [[layers[p] for p in run] for run in chunk_runs(layers)]  # V > 1: interleaved, per chunk
     mode = recompute_mode(recompute)
-    kept = [[layer_activation_bytes(cfg, micro_batch, seq, tp, elem, saved, i, ep, mode == "selective")
-             for i in chunk] for chunk in chunks]
+    kept = [
+        [layer_activation_bytes(cfg, micro_batch, seq, tp, elem, saved, i, ep, mode == "selective") for i in chunk]
+        for chunk in chunks
+    ]
     rows = micro_batch * seq // (tp if sequence_sharded(cfg, tp) else 1)
     # A micro-batch's pass through a chunk keeps each block's input (full recomputation) or all it saves.
     per_pass = [len(chunk) * rows * cfg.hidden * elem if mode == "full" else sum(k) for chunk, k in zip(chunks, kept)]
-    rebuilt = {"none": 0, "full": max(max(k) for k in kept),
-               "selective": attention_mask_bytes(cfg, micro_batch, seq, tp, elem, saved)}[mode]
+    rebuilt = {
+        "none": 0,
+        "full": max(max(k) for k in kept),
+        "selective": attention_mask_bytes(cfg, micro_batch, seq, tp, elem, saved),
+    }[mode]
     if first:
         per_pass[0] += embedding_activation_bytes(micro_batch, seq)
     if last:
         per_pass[-1] += head_activation_bytes(cfg, micro_batch, seq, tp, elem)
-    activations = max(sum(n * b for n, b in zip(mix, per_pass))
-                      for mix in alive_mixes(schedule, pp, stage, micro_batches, len(chunks)))
+    activations = max(
+        sum(n * b for n, b in zip(mix, per_pass))
+        for mix in alive_mixes(schedule, pp, stage, micro_batches, len(chunks))
+    )
     optimizer = optimizer_bytes_per_rank(params, expert_params(cfg, tp, layers, ep), precision, optimizer_shards, ep)
     return StageMemory(params * precision.param_bytes, params * precision.grad_bytes, optimizer, activations, rebuilt)
 

@@ -12,6 +12,7 @@ node fits. The feasible ones are ranked by predicted step time (then by
 memory); ``choose_layout`` returns the first of those the trainer can run from its settings,
 interleaved 1F1B (V > 1 chunks per rank) included where the engine runs it.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -33,16 +34,16 @@ AUTO_VIRTUAL_STAGES = (1, 2, 3, 4)
 
 @dataclass(frozen=True)
 class Rejected:
-    layout: dict   # the fields decided when it was rejected (tp, pp, dp, and more for memory)
+    layout: dict  # the fields decided when it was rejected (tp, pp, dp, and more for memory)
     reason: str
-    kind: str      # heads, layers, batch, sequence, experts, memory, nodes
+    kind: str  # heads, layers, batch, sequence, experts, memory, nodes
     need_bytes: int = 0  # memory: what the busiest device would need
 
 
 @dataclass
 class Plan:
-    ranked: list = field(default_factory=list)     # Prediction, fastest first
-    rejected: list = field(default_factory=list)   # Rejected
+    ranked: list = field(default_factory=list)  # Prediction, fastest first
+    rejected: list = field(default_factory=list)  # Rejected
     considered: int = 0
 
     def reasons(self) -> dict[str, int]:
@@ -69,8 +70,9 @@ def structural_reason(cfg: ModelConfig, tp: int, pp: int, dp: int, global_batch:
     return None
 
 
-def variant_reason(cfg: ModelConfig, tp: int, dp: int, seq: int, sequence_parallel: bool,
-                   ep: int) -> tuple[str, str] | None:
+def variant_reason(
+    cfg: ModelConfig, tp: int, dp: int, seq: int, sequence_parallel: bool, ep: int
+) -> tuple[str, str] | None:
     """Why the engine cannot run sequence parallelism or this ep on a (tp, pp, dp) it can run, or None."""
     if sequence_parallel and seq % tp:
         return "sequence", f"sequence length {seq} is not divisible by tp={tp} with sequence parallelism"
@@ -90,18 +92,30 @@ def variants(cfg: ModelConfig, tp: int, dp: int, sequence_parallel, eps):
             yield sp, ep
 
 
-def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, calibration=None,
-           micro_batches=None, recompute=("none", "selective", "full"), schedules=("1f1b", "gpipe"),
-           sequence_parallel=(False, True), eps=None, distributed_optimizer: bool = False,
-           virtual_stages=(1,)) -> Plan:
+def search(
+    cfg: ModelConfig,
+    world: int,
+    global_batch: int,
+    seq: int,
+    cluster,
+    calibration=None,
+    micro_batches=None,
+    recompute=("none", "selective", "full"),
+    schedules=("1f1b", "gpipe"),
+    sequence_parallel=(False, True),
+    eps=None,
+    distributed_optimizer: bool = False,
+    virtual_stages=(1,),
+) -> Plan:
     """Every layout of ``world`` ranks; ``micro_batches``: the sizes to try (default: every divisor);
     ``sequence_parallel``: the settings to try; ``eps``: the expert-parallel sizes (default: every
     divisor of dp, for MoE models); ``distributed_optimizer``: ZeRO-1 wherever dp > 1;
     ``virtual_stages``: the chunk counts per rank to try with 1F1B, where the engine runs them
     (pp > 1, pp * V <= layers, micro-batches a multiple of pp)."""
     if seq > cfg.max_seq_len and cfg.position == "learned":
-        raise ConfigError(f"--seq-len {seq} is longer than the model's learned positions (max_seq_len "
-                          f"{cfg.max_seq_len})")
+        raise ConfigError(
+            f"--seq-len {seq} is longer than the model's learned positions (max_seq_len {cfg.max_seq_len})"
+        )
     plan, splits = Plan(), {}
     for tp, pp, dp in factorizations(world):
         base = dict(tp=tp, pp=pp, dp=dp)
@@ -123,8 +137,9 @@ def search(cfg: ModelConfig, world: int, global_batch: int, seq: int, cluster, c
                         for v in chunk_counts(cfg, pp, global_batch // (dp * micro), schedule, virtual_stages):
                             if (pp, v) not in splits:
                                 splits[pp, v] = [len(r) for r in balanced_layers(cfg, pp, virtual_stages=v)]
-                            layout = Layout(tp, pp, dp, micro, again, schedule, sp, ep,
-                                            distributed_optimizer and dp > 1, v)
+                            layout = Layout(
+                                tp, pp, dp, micro, again, schedule, sp, ep, distributed_optimizer and dp > 1, v
+                            )
                             _consider(plan, cfg, layout, global_batch, seq, cluster, calibration, splits[pp, v])
     _keep_tp_inside_nodes(plan, cluster.devices_per_node)
     plan.ranked.sort(key=lambda p: (p.step_s, p.peak_memory))
@@ -139,8 +154,14 @@ def _keep_tp_inside_nodes(plan: Plan, devices_per_node: int):
     if not spanning or len(spanning) == len(plan.ranked):
         return
     plan.ranked = [p for p in plan.ranked if not p.layout.spans_nodes("tp", devices_per_node)]
-    plan.rejected += [Rejected(asdict(p.layout), f"tp={p.layout.tp} spans nodes of {devices_per_node} devices, and "
-                               "a layout with tp inside a node fits", "nodes") for p in spanning]
+    plan.rejected += [
+        Rejected(
+            asdict(p.layout),
+            f"tp={p.layout.tp} spans nodes of {devices_per_node} devices, and a layout with tp inside a node fits",
+            "nodes",
+        )
+        for p in spanning
+    ]
 
 
 def chunk_counts(cfg, pp: int, micro_batches: int, schedule: str, virtual_stages) -> list[int]:
@@ -156,27 +177,41 @@ def _consider(plan: Plan, cfg, layout: Layout, global_batch: int, seq: int, clus
         plan.ranked.append(p)
         return
     worst = max(p.memory, key=lambda s: p.memory[s].total)
-    plan.rejected.append(Rejected(
-        asdict(layout),
-        f"does not fit: stage {worst} needs {p.peak_memory / GiB:.1f} GiB of {cluster.device_mem / GiB:.1f} GiB",
-        "memory", p.peak_memory))
+    plan.rejected.append(
+        Rejected(
+            asdict(layout),
+            f"does not fit: stage {worst} needs {p.peak_memory / GiB:.1f} GiB of {cluster.device_mem / GiB:.1f} GiB",
+            "memory",
+            p.peak_memory,
+        )
+    )
 
 
 def explain(best: Prediction, plan: Plan) -> str:
     """One line: why the top plan won."""
-    parts = [f"fastest of {len(plan.ranked)} feasible layouts ({len(plan.rejected)} rejected)",
-             f"predicted step {best.step_s:.4g} s: compute {best.compute_s:.3g}, tp {best.tp_s:.3g}, "
-             f"pp {best.pp_s:.3g}, bubble {best.bubble_s:.3g}, dp {best.dp_s:.3g}, update {best.update_s:.3g}",
-             f"{best.peak_memory / GiB:.2f} GiB per device"]
+    parts = [
+        f"fastest of {len(plan.ranked)} feasible layouts ({len(plan.rejected)} rejected)",
+        f"predicted step {best.step_s:.4g} s: compute {best.compute_s:.3g}, tp {best.tp_s:.3g}, "
+        f"pp {best.pp_s:.3g}, bubble {best.bubble_s:.3g}, dp {best.dp_s:.3g}, update {best.update_s:.3g}",
+        f"{best.peak_memory / GiB:.2f} GiB per device",
+    ]
     if len(plan.ranked) > 1:
         runner = plan.ranked[1]
         parts.append(f"next {runner.layout.describe()} at {runner.step_s:.4g} s")
     return "; ".join(parts)
 
 
-def choose_layout(cfg: ModelConfig, world_size: int, global_batch: int, seq_len: int, cluster="cpu-2core",
-                  calibration=None, ep: int = 1, distributed_optimizer: bool = False,
-                  virtual_stages: int | None = None) -> dict:
+def choose_layout(
+    cfg: ModelConfig,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    cluster="cpu-2core",
+    calibration=None,
+    ep: int = 1,
+    distributed_optimizer: bool = False,
+    virtual_stages: int | None = None,
+) -> dict:
     """The top plan as the trainer's settings: tp, pp, dp, micro_batch, recompute, schedule,
     virtual_stages, reason. ``cluster``: a preset name or a ``Cluster``; ``calibration``: a
     ``Calibration`` or JSON paths; ``ep``: the expert-parallel size the run asked for (only layouts
@@ -189,20 +224,47 @@ def choose_layout(cfg: ModelConfig, world_size: int, global_batch: int, seq_len:
     if calibration is not None and not isinstance(calibration, Calibration):
         calibration = load_calibration([calibration] if isinstance(calibration, str) else calibration)
     # The trainer takes sequence parallelism from the model config and ep from its own settings.
-    plan = search(cfg, world_size, global_batch, seq_len, cluster, calibration,
-                  sequence_parallel=(cfg.sequence_parallel,), eps=(ep,), distributed_optimizer=distributed_optimizer,
-                  virtual_stages=AUTO_VIRTUAL_STAGES if virtual_stages is None else (virtual_stages,))
+    plan = search(
+        cfg,
+        world_size,
+        global_batch,
+        seq_len,
+        cluster,
+        calibration,
+        sequence_parallel=(cfg.sequence_parallel,),
+        eps=(ep,),
+        distributed_optimizer=distributed_optimizer,
+        virtual_stages=AUTO_VIRTUAL_STAGES if virtual_stages is None else (virtual_stages,),
+    )
     if not plan.ranked:
         counts = ", ".join(f"{n} {kind}" for kind, n in plan.reasons().items())
-        rejected = "" if not plan.rejected else \
-            f": rejected {counts} (e.g. {min(plan.rejected, key=lambda r: r.kind != 'memory').reason})"
+        rejected = (
+            ""
+            if not plan.rejected
+            else f": rejected {counts} (e.g. {min(plan.rejected, key=lambda r: r.kind != 'memory').reason})"
+        )
         # Layouts that cannot interleave are skipped, not rejected: name the rule they break.
-        asked = "" if virtual_stages in (None, 1) else \
-            (f" at --virtual-stages {virtual_stages}, which needs pp > 1 with pp x {virtual_stages} <= "
-             f"{cfg.n_layers} layers and the micro-batches per step a multiple of pp")
-        raise ConfigError(f"no layout of {world_size} ranks can train {cfg.n_layers} layers of hidden {cfg.hidden} "
-                          f"with global batch {global_batch}{asked}{rejected}")
+        asked = (
+            ""
+            if virtual_stages in (None, 1)
+            else (
+                f" at --virtual-stages {virtual_stages}, which needs pp > 1 with pp x {virtual_stages} <= "
+                f"{cfg.n_layers} layers and the micro-batches per step a multiple of pp"
+            )
+        )
+        raise ConfigError(
+            f"no layout of {world_size} ranks can train {cfg.n_layers} layers of hidden {cfg.hidden} "
+            f"with global batch {global_batch}{asked}{rejected}"
+        )
     best = plan.ranked[0]
     lay = best.layout
-    return dict(tp=lay.tp, pp=lay.pp, dp=lay.dp, micro_batch=lay.micro_batch, recompute=lay.recompute,
-                schedule=lay.schedule, virtual_stages=lay.virtual_stages, reason=explain(best, plan))
+    return dict(
+        tp=lay.tp,
+        pp=lay.pp,
+        dp=lay.dp,
+        micro_batch=lay.micro_batch,
+        recompute=lay.recompute,
+        schedule=lay.schedule,
+        virtual_stages=lay.virtual_stages,
+        reason=explain(best, plan),
+    )

@@ -14,6 +14,7 @@ during the steps then moves both sides), and the layouts are measured in rounds 
 once per round, ``repeats`` rounds): a layout's error is the median over rounds of predicted /
 measured, each pair taken at the same moment, which a burst of load on one round does not move.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -33,7 +34,7 @@ from ..train.settings import TrainSettings
 from ..train.trainer import Trainer
 from .calibration import Calibration, from_comm_records, step_rate
 from .clusters import engine_precision, get_cluster
-from .cost import Layout, UPDATE_PASSES, _update_bytes, predict
+from .cost import UPDATE_PASSES, Layout, _update_bytes, predict
 from .search import chunk_counts, structural_reason, variant_reason, variants
 
 COMM_SIZES = [2**k for k in range(6, 23, 2)]  # 64 B .. 4 MiB
@@ -79,15 +80,37 @@ def measure_step_rate(world, cfg, tp: int, micro_batch: int, seq: int, dtype: st
     return replace(rates[0], rate=min(r.rate for r in rates), comm_s=max(r.comm_s for r in rates))
 
 
-def measure_layout(world, model: str, overrides: dict, layout: Layout, global_batch: int, seq: int,
-                   dtype: str = "float32", steps: int = 3, warmup: int = 1) -> dict:
+def measure_layout(
+    world,
+    model: str,
+    overrides: dict,
+    layout: Layout,
+    global_batch: int,
+    seq: int,
+    dtype: str = "float32",
+    steps: int = 3,
+    warmup: int = 1,
+) -> dict:
     """Median step time (slowest rank) of real training steps, and this layout's state bytes."""
     overrides = {**overrides, "sequence_parallel": layout.sequence_parallel}
-    settings = TrainSettings(model=model, model_overrides=overrides, tp=layout.tp, pp=layout.pp, dp=layout.dp,
-                             ep=layout.ep, micro_batch=layout.micro_batch, global_batch=global_batch, seq_len=seq,
-                             steps=steps + warmup, dtype=dtype, recompute=layout.recompute, schedule=layout.schedule,
-                             virtual_stages=layout.virtual_stages, distributed_optimizer=layout.distributed_optimizer,
-                             progress=False)
+    settings = TrainSettings(
+        model=model,
+        model_overrides=overrides,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        ep=layout.ep,
+        micro_batch=layout.micro_batch,
+        global_batch=global_batch,
+        seq_len=seq,
+        steps=steps + warmup,
+        dtype=dtype,
+        recompute=layout.recompute,
+        schedule=layout.schedule,
+        virtual_stages=layout.virtual_stages,
+        distributed_optimizer=layout.distributed_optimizer,
+        progress=False,
+    )
     trainer = Trainer(settings, world)
     times, comms = [], []
     for i in range(steps + warmup):
@@ -95,8 +118,9 @@ def measure_layout(world, model: str, overrides: dict, layout: Layout, global_ba
         if i >= warmup:
             times.append(max(world.allgather_object(record["step_s"])))
             comms.append(max(world.allgather_object(record["comm_s"])))
-    states = world.allgather_object((trainer.grid.coords.pp, trainer.model.local_bytes(),
-                                     trainer.optimizer.state_bytes()))
+    states = world.allgather_object(
+        (trainer.grid.coords.pp, trainer.model.local_bytes(), trainer.optimizer.state_bytes())
+    )
     return dict(step_s=median(times), comm_s=median(comms), cfg=trainer.cfg, states=states)
 
 
@@ -106,24 +130,52 @@ def bracket(before, after):
     return replace(before, rate=2 / (1 / before.rate + 1 / after.rate), comm_s=(before.comm_s + after.comm_s) / 2)
 
 
-def world_layouts(cfg, world_size: int, global_batch: int, seq: int, micro_batch: int,
-                  distributed_optimizer: bool = False, virtual_stages=(1,)) -> list[Layout]:
+def world_layouts(
+    cfg,
+    world_size: int,
+    global_batch: int,
+    seq: int,
+    micro_batch: int,
+    distributed_optimizer: bool = False,
+    virtual_stages=(1,),
+) -> list[Layout]:
     """Every tp x pp x dp of the world that the model allows at this micro-batch (1F1B at pp > 1),
     with ZeRO-1 at dp > 1 if ``distributed_optimizer``, once per V of ``virtual_stages`` the engine
     runs there (``search``'s own rule)."""
-    return [Layout(t, p, d, micro_batch, sequence_parallel=sp, distributed_optimizer=distributed_optimizer and d > 1,
-                   virtual_stages=v)
-            for t, p, d in factorizations(world_size)
-            if structural_reason(cfg, t, p, d, global_batch) is None and global_batch % (d * micro_batch) == 0
-            for sp, ep in variants(cfg, t, d, (cfg.sequence_parallel,), (1,))
-            if variant_reason(cfg, t, d, seq, sp, ep) is None
-            for v in chunk_counts(cfg, p, global_batch // (d * micro_batch), "1f1b", virtual_stages)]
+    return [
+        Layout(
+            t,
+            p,
+            d,
+            micro_batch,
+            sequence_parallel=sp,
+            distributed_optimizer=distributed_optimizer and d > 1,
+            virtual_stages=v,
+        )
+        for t, p, d in factorizations(world_size)
+        if structural_reason(cfg, t, p, d, global_batch) is None and global_batch % (d * micro_batch) == 0
+        for sp, ep in variants(cfg, t, d, (cfg.sequence_parallel,), (1,))
+        if variant_reason(cfg, t, d, seq, sp, ep) is None
+        for v in chunk_counts(cfg, p, global_batch // (d * micro_batch), "1f1b", virtual_stages)
+    ]
 
 
-def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, seq: int = 32,
-             micro_batch: int = 4, layouts=None, dtype: str = "float32", cluster="cpu-2core",
-             steps: int = 3, repeats: int = 3, warmup: int = 1, distributed_optimizer: bool = False,
-             virtual_stages=(1,)) -> tuple[list[dict], Calibration]:
+def validate(
+    world,
+    model: str = "tiny",
+    overrides=None,
+    global_batch: int = 8,
+    seq: int = 32,
+    micro_batch: int = 4,
+    layouts=None,
+    dtype: str = "float32",
+    cluster="cpu-2core",
+    steps: int = 3,
+    repeats: int = 3,
+    warmup: int = 1,
+    distributed_optimizer: bool = False,
+    virtual_stages=(1,),
+) -> tuple[list[dict], Calibration]:
     """Predicted against measured for ``layouts`` (default: ``world_layouts``, so interleaved 1F1B
     at each V of ``virtual_stages`` where it runs). Returns (rows, the last round's calibration); a
     row has the layout, predicted_s and measured_s (medians over rounds), error (the median over
@@ -158,20 +210,30 @@ def validate(world, model: str = "tiny", overrides=None, global_batch: int = 8, 
 def _row(layout: Layout, pairs) -> dict:
     predicted, measured = pairs[-1]
     errors = [p.step_s / m["step_s"] - 1 for p, m in pairs]
-    return dict(layout=layout, predicted_s=median(p.step_s for p, _ in pairs),
-                measured_s=median(m["step_s"] for _, m in pairs), error=median(errors), errors=errors,
-                measured_comm_s=median(m["comm_s"] for _, m in pairs),
-                predicted_state_bytes=max(s.params + s.optimizer for s in predicted.memory.values()),
-                measured_state_bytes=max(p + o for _, p, o in measured["states"]), prediction=predicted)
+    return dict(
+        layout=layout,
+        predicted_s=median(p.step_s for p, _ in pairs),
+        measured_s=median(m["step_s"] for _, m in pairs),
+        error=median(errors),
+        errors=errors,
+        measured_comm_s=median(m["comm_s"] for _, m in pairs),
+        predicted_state_bytes=max(s.params + s.optimizer for s in predicted.memory.values()),
+        measured_state_bytes=max(p + o for _, p, o in measured["states"]),
+        prediction=predicted,
+    )
 
 
 def format_rows(rows) -> str:
-    lines = [f"{'layout':<36} {'V':>2} {'predicted':>10} {'measured':>10} {'error':>7} {'per round':>24} "
-             f"{'states pred/meas':>22}"]
+    lines = [
+        f"{'layout':<36} {'V':>2} {'predicted':>10} {'measured':>10} {'error':>7} {'per round':>24} "
+        f"{'states pred/meas':>22}"
+    ]
     for r in rows:
         rounds = " ".join(f"{e * 100:+.0f}%" for e in r["errors"])
-        lines.append(f"{r['layout'].describe(chunks=False):<36} {r['layout'].chunks_shown:>2} "
-                     f"{r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
-                     f"{r['error'] * 100:+6.1f}% {rounds:>24} "
-                     f"{r['predicted_state_bytes']:>10}/{r['measured_state_bytes']:<10}")
+        lines.append(
+            f"{r['layout'].describe(chunks=False):<36} {r['layout'].chunks_shown:>2} "
+            f"{r['predicted_s'] * 1e3:8.1f}ms {r['measured_s'] * 1e3:8.1f}ms "
+            f"{r['error'] * 100:+6.1f}% {rounds:>24} "
+            f"{r['predicted_state_bytes']:>10}/{r['measured_state_bytes']:<10}"
+        )
     return "\n".join(lines)

@@ -8,6 +8,7 @@ every chunk before it ``"usage": null`` (OpenAI's stream). Log-probabilities rid
 of the tokens they are of: completions as ``tokens``, ``token_logprobs``, ``top_logprobs``,
 ``text_offset``; chat as ``content``: [{token, logprob, bytes, top_logprobs}].
 """
+
 from __future__ import annotations
 
 import time
@@ -31,26 +32,32 @@ def token_text(raw: bytes) -> str:
 def completion_logprobs(entries, tokenizer, offset: int = 0) -> dict:
     """``/v1/completions``' logprobs object for ``entries`` (``generate.TokenLogprob``); text offsets
     shifted by ``offset`` (the echoed prompt's length)."""
+
     def text(token):
         return token_text(token_bytes(tokenizer, token))
 
-    return {"tokens": [text(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
-            "text_offset": [e.text_offset + offset for e in entries]}
+    return {
+        "tokens": [text(e.token) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": [e.text_offset + offset for e in entries],
+    }
 
 
 def chat_logprobs(entries, tokenizer) -> dict:
     """``/v1/chat/completions``' logprobs object for ``entries``."""
+
     def item(token, logprob):
         raw = token_bytes(tokenizer, token)
         return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
 
-    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries], "refusal": None}
+    return {
+        "content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries],
+        "refusal": None,
+    }
 
 
-def choice(request, index: int, text: str, finish: str | None, entries, tokenizer, streamed: bool,
-           first: bool) -> dict:
+def choice(request, index: int, text: str, finish: str | None, entries, tokenizer, streamed: bool, first: bool) -> dict:
     """Choice ``index`` of ``request`` (an ``api_request.Request``): its text, or a chunk of it, and the
     log-probabilities ``entries`` of its tokens (None where none were asked). ``first``: the choice's
     first chunk, which carries a chat's role and an echoed prompt."""
@@ -67,8 +74,12 @@ def choice(request, index: int, text: str, finish: str | None, entries, tokenize
             message, finish = calls.last(finish) if streamed else request.tools.turn(text, finish)
             if streamed and not first:
                 message.pop("role")
-        return {"index": index, "delta" if streamed else "message": message, "logprobs": logprobs,
-                "finish_reason": finish}
+        return {
+            "index": index,
+            "delta" if streamed else "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
     offset = len(request.echo[index // request.n]) if request.echo is not None else 0
     logprobs = None if entries is None else completion_logprobs(entries, tokenizer, offset)
     return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
@@ -94,10 +105,14 @@ def usage(request, results: dict) -> dict:
     prompts = [c for i, (c, _, _) in enumerate(done) if i % request.n == 0]
     completion_tokens = sum(len(c.ids) for c, _, _ in done)
     prompt_tokens = sum(c.prompt_tokens for c in prompts)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in prompts)},
-            "time_to_first_token_s": min(q + c.ttft_s for c, _, q in done), "queue_s": min(q for _, _, q in done),
-            "decode_tokens_per_s": sum(c.decode_tokens_per_s for c, _, _ in done) / len(done),
-            "batch_size": max(m.batch for _, m, _ in done),
-            "kv_cache_bytes_per_rank": done[0][1].kv_cache_bytes_per_rank}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in prompts)},
+        "time_to_first_token_s": min(q + c.ttft_s for c, _, q in done),
+        "queue_s": min(q for _, _, q in done),
+        "decode_tokens_per_s": sum(c.decode_tokens_per_s for c, _, _ in done) / len(done),
+        "batch_size": max(m.batch for _, m, _ in done),
+        "kv_cache_bytes_per_rank": done[0][1].kv_cache_bytes_per_rank,
+    }

@@ -15,6 +15,7 @@ A reply ends where the template closes the assistant's turn: ``<|im_end|>`` (Cha
 rendering a short conversation, so generation stops there even where the checkpoint's eos is another
 token (a base model's ``<|endoftext|>``).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ class ChatTemplate:
         import jinja2  # loaded when a template is used: hpc-tp --help imports this module
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals.update(raise_exception=_refuse, strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
             self.template = env.from_string(source)
@@ -63,8 +65,9 @@ class ChatTemplate:
 
         context = {name: value for name, value in context.items() if value is not None}
         try:
-            return self.template.render(messages=plain_messages(messages), add_generation_prompt=add_generation_prompt,
-                                        **self.tokens, **context)
+            return self.template.render(
+                messages=plain_messages(messages), add_generation_prompt=add_generation_prompt, **self.tokens, **context
+            )
         except jinja2.TemplateError as e:  # raise_exception's refusal, or a template error at render time
             raise ConfigError(f"the chat template refused these messages: {e}") from None
 
@@ -78,15 +81,23 @@ def plain_messages(messages) -> list[dict]:
     joins them), and null content (an assistant's turn that only calls tools), taken as "". Other
     keys (``name``, ``tool_calls``, ``tool_call_id``) pass through to the template."""
     if not isinstance(messages, list) or not messages:
-        raise ConfigError(f"messages must be a non-empty list of {{role, content}} objects, "
-                          f"got {type(messages).__name__}")
+        raise ConfigError(
+            f"messages must be a non-empty list of {{role, content}} objects, got {type(messages).__name__}"
+        )
     plain = []
     for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and (isinstance(message.get("content"), (str, list))
-                     or (message["role"] == "assistant" and message.get("content") is None))):
-            raise ConfigError(f"messages[{i}] must be an object with a string role and a content: a string or "
-                              "a list of text parts (null in an assistant's)")
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and (
+                isinstance(message.get("content"), (str, list))
+                or (message["role"] == "assistant" and message.get("content") is None)
+            )
+        ):
+            raise ConfigError(
+                f"messages[{i}] must be an object with a string role and a content: a string or "
+                "a list of text parts (null in an assistant's)"
+            )
         plain.append({**message, "content": _text_of(message.get("content"), f"messages[{i}].content")})
     return plain
 
@@ -99,8 +110,9 @@ def _text_of(content, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             got = f"type {kind!r}" if isinstance(kind, str) else f"{json.dumps(part)[:40]}"
-            raise ConfigError(f"{where}[{j}]: {got} is not supported; expected a text part "
-                              '{"type": "text", "text": ...}')
+            raise ConfigError(
+                f'{where}[{j}]: {got} is not supported; expected a text part {{"type": "text", "text": ...}}'
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 

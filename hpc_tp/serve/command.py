@@ -15,6 +15,7 @@ flags (max_new_tokens, temperature, top_k, top_p, seed, stop: a string or a list
 adds the completion, its finish reason, token counts, time to first token, decode tokens/s and the
 batch's metrics (per-rank KV-cache bytes, communication time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,29 +37,49 @@ SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "sto
 
 def add_model_arguments(parser: argparse.ArgumentParser):
     """The checkpoint, layout and precision flags ``generate`` and ``serve`` share."""
-    parser.add_argument("--ckpt", "--checkpoint", dest="ckpt", required=True, metavar="CKPT",
-                        help="checkpoint step folder, or a root holding them (the latest is used)")
+    parser.add_argument(
+        "--ckpt",
+        "--checkpoint",
+        dest="ckpt",
+        required=True,
+        metavar="CKPT",
+        help="checkpoint step folder, or a root holding them (the latest is used)",
+    )
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="precision of weights and activations; bfloat16/float16 sum products in float32 "
-                             "(default %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="precision of weights and activations; bfloat16/float16 sum products in float32 (default %(default)s)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="array backend (default %(default)s)")
 
 
 def add_batching_argument(parser: argparse.ArgumentParser, unit: str):
-    parser.add_argument("--batching", choices=("continuous", "static"), default="continuous",
-                        help=f"continuous: {unit} take a row as soon as one is free, between decode steps; "
-                             f"static: a batch runs until its longest is done, its decode steps CUDA graphs "
-                             f"on a GPU at tp=1 (default %(default)s)")
-    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help=f"continuous batching: a row keeps its last request's K/V, and {unit} that begin "
-                             f"with those tokens prefill only the rest (default: on)")
+    parser.add_argument(
+        "--batching",
+        choices=("continuous", "static"),
+        default="continuous",
+        help=f"continuous: {unit} take a row as soon as one is free, between decode steps; "
+        f"static: a batch runs until its longest is done, its decode steps CUDA graphs "
+        f"on a GPU at tp=1 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"continuous batching: a row keeps its last request's K/V, and {unit} that begin "
+        f"with those tokens prefill only the rest (default: on)",
+    )
 
 
 def add_chat_template_argument(parser: argparse.ArgumentParser, used_by: str):
-    parser.add_argument("--chat-template", metavar="FILE", default=None,
-                        help=f"Jinja chat template for {used_by} (default: the one the checkpoint's tokenizer "
-                             "carries, if any)")
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help=f"Jinja chat template for {used_by} (default: the one the checkpoint's tokenizer carries, if any)",
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser):
@@ -67,16 +88,24 @@ def add_sampling_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of every prompt (default %(default)s)")
-    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                        help="stop when this text appears (repeatable); EOS always stops")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop when this text appears (repeatable); EOS always stops",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser):
     add_model_arguments(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
-    source.add_argument("--prompts", metavar="FILE.jsonl",
-                        help='JSON lines, each {"prompt": TEXT, ...} or, for a chat model, {"messages": [...], ...}')
+    source.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='JSON lines, each {"prompt": TEXT, ...} or, for a chat model, {"messages": [...], ...}',
+    )
     parser.add_argument("--out", metavar="FILE.jsonl", help="results as JSON lines (default: stdout)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default %(default)s)")
     add_batching_argument(parser, "prompts")
@@ -156,26 +185,34 @@ def _read_requests(args, tokenizer, template) -> list[dict]:
                     raise ConfigError(f'--prompts {path} line {n}: both "prompt" and "messages": give one')
                 line["prompt"] = _chat_prompt(template, line["messages"], f"--prompts {path} line {n}")
             if not isinstance(line.get("prompt"), str):
-                raise ConfigError(f'--prompts {path} line {n}: expected an object with a "prompt" string '
-                                  f'or "messages"')
+                raise ConfigError(f'--prompts {path} line {n}: expected an object with a "prompt" string or "messages"')
             unknown = sorted(set(line) - {"prompt", "messages", "id", *SAMPLING_KEYS})
             if unknown:
-                raise ConfigError(f"--prompts {path} line {n}: unknown keys {', '.join(unknown)}; "
-                                  f"known: prompt, messages, id, {', '.join(SAMPLING_KEYS)}")
+                raise ConfigError(
+                    f"--prompts {path} line {n}: unknown keys {', '.join(unknown)}; "
+                    f"known: prompt, messages, id, {', '.join(SAMPLING_KEYS)}"
+                )
             if isinstance(line.get("stop"), str):  # one stop string, as the HTTP API takes it
                 line["stop"] = [line["stop"]]
             lines.append(line)
         if not lines:
             raise ConfigError(f"--prompts {path}: no prompts in it (expected JSON lines)")
-    return [{"id": line.get("id", n), "prompt": line["prompt"], "ids": _encoded(tokenizer, line["prompt"], n + 1),
-             "sampling": {**defaults, **{k: line[k] for k in SAMPLING_KEYS if k in line}}}
-            for n, line in enumerate(lines)]
+    return [
+        {
+            "id": line.get("id", n),
+            "prompt": line["prompt"],
+            "ids": _encoded(tokenizer, line["prompt"], n + 1),
+            "sampling": {**defaults, **{k: line[k] for k in SAMPLING_KEYS if k in line}},
+        }
+        for n, line in enumerate(lines)
+    ]
 
 
 def _chat_prompt(template, messages, where: str) -> str:
     if template is None:
-        raise ConfigError(f"{where}: messages need a chat template, and the checkpoint carries none: "
-                          "pass --chat-template FILE")
+        raise ConfigError(
+            f"{where}: messages need a chat template, and the checkpoint carries none: pass --chat-template FILE"
+        )
     try:
         return template.render(messages)
     except ConfigError as e:
@@ -190,18 +227,28 @@ def _encoded(tokenizer, prompt: str, n: int) -> list[int]:
 
 
 def _record(request: dict, completion, metrics) -> dict:
-    return {"id": request["id"], "prompt": request["prompt"], "completion": completion.text,
-            "finish_reason": completion.finish_reason, "prompt_tokens": completion.prompt_tokens,
-            "cached_tokens": completion.cached_tokens,
-            "completion_tokens": len(completion.ids), "ttft_s": completion.ttft_s,
-            "decode_tokens_per_s": completion.decode_tokens_per_s, "batch": metrics.to_dict()}
+    return {
+        "id": request["id"],
+        "prompt": request["prompt"],
+        "completion": completion.text,
+        "finish_reason": completion.finish_reason,
+        "prompt_tokens": completion.prompt_tokens,
+        "cached_tokens": completion.cached_tokens,
+        "completion_tokens": len(completion.ids),
+        "ttft_s": completion.ttft_s,
+        "decode_tokens_per_s": completion.decode_tokens_per_s,
+        "batch": metrics.to_dict(),
+    }
 
 
 def _write_results(args, records: list[dict]):
     if args.prompt is not None and args.out is None:
         print(records[0]["prompt"] + records[0]["completion"], flush=True)
-        print(json.dumps({k: v for k, v in records[0].items() if k not in ("prompt", "completion")}),
-              file=sys.stderr, flush=True)
+        print(
+            json.dumps({k: v for k, v in records[0].items() if k not in ("prompt", "completion")}),
+            file=sys.stderr,
+            flush=True,
+        )
         return
     text = "".join(json.dumps(r) + "\n" for r in records)
     if args.out is None:

@@ -49,6 +49,7 @@ is captured, unlike a static batch's steps on a GPU at tp = 1), a prefill chunk 
 of the rows already busy are two passes rather than one (vLLM mixes them in one), and each row holds
 its max_len slots from the start (no paged memory).
 """
+
 from __future__ import annotations
 
 import time
@@ -61,7 +62,6 @@ from ..comm.base import on_rank0
 from .decoding import step_rows
 from .generate import _Row, check_request
 from .kv_cache import KVCache, RowsPrefill
-
 
 # The default bound on a batched prefill's padded tokens (its prompts x the longest of them), raised to
 # the rows' max_len where that is more, as vLLM's max_num_batched_tokens before chunked prefill
@@ -96,7 +96,8 @@ def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
 @dataclass
 class RowMetrics:
     """What a request's usage reports of the batch it was decoded in."""
-    batch: int                          # rows busy once it was admitted, its own included
+
+    batch: int  # rows busy once it was admitted, its own included
     kv_cache_bytes_per_rank: list[int]  # the whole cache: every row, max_len slots each
 
     def to_dict(self) -> dict:
@@ -150,8 +151,15 @@ class ContinuousBatcher:
     prefill). Collective over the tp group: every rank builds one (the cache is allocated here) and
     calls ``run``."""
 
-    def __init__(self, engine, rows: int, max_len: int | None = None, prefix_caching: bool = True,
-                 prefill_tokens: int | None = None, chunk_tokens: int | None = None):
+    def __init__(
+        self,
+        engine,
+        rows: int,
+        max_len: int | None = None,
+        prefix_caching: bool = True,
+        prefill_tokens: int | None = None,
+        chunk_tokens: int | None = None,
+    ):
         self.engine, self.model, self.comm = engine, engine.model, engine.comm
         self.max_len = min(self.model.cfg.max_seq_len, max_len or self.model.cfg.max_seq_len)
         for name, value in (("prefill_tokens", prefill_tokens), ("chunk_tokens", chunk_tokens)):
@@ -167,8 +175,8 @@ class ContinuousBatcher:
         # prompt that begins with them (without prefix caching, none).
         self.lens = numpy.zeros(rows, dtype=numpy.int64)
         self.tokens = numpy.zeros((rows, self.max_len), dtype=numpy.int64)
-        self.feed = numpy.full(rows, -1, dtype=numpy.int64)   # the token each row feeds next (-1: none)
-        self._busy: list[_Busy | None] = [None] * rows        # rank 0 only
+        self.feed = numpy.full(rows, -1, dtype=numpy.int64)  # the token each row feeds next (-1: none)
+        self._busy: list[_Busy | None] = [None] * rows  # rank 0 only
         self._taken: list = []  # rank 0: requests taken for freed rows, admitted at the next iteration
         self._deferred: list = []  # rank 0: requests whose prompt one admitted with them brings (``_admit``)
 
@@ -281,8 +289,9 @@ class ContinuousBatcher:
             # after what they keep (admitted rows are free here: their prefill overwrites that slot).
             last = int(stepping[-1]) + 1
             ids = numpy.where(self.feed >= 0, self.feed, self.engine.pad_id)[:last]
-            out = step_rows(self.model, self.cache.rows(0, last), ids, self.lens[:last],
-                            width=int(self.lens[stepping].max()) + 1)
+            out = step_rows(
+                self.model, self.cache.rows(0, last), ids, self.lens[:last], width=int(self.lens[stepping].max()) + 1
+            )
             self.tokens[stepping, self.lens[stepping]] = self.feed[stepping]
             self.lens[stepping] += 1
             if host:
@@ -325,12 +334,17 @@ class ContinuousBatcher:
         width = int(stops.max()) - start
         tokens = numpy.full((len(rows), width), self.engine.pad_id, dtype=numpy.int64)
         for i, (row, stop) in enumerate(zip(rows, stops)):
-            tokens[i, :stop - start] = self.prompts[row][start:stop]
-            self.tokens[row, start:stop] = tokens[i, :stop - start]
+            tokens[i, : stop - start] = self.prompts[row][start:stop]
+            self.tokens[row, start:stop] = tokens[i, : stop - start]
         real = numpy.arange(start + width) < stops[:, None]  # the held slots, then each chunk's own tokens
         view = RowsPrefill(self.cache, xp.asarray(rows, dtype=numpy.int64), start)
-        out = self.model.infer(xp.asarray(tokens), xp.arange(start, start + width), xp.asarray(real), view,
-                               last=xp.asarray(stops - start - 1))
+        out = self.model.infer(
+            xp.asarray(tokens),
+            xp.arange(start, start + width),
+            xp.asarray(real),
+            view,
+            last=xp.asarray(stops - start - 1),
+        )
         self.lens[rows] = stops
         return out
 
@@ -363,6 +377,9 @@ class ContinuousBatcher:
         """Rank 0: row ``r``'s request answered, the row free."""
         busy = self._busy[r]
         first = now if busy.first is None else busy.first
-        busy.request.finish(busy.row.completion(len(busy.request.ids), busy.admitted, first, busy.cached),
-                            RowMetrics(busy.batch, self.kv_bytes), busy.admitted - busy.request.arrived)
+        busy.request.finish(
+            busy.row.completion(len(busy.request.ids), busy.admitted, first, busy.cached),
+            RowMetrics(busy.batch, self.kv_bytes),
+            busy.admitted - busy.request.arrived,
+        )
         self._busy[r] = None

@@ -20,6 +20,7 @@ The capture's rules, its private memory pool and where it can run (``capturable`
 GPU) are ``hpc_tp.cuda_graph``'s. ``HPC_TP_CUDA_GRAPHS=0`` turns graphs off (an A/B, or a driver
 that refuses a capture).
 """
+
 from __future__ import annotations
 
 import numpy
@@ -49,8 +50,12 @@ def step_rows(model, cache: KVCache, ids, lens, width: int | None = None):
     width = int(lens.max()) + 1 if width is None else width
     visible = numpy.arange(width) <= lens[:, None]
     view = SlotCache(cache, xp.asarray(lens, dtype=numpy.int64), width)
-    return model.infer(xp.asarray(ids, dtype=numpy.int64).reshape(-1, 1),
-                       xp.asarray(positions_after(lens, 0, model)[:, None]), xp.asarray(visible), view)
+    return model.infer(
+        xp.asarray(ids, dtype=numpy.int64).reshape(-1, 1),
+        xp.asarray(positions_after(lens, 0, model)[:, None]),
+        xp.asarray(visible),
+        view,
+    )
 
 
 class GrowingStep:
@@ -68,8 +73,12 @@ class GrowingStep:
         xp, slot = backend.xp, self.cache.length
         self.key_mask[:, slot] = True
         pos = positions_after(self.lens, slot - self.width, self.model)
-        return self.model.infer(xp.asarray(ids).reshape(-1, 1), xp.asarray(pos[:, None]),
-                                xp.asarray(self.key_mask[:, :slot + 1]), self.cache)
+        return self.model.infer(
+            xp.asarray(ids).reshape(-1, 1),
+            xp.asarray(pos[:, None]),
+            xp.asarray(self.key_mask[:, : slot + 1]),
+            self.cache,
+        )
 
 
 class FixedStep:

@@ -14,6 +14,7 @@ An input line is {"text": TEXT} or {"ids": [token ids]}, with optional "id" (a s
 and "type_ids"; more tokens than the model's max_seq_len are an error, for a text too.
 An output line: {"id", "tokens", "embedding"} and, with --token-states, "token_states" [T, hidden].
 """
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def run(args) -> int:
     grid, model, tokenizer = load_encoder(args)
     world = grid.world
     rows = on_rank0(world, lambda: read_inputs(args, tokenizer, model.cfg))
-    batches = [rows[i:i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+    batches = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
     pad_id = pad_id_of(tokenizer)
     mine = []
     for b in range(grid.coords.dp, len(batches), grid.dp_size):
@@ -56,8 +57,14 @@ def run(args) -> int:
         if grid.coords.tp == 0:  # token states are replicated over tp: one rank reports them
             pooled = mean_pool(states, mask)
             for row, n, vector, state in zip(batches[b], mask.sum(axis=1), pooled, states):
-                mine.append({"id": row["id"], "tokens": int(n), "embedding": vector.tolist(),
-                             **({"token_states": state[:int(n)].tolist()} if args.token_states else {})})
+                mine.append(
+                    {
+                        "id": row["id"],
+                        "tokens": int(n),
+                        "embedding": vector.tolist(),
+                        **({"token_states": state[: int(n)].tolist()} if args.token_states else {}),
+                    }
+                )
     records = [r for part in world.allgather_object(mine) for r in part]
     if world.rank == 0:
         order = {row["id"]: i for i, row in enumerate(rows)}
@@ -76,8 +83,10 @@ def load_encoder(args, opened=None):
 
     grid, folder, cfg = opened or open_checkpoint(args)
     if cfg.family != "bert":
-        raise ConfigError(f"checkpoint {folder} holds a {cfg.family} decoder: embed needs a BERT encoder "
-                          "(use `hpc-tp generate` for decoders)")
+        raise ConfigError(
+            f"checkpoint {folder} holds a {cfg.family} decoder: embed needs a BERT encoder "
+            "(use `hpc-tp generate` for decoders)"
+        )
     model = BertModel(cfg, grid.tp, dtype=resolve_dtype(args.dtype))
     model.rng.training = False
     load_checkpoint(folder, model.state(), grid)
@@ -104,8 +113,10 @@ def read_inputs(args, tokenizer, cfg) -> list[dict]:
         for n, line in read_json_lines(path, "--inputs"):
             if ("text" in line) == ("ids" in line) or set(line) - set(INPUT_KEYS):
                 got = f"keys {sorted(line)}"
-                raise ConfigError(f'--inputs {path} line {n}: expected an object with "text" or "ids" '
-                                  f"(and optional id, type_ids), got {got}")
+                raise ConfigError(
+                    f'--inputs {path} line {n}: expected an object with "text" or "ids" '
+                    f"(and optional id, type_ids), got {got}"
+                )
             lines.append((f"--inputs {path} line {n}", line))
     rows, seen = [], set()
     for n, (label, line) in enumerate(lines):
@@ -113,14 +124,16 @@ def read_inputs(args, tokenizer, cfg) -> list[dict]:
         if not (isinstance(row_id, str) or integer(row_id)):  # it orders the results and is written back
             raise ConfigError(f'{label}: "id" {show(row_id)}: expected a string or an integer')
         if row_id in seen:
-            raise ConfigError(f'{label}: "id" {show(row_id)} is used twice; expected unique ids '
-                              "(a line without one has its 0-based position)")
+            raise ConfigError(
+                f'{label}: "id" {show(row_id)} is used twice; expected unique ids '
+                "(a line without one has its 0-based position)"
+            )
         seen.add(row_id)
         if "text" in line:
             if not isinstance(line["text"], str):
                 raise ConfigError(f'{label}: "text" {show(line["text"])}: expected a string')
             if tokenizer is None:
-                raise ConfigError(f"{label}: the checkpoint has no tokenizer.json; give token ids ({{\"ids\": [...]}})")
+                raise ConfigError(f'{label}: the checkpoint has no tokenizer.json; give token ids ({{"ids": [...]}})')
             try:
                 utf8(line["text"])  # a lone surrogate ("\\ud800") would be the tokenizer's TypeError
             except ConfigError as e:

@@ -10,6 +10,7 @@ little-endian bytes. Rank 0's handler threads turn each request into an ``Embedd
 runs ``EmbeddingBatches``: rank 0 takes the queued jobs, their inputs go to the tp group in one
 broadcast, and batches of at most ``rows`` inputs, padded to their longest, run the encoder.
 """
+
 from __future__ import annotations
 
 import base64
@@ -64,7 +65,7 @@ def parse_embedding_request(body: bytes, tokenizer, cfg, model_name: str) -> Emb
     check_model(request, model_name)
     encoding = request.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
-        raise ConfigError(f"encoding_format={encoding!r}: expected \"float\" or \"base64\"")
+        raise ConfigError(f'encoding_format={encoding!r}: expected "float" or "base64"')
     if request.get("dimensions") not in (None, cfg.hidden):
         raise ConfigError(f"dimensions={request['dimensions']!r}: this model's embeddings have {cfg.hidden}")
     rows = []
@@ -88,15 +89,20 @@ def parse_embedding_request(body: bytes, tokenizer, cfg, model_name: str) -> Emb
 
 def _inputs(given) -> list:
     def ids(value) -> bool:
-        return isinstance(value, list) and bool(value) and all(isinstance(i, int) and not isinstance(i, bool)
-                                                               for i in value)
+        return (
+            isinstance(value, list)
+            and bool(value)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+        )
 
     if isinstance(given, str) or ids(given):
         return [given]
     if isinstance(given, list) and given and all(isinstance(g, str) or ids(g) for g in given):
         return given
-    raise ConfigError("input must be a string, a list of strings, a list of token ids or a list of such lists; "
-                      f"got {type(given).__name__ if not isinstance(given, list) else 'another list'}")
+    raise ConfigError(
+        "input must be a string, a list of strings, a list of token ids or a list of such lists; "
+        f"got {type(given).__name__ if not isinstance(given, list) else 'another list'}"
+    )
 
 
 def embedding_response(job: EmbeddingJob, vectors, model: str) -> dict:
@@ -106,8 +112,12 @@ def embedding_response(job: EmbeddingJob, vectors, model: str) -> dict:
         return [float(x) for x in vector]
 
     tokens = sum(len(row["ids"]) for row in job.rows)
-    return {"object": "list", "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]}
+    return {
+        "object": "list",
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+    }
 
 
 class EmbeddingBatches:
@@ -129,10 +139,10 @@ class EmbeddingBatches:
                 return
             pooled = []
             for start in range(0, len(rows), self.rows):
-                states, mask = encode_batch(self.model, rows[start:start + self.rows], self.pad_id)
+                states, mask = encode_batch(self.model, rows[start : start + self.rows], self.pad_id)
                 if self.comm.rank == 0:
                     pooled.extend(mean_pool(states, mask))
             if self.comm.rank == 0:
                 for job in jobs:
-                    job.finish(pooled[:len(job.rows)])
-                    pooled = pooled[len(job.rows):]
+                    job.finish(pooled[: len(job.rows)])
+                    pooled = pooled[len(job.rows) :]

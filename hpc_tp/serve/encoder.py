@@ -1,5 +1,6 @@
 """A BERT encoder's inputs and outputs, shared by ``hpc-tp embed`` and ``/v1/embeddings``: rows of token
 ids checked against the model, padded together into one forward pass, and their states mean-pooled."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def integer(value) -> bool:
 def show(value, limit: int = 40) -> str:
     """A JSON value as the user wrote it, cut short to stay on one line."""
     text = json.dumps(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def pad_id_of(tokenizer) -> int:

@@ -14,6 +14,7 @@ Collective over the tp group: every rank calls ``generate``; tp rank 0 brings th
 sampling parameters, broadcasts them, samples every token and broadcasts the ids, so the other ranks
 never see text. Rank 0 alone detokenizes, checks EOS and stop strings, and streams text.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,11 +33,11 @@ from .sampling import SamplingParams, next_token, process_logits, token_logprobs
 class Completion:
     ids: list[int]
     text: str
-    finish_reason: str          # "stop" (EOS or a stop string) or "length" (max new tokens)
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max new tokens)
     prompt_tokens: int
-    ttft_s: float               # to this row's first token from the start of the batch (continuous: its admission)
+    ttft_s: float  # to this row's first token from the start of the batch (continuous: its admission)
     decode_tokens_per_s: float  # tokens after the first, over the time they took
-    cached_tokens: int = 0      # of the prompt's, found in the KV cache (continuous batching's prefix caching)
+    cached_tokens: int = 0  # of the prompt's, found in the KV cache (continuous batching's prefix caching)
     logprobs: list[TokenLogprob] | None = None  # one per id, where the request asked for them
 
 
@@ -44,6 +45,7 @@ class Completion:
 class TokenLogprob:
     """A chosen token's log-probability under the model, the ``SamplingParams.logprobs`` most likely
     tokens' (id, log-probability), and where its text starts in the completion's."""
+
     token: int
     logprob: float
     top: list[tuple[int, float]]
@@ -55,10 +57,10 @@ class BatchMetrics:
     batch: int
     prompt_tokens: int
     new_tokens: int
-    prefill_s: float            # time to first token of the batch
+    prefill_s: float  # time to first token of the batch
     decode_s: float
     decode_tokens_per_s: float
-    comm_s: float               # of the whole batch, rank 0's communicator
+    comm_s: float  # of the whole batch, rank 0's communicator
     comm_bytes: int
     kv_cache_bytes_per_rank: list[int] = field(default_factory=list)
 
@@ -82,8 +84,11 @@ class _Row:
     def step(self, logits, now: float):
         """Choose and add the next token from this row's logits [V] (host), among those its grammar
         allows if it has one (the mask comes last: no processor may bring a forbidden token back)."""
-        processed = (process_logits(logits, self.params, self.prompt_ids, self.ids)
-                     if self.params.transforms_logits() else logits)
+        processed = (
+            process_logits(logits, self.params, self.prompt_ids, self.ids)
+            if self.params.transforms_logits()
+            else logits
+        )
         if self.mask is not None:
             processed = self.mask.apply(processed)
         # where this token's text starts: after the whole characters so far (a cut one is its to finish)
@@ -105,8 +110,16 @@ class _Row:
 
     def completion(self, prompt_tokens: int, start: float, first: float, cached_tokens: int = 0) -> Completion:
         """From ``start`` (the batch's, or the request's admission) and its ``first`` token's time."""
-        return Completion(self.ids, self.text, self.finish, prompt_tokens, first - start,
-                          _rate(len(self.ids) - 1, self.done_at - first), cached_tokens, self.logprobs)
+        return Completion(
+            self.ids,
+            self.text,
+            self.finish,
+            prompt_tokens,
+            first - start,
+            _rate(len(self.ids) - 1, self.done_at - first),
+            cached_tokens,
+            self.logprobs,
+        )
 
     def add(self, token: int):
         if not self.params.ignore_eos and token in self.tokenizer.stop_ids:
@@ -118,7 +131,7 @@ class _Row:
         text = self.tokenizer.decode(self.ids)
         cuts = [text.find(s) for s in self.params.stop if s in text]
         if cuts:
-            text, self.finish = text[:min(cuts)], "stop"
+            text, self.finish = text[: min(cuts)], "stop"
         elif self.mask is not None and self.mask.complete:
             self.finish = "stop"
         elif len(self.ids) >= self.params.max_new_tokens:
@@ -136,13 +149,18 @@ class _Row:
                     if self.text[:end].endswith(stop[:k]):
                         end -= k
                         break
-        piece = self.text[self.emitted:end] if end > self.emitted else ""
+        piece = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return piece
 
 
-def check_request(prompt_ids: list[int], params: SamplingParams, cfg, names: dict[str, str] | None = None,
-                  max_model_len: int | None = None):
+def check_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    cfg,
+    names: dict[str, str] | None = None,
+    max_model_len: int | None = None,
+):
     """ConfigError naming the problem (fields named as in ``names``), before a request joins a batch;
     ``max_model_len``: a server's own bound on a request's positions, below the model's max_seq_len."""
     params.validate(names)
@@ -157,8 +175,9 @@ def check_request(prompt_ids: list[int], params: SamplingParams, cfg, names: dic
     limit = (names or {}).get("max_new_tokens", "max_new_tokens")
     asked = f"prompt of {len(prompt_ids)} tokens + {limit} {params.max_new_tokens} needs {needed} positions"
     if max_model_len is not None and needed > max_model_len:  # named first: the bound a server's user can change
-        raise ConfigError(f"{asked}; this server takes {max_model_len} (--max-model-len) of the model's "
-                          f"max_seq_len {cfg.max_seq_len}")
+        raise ConfigError(
+            f"{asked}; this server takes {max_model_len} (--max-model-len) of the model's max_seq_len {cfg.max_seq_len}"
+        )
     if needed > cfg.max_seq_len:
         raise ConfigError(f"{asked}; the model has max_seq_len {cfg.max_seq_len}")
 
@@ -171,8 +190,8 @@ def left_pad(prompts: list[list[int]], extra: int, pad_id: int):
     tokens = numpy.full((len(prompts), width), pad_id, dtype=numpy.int64)
     key_mask = numpy.zeros((len(prompts), width + extra), dtype=bool)
     for i, ids in enumerate(prompts):
-        tokens[i, width - len(ids):] = ids
-        key_mask[i, width - len(ids):width] = True
+        tokens[i, width - len(ids) :] = ids
+        key_mask[i, width - len(ids) : width] = True
     return tokens, key_mask, numpy.maximum(key_mask[:, :width].cumsum(axis=1) - 1, 0)
 
 
@@ -218,8 +237,17 @@ class Engine:
             return None
         new = sum(len(r.ids) for r in rows)
         after_first = sum(max(len(r.ids) - 1, 0) for r in rows)
-        metrics = BatchMetrics(batch, int(lens.sum()), new, first - start, end - first, _rate(after_first, end - first),
-                               comm.seconds - comm_s, comm.bytes - comm_bytes, kv_bytes)
+        metrics = BatchMetrics(
+            batch,
+            int(lens.sum()),
+            new,
+            first - start,
+            end - first,
+            _rate(after_first, end - first),
+            comm.seconds - comm_s,
+            comm.bytes - comm_bytes,
+            kv_bytes,
+        )
         completions = [r.completion(int(n), start, first) for r, n in zip(rows, lens)]
         return completions, metrics
 

@@ -22,6 +22,7 @@ with the reason at once. A client that goes away marks its jobs cancelled, and t
 frees their rows; a connection that sends nothing for IDLE_TIMEOUT_S is closed, so it cannot hold
 up a graceful shutdown.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -48,8 +49,17 @@ _POST = (COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE, EMBEDDINGS)
 
 
 class CompletionServer:
-    def __init__(self, host: str, port: int, tokenizer, cfg, default_max_tokens: int, max_model_len: int | None = None,
-                 chat_template=None, model_name: str = "hpc-tp"):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tokenizer,
+        cfg,
+        default_max_tokens: int,
+        max_model_len: int | None = None,
+        chat_template=None,
+        model_name: str = "hpc-tp",
+    ):
         """``cfg``: the model's; an encoder's (``causal`` false) is served for /v1/embeddings only."""
         self.tokenizer, self.cfg, self.default_max_tokens = tokenizer, cfg, default_max_tokens
         self.encoder = not cfg.causal
@@ -66,8 +76,9 @@ class CompletionServer:
         self.httpd = _CountingServer((host, port), _handler(self), self)
         self.host, self.port = self.httpd.server_address[:2]
         # polled often, so that a hurried stop stops taking connections within its 0.25 s
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="http", daemon=True)
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="http", daemon=True
+        )
         self._thread.start()
 
     def next_batch(self, limit: int, window: float, timeout: float) -> list:
@@ -98,11 +109,14 @@ class CompletionServer:
         if path not in _POST:
             return 404, f"no such endpoint: POST {path} (use {', '.join(_POST)})"
         if path != EMBEDDINGS and self.encoder:
-            return 400, (f"this server serves an encoder ({self.cfg.family}) checkpoint: it answers {EMBEDDINGS}, "
-                         f"not {path}")
+            return 400, (
+                f"this server serves an encoder ({self.cfg.family}) checkpoint: it answers {EMBEDDINGS}, not {path}"
+            )
         if path == EMBEDDINGS and not self.encoder:
-            return 400, (f"{EMBEDDINGS} needs an encoder (BERT) checkpoint: this server serves a decoder "
-                         f"({self.cfg.family}); use {COMPLETIONS} or {CHAT}")
+            return 400, (
+                f"{EMBEDDINGS} needs an encoder (BERT) checkpoint: this server serves a decoder "
+                f"({self.cfg.family}); use {COMPLETIONS} or {CHAT}"
+            )
         return None
 
     def parse(self, path: str, body: bytes) -> Request | EmbeddingJob:
@@ -111,8 +125,16 @@ class CompletionServer:
             request = parse_embedding_request(body, self.tokenizer, self.cfg, self.model_name)
             request.on_finish = self.metrics.embedded
             return request
-        request = parse_request(body, self.tokenizer, self.cfg, self.default_max_tokens, self.max_model_len, path,
-                                self.chat_template, self.model_name)
+        request = parse_request(
+            body,
+            self.tokenizer,
+            self.cfg,
+            self.default_max_tokens,
+            self.max_model_len,
+            path,
+            self.chat_template,
+            self.model_name,
+        )
         for job in request.jobs:
             job.on_finish = self.metrics.finish
         return request
@@ -163,13 +185,19 @@ class CompletionServer:
 
     def answer(self, request: Request, job_id: int, results: dict) -> dict:
         """The whole answer to ``request`` from its choices' ``results`` {index: (completion, metrics, queued_s)}."""
-        choices = [api_response.choice(request, i, c.text, c.finish_reason, c.logprobs, self.tokenizer, streamed=False,
-                                       first=True) for i, (c, _, _) in sorted(results.items())]
-        return api_response.envelope(request, job_id, self.model_name, choices, streamed=False,
-                                     usage=api_response.usage(request, results))
+        choices = [
+            api_response.choice(
+                request, i, c.text, c.finish_reason, c.logprobs, self.tokenizer, streamed=False, first=True
+            )
+            for i, (c, _, _) in sorted(results.items())
+        ]
+        return api_response.envelope(
+            request, job_id, self.model_name, choices, streamed=False, usage=api_response.usage(request, results)
+        )
 
-    def chunk(self, request: Request, job_id: int, index: int, text: str, finish: str | None, entries,
-              first: bool) -> dict:
+    def chunk(
+        self, request: Request, job_id: int, index: int, text: str, finish: str | None, entries, first: bool
+    ) -> dict:
         """One chunk of a streamed answer: choice ``index``'s ``text`` and the log-probabilities ``entries``."""
         piece = api_response.choice(request, index, text, finish, entries, self.tokenizer, streamed=True, first=first)
         return api_response.envelope(request, job_id, self.model_name, [piece], streamed=True)
@@ -179,8 +207,14 @@ class CompletionServer:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "hpc-tp",
-                "max_model_len": self.max_model_len or self.cfg.max_seq_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "hpc-tp",
+            "max_model_len": self.max_model_len or self.cfg.max_seq_len,
+        }
+
 
 class _CountingServer(ThreadingHTTPServer):
     """Counts open connections from the moment one is accepted (before its thread starts), so a
@@ -218,7 +252,7 @@ def _handler(app: CompletionServer):
             elif self.path == "/v1/models":
                 self._json(200, app.models())
             elif self.path.startswith("/v1/models/"):
-                name = self.path[len("/v1/models/"):]
+                name = self.path[len("/v1/models/") :]
                 if name == app.model_name:
                     self._json(200, app.model_card())
                 else:
@@ -238,8 +272,16 @@ def _handler(app: CompletionServer):
                 return
             try:
                 if self.path == TOKENIZE:
-                    self._json(200, tokenize(body, app.tokenizer, app.chat_template, app.model_name,
-                                             app.max_model_len or app.cfg.max_seq_len))
+                    self._json(
+                        200,
+                        tokenize(
+                            body,
+                            app.tokenizer,
+                            app.chat_template,
+                            app.model_name,
+                            app.max_model_len or app.cfg.max_seq_len,
+                        ),
+                    )
                     return
                 if self.path == DETOKENIZE:
                     self._json(200, detokenize(body, app.tokenizer, app.cfg.vocab_size, app.model_name))
@@ -352,13 +394,17 @@ def _handler(app: CompletionServer):
                 else:
                     completion, sent = event[2], request.jobs[index].logprobs_sent
                     rest = None if completion.logprobs is None else completion.logprobs[sent:]  # not streamed yet
-                    self._event(app.chunk(request, job_id, index, "", completion.finish_reason, rest,
-                                          index not in started))
+                    self._event(
+                        app.chunk(request, job_id, index, "", completion.finish_reason, rest, index not in started)
+                    )
                     results[index] = event[2:]
                 started.add(index)
             if request.include_usage and len(results) == len(request.jobs):
-                self._event(api_response.envelope(request, job_id, app.model_name, [], streamed=True,
-                                                  usage=api_response.usage(request, results)))
+                self._event(
+                    api_response.envelope(
+                        request, job_id, app.model_name, [], streamed=True, usage=api_response.usage(request, results)
+                    )
+                )
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 

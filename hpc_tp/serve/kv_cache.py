@@ -20,6 +20,7 @@ row of its own chosen by the caller (continuous batching's admissions).
 slots to write are a device array rather than a Python int (one slot for every row, or one per row),
 and the step attends over a fixed number of slots, its key mask alone deciding which are seen.
 """
+
 from __future__ import annotations
 
 import numpy
@@ -31,7 +32,7 @@ from ..kernels import cuda_kernels
 class LayerCache:
     """One layer's view of the cache, the ``cache`` argument of ``ParallelAttention.forward``."""
 
-    def __init__(self, owner: "KVCache", layer: int):
+    def __init__(self, owner: KVCache, layer: int):
         self._owner, self._layer = owner, layer
 
     @property
@@ -59,7 +60,7 @@ class KVCache:
         self._layers = [LayerCache(self, i) for i in range(k.shape[0])]
 
     @classmethod
-    def for_model(cls, model, batch: int, max_len: int) -> "KVCache":
+    def for_model(cls, model, batch: int, max_len: int) -> KVCache:
         attn, xp = model.layers[0].attn, backend.xp
         shape = (len(model.layers), batch, attn.kv_local, max_len, attn.head_dim)
         return cls(xp.zeros(shape, dtype=model.dtype), xp.zeros(shape, dtype=model.dtype))
@@ -67,7 +68,7 @@ class KVCache:
     def layer(self, i: int) -> LayerCache:
         return self._layers[i]
 
-    def rows(self, start: int, stop: int) -> "KVCache":
+    def rows(self, start: int, stop: int) -> KVCache:
         """Rows ``start:stop`` as a cache of their own, empty (length 0) and sharing this one's memory: a
         decode step over the first rows touches no other. Whatever those rows hold stays in memory;
         the step's key mask decides what is seen."""
@@ -171,4 +172,4 @@ class _SlotLayer:
                 cache[:, :, int(slots.slot[0])] = new[:, :, 0]
             else:
                 cuda_kernels.write_slot(cache, new, slots.slot)
-        return keys[:, :, :slots.width], values[:, :, :slots.width]
+        return keys[:, :, : slots.width], values[:, :, : slots.width]

@@ -1,5 +1,6 @@
 """A checkpoint opened for inference: the start every inference command shares (``generate``,
 ``serve``, ``embed``, ``eval``). Collective over the world: every rank calls it."""
+
 from __future__ import annotations
 
 from dataclasses import replace

@@ -6,6 +6,7 @@ server refuses them: requests by finish reason, refusals by status, prompt token
 found cached), generated tokens; the requests decoding now and those waiting for a row; and
 histograms of time to first token and of the whole request, from arrival.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,7 +29,11 @@ class Histogram:
 
     def lines(self, name: str) -> list[str]:
         buckets = [f'{name}_bucket{{le="{bound}"}} {n}' for bound, n in zip(BUCKETS_S, self.counts)]
-        return buckets + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        return buckets + [
+            f'{name}_bucket{{le="+Inf"}} {self.count}',
+            f"{name}_sum {self.sum}",
+            f"{name}_count {self.count}",
+        ]
 
 
 class ServerMetrics:
@@ -51,8 +56,9 @@ class ServerMetrics:
     def finish(self, job, completion, queued_s: float):
         with self._lock:
             self.finished[completion.finish_reason] += 1
-            self.tokens.update(prompt=completion.prompt_tokens, cached=completion.cached_tokens,
-                               generated=len(completion.ids))
+            self.tokens.update(
+                prompt=completion.prompt_tokens, cached=completion.cached_tokens, generated=len(completion.ids)
+            )
             self.ttft.observe(queued_s + completion.ttft_s)
             self.latency.observe(time.perf_counter() - job.arrived)
 
@@ -67,23 +73,55 @@ class ServerMetrics:
         with self._lock:
             running = self.started - sum(self.finished.values())
             families = [
-                ("requests_total", "counter", "Requests answered, by finish reason.",
-                 [f'{PREFIX}requests_total{{finish_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]),
-                ("requests_refused_total", "counter", "Requests refused, by HTTP status.",
-                 [f'{PREFIX}requests_refused_total{{code="{c}"}} {n}' for c, n in sorted(self.refused.items())]),
-                ("prompt_tokens_total", "counter", "Prompt tokens of the requests answered.",
-                 [f"{PREFIX}prompt_tokens_total {self.tokens['prompt']}"]),
-                ("prompt_tokens_cached_total", "counter", "Of those, found in the KV cache (prefix caching).",
-                 [f"{PREFIX}prompt_tokens_cached_total {self.tokens['cached']}"]),
-                ("generation_tokens_total", "counter", "Tokens generated.",
-                 [f"{PREFIX}generation_tokens_total {self.tokens['generated']}"]),
-                ("requests_running", "gauge", "Requests handed to the batcher and not finished.",
-                 [f"{PREFIX}requests_running {running}"]),
+                (
+                    "requests_total",
+                    "counter",
+                    "Requests answered, by finish reason.",
+                    [f'{PREFIX}requests_total{{finish_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())],
+                ),
+                (
+                    "requests_refused_total",
+                    "counter",
+                    "Requests refused, by HTTP status.",
+                    [f'{PREFIX}requests_refused_total{{code="{c}"}} {n}' for c, n in sorted(self.refused.items())],
+                ),
+                (
+                    "prompt_tokens_total",
+                    "counter",
+                    "Prompt tokens of the requests answered.",
+                    [f"{PREFIX}prompt_tokens_total {self.tokens['prompt']}"],
+                ),
+                (
+                    "prompt_tokens_cached_total",
+                    "counter",
+                    "Of those, found in the KV cache (prefix caching).",
+                    [f"{PREFIX}prompt_tokens_cached_total {self.tokens['cached']}"],
+                ),
+                (
+                    "generation_tokens_total",
+                    "counter",
+                    "Tokens generated.",
+                    [f"{PREFIX}generation_tokens_total {self.tokens['generated']}"],
+                ),
+                (
+                    "requests_running",
+                    "gauge",
+                    "Requests handed to the batcher and not finished.",
+                    [f"{PREFIX}requests_running {running}"],
+                ),
                 ("requests_waiting", "gauge", "Requests queued for a row.", [f"{PREFIX}requests_waiting {waiting}"]),
-                ("time_to_first_token_seconds", "histogram", "From arrival to the first token.",
-                 self.ttft.lines(PREFIX + "time_to_first_token_seconds")),
-                ("request_latency_seconds", "histogram", "From arrival to the last token.",
-                 self.latency.lines(PREFIX + "request_latency_seconds")),
+                (
+                    "time_to_first_token_seconds",
+                    "histogram",
+                    "From arrival to the first token.",
+                    self.ttft.lines(PREFIX + "time_to_first_token_seconds"),
+                ),
+                (
+                    "request_latency_seconds",
+                    "histogram",
+                    "From arrival to the last token.",
+                    self.latency.lines(PREFIX + "request_latency_seconds"),
+                ),
             ]
         out = []
         for name, kind, help_text, lines in families:

@@ -21,6 +21,7 @@ Everything between rank 0 and the leaders is a small pickled message on a commun
 Both sides wait by testing between short sleeps (``IDLE_SLEEP_S``), so an idle leader and the
 router cost no CPU to speak of and react within a millisecond or two.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -102,7 +103,7 @@ class Router:
 class RemoteJob:
     """A job on a remote replica's leader: what the batcher reads of it, and its calls sent to rank 0."""
 
-    def __init__(self, source: "RemoteJobs", job_id: int, ids, params, waited: float):
+    def __init__(self, source: RemoteJobs, job_id: int, ids, params, waited: float):
         self.source, self.job_id, self.ids, self.params = source, job_id, ids, params
         self.arrived = time.perf_counter() - waited  # the wait at rank 0 counts as queueing
         self.cancelled = False

@@ -12,6 +12,7 @@ logits`` on a float64 host array [V], and may set tokens to -inf). ``next_token`
 temperature and cuts by min-p, top-k and top-p (vLLM's order). Reported log-probabilities
 (``token_logprobs``) are the model's own, before any processor, as vLLM's default and OpenAI's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,41 +31,53 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives reported per token
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 32
-    temperature: float = 0.0    # 0: greedy (argmax)
-    top_k: int = 0              # 0: no limit
-    top_p: float = 1.0          # 1: no nucleus cut
-    seed: int | None = None     # None: a fresh generator seeded from the OS
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0  # 1: no nucleus cut
+    seed: int | None = None  # None: a fresh generator seeded from the OS
     stop: list[str] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output: each row's tokens held to it (serve.structured)
-    min_p: float = 0.0          # drop tokens less likely than min_p x the most likely one (0: off)
-    presence_penalty: float = 0.0    # OpenAI's: subtracted from every token the output holds
-    frequency_penalty: float = 0.0   # OpenAI's: subtracted once per time the output holds a token
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (0: off)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from every token the output holds
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time the output holds a token
     repetition_penalty: float = 1.0  # CTRL's (Hugging Face, vLLM): a token of the prompt or output has
     #                                  its logit divided by it where positive, multiplied where negative
-    ignore_eos: bool = False    # end-of-sequence does not end the row: only max tokens and stop strings do
+    ignore_eos: bool = False  # end-of-sequence does not end the row: only max tokens and stop strings do
     logprobs: int | None = None  # report each chosen token's log-probability and this many alternatives
     processors: list = field(default_factory=list)  # further logits processors, applied after the penalties
 
-    def validate(self, names: dict[str, str] | None = None) -> "SamplingParams":
+    def validate(self, names: dict[str, str] | None = None) -> SamplingParams:
         """Raise ConfigError naming the first bad field (by its name in ``names``, e.g. an API's)."""
-        checks = (("max_new_tokens", _integer(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
-                  ("temperature", _number(self.temperature) and self.temperature >= 0, "a number >= 0"),
-                  ("top_k", _integer(self.top_k) and self.top_k >= 0, "an integer >= 0"),
-                  ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-                  ("seed", self.seed is None or (_integer(self.seed) and self.seed >= 0), "an integer >= 0"),
-                  ("stop", isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-                   "a non-empty string or a list of them"),
-                  ("min_p", _number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
-                  ("presence_penalty", _number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-                   "a number in [-2, 2]"),
-                  ("frequency_penalty", _number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-                   "a number in [-2, 2]"),
-                  ("repetition_penalty", _number(self.repetition_penalty) and self.repetition_penalty > 0,
-                   "a number > 0"),
-                  ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
-                  ("logprobs", self.logprobs is None or (_integer(self.logprobs)
-                                                         and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-                   f"an integer in [0, {MAX_TOP_LOGPROBS}]"))
+        checks = (
+            ("max_new_tokens", _integer(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
+            ("temperature", _number(self.temperature) and self.temperature >= 0, "a number >= 0"),
+            ("top_k", _integer(self.top_k) and self.top_k >= 0, "an integer >= 0"),
+            ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("seed", self.seed is None or (_integer(self.seed) and self.seed >= 0), "an integer >= 0"),
+            (
+                "stop",
+                isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+                "a non-empty string or a list of them",
+            ),
+            ("min_p", _number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            (
+                "presence_penalty",
+                _number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "a number in [-2, 2]",
+            ),
+            (
+                "frequency_penalty",
+                _number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "a number in [-2, 2]",
+            ),
+            ("repetition_penalty", _number(self.repetition_penalty) and self.repetition_penalty > 0, "a number > 0"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
+            (
+                "logprobs",
+                self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+                f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+            ),
+        )
         for name, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"{(names or {}).get(name, name)}={getattr(self, name)!r}: expected {expected}")
@@ -72,8 +85,12 @@ class SamplingParams:
 
     def transforms_logits(self) -> bool:
         """Whether ``process_logits`` changes anything: without, the model's logits are sampled as they are."""
-        return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-                or bool(self.processors))
+        return (
+            self.repetition_penalty != 1
+            or self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or bool(self.processors)
+        )
 
 
 def _integer(value) -> bool:
@@ -95,7 +112,7 @@ def repetition_penalty(logits, penalty: float, seen):
 def frequency_presence_penalty(logits, frequency: float, presence: float, output_ids):
     """OpenAI's penalties: each token's count in the output times ``frequency``, plus ``presence`` if
     it is there at all, taken off its logit."""
-    counts = numpy.bincount(numpy.asarray(output_ids, dtype=numpy.int64), minlength=logits.size)[:logits.size]
+    counts = numpy.bincount(numpy.asarray(output_ids, dtype=numpy.int64), minlength=logits.size)[: logits.size]
     return logits - frequency * counts - presence * (counts > 0)
 
 

@@ -41,6 +41,7 @@ finishes every request already accepted, then tells the other ranks to stop, and
 Ctrl-C (SIGINT, or Open MPI's mpiexec killing the job on one) stops in a hurry: open streams end at
 once with a final chunk and ``[DONE]``. A signal on another rank is noted and waits for rank 0's word.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,27 +59,52 @@ def add_arguments(parser: argparse.ArgumentParser):
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free one, printed at start)")
-    parser.add_argument("--max-batch", type=int, default=8,
-                        help="rows decoded together; a request takes a free row between decode steps "
-                             "(default %(default)s)")
-    parser.add_argument("--batch-window-ms", type=float, default=5.0,
-                        help="how long an idle server waits for more requests after a first one "
-                             "(default %(default)s)")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="rows decoded together; a request takes a free row between decode steps (default %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        help="how long an idle server waits for more requests after a first one (default %(default)s)",
+    )
     add_batching_argument(parser, "requests")
-    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                        help="positions a request may fill, prompt and new tokens (default: the model's "
-                             "max_seq_len); continuous batching's KV cache holds N slots a row")
-    parser.add_argument("--max-batch-prefill-tokens", type=int, default=None, metavar="N",
-                        help="prompts admitted together are prefilled in one pass of at most N padded tokens "
-                             "(prompts x the longest), which bounds its activation memory; a longer prompt "
-                             "goes alone, 1 prefills one at a time (default: 2048, or --max-model-len if more)")
-    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                        help="prompt tokens prefilled per iteration at most: a longer prompt is prefilled over "
-                             "several, the busy rows decoding between them (chunked prefill; default 256)")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="positions a request may fill, prompt and new tokens (default: the model's "
+        "max_seq_len); continuous batching's KV cache holds N slots a row",
+    )
+    parser.add_argument(
+        "--max-batch-prefill-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts admitted together are prefilled in one pass of at most N padded tokens "
+        "(prompts x the longest), which bounds its activation memory; a longer prompt "
+        "goes alone, 1 prefills one at a time (default: 2048, or --max-model-len if more)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens prefilled per iteration at most: a longer prompt is prefilled over "
+        "several, the busy rows decoding between them (chunked prefill; default 256)",
+    )
     add_chat_template_argument(parser, "/v1/chat/completions")
-    parser.add_argument("--served-model-name", metavar="NAME", default=None,
-                        help="the model's name in answers and /v1/models; a request naming another is refused "
-                             "(default: the checkpoint folder's name)")
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model's name in answers and /v1/models; a request naming another is refused "
+        "(default: the checkpoint folder's name)",
+    )
 
 
 def run(args) -> int:
@@ -90,10 +116,15 @@ def run(args) -> int:
     from .shutdown import Shutdown
 
     if args.max_batch < 1 or not 0 <= args.batch_window_ms < float("inf") or not 0 <= args.port < 65536:
-        raise ConfigError(f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
-                          "expected a batch >= 1, a window >= 0 and a port in 0..65535")
-    for flag, value in (("--max-model-len", args.max_model_len), ("--prefill-chunk", args.prefill_chunk),
-                        ("--max-batch-prefill-tokens", args.max_batch_prefill_tokens)):
+        raise ConfigError(
+            f"--max-batch {args.max_batch} --batch-window-ms {args.batch_window_ms} --port {args.port}: "
+            "expected a batch >= 1, a window >= 0 and a port in 0..65535"
+        )
+    for flag, value in (
+        ("--max-model-len", args.max_model_len),
+        ("--prefill-chunk", args.prefill_chunk),
+        ("--max-batch-prefill-tokens", args.max_batch_prefill_tokens),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: expected an integer >= 1")
     template_source = read_template(args.chat_template)  # a bad file fails every rank before the load
@@ -102,8 +133,10 @@ def run(args) -> int:
     grid, model, tokenizer = (load_encoder if encoder else load_for_inference)(args, opened)
     max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
     if encoder and grid.dp_size != 1:  # embeddings batch over one tp group; the router sends prompts
-        raise ConfigError(f"--tp {grid.tp_size} with {grid.world.size} ranks: an encoder is served by one tp "
-                          f"group, use --tp {grid.world.size}")
+        raise ConfigError(
+            f"--tp {grid.tp_size} with {grid.world.size} ranks: an encoder is served by one tp "
+            f"group, use --tp {grid.world.size}"
+        )
     stop = Shutdown()
     # Every replica's tp rank 0 samples, so each checks the stop ids, the template's end of turn among them.
     template = None if encoder else template_for(tokenizer, template_source, args.chat_template)
@@ -116,8 +149,16 @@ def run(args) -> int:
         from .http import CompletionServer
 
         try:
-            server = CompletionServer(args.host, args.port, tokenizer, model.cfg, DEFAULT_MAX_TOKENS, max_len,
-                                      template, args.served_model_name or _model_name(args.ckpt))
+            server = CompletionServer(
+                args.host,
+                args.port,
+                tokenizer,
+                model.cfg,
+                DEFAULT_MAX_TOKENS,
+                max_len,
+                template,
+                args.served_model_name or _model_name(args.ckpt),
+            )
         except OSError as e:
             error = f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})"
     pids = grid.world.allgather_object(os.getpid())
@@ -128,8 +169,11 @@ def run(args) -> int:
     if grid.world.rank != 0:
         batcher.run(RemoteJobs(replicas) if grid.world.rank in leaders else None)
         return 0
-    print(f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
-          f"replicas={grid.dp_size}, rank pids {' '.join(map(str, pids))}); {layout}", flush=True)
+    print(
+        f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
+        f"replicas={grid.dp_size}, rank pids {' '.join(map(str, pids))}); {layout}",
+        flush=True,
+    )
     stop.on_hurry = server.hurry
     router = Router(replicas, leaders[1:], server, args.max_batch) if replicas is not None else None
     batcher.run(_Jobs(server, stop, args.batch_window_ms / 1000))
@@ -139,16 +183,15 @@ def run(args) -> int:
         remote = list(router.sent.values())
         spread = f" (by replica: {' '.join(map(str, [server.answered - sum(remote), *remote]))})"
     server.close()
-    print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered{spread}, stopped",
-          flush=True)
+    print(f"hpc-tp serve: {stop.received} received, {server.answered} requests answered{spread}, stopped", flush=True)
     return 0
 
 
 def _batcher(args, model, tokenizer, max_len: int, encoder: bool):
     """The loop every rank runs, and a word on its memory for the start-up line."""
     from .continuous import ContinuousBatcher
-    from .encoder import pad_id_of
     from .embeddings import EmbeddingBatches
+    from .encoder import pad_id_of
     from .generate import Engine
 
     if encoder:
@@ -156,8 +199,9 @@ def _batcher(args, model, tokenizer, max_len: int, encoder: bool):
     engine = Engine(model, tokenizer)
     if args.batching == "static":
         return StaticBatches(engine, args.max_batch), "static batches"
-    batcher = ContinuousBatcher(engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens,
-                                args.prefill_chunk)
+    batcher = ContinuousBatcher(
+        engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens, args.prefill_chunk
+    )
     return batcher, f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {args.max_batch} rows of {max_len} slots"
 
 
@@ -184,9 +228,12 @@ class StaticBatches:
                 self.engine.generate()
                 continue
             started = time.perf_counter()
-            completions, metrics = self.engine.generate([j.ids for j in jobs], [j.params for j in jobs],
-                                                        on_text=lambda row, piece, finish: jobs[row].text(piece),
-                                                        cancelled=lambda row: jobs[row].cancelled)
+            completions, metrics = self.engine.generate(
+                [j.ids for j in jobs],
+                [j.params for j in jobs],
+                on_text=lambda row, piece, finish: jobs[row].text(piece),
+                cancelled=lambda row: jobs[row].cancelled,
+            )
             for job, completion in zip(jobs, completions):
                 job.finish(completion, metrics, queued_s=started - job.arrived)
 

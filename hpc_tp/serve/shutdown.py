@@ -16,6 +16,7 @@ Signals reach a watcher thread through ``signal.set_wakeup_fd``: the interpreter
 writes the signal's number to a socket at once, even while the main thread is inside a long forward
 pass (numpy releases the interpreter lock), where a Python-level handler would wait for it to end.
 """
+
 from __future__ import annotations
 
 import signal

@@ -22,6 +22,7 @@ free whitespace lets a weak model spend its max_tokens on newlines before the an
 failure vLLM's ``disable-any-whitespace`` option exists for. An answer cut by max_tokens is
 unfinished JSON (finish reason "length"), as with any server.
 """
+
 from __future__ import annotations
 
 import re
@@ -41,6 +42,7 @@ _LLTOKENIZERS: dict[str, object] = {}  # tokenizer identity -> llguidance's view
 class Grammar:
     """A compiled grammar in llguidance's serialized form: a string, so it travels with SamplingParams
     wherever they are pickled (``Engine.generate`` broadcasts them)."""
+
     source: str
 
     @classmethod
@@ -79,7 +81,7 @@ class TokenMask:
         """Bool [vocab]: the tokens the grammar allows next (ids the tokenizer lacks never are)."""
         bits = numpy.unpackbits(numpy.frombuffer(self.matcher.compute_bitmask(), dtype=numpy.uint8), bitorder="little")
         allowed = numpy.zeros(vocab, dtype=bool)
-        allowed[:min(vocab, bits.size)] = bits[:vocab]
+        allowed[: min(vocab, bits.size)] = bits[:vocab]
         return allowed
 
     def apply(self, logits) -> numpy.ndarray:
@@ -109,14 +111,22 @@ def response_format(value) -> Grammar | None:
         return Grammar.json_schema({"type": "object"}, "response_format")
     if kind == "json_schema" and set(value) == {"type", "json_schema"}:
         spec = value["json_schema"]
-        if not (isinstance(spec, dict) and isinstance(spec.get("name"), str) and "schema" in spec
-                and set(spec) <= {"name", "schema", "strict", "description"}
-                and isinstance(spec.get("strict", False), bool)):
-            raise ConfigError(f"response_format.json_schema={spec!r}: expected {{\"name\": string, \"schema\": "
-                              "object, \"strict\": true or false}")
+        if not (
+            isinstance(spec, dict)
+            and isinstance(spec.get("name"), str)
+            and "schema" in spec
+            and set(spec) <= {"name", "schema", "strict", "description"}
+            and isinstance(spec.get("strict", False), bool)
+        ):
+            raise ConfigError(
+                f'response_format.json_schema={spec!r}: expected {{"name": string, "schema": '
+                'object, "strict": true or false}'
+            )
         return Grammar.json_schema(spec["schema"], f"response_format.json_schema.schema ({spec['name']})")
-    raise ConfigError(f"response_format={value!r}: expected {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} "
-                      "or {\"type\": \"json_schema\", \"json_schema\": {...}}")
+    raise ConfigError(
+        f'response_format={value!r}: expected {{"type": "text"}}, {{"type": "json_object"}} '
+        'or {"type": "json_schema", "json_schema": {...}}'
+    )
 
 
 def vocabulary(tokenizer):
@@ -130,13 +140,16 @@ def vocabulary(tokenizer):
         try:
             if tokenizer.kind == "huggingface":
                 # every stop id (the template's end of turn too) may end a grammar that could go on
-                built = llguidance.LLTokenizer(tokenizer.tokenizer.to_str(),
-                                               eos_token=sorted(tokenizer.stop_ids) or None)
+                built = llguidance.LLTokenizer(
+                    tokenizer.tokenizer.to_str(), eos_token=sorted(tokenizer.stop_ids) or None
+                )
             else:
                 built = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer)))
         except ValueError as e:
-            raise ConfigError(f"structured output needs each token's bytes, which llguidance cannot read from "
-                              f"this model's tokenizer: {_one_line(str(e))}") from None
+            raise ConfigError(
+                f"structured output needs each token's bytes, which llguidance cannot read from "
+                f"this model's tokenizer: {_one_line(str(e))}"
+            ) from None
         _LLTOKENIZERS[tokenizer.identity] = built
     return built
 

@@ -6,6 +6,7 @@
 
 Both take an optional ``model``, refused where it names another model (UnknownModel, a 404).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ def tokenize(body: bytes, tokenizer, chat_template, model_name: str, max_model_l
     elif fields == ["messages"]:
         ids = tokenizer.encode(render_messages(request, chat_template))
     else:
-        raise ConfigError(f"fields {', '.join(fields) or 'none'}: expected {{\"prompt\": TEXT}} or "
-                          "{\"messages\": [...]} (and optional model)")
+        raise ConfigError(
+            f'fields {", ".join(fields) or "none"}: expected {{"prompt": TEXT}} or '
+            '{"messages": [...]} (and optional model)'
+        )
     return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
 
@@ -32,8 +35,10 @@ def detokenize(body: bytes, tokenizer, vocab_size: int, model_name: str) -> dict
     request = read_body(body)
     check_model(request, model_name)
     ids, fields = request.get("tokens"), sorted(set(request) - {"model"})
-    if fields != ["tokens"] or not (isinstance(ids, list) and all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)):
+    if fields != ["tokens"] or not (
+        isinstance(ids, list)
+        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)
+    ):
         got = f"tokens {json.dumps(ids)[:40]}" if fields == ["tokens"] else f"fields {', '.join(fields) or 'none'}"
-        raise ConfigError(f"expected {{\"tokens\": [token ids in [0, {vocab_size})]}}, got {got}")
+        raise ConfigError(f'expected {{"tokens": [token ids in [0, {vocab_size})]}}, got {got}')
     return {"prompt": tokenizer.decode(ids)}

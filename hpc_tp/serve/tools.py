@@ -28,6 +28,7 @@ call is held back: everything for a forced call or an answer that opens with ``{
 marker, else from a ``<tool_call>`` (or what may be its beginning) on; the last chunk carries what
 was held as content and the calls as ``delta.tool_calls``.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,9 @@ class ToolUse:
                 raise ConfigError(f"tool_choice={choice!r} needs tools: the request declares none")
             return None
         if not isinstance(tools, list) or not tools:
-            raise ConfigError(f"tools must be a non-empty list of {{\"type\": \"function\", \"function\": {{...}}}} "
-                              f"objects, got {tools!r}")
+            raise ConfigError(
+                f'tools must be a non-empty list of {{"type": "function", "function": {{...}}}} objects, got {tools!r}'
+            )
         for i, tool in enumerate(tools):
             _check_tool(i, tool)
         names = [t["function"]["name"] for t in tools]
@@ -77,13 +79,20 @@ class ToolUse:
             raise ConfigError(f"tools: function names must differ, got {names}")
         choice = "auto" if choice is None else choice
         named = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-        if isinstance(choice, dict) and not (set(choice) == {"type", "function"} and choice["type"] == "function"
-                                             and set(choice["function"]) == {"name"} and named in names):
-            raise ConfigError(f"tool_choice={choice!r}: expected {{\"type\": \"function\", \"function\": "
-                              f"{{\"name\": one of {names}}}}}")
+        if isinstance(choice, dict) and not (
+            set(choice) == {"type", "function"}
+            and choice["type"] == "function"
+            and set(choice["function"]) == {"name"}
+            and named in names
+        ):
+            raise ConfigError(
+                f'tool_choice={choice!r}: expected {{"type": "function", "function": {{"name": one of {names}}}}}'
+            )
         if not isinstance(choice, dict) and choice not in _CHOICE_WORDS:
-            raise ConfigError(f"tool_choice={choice!r}: expected one of {', '.join(_CHOICE_WORDS)} or "
-                              "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+            raise ConfigError(
+                f"tool_choice={choice!r}: expected one of {', '.join(_CHOICE_WORDS)} or "
+                '{"type": "function", "function": {"name": ...}}'
+            )
         return cls(tools, choice, parallel)
 
     def _grammar(self, parallel: bool) -> Grammar | None:
@@ -92,11 +101,17 @@ class ToolUse:
             return Grammar.json_schema(_parameters(self.tools[i]), f"tools[{i}].function.parameters")
         if self.choice != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(tool)},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, tool in zip(self.names, self.tools)]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": _parameters(tool)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, tool in zip(self.names, self.tools)
+        ]
         schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-        return Grammar.json_schema(schema, "tools (for tool_choice \"required\")")
+        return Grammar.json_schema(schema, 'tools (for tool_choice "required")')
 
     def turn(self, text: str, finish_reason: str) -> tuple[dict, str]:
         """(the assistant's message, the finish reason) for a whole answer ``text``."""
@@ -133,8 +148,12 @@ class ToolUse:
     def may_call(self, text: str) -> bool:
         """Whether an answer beginning with ``text`` may be a call from its start."""
         head = text.lstrip()
-        return self.choice != "auto" or not head or head[0] in "{[" \
+        return (
+            self.choice != "auto"
+            or not head
+            or head[0] in "{["
             or any(head.startswith(p) or p.startswith(head) for p in _PREFIXES)
+        )
 
 
 class CallStream:
@@ -148,14 +167,14 @@ class CallStream:
         """The answer ``piece`` longer: the part of it that can no longer be a call and has not gone out."""
         self.text += piece
         end = self._streamable()
-        out = self.text[self.sent:end] if end > self.sent else ""
+        out = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return out
 
     def last(self, finish_reason: str) -> tuple[dict, str]:
         """(the last chunk's delta: what was held back, and the calls with their index; the finish reason)."""
         content, calls = self.tools.parse(self.text)
-        rest = content[self.sent:] if content.startswith(self.text[:self.sent]) else content
+        rest = content[self.sent :] if content.startswith(self.text[: self.sent]) else content
         delta = {"role": "assistant", "content": rest or None}
         if calls:
             delta["tool_calls"], finish_reason = [{"index": i, **c} for i, c in enumerate(calls)], "tool_calls"
@@ -193,18 +212,25 @@ def _template_message(message):
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
             arguments = _json(function["arguments"])
-            call = {**call, "function": {**function, "arguments": arguments if arguments is not None
-                                         else function["arguments"]}}
+            call = {
+                **call,
+                "function": {**function, "arguments": arguments if arguments is not None else function["arguments"]},
+            }
         calls.append(call)
     return {**message, "tool_calls": calls}
 
 
 def _check_tool(i: int, tool):
     function = tool.get("function") if isinstance(tool, dict) else None
-    if not (isinstance(tool, dict) and tool.get("type") == "function" and set(tool) == {"type", "function"}
-            and isinstance(function, dict)):
-        raise ConfigError(f"tools[{i}]={tool!r}: expected {{\"type\": \"function\", \"function\": {{\"name\", "
-                          "\"description\", \"parameters\"}}")
+    if not (
+        isinstance(tool, dict)
+        and tool.get("type") == "function"
+        and set(tool) == {"type", "function"}
+        and isinstance(function, dict)
+    ):
+        raise ConfigError(
+            f'tools[{i}]={tool!r}: expected {{"type": "function", "function": {{"name", "description", "parameters"}}}}'
+        )
     name = function.get("name")
     if not (isinstance(name, str) and _NAME.fullmatch(name)):
         raise ConfigError(f"tools[{i}].function.name={name!r}: expected 1 to 64 letters, digits, '_' or '-'")
@@ -238,5 +264,8 @@ def _named_call(value, arguments_key: str, names: list[str]) -> dict | None:
 
 
 def _call(name: str, arguments: dict) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }

@@ -17,6 +17,7 @@ Since the queue order depends only on the group's whole batch, ep=1 on the conca
 drops exactly what ep=N drops. Inference plans ``dropless``: capacity is the group's token count,
 so every assignment is kept and a token's output does not depend on the others in its batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,15 +35,15 @@ class DispatchPlan:
     """One micro-batch's routing agreement; the numbers before ``token`` are the same on every ep rank."""
 
     capacity: int
-    group_tokens: int          # tokens of the whole ep group
-    assignments: object        # [E] assignments routed to each expert, over the group, before dropping
-    group_prob_sum: object     # [E] router probabilities summed over the group's tokens
-    dropped: int               # assignments over capacity, over the group
-    rows_per_piece: int        # M: rows of each all-to-all piece
-    token: object              # [A] this rank's kept assignments in send order: token row ...
-    choice: object             # ... and which of its top-k choices
-    send_index: object         # [A] flat row in the [ep * M] send buffer of each kept assignment
-    expert_rows: list          # per local expert: flat rows of the [ep * M] receive buffer it takes
+    group_tokens: int  # tokens of the whole ep group
+    assignments: object  # [E] assignments routed to each expert, over the group, before dropping
+    group_prob_sum: object  # [E] router probabilities summed over the group's tokens
+    dropped: int  # assignments over capacity, over the group
+    rows_per_piece: int  # M: rows of each all-to-all piece
+    token: object  # [A] this rank's kept assignments in send order: token row ...
+    choice: object  # ... and which of its top-k choices
+    send_index: object  # [A] flat row in the [ep * M] send buffer of each kept assignment
+    expert_rows: list  # per local expert: flat rows of the [ep * M] receive buffer it takes
 
 
 class ExpertDispatcher:
@@ -65,16 +66,16 @@ class ExpertDispatcher:
         counts = numpy.zeros((k, E), dtype=numpy.int64)
         numpy.add.at(counts, (numpy.repeat(numpy.arange(k), n), flat), 1)
         mine = numpy.concatenate([counts.ravel().astype(numpy.float64), backend.to_numpy(probs.sum(axis=0)), [n]])
-        everyone = (mine[None] if ep == 1 else backend.to_numpy(self.comm.all_gather(xp.asarray(mine)[None])))
-        all_counts = everyone[:, :k * E].reshape(ep, k, E).round().astype(numpy.int64)
+        everyone = mine[None] if ep == 1 else backend.to_numpy(self.comm.all_gather(xp.asarray(mine)[None]))
+        all_counts = everyone[:, : k * E].reshape(ep, k, E).round().astype(numpy.int64)
         group_tokens = int(everyone[:, -1].sum())
         capacity = group_tokens if dropless else math.ceil(self.capacity_factor * group_tokens * k / E)
         # Where each (rank, choice, expert) block starts in its expert's queue, and how much of it fits.
-        per_choice = all_counts.sum(axis=0)                                     # [k, E]
-        before_choice = numpy.cumsum(per_choice, axis=0) - per_choice           # earlier choices, all ranks
-        before_rank = numpy.cumsum(all_counts, axis=0) - all_counts             # same choice, earlier ranks
+        per_choice = all_counts.sum(axis=0)  # [k, E]
+        before_choice = numpy.cumsum(per_choice, axis=0) - per_choice  # earlier choices, all ranks
+        before_rank = numpy.cumsum(all_counts, axis=0) - all_counts  # same choice, earlier ranks
         start = before_choice[None] + before_rank
-        kept_counts = numpy.clip(capacity - start, 0, all_counts)               # [ep, k, E]
+        kept_counts = numpy.clip(capacity - start, 0, all_counts)  # [ep, k, E]
         # This rank's assignments: place inside its (choice, expert) block, then kept or not.
         block = numpy.repeat(numpy.arange(k), n) * E + flat
         order = numpy.argsort(block, kind="stable")
@@ -86,27 +87,37 @@ class ExpertDispatcher:
         # Send order: by expert (so by destination rank), then choice, then token.
         kept_ids = numpy.nonzero(kept)[0]
         kept_ids = kept_ids[numpy.argsort(flat[kept_ids], kind="stable")]
-        per_expert = kept_counts.sum(axis=1)                                    # [ep (source), E]
-        sends = per_expert.reshape(ep, ep, self.local_experts).sum(axis=2)      # [source, destination]
+        per_expert = kept_counts.sum(axis=1)  # [ep (source), E]
+        sends = per_expert.reshape(ep, ep, self.local_experts).sum(axis=2)  # [source, destination]
         rows = int(sends.max(initial=0))
         dest = flat[kept_ids] // self.local_experts
         offset_in_piece = numpy.arange(kept_ids.size) - numpy.searchsorted(dest, dest, side="left")
         send_index = dest * rows + offset_in_piece
         device = backend.xp.asarray
         return DispatchPlan(
-            capacity=capacity, group_tokens=group_tokens, assignments=per_choice.sum(axis=0),
-            group_prob_sum=everyone[:, k * E:k * E + E].sum(axis=0), dropped=int(all_counts.sum() - kept_counts.sum()),
-            rows_per_piece=rows, token=device(kept_ids % n), choice=device(kept_ids // n),
-            send_index=device(send_index), expert_rows=[device(r) for r in self._expert_rows(per_expert, rows)])
+            capacity=capacity,
+            group_tokens=group_tokens,
+            assignments=per_choice.sum(axis=0),
+            group_prob_sum=everyone[:, k * E : k * E + E].sum(axis=0),
+            dropped=int(all_counts.sum() - kept_counts.sum()),
+            rows_per_piece=rows,
+            token=device(kept_ids % n),
+            choice=device(kept_ids // n),
+            send_index=device(send_index),
+            expert_rows=[device(r) for r in self._expert_rows(per_expert, rows)],
+        )
 
     def _expert_rows(self, per_expert, rows: int) -> list:
         """Rows of the receive buffer per local expert: from each source in rank order, whose
         piece lists this rank's experts one after another."""
-        mine = per_expert[:, self.first_expert:self.first_expert + self.local_experts]  # [source, local expert]
+        mine = per_expert[:, self.first_expert : self.first_expert + self.local_experts]  # [source, local expert]
         starts = numpy.cumsum(mine, axis=1) - mine
-        return [numpy.concatenate([source * rows + starts[source, e] + numpy.arange(mine[source, e])
-                                   for source in range(self.ep)]).astype(numpy.int64)
-                for e in range(self.local_experts)]
+        return [
+            numpy.concatenate(
+                [source * rows + starts[source, e] + numpy.arange(mine[source, e]) for source in range(self.ep)]
+            ).astype(numpy.int64)
+            for e in range(self.local_experts)
+        ]
 
     def _exchange(self, buffer, plan: DispatchPlan):
         if self.ep == 1:

@@ -8,16 +8,25 @@ A column-parallel layer may carry several output segments in one fused weight (Q
 gate, up): one GEMM, while each segment stays its own Parameter (a view into the buffer)
 with its own Partition, so checkpoints and importers see plain logical tensors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
 from ..kernels import blas
-from .mappings import (SEQUENCE_AXIS, CopyToTensorParallel, GatherFromSequenceParallel, GatherFromTensorParallel,
-                       Identity, ReduceFromTensorParallel, ReduceScatterToSequenceParallel, ScatterToTensorParallel)
+from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
+from .mappings import (
+    SEQUENCE_AXIS,
+    CopyToTensorParallel,
+    GatherFromSequenceParallel,
+    GatherFromTensorParallel,
+    Identity,
+    ReduceFromTensorParallel,
+    ReduceScatterToSequenceParallel,
+    ScatterToTensorParallel,
+)
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,17 @@ class ColumnParallelLinear(Module):
                     gradient increment ([in, width] and [width]) over the ranks holding it, backward.
     """
 
-    def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
-                 gather_output: bool = False, segments: list[Segment] | None = None, dtype="float64",
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        bias: bool = True,
+        gather_output: bool = False,
+        segments: list[Segment] | None = None,
+        dtype="float64",
+        sequence_parallel: bool = False,
+    ):
         if segments is None:
             if out_features % comm.size:
                 raise ConfigError(f"output size {out_features} is not divisible by tensor-parallel size {comm.size}")
@@ -101,13 +118,28 @@ class ColumnParallelLinear(Module):
             if seg.replica_comm is not None and seg.replica_comm.size > 1:
                 self._replica_regions.append((CopyToTensorParallel(seg.replica_comm), cols))
             prefix = f"{seg.name}." if seg.name else ""
-            self.params.append((prefix + "weight", Parameter(
-                self._weight[:, cols], split((in_features, seg.full), 1, seg.parts, seg.index, seg.replicas),
-                grad=self._weight_grad[:, cols])))
+            self.params.append(
+                (
+                    prefix + "weight",
+                    Parameter(
+                        self._weight[:, cols],
+                        split((in_features, seg.full), 1, seg.parts, seg.index, seg.replicas),
+                        grad=self._weight_grad[:, cols],
+                    ),
+                )
+            )
             if bias:
-                self.params.append((prefix + "bias", Parameter(
-                    self._bias[cols], split((seg.full,), 0, seg.parts, seg.index, seg.replicas),
-                    grad=self._bias_grad[cols], decay=False)))
+                self.params.append(
+                    (
+                        prefix + "bias",
+                        Parameter(
+                            self._bias[cols],
+                            split((seg.full,), 0, seg.parts, seg.index, seg.replicas),
+                            grad=self._bias_grad[cols],
+                            decay=False,
+                        ),
+                    )
+                )
 
     def named_parameters(self, prefix: str = ""):
         for name, p in self.params:
@@ -159,17 +191,33 @@ class RowParallelLinear(Module):
                     backward all-gathers the input gradient to [B, T, in].
     """
 
-    def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
-                 input_is_parallel: bool = True, dtype="float64", sequence_parallel: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        dtype="float64",
+        sequence_parallel: bool = False,
+    ):
         if in_features % comm.size:
             raise ConfigError(f"input size {in_features} is not divisible by tensor-parallel size {comm.size}")
         self.input_region = Identity() if input_is_parallel else ScatterToTensorParallel(comm)
-        self.g = (ReduceScatterToSequenceParallel(comm, SEQUENCE_AXIS) if sequence_parallel
-                  else ReduceFromTensorParallel(comm))
-        self.weight = Parameter(param_buffer((in_features // comm.size, out_features), dtype),
-                                split((in_features, out_features), 0, comm.size, comm.rank))
-        self.bias = (Parameter(param_buffer(out_features, dtype), replicated((out_features,), comm.size), decay=False)
-                     if bias else None)
+        self.g = (
+            ReduceScatterToSequenceParallel(comm, SEQUENCE_AXIS)
+            if sequence_parallel
+            else ReduceFromTensorParallel(comm)
+        )
+        self.weight = Parameter(
+            param_buffer((in_features // comm.size, out_features), dtype),
+            split((in_features, out_features), 0, comm.size, comm.rank),
+        )
+        self.bias = (
+            Parameter(param_buffer(out_features, dtype), replicated((out_features,), comm.size), decay=False)
+            if bias
+            else None
+        )
 
     def forward(self, x):
         x = self.input_region.forward(x)

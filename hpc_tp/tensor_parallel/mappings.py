@@ -27,6 +27,7 @@ f becomes an all-gather and g a reduce-scatter (same bytes, activations / tp). `
 is never reused above, a partial product never after its sum). At tp = 1 every region moves
 nothing and the gathers and reduce-scatters hand their argument back uncopied.
 """
+
 from __future__ import annotations
 
 from ..comm.base import Communicator, Done, Request
@@ -165,5 +166,11 @@ class MaxFromTensorParallel:
         return self.comm.all_reduce(x, op="max")
 
 
-REGIONS = (CopyToTensorParallel, ReduceFromTensorParallel, ScatterToTensorParallel,
-           GatherFromTensorParallel, ReduceScatterToSequenceParallel, GatherFromSequenceParallel)
+REGIONS = (
+    CopyToTensorParallel,
+    ReduceFromTensorParallel,
+    ScatterToTensorParallel,
+    GatherFromTensorParallel,
+    ReduceScatterToSequenceParallel,
+    GatherFromSequenceParallel,
+)

@@ -6,6 +6,7 @@ tp rank, the dp rank or the micro-batch. So ranks that hold replicated activatio
 masks, ranks that hold different heads draw different ones, and every layout and every split of
 the batch into micro-batches drops exactly the elements one process drops.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -26,5 +27,9 @@ class DropoutRNG:
     def generators(self, samples: int, *what) -> list[numpy.random.Generator]:
         """One generator for each of ``samples`` consecutive samples from the position on."""
         site = [k if isinstance(k, int) else zlib.crc32(str(k).encode()) for k in what]
-        return [numpy.random.Generator(numpy.random.Philox(numpy.random.SeedSequence(
-            [self.seed, self.step, self.first_sample + i, *site]))) for i in range(samples)]
+        return [
+            numpy.random.Generator(
+                numpy.random.Philox(numpy.random.SeedSequence([self.seed, self.step, self.first_sample + i, *site]))
+            )
+            for i in range(samples)
+        ]

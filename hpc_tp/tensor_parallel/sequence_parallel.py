@@ -13,6 +13,7 @@ does, so the full sequence is never held between forward and backward.
 Parameters that see only a shard of the tokens (norm gains and biases) get partial gradients on
 each rank; ``sum_grads_over`` adds them up across the tp group in one message.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -25,8 +26,10 @@ from .mappings import SEQUENCE_AXIS, CopyToTensorParallel, ScatterToTensorParall
 
 def check_sequence_divisible(length: int, tp: int):
     if length % tp:
-        raise ConfigError(f"sequence length {length} is not divisible by tp={tp} with sequence parallelism; "
-                          f"use a multiple of {tp} or turn sequence_parallel off")
+        raise ConfigError(
+            f"sequence length {length} is not divisible by tp={tp} with sequence parallelism; "
+            f"use a multiple of {tp} or turn sequence_parallel off"
+        )
 
 
 def scatter_sequence(x, comm: Communicator):
@@ -58,5 +61,5 @@ def sum_grads_over(comm: Communicator, params):
     flat = CopyToTensorParallel(comm).backward(xp.concatenate([g.ravel() for g in increments]))
     start = 0
     for p, g in zip(params, increments):
-        p.grad += flat[start:start + g.size].reshape(g.shape)
+        p.grad += flat[start : start + g.size].reshape(g.shape)
         start += g.size

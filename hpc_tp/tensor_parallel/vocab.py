@@ -7,14 +7,15 @@ the row max, then (in one all-reduce) the sum of exponentials and the target log
 columns are set to -inf, so they can never win the max or take probability mass. Each class
 holds its communication regions (``mappings.py``) and says in its docstring what they send.
 """
+
 from __future__ import annotations
 
 import numpy
 
 from .. import backend
 from ..comm.base import Communicator
-from ..module import Module, Parameter, param_buffer, split
 from ..kernels.functional import scatter_add_rows
+from ..module import Module, Parameter, param_buffer, split
 from .layers import add_weight_grad, product
 from .mappings import CopyToTensorParallel, MaxFromTensorParallel, ReduceFromTensorParallel
 
@@ -33,8 +34,10 @@ class VocabParallelEmbedding(Module):
     def __init__(self, vocab_size: int, hidden: int, comm: Communicator, dtype="float64"):
         self.vocab_size = vocab_size
         self.g = ReduceFromTensorParallel(comm)
-        self.weight = Parameter(param_buffer((-(-vocab_size // comm.size), hidden), dtype),
-                                split((vocab_size, hidden), 0, comm.size, comm.rank))
+        self.weight = Parameter(
+            param_buffer((-(-vocab_size // comm.size), hidden), dtype),
+            split((vocab_size, hidden), 0, comm.size, comm.rank),
+        )
         self.vocab_start, stop = self.weight.partition.local_range()
         self.vocab_local = stop - self.vocab_start
 
@@ -110,7 +113,7 @@ class VocabParallelCrossEntropy:
         logits = logits_local.reshape(-1, logits_local.shape[-1])
         logits = logits if overwrite and logits.dtype == work and logits.flags.c_contiguous else logits.astype(work)
         targets = targets.reshape(-1)
-        logits[:, self.vocab_valid:] = -xp.inf
+        logits[:, self.vocab_valid :] = -xp.inf
         row_max = self.row_max.forward(logits.max(axis=1))
         local_t = targets - self.vocab_start
         mine = (local_t >= 0) & (local_t < self.vocab_valid)

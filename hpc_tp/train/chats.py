@@ -18,6 +18,7 @@ another conversation, so the numbers are exact without document masks). A conver
 holds out a fraction of the conversations (chosen by ``--seed``), whose assistant-token loss the
 trainer reports as ``heldout_loss``.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,12 +55,17 @@ def read_conversations(path) -> list[tuple[int, list[dict]]]:
 
 def _messages(record, where: str) -> list[dict]:
     if isinstance(record, dict) and set(record) >= {"prompt", "completion"}:
-        record = {"messages": [{"role": "user", "content": record["prompt"]},
-                               {"role": "assistant", "content": record["completion"]}]}
+        record = {
+            "messages": [
+                {"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["completion"]},
+            ]
+        }
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise ConfigError(f"{where}: expected {{\"messages\": [{{\"role\", \"content\"}}, ...]}} "
-                          "or {\"prompt\", \"completion\"}")
+        raise ConfigError(
+            f'{where}: expected {{"messages": [{{"role", "content"}}, ...]}} or {{"prompt", "completion"}}'
+        )
     if not any(m.get("role") == "assistant" for m in messages):
         raise ConfigError(f"{where}: the conversation has no assistant turn to learn")
     return messages
@@ -68,6 +74,7 @@ def _messages(record, where: str) -> list[dict]:
 def render_conversation(template, tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
     """The conversation's token ids and, for each, whether it belongs to an assistant turn (its reply
     and the markup that closes it)."""
+
     def encode(turns, opened):
         try:
             return tokenizer.encode(template.render(turns, add_generation_prompt=opened))
@@ -79,11 +86,13 @@ def render_conversation(template, tokenizer, messages: list[dict], where: str) -
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        start, end = encode(messages[:i], True), encode(messages[:i + 1], False)
-        if ids[:len(start)] != start or ids[:len(end)] != end:
-            raise ConfigError(f"{where}: the chat template's rendering of turn {i + 1} does not tokenize as the "
-                              "start of the whole conversation, so its tokens cannot be told apart")
-        learned[len(start):len(end)] = [True] * (len(end) - len(start))
+        start, end = encode(messages[:i], True), encode(messages[: i + 1], False)
+        if ids[: len(start)] != start or ids[: len(end)] != end:
+            raise ConfigError(
+                f"{where}: the chat template's rendering of turn {i + 1} does not tokenize as the "
+                "start of the whole conversation, so its tokens cannot be told apart"
+            )
+        learned[len(start) : len(end)] = [True] * (len(end) - len(start))
     return ids, learned
 
 
@@ -107,13 +116,16 @@ class ChatDataset(TokenDataset):
         return self.ids[indices], self.targets[indices]
 
 
-def build_chat_datasets(path, tokenizer, template, seq_len: int | None, eval_split: float = 0.0, seed: int = 0,
-                        context: int | None = None) -> tuple[ChatDataset, ChatDataset | None]:
+def build_chat_datasets(
+    path, tokenizer, template, seq_len: int | None, eval_split: float = 0.0, seed: int = 0, context: int | None = None
+) -> tuple[ChatDataset, ChatDataset | None]:
     """(training rows, held-out rows or None) of the conversations in ``path``, rows of ``seq_len``
     tokens (None: the longest conversation's, up to the model's ``context``)."""
     if template is None:
-        raise ConfigError(f"--data {path}: conversations need a chat template, and the tokenizer carries none: "
-                          "--init a checkpoint of a chat model, or pass --chat-template FILE")
+        raise ConfigError(
+            f"--data {path}: conversations need a chat template, and the tokenizer carries none: "
+            "--init a checkpoint of a chat model, or pass --chat-template FILE"
+        )
     if not 0 <= eval_split < 1:
         raise ConfigError(f"--eval-split {eval_split}: expected a fraction in [0, 1)")
     rows = []
@@ -121,8 +133,10 @@ def build_chat_datasets(path, tokenizer, template, seq_len: int | None, eval_spl
     for n, messages in read_conversations(path):
         ids, learned = render_conversation(template, tokenizer, messages, f"{path} line {n}")
         if limit is not None and len(ids) - 1 > limit:
-            raise ConfigError(f"{path} line {n}: the conversation is {len(ids)} tokens, more than {flag} "
-                              f"{limit} + 1 (longer conversations are refused, not cut)")
+            raise ConfigError(
+                f"{path} line {n}: the conversation is {len(ids)} tokens, more than {flag} "
+                f"{limit} + 1 (longer conversations are refused, not cut)"
+            )
         rows.append((ids, learned))
     seq_len = seq_len or max(len(ids) - 1 for ids, _ in rows)
     held = math.ceil(eval_split * len(rows)) if eval_split else 0

@@ -10,6 +10,7 @@ norm 35 -> 9.5 ms.
 ``adamw`` runs numpy's operations in numpy's order on scalars of the array's dtype, without
 ``fastmath``, so it gives the same bits as the composed update; the sums may reassociate.
 """
+
 from __future__ import annotations
 
 import numpy
@@ -21,8 +22,14 @@ def fused(*arrays) -> bool:
     """True when numba is there and every array is a float32/float64 numpy array of one dtype
     whose last axis has unit stride (a column block of a fused weight qualifies)."""
     first = arrays[0]
-    return ENABLED and all(isinstance(a, numpy.ndarray) and a.dtype == first.dtype and a.dtype in DTYPES
-                           and 1 <= a.ndim <= 2 and a.strides[-1] == a.itemsize for a in arrays)
+    return ENABLED and all(
+        isinstance(a, numpy.ndarray)
+        and a.dtype == first.dtype
+        and a.dtype in DTYPES
+        and 1 <= a.ndim <= 2
+        and a.strides[-1] == a.itemsize
+        for a in arrays
+    )
 
 
 def _plain(function):
@@ -47,8 +54,21 @@ def adamw(p, g, m, v, grad_scale, decay, beta1, beta2, root_correction2, eps, st
     """``optim.AdamW``'s update of one parameter, in place, from ``g * grad_scale`` (``decay``:
     1 - lr * weight decay, or 1)."""
     cast = p.dtype.type
-    _adamw(_rows(p), _rows(g), _rows(m), _rows(v), cast(grad_scale), cast(decay), cast(beta1), cast(1 - beta1),
-           cast(beta2), cast(1 - beta2), cast(root_correction2), cast(eps), cast(step_size))
+    _adamw(
+        _rows(p),
+        _rows(g),
+        _rows(m),
+        _rows(v),
+        cast(grad_scale),
+        cast(decay),
+        cast(beta1),
+        cast(1 - beta1),
+        cast(beta2),
+        cast(1 - beta2),
+        cast(root_correction2),
+        cast(eps),
+        cast(step_size),
+    )
 
 
 @_jit

@@ -9,6 +9,7 @@ makes a new cache and an unchanged one is reused by every later run.
 (seed, step): a resumed run sees the same samples as an uninterrupted one, and dp rank r takes
 the r-th contiguous chunk of the batch that dp=1 would see.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,8 +60,10 @@ class CorpusDataset(TokenDataset):
 
     def __init__(self, tokens: np.ndarray, seq_len: int, source: str):
         if len(tokens) < seq_len + 1:
-            raise ConfigError(f"corpus {source} has {len(tokens)} tokens: one sample of seq_len={seq_len} "
-                              f"needs at least {seq_len + 1}")
+            raise ConfigError(
+                f"corpus {source} has {len(tokens)} tokens: one sample of seq_len={seq_len} "
+                f"needs at least {seq_len + 1}"
+            )
         self.tokens, self.seq_len, self.source = tokens, seq_len, source
 
     def __len__(self):
@@ -72,8 +75,9 @@ class CorpusDataset(TokenDataset):
         return windows[:, :-1], windows[:, 1:]
 
 
-def build_dataset(spec, seq_len: int, tokenizer, cache_dir=None, rank: int = 0, barrier=None,
-                  **demo_options) -> TokenDataset:
+def build_dataset(
+    spec, seq_len: int, tokenizer, cache_dir=None, rank: int = 0, barrier=None, **demo_options
+) -> TokenDataset:
     """The demo task (``spec`` None/"demo"; ``demo_options`` go to ``ArithmeticTask``) or a text corpus.
 
     Every rank calls this with the same arguments; ``barrier`` (e.g. the communicator's) is called
@@ -106,8 +110,10 @@ def build_dataset(spec, seq_len: int, tokenizer, cache_dir=None, rank: int = 0, 
     if failure is not None:
         raise failure
     if not cache.exists():
-        raise ConfigError(f"tokenized corpus {cache} not found after rank 0 built it: "
-                          f"rank 0 failed (see its error) or cache_dir is not visible to every rank")
+        raise ConfigError(
+            f"tokenized corpus {cache} not found after rank 0 built it: "
+            f"rank 0 failed (see its error) or cache_dir is not visible to every rank"
+        )
     return CorpusDataset(np.load(cache, mmap_mode="r"), seq_len, str(spec))
 
 

@@ -28,6 +28,7 @@ a time to the rank that writes it (the group first agrees that no rank failed, s
 rank fails the save on all within a bucket, not at the communication timeout), a load hands each
 rank the tensors to take its pieces from, so neither holds the whole states a rank was spared.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -40,14 +41,22 @@ from ..checkpoint.collective import agreed
 from ..checkpoint.streamed import StreamedTensor
 from ..module import Parameter, address, same_view, strided_like
 from ..nn.moe import is_expert_parameter
-from .optim import (AdamW, StateTensor, local_squares, reduce_squares, sum_of_squares, weighted_sum_of_squares,
-                    zero_states)
+from .optim import (
+    AdamW,
+    StateTensor,
+    local_squares,
+    reduce_squares,
+    sum_of_squares,
+    weighted_sum_of_squares,
+    zero_states,
+)
 
 
 class _Run(NamedTuple):
     start: int  # [start, stop) of the piece
     stop: int
     label: object  # decay (bool) for the update; replicas (int) for the norm
+
 
 # Past this many runs of one replica count in a piece (GQA's K/V columns replicated over tp alternate
 # with Q's in every row of a fused QKV gradient), the norm reads the replica count per element.
@@ -65,11 +74,15 @@ class _Piece:
         self.bucket, self.comm = bucket, comm
         self.params = [(name, params[name]) for name in bucket.names]
         self.start, count = bucket.start, bucket.counts[comm.rank]
-        self.values = bucket.values if bucket.values is not None and all(
-            same_view(self.image(bucket.values, p), p.data) for _, p in self.params) else None
+        self.values = (
+            bucket.values
+            if bucket.values is not None
+            and all(same_view(self.image(bucket.values, p), p.data) for _, p in self.params)
+            else None
+        )
         xp = backend.xp_of(bucket.flat)
         if self.values is not None and self.values.dtype == bucket.flat.dtype:
-            self.master = self.values[self.start:self.start + count]
+            self.master = self.values[self.start : self.start + count]
         else:
             self.master = xp.empty(count, dtype=bucket.flat.dtype)
             self.take(self.master, {name: p.data for name, p in self.params})
@@ -80,7 +93,7 @@ class _Piece:
         """Post the all-gather that brings every rank's updated piece into the parameters (or, without
         ``values``, into the spent gradient bucket, for ``unpack``); returns its request."""
         target = self.bucket.flat if self.values is None else self.values
-        piece = target[self.start:self.start + self.master.size]
+        piece = target[self.start : self.start + self.master.size]
         if not same_view(piece, self.master):
             piece[...] = self.master  # a half model's weights rounded from their float32 masters
         return self.comm.iall_gather_flat(target, self.bucket.counts)
@@ -99,7 +112,7 @@ class _Piece:
         for _, p in self.params:
             strided_like(labels[0], p.grad, self.bucket.flat)[...] = 1 + p.decay
             strided_like(labels[1], p.grad, self.bucket.flat)[...] = p.partition.replicas
-        piece = labels[:, self.start:self.start + self.master.size]
+        piece = labels[:, self.start : self.start + self.master.size]
         runs = [_Run(a, b, label == 2) for a, b, label in _runs(piece[0])]
         norm_runs = _runs(piece[1])
         if len(norm_runs) <= MAX_NORM_RUNS:
@@ -133,8 +146,9 @@ class _Piece:
         before (its checkpoint's write) or fails making its part (the writer's bucket, out of
         memory), nothing moves and every rank raises, the failing one its own error, the others
         ``PeerFailure``, rather than wait in a gather a rank never joins."""
-        outgoing = agreed(self.comm, lambda: self._outgoing(piece), failed,
-                          "this rank's checkpoint gathers were called off")
+        outgoing = agreed(
+            self.comm, lambda: self._outgoing(piece), failed, "this rank's checkpoint gathers were called off"
+        )
         gathered = self.comm.igather_flat(outgoing, self.bucket.counts).wait()
         return gathered if self.comm.rank == 0 else None
 
@@ -144,7 +158,7 @@ class _Piece:
         if self.comm.rank != 0:
             return piece
         flat = backend.xp_of(piece).empty(self.bucket.flat.shape, piece.dtype)  # the dtype the others send
-        flat[self.start:self.start + piece.size] = piece
+        flat[self.start : self.start + piece.size] = piece
         return flat
 
     def take(self, piece, arrays: dict[str, object]):
@@ -174,8 +188,12 @@ class _Streamed:
         self.flat, self.left = None, 0  # the bucket being fetched; how many of its tensors are to come
 
     def tensors(self, prefix: str) -> dict[str, StreamedTensor]:
-        return {prefix + name: StreamedTensor(p.partition, self.state.dtype, partial(self._fetch, p),
-                                              partial(self._store, p)) for name, p in self.piece.params}
+        return {
+            prefix + name: StreamedTensor(
+                p.partition, self.state.dtype, partial(self._fetch, p), partial(self._store, p)
+            )
+            for name, p in self.piece.params
+        }
 
     def _fetch(self, p: Parameter, failed: bool = False):
         try:
@@ -219,8 +237,9 @@ def _place(piece, start: int, values, offset: int, strides: tuple):
         raise ValueError(f"_place: strides {strides} of shape {values.shape} do not nest")
     inside = range(max(0, -(-(start - offset) // step)), min(n, (stop - span - offset) // step + 1))
     if inside:
-        _as_strided(piece, offset + inside.start * step - start, (len(inside), *values.shape[1:]),
-                    strides)[...] = values[inside.start:inside.stop]
+        _as_strided(piece, offset + inside.start * step - start, (len(inside), *values.shape[1:]), strides)[...] = (
+            values[inside.start : inside.stop]
+        )
     for i in sorted({(start - offset) // step, (stop - 1 - offset) // step}):
         if 0 <= i < n and i not in inside:
             _place(piece, start, values[i], offset + i * step, strides[1:])
@@ -268,8 +287,14 @@ class ShardedAdamW(AdamW):
         for piece, _ in self.pieces:
             for run in piece.runs:
                 window = slice(run.start, run.stop)
-                self._update(piece.master[window], piece.bucket.shard[window], piece.exp_avg[window],
-                             piece.exp_avg_sq[window], run.label, grad_scale)
+                self._update(
+                    piece.master[window],
+                    piece.bucket.shard[window],
+                    piece.exp_avg[window],
+                    piece.exp_avg_sq[window],
+                    run.label,
+                    grad_scale,
+                )
             gathers.append(piece.publish())
         for name, p in self.whole.items():
             self._update(p.data, p.grad, self.exp_avg[name], self.exp_avg_sq[name], p.decay, grad_scale)
@@ -287,13 +312,16 @@ class ShardedAdamW(AdamW):
         ``global_grad_norm`` counts them. ``skip`` may only name whole parameters."""
         sharded = skip & self._bucketer.sharded_names
         if sharded:
-            raise ValueError(f"ShardedAdamW.grad_norm: {sorted(sharded)} are sharded; only whole parameters can be "
-                             "left out")
+            raise ValueError(
+                f"ShardedAdamW.grad_norm: {sorted(sharded)} are sharded; only whole parameters can be left out"
+            )
         partial = {False: 0.0, True: 0.0}  # this rank's pieces: dense, MoE experts
         for piece, experts in self.pieces:
             partial[experts] = partial[experts] + piece.squares()
-        summed = [self._groups[kind].all_reduce_scalar(float(partial[kind])) if kind in self._groups else 0.0
-                  for kind in (False, True)]
+        summed = [
+            self._groups[kind].all_reduce_scalar(float(partial[kind])) if kind in self._groups else 0.0
+            for kind in (False, True)
+        ]
         whole = local_squares(self.whole, skip)
         return reduce_squares(summed[0] + float(whole[0]), summed[1] + float(whole[1]), grid) * scale
 

@@ -5,6 +5,7 @@ whole ep group (``tensor_parallel/experts.py``). So ``--ep N`` with micro-batch 
 computes what ``--ep 1`` computes with micro-batches of N * m sequences over dp / N ranks,
 whenever those hold the same rows (one micro-batch per rank, the default at pp = 1).
 """
+
 from __future__ import annotations
 
 import numpy
@@ -17,11 +18,14 @@ def check_expert_parallel(ep: int, cfg):
     if ep == 1:
         return
     if not cfg.num_experts:
-        raise ConfigError(f"--ep {ep} needs a Mixture-of-Experts model (num_experts > 0, e.g. --set num_experts=4); "
-                          "this model has none")
+        raise ConfigError(
+            f"--ep {ep} needs a Mixture-of-Experts model (num_experts > 0, e.g. --set num_experts=4); "
+            "this model has none"
+        )
     if cfg.num_experts % ep:
-        raise ConfigError(f"--ep {ep} does not divide num_experts={cfg.num_experts}: every ep rank holds the same "
-                          "number of experts")
+        raise ConfigError(
+            f"--ep {ep} does not divide num_experts={cfg.num_experts}: every ep rank holds the same number of experts"
+        )
 
 
 def moe_metrics(model, grid) -> dict:
@@ -46,13 +50,18 @@ def moe_metrics(model, grid) -> dict:
         moe.stats = type(moe.stats)()
     totals = grid.world.all_reduce(totals)
     forwards, assignments, dropped, aux = totals[:4]
-    return dict(moe_aux=float(aux / max(forwards, 1)), moe_dropped=int(round(dropped)),
-                moe_dropped_frac=float(dropped / max(assignments, 1)),
-                moe_load=[float(x) for x in totals[4:] / max(assignments, 1)])
+    return dict(
+        moe_aux=float(aux / max(forwards, 1)),
+        moe_dropped=int(round(dropped)),
+        moe_dropped_frac=float(dropped / max(assignments, 1)),
+        moe_load=[float(x) for x in totals[4:] / max(assignments, 1)],
+    )
 
 
 def moe_summary(record: dict) -> str:
     """The last step's MoE counts as one line of the run's report."""
     load = " ".join(f"{share:.2f}" for share in record["moe_load"])
-    return (f"MoE last step: load-balancing loss {record['moe_aux']:.3f} (1 = even), {record['moe_dropped']} "
-            f"assignments over capacity ({100 * record['moe_dropped_frac']:.1f}%), expert load {load}")
+    return (
+        f"MoE last step: load-balancing loss {record['moe_aux']:.3f} (1 = even), {record['moe_dropped']} "
+        f"assignments over capacity ({100 * record['moe_dropped_frac']:.1f}%), expert load {load}"
+    )

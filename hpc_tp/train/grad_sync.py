@@ -23,6 +23,7 @@ in bucket order: one that completes early waits for those before it. Every dp ra
 same model, so the same buckets, and the collectives line up whatever order its gradients come
 in. With a dp group of one nothing is sent.
 """
+
 from __future__ import annotations
 
 from ..module import GradArena, Parameter
@@ -46,8 +47,8 @@ class _Bucket:
 
     def make_shard(self, comm):
         self.counts = shard_counts(self.flat.size, comm.size)
-        self.start = sum(self.counts[:comm.rank])
-        self.shard = self.flat[:self.counts[comm.rank]]
+        self.start = sum(self.counts[: comm.rank])
+        self.shard = self.flat[: self.counts[comm.rank]]
 
     def launch(self, comm):
         if self.shard is None:
@@ -80,17 +81,29 @@ def _build_buckets(named: dict[str, Parameter], arena: GradArena) -> list[_Bucke
             runs[-1][3].append(name)
         else:
             runs.append([chunk, start, stop, [name]])
-    return [_Bucket(names[::-1], arena.chunks[chunk][start:stop],
-                    None if arena.param_chunks[chunk] is None else arena.param_chunks[chunk][start:stop])
-            for chunk, start, stop, names in runs[::-1]]
+    return [
+        _Bucket(
+            names[::-1],
+            arena.chunks[chunk][start:stop],
+            None if arena.param_chunks[chunk] is None else arena.param_chunks[chunk][start:stop],
+        )
+        for chunk, start, stop, names in runs[::-1]
+    ]
 
 
 class GradBucketer:
     """``average=True`` divides the sums by the dp size (the mean gradient, for a loss averaged
     per rank); ``average=False`` keeps the sums (for a loss already scaled by the global count)."""
 
-    def __init__(self, named_params: dict[str, Parameter], dp_comm, arena: GradArena, average: bool = True,
-                 shard: bool = False, posted: list | None = None):
+    def __init__(
+        self,
+        named_params: dict[str, Parameter],
+        dp_comm,
+        arena: GradArena,
+        average: bool = True,
+        shard: bool = False,
+        posted: list | None = None,
+    ):
         self.comm, self.average = dp_comm, average
         # Buckets launched and not yet waited, in posting order; bucketers that post on one
         # communicator share it (``ExpertAwareBucketer``), so waits follow posts across them too.
@@ -166,13 +179,15 @@ class ExpertAwareBucketer:
     ``shard=True`` (ZeRO-1): the buckets are reduce-scattered, save those of ``whole``, which are
     all-reduced as before (the tied embedding of pp > 1, summed across stages after this sync)."""
 
-    def __init__(self, named_params: dict[str, Parameter], grid, arena: GradArena, shard: bool = False,
-                 whole=frozenset()):
+    def __init__(
+        self, named_params: dict[str, Parameter], grid, arena: GradArena, shard: bool = False, whole=frozenset()
+    ):
         self.posted: list = []
 
         def part(names, comm, sharded):
-            return GradBucketer({n: named_params[n] for n in names}, comm, arena, average=False, shard=sharded,
-                                posted=self.posted)
+            return GradBucketer(
+                {n: named_params[n] for n in names}, comm, arena, average=False, shard=sharded, posted=self.posted
+            )
 
         experts = [n for n in named_params if is_expert_parameter(n)]
         dense = [n for n in named_params if n not in experts and not (shard and n in whole)]
@@ -181,8 +196,9 @@ class ExpertAwareBucketer:
             self.parts.append(part([n for n in named_params if n in whole], grid.dp, False))
         self._part_of = {name: part for part in self.parts for name in part._bucket_of}
         # The names whose buckets are reduce-scattered: the ones the distributed optimizer holds in pieces.
-        self.sharded_names = frozenset(name for part in self.parts for bucket in part.buckets
-                                       if bucket.shard is not None for name in bucket.names)
+        self.sharded_names = frozenset(
+            name for part in self.parts for bucket in part.buckets if bucket.shard is not None for name in bucket.names
+        )
 
     def start(self):
         for part in self.parts:

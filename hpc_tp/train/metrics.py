@@ -4,6 +4,7 @@ Each line holds what the trainer measured (step, loss, lr, grad_norm, tokens_per
 compute_s, comm_s, ...) plus ``peak_mem_bytes``, a list with every rank's peak memory in world
 rank order, and ``time``, the wall clock (Unix seconds). ``read_metrics`` reads a log back.
 """
+
 from __future__ import annotations
 
 import json

@@ -16,10 +16,10 @@ Checkpoints store the float32 masters (``master``), never the rounded half weigh
 writes the masters and then ``sync_model`` rounds them into the model.
 numpy has no bfloat16: it needs the ml_dtypes package (which cupy also uses for it).
 """
+
 from __future__ import annotations
 
 import math
-
 
 from ..errors import ConfigError
 from ..module import Parameter
@@ -31,11 +31,14 @@ class LossScaler:
     """Dynamic loss scale for float16: halve on overflow (the step is skipped), double after
     ``growth_interval`` finite steps in a row; never below ``min_scale``."""
 
-    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000, factor: float = 2.0,
-                 min_scale: float = 1.0):
+    def __init__(
+        self, scale: float = 2.0**16, growth_interval: int = 2000, factor: float = 2.0, min_scale: float = 1.0
+    ):
         if not (scale > 0 and growth_interval >= 1 and factor > 1 and 0 < min_scale <= scale):
-            raise ConfigError(f"loss scale {scale}, growth interval {growth_interval}, factor {factor}, "
-                              f"min {min_scale}: need scale >= min > 0, interval >= 1, factor > 1")
+            raise ConfigError(
+                f"loss scale {scale}, growth interval {growth_interval}, factor {factor}, "
+                f"min {min_scale}: need scale >= min > 0, interval >= 1, factor > 1"
+            )
         self.scale, self.growth_interval, self.factor, self.min_scale = float(scale), growth_interval, factor, min_scale
         self.good_steps = 0
 
@@ -60,8 +63,7 @@ class MixedPrecision:
     clip and checkpoints see. ``sharded``: names whose masters the distributed optimizer holds in
     its pieces (``ShardedAdamW.masters``); ``master`` maps them to the model's own parameters."""
 
-    def __init__(self, params: dict[str, Parameter], dtype: str, scaler: LossScaler | None = None,
-                 sharded=frozenset()):
+    def __init__(self, params: dict[str, Parameter], dtype: str, scaler: LossScaler | None = None, sharded=frozenset()):
         self.model = dict(params)
         self.half = dtype in HALF
         self.scaler = scaler if scaler is not None else LossScaler() if dtype == "float16" else None
@@ -70,9 +72,10 @@ class MixedPrecision:
             return
         # The model's gradients are float32 already (module.grad_buffer): the masters use them as
         # they are, unscaled in place, rather than holding a second float32 copy.
-        self.master = {name: p if name in sharded else
-                       Parameter(p.data.astype("float32"), p.partition, decay=p.decay, grad=p.grad)
-                       for name, p in self.model.items()}
+        self.master = {
+            name: p if name in sharded else Parameter(p.data.astype("float32"), p.partition, decay=p.decay, grad=p.grad)
+            for name, p in self.model.items()
+        }
 
     @property
     def loss_scale(self) -> float:
@@ -81,8 +84,9 @@ class MixedPrecision:
     def overflow_absorbed(self, finite: bool, loss: float) -> bool:
         """A skipped step that is float16 loss scaling at work, not a fault: the loss is finite, only
         the scaled gradients overflowed, and the scale can still halve (ask before ``update``)."""
-        return (not finite and math.isfinite(loss) and self.scaler is not None
-                and self.scaler.scale > self.scaler.min_scale)
+        return (
+            not finite and math.isfinite(loss) and self.scaler is not None and self.scaler.scale > self.scaler.min_scale
+        )
 
     def record(self, finite: bool, loss: float) -> dict:
         """The step's log fields for float16 runs: the scale it ran at, and whether the scaler

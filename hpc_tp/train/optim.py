@@ -5,6 +5,7 @@ tensor-parallel layout computes, element for element, the very numbers of one pr
 (zero value, zero gradient) stays exactly zero. The gradient norm is the one place the layout
 shows: each rank sums squares of what it holds, divided by how many ranks hold the same piece.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,14 @@ class StateTensor(NamedTuple):
 class AdamW:
     """Adam with decoupled weight decay (applied only where ``p.decay``), updating ``p.data`` in place."""
 
-    def __init__(self, named_params: dict[str, Parameter], lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.1):
+    def __init__(
+        self,
+        named_params: dict[str, Parameter],
+        lr: float,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+    ):
         if not lr >= 0:
             raise ConfigError(f"AdamW learning rate {lr!r} must be >= 0")
         if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
@@ -60,7 +67,7 @@ class AdamW:
         lr = self.lr if lr is None else lr
         beta1, beta2 = self.betas
         self.step_count += 1
-        self._constants = (lr, lr / (1 - beta1 ** self.step_count), math.sqrt(1 - beta2 ** self.step_count))
+        self._constants = (lr, lr / (1 - beta1**self.step_count), math.sqrt(1 - beta2**self.step_count))
 
     def _update(self, data, g, m, v, decays: bool, grad_scale: float):
         """AdamW on one array (a parameter, or a piece of flat storage) and its states, in place."""

@@ -10,6 +10,7 @@ the world size the data-parallel replicas split the windows (window i to replica
 their losses. The numbers are those of one process (``tests/test_eval.py``), so a converted model
 can be checked against the perplexity its source reports.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--seq-len", type=int, default=256, help="tokens a window predicts (default %(default)s)")
     parser.add_argument("--batch", type=int, default=8, help="windows a forward pass takes (default %(default)s)")
     parser.add_argument("--max-windows", type=int, default=None, metavar="N", help="only the first N windows")
-    parser.add_argument("--cache-dir", default="io/cache", help="where the corpus is tokenized once (default %(default)s)")
+    parser.add_argument(
+        "--cache-dir", default="io/cache", help="where the corpus is tokenized once (default %(default)s)"
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON (world rank 0)")
 
 
@@ -45,8 +48,7 @@ def run(args) -> int:
     check_output_folder(args.cache_dir, "--cache-dir")
     grid, model, tokenizer = load_for_inference(args)
     world = grid.world
-    dataset = build_dataset(args.data, args.seq_len, tokenizer, args.cache_dir, rank=world.rank,
-                            barrier=world.barrier)
+    dataset = build_dataset(args.data, args.seq_len, tokenizer, args.cache_dir, rank=world.rank, barrier=world.barrier)
     if not isinstance(dataset, CorpusDataset):
         raise ConfigError(f"--data {args.data}: expected a .txt file or a folder of .txt files")
     windows = min(len(dataset), args.max_windows or len(dataset))
@@ -54,16 +56,27 @@ def run(args) -> int:
     loss, tokens = 0.0, 0
     with model.inference(), model.uncounted():
         for start in range(0, len(mine), args.batch):
-            ids, targets = dataset.get(mine[start:start + args.batch])
+            ids, targets = dataset.get(mine[start : start + args.batch])
             loss_sum, count, _ = model.forward(backend.xp.asarray(ids), backend.xp.asarray(targets))
             loss, tokens = loss + float(loss_sum), tokens + int(count)
     loss, tokens = grid.dp.all_reduce_scalar(loss), int(grid.dp.all_reduce_scalar(tokens))
-    result = {"checkpoint": str(args.ckpt), "data": str(args.data), "windows": windows, "seq_len": args.seq_len,
-              "tokens": tokens, "loss": loss / tokens, "perplexity": math.exp(loss / tokens),
-              "tp": grid.tp_size, "dp": grid.dp_size, "dtype": args.dtype}
+    result = {
+        "checkpoint": str(args.ckpt),
+        "data": str(args.data),
+        "windows": windows,
+        "seq_len": args.seq_len,
+        "tokens": tokens,
+        "loss": loss / tokens,
+        "perplexity": math.exp(loss / tokens),
+        "tp": grid.tp_size,
+        "dp": grid.dp_size,
+        "dtype": args.dtype,
+    }
     if world.rank == 0:
-        print(f"hpc-tp eval: {tokens} tokens in {windows} windows of {args.seq_len}: loss {result['loss']:.6f}, "
-              f"perplexity {result['perplexity']:.4f} (tp={grid.tp_size}, dp={grid.dp_size}, {args.dtype})")
+        print(
+            f"hpc-tp eval: {tokens} tokens in {windows} windows of {args.seq_len}: loss {result['loss']:.6f}, "
+            f"perplexity {result['perplexity']:.4f} (tp={grid.tp_size}, dp={grid.dp_size}, {args.dtype})"
+        )
         if args.json is not None:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

@@ -3,6 +3,7 @@
 Several logs are overlaid, each labelled by its file name. matplotlib is an optional extra
 (``hpc_tp[plot]``), imported only here, with the file-only Agg backend (no display on compute nodes).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,9 @@ from ..paths import check_output_file
 
 def add_arguments(parser):
     parser.add_argument("logs", nargs="+", metavar="LOG", help="JSON-lines metrics files written by --log")
-    parser.add_argument("-o", "--output", default="loss.png", help="image to write (format from its suffix; default %(default)s)")
+    parser.add_argument(
+        "-o", "--output", default="loss.png", help="image to write (format from its suffix; default %(default)s)"
+    )
     parser.add_argument("--metric", default="loss", help="field to plot against step (default %(default)s)")
 
 
@@ -34,8 +37,10 @@ def run(args) -> int:
     figure, axes = pyplot.subplots(figsize=(8, 5))
     formats = figure.canvas.get_supported_filetypes()
     if Path(args.output).suffix.lstrip(".").lower() not in formats:
-        raise ConfigError(f"--output {args.output}: expected an image file ending in one of "
-                          f"{', '.join('.' + f for f in sorted(formats))}")
+        raise ConfigError(
+            f"--output {args.output}: expected an image file ending in one of "
+            f"{', '.join('.' + f for f in sorted(formats))}"
+        )
     names = [Path(path).name for path in curves]
     labels = names if len(set(names)) == len(names) else list(curves)  # run1/log.jsonl vs run2/log.jsonl
     for label, (steps, values) in zip(labels, curves.values()):

@@ -8,6 +8,7 @@ A rank's stdout is a terminal only when no launcher stands in between: ``mpiexec
 --pty``) hand every rank a pseudo-terminal even when their own output goes to a file, so under a
 launcher the bar is off unless ``HPC_TP_PROGRESS=bar`` asks for it (``lines`` forces lines).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,16 @@ class Progress:
     run began, so the rate and the ETA count only this run's steps. Disabled (other ranks, or
     --no-progress), it prints no step lines; ``write`` still prints."""
 
-    def __init__(self, total_steps: int, enabled: bool = True, *, start_step: int = 0, every: int | None = None,
-                 interval_s: float = 10.0, stream=None):
+    def __init__(
+        self,
+        total_steps: int,
+        enabled: bool = True,
+        *,
+        start_step: int = 0,
+        every: int | None = None,
+        interval_s: float = 10.0,
+        stream=None,
+    ):
         self.total_steps, self.enabled, self.start_step = total_steps, enabled, start_step
         self.every = every or max(1, total_steps // 20)
         self.interval_s = interval_s
@@ -54,7 +63,9 @@ class Progress:
         now = time.monotonic()
         if step % self.every == 0 or step >= self.total_steps or now - self._printed >= self.interval_s:
             self._printed = now
-            self.write(f"step {step}/{self.total_steps} loss {loss:.4f} tok/s {tokens_per_s:.0f} eta {self._eta(step, now)}")
+            self.write(
+                f"step {step}/{self.total_steps} loss {loss:.4f} tok/s {tokens_per_s:.0f} eta {self._eta(step, now)}"
+            )
 
     def _eta(self, step: int, now: float) -> str:
         done = step - self.start_step

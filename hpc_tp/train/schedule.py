@@ -4,6 +4,7 @@
 ``warmup_steps - 1`` with the full rate (no step is wasted at lr 0), and the last step of the
 run, ``total_steps - 1``, takes the minimum rate; later steps stay there.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,15 +1,16 @@
 """What a training run is asked to do: one dataclass that ``hpc-tp train`` fills from its flags and
 tests fill directly. ``check`` rejects impossible values with one line naming the value."""
+
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..backend import resolve_dtype
 from ..errors import ConfigError
 from ..paths import check_output_file, check_output_folder
 from ..recompute import recompute_mode
-from ..backend import resolve_dtype
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")  # the half ones: mixed precision (train/mixed_precision.py)
 DEMO_SEQ_LEN = 16  # the demo task's rows ("99+99=198\n" plus eos) need 10 tokens
@@ -64,16 +65,26 @@ class TrainSettings:
     max_bad_steps: int = 0  # non-finite steps in a row before rolling back to the last checkpoint (0: never)
 
     def check(self):
-        positive = {"micro-batch": 1 if self.micro_batch is None else self.micro_batch, "ep": self.ep,
-                    "virtual-stages": self.chunks,
-                    "global-batch": self.global_batch, "steps": self.steps,
-                    "eval-problems": self.eval_problems}
+        positive = {
+            "micro-batch": 1 if self.micro_batch is None else self.micro_batch,
+            "ep": self.ep,
+            "virtual-stages": self.chunks,
+            "global-batch": self.global_batch,
+            "steps": self.steps,
+            "eval-problems": self.eval_problems,
+        }
         for flag, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{flag} {value!r}: expected a positive integer")
-        for flag, value in {"save-every": self.save_every, "eval-every": self.eval_every, "samples": self.samples,
-                            "warmup": self.warmup_steps, "seed": self.seed,
-                            "max-bad-steps": self.max_bad_steps, "keep": self.keep}.items():
+        for flag, value in {
+            "save-every": self.save_every,
+            "eval-every": self.eval_every,
+            "samples": self.samples,
+            "warmup": self.warmup_steps,
+            "seed": self.seed,
+            "max-bad-steps": self.max_bad_steps,
+            "keep": self.keep,
+        }.items():
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"--{flag} {value!r}: expected an integer >= 0")
         if self.warmup_steps > self.steps:
@@ -89,12 +100,17 @@ class TrainSettings:
         if self.schedule not in ("1f1b", "gpipe"):
             raise ConfigError(f"--schedule {self.schedule!r}: expected 1f1b or gpipe")
         if self.chunks > 1 and self.schedule != "1f1b":
-            raise ConfigError(f"--virtual-stages {self.virtual_stages} runs the interleaved 1F1B schedule: "
-                              f"use --schedule 1f1b, not {self.schedule}")
+            raise ConfigError(
+                f"--virtual-stages {self.virtual_stages} runs the interleaved 1F1B schedule: "
+                f"use --schedule 1f1b, not {self.schedule}"
+            )
         if not 0 < self.lr < math.inf:  # also false for nan: a nan or inf rate makes every weight nan
             raise ConfigError(f"--lr {self.lr!r}: expected a finite number > 0")
-        for flag, value in {"clip-grad": self.clip_grad, "weight-decay": self.weight_decay,
-                            "min-lr-ratio": self.min_lr_ratio}.items():
+        for flag, value in {
+            "clip-grad": self.clip_grad,
+            "weight-decay": self.weight_decay,
+            "min-lr-ratio": self.min_lr_ratio,
+        }.items():
             if not 0 <= value < math.inf:
                 raise ConfigError(f"--{flag} {value!r}: expected a finite number >= 0")
         if self.resume and not self.save:
@@ -113,7 +129,9 @@ class TrainSettings:
         """Where the run writes, checked before it trains: a bad path would otherwise end it after the work."""
         if self.log is not None:
             check_output_file(self.log, "--log")
-        if (self.data not in (None, "demo") and not self.chats) or self.comm_timeout:  # a corpus's tokens, the watchdog's files
+        if (
+            self.data not in (None, "demo") and not self.chats
+        ) or self.comm_timeout:  # a corpus's tokens, the watchdog's files
             check_output_folder(self.cache_dir, "--cache-dir")
         if self.save is not None:
             check_output_folder(self.save, "--save")
@@ -143,13 +161,16 @@ class TrainSettings:
             return share // wanted
         micro = self.micro_batch or max(1, share // wanted)
         if self.global_batch % (micro * dp):
-            raise ConfigError(f"--global-batch {self.global_batch} is not divisible by --micro-batch "
-                              f"{micro} x dp {dp} = {micro * dp}")
+            raise ConfigError(
+                f"--global-batch {self.global_batch} is not divisible by --micro-batch {micro} x dp {dp} = {micro * dp}"
+            )
         count = self.global_batch // (micro * dp)
         if self.chunks > 1 and count % pp:
-            raise ConfigError(f"--global-batch {self.global_batch} / (--micro-batch {micro} x dp {dp}) = {count} "
-                              f"micro-batches per step: the interleaved schedule (--virtual-stages "
-                              f"{self.virtual_stages}) needs a multiple of --pp {pp}")
+            raise ConfigError(
+                f"--global-batch {self.global_batch} / (--micro-batch {micro} x dp {dp}) = {count} "
+                f"micro-batches per step: the interleaved schedule (--virtual-stages "
+                f"{self.virtual_stages}) needs a multiple of --pp {pp}"
+            )
         return micro
 
     def to_dict(self) -> dict:
@@ -166,5 +187,6 @@ def _check_no_earlier_run(save: str):
     latest = folder if (folder / MASTER).is_file() else latest_checkpoint(folder)
     if latest is not None or step_folders(folder):
         held = f" (latest: {latest.name})" if latest is not None else ""
-        raise ConfigError(f"--save {save} already holds checkpoints{held}: pass --resume to continue that run, "
-                          "or --save a new folder")
+        raise ConfigError(
+            f"--save {save} already holds checkpoints{held}: pass --resume to continue that run, or --save a new folder"
+        )

@@ -10,6 +10,7 @@ The train/held-out split is a property of the problem itself (a fixed hash of th
 seed), so it never depends on how many examples are drawn: a held-out problem can never reach
 training, whatever ``max_examples`` is.
 """
+
 from __future__ import annotations
 
 import re
@@ -73,15 +74,19 @@ class ArithmeticTask:
         """
         examples = {"train": self.train_examples, "heldout": self.heldout_examples}[split]()
         # The widest problem rides along (row 0) so seq_len is checked against the whole space, not one split.
-        largest = 10 ** self.digits - 1
+        largest = 10**self.digits - 1
         widest = (f"{largest}+{largest}=", self.answer(largest, largest))
         prompts = tokenizer.encode_batch([p for p, _ in [widest, *examples]])
         answers = tokenizer.encode_batch([a + "\n" for _, a in [widest, *examples]])
         end = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-        needed = max(len(p) + len(a) for p, a in zip(prompts, answers)) + len(end) - 1  # the last token is only a target
+        needed = (
+            max(len(p) + len(a) for p, a in zip(prompts, answers)) + len(end) - 1
+        )  # the last token is only a target
         if seq_len < needed:
-            raise ConfigError(f"seq_len={seq_len} is too short for {self.digits}-digit addition: "
-                              f"a problem like {widest[0]!r} needs seq_len >= {needed} with this tokenizer")
+            raise ConfigError(
+                f"seq_len={seq_len} is too short for {self.digits}-digit addition: "
+                f"a problem like {widest[0]!r} needs seq_len >= {needed} with this tokenizer"
+            )
 
         # Padding is never a target, so any id serves when the tokenizer has no pad token.
         filler = next((i for i in (tokenizer.pad_id, tokenizer.eos_id) if i is not None), 0)
@@ -91,13 +96,13 @@ class ArithmeticTask:
             line = prompt + answer + end
             tokens[row, : len(line)] = line
             # targets[t] predicts tokens[t + 1], and the answer starts at token len(prompt)
-            targets[row, len(prompt) - 1 : len(line) - 1] = line[len(prompt):]
+            targets[row, len(prompt) - 1 : len(line) - 1] = line[len(prompt) :]
         return tokens[:, :-1].copy(), targets
 
     # ---- the split ----
 
     def _examples(self, heldout: bool) -> list[tuple[str, str]]:
-        base = 10 ** self.digits
+        base = 10**self.digits
         return [(f"{a}+{b}=", self.answer(a, b)) for a, b in (divmod(int(i), base) for i in self._indices(heldout))]
 
     def _is_heldout(self, index: np.ndarray) -> np.ndarray:

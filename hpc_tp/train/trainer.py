@@ -18,6 +18,7 @@ Faults (see hpc_tp.comm.watchdog for hangs):
 - A checkpoint is only written after a good step: one that falls due during a run of bad steps
   waits for the next good one, so a rollback never restores poisoned weights.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,15 +38,21 @@ from ..grid import ProcessGrid
 from ..models import load_config
 from ..models.config import PRESETS, ModelConfig
 from ..module import DEFAULT_BUCKET_BYTES, GradArena
-from ..pipeline import (build_stage, parse_pp_layers, pipeline_forward_backward, sync_tied_embeddings, tied_copy_names,
-                        tied_names)
+from ..pipeline import (
+    build_stage,
+    parse_pp_layers,
+    pipeline_forward_backward,
+    sync_tied_embeddings,
+    tied_copy_names,
+    tied_names,
+)
 from ..plan import choose_layout
 from ..plan.cost import Layout
 from ..preemption import StopRequest
+from ..serve.chat import read_template, template_for
 from ..tensor_parallel.sequence_parallel import check_sequence_divisible
 from ..tensor_parallel.vocab import IGNORE_INDEX
 from ..tokenizer import load_tokenizer, load_tokenizer_dir, saved_files
-from ..serve.chat import read_template, template_for
 from .chats import build_chat_datasets
 from .data import DistributedSampler, TaskDataset, build_dataset
 from .distributed_optim import ShardedAdamW
@@ -102,12 +109,14 @@ class Trainer:
         self.heldout = None  # the chats held out by --eval-split
         if s.chats:
             template = template_for(self.tokenizer, read_template(s.chat_template), s.chat_template)
-            self.dataset, self.heldout = build_chat_datasets(s.data, self.tokenizer, template, s.seq_len,
-                                                             s.eval_split, s.seed, self.cfg.max_seq_len)
+            self.dataset, self.heldout = build_chat_datasets(
+                s.data, self.tokenizer, template, s.seq_len, s.eval_split, s.seed, self.cfg.max_seq_len
+            )
             self.seq_len = self.dataset.seq_len
         else:
-            self.dataset = build_dataset(s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank,
-                                         barrier=grid.world.barrier)
+            self.dataset = build_dataset(
+                s.data, self.seq_len, self.tokenizer, s.cache_dir, rank=grid.world.rank, barrier=grid.world.barrier
+            )
         if self.cfg.sequence_parallel:  # before any message goes
             check_sequence_divisible(self.seq_len, grid.tp_size)
         # The dp buckets sum gradients in place; with ZeRO the parameters are laid out beside them, so the
@@ -116,8 +125,13 @@ class Trainer:
             self.model = self._build_model()
         self.params = self.model.state()
         # The tied embedding of pp > 1 is summed across stages after the dp sync: never sharded.
-        self.bucketer = ExpertAwareBucketer(self.params, grid, self.grad_arena, whole=tied_names(self.model, grid),
-                                            shard=s.distributed_optimizer and grid.dp_size > 1)
+        self.bucketer = ExpertAwareBucketer(
+            self.params,
+            grid,
+            self.grad_arena,
+            whole=tied_names(self.model, grid),
+            shard=s.distributed_optimizer and grid.dp_size > 1,
+        )
         sharded = self.bucketer.sharded_names
         # float32 masters of half weights (the same parameters at float32/64; ZeRO's pieces hold the sharded ones)
         self.precision = MixedPrecision(self.params, s.dtype, sharded=sharded)
@@ -143,18 +157,30 @@ class Trainer:
 
         s = self.settings
         if s.init:
-            raise ConfigError("--plan auto cannot read the --init checkpoint's model before the grid exists: "
-                              "give --tp/--pp/--dp with --init")
+            raise ConfigError(
+                "--plan auto cannot read the --init checkpoint's model before the grid exists: "
+                "give --tp/--pp/--dp with --init"
+            )
         self.init_meta, self.tokenizer = None, self._tokenizer()
         self.cfg = self._model_config()
-        choice = choose_layout(self.cfg, world.size, s.global_batch, self._seq_len(), cluster=s.plan_cluster,
-                               ep=s.ep, distributed_optimizer=s.distributed_optimizer,
-                               virtual_stages=s.virtual_stages)
+        choice = choose_layout(
+            self.cfg,
+            world.size,
+            s.global_batch,
+            self._seq_len(),
+            cluster=s.plan_cluster,
+            ep=s.ep,
+            distributed_optimizer=s.distributed_optimizer,
+            virtual_stages=s.virtual_stages,
+        )
         layout = {k: v for k, v in choice.items() if k != "reason"}
         planned = replace(s, plan=None, **layout)
         if world.rank == 0:
-            print(f"--plan auto: {describe_layout(planned, self.cfg, choice['tp'], choice['pp'], choice['dp'])}: "
-                  f"{choice['reason']}", flush=True)
+            print(
+                f"--plan auto: {describe_layout(planned, self.cfg, choice['tp'], choice['pp'], choice['dp'])}: "
+                f"{choice['reason']}",
+                flush=True,
+            )
         return planned
 
     def _tokenizer(self):
@@ -173,11 +199,13 @@ class Trainer:
                 overrides.setdefault("vocab_size", vocab)
             cfg = load_config(s.model, **overrides)
         if cfg.family != "gpt":
-            raise ConfigError(f"--model {s.model} is a {cfg.family} encoder: hpc-tp train trains decoder "
-                              "language models (family gpt)")
+            raise ConfigError(
+                f"--model {s.model} is a {cfg.family} encoder: hpc-tp train trains decoder language models (family gpt)"
+            )
         if cfg.vocab_size < vocab:
-            raise ConfigError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab} "
-                              f"(--tokenizer {s.tokenizer})")
+            raise ConfigError(
+                f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab} (--tokenizer {s.tokenizer})"
+            )
         return cfg
 
     def _seq_len(self) -> int:
@@ -185,16 +213,17 @@ class Trainer:
         if s.seq_len is None:
             return min(DEMO_SEQ_LEN, context) if s.data == "demo" else context
         if s.seq_len > context:
-            raise ConfigError(f"--seq-len {s.seq_len} is longer than the model's context: max_seq_len {context} "
-                              f"(--model {s.model})")
+            raise ConfigError(
+                f"--seq-len {s.seq_len} is longer than the model's context: max_seq_len {context} (--model {s.model})"
+            )
         return s.seq_len
 
     def _build_model(self):
         s = self.settings
-        layers = None if s.pp_layers is None else parse_pp_layers(s.pp_layers, self.cfg.n_layers, s.pp,
-                                                                  s.chunks)
-        return build_stage(self.cfg, self.grid, dtype=s.dtype, seed=s.seed, layers_per_stage=layers,
-                           virtual_stages=s.chunks)
+        layers = None if s.pp_layers is None else parse_pp_layers(s.pp_layers, self.cfg.n_layers, s.pp, s.chunks)
+        return build_stage(
+            self.cfg, self.grid, dtype=s.dtype, seed=s.seed, layers_per_stage=layers, virtual_stages=s.chunks
+        )
 
     # -- one optimizer step ---------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -219,21 +248,39 @@ class Trainer:
         self.step += 1
         elapsed = time.perf_counter() - started
         comm = self._comm_seconds() - comm_before
-        return dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, skipped=not finite, tokens=int(tokens),
-                    tokens_per_s=s.global_batch * self.seq_len / elapsed, step_s=elapsed, compute_s=elapsed - comm,
-                    comm_s=comm, **scaling, **moe_metrics(self.model, grid))
+        return dict(
+            step=self.step,
+            loss=loss,
+            lr=lr,
+            grad_norm=norm,
+            skipped=not finite,
+            tokens=int(tokens),
+            tokens_per_s=s.global_batch * self.seq_len / elapsed,
+            step_s=elapsed,
+            compute_s=elapsed - comm,
+            comm_s=comm,
+            **scaling,
+            **moe_metrics(self.model, grid),
+        )
 
     def _forward_backward(self, ids, targets, scale: float) -> float:
         """This dp rank's loss sum; gradients of ``scale * loss`` summed over the dp group, each
         bucket's all-reduce launched as soon as backward has finished its gradients."""
         s, grid = self.settings, self.grid
         micro = self.micro_batch
-        batches = [(ids[m:m + micro], targets[m:m + micro]) for m in range(0, len(ids), micro)]
+        batches = [(ids[m : m + micro], targets[m : m + micro]) for m in range(0, len(ids), micro)]
         self.bucketer.start()
         loss_sum, _ = pipeline_forward_backward(
-            self.model, batches, grid, scale, s.schedule, s.recompute,
+            self.model,
+            batches,
+            grid,
+            scale,
+            s.schedule,
+            s.recompute,
             on_grads_final=lambda names: self.bucketer.mark_ready(*names),
-            step=self.step, first_sample=grid.coords.dp * len(ids))
+            step=self.step,
+            first_sample=grid.coords.dp * len(ids),
+        )
         self.bucketer.finish()
         sync_tied_embeddings(self.model, grid)
         return loss_sum
@@ -252,7 +299,7 @@ class Trainer:
         loss, tokens = 0.0, 0
         with self.model.inference(), self.model.uncounted():
             for start in range(0, len(mine), self.micro_batch):
-                ids, targets = self.heldout.get(mine[start:start + self.micro_batch])
+                ids, targets = self.heldout.get(mine[start : start + self.micro_batch])
                 loss_sum, count, _ = self.model.forward(backend.xp.asarray(ids), backend.xp.asarray(targets))
                 loss, tokens = loss + float(loss_sum), tokens + int(count)
         loss, tokens = self.grid.dp.all_reduce_scalar(loss), self.grid.dp.all_reduce_scalar(tokens)
@@ -261,8 +308,12 @@ class Trainer:
     def evaluate(self) -> tuple[float, list] | None:
         """Held-out accuracy on the demo task, decoded by the serving engine (None for a corpus, and for
         layouts the engine does not serve: pp > 1, sequence parallelism, expert parallelism)."""
-        if (not isinstance(self.dataset, TaskDataset) or self.grid.pp_size > 1 or self.cfg.sequence_parallel
-                or self.grid.ep_size > 1):
+        if (
+            not isinstance(self.dataset, TaskDataset)
+            or self.grid.pp_size > 1
+            or self.cfg.sequence_parallel
+            or self.grid.ep_size > 1
+        ):
             return None
         with self.model.uncounted():  # decoded through GPTModel.infer, which never drops
             return heldout_accuracy(self.model, self.dataset.task, self.tokenizer, self.settings.eval_problems)
@@ -275,11 +326,23 @@ class Trainer:
 
     def save(self) -> Path:
         s = self.settings
-        meta = {"step": self.step, "config": self.cfg.to_dict(), "seq_len": self.seq_len,
-                "optimizer": {"name": "adamw", "step_count": self.optimizer.step_count, **self.precision.state()},
-                "train": s.to_dict(), "tokenizer": self.tokenizer.identity}
-        return save_checkpoint(s.save, self.step, self.checkpoint_tensors(), meta, self.grid, keep=s.keep,
-                               files=saved_files(self.tokenizer))
+        meta = {
+            "step": self.step,
+            "config": self.cfg.to_dict(),
+            "seq_len": self.seq_len,
+            "optimizer": {"name": "adamw", "step_count": self.optimizer.step_count, **self.precision.state()},
+            "train": s.to_dict(),
+            "tokenizer": self.tokenizer.identity,
+        }
+        return save_checkpoint(
+            s.save,
+            self.step,
+            self.checkpoint_tensors(),
+            meta,
+            self.grid,
+            keep=s.keep,
+            files=saved_files(self.tokenizer),
+        )
 
     def resume(self) -> Path | None:
         """Continue from the latest checkpoint under ``--save`` (any layout saved it); None if there is none."""
@@ -294,15 +357,20 @@ class Trainer:
         saved = replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=self.cfg.sequence_parallel)
         if saved != self.cfg:
             changed = sorted(k for k, v in saved.to_dict().items() if self.cfg.to_dict().get(k) != v)
-            raise ConfigError(f"checkpoint {folder} holds another model ({', '.join(changed)} differ): "
-                              f"resume with the same --model, or --save to a new folder")
+            raise ConfigError(
+                f"checkpoint {folder} holds another model ({', '.join(changed)} differ): "
+                f"resume with the same --model, or --save to a new folder"
+            )
         for key in SAME_ON_RESUME:
             if meta["train"].get(key) != getattr(self.settings, key):
-                raise ConfigError(f"checkpoint {folder} was trained with {key}={meta['train'].get(key)!r}, "
-                                  f"this run asks {getattr(self.settings, key)!r}: the data order would change")
+                raise ConfigError(
+                    f"checkpoint {folder} was trained with {key}={meta['train'].get(key)!r}, "
+                    f"this run asks {getattr(self.settings, key)!r}: the data order would change"
+                )
         if meta["seq_len"] != self.seq_len:
-            raise ConfigError(f"checkpoint {folder} was trained with --seq-len {meta['seq_len']}, "
-                              f"this run asks {self.seq_len}")
+            raise ConfigError(
+                f"checkpoint {folder} was trained with --seq-len {meta['seq_len']}, this run asks {self.seq_len}"
+            )
         load_checkpoint(folder, self.checkpoint_tensors(), self.grid)
         self.step = int(meta["step"])
         self.optimizer.step_count = int(meta["optimizer"]["step_count"])
@@ -316,11 +384,15 @@ class Trainer:
         folder = latest_checkpoint(s.save) if s.save else None
         what = f"{bad_steps} steps in a row with a non-finite loss or gradient (up to step {self.step})"
         if folder is None:
-            raise NumericalFault(f"{what} and no checkpoint to roll back to (--save DIR --save-every N keeps "
-                                 "one): lower --lr, raise --clip-grad or check the data")
+            raise NumericalFault(
+                f"{what} and no checkpoint to roll back to (--save DIR --save-every N keeps "
+                "one): lower --lr, raise --clip-grad or check the data"
+            )
         if folder == self._rolled_back_to:
-            raise NumericalFault(f"{what} again after rolling back to {folder}: the fault repeats, it is not "
-                                 "transient; lower --lr, raise --clip-grad or check the data")
+            raise NumericalFault(
+                f"{what} again after rolling back to {folder}: the fault repeats, it is not "
+                "transient; lower --lr, raise --clip-grad or check the data"
+            )
         self._load(folder)
         self._rolled_back_to = folder
         self.say(f"{what}: rolled back to {folder}, step {self.step}")
@@ -365,8 +437,11 @@ class Trainer:
         result = TrainResult()
         if s.resume:
             folder = self.resume()
-            self.say(f"resumed from {folder} at step {self.step}" if folder else
-                     f"no checkpoint under {s.save} yet: starting at step 0")
+            self.say(
+                f"resumed from {folder} at step {self.step}"
+                if folder
+                else f"no checkpoint under {s.save} yet: starting at step 0"
+            )
         stop = StopRequest()
         world.barrier()  # every rank has its handlers before the line that says so
         self.say(f"training {self._describe()}; USR1/TERM: checkpoint and stop")
@@ -399,9 +474,13 @@ class Trainer:
                     if s.save and (save_due or result.stopped_by or self.step == s.steps) and not bad_in_row:
                         result.checkpoint, save_due = self.save(), False
                     if result.stopped_by:
-                        kept = (f"checkpoint {result.checkpoint}" if result.checkpoint else
-                                "the last step was not finite, so no checkpoint" if s.save else
-                                "no --save, progress lost")
+                        kept = (
+                            f"checkpoint {result.checkpoint}"
+                            if result.checkpoint
+                            else "the last step was not finite, so no checkpoint"
+                            if s.save
+                            else "no --save, progress lost"
+                        )
                         self.say(f"stopped by {result.stopped_by} after step {self.step}: {kept}")
                         return result
                 evaluation = self.evaluate()
@@ -419,10 +498,12 @@ class Trainer:
 
     def _describe(self) -> str:
         g, cfg = self.grid, self.cfg
-        return (f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}) "
-                f"on {describe_layout(self.settings, cfg, g.tp_size, g.pp_size, g.dp_size)}, "
-                f"{self.settings.dtype}, data {self.settings.data}, "
-                f"global batch {self.settings.global_batch} x {self.seq_len} tokens{self._optimizer_note()}")
+        return (
+            f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}) "
+            f"on {describe_layout(self.settings, cfg, g.tp_size, g.pp_size, g.dp_size)}, "
+            f"{self.settings.dtype}, data {self.settings.data}, "
+            f"global batch {self.settings.global_batch} x {self.seq_len} tokens{self._optimizer_note()}"
+        )
 
     def _optimizer_note(self) -> str:
         if not self.settings.distributed_optimizer:
@@ -437,9 +518,11 @@ class Trainer:
             if "moe_aux" in result.records[-1]:
                 self.say(moe_summary(result.records[-1]))
         if result.accuracy is not None:
-            shown = result.samples[:self.settings.samples]
-            self.say(f"held-out accuracy {100 * result.accuracy:.1f}% on {len(result.samples)} problems never "
-                     f"seen in training")
+            shown = result.samples[: self.settings.samples]
+            self.say(
+                f"held-out accuracy {100 * result.accuracy:.1f}% on {len(result.samples)} problems never "
+                f"seen in training"
+            )
             for prompt, completion, ok in shown:
                 self.say(f"  {prompt}{completion.rstrip()}   {'ok' if ok else 'WRONG'}")
 
@@ -458,8 +541,17 @@ def describe_layout(settings: TrainSettings, cfg: ModelConfig, tp: int, pp: int,
     ZeRO-1 is left to the line's optimizer note."""
     micro = settings.micro_batch_for(dp, pp)
     count = settings.global_batch // (dp * micro)
-    layout = Layout(tp, pp, dp, micro, settings.recompute, settings.schedule, cfg.sequence_parallel, settings.ep,
-                    virtual_stages=settings.chunks)
+    layout = Layout(
+        tp,
+        pp,
+        dp,
+        micro,
+        settings.recompute,
+        settings.schedule,
+        cfg.sequence_parallel,
+        settings.ep,
+        virtual_stages=settings.chunks,
+    )
     return f"{layout.describe()}, {count} micro-batch{'es' if count > 1 else ''} a step"
 
 

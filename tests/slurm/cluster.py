@@ -21,6 +21,7 @@ Every daemon is started with ``HPC_TP_SLURM_CLUSTER=<dir>`` in its environment; 
 processes they start inherit it (sbatch exports the submitter's environment, which has it too), so
 ``stop`` can find and end whatever a cancelled job left behind, by pid, and only those processes.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,17 @@ import time
 from pathlib import Path
 
 MARKER = "HPC_TP_SLURM_CLUSTER"
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-                   "BOOT_FAIL", "DEADLINE"}
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def missing_programs() -> list[str]:
@@ -127,8 +137,10 @@ MinJobAge=300
         return f"SlurmdSpoolDir={d}/spool\nSlurmdPidFile={d}/slurmd.pid\nSlurmdLogFile={d}/slurmd.log"
 
     def nodes_section(self) -> str:
-        return (f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={_real_memory_mb()} State=UNKNOWN\n"
-                f"PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4")
+        return (
+            f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={_real_memory_mb()} State=UNKNOWN\n"
+            f"PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"
+        )
 
     # ---------------------------------------------------------------- start / stop
     def _run(self, *cmd, timeout=20, check=True):
@@ -141,7 +153,9 @@ MinJobAge=300
         """Start a daemon that forks into the background; its first words go to daemons.out (not a pipe,
         which a daemon's child could hold open)."""
         with open(self.dir / "daemons.out", "a") as out:
-            rc = subprocess.run(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=20).returncode
+            rc = subprocess.run(
+                cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=20
+            ).returncode
         if rc != 0:
             raise SlurmError(f"{Path(cmd[0]).name} exited {rc}\n{self.logs()}")
 
@@ -153,12 +167,22 @@ MinJobAge=300
             if not key.exists():
                 self._run(_which("mungekey"), "--create", "--keyfile", str(key))
             m = self.dir / "munge"
-            self._daemon(_which("munged"), "--force", f"--socket={self.munge_socket}", f"--pid-file={m}/munged.pid",
-                         f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed", f"--key-file={key}")
+            self._daemon(
+                _which("munged"),
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/munged.seed",
+                f"--key-file={key}",
+            )
             self._wait_for(lambda: self.munge_socket.exists(), 10, "munged to create its socket")
             self._daemon(_which("slurmctld"), "-f", str(self.conf))
-            self._wait_for(lambda: "UP" in self._run("scontrol", "ping", check=False).stdout, timeout,
-                           "slurmctld to answer scontrol ping")
+            self._wait_for(
+                lambda: "UP" in self._run("scontrol", "ping", check=False).stdout,
+                timeout,
+                "slurmctld to answer scontrol ping",
+            )
             self._start_compute_daemons()
             self._wait_for(lambda: self.node_state() == "idle", timeout, "the node to be idle in sinfo")
         except BaseException:
@@ -194,8 +218,11 @@ MinJobAge=300
     def pid_files(self) -> dict[str, Path]:
         """Each daemon's pid file, in the order they stop: slurmd before slurmctld before munged (each
         still needs the next one while it shuts down)."""
-        return {"slurmd": self.dir / "slurmd.pid", "slurmctld": self.dir / "slurmctld.pid",
-                "munged": self.dir / "munge" / "munged.pid"}
+        return {
+            "slurmd": self.dir / "slurmd.pid",
+            "slurmctld": self.dir / "slurmctld.pid",
+            "munged": self.dir / "munge" / "munged.pid",
+        }
 
     def pids(self) -> dict[str, int]:
         found = {}
@@ -239,8 +266,14 @@ MinJobAge=300
     # ---------------------------------------------------------------- jobs
     def sbatch(self, script, *options, cwd=None, env=None) -> str:
         """Submit ``script`` (a path) and return the job id."""
-        result = subprocess.run(["sbatch", "--parsable", *options, str(script)], env={**self.env, **(env or {})},
-                                cwd=cwd or self.dir / "jobs", capture_output=True, text=True, timeout=20)
+        result = subprocess.run(
+            ["sbatch", "--parsable", *options, str(script)],
+            env={**self.env, **(env or {})},
+            cwd=cwd or self.dir / "jobs",
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         if result.returncode != 0:
             raise SlurmError(f"sbatch {script} failed: {result.stderr.strip()}")
         return result.stdout.strip().split(";")[0]
@@ -267,8 +300,9 @@ MinJobAge=300
                 return info
             time.sleep(0.5)
         self._run("scancel", job_id, check=False)
-        raise SlurmError(f"job {job_id} still {self.job_info(job_id).get('JobState')} after {timeout:.0f}s: "
-                         f"cancelled\n{self.logs()}")
+        raise SlurmError(
+            f"job {job_id} still {self.job_info(job_id).get('JobState')} after {timeout:.0f}s: cancelled\n{self.logs()}"
+        )
 
     def signal(self, job_id: str, signame: str = "USR1", batch: bool = True):
         """``scancel --signal``: what SLURM does at ``--signal=B:USR1@T`` ahead of the time limit."""
@@ -283,8 +317,9 @@ MinJobAge=300
         deadline = time.monotonic() + timeout
         while self.job_info(job_id).get("Restarts") != "1":
             if time.monotonic() > deadline:
-                raise SlurmError(f"job {job_id} not requeued {timeout:.0f}s after USR1:\n"
-                                 + output.read_text(errors="replace"))
+                raise SlurmError(
+                    f"job {job_id} not requeued {timeout:.0f}s after USR1:\n" + output.read_text(errors="replace")
+                )
             time.sleep(0.5)
         stopped = int(re.search(r"stopped by SIGUSR1 after step (\d+)", output.read_text()).group(1))
         # slurmd refuses a launch whose credential is from the same second as the requeue's revocation
@@ -301,8 +336,14 @@ MinJobAge=300
         """A job step in a fresh allocation, bounded: ``srun`` is killed (and the job cancelled) on timeout."""
         name = f"hpctp-srun-{os.getpid()}-{time.monotonic_ns()}"
         try:
-            return subprocess.run(["srun", f"--job-name={name}", *args], env={**self.env, **(env or {})},
-                                  cwd=self.dir / "jobs", capture_output=True, text=True, timeout=timeout)
+            return subprocess.run(
+                ["srun", f"--job-name={name}", *args],
+                env={**self.env, **(env or {})},
+                cwd=self.dir / "jobs",
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
             self._run("scancel", f"--name={name}", check=False)
             raise

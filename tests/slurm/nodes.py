@@ -31,6 +31,7 @@ Why it is built this way:
   anything was created: daemons by pid file, then every process in each namespace, then the
   namespaces and the bridge (their veths go with them).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -99,7 +100,11 @@ class VirtualCluster(SlurmCluster):
         self.network_file = self.dir / "network.json"
         if self.network_file.exists():  # `down` on a cluster started earlier (or by another process)
             saved = json.loads(self.network_file.read_text())
-            self.prefix, self.subnet, self.node_count = saved["prefix"], ipaddress.ip_network(saved["subnet"]), saved["nodes"]
+            self.prefix, self.subnet, self.node_count = (
+                saved["prefix"],
+                ipaddress.ip_network(saved["subnet"]),
+                saved["nodes"],
+            )
         else:
             self.prefix, self.subnet, self.node_count = f"hv{secrets.token_hex(2)}", None, nodes
         self.controller_address = self.address() if self.subnet else None
@@ -126,8 +131,11 @@ class VirtualCluster(SlurmCluster):
         """Open MPI leaves loopback addresses out of its TCP transports by default: name this cluster's."""
         if self.subnet is None:
             return {}
-        return {"OMPI_MCA_btl_tcp_if_include": str(self.subnet), "PRTE_MCA_oob_tcp_if_include": str(self.subnet),
-                "OMPI_MCA_oob_tcp_if_include": str(self.subnet)}
+        return {
+            "OMPI_MCA_btl_tcp_if_include": str(self.subnet),
+            "PRTE_MCA_oob_tcp_if_include": str(self.subnet),
+            "OMPI_MCA_oob_tcp_if_include": str(self.subnet),
+        }
 
     # ---------------------------------------------------------------- network
     def _build_network(self):
@@ -135,8 +143,9 @@ class VirtualCluster(SlurmCluster):
         self.controller_address = self.address()
         self.env.update(self.mpi_env())
         # Written before anything exists, so that a teardown after any failure knows what to remove.
-        self.network_file.write_text(json.dumps({"prefix": self.prefix, "subnet": str(self.subnet),
-                                                 "nodes": self.node_count}))
+        self.network_file.write_text(
+            json.dumps({"prefix": self.prefix, "subnet": str(self.subnet), "nodes": self.node_count})
+        )
         bits = self.subnet.prefixlen
         _ip("link", "add", self.bridge, "type", "bridge")
         _sysctl(f"net.ipv4.conf.{self.bridge}.route_localnet=1")
@@ -176,8 +185,26 @@ class VirtualCluster(SlurmCluster):
                 prefix = ["tc", *(["-n", ns] if ns else [])]
                 subprocess.run([*prefix, "qdisc", "del", "dev", dev, "root"], capture_output=True)
                 if rate:
-                    subprocess.run([*prefix, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                                    "burst", "256kb", "latency", "50ms"], check=True, capture_output=True, text=True)
+                    subprocess.run(
+                        [
+                            *prefix,
+                            "qdisc",
+                            "add",
+                            "dev",
+                            dev,
+                            "root",
+                            "tbf",
+                            "rate",
+                            rate,
+                            "burst",
+                            "256kb",
+                            "latency",
+                            "50ms",
+                        ],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    )
 
     # ---------------------------------------------------------------- SLURM
     def write_config(self):
@@ -188,25 +215,39 @@ class VirtualCluster(SlurmCluster):
 
     def slurmd_files(self) -> str:
         d = self.dir
-        return (f"SlurmdSpoolDir={d}/spool/%n\nSlurmdPidFile={d}/slurmd-%n.pid\nSlurmdLogFile={d}/slurmd-%n.log\n"
-                # The nodes share /tmp: PMIx's per-step folder would collide across them ("File exists").
-                f"TmpFS={d}/tmp/%n")
+        return (
+            f"SlurmdSpoolDir={d}/spool/%n\nSlurmdPidFile={d}/slurmd-%n.pid\nSlurmdLogFile={d}/slurmd-%n.log\n"
+            # The nodes share /tmp: PMIx's per-step folder would collide across them ("File exists").
+            f"TmpFS={d}/tmp/%n"
+        )
 
     def nodes_section(self) -> str:
         memory = _real_memory_mb() // self.node_count
-        nodes = "\n".join(f"NodeName={n} NodeAddr={self.address(n)} CPUs={self.cpus} RealMemory={memory} State=UNKNOWN"
-                          for n in self.nodes)
+        nodes = "\n".join(
+            f"NodeName={n} NodeAddr={self.address(n)} CPUs={self.cpus} RealMemory={memory} State=UNKNOWN"
+            for n in self.nodes
+        )
         return f"""# Virtual nodes (tests/slurm/nodes.py): their CPUs are the host's, shared; slurmd takes the configured count.
 SlurmdParameters=config_overrides
 # A lost node is declared DOWN after this long without an answer (the default, 300 s, is for real clusters).
 SlurmdTimeout=10
 {nodes}
-PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"""
+PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"""
 
     def _start_slurmd(self, node: str):
         """slurmd in the node's namespaces, named by its hostname there."""
-        enter = ["nsenter", f"--net=/run/netns/{self.netns(node)}", "unshare", "--uts", "sh", "-c",
-                 f'hostname {node} && exec "$0" "$@"', _which("slurmd"), "-f", str(self.conf)]
+        enter = [
+            "nsenter",
+            f"--net=/run/netns/{self.netns(node)}",
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f'hostname {node} && exec "$0" "$@"',
+            _which("slurmd"),
+            "-f",
+            str(self.conf),
+        ]
         self._daemon(*enter)
 
     def start(self, timeout: float = 60.0):
@@ -287,8 +328,7 @@ def main(argv=None) -> int:
     elif argv[0] == "down":
         cluster.stop()
     else:
-        print(json.dumps({"pids": cluster.pids(), "nodes": cluster.node_states(),
-                          "leftovers": cluster.leftovers()}))
+        print(json.dumps({"pids": cluster.pids(), "nodes": cluster.node_states(), "leftovers": cluster.leftovers()}))
     return 0
 
 

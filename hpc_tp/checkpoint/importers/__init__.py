@@ -13,10 +13,11 @@ Supported: Hugging Face folders (config.json + safetensors, sharded too) of GPT-
 (Llama, SmolLM, Qwen2, Mistral, Phi-3, Mixtral) and BERT encoders; GGUF files of the llama (Mixtral's
 experts included), qwen2 and phi3 architectures.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy
 
@@ -58,9 +59,9 @@ class Rule:
         if self.expert is not None:
             x = x[self.expert]
         if self.columns:
-            x = x[..., self.columns[0]:self.columns[1]]
+            x = x[..., self.columns[0] : self.columns[1]]
         if self.rows:
-            x = x[self.rows[0]:self.rows[1]]
+            x = x[self.rows[0] : self.rows[1]]
         if self.rope_heads:
             x = undo_rope_permutation(x, self.rope_heads)
         return numpy.ascontiguousarray(x.T if self.transpose else x)
@@ -97,8 +98,8 @@ class Imported:
     config: ModelConfig
     tensors: dict[str, SourceTensor]
     files: dict[str, bytes] = field(default_factory=dict)  # tokenizer files for the checkpoint folder
-    source: dict = field(default_factory=dict)             # what was imported: format, architecture, path
-    ignored: list[str] = field(default_factory=list)       # source tensors no rule uses (pooler, rotary caches)
+    source: dict = field(default_factory=dict)  # what was imported: format, architecture, path
+    ignored: list[str] = field(default_factory=list)  # source tensors no rule uses (pooler, rotary caches)
 
 
 def lazy_tensors(rules: list[Rule], reader, config_name: str) -> tuple[dict[str, SourceTensor], list[str]]:
@@ -110,15 +111,20 @@ def lazy_tensors(rules: list[Rule], reader, config_name: str) -> tuple[dict[str,
         if rule.theirs is None:
             continue
         if rule.theirs not in available:
-            raise ConfigError(f"{reader.label}: tensor {rule.theirs!r} is missing (needed for {rule.ours}, "
-                              f"as {config_name} describes the model)")
+            raise ConfigError(
+                f"{reader.label}: tensor {rule.theirs!r} is missing (needed for {rule.ours}, "
+                f"as {config_name} describes the model)"
+            )
         shape = reader.shape(rule.theirs)
         if shape != rule.shape:
-            raise ConfigError(f"{reader.where(rule.theirs)}: tensor {rule.theirs!r} has shape {shape}, "
-                              f"expected {rule.shape} from {config_name}")
+            raise ConfigError(
+                f"{reader.where(rule.theirs)}: tensor {rule.theirs!r} has shape {shape}, "
+                f"expected {rule.shape} from {config_name}"
+            )
         used.add(rule.theirs)
-        tensors[rule.ours] = SourceTensor(rule.ours_shape, reader.dtype(rule.theirs),
-                                          lambda rule=rule: rule.to_ours(reader.read(rule.theirs)))
+        tensors[rule.ours] = SourceTensor(
+            rule.ours_shape, reader.dtype(rule.theirs), lambda rule=rule: rule.to_ours(reader.read(rule.theirs))
+        )
     dtype = next(iter(tensors.values())).dtype if tensors else numpy.float32
     for rule in rules:
         if rule.theirs is None:

@@ -1,5 +1,6 @@
 """bfloat16 <-> float32 by bits: numpy has no bfloat16, and most released models are stored in it.
 A bfloat16 is the upper half of a float32, so widening is exact; narrowing rounds to nearest even."""
+
 from __future__ import annotations
 
 import numpy

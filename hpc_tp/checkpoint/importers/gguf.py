@@ -9,6 +9,7 @@ as Hugging Face does), which is undone here. The rules are the Hugging Face rule
 fused qkv and gate-up projections included) with GGUF's tensor names. The tokenizer, when the file has one, becomes
 a Hugging Face tokenizer.json (``gguf_tokenizer``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,12 +24,24 @@ from . import Imported, Rule, lazy_tensors
 from .huggingface import ConfigFile, llama_rules, mixtral_rules, phi3_rules, tokenizer_files
 
 SUPPORTED = ("llama", "qwen2", "phi3")
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
-_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+}
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 # Mixtral in llama.cpp: the router, and each projection of all experts stacked in one [experts, out, in] tensor.
 _EXPERT_NAME = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)")
@@ -65,9 +78,11 @@ class GGUFTensors:
         try:  # gguf's own routines: BF16, the legacy quants, the K-quants and the IQ types
             return dequantize(t.data, t.tensor_type).reshape(self.shape(name))
         except NotImplementedError:
-            raise ConfigError(f"{self.label}: tensor {name} is {Q(t.tensor_type).name}, a type the gguf package "
-                              "cannot dequantize (F32, F16, BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K and IQ types "
-                              "can be read)") from None
+            raise ConfigError(
+                f"{self.label}: tensor {name} is {Q(t.tensor_type).name}, a type the gguf package "
+                "cannot dequantize (F32, F16, BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K and IQ types "
+                "can be read)"
+            ) from None
 
 
 class _Fields:
@@ -97,8 +112,10 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
     hidden = meta[a + "embedding_length"]
     rope_dims = meta.get(a + "rope.dimension_count", hidden // heads)
     if rope_dims != hidden // heads:
-        raise ConfigError(f"{meta.path}: rope.dimension_count={rope_dims} != head size {hidden // heads} "
-                          "(partial rotary embeddings are not supported)")
+        raise ConfigError(
+            f"{meta.path}: rope.dimension_count={rope_dims} != head size {hidden // heads} "
+            "(partial rotary embeddings are not supported)"
+        )
     factors = sorted(n for n in tensors.names() if n.startswith(("rope_freqs", "rope_factors")))
     if factors:
         raise ConfigError(f"{meta.path}: tensor {factors[0]!r} (per-frequency rope factors) is not supported")
@@ -110,15 +127,27 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
         vocab = tensors.shape("token_embd.weight")[0] if "token_embd.weight" in tensors.names() else 1
     experts, top_k = meta.get(a + "expert_count", 0), meta.get(a + "expert_used_count", 2)
     moe = dict(num_experts=experts, top_k=top_k, moe_every=1, capacity_factor=experts / top_k) if experts else {}
-    return ModelConfig(**moe, vocab_size=int(vocab), hidden=hidden, n_layers=meta[a + "block_count"], n_heads=heads,
-                       n_kv_heads=meta.get(a + "attention.head_count_kv", heads),
-                       ffn_hidden=meta[a + "feed_forward_length"], max_seq_len=meta[a + "context_length"],
-                       norm="rmsnorm", norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
-                       activation="swiglu", position="rope", rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
-                       rope_scaling={"rope_type": "linear", "factor": float(meta[a + "rope.scaling.factor"])}
-                       if scaling == "linear" else None,
-                       tie_embeddings="output.weight" not in tensors.names(), bias=architecture == "qwen2",
-                       causal=True)
+    return ModelConfig(
+        **moe,
+        vocab_size=int(vocab),
+        hidden=hidden,
+        n_layers=meta[a + "block_count"],
+        n_heads=heads,
+        n_kv_heads=meta.get(a + "attention.head_count_kv", heads),
+        ffn_hidden=meta[a + "feed_forward_length"],
+        max_seq_len=meta[a + "context_length"],
+        norm="rmsnorm",
+        norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        activation="swiglu",
+        position="rope",
+        rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
+        rope_scaling={"rope_type": "linear", "factor": float(meta[a + "rope.scaling.factor"])}
+        if scaling == "linear"
+        else None,
+        tie_embeddings="output.weight" not in tensors.names(),
+        bias=architecture == "qwen2",
+        causal=True,
+    )
 
 
 def _gguf_rule(rule: Rule, cfg: ModelConfig, architecture: str) -> Rule:
@@ -131,11 +160,13 @@ def _gguf_rule(rule: Rule, cfg: ModelConfig, architecture: str) -> Rule:
         return dataclasses.replace(rule, theirs=f"blk.{layer}.ffn_gate_inp.{kind}")
     if expert := _EXPERT_NAME.fullmatch(module):
         e, part = expert.groups()
-        return dataclasses.replace(rule, theirs=f"blk.{layer}.{_STACKED[part]}.{kind}", expert=int(e),
-                                   shape=(cfg.num_experts, *rule.shape))
+        return dataclasses.replace(
+            rule, theirs=f"blk.{layer}.{_STACKED[part]}.{kind}", expert=int(e), shape=(cfg.num_experts, *rule.shape)
+        )
     heads = {"self_attn.q_proj": cfg.n_heads, "self_attn.k_proj": cfg.n_kv_heads}.get(module)
-    return dataclasses.replace(rule, theirs=f"blk.{layer}.{_LAYER[module]}.{kind}",
-                               rope_heads=heads if architecture == "llama" else None)
+    return dataclasses.replace(
+        rule, theirs=f"blk.{layer}.{_LAYER[module]}.{kind}", rope_heads=heads if architecture == "llama" else None
+    )
 
 
 def import_gguf(path: Path) -> Imported:
@@ -144,18 +175,22 @@ def import_gguf(path: Path) -> Imported:
     try:
         reader = GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors on a damaged file
-        raise ConfigError(f"{path}: not a readable GGUF file, truncated or corrupted "
-                          f"({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"{path}: not a readable GGUF file, truncated or corrupted ({type(e).__name__}: {e})"
+        ) from None
     meta = _Fields(reader, path)
     architecture = meta.get("general.architecture")
     if architecture not in SUPPORTED:
-        raise ConfigError(f"{path}: unknown architecture {architecture!r}; supported GGUF architectures: "
-                          f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, phi3, bert)")
+        raise ConfigError(
+            f"{path}: unknown architecture {architecture!r}; supported GGUF architectures: "
+            f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, phi3, bert)"
+        )
     tensors = GGUFTensors(path, reader)
     cfg = _config(meta, tensors, architecture)
     family = ConfigFile({"model_type": architecture}, path)
     rules = (phi3_rules if architecture == "phi3" else mixtral_rules if cfg.num_experts else llama_rules)(
-        cfg, family, "model.")
+        cfg, family, "model."
+    )
     rules = [_gguf_rule(r, cfg, architecture) for r in rules]
     lazy, ignored = lazy_tensors(rules, tensors, f"{path.name}'s metadata")
     from .gguf_tokenizer import tokenizer_json

@@ -6,6 +6,7 @@ strings differently). "llama": SentencePiece BPE with byte fallback; its merges 
 from the vocabulary and scores the way Hugging Face's own SentencePiece converter does.
 Other tokenizer models are not kept (the caller gets None).
 """
+
 from __future__ import annotations
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -29,13 +30,22 @@ def tokenizer_json(meta) -> bytes | None:
     else:
         scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
         unk = tokens[meta.get("tokenizer.ggml.unknown_token_id", 0)]
-        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_scores(tokens, scores, types),
-                                         unk_token=unk, byte_fallback=True, fuse_unk=True))
+        tokenizer = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=_merges_from_scores(tokens, scores, types),
+                unk_token=unk,
+                byte_fallback=True,
+                fuse_unk=True,
+            )
+        )
         tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
-        tokenizer.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
-                                               decoders.Strip(" ", 1, 0)])
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind_of in zip(tokens, types) if kind_of == _CONTROL])
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, kind_of in zip(tokens, types) if kind_of == _CONTROL]
+    )
     return tokenizer.to_str().encode()
 
 

@@ -7,6 +7,7 @@ the source family omits while another of its linears has one (Qwen2: q/k/v biase
 output or MLP projections) becomes a zero bias here, which computes the same; export checks it
 is still zero. The same rule tables serve import and export (``export_layout``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,18 @@ CHAT_TEMPLATE = "chat_template.jinja"
 GENERATION_CONFIG = "generation_config.json"
 
 # numpy dtypes of the safetensors dtypes; BF16 (no numpy type) is widened to float32.
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "float32",
-           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "float32",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 
 
@@ -109,9 +120,25 @@ def _json(path: Path) -> dict:
 
 
 # Sizes and constants the importers compute with: a value of another JSON type is the file's error.
-_INTEGER_KEYS = {"num_local_experts", "num_experts_per_tok", "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
-                 "intermediate_size", "max_position_embeddings", "head_dim", "type_vocab_size", "n_embd", "n_layer",
-                 "n_head", "n_inner", "n_positions", "sliding_window"}
+_INTEGER_KEYS = {
+    "num_local_experts",
+    "num_experts_per_tok",
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "max_position_embeddings",
+    "head_dim",
+    "type_vocab_size",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "n_positions",
+    "sliding_window",
+}
 _NUMBER_KEYS = {"rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "rope_theta"}
 
 
@@ -149,11 +176,21 @@ def _activation(hf: ConfigFile, key: str, default: str) -> str:
 
 def gpt2_config(hf: ConfigFile) -> ModelConfig:
     hidden = hf["n_embd"]
-    return ModelConfig(vocab_size=hf["vocab_size"], hidden=hidden, n_layers=hf["n_layer"], n_heads=hf["n_head"],
-                       ffn_hidden=hf.get("n_inner", 4 * hidden), max_seq_len=hf["n_positions"], norm="layernorm",
-                       norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-                       activation=_activation(hf, "activation_function", "gelu_new"), position="learned",
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True, causal=True)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden=hidden,
+        n_layers=hf["n_layer"],
+        n_heads=hf["n_head"],
+        ffn_hidden=hf.get("n_inner", 4 * hidden),
+        max_seq_len=hf["n_positions"],
+        norm="layernorm",
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation=_activation(hf, "activation_function", "gelu_new"),
+        position="learned",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        bias=True,
+        causal=True,
+    )
 
 
 def _llama_biases(hf: ConfigFile) -> tuple[bool, bool, bool]:
@@ -165,19 +202,32 @@ def _llama_biases(hf: ConfigFile) -> tuple[bool, bool, bool]:
 def llama_config(hf: ConfigFile) -> ModelConfig:
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim", hidden // heads) != hidden // heads:
-        raise ConfigError(f"{hf.path}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads = "
-                          f"{hidden // heads}; only head_dim = hidden_size/num_attention_heads is supported")
+        raise ConfigError(
+            f"{hf.path}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads = "
+            f"{hidden // heads}; only head_dim = hidden_size/num_attention_heads is supported"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{hf.path}: hidden_act={hf['hidden_act']!r}; the Llama family needs 'silu' (SwiGLU)")
     if hf.get("use_sliding_window", False):
         raise ConfigError(f"{hf.path}: use_sliding_window=true is not supported (full attention only)")
-    return ModelConfig(vocab_size=hf["vocab_size"], hidden=hidden, n_layers=hf["num_hidden_layers"], n_heads=heads,
-                       n_kv_heads=hf.get("num_key_value_heads", heads), ffn_hidden=hf["intermediate_size"],
-                       max_seq_len=hf["max_position_embeddings"], norm="rmsnorm",
-                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu", position="rope",
-                       rope_theta=float(hf.get("rope_theta", 10000.0)), rope_scaling=hf.get("rope_scaling"),
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=any(_llama_biases(hf)),
-                       causal=True)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden=hidden,
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads", heads),
+        ffn_hidden=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        activation="swiglu",
+        position="rope",
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_scaling=hf.get("rope_scaling"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bias=any(_llama_biases(hf)),
+        causal=True,
+    )
 
 
 def windowed_config(hf: ConfigFile) -> ModelConfig:
@@ -197,23 +247,41 @@ def mixtral_config(hf: ConfigFile) -> ModelConfig:
     softmax over all experts, keeps the top k and renormalises them (the engine's MoE layer). The
     capacity factor is set so that no token is ever dropped (capacity = tokens), as in the source."""
     experts, top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
-    return dataclasses.replace(windowed_config(hf), num_experts=experts, top_k=top_k, moe_every=1,
-                               capacity_factor=experts / top_k,
-                               aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
+    return dataclasses.replace(
+        windowed_config(hf),
+        num_experts=experts,
+        top_k=top_k,
+        moe_every=1,
+        capacity_factor=experts / top_k,
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)),
+    )
 
 
 def bert_config(hf: ConfigFile) -> ModelConfig:
     if hf.get("position_embedding_type", "absolute") != "absolute":
-        raise ConfigError(f"{hf.path}: position_embedding_type={hf['position_embedding_type']!r}; "
-                          "only 'absolute' (learned positions) is supported")
+        raise ConfigError(
+            f"{hf.path}: position_embedding_type={hf['position_embedding_type']!r}; "
+            "only 'absolute' (learned positions) is supported"
+        )
     if hf.get("is_decoder", False):
         raise ConfigError(f"{hf.path}: is_decoder=true; only BERT encoders are supported")
-    return ModelConfig(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                       n_heads=hf["num_attention_heads"], ffn_hidden=hf["intermediate_size"],
-                       max_seq_len=hf["max_position_embeddings"], norm="layernorm",
-                       norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
-                       activation=_activation(hf, "hidden_act", "gelu"), position="learned", tie_embeddings=False,
-                       bias=True, causal=False, family="bert", type_vocab_size=hf.get("type_vocab_size", 2))
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        ffn_hidden=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        norm="layernorm",
+        norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+        activation=_activation(hf, "hidden_act", "gelu"),
+        position="learned",
+        tie_embeddings=False,
+        bias=True,
+        causal=False,
+        family="bert",
+        type_vocab_size=hf.get("type_vocab_size", 2),
+    )
 
 
 # -- rules --------------------------------------------------------------------------------------------
@@ -239,15 +307,19 @@ def _head(cfg: ModelConfig) -> list[Rule]:
 
 def gpt2_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
     h, p = cfg.hidden, prefix
-    rules = [Rule("embed.weight", f"{p}wte.weight", (cfg.vocab_size, h)),
-             Rule("pos", f"{p}wpe.weight", (cfg.max_seq_len, h))]
+    rules = [
+        Rule("embed.weight", f"{p}wte.weight", (cfg.vocab_size, h)),
+        Rule("pos", f"{p}wpe.weight", (cfg.max_seq_len, h)),
+    ]
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}.", f"{p}h.{i}."
         rules += _norm(ours + "norm1", theirs + "ln_1", cfg)
         for j, name in enumerate("qkv"):
             columns = (j * h, (j + 1) * h)
-            rules += [Rule(f"{ours}attn.qkv.{name}.weight", theirs + "attn.c_attn.weight", (h, 3 * h), columns=columns),
-                      Rule(f"{ours}attn.qkv.{name}.bias", theirs + "attn.c_attn.bias", (3 * h,), columns=columns)]
+            rules += [
+                Rule(f"{ours}attn.qkv.{name}.weight", theirs + "attn.c_attn.weight", (h, 3 * h), columns=columns),
+                Rule(f"{ours}attn.qkv.{name}.bias", theirs + "attn.c_attn.bias", (3 * h,), columns=columns),
+            ]
         rules += _linear(ours + "attn.out", theirs + "attn.c_proj", h, h, False, "source")
         rules += _norm(ours + "norm2", theirs + "ln_2", cfg)
         rules += _linear(ours + "mlp.fc1", theirs + "mlp.c_fc", h, cfg.ffn_hidden, False, "source")
@@ -275,8 +347,13 @@ def llama_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
 
 
 # Phi-3's fused torch-layout projections: a part of ours -> (the fused tensor, which block of its rows).
-_PHI3_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_PHI3_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 def phi3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
@@ -290,8 +367,13 @@ def phi3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
         if part in _PHI3_FUSED and rule.theirs.endswith(".weight"):
             fused, k = _PHI3_FUSED[part]
             edges = blocks[fused]
-            rule = Rule(rule.ours, rule.theirs.replace(part, fused), (edges[-1], cfg.hidden), transpose=True,
-                        rows=(edges[k], edges[k + 1]))
+            rule = Rule(
+                rule.ours,
+                rule.theirs.replace(part, fused),
+                (edges[-1], cfg.hidden),
+                transpose=True,
+                rows=(edges[k], edges[k + 1]),
+            )
         rules.append(rule)
     return rules
 
@@ -306,15 +388,20 @@ def mixtral_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
         rules.append(Rule(ours + "router", theirs + "gate.weight", (cfg.num_experts, h), transpose=True))
         for e in range(cfg.num_experts):
             for part, name, shape in (("fc1.gate", "w1", (f, h)), ("fc1.up", "w3", (f, h)), ("fc2", "w2", (h, f))):
-                rules.append(Rule(f"{ours}experts.{e}.{part}.weight", f"{theirs}experts.{e}.{name}.weight", shape,
-                                  transpose=True))
+                rules.append(
+                    Rule(
+                        f"{ours}experts.{e}.{part}.weight", f"{theirs}experts.{e}.{name}.weight", shape, transpose=True
+                    )
+                )
     return rules
 
 
 def bert_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
     h, f, p = cfg.hidden, cfg.ffn_hidden, prefix
-    rules = [Rule("embed.weight", f"{p}embeddings.word_embeddings.weight", (cfg.vocab_size, h)),
-             Rule("pos", f"{p}embeddings.position_embeddings.weight", (cfg.max_seq_len, h))]
+    rules = [
+        Rule("embed.weight", f"{p}embeddings.word_embeddings.weight", (cfg.vocab_size, h)),
+        Rule("pos", f"{p}embeddings.position_embeddings.weight", (cfg.max_seq_len, h)),
+    ]
     if cfg.type_vocab_size:
         rules.append(Rule("type_embed", f"{p}embeddings.token_type_embeddings.weight", (cfg.type_vocab_size, h)))
     rules += _norm("embed_norm", f"{p}embeddings.LayerNorm", cfg)
@@ -349,8 +436,10 @@ def import_folder(folder: Path) -> Imported:
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         named = model_type or ", ".join(hf.get("architectures", [])) or "none given"
-        raise ConfigError(f"{folder / CONFIG}: unknown architecture {named!r}; supported model_type values: "
-                          f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2 and phi3 architectures)")
+        raise ConfigError(
+            f"{folder / CONFIG}: unknown architecture {named!r}; supported model_type values: "
+            f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2 and phi3 architectures)"
+        )
     make_config, make_rules, anchor, prefixes = ARCHITECTURES[model_type]
     cfg = make_config(hf)
     reader = SafetensorsFolder(folder)
@@ -361,8 +450,9 @@ def import_folder(folder: Path) -> Imported:
     if (folder / TOKENIZER).is_file():
         tokenizer_json = (folder / TOKENIZER).read_bytes()
         files = tokenizer_files(tokenizer_json, chat_settings(folder), eos_token_ids(folder, tokenizer_json))
-    return Imported(cfg, tensors, files, {"format": "huggingface", "architecture": model_type, "path": folder.name},
-                    ignored)
+    return Imported(
+        cfg, tensors, files, {"format": "huggingface", "architecture": model_type, "path": folder.name}, ignored
+    )
 
 
 def tokenizer_files(tokenizer_json: bytes, chat: dict | None = None, eos_ids=()) -> dict[str, bytes]:
@@ -411,8 +501,9 @@ def chat_settings(folder: Path) -> dict:
     config = _json_object(folder / TOKENIZER_CONFIG)
     template = config.get("chat_template")
     if isinstance(template, list):
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
+        template = next(
+            (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
+        )
     if (folder / CHAT_TEMPLATE).is_file():  # newer folders keep it apart, and it wins there too
         template = (folder / CHAT_TEMPLATE).read_text()
     if not isinstance(template, str):
@@ -433,41 +524,75 @@ EXPORTABLE = ("gpt2", "llama", "qwen2", "phi3", "mixtral")
 def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]]:
     """config.json and the rules for writing ``cfg``'s tensors as a Hugging Face ``architecture``."""
     if (architecture == "mixtral") != bool(cfg.num_experts):
-        raise ConfigError(f"export as {architecture}: the checkpoint has num_experts={cfg.num_experts}; "
-                          "Mixture-of-Experts models export as mixtral, dense ones as gpt2, llama, qwen2 or phi3")
+        raise ConfigError(
+            f"export as {architecture}: the checkpoint has num_experts={cfg.num_experts}; "
+            "Mixture-of-Experts models export as mixtral, dense ones as gpt2, llama, qwen2 or phi3"
+        )
     if architecture == "gpt2":
         if (cfg.position, cfg.norm, cfg.activation, cfg.bias) != ("learned", "layernorm", "gelu_tanh", True):
-            raise ConfigError("export as gpt2 needs learned positions, layernorm, gelu_tanh and biases; "
-                              f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}, bias={cfg.bias}")
+            raise ConfigError(
+                "export as gpt2 needs learned positions, layernorm, gelu_tanh and biases; "
+                f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}, bias={cfg.bias}"
+            )
         if cfg.n_kv_heads != cfg.n_heads:
-            raise ConfigError(f"export as gpt2: n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads} "
-                              "(GPT-2 has no grouped-query attention)")
-        values = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-                  "n_embd": cfg.hidden, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.ffn_hidden,
-                  "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps,
-                  "activation_function": "gelu_new", "tie_word_embeddings": cfg.tie_embeddings}
+            raise ConfigError(
+                f"export as gpt2: n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads} "
+                "(GPT-2 has no grouped-query attention)"
+            )
+        values = {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size,
+            "n_embd": cfg.hidden,
+            "n_layer": cfg.n_layers,
+            "n_head": cfg.n_heads,
+            "n_inner": cfg.ffn_hidden,
+            "n_positions": cfg.max_seq_len,
+            "n_ctx": cfg.max_seq_len,
+            "layer_norm_epsilon": cfg.norm_eps,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": cfg.tie_embeddings,
+        }
         prefix = ""
     elif architecture in ("llama", "qwen2", "phi3", "mixtral"):
         if (cfg.position, cfg.norm, cfg.activation) != ("rope", "rmsnorm", "swiglu"):
-            raise ConfigError(f"export as {architecture} needs rope, rmsnorm and swiglu; "
-                              f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}")
+            raise ConfigError(
+                f"export as {architecture} needs rope, rmsnorm and swiglu; "
+                f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}"
+            )
         if architecture in ("phi3", "mixtral") and cfg.bias:
-            raise ConfigError(f"export as {architecture}: the checkpoint has biases, which {architecture} has not; "
-                              "export with --arch llama")
-        names = {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM", "llama": "LlamaForCausalLM",
-                 "mixtral": "MixtralForCausalLM"}
-        values = {"architectures": [names[architecture]],
-                  "model_type": architecture, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden,
-                  "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-                  "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.ffn_hidden,
-                  "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-                  "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-                  "tie_word_embeddings": cfg.tie_embeddings}
+            raise ConfigError(
+                f"export as {architecture}: the checkpoint has biases, which {architecture} has not; "
+                "export with --arch llama"
+            )
+        names = {
+            "qwen2": "Qwen2ForCausalLM",
+            "phi3": "Phi3ForCausalLM",
+            "llama": "LlamaForCausalLM",
+            "mixtral": "MixtralForCausalLM",
+        }
+        values = {
+            "architectures": [names[architecture]],
+            "model_type": architecture,
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden,
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "intermediate_size": cfg.ffn_hidden,
+            "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps,
+            "hidden_act": "silu",
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": cfg.rope_scaling,
+            "tie_word_embeddings": cfg.tie_embeddings,
+        }
         if architecture == "llama":
             values.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
         if architecture == "mixtral":
-            values.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
-                          router_aux_loss_coef=cfg.aux_loss_coef)
+            values.update(
+                num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef
+            )
         prefix = "model."
     else:
         raise ConfigError(f"cannot export architecture {architecture!r}; exportable: {', '.join(EXPORTABLE)}")

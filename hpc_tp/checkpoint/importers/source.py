@@ -1,4 +1,5 @@
 """A model saved by another tool, opened by what it is: a Hugging Face folder or a GGUF file."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,6 +20,8 @@ def open_source(path) -> Imported:
             magic = f.read(4)
         if magic == b"GGUF":
             return import_gguf(path)
-        raise ConfigError(f"{path}: not a GGUF file (no GGUF magic); expected a GGUF file or a Hugging Face "
-                          "model folder (config.json + model.safetensors)")
+        raise ConfigError(
+            f"{path}: not a GGUF file (no GGUF magic); expected a GGUF file or a Hugging Face "
+            "model folder (config.json + model.safetensors)"
+        )
     raise ConfigError(f"{path} does not exist: expected a Hugging Face model folder or a GGUF file")
