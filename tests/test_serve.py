@@ -89,11 +89,11 @@ def _start_line(proc, lines: queue.Queue, timeout=60):
 
 
 @contextmanager
-def serving(*flags):
-    """``mpiexec -n 2 hpc-tp serve --port 0 FLAGS`` for the block: yields its process, port, rank pids,
+def serving(*flags, ranks: int = 2):
+    """``mpiexec -n RANKS hpc-tp serve --port 0 FLAGS`` for the block: yields its process, port, rank pids,
     a queue of its output lines and the thread reading them; a server still up after it is stopped."""
     proc = subprocess.Popen(
-        [MPIEXEC, "-n", "2", str(BIN / "hpc-tp"), "serve", "--port", "0", *flags],
+        [MPIEXEC, "-n", str(ranks), str(BIN / "hpc-tp"), "serve", "--port", "0", *flags],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -5,17 +5,14 @@ every rank with exit 0."""
 
 import json
 import os
-import queue
 import re
 import signal
-import subprocess
-import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from test_generate import _model, write_checkpoint
-from test_serve import BIN, MPIEXEC, ROOT, _post, _start_line, _text_of
+from test_serve import _post, _text_of, serving
 
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.grid import ProcessGrid
@@ -29,36 +26,9 @@ N_REQUESTS = 24
 @pytest.mark.parametrize("ranks,tp", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_two_replicas_answer_every_request_once_as_alone(tmp_path, ranks, tp):
     ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
-    proc = subprocess.Popen(
-        [
-            MPIEXEC,
-            "-n",
-            str(ranks),
-            str(BIN / "hpc-tp"),
-            "serve",
-            "--ckpt",
-            str(ckpt),
-            "--port",
-            "0",
-            "--tp",
-            str(tp),
-            "--dtype",
-            "float64",
-            "--max-batch",
-            "4",
-            "--max-model-len",
-            "31",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
-    reader.start()
-    try:
-        port, pids = _start_line(proc, lines)
+    flags = ("--ckpt", str(ckpt), "--tp", str(tp), "--dtype", "float64", "--max-batch", "4", "--max-model-len", "31")
+    with serving(*flags, ranks=ranks) as server:
+        port = server.port
         prompts = [f"replica {i}: " + "ab" * (i % 5) for i in range(N_REQUESTS)]
         bodies = [
             json.dumps(
@@ -89,19 +59,11 @@ def test_two_replicas_answer_every_request_once_as_alone(tmp_path, ranks, tp):
             )
         assert sum(float(v) for k, v in counted.items() if k.startswith("hpc_tp_requests_total{")) == N_REQUESTS
         assert counted["hpc_tp_requests_running"] == counted["hpc_tp_requests_waiting"] == "0"
-        for pid in pids:
+        for pid in server.pids:
             os.kill(pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        reader.join(timeout=10)
-        output = "".join(lines.get_nowait() for _ in range(lines.qsize()))
+        assert server.proc.wait(timeout=60) == 0
+        server.reader.join(timeout=10)
+        output = "".join(server.lines.get_nowait() for _ in range(server.lines.qsize()))
         spread = re.search(rf"{N_REQUESTS} requests answered \(by replica: (\d+) (\d+)\)", output)
         assert spread, output
         assert all(int(n) > 0 for n in spread.groups()), output  # 24 requests at once, 4 rows a replica
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()

@@ -73,7 +73,7 @@ def test_prompt_completion_lines_split_and_padding_are_never_targets(tmp_path):
 @pytest.mark.parametrize(
     "line,reason",
     [
-        ("{not json", "line 2: not JSON"),
+        ("{not json", "c.jsonl:2: not a JSON line"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2: the conversation has no assistant turn"),
         ('{"text": "hi"}', 'line 2: expected {"messages"'),
         (

@@ -21,33 +21,19 @@ trainer reports as ``heldout_loss``.
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError
+from ..jsonl import read_json_lines
 from .data import TokenDataset
 from .tasks import IGNORE
 
 
 def read_conversations(path) -> list[tuple[int, list[dict]]]:
-    """(line number, messages) of each non-empty line; a bad line is an error naming it."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--data {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-    conversations = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} line {n}: not JSON ({e.msg})") from None
-        conversations.append((n, _messages(record, f"{path} line {n}")))
+    """(line number, messages) of each non-blank line; a bad line is an error naming it."""
+    conversations = [(n, _messages(record, f"{path} line {n}")) for n, record in read_json_lines(path, "--data")]
     if not conversations:
         raise ConfigError(f"--data {path}: no conversations in it")
     return conversations
