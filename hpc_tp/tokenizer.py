@@ -51,6 +51,7 @@ class ByteTokenizer:
     pad_id = 256
     eos_id = 257
     stop_ids = frozenset({eos_id})
+    special_ids: frozenset = frozenset()  # no special tokens in text: a template's markers are plain bytes
     vocab_size = 258
     identity = "bytes-v1"
     chat: dict = {}  # no chat template of its own (``hpc-tp serve --chat-template`` gives one)

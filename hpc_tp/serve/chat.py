@@ -51,9 +51,8 @@ class ChatTemplate:
         except jinja2.TemplateError:
             return frozenset()
         after = text.partition(_REPLY)[2].lstrip()
-        special = getattr(tokenizer, "special_ids", frozenset())
         ids = tokenizer.encode(after)[:1] if after else []
-        return frozenset(i for i in ids if i in special)
+        return frozenset(i for i in ids if i in tokenizer.special_ids)
 
     def render(self, messages, add_generation_prompt: bool = True, **context) -> str:
         """The prompt for ``messages`` (a list of {"role", "content"} objects, as the OpenAI API sends
