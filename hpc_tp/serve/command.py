@@ -93,7 +93,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser):
         action="append",
         default=[],
         metavar="TEXT",
-        help="stop when this text appears (repeatable); EOS always stops",
+        help="stop when this text appears (repeatable); the model's stop ids (eos, its chat template's end of turn) always stop",
     )
 
 
