@@ -27,6 +27,11 @@ JOBS = REPO / "jobs"
 VENV = Path(sys.prefix)
 # The small float64 run every training test here uses, and its one-process losses to compare with.
 RUN = dict(model="tiny", micro_batch=4, global_batch=8, seq_len=16, lr=3e-3, dtype="float64")
+# RUN's three steps as `hpc-tp train` flags, with no evaluation to speak of.
+TINY_RUN = (
+    *(item for key, value in RUN.items() for item in (f"--{key.replace('_', '-')}", str(value))),
+    *("--steps", "3", "--eval-problems", "4", "--samples", "0"),
+)
 
 
 @pytest.fixture(scope="module")
@@ -302,26 +307,9 @@ def test_tp_across_nodes_runs_and_warns(cluster):
     train = hpc_tp_step(
         cluster,
         "train",
-        "--model",
-        "tiny",
+        *TINY_RUN,
         "--tp",
         "2",
-        "--micro-batch",
-        "4",
-        "--global-batch",
-        "8",
-        "--seq-len",
-        "16",
-        "--steps",
-        "3",
-        "--lr",
-        "3e-3",
-        "--dtype",
-        "float64",
-        "--eval-problems",
-        "4",
-        "--samples",
-        "0",
         "--log",
         str(log),
     )
@@ -376,24 +364,7 @@ def small_checkpoint(tmp_path_factory):
         [
             str(VENV / "bin" / "hpc-tp"),
             "train",
-            "--model",
-            "tiny",
-            "--micro-batch",
-            "4",
-            "--global-batch",
-            "8",
-            "--seq-len",
-            "16",
-            "--steps",
-            "3",
-            "--lr",
-            "3e-3",
-            "--dtype",
-            "float64",
-            "--eval-problems",
-            "4",
-            "--samples",
-            "0",
+            *TINY_RUN,
             "--save",
             str(save),
             "--no-progress",
