@@ -185,6 +185,7 @@ def test_tool_choice_none_and_a_cut_forced_call_answer_content():
 def _fed(stream: CallStream, answer: str, step: int = 3) -> tuple[str, list[dict]]:
     """``answer`` fed to ``stream`` ``step`` characters at a time: the content and the call deltas sent."""
     fed = [stream.feed(answer[i : i + step]) for i in range(0, len(answer), step)]
+    assert all(len({d["index"] for d in deltas}) == len(deltas) for _, deltas in fed)  # one delta a call a chunk
     return "".join(text for text, _ in fed), [d for _, deltas in fed for d in deltas]
 
 

@@ -211,7 +211,9 @@ class CallStream:
         while True:
             if self.calls and not self.calls[-1].closed:
                 piece = self.calls[-1].more(self.text)
-                if piece:
+                if deltas and deltas[-1]["index"] == len(self.calls) - 1:  # one delta a call a chunk, as OpenAI's
+                    deltas[-1]["function"]["arguments"] += piece
+                elif piece:
                     deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
                 if not self.calls[-1].closed:
                     return deltas
