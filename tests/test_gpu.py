@@ -7,6 +7,7 @@ cupy finds NVRTC and the CUDA headers, and the wrappers' dtype handling runs eve
 standing in for cupy). The 2-rank test shares one device through MPI (NCCL refuses one device twice).
 """
 
+import re
 import sys
 
 import numpy as np
@@ -17,6 +18,7 @@ from hpc_tp import backend
 from hpc_tp.backend import resolve_dtype
 from hpc_tp.bench import gpu_check as G
 from hpc_tp.kernels import cuda_kernels as K
+from hpc_tp.kernels import flash_attention as FA
 from hpc_tp.kernels import functional as F
 
 CUDA = backend.cuda_available()
@@ -38,22 +40,24 @@ def on_device():
     backend.use("cpu")
 
 
-def _nvrtc(options=()):
+def _nvrtc(options=(), arch="compute_90"):
     """NVRTC and cupy's compile options (its headers, the CUDA headers it found) for ``options``:
-    what a kernel is compiled with on a device, here without one; skipped where either is missing."""
+    what a kernel is compiled with on a device, here without one; skipped where either is missing.
+    ``arch``: a virtual one gives PTX; a real one (sm_90) runs ptxas too."""
     pytest.importorskip("cupy", reason="cupy is not installed")
     from cupy._core import core
     from cupy_backends.cuda.libs import nvrtc
 
     try:
         nvrtc.getVersion()
-        return nvrtc, [*core.assemble_cupy_compiler_options(tuple(options)), "-arch=compute_90"]
+        return nvrtc, [*core.assemble_cupy_compiler_options(tuple(options)), f"-arch={arch}"]
     except Exception as error:  # noqa: BLE001 -- NVRTC and the CUDA headers are separate packages
         pytest.skip(f"NVRTC or the CUDA headers are not found here: {error}")
 
 
-def _compile(label, source, names=(), options=()):
-    nvrtc, options = _nvrtc(options)
+def _compile(label, source, names=(), options=(), arch="compute_90"):
+    """The program log (ptxas's report with ``--ptxas-options=-v`` and a real ``arch``)."""
+    nvrtc, options = _nvrtc(options, arch)
     program = nvrtc.createProgram(source, f"{label}.cu", [], [])
     for name in names:
         nvrtc.addNameExpression(program, name)
@@ -62,6 +66,7 @@ def _compile(label, source, names=(), options=()):
     except Exception:  # noqa: BLE001 -- the log says why
         pytest.fail(f"{label} does not compile for sm_90:\n{nvrtc.getProgramLog(program)}")
     assert nvrtc.getPTX(program)
+    return nvrtc.getProgramLog(program)
 
 
 def test_row_kernels_compile_for_sm90():
@@ -69,6 +74,21 @@ def test_row_kernels_compile_for_sm90():
     functional sends it: other dtypes take the composed code)."""
     names = [f"{k}<{t}>" for k in K._ROW_KERNELS for t in K._CTYPES.values()]
     _compile("rows", K.row_source(), names, K.ROW_OPTIONS)
+
+
+@pytest.mark.parametrize("dtype", FA.DTYPES)
+def test_flash_attention_compiles_for_sm90(dtype):
+    """The fused attention's three kernels for every head-size bucket, NVRTC and ptxas for sm_90 alone
+    (no device). With float sums (half and float32 inputs) every instance keeps its accumulators in
+    registers: ptxas reports no stack frame and no spill (float64, the checking dtype, may spill)."""
+    for bucket in FA.HEAD_DIMS:
+        log = _compile(
+            f"flash {dtype} {bucket}", FA.SOURCE, FA.names(dtype, bucket), (*FA.OPTIONS, "--ptxas-options=-v"), "sm_90"
+        )
+        frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
+        assert len(frames) == len(FA.KERNELS), log
+        if dtype != "float64":
+            assert all(frame == ("0", "0") for frame in frames), f"bucket {bucket}: {log}"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
@@ -243,6 +263,38 @@ def test_attention_in_device_blocks_equals_the_cpu_blocks(padded):
     cpu = _attention_pass("cpu", 300, padded)
     gpu = _attention_pass("cuda", 300, padded)
     assert max(G._rel(g, c) for g, c in zip(gpu, cpu)) <= 1e-12
+
+
+@device_test
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_fused_attention_layer_equals_the_composed_one(padded, monkeypatch):
+    """The layer on the device through the fused kernels (checked to have run) and through the composed
+    path (``HPC_TP_FLASH_ATTENTION=0``), float64: T = 300 crosses query, key and device-block tiles."""
+    fused = _attention_pass("cuda", 300, padded)
+    monkeypatch.setenv("HPC_TP_FLASH_ATTENTION", "0")
+    composed = _attention_pass("cuda", 300, padded)
+    assert max(G._rel(f, c) for f, c in zip(fused, composed)) <= 1e-12
+
+
+@device_test
+def test_the_device_layer_runs_the_fused_kernels_and_keeps_no_scores():
+    from hpc_tp.comm.mpi import self_comm
+    from hpc_tp.nn.attention import ParallelAttention
+
+    layer = ParallelAttention(32, 4, 2, self_comm(), dtype="float32")
+    _, ctx = layer.forward(cupy.ones((2, 40, 32), "float32"))
+    assert ctx.flash_out is not None and ctx.probs is None and ctx.lse.shape == (2, 2, 2, 40)
+
+
+@device_test
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_fused_attention_kernels_match_the_composed_core(dtype):
+    """Output, log-sum-exp, dQ, dK, dV of every ``gpu_check.FLASH_CASES`` case (GQA, padding, a cache
+    offset, head size 256 with a window, no causal mask) against the composed core in float64."""
+    if dtype == "bfloat16" and G._bfloat16_missing():
+        pytest.skip(G._bfloat16_missing())
+    errors = G.flash_errors(dtype)
+    assert max(errors.values()) <= G.FLASH_TOL[dtype], errors
 
 
 @device_test
