@@ -7,6 +7,7 @@ cupy finds NVRTC and the CUDA headers, and the wrappers' dtype handling runs eve
 standing in for cupy). The 2-rank test shares one device through MPI (NCCL refuses one device twice).
 """
 
+import json
 import re
 import sys
 
@@ -268,8 +269,9 @@ def test_attention_in_device_blocks_equals_the_cpu_blocks(padded):
 @device_test
 @pytest.mark.parametrize("padded", [False, True])
 def test_the_fused_attention_layer_equals_the_composed_one(padded, monkeypatch):
-    """The layer on the device through the fused kernels (checked to have run) and through the composed
+    """The layer on the device through the fused kernels (``HPC_TP_FLASH_ATTENTION=1``) and through the composed
     path (``HPC_TP_FLASH_ATTENTION=0``), float64: T = 300 crosses query, key and device-block tiles."""
+    monkeypatch.setenv("HPC_TP_FLASH_ATTENTION", "1")
     fused = _attention_pass("cuda", 300, padded)
     monkeypatch.setenv("HPC_TP_FLASH_ATTENTION", "0")
     composed = _attention_pass("cuda", 300, padded)
@@ -277,10 +279,11 @@ def test_the_fused_attention_layer_equals_the_composed_one(padded, monkeypatch):
 
 
 @device_test
-def test_the_device_layer_runs_the_fused_kernels_and_keeps_no_scores():
+def test_the_device_layer_runs_the_fused_kernels_and_keeps_no_scores(monkeypatch):
     from hpc_tp.comm.mpi import self_comm
     from hpc_tp.nn.attention import ParallelAttention
 
+    monkeypatch.setenv("HPC_TP_FLASH_ATTENTION", "1")
     layer = ParallelAttention(32, 4, 2, self_comm(), dtype="float32")
     _, ctx = layer.forward(cupy.ones((2, 40, 32), "float32"))
     assert ctx.flash_out is not None and ctx.probs is None and ctx.lse.shape == (2, 2, 2, 40)
@@ -431,3 +434,35 @@ def test_a_check_that_fails_without_a_message_is_a_row_not_a_crash(tmp_path):
         ("silent", "FAIL", "AssertionError: "),
         ("next", "ok", ""),
     ]
+
+
+def test_peer_rows_alternate_and_put_the_peer_over_the_engine(tmp_path):
+    """A peer row from stand-in timers: every round times the engine and then each peer, the medians and
+    ranges land in ms, peer / engine > 1 where the engine is faster, and the table and JSON carry it."""
+    report, calls = G.Report(out=tmp_path), []
+    engine_s = iter([0.004, 0.002, 0.003])
+
+    def engine():
+        calls.append("engine")
+        return next(engine_s)
+
+    def peer(repeats):
+        calls.append(f"peer x{repeats}")
+        return 0.0045
+
+    G._peer_row(report, {"kind": "W1 step", "dtype": "float32", "batch": 4}, engine, {"torch eager": lambda: peer})
+    row = json.loads((tmp_path / "gpu_check.json").read_text())["peer"][0]
+    assert calls == ["engine", "peer x5"] * G.PEER_ROUNDS
+    assert row["engine"] == {"median": 3.0, "min": 2.0, "max": 4.0} and row["torch eager / engine"] == 1.5
+    assert "W1 step float32 batch 4: engine 3.000 ms (2.000-4.000)" in (tmp_path / "gpu_check.md").read_text()
+    assert "torch eager / engine 1.50x" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_without_torch_on_a_device_the_peer_section_is_one_row_saying_why(tmp_path, monkeypatch):
+    from hpc_tp.bench import torch_peer
+
+    monkeypatch.setattr(torch_peer, "torch_missing", lambda: "torch is not importable here (stand-in)")
+    report = G.Report(out=tmp_path)
+    G.run_peer_benchmarks(report)
+    assert report.rows["peer"] == [{"skipped": "torch is not importable here (stand-in)"}]
+    assert "- skipped: torch is not importable here (stand-in)" in (tmp_path / "gpu_check.md").read_text()

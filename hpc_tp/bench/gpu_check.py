@@ -230,7 +230,31 @@ def flash_timings(dtype: str, batch: int, heads: int, seq: int, d: int, rounds: 
             stop.record()
             stop.synchronize()
             times[name].append(cupy.cuda.get_elapsed_time(start, stop))
-    return {f"{name}_ms": {"median": float(numpy.median(t)), "min": min(t), "max": max(t)} for name, t in times.items()}
+    return {f"{name}_ms": _spread(t) for name, t in times.items()}
+
+
+def flash_step_timings(dtype: str, batch: int, seq: int, rounds: int = 3) -> dict:
+    """The W1 step (``bench step``) with the layer's attention through the fused kernels
+    (``HPC_TP_FLASH_ATTENTION=1``) and through the composed path, alternating: ms per round."""
+    times = {"fused": [], "composed": []}
+    before = os.environ.get("HPC_TP_FLASH_ATTENTION")
+    try:
+        for _ in range(rounds):
+            for name, flag in (("fused", "1"), ("composed", "0")):
+                os.environ["HPC_TP_FLASH_ATTENTION"] = flag
+                times[name].append(benchmark(dtype, batch, seq)["step_s"] * 1e3)
+    finally:
+        if before is None:
+            os.environ.pop("HPC_TP_FLASH_ATTENTION")
+        else:
+            os.environ["HPC_TP_FLASH_ATTENTION"] = before
+    return {f"{name}_ms": _spread(t) for name, t in times.items()}
+
+
+def _spread(values) -> dict:
+    """Median and range of one path's rounds."""
+    values = sorted(values)
+    return {"median": float(numpy.median(values)), "min": values[0], "max": values[-1]}
 
 
 def train_losses(
@@ -786,7 +810,8 @@ def run_benchmarks(report: Report):
 
 
 def run_flash_benchmarks(report: Report):
-    """The fused attention's forward + backward against the composed path's, alternating, per shape."""
+    """The fused attention's forward + backward against the composed path's, alternating, per shape;
+    then the W1 step with each."""
     for dtype in ("float32", _bf16_or_fp16()):
         for name, batch, heads, seq, d in FLASH_SHAPES:
             row = {"dtype": dtype, "shape": name}
@@ -796,6 +821,14 @@ def run_flash_benchmarks(report: Report):
                 row["error"] = f"{type(error).__name__}: {error}"[:200]
             report.add_row("flash", row)
             print("  " + _flash_cells(row), flush=True)
+        batch, seq = W1_ROWS[-1]
+        row = {"dtype": dtype, "shape": f"W1 step {batch}x{seq}"}
+        try:
+            row.update(flash_step_timings(dtype, batch, seq))
+        except Exception as error:  # noqa: BLE001
+            row["error"] = f"{type(error).__name__}: {error}"[:200]
+        report.add_row("flash", row)
+        print("  " + _flash_cells(row), flush=True)
 
 
 def _flash_cells(row: dict) -> str:
@@ -853,8 +886,7 @@ def _peer_row(report: Report, row: dict, engine, peers: dict):
             for name, timer in timers.items():
                 rounds[name].append(timer(5))
         for name, seconds in rounds.items():
-            ms = sorted(1e3 * s for s in seconds)
-            row[name] = {"median": ms[len(ms) // 2], "min": ms[0], "max": ms[-1]}
+            row[name] = _spread([1e3 * s for s in seconds])
         for name in timers:
             row[f"{name} / engine"] = row[name]["median"] / row["engine"]["median"]
     except Exception as error:  # noqa: BLE001
@@ -936,7 +968,7 @@ def markdown(env, report: Report) -> str:
         lines += ["", "W1 decode, float32, prompt 64, 32 timed tokens (median ms a token):", ""]
         lines += [f"- {_decode_cells(d)}" for d in report.decode]
     if report.rows["flash"]:
-        lines += ["", "Fused attention vs composed, causal, forward + backward (median and range of 5 rounds):", ""]
+        lines += ["", "Fused attention vs composed, causal, forward + backward, alternating (median and range):", ""]
         lines += [f"- {_flash_cells(r)}" for r in report.rows["flash"]]
     if report.rows["peer"]:
         lines += [

@@ -24,7 +24,12 @@ columns of an output row); head sizes up to ``MAX_HEAD_DIM``.
 Tiles are staged in float (double) with rows padded by one element, so the 32 lanes reading 32
 different rows at one column hit 32 different banks. ``flash_emulation`` is this file's algorithm in
 numpy, tile by tile with the same loops and recurrences, checked against the composed attention on
-the CPU. ``HPC_TP_FLASH_ATTENTION=0`` sends device attention back to the composed path (an A/B).
+the CPU.
+
+The products are scalar FMAs on shared-memory tiles, not tensor-core MMA: against cuBLAS's tensor
+cores in the composed path they may lose at W1's short sequences while they save the [T, keys] scores'
+memory at long ones. So the layer takes them only with ``HPC_TP_FLASH_ATTENTION=1`` until a card's
+``make gpu-check`` (which times both, alone and in the W1 step) shows where they win.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import math
 import os
 
 import numpy
+
+from .. import backend
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 HEAD_DIMS = (32, 64, 128, 256)  # template buckets: lanes hold bucket / 32 columns each
@@ -356,7 +363,8 @@ flash_dkdv(const T* q, const T* k, const T* v, const T* dout, const typename acc
 
 
 def enabled() -> bool:
-    return os.environ.get("HPC_TP_FLASH_ATTENTION", "1") != "0"
+    """Whether the attention layer sends device arrays here (read at every call: an A/B can switch it)."""
+    return os.environ.get("HPC_TP_FLASH_ATTENTION", "0") == "1"
 
 
 def bucket(head_dim: int) -> int:
@@ -430,10 +438,8 @@ def _heads(x):
     """``x`` [B, hk, g, T, d] or [B, hk, T, d] as (array, batch stride, head stride, row stride) in
     elements with heads numbered h = kv head * g + group member; a copy where the two head axes
     cannot be walked with one stride."""
-    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
-
     if x.ndim == 5 and x.shape[2] > 1 and x.shape[1] > 1 and x.strides[1] != x.shape[2] * x.strides[2]:
-        x = cupy.ascontiguousarray(x)
+        x = backend.xp_of(x).ascontiguousarray(x)
     item = x.itemsize
     head = x.strides[2] if x.ndim == 5 and x.shape[2] > 1 else x.strides[1]
     return (x, numpy.int64(x.strides[0] // item), numpy.int64(head // item), numpy.int64(x.strides[-2] // item))
@@ -441,12 +447,11 @@ def _heads(x):
 
 def _key_mask(key_mask, batch: int, keys: int):
     """The padding mask as the kernels read it: [B, keys] uint8 (1: a real key), and whether there is one."""
-    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
-
     if key_mask is None:
-        return cupy.ones(1, dtype=cupy.uint8), numpy.int32(0)
-    mask = cupy.broadcast_to(key_mask.astype(bool, copy=False), (batch, keys))
-    return cupy.ascontiguousarray(mask).view(cupy.uint8), numpy.int32(1)
+        return backend.xp.ones(1, dtype=numpy.uint8), numpy.int32(0)
+    xp = backend.xp_of(key_mask)
+    mask = xp.broadcast_to(key_mask.astype(bool, copy=False), (batch, keys))
+    return xp.ascontiguousarray(mask).view(numpy.uint8), numpy.int32(1)
 
 
 def _shape_args(q, k, q_offset, causal, window):
@@ -471,13 +476,12 @@ def forward(q, k, v, out, q_offset: int, causal: bool, key_mask=None, window: in
     """softmax(Q K^T + masks) V into ``out``; Q [B, hk, g, T, d] (already scaled), K and V [B, hk,
     keys, d], ``out`` like Q (a view is written in place). Returns each row's log-sum-exp [B, hk, g, T]
     (float32; float64 for float64 inputs), +inf for a row that sees no key."""
-    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
-
+    xp = backend.xp_of(q)
     b, hk, g, t, d = q.shape
-    lse = cupy.empty((b, hk, g, t), dtype=statistics_dtype(q.dtype))
+    lse = xp.empty((b, hk, g, t), dtype=statistics_dtype(q.dtype))
     if t == 0:
         return lse
-    target = out if out.strides[-1] == out.itemsize else cupy.empty_like(out)
+    target = out if out.strides[-1] == out.itemsize else xp.empty_like(out)
     qs, ks, vs, os_ = _heads(q), _heads(k), _heads(v), _heads(target)
     mask, has_mask = _key_mask(key_mask, b, k.shape[2])
     args = (qs[0], ks[0], vs[0], os_[0], lse, mask, *qs[1:], *ks[1:], *vs[1:], *os_[1:])
@@ -491,20 +495,19 @@ def forward(q, k, v, out, q_offset: int, causal: bool, key_mask=None, window: in
 def backward(dout, q, k, v, out, lse, q_offset: int, causal: bool, key_mask, dq, dk, dv, window: int = 0):
     """dQ (times 1/sqrt(d): Q was scaled in forward), dK and dV written into their views (dq like Q,
     dk and dv like K), from forward's output ``out`` and log-sum-exp ``lse``."""
-    import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
-
+    xp = backend.xp_of(q)
     b, hk, g, t, d = q.shape
     keys = k.shape[2]
     if t == 0 or keys == 0:
         dq[...], dk[...], dv[...] = 0, 0, 0
         return
     wide = lse.dtype
-    delta = cupy.ascontiguousarray((dout.astype(wide) * out.astype(wide)).sum(axis=-1))
-    targets = [x if x.strides[-1] == x.itemsize else cupy.empty_like(x) for x in (dq, dk, dv)]
+    delta = xp.ascontiguousarray((dout.astype(wide) * out.astype(wide)).sum(axis=-1))
+    targets = [x if x.strides[-1] == x.itemsize else xp.empty_like(x) for x in (dq, dk, dv)]
     qs, ks, vs, gs = _heads(q), _heads(k), _heads(v), _heads(dout.astype(q.dtype, copy=False))
     dqs, dks, dvs = (_heads(x) for x in targets)
     mask, has_mask = _key_mask(key_mask, b, keys)
-    lse = cupy.ascontiguousarray(lse)
+    lse = xp.ascontiguousarray(lse)
     shape = _shape_args(q, k, q_offset, causal, window)
     strides = (*qs[1:], *ks[1:], *vs[1:], *gs[1:])
     _launch(

@@ -9,9 +9,10 @@ row-parallel and its g all-reduce is the layer's only forward collective.
 The core (Q K^T, softmax and P V per causal query block, and their backward) runs as one fused
 numba/MKL loop on the CPU (``cpu_attention``) for float32/float64 numpy arrays;
 ``_composed_forward``/``_composed_backward`` are its reference and the path everywhere else (half
-dtypes on the CPU, no MKL, attention dropout on a GPU). On a GPU the core runs as the fused
-FlashAttention-style kernels of ``flash_attention`` (cupy arrays without attention dropout): they keep
-only each row's log-sum-exp and the output for backward, whatever ``recompute_scores`` says.
+dtypes on the CPU, no MKL, a GPU). With ``HPC_TP_FLASH_ATTENTION=1`` the core on a GPU runs as the
+fused FlashAttention-style kernels of ``flash_attention`` instead (cupy arrays without attention
+dropout): they keep only each row's log-sum-exp and the output for backward, whatever
+``recompute_scores`` says.
 
 Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
 ``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled) and
