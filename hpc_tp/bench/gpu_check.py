@@ -26,6 +26,7 @@ then starts "gpu-check skipped: no CUDA device"); 1 when a check failed or raise
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -667,6 +668,14 @@ def _bounded(value: float, bound: float, detail: str = ""):
     return ("ok" if value <= bound else "FAIL"), f"{value:.1e}", detail
 
 
+def _worst_of(errors: dict[str, float], bound: float, what: str = ""):
+    """A check row from named errors: the worst against ``bound``, every one in the detail."""
+    worst = max(errors, key=errors.get)
+    return _bounded(
+        errors[worst], bound, f"{what}worst: {worst}; " + ", ".join(f"{k} {v:.0e}" for k, v in errors.items())
+    )
+
+
 def run_checks(report: Report):
     # First, while this process has not started MPI: a singleton MPI parent can confuse a child mpiexec.
     pair = {}
@@ -682,13 +691,7 @@ def run_checks(report: Report):
     for dtype in ("float64", "float32"):
 
         def kernels(dtype=dtype):
-            errors = kernel_errors(dtype)
-            worst = max(errors, key=errors.get)
-            return _bounded(
-                errors[worst],
-                KERNEL_TOL[dtype],
-                f"worst: {worst}; " + ", ".join(f"{k} {v:.0e}" for k, v in errors.items()),
-            )
+            return _worst_of(kernel_errors(dtype), KERNEL_TOL[dtype])
 
         report.check(f"fused kernels vs numpy, {dtype}", f"{KERNEL_TOL[dtype]:.0e}", kernels)
 
@@ -752,13 +755,7 @@ def run_checks(report: Report):
     for dtype in ("float64", "float32", _bf16_or_fp16()):
 
         def flash(dtype=dtype):
-            errors = flash_errors(dtype)
-            worst = max(errors, key=errors.get)
-            return _bounded(
-                errors[worst],
-                FLASH_TOL[dtype],
-                f"out, lse, dQ, dK, dV; worst: {worst}; " + ", ".join(f"{k} {v:.0e}" for k, v in errors.items()),
-            )
+            return _worst_of(flash_errors(dtype), FLASH_TOL[dtype], "out, lse, dQ, dK, dV; ")
 
         report.check(f"fused attention vs composed, {dtype}", f"{FLASH_TOL[dtype]:.0e}", flash)
 
@@ -814,21 +811,22 @@ def run_flash_benchmarks(report: Report):
     then the W1 step with each."""
     for dtype in ("float32", _bf16_or_fp16()):
         for name, batch, heads, seq, d in FLASH_SHAPES:
-            row = {"dtype": dtype, "shape": name}
-            try:
-                row.update(flash_timings(dtype, batch, heads, seq, d))
-            except Exception as error:  # noqa: BLE001
-                row["error"] = f"{type(error).__name__}: {error}"[:200]
-            report.add_row("flash", row)
-            print("  " + _flash_cells(row), flush=True)
+            measure = functools.partial(flash_timings, dtype, batch, heads, seq, d)
+            _measured_row(report, "flash", {"dtype": dtype, "shape": name}, measure, _flash_cells)
         batch, seq = W1_ROWS[-1]
-        row = {"dtype": dtype, "shape": f"W1 step {batch}x{seq}"}
-        try:
-            row.update(flash_step_timings(dtype, batch, seq))
-        except Exception as error:  # noqa: BLE001
-            row["error"] = f"{type(error).__name__}: {error}"[:200]
-        report.add_row("flash", row)
-        print("  " + _flash_cells(row), flush=True)
+        measure = functools.partial(flash_step_timings, dtype, batch, seq)
+        _measured_row(report, "flash", {"dtype": dtype, "shape": f"W1 step {batch}x{seq}"}, measure, _flash_cells)
+
+
+def _measured_row(report: Report, section: str, row: dict, measure, cells):
+    """``row`` with what ``measure()`` returns, or the error it raised (one failed row must not end the
+    table); saved, and printed as ``cells`` writes it."""
+    try:
+        row.update(measure())
+    except Exception as error:  # noqa: BLE001
+        row["error"] = f"{type(error).__name__}: {error}"[:200]
+    report.add_row(section, row)
+    print("  " + cells(row), flush=True)
 
 
 def _flash_cells(row: dict) -> str:
@@ -878,21 +876,19 @@ def run_peer_benchmarks(report: Report):
 def _peer_row(report: Report, row: dict, engine, peers: dict):
     """``PEER_ROUNDS`` rounds of: this engine's time (``engine()``), then each peer's (``peers[name]()``
     builds a timer once; each round times 5 steps); the medians and ranges in ms, and peer/engine."""
-    try:
+
+    def measure():
         timers = {name: make() for name, make in peers.items()}
         rounds = {name: [] for name in ("engine", *timers)}
         for _ in range(PEER_ROUNDS):
             rounds["engine"].append(engine())
             for name, timer in timers.items():
                 rounds[name].append(timer(5))
-        for name, seconds in rounds.items():
-            row[name] = _spread([1e3 * s for s in seconds])
-        for name in timers:
-            row[f"{name} / engine"] = row[name]["median"] / row["engine"]["median"]
-    except Exception as error:  # noqa: BLE001
-        row["error"] = f"{type(error).__name__}: {error}"[:200]
-    report.add_row("peer", row)
-    print("  " + _peer_cells(row), flush=True)
+        spread = {name: _spread([1e3 * s for s in seconds]) for name, seconds in rounds.items()}
+        ratios = {f"{name} / engine": spread[name]["median"] / spread["engine"]["median"] for name in timers}
+        return spread | ratios
+
+    _measured_row(report, "peer", row, measure, _peer_cells)
 
 
 def _peer_cells(row: dict) -> str:

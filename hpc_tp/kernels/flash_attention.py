@@ -125,6 +125,27 @@ __device__ __forceinline__ void query_range(long long k0, long long k_end, long 
   *end = stop < n_q ? stop : n_q;
 }
 
+// A query-tile block's place: sequence b, query head h, queries [q0, q_end), and the K and V rows of
+// the KV head that h reads.
+template <typename T> struct QueryBlock {
+  long long b, q0, q_end;
+  int h;
+  const T* k;
+  const T* v;
+};
+template <typename T>
+__device__ __forceinline__ QueryBlock<T> query_block(const T* k, long long kb, long long kh, const T* v, long long vb,
+                                                     long long vh, int heads, int group, long long n_q) {
+  QueryBlock<T> t;
+  t.b = blockIdx.y / heads;
+  t.h = blockIdx.y % heads;
+  t.q0 = (long long)blockIdx.x * WARPS * ROWS;
+  t.q_end = t.q0 + WARPS * ROWS < n_q ? t.q0 + WARPS * ROWS : n_q;
+  t.k = k + t.b * kb + t.h / group * kh;
+  t.v = v + t.b * vb + t.h / group * vh;
+  return t;
+}
+
 // rows [row0, row0 + count) of x (row stride xt) into s (row stride ld), zeros past n_rows.
 template <typename T, typename A>
 __device__ __forceinline__ void stage(A* s, const T* x, long long xt, long long row0, int count, long long n_rows,
@@ -133,6 +154,15 @@ __device__ __forceinline__ void stage(A* s, const T* x, long long xt, long long 
     const int r = e / d, c = e % d;
     s[r * ld + c] = row0 + r < n_rows ? (A)widen(x[(row0 + r) * xt + c]) : (A)0;
   }
+}
+
+// The next tile of two matrices (K and V, or Q and dO), once every warp is done with the last one.
+template <typename T, typename A>
+__device__ __forceinline__ void next_tiles(A* xs, const T* x, long long xt, A* ys, const T* y, long long yt,
+                                           long long row0, long long n_rows, int d, int ld) {
+  __syncthreads();
+  stage(xs, x, xt, row0, LANES, n_rows, d, ld);
+  stage(ys, y, yt, row0, LANES, n_rows, d, ld);
 }
 
 template <typename A> __device__ __forceinline__ A dot(const A* x, const A* y, int d) {
@@ -169,11 +199,9 @@ flash_fwd(const T* q, const T* k, const T* v, T* o, typename acc<T>::type* lse, 
   A* Ks = Qs + BQ * ld;
   A* Vs = Ks + LANES * ld;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long b = blockIdx.y / heads, q0 = (long long)blockIdx.x * BQ;
-  const int h = blockIdx.y % heads, kvh = h / group;
-  const long long q_end = q0 + BQ < n_q ? q0 + BQ : n_q;
-  const T* kp = k + b * kb + kvh * kh;
-  const T* vp = v + b * vb + kvh * vh;
+  const QueryBlock<T> blk = query_block(k, kb, kh, v, vb, vh, heads, group, n_q);
+  const long long b = blk.b, q0 = blk.q0;
+  const int h = blk.h;
   stage(Qs, q + b * qb + h * qh, qt, q0, BQ, n_q, d, ld);
   A m[ROWS], l[ROWS], out[ROWS][NT];
   #pragma unroll
@@ -184,11 +212,9 @@ flash_fwd(const T* q, const T* k, const T* v, T* o, typename acc<T>::type* lse, 
     for (int t = 0; t < NT; ++t) out[r][t] = 0;
   }
   long long first, end;
-  key_range(q0, q_end, n_keys, q_offset, causal, window, &first, &end);
+  key_range(q0, blk.q_end, n_keys, q_offset, causal, window, &first, &end);
   for (long long k0 = first; k0 < end; k0 += LANES) {
-    __syncthreads();  // the previous tile's readers are done
-    stage(Ks, kp, kt, k0, LANES, n_keys, d, ld);
-    stage(Vs, vp, vt, k0, LANES, n_keys, d, ld);
+    next_tiles(Ks, blk.k, kt, Vs, blk.v, vt, k0, n_keys, d, ld);
     __syncthreads();
     const long long j = k0 + lane;
     #pragma unroll
@@ -237,11 +263,9 @@ flash_dq(const T* q, const T* k, const T* v, const T* dout, const typename acc<T
   A* Ks = Gs + BQ * ld;
   A* Vs = Ks + LANES * ld;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long b = blockIdx.y / heads, q0 = (long long)blockIdx.x * BQ;
-  const int h = blockIdx.y % heads, kvh = h / group;
-  const long long q_end = q0 + BQ < n_q ? q0 + BQ : n_q;
-  const T* kp = k + b * kb + kvh * kh;
-  const T* vp = v + b * vb + kvh * vh;
+  const QueryBlock<T> blk = query_block(k, kb, kh, v, vb, vh, heads, group, n_q);
+  const long long b = blk.b, q0 = blk.q0;
+  const int h = blk.h;
   stage(Qs, q + b * qb + h * qh, qt, q0, BQ, n_q, d, ld);
   stage(Gs, dout + b * gb + h * gh, gt, q0, BQ, n_q, d, ld);
   A row_lse[ROWS], row_delta[ROWS], grad[ROWS][NT];
@@ -254,11 +278,9 @@ flash_dq(const T* q, const T* k, const T* v, const T* dout, const typename acc<T
     for (int t = 0; t < NT; ++t) grad[r][t] = 0;
   }
   long long first, end;
-  key_range(q0, q_end, n_keys, q_offset, causal, window, &first, &end);
+  key_range(q0, blk.q_end, n_keys, q_offset, causal, window, &first, &end);
   for (long long k0 = first; k0 < end; k0 += LANES) {
-    __syncthreads();
-    stage(Ks, kp, kt, k0, LANES, n_keys, d, ld);
-    stage(Vs, vp, vt, k0, LANES, n_keys, d, ld);
+    next_tiles(Ks, blk.k, kt, Vs, blk.v, vt, k0, n_keys, d, ld);
     __syncthreads();
     const long long j = k0 + lane;
     #pragma unroll
@@ -320,9 +342,7 @@ flash_dkdv(const T* q, const T* k, const T* v, const T* dout, const typename acc
     const int h = kvh * group + g;
     const long long stats = (b * heads + h) * n_q;
     for (long long q0 = first; q0 < end; q0 += LANES) {
-      __syncthreads();
-      stage(Qs, q + b * qb + h * qh, qt, q0, LANES, n_q, d, ld);
-      stage(Gs, dout + b * gb + h * gh, gt, q0, LANES, n_q, d, ld);
+      next_tiles(Qs, q + b * qb + h * qh, qt, Gs, dout + b * gb + h * gh, gt, q0, n_q, d, ld);
       if (threadIdx.x < LANES) {
         const long long i = q0 + threadIdx.x;
         lse_s[threadIdx.x] = i < n_q ? lse[stats + i] : (A)POS_INF;
