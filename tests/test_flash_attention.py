@@ -141,8 +141,8 @@ def _emulated_launch(kernel, grid, x, args):
         assert name not in named or named[name].flags.c_contiguous, (kernel, name)
     heads, group, n_q, n_keys, d = (int(named[k]) for k in ("heads", "group", "n_q", "n_keys", "d"))
     per_block = heads // group if kernel == "flash_dkdv" else heads
-    batch, tiles = grid[1] // per_block, -(-(n_keys if kernel == "flash_dkdv" else n_q) // (FA.WARPS * FA.ROWS))
-    assert grid == (tiles, batch * per_block), kernel
+    batch, tiles = grid[0] // per_block, -(-(n_keys if kernel == "flash_dkdv" else n_q) // (FA.WARPS * FA.ROWS))
+    assert grid == (batch * per_block, tiles), kernel
 
     def view(array, prefix, n_heads, rows):
         item = array.itemsize

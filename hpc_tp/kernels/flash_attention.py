@@ -137,9 +137,9 @@ template <typename T>
 __device__ __forceinline__ QueryBlock<T> query_block(const T* k, long long kb, long long kh, const T* v, long long vb,
                                                      long long vh, int heads, int group, long long n_q) {
   QueryBlock<T> t;
-  t.b = blockIdx.y / heads;
-  t.h = blockIdx.y % heads;
-  t.q0 = (long long)blockIdx.x * WARPS * ROWS;
+  t.b = blockIdx.x / heads;
+  t.h = blockIdx.x % heads;
+  t.q0 = (long long)blockIdx.y * WARPS * ROWS;
   t.q_end = t.q0 + WARPS * ROWS < n_q ? t.q0 + WARPS * ROWS : n_q;
   t.k = k + t.b * kb + t.h / group * kh;
   t.v = v + t.b * vb + t.h / group * vh;
@@ -185,7 +185,7 @@ __device__ __forceinline__ void accumulate(A (&out)[NT], A w, const A* s, int ld
   }
 }
 
-// Grid (query tiles of WARPS*ROWS, batch * heads); block WARPS*32 threads; shared (BQ + 2*32) * (d+1) A.
+// Grid (batch * heads, query tiles of WARPS*ROWS): x has room for any batch of heads; block WARPS*32 threads; shared (BQ + 2*32) * (d+1) A.
 template <typename T, int NT>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_fwd(const T* q, const T* k, const T* v, T* o, typename acc<T>::type* lse, const unsigned char* key_mask,
@@ -306,7 +306,7 @@ flash_dq(const T* q, const T* k, const T* v, const T* dout, const typename acc<T
 }
 
 // dK_j = sum_i dS_ij Q_i, dV_j = sum_i P_ij dO_i over every query head of KV head kvh's group.
-// Grid (key tiles of WARPS*ROWS, batch * kv heads); shared (2 BK + 2*32) * (d+1) + 2*32 A.
+// Grid (batch * kv heads, key tiles of WARPS*ROWS); shared (2 BK + 2*32) * (d+1) + 2*32 A.
 template <typename T, int NT>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_dkdv(const T* q, const T* k, const T* v, const T* dout, const typename acc<T>::type* lse,
@@ -326,8 +326,8 @@ flash_dkdv(const T* q, const T* k, const T* v, const T* dout, const typename acc
   A* delta_s = lse_s + LANES;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kv_heads = heads / group;
-  const long long b = blockIdx.y / kv_heads, k0 = (long long)blockIdx.x * BK;
-  const int kvh = blockIdx.y % kv_heads;
+  const long long b = blockIdx.x / kv_heads, k0 = (long long)blockIdx.y * BK;
+  const int kvh = blockIdx.x % kv_heads;
   const long long k_end = k0 + BK < n_keys ? k0 + BK : n_keys;
   stage(Ks, k + b * kb + kvh * kh, kt, k0, BK, n_keys, d, ld);
   stage(Vs, v + b * vb + kvh * vh, vt, k0, BK, n_keys, d, ld);
@@ -506,7 +506,7 @@ def forward(q, k, v, out, q_offset: int, causal: bool, key_mask=None, window: in
     mask, has_mask = _key_mask(key_mask, b, k.shape[2])
     args = (qs[0], ks[0], vs[0], os_[0], lse, mask, *qs[1:], *ks[1:], *vs[1:], *os_[1:])
     shape = _shape_args(q, k, q_offset, causal, window)
-    _launch("flash_fwd", (-(-t // (WARPS * ROWS)), b * hk * g), q, args + shape + (has_mask,))
+    _launch("flash_fwd", (b * hk * g, -(-t // (WARPS * ROWS))), q, args + shape + (has_mask,))
     if os_[0] is not out:
         out[...] = os_[0]
     return lse
@@ -532,7 +532,7 @@ def backward(dout, q, k, v, out, lse, q_offset: int, causal: bool, key_mask, dq,
     strides = (*qs[1:], *ks[1:], *vs[1:], *gs[1:])
     _launch(
         "flash_dq",
-        (-(-t // (WARPS * ROWS)), b * hk * g),
+        (b * hk * g, -(-t // (WARPS * ROWS))),
         q,
         (qs[0], ks[0], vs[0], gs[0], lse, delta, dqs[0], mask, *strides, *dqs[1:])
         + shape
@@ -540,7 +540,7 @@ def backward(dout, q, k, v, out, lse, q_offset: int, causal: bool, key_mask, dq,
     )
     _launch(
         "flash_dkdv",
-        (-(-keys // (WARPS * KEY_ROWS)), b * hk),
+        (b * hk, -(-keys // (WARPS * KEY_ROWS))),
         q,
         (qs[0], ks[0], vs[0], gs[0], lse, delta, dks[0], dvs[0], mask, *strides, *dks[1:], *dvs[1:])
         + shape
