@@ -129,7 +129,7 @@ def composed_attention(q, k, v, dout, q_offset, causal, key_mask=None, window=0)
     """(output, log-sum-exp, dQ, dK, dV) of the composed attention core (``attention._composed_forward``
     and ``_composed_backward``) on host arrays: Q [B, hk, g, T, d] (scaled), K, V [B, hk, keys, d]; the
     padding and the sliding window as an additive bias, the causal mask in the softmax."""
-    from ..nn import attention
+    from ..nn import attention  # the engine loads when a check runs: gpu-check first probes for a device
 
     b, hk, g, t, d = q.shape
     keys = k.shape[2]
@@ -166,9 +166,9 @@ def attention_case(shape, padded: bool, seed: int = 0):
 def flash_errors(dtype: str) -> dict[str, float]:
     """Worst relative error of the fused kernels' output, log-sum-exp, dQ, dK and dV in ``dtype``, per
     case of ``FLASH_CASES``, against the composed core in float64 on the same (rounded) inputs."""
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]): only a machine with a device gets here
 
-    from ..kernels import flash_attention
+    from ..kernels import flash_attention  # loaded when the check runs, as the engine's other modules
 
     errors = {}
     for name, shape, q_offset, causal, padded, window in FLASH_CASES:
@@ -193,9 +193,9 @@ def flash_timings(dtype: str, batch: int, heads: int, seq: int, d: int, rounds: 
     """Forward + backward of one causal attention core [batch, heads, seq, d] on the device, the fused
     kernels and the composed path (query blocks of ``DEVICE_QUERY_BLOCK``) alternating: each round's
     time (CUDA events), median and range in ms."""
-    import cupy
+    import cupy  # optional (hpc_tp[gpu]): only a machine with a device gets here
 
-    from ..kernels import flash_attention
+    from ..kernels import flash_attention  # loaded when the row runs, as the engine's other modules
     from ..nn import attention
 
     rng = numpy.random.default_rng(0)
@@ -843,7 +843,7 @@ def _flash_cells(row: dict) -> str:
 def run_peer_benchmarks(report: Report):
     """W1 steps of this engine and of PyTorch (eager, torch.compile) alternating, then W1 decode of both
     (eager, CUDA graphs); one row each with the medians, ranges and ratios (> 1: this engine is faster)."""
-    from . import torch_peer
+    from . import torch_peer  # loaded when the rows run, as the engine's other modules
 
     missing = torch_peer.torch_missing()
     if missing:

@@ -223,8 +223,8 @@ flash_fwd(const T* q, const T* k, const T* v, T* o, typename acc<T>::type* lse, 
       const bool seen = visible(q0 + row, j, b, n_q, n_keys, q_offset, causal, window, key_mask, has_mask);
       const A s = seen ? dot(Qs + row * ld, Ks + lane * ld, d) : (A)NEG_INF;
       const A m_new = fmax(m[r], warp_max(s));
-      if (m_new == (A)NEG_INF) continue;  // nothing seen yet in this row (the same for the whole warp)
-      const A p = exp(s - m_new), rescale = exp(m[r] - m_new);
+      const A shift = m_new == (A)NEG_INF ? (A)0 : m_new;  // nothing seen yet: every p and the rescale are 0
+      const A p = exp(s - shift), rescale = exp(m[r] - shift);
       l[r] = l[r] * rescale + warp_sum(p);
       #pragma unroll
       for (int t = 0; t < NT; ++t) out[r][t] *= rescale;

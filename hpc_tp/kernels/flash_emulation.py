@@ -78,9 +78,8 @@ def flash_fwd(q, k, v, q_offset, causal, key_mask=None, window=0, rows=ROWS, lan
                 seen = visible(q0 + row, j, b, n_q, n_keys, q_offset, causal, window, key_mask)
                 s = numpy.where(seen, ks @ qs[row], -numpy.inf)
                 m_new = max(m[row], s.max())
-                if m_new == -numpy.inf:
-                    continue
-                p, rescale = numpy.exp(s - m_new), numpy.exp(m[row] - m_new)
+                shift = 0.0 if m_new == -numpy.inf else m_new
+                p, rescale = numpy.exp(s - shift), numpy.exp(m[row] - shift)
                 l_[row] = l_[row] * rescale + p.sum()
                 acc[row] = acc[row] * rescale + p @ vs  # ``accumulate``: lane j's p times V's row j
                 m[row] = m_new
