@@ -18,6 +18,12 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from hpc_tp.models.config import load_config
+from hpc_tp.plan.calibration import load_calibration
+from hpc_tp.plan.clusters import get_cluster
+from hpc_tp.plan.cost import Layout
+from hpc_tp.plan.placement import compare_placements
+
 sys.path.insert(0, str(Path(__file__).parent))
 from slurm.cluster import missing_programs  # noqa: E402
 from slurm.nodes import VirtualCluster, unavailable  # noqa: E402
@@ -341,8 +347,6 @@ def test_planner_keeps_tp_inside_a_node_when_a_layout_fits():
     with tp inside a node fits (no cluster needed: the planner alone)."""
     from dataclasses import replace
 
-    from hpc_tp.models.config import load_config
-    from hpc_tp.plan.clusters import get_cluster
     from hpc_tp.plan.search import search
 
     base = get_cluster("cpu-2core")
@@ -500,3 +504,11 @@ def test_bench_comm_measures_intra_and_inter_node_links_apart(cluster):
     limit = 100e6 / 8 / 1e9  # GB/s
     assert records["p2p_inter"]["raw_algbw_GBps"] < 1.1 * limit, records["p2p_inter"]
     assert records["p2p_intra"]["raw_algbw_GBps"] > 3 * limit, records["p2p_intra"]
+    # The file is a calibration: the planner prices each link class apart and so ranks tp inside a node first.
+    two_per_node = get_cluster("cpu-2core").with_overrides(devices_per_node=2)
+    calibration = load_calibration([path])
+    network = calibration.network(two_per_node)
+    assert network.inter["p2p"].bw < 1.1 * limit * 1e9 < 3 * limit * 1e9 < network.intra["p2p"].bw
+    w1 = load_config("w1", vocab_size=258)
+    placed = compare_placements(w1, Layout(2, 2, 1, 4), 8, 256, two_per_node, calibration)
+    assert [(p.prediction.layout.placement, p.tp_spans_nodes) for p in placed] == [("block", False), ("cyclic", True)]
