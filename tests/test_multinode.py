@@ -289,7 +289,7 @@ def test_zero1_dp_across_nodes_tp_inside(cluster):
     assert_same_losses(logged_losses(jobs / "zero.jsonl"), one_process_losses(steps))
 
 
-def hpc_tp_step(cluster, *args, nodes=2, per_node=1, timeout=120):
+def hpc_tp_step(cluster, *args, nodes=2, per_node=1, distribution="block", timeout=120):
     """`srun --mpi=pmix hpc-tp ARGS` over ``nodes`` nodes: one job step, output and exit status."""
     env = job_env(cluster)
     env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -297,6 +297,7 @@ def hpc_tp_step(cluster, *args, nodes=2, per_node=1, timeout=120):
         "--mpi=pmix",
         f"--nodes={nodes}",
         f"--ntasks-per-node={per_node}",
+        f"--distribution={distribution}",
         "--cpus-per-task=1",
         str(VENV / "bin" / "hpc-tp"),
         *args,
@@ -355,6 +356,20 @@ def test_planner_keeps_tp_inside_a_node_when_a_layout_fits():
     assert any(r.kind == "nodes" and r.layout["tp"] == 4 for r in plan.rejected)
     one_per_node = search(load_config("tiny"), 2, 8, 16, replace(base, devices_per_node=1))
     assert all(p.layout.tp == 1 for p in one_per_node.ranked)
+
+
+@pytest.mark.timeout(240)
+def test_plan_auto_reads_the_launch_placement(cluster):
+    """Ranks dealt round-robin over 2 nodes x 2 (srun --distribution=cyclic): every tp group of 2 would
+    straddle the nodes, so `--plan auto` picks tp = 1, from the launch it runs in."""
+    log = cluster.dir / "jobs" / "plan-auto-cyclic.jsonl"
+    run = hpc_tp_step(
+        cluster, "train", *TINY_RUN, "--plan", "auto", "--log", str(log), per_node=2, distribution="cyclic"
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    chosen = next(line for line in run.stdout.splitlines() if line.startswith("--plan auto: "))
+    assert chosen.startswith("--plan auto: tp=1 "), chosen
+    assert "spans 2 nodes" not in run.stderr, run.stderr
 
 
 # ------------------------------------------------------------------ generate and serve across nodes
