@@ -7,7 +7,8 @@ line. At tp = world size, float64."""
 
 import numpy as np
 import pytest
-from test_continuous import Request, Script, _agrees_with_alone, events  # noqa: F401 (a fixture)
+from test_continuous import Request, Script, _agrees_with_alone
+from test_continuous import events as events  # noqa: F401, PLC0414 (the fixture, used by its name)
 from test_generate import PROMPTS, _model
 from tp_helpers import max_rel_err, tp_and_reference
 

@@ -69,9 +69,9 @@ import numpy
 from .. import backend
 from ..comm.base import on_rank0
 from ..errors import ConfigError
+from .blocks import SCRATCH, BlockManager, Sequence
 from .decoding import step_rows
 from .generate import _Row, check_request
-from .blocks import SCRATCH, BlockManager, Sequence
 from .kv_cache import PagedKVCache, PagedView
 
 # The default bound on a batched prefill's padded tokens (its prompts x the longest of them), raised to
