@@ -14,6 +14,7 @@ from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.serve import continuous
+from hpc_tp.serve.api_request import parse_request
 from hpc_tp.serve.blocks import BlockManager, Sequence
 from hpc_tp.serve.continuous import ContinuousBatcher, kv_pool_blocks
 from hpc_tp.serve.generate import Engine
@@ -196,3 +197,11 @@ def test_bad_kv_cache_sizes_are_one_config_error_line(memory, block_size, messag
     assert "\n" not in str(error.value)
     assert kv_pool_blocks(model, 4, 32, 16, None) == 4 * 2 + 1  # every row at its longest, and the scratch block
     assert continuous.KV_BLOCK_SIZE == 16
+
+
+def test_an_http_request_the_whole_cache_cannot_hold_is_a_400_reason():
+    cfg = _model("gpt2", tp_and_reference()[1]).cfg
+    body = b'{"prompt": "0123456789", "max_tokens": 4}'
+    with pytest.raises(ConfigError, match=r"needs 13 positions; this server's KV cache holds 12 tokens"):
+        parse_request(body, ByteTokenizer(), cfg, 16, kv_tokens=12)
+    assert len(parse_request(body, ByteTokenizer(), cfg, 16, kv_tokens=13).jobs) == 1

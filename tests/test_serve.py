@@ -115,6 +115,10 @@ def serving(*flags, ranks: int = 2):
                 proc.wait()
 
 
+# one block of 4 tokens of llama-gqa's K/V at tp = 2 in float64: 2 layers, K and V, 1 kv head of 8
+KV_BLOCK_BYTES = 2 * 2 * 1 * 4 * 8 * 8
+
+
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
     ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
@@ -133,6 +137,12 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         "31",
         "--chat-template",
         str(template),
+        # continuous: 8 blocks of 4 tokens a rank besides the scratch one, so that the load preempts
+        *(
+            ["--kv-block-size", "4", "--kv-cache-memory", str(9 * KV_BLOCK_BYTES / 2**30)]
+            if batching == "continuous"
+            else []
+        ),
     ) as served:
         port, pids, proc, lines = served.port, served.pids, served.proc, served.lines
         prompts = [f"request {i}: " + "xy" * (i % 7) for i in range(N_REQUESTS)]
