@@ -13,6 +13,7 @@ from test_generate import PROMPTS, _model
 from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.errors import ConfigError
+from hpc_tp.kernels import paged_attention
 from hpc_tp.serve import continuous
 from hpc_tp.serve.api_request import parse_request
 from hpc_tp.serve.blocks import BlockManager, Sequence
@@ -205,3 +206,31 @@ def test_an_http_request_the_whole_cache_cannot_hold_is_a_400_reason():
     with pytest.raises(ConfigError, match=r"needs 13 positions; this server's KV cache holds 12 tokens"):
         parse_request(body, ByteTokenizer(), cfg, 16, kv_tokens=12)
     assert len(parse_request(body, ByteTokenizer(), cfg, 16, kv_tokens=13).jobs) == 1
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_the_decode_kernel_reading_blocks_in_place_equals_the_gathered_attention(name, monkeypatch):
+    """A decode step of rows of different lengths over scattered blocks: the CPU kernel that reads
+    each row's own slots (``counts`` given) and the gather of every row up to the longest, masked."""
+    if not paged_attention.supported(np.zeros(1), np.zeros(1)):
+        pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
+    calls, decode = [], paged_attention.decode
+    monkeypatch.setattr(paged_attention, "decode", lambda *args: calls.append(1) or decode(*args))
+    tp, _ = tp_and_reference()
+    model = _model(name, tp)
+    cache = PagedKVCache.for_model(model, 30, 4)
+    rng = np.random.default_rng(2)
+    cache.k[:], cache.v[:] = rng.standard_normal(cache.k.shape), rng.standard_normal(cache.v.shape)
+    lens = np.array([9, 2, 14, 0])
+    tables = np.split(rng.permutation(np.arange(1, 30))[:16], [3, 4, 8])
+    slots = np.zeros((4, lens.max() + 1), np.int64)
+    for i, table in enumerate(tables):
+        slots[i, : lens[i] + 1] = (table[:, None] * 4 + np.arange(4)).reshape(-1)[: lens[i] + 1]
+    write, visible = slots[np.arange(4), lens][:, None], np.arange(lens.max() + 1) <= lens[:, None]
+    ids, positions = np.array([[5], [6], [7], [8]]), lens[:, None]
+    pools = cache.k.copy(), cache.v.copy()
+    gathered = model.infer(ids, positions, visible, PagedView(cache, write, slots))
+    cache.k[:], cache.v[:] = pools
+    in_place = model.infer(ids, positions, visible, PagedView(cache, write, slots, lens + 1))
+    assert max_rel_err(in_place, gathered) <= 1e-12 and len(calls) == model.cfg.n_layers

@@ -12,9 +12,11 @@ numba/MKL loop on the CPU (``cpu_attention``) for float32/float64 numpy arrays;
 half dtypes, no MKL).
 
 Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
-``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled) and
+``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled),
 ``store(k, v) -> (keys, values)``, which writes this step's rotated K/V heads at slots
-``offset:offset+T`` and returns every filled slot. Each rank caches only its own K/V heads.
+``offset:offset+T`` and returns every filled slot, and ``attend(q, k, v, out)``, True where the cache
+stored them and attended with a kernel of its own (a paged cache's decode step on the CPU). Each rank
+caches only its own K/V heads.
 
 With ``recompute_scores`` (selective recomputation, ``hpc_tp.recompute``) forward keeps neither
 the softmax outputs nor the dropout masks, only each query row's log-sum-exp ([B, hk, g, T], in
@@ -259,6 +261,10 @@ class ParallelAttention(Module):
         # Scale the queries, not the [T, keys] scores: in place, since qkv (or the rotated copy) is
         # this call's own array and K/V views do not overlap Q.
         q *= 1.0 / math.sqrt(self.head_dim)
+        merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
+        attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
+        if cache is not None and cache.attend(q, k, v, attn):  # the cache's own kernel (inference: no context)
+            return self.out.forward(merged)[0], None
         offset = 0
         if cache is not None:
             offset = cache.offset
@@ -267,8 +273,6 @@ class ParallelAttention(Module):
         mask = None
         if self.dropout > 0 and self.rng is not None and self.rng.training:
             mask = self._dropout_masks((b, self.kv_local, self.heads_local // self.kv_local, t, keys), x.dtype)
-        merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
-        attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
         fused = cpu_attention.supported(q, k, v, attn, *(() if mask is None else (mask,)))
         saved = self._core(q, k, v, attn, key_mask, offset, mask, fused, self.recompute_scores)
         y, out_ctx = self.out.forward(merged)

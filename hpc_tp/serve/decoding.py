@@ -50,7 +50,7 @@ def step_rows(model, cache: PagedKVCache, ids, lens, slots):
     width = slots.shape[1]
     visible = numpy.arange(width) <= lens[:, None]
     write = slots[numpy.arange(len(lens)), lens][:, None]
-    view = PagedView(cache, xp.asarray(write), xp.asarray(slots))
+    view = PagedView(cache, xp.asarray(write), xp.asarray(slots), lens + 1)
     return model.infer(
         xp.asarray(ids, dtype=numpy.int64).reshape(-1, 1),
         xp.asarray(positions_after(lens, 0, model)[:, None]),

@@ -23,10 +23,20 @@ from __future__ import annotations
 import numpy
 
 from .. import backend
-from ..kernels import cuda_kernels
+from ..kernels import cuda_kernels, paged_attention
 
 
-class LayerCache:
+class CacheLayer:
+    """One layer's view of a cache, the ``cache`` argument of ``ParallelAttention.forward``: ``offset``
+    and ``store`` (there), and ``attend``, which a cache with an attention kernel of its own overrides."""
+
+    def attend(self, q, k, v, out) -> bool:
+        """Store ``k``, ``v`` and write the attention of ``q`` over the cache into ``out``, where this
+        cache has a kernel for it; False (and nothing done): ``store``, then the layer's own core."""
+        return False
+
+
+class LayerCache(CacheLayer):
     """One layer's view of the cache, the ``cache`` argument of ``ParallelAttention.forward``."""
 
     def __init__(self, owner: KVCache, layer: int):
@@ -101,7 +111,7 @@ class SlotCache(_View):
         super().__init__(_SlotLayer, owner.k.shape[0])
 
 
-class _SlotLayer:
+class _SlotLayer(CacheLayer):
     def __init__(self, slots: SlotCache, layer: int):
         self._slots, self._layer = slots, layer
 
@@ -162,25 +172,41 @@ class PagedView(_View):
     the slots ``read`` [B, K] (each row's slots 0..K-1 in order, the new ones last among them), or,
     with ``read`` None, over the new K/V alone (a prefill from slot 0). The new tokens are the last T
     of the K slots (``offset`` K - T) for the causal mask; the caller's key mask [B, K] hides the
-    slots a row does not fill. ``advance`` does nothing: the caller keeps the rows' lengths."""
+    slots a row does not fill. ``counts`` [B] (host int64, optional): how many of its ``read`` slots
+    each row sees, where a decode step may attend with ``kernels.paged_attention`` on the CPU, reading
+    each row's own slots in place instead of gathering them. ``advance`` does nothing: the caller
+    keeps the rows' lengths."""
 
-    def __init__(self, cache: PagedKVCache, write, read=None):
-        self.cache, self.write, self.read = cache, write, read
+    def __init__(self, cache: PagedKVCache, write, read=None, counts=None):
+        self.cache, self.write, self.read, self.counts = cache, write, read, counts
         self.offset = 0 if read is None else read.shape[1] - write.shape[1]
         super().__init__(_PagedLayer, cache.k.shape[0])
 
 
-class _PagedLayer:
+class _PagedLayer(CacheLayer):
     def __init__(self, view: PagedView, layer: int):
         self._view, self._layer = view, layer
         self.offset = view.offset
 
-    def store(self, k, v):
+    def _write(self, k, v):
         view = self._view
         keys, values = view.cache.k[self._layer], view.cache.v[self._layer]
         for pool, new in ((keys, k), (values, v)):
             pool[:, view.write] = new.swapaxes(0, 1)  # [hk, B, T, d] at the (row, token) pairs' slots
-        if view.read is None:
+        return keys, values
+
+    def store(self, k, v):
+        keys, values = self._write(k, v)
+        read = self._view.read
+        if read is None:
             return k, v
         # gathered as [hk, B, K, d] and seen as [B, hk, K, d]: one copy, rows of unit stride
-        return keys[:, view.read].swapaxes(0, 1), values[:, view.read].swapaxes(0, 1)
+        return keys[:, read].swapaxes(0, 1), values[:, read].swapaxes(0, 1)
+
+    def attend(self, q, k, v, out) -> bool:
+        view = self._view
+        if view.counts is None or not paged_attention.supported(q, view.cache.k):
+            return False
+        keys, values = self._write(k, v)
+        paged_attention.decode(q, keys, values, view.read, view.counts, out)
+        return True
