@@ -5,7 +5,8 @@ throughput of a full batch, in alternating rounds in one run.
                                   [--rows 8] [--max-len 2048] [--prompt 256] [--new 256] [--rounds 4]
 
 Each variant is a source tree (``PYTHONPATH``), and optionally ``@GIB`` for ``kv_cache_memory`` (a tree
-that has it). A round runs every variant once, in an order that alternates, each in a fresh process at
+that has it). A round runs every variant once, in an order that alternates (after an untimed one, in which numba
+compiles a fresh tree's kernels into its cache), each in a fresh process at
 tp = 1: a llama-shaped random model (``--hidden`` 256, 8 layers, 8 heads, 2 kv heads, float32, the byte
 vocabulary), a ``ContinuousBatcher`` of ``--rows`` rows and ``--max-len`` positions, then ``--rows``
 greedy requests of ``--prompt`` random tokens and ``--new`` new tokens each, all at once (after an
@@ -103,14 +104,15 @@ def main():
         variants.append((name, str(Path(tree).resolve()), gib or None))
     shape = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("rows", "max-len", "hidden", "prompt", "new")]
     results = {name: [] for name, _, _ in variants}
-    for r in range(args.rounds):
+    for r in range(-1, args.rounds):  # round -1 untimed: numba compiles a fresh tree's kernels into its cache
         for name, tree, gib in variants if r % 2 == 0 else variants[::-1]:
             command = [sys.executable, __file__, "--worker", *shape] + ([f"--kv-gib={gib}"] if gib else [])
             env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
             line = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
-            record = json.loads(line)
-            results[name].append(record)
-            print(json.dumps({"round": r, "variant": name, **record}), flush=True)
+            if r >= 0:
+                record = json.loads(line)
+                results[name].append(record)
+                print(json.dumps({"round": r, "variant": name, **record}), flush=True)
     for name, records in results.items():
         summary = {
             key: f"{statistics.median(r[key] for r in records):.1f} "
