@@ -68,6 +68,7 @@ C = self_comm()
         lambda: ParallelMLP(H, 16, C, "swiglu"),
         lambda: ParallelAttention(H, 6, 2, C, causal=True, rope_theta=100.0),
         lambda: ParallelAttention(H, 3, 3, C, causal=False),
+        lambda: ParallelAttention(H, 6, 2, C, causal=True, rope_theta=100.0, window=2),
     ],
     ids=[
         "column",
@@ -79,6 +80,7 @@ C = self_comm()
         "mlp-swiglu",
         "attn-gqa-rope",
         "attn-bidir",
+        "attn-sliding-window",
     ],
 )
 def test_layer_gradients(layer, monkeypatch):

@@ -14,6 +14,7 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu")
 POSITIONS = ("learned", "rope")
 FAMILIES = ("gpt", "bert")  # decoder LM (models/gpt.py) or post-LN encoder (models/bert.py)
+LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's names for local and global layers
 SWITCHES = ("tie_embeddings", "bias", "causal", "sequence_parallel")
 
 
@@ -32,6 +33,8 @@ class ModelConfig:
     position: str = "learned"
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # Hugging Face style, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    sliding_window: int = 0  # > 0: local layers attend to their last this-many positions (self included)
+    layer_types: list | None = None  # per layer "sliding_attention" or "full_attention"; None: all sliding
     tie_embeddings: bool = True
     bias: bool = True
     causal: bool = True
@@ -86,6 +89,7 @@ class ModelConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ConfigError(f"model config rope_scaling={self.rope_scaling!r}: expected an object or null")
         self._validate_moe()
+        self._validate_window()
 
     def _check_number(self, name: str, allowed, expected: str):
         value = getattr(self, name)
@@ -112,6 +116,28 @@ class ModelConfig:
             raise ConfigError(f"model config top_k={self.top_k} exceeds num_experts={self.num_experts}")
         self._check_number("capacity_factor", lambda v: v > 0, "a number > 0")
         self._check_number("aux_loss_coef", lambda v: v >= 0, "a number >= 0")
+
+    def _validate_window(self):
+        window = self.sliding_window
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise ConfigError(f"model config sliding_window={window!r}: expected an integer >= 0 (0: none)")
+        if window and not self.causal:
+            raise ConfigError(f"model config sliding_window={window}: needs causal attention (causal=true)")
+        if self.layer_types is None:
+            return
+        if not isinstance(self.layer_types, list) or len(self.layer_types) != self.n_layers:
+            raise ConfigError(
+                f"model config layer_types={self.layer_types!r}: expected a list of {self.n_layers} layer types"
+            )
+        for kind in self.layer_types:
+            if kind not in LAYER_TYPES:
+                raise ConfigError(f"model config layer_types entry {kind!r}: expected one of {', '.join(LAYER_TYPES)}")
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of layer ``layer`` (0: it attends to every earlier position)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (layer + 1) % self.moe_every == 0

@@ -40,6 +40,7 @@ class TransformerBlock(Module):
             bias=cfg.bias,
             rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
             rope_scaling=cfg.rope_scaling,
+            window=cfg.window_of(layer_id),
             dropout=cfg.attn_dropout,
             rng=rng,
             layer_id=layer_id,

@@ -160,6 +160,11 @@ class _SlotLayer:
     def offset(self) -> int:
         return self._slots.width - 1
 
+    @property
+    def query_slots(self):
+        """The slot each row's new token is written at: where a sliding window ends."""
+        return self._slots.slot
+
     def store(self, k, v):
         if k.shape[2] != 1:
             raise ValueError(f"a slot-addressed decode step takes one new token per row, got {k.shape[2]}")

@@ -231,15 +231,12 @@ def llama_config(hf: ConfigFile) -> ModelConfig:
 
 
 def windowed_config(hf: ConfigFile) -> ModelConfig:
-    """Mistral and Phi-3: the Llama block, whose config may declare a sliding window. Attention over a
-    window of W keys is full attention up to W + 1 positions, so the context is cut there and nothing
-    longer is asked of the model (Phi-3's 4k models declare a window one short of their context: no cut)."""
+    """Mistral and Phi-3: the Llama block, whose config may declare a sliding window (every layer's:
+    a query sees itself and the window - 1 positions before it)."""
     scaling = hf.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in ("linear", "llama3"):
         raise ConfigError(f"{hf.path}: rope_scaling={scaling!r} (a long-context variant) is not supported")
-    cfg = llama_config(hf)
-    window = hf.get("sliding_window")
-    return dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, window + 1)) if window else cfg
+    return dataclasses.replace(llama_config(hf), sliding_window=hf.get("sliding_window", 0))
 
 
 def mixtral_config(hf: ConfigFile) -> ModelConfig:
