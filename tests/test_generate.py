@@ -51,6 +51,10 @@ CONFIGS = {
         },
     ),
 }
+# Gemma-style layers: a sliding window of 3 positions, then a global one
+CONFIGS["llama-window"] = dict(
+    CONFIGS["llama-gqa"], rope_scaling=None, sliding_window=3, layer_types=["sliding_attention", "full_attention"]
+)
 PROMPTS = [[5, 17, 99, 3, 250], [42, 7], [1, 2, 3, 4, 5, 6, 7], [200]]
 
 

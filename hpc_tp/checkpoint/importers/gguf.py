@@ -147,6 +147,7 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
         tie_embeddings="output.weight" not in tensors.names(),
         bias=architecture == "qwen2",
         causal=True,
+        sliding_window=meta.get(a + "attention.sliding_window", 0),
     )
 
 

@@ -515,7 +515,8 @@ def chat_settings(folder: Path) -> dict:
 
 
 # -- export -------------------------------------------------------------------------------------------
-EXPORTABLE = ("gpt2", "llama", "qwen2", "phi3", "mixtral")
+EXPORTABLE = ("gpt2", "llama", "qwen2", "mistral", "phi3", "mixtral")
+WINDOWED = ("mistral", "phi3", "mixtral")  # the exportable families whose config.json has a sliding_window
 
 
 def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]]:
@@ -551,13 +552,19 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
             "tie_word_embeddings": cfg.tie_embeddings,
         }
         prefix = ""
-    elif architecture in ("llama", "qwen2", "phi3", "mixtral"):
+    elif architecture in ("llama", "qwen2", "mistral", "phi3", "mixtral"):
         if (cfg.position, cfg.norm, cfg.activation) != ("rope", "rmsnorm", "swiglu"):
             raise ConfigError(
                 f"export as {architecture} needs rope, rmsnorm and swiglu; "
                 f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}"
             )
-        if architecture in ("phi3", "mixtral") and cfg.bias:
+        if cfg.sliding_window and (architecture not in WINDOWED or cfg.layer_types is not None):
+            raise ConfigError(
+                f"export as {architecture}: the checkpoint has a sliding window of {cfg.sliding_window} "
+                f"{'on some layers' if cfg.layer_types else 'on every layer'}; "
+                f"{' and '.join(WINDOWED)} have one on every layer"
+            )
+        if architecture in WINDOWED and cfg.bias:
             raise ConfigError(
                 f"export as {architecture}: the checkpoint has biases, which {architecture} has not; "
                 "export with --arch llama"
@@ -567,6 +574,7 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
             "phi3": "Phi3ForCausalLM",
             "llama": "LlamaForCausalLM",
             "mixtral": "MixtralForCausalLM",
+            "mistral": "MistralForCausalLM",
         }
         values = {
             "architectures": [names[architecture]],
@@ -586,6 +594,8 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
         }
         if architecture == "llama":
             values.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+        if architecture in WINDOWED:
+            values["sliding_window"] = cfg.sliding_window or None
         if architecture == "mixtral":
             values.update(
                 num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef
