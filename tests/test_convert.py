@@ -5,7 +5,6 @@ bad inputs are one-line errors naming the file and the tensor, and nothing is ov
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import h5py
@@ -136,6 +135,8 @@ GGUF_NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -263,6 +264,9 @@ def write_gguf(
     w.add_rope_freq_base(config["rope_theta"])
     if config.get("sliding_window"):
         w.add_sliding_window(config["sliding_window"])
+    if "head_dim" in config:
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
     if tokenizer:
         tokenizer(w)
     if config.get("num_local_experts"):
@@ -428,17 +432,6 @@ def tp_logits(ckpt, comm, ids=IDS):
     model = GPTModel(ModelConfig.from_dict(meta["config"]), grid.tp)
     load_checkpoint(ckpt, model.state(), grid)
     return model.logits(ids)
-
-
-@pytest.fixture
-def shared_dir(comm_world):
-    path = comm_world.bcast_object(tempfile.mkdtemp(prefix="hpc_tp-convert-") if comm_world.rank == 0 else None)
-    yield Path(path)
-    comm_world.barrier()
-    if comm_world.rank == 0:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def cli_args(**values):

@@ -55,6 +55,8 @@ CONFIGS = {
 CONFIGS["llama-window"] = dict(
     CONFIGS["llama-gqa"], rope_scaling=None, sliding_window=3, layer_types=["sliding_attention", "full_attention"]
 )
+# Qwen3: heads sized apart from hidden (4 x 12 != 32), each query and key head RMS-normed before RoPE.
+CONFIGS["qwen3"] = dict(CONFIGS["llama-gqa"], head_dim=12, qk_norm=True, rope_scaling=None)
 PROMPTS = [[5, 17, 99, 3, 250], [42, 7], [1, 2, 3, 4, 5, 6, 7], [200]]
 
 

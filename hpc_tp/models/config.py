@@ -15,7 +15,7 @@ ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu")
 POSITIONS = ("learned", "rope")
 FAMILIES = ("gpt", "bert")  # decoder LM (models/gpt.py) or post-LN encoder (models/bert.py)
 LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's names for local and global layers
-SWITCHES = ("tie_embeddings", "bias", "causal", "sequence_parallel")
+SWITCHES = ("tie_embeddings", "bias", "causal", "sequence_parallel", "qk_norm")
 
 
 @dataclass
@@ -25,6 +25,7 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int | None = None  # None: as many as n_heads (no grouped-query attention)
+    head_dim: int | None = None  # None: hidden // n_heads (Qwen3, Gemma 3: set apart from hidden)
     ffn_hidden: int | None = None  # None: 4 * hidden
     max_seq_len: int = 128
     norm: str = "layernorm"
@@ -35,6 +36,7 @@ class ModelConfig:
     rope_scaling: dict | None = None  # Hugging Face style, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     sliding_window: int = 0  # > 0: local layers attend to their last this-many positions (self included)
     layer_types: list | None = None  # per layer "sliding_attention" or "full_attention"; None: all sliding
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before RoPE (Qwen3, Gemma 3)
     tie_embeddings: bool = True
     bias: bool = True
     causal: bool = True
@@ -55,10 +57,27 @@ class ModelConfig:
             self.n_kv_heads = self.n_heads
         if self.ffn_hidden is None:
             self.ffn_hidden = 4 * self.hidden
+        sizes = (self.hidden, self.n_heads)
+        if self.head_dim is None and all(isinstance(n, int) and n > 0 for n in sizes):  # else validate names them
+            if self.hidden % self.n_heads:
+                raise ConfigError(
+                    f"model config hidden={self.hidden} is not divisible by n_heads={self.n_heads}; "
+                    "set head_dim to size the heads apart from hidden"
+                )
+            self.head_dim = self.hidden // self.n_heads
         self.validate()
 
     def validate(self):
-        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "hidden",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "ffn_hidden",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model config {name}={value!r}: expected a positive integer")
@@ -72,12 +91,10 @@ class ModelConfig:
                 raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
             raise ConfigError(f"model config type_vocab_size={self.type_vocab_size!r}: expected an integer >= 0")
-        if self.hidden % self.n_heads:
-            raise ConfigError(f"model config hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"model config n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.position == "rope" and (self.hidden // self.n_heads) % 2:
-            raise ConfigError(f"rope needs an even head size, got {self.hidden // self.n_heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rope needs an even head size, got {self.head_dim}")
         for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected true or false")
@@ -142,10 +159,6 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.n_heads
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -162,12 +175,23 @@ class ModelConfig:
         except TypeError as e:
             raise ConfigError(f"model config: {e}") from None
 
+    def mlp_parameters(self, width: int) -> int:
+        """Elements of one MLP of ``width`` (dense, an expert or the shared expert); 0 for width 0."""
+        if not width:
+            return 0
+        b = 1 if self.bias else 0
+        return (
+            (2 if self.activation == "swiglu" else 1) * (self.hidden * width + b * width)
+            + width * self.hidden
+            + b * self.hidden
+        )
+
     def parameter_count(self) -> int:
         h, f, v, L = self.hidden, self.ffn_hidden, self.vocab_size, self.n_layers
-        kv = self.n_kv_heads * self.head_dim
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         b = 1 if self.bias else 0
-        attn = h * (h + 2 * kv) + b * (h + 2 * kv) + h * h + b * h
-        mlp = (2 if self.activation == "swiglu" else 1) * (h * f + b * f) + f * h + b * h
+        mlp = self.mlp_parameters(f)
+        attn = h * (q + 2 * kv) + b * (q + 2 * kv) + q * h + b * h + (2 * self.head_dim if self.qk_norm else 0)
         norms = 2 * h * (2 if self.norm == "layernorm" and self.bias else 1)
         moe_layers = sum(self.is_moe_layer(i) for i in range(L))
         moe_extra = moe_layers * ((self.num_experts - 1) * mlp + h * self.num_experts)  # more experts + router

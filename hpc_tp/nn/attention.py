@@ -4,7 +4,9 @@ QKV is one column-parallel GEMM: each rank owns whole query heads and the K/V he
 attend to. With grouped-query attention and tp > kv heads, a KV head is replicated on the
 tp/kv ranks whose query heads use it (its gradient is summed across those replicas). Heads
 are independent, so attention itself needs no communication; the output projection is
-row-parallel and its g all-reduce is the layer's only forward collective.
+row-parallel and its g all-reduce is the layer's only forward collective. The head size may be
+set apart from hidden / heads (``head_dim``), and ``qk_norm_eps`` adds an RMSNorm over head_dim to
+every query and key head before RoPE (Qwen3, Gemma 3).
 
 The core (Q K^T, softmax and P V per causal query block, and their backward) runs as one fused
 numba/MKL loop on the CPU (``cpu_attention``) for float32/float64 numpy arrays;
@@ -41,7 +43,9 @@ from ..kernels import functional as F
 from ..module import Module
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
 from ..tensor_parallel.random import DropoutRNG
+from ..tensor_parallel.sequence_parallel import sum_grads_over
 from .dropout import keep_mask
+from .norms import RMSNorm
 
 
 def heads_fit(n_heads: int, n_kv_heads: int, tp: int) -> bool:
@@ -178,6 +182,7 @@ class AttentionContext(NamedTuple):
     dropped: bool  # whether dropout ran (recomputation redraws its mask)
     fused: bool  # whether the fused CPU kernel ran (backward takes the same path)
     rope: object  # the rotary tables (None: no rope)
+    norms: object  # the query and key norms' saved values (None: no qk_norm)
     offset: int  # cache slots filled before this call
     window: int  # the sliding window the blocks were cut for (0: none, or applied by the key mask)
     out_ctx: object  # the output projection's context
@@ -200,17 +205,20 @@ class ParallelAttention(Module):
         rng: DropoutRNG | None = None,
         layer_id: int = 0,
         sequence_parallel: bool = False,
+        head_dim: int | None = None,
+        qk_norm_eps: float | None = None,
         dtype="float64",
     ):
-        if hidden % n_heads:
+        if head_dim is None and hidden % n_heads:
             raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
         if n_heads % n_kv_heads:
             raise ConfigError(f"{n_heads} attention heads are not a multiple of {n_kv_heads} kv heads")
-        if rope_theta is not None and (hidden // n_heads) % 2:
-            raise ConfigError(f"rope needs an even head size, got {hidden // n_heads}")
+        d = hidden // n_heads if head_dim is None else head_dim
+        if rope_theta is not None and d % 2:
+            raise ConfigError(f"rope needs an even head size, got {d}")
         tp, rank = comm.size, comm.rank
         check_heads(n_heads, n_kv_heads, tp)
-        self.head_dim = d = hidden // n_heads
+        self.head_dim = d
         self.heads_local = n_heads // tp
         self.head_start = rank * self.heads_local
         if n_kv_heads >= tp:
@@ -240,6 +248,14 @@ class ParallelAttention(Module):
         self.out = RowParallelLinear(
             n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype, sequence_parallel=sequence_parallel
         )
+        # Query/key RMSNorm: one gain over head_dim shared by every head, so replicated; each rank's
+        # gradient covers its own heads only and is summed over tp (a replicated K/V head's partial
+        # gradients add up to its whole one there too).
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(d, tp, qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, tp, qk_norm_eps, dtype)
+        self._comm = comm
 
     def _split_heads(self, qkv):
         """Views of Q [B, hk, g, T, d] and of K, V [B, hk, T, d] in a [B, T, (hq + 2 hk) d] buffer:
@@ -269,12 +285,16 @@ class ParallelAttention(Module):
         qkv, qkv_ctx = self.qkv.forward(x)
         b, t, _ = qkv.shape  # the whole sequence, also when x is a sequence-parallel shard
         q, k, v = self._split_heads(qkv)
+        norms = None
+        if self.q_norm is not None:
+            (q, q_saved), (k, k_saved) = self.q_norm.forward(q), self.k_norm.forward(k)
+            norms = (q_saved, k_saved)
         rope = None
         if self.inv_freq is not None:
             pos = xp.arange(t) if positions is None else positions
             rope = F.rope_tables(pos, self.inv_freq, x.dtype)
             q, k = F.rope_apply(q, *_per_row(rope, q.ndim)), F.rope_apply(k, *_per_row(rope, k.ndim))
-        # Scale the queries, not the [T, keys] scores: in place, since qkv (or the rotated copy) is
+        # Scale the queries, not the [T, keys] scores: in place, since qkv (or the rotated or normed copy) is
         # this call's own array and K/V views do not overlap Q.
         q *= 1.0 / math.sqrt(self.head_dim)
         offset, window = 0, self.window
@@ -304,6 +324,7 @@ class ParallelAttention(Module):
             dropped=False,
             fused=fused,
             rope=rope,
+            norms=norms,
             offset=offset,
             window=window,
             out_ctx=out_ctx,
@@ -342,7 +363,7 @@ class ParallelAttention(Module):
         return merged.reshape(b, t, hk, self.heads_local // hk, self.head_dim).transpose(0, 2, 3, 1, 4)
 
     def backward(self, dy, ctx):
-        qkv_ctx, q, k, v, probs, lse, mask, key_mask, dropped, fused, rope, offset, window, out_ctx = ctx
+        qkv_ctx, q, k, v, probs, lse, mask, key_mask, dropped, fused, rope, norms, offset, window, out_ctx = ctx
         xp = backend.xp_of(dy)
         hk, hq, d = self.kv_local, self.heads_local, self.head_dim
         dmerged = self.out.backward(dy, out_ctx)
@@ -383,6 +404,10 @@ class ParallelAttention(Module):
         if rope is not None:
             dq[...] = F.rope_apply(dq, *_per_row(rope, dq.ndim), inverse=True)
             dk[...] = F.rope_apply(dk, *_per_row(rope, dk.ndim), inverse=True)
+        if norms is not None:
+            with sum_grads_over(self._comm, [self.q_norm.weight, self.k_norm.weight]):
+                dq[...] = self.q_norm.backward(dq, norms[0])
+                dk[...] = self.k_norm.backward(dk, norms[1])
         return self.qkv.backward(dqkv, qkv_ctx)
 
 

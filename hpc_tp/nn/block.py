@@ -45,6 +45,8 @@ class TransformerBlock(Module):
             rng=rng,
             layer_id=layer_id,
             sequence_parallel=cfg.sequence_parallel,
+            head_dim=cfg.head_dim,
+            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
             dtype=dtype,
         )
         self.norm2 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)

@@ -1,10 +1,10 @@
-"""GGUF files (llama.cpp) of the llama, qwen2 and phi3 architectures.
+"""GGUF files (llama.cpp) of the llama, qwen2, qwen3 and phi3 architectures.
 
 The reader memory-maps the file; a tensor is read (and dequantized with ``gguf.quants`` when it
 is quantized: BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ types) only when the checkpoint writer asks
 for it; a type the package cannot dequantize is an error naming the tensor. GGUF stores a weight
 as ggml dims [in, out], which numpy sees as [out, in], the nn.Linear layout; and llama.cpp's
-converter interleaves each head's q/k rows for its rope (llama only: qwen2 and phi3 rotate halves
+converter interleaves each head's q/k rows for its rope (llama only: qwen2, qwen3 and phi3 rotate halves
 as Hugging Face does), which is undone here. The rules are the Hugging Face rules of the family (Phi-3's
 fused qkv and gate-up projections included) with GGUF's tensor names. The tokenizer, when the file has one, becomes
 a Hugging Face tokenizer.json (``gguf_tokenizer``).
@@ -23,7 +23,7 @@ from ...models.config import ModelConfig
 from . import Imported, Rule, lazy_tensors
 from .huggingface import ConfigFile, llama_rules, mixtral_rules, phi3_rules, tokenizer_files
 
-SUPPORTED = ("llama", "qwen2", "phi3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "phi3")
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -35,6 +35,8 @@ _LAYER = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -43,6 +45,8 @@ _LAYER = {
     "mlp.gate_up_proj": "ffn_up",
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# Architectures whose attention normalises each query and key head (RMSNorm over head_dim).
+QK_NORMED = ("qwen3",)
 # Mixtral in llama.cpp: the router, and each projection of all experts stacked in one [experts, out, in] tensor.
 _EXPERT_NAME = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)")
 _STACKED = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
@@ -110,10 +114,16 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
     a = architecture + "."
     heads = meta[a + "attention.head_count"]
     hidden = meta[a + "embedding_length"]
-    rope_dims = meta.get(a + "rope.dimension_count", hidden // heads)
-    if rope_dims != hidden // heads:
+    head_dim = meta.get(a + "attention.key_length", hidden // heads)
+    if meta.get(a + "attention.value_length", head_dim) != head_dim:
         raise ConfigError(
-            f"{meta.path}: rope.dimension_count={rope_dims} != head size {hidden // heads} "
+            f"{meta.path}: attention.value_length={meta.get(a + 'attention.value_length')} != "
+            f"attention.key_length={head_dim} (keys and values of one head size are supported)"
+        )
+    rope_dims = meta.get(a + "rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise ConfigError(
+            f"{meta.path}: rope.dimension_count={rope_dims} != head size {head_dim} "
             "(partial rotary embeddings are not supported)"
         )
     factors = sorted(n for n in tensors.names() if n.startswith(("rope_freqs", "rope_factors")))
@@ -134,6 +144,8 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
         n_layers=meta[a + "block_count"],
         n_heads=heads,
         n_kv_heads=meta.get(a + "attention.head_count_kv", heads),
+        head_dim=head_dim,
+        qk_norm=architecture in QK_NORMED,
         ffn_hidden=meta[a + "feed_forward_length"],
         max_seq_len=meta[a + "context_length"],
         norm="rmsnorm",
@@ -184,7 +196,7 @@ def import_gguf(path: Path) -> Imported:
     if architecture not in SUPPORTED:
         raise ConfigError(
             f"{path}: unknown architecture {architecture!r}; supported GGUF architectures: "
-            f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, phi3, bert)"
+            f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, qwen3, phi3, mistral, mixtral, bert)"
         )
     tensors = GGUFTensors(path, reader)
     cfg = _config(meta, tensors, architecture)

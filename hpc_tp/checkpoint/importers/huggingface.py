@@ -199,13 +199,12 @@ def _llama_biases(hf: ConfigFile) -> tuple[bool, bool, bool]:
     return attention or hf.get("model_type") == "qwen2", attention, bool(hf.get("mlp_bias", False))
 
 
+# Families whose attention normalises each query and key head (RMSNorm over head_dim) before RoPE.
+QK_NORMED = ("qwen3", "qwen3_moe")
+
+
 def llama_config(hf: ConfigFile) -> ModelConfig:
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", hidden // heads) != hidden // heads:
-        raise ConfigError(
-            f"{hf.path}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads = "
-            f"{hidden // heads}; only head_dim = hidden_size/num_attention_heads is supported"
-        )
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{hf.path}: hidden_act={hf['hidden_act']!r}; the Llama family needs 'silu' (SwiGLU)")
     if hf.get("use_sliding_window", False):
@@ -216,6 +215,8 @@ def llama_config(hf: ConfigFile) -> ModelConfig:
         n_layers=hf["num_hidden_layers"],
         n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim"),
+        qk_norm=hf.get("model_type") in QK_NORMED,
         ffn_hidden=hf["intermediate_size"],
         max_seq_len=hf["max_position_embeddings"],
         norm="rmsnorm",
@@ -336,6 +337,11 @@ def llama_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
         rules += _linear(ours + "attn.qkv.k", theirs + "self_attn.k_proj", h, kv, True, qkv_bias)
         rules += _linear(ours + "attn.qkv.v", theirs + "self_attn.v_proj", h, kv, True, qkv_bias)
         rules += _linear(ours + "attn.out", theirs + "self_attn.o_proj", q, h, True, out_bias)
+        if cfg.qk_norm:
+            rules += [
+                Rule(f"{ours}attn.{name}.weight", f"{theirs}self_attn.{name}.weight", (cfg.head_dim,))
+                for name in ("q_norm", "k_norm")
+            ]
         rules += _norm(ours + "norm2", theirs + "post_attention_layernorm", cfg)
         rules += _linear(ours + "mlp.fc1.gate", theirs + "mlp.gate_proj", h, f, True, mlp_bias)
         rules += _linear(ours + "mlp.fc1.up", theirs + "mlp.up_proj", h, f, True, mlp_bias)
@@ -419,6 +425,7 @@ ARCHITECTURES = {
     "gpt2": (gpt2_config, gpt2_rules, "wte.weight", ("", "transformer.")),
     "llama": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
     "qwen2": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
+    "qwen3": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
     "mistral": (windowed_config, llama_rules, "embed_tokens.weight", ("model.", "")),
     "phi3": (windowed_config, phi3_rules, "embed_tokens.weight", ("model.", "")),
     "mixtral": (mixtral_config, mixtral_rules, "embed_tokens.weight", ("model.", "")),
@@ -435,7 +442,7 @@ def import_folder(folder: Path) -> Imported:
         named = model_type or ", ".join(hf.get("architectures", [])) or "none given"
         raise ConfigError(
             f"{folder / CONFIG}: unknown architecture {named!r}; supported model_type values: "
-            f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2 and phi3 architectures)"
+            f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2, qwen3 and phi3 architectures)"
         )
     make_config, make_rules, anchor, prefixes = ARCHITECTURES[model_type]
     cfg = make_config(hf)
@@ -515,7 +522,7 @@ def chat_settings(folder: Path) -> dict:
 
 
 # -- export -------------------------------------------------------------------------------------------
-EXPORTABLE = ("gpt2", "llama", "qwen2", "mistral", "phi3", "mixtral")
+EXPORTABLE = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral")
 WINDOWED = ("mistral", "phi3", "mixtral")  # the exportable families whose config.json has a sliding_window
 
 
@@ -524,7 +531,12 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
     if (architecture == "mixtral") != bool(cfg.num_experts):
         raise ConfigError(
             f"export as {architecture}: the checkpoint has num_experts={cfg.num_experts}; "
-            "Mixture-of-Experts models export as mixtral, dense ones as gpt2, llama, qwen2 or phi3"
+            "Mixture-of-Experts models export as mixtral, dense ones as gpt2, llama, qwen2, qwen3 or phi3"
+        )
+    if (architecture in QK_NORMED) != cfg.qk_norm:
+        raise ConfigError(
+            f"export as {architecture}: the checkpoint has qk_norm={cfg.qk_norm}; models with query/key "
+            f"norms export as {' or '.join(QK_NORMED)}, others as gpt2, llama, qwen2, phi3 or mixtral"
         )
     if architecture == "gpt2":
         if (cfg.position, cfg.norm, cfg.activation, cfg.bias) != ("learned", "layernorm", "gelu_tanh", True):
@@ -552,7 +564,7 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
             "tie_word_embeddings": cfg.tie_embeddings,
         }
         prefix = ""
-    elif architecture in ("llama", "qwen2", "mistral", "phi3", "mixtral"):
+    elif architecture in ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral"):
         if (cfg.position, cfg.norm, cfg.activation) != ("rope", "rmsnorm", "swiglu"):
             raise ConfigError(
                 f"export as {architecture} needs rope, rmsnorm and swiglu; "
@@ -571,6 +583,7 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
             )
         names = {
             "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
             "phi3": "Phi3ForCausalLM",
             "llama": "LlamaForCausalLM",
             "mixtral": "MixtralForCausalLM",
@@ -584,6 +597,7 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
             "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
             "intermediate_size": cfg.ffn_hidden,
             "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps,
@@ -596,6 +610,8 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
             values.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
         if architecture in WINDOWED:
             values["sliding_window"] = cfg.sliding_window or None
+        if architecture == "qwen3":  # q/k/v and output biases or none; an MLP bias must be zero
+            values.update(attention_bias=cfg.bias)
         if architecture == "mixtral":
             values.update(
                 num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef
