@@ -11,11 +11,12 @@ from pathlib import Path
 from ..errors import ConfigError
 
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu")
+ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu", "geglu")  # geglu: gated GELU, tanh approximation (Gemma)
+GATED = ("swiglu", "geglu")  # MLPs whose first projection is gate and up: act(gate) * up
 POSITIONS = ("learned", "rope")
 FAMILIES = ("gpt", "bert")  # decoder LM (models/gpt.py) or post-LN encoder (models/bert.py)
 LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's names for local and global layers
-SWITCHES = ("tie_embeddings", "bias", "causal", "sequence_parallel", "qk_norm")
+SWITCHES = ("tie_embeddings", "bias", "causal", "sequence_parallel", "qk_norm", "post_norms", "scale_embeddings")
 
 
 @dataclass
@@ -37,6 +38,11 @@ class ModelConfig:
     sliding_window: int = 0  # > 0: local layers attend to their last this-many positions (self included)
     layer_types: list | None = None  # per layer "sliding_attention" or "full_attention"; None: all sliding
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # a norm on attention's and the MLP's outputs too, before each residual (Gemma)
+    scale_embeddings: bool = False  # token embeddings times sqrt(hidden) (Gemma)
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers, unscaled (None: rope_theta)
+    query_pre_attn_scalar: float | None = None  # queries scaled by its -1/2 power (None: head_dim's)
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap) (0: none)
     tie_embeddings: bool = True
     bias: bool = True
     causal: bool = True
@@ -100,6 +106,10 @@ class ModelConfig:
                 raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected true or false")
         self._check_number("norm_eps", lambda v: v > 0, "a number > 0")
         self._check_number("rope_theta", lambda v: v > 0, "a number > 0")
+        self._check_number("logit_softcap", lambda v: v >= 0, "a number >= 0 (0: no soft-capping)")
+        for name in ("rope_local_theta", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None:
+                self._check_number(name, lambda v: v > 0, "a number > 0 or null")
         self._check_number("init_std", lambda v: v > 0, "a number > 0")
         for name in ("dropout", "attn_dropout"):
             self._check_number(name, lambda v: 0 <= v < 1, "a probability 0 <= p < 1")
@@ -156,6 +166,17 @@ class ModelConfig:
             return 0
         return self.sliding_window
 
+    def rope_of(self, layer: int) -> tuple[float, dict | None]:
+        """RoPE base and scaling of layer ``layer``: a sliding-window layer's own base (unscaled)
+        where ``rope_local_theta`` is set, else the model's."""
+        if self.rope_local_theta is not None and self.window_of(layer):
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.activation in GATED
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
@@ -180,11 +201,7 @@ class ModelConfig:
         if not width:
             return 0
         b = 1 if self.bias else 0
-        return (
-            (2 if self.activation == "swiglu" else 1) * (self.hidden * width + b * width)
-            + width * self.hidden
-            + b * self.hidden
-        )
+        return (2 if self.gated_mlp else 1) * (self.hidden * width + b * width) + width * self.hidden + b * self.hidden
 
     def parameter_count(self) -> int:
         h, f, v, L = self.hidden, self.ffn_hidden, self.vocab_size, self.n_layers
@@ -192,7 +209,7 @@ class ModelConfig:
         b = 1 if self.bias else 0
         mlp = self.mlp_parameters(f)
         attn = h * (q + 2 * kv) + b * (q + 2 * kv) + q * h + b * h + (2 * self.head_dim if self.qk_norm else 0)
-        norms = 2 * h * (2 if self.norm == "layernorm" and self.bias else 1)
+        norms = (4 if self.post_norms else 2) * h * (2 if self.norm == "layernorm" and self.bias else 1)
         moe_layers = sum(self.is_moe_layer(i) for i in range(L))
         moe_extra = moe_layers * ((self.num_experts - 1) * mlp + h * self.num_experts)  # more experts + router
         embed = v * h * (1 if self.tie_embeddings else 2) + (self.max_seq_len * h if self.position == "learned" else 0)

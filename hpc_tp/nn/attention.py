@@ -207,6 +207,7 @@ class ParallelAttention(Module):
         sequence_parallel: bool = False,
         head_dim: int | None = None,
         qk_norm_eps: float | None = None,
+        query_scale: float | None = None,
         dtype="float64",
     ):
         if head_dim is None and hidden % n_heads:
@@ -232,6 +233,10 @@ class ParallelAttention(Module):
         self.window = window  # sliding-window attention: each query sees its last ``window`` keys (0: all)
         self.recompute_scores = False  # selective recomputation (GPTModel.set_selective_recompute)
         self.inv_freq = None if rope_theta is None else rope_inv_freq(d, rope_theta, rope_scaling)
+        # The cores' backward undoes 1/sqrt(d) on dQ; another scale (Gemma's query_pre_attn_scalar)
+        # is fixed up after them by this ratio.
+        self.query_scale = 1.0 / math.sqrt(d) if query_scale is None else query_scale
+        self._scale_ratio = self.query_scale * math.sqrt(d)
         self.qkv = ColumnParallelLinear(
             hidden,
             None,
@@ -296,7 +301,7 @@ class ParallelAttention(Module):
             q, k = F.rope_apply(q, *_per_row(rope, q.ndim)), F.rope_apply(k, *_per_row(rope, k.ndim))
         # Scale the queries, not the [T, keys] scores: in place, since qkv (or the rotated or normed copy) is
         # this call's own array and K/V views do not overlap Q.
-        q *= 1.0 / math.sqrt(self.head_dim)
+        q *= self.query_scale
         offset, window = 0, self.window
         if cache is not None:
             offset = cache.offset
@@ -401,6 +406,8 @@ class ParallelAttention(Module):
             recompute = None if lse is None else (lse, self._masks(q, keys, key_mask, offset, window))
             _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv, recompute)
         del probs, mask  # a redrawn dropout mask is freed before QKV's backward
+        if self._scale_ratio != 1.0:
+            dq *= self._scale_ratio
         if rope is not None:
             dq[...] = F.rope_apply(dq, *_per_row(rope, dq.ndim), inverse=True)
             dk[...] = F.rope_apply(dk, *_per_row(rope, dk.ndim), inverse=True)
