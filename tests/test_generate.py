@@ -51,6 +51,27 @@ CONFIGS = {
         },
     ),
 }
+# Gemma-style layers: a sliding window of 3 positions, then a global one
+CONFIGS["llama-window"] = dict(
+    CONFIGS["llama-gqa"], rope_scaling=None, sliding_window=3, layer_types=["sliding_attention", "full_attention"]
+)
+# Qwen3: heads sized apart from hidden (4 x 12 != 32), each query and key head RMS-normed before RoPE.
+CONFIGS["qwen3"] = dict(CONFIGS["llama-gqa"], head_dim=12, qk_norm=True, rope_scaling=None)
+# Gemma 3's block: post-norms, GeGLU, scaled embeddings, local and global rope bases, soft-capped logits.
+CONFIGS["gemma3"] = dict(
+    CONFIGS["llama-window"],
+    n_kv_heads=1,
+    head_dim=12,
+    qk_norm=True,
+    activation="geglu",
+    post_norms=True,
+    scale_embeddings=True,
+    tie_embeddings=True,
+    rope_local_theta=50.0,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+    query_pre_attn_scalar=10.0,
+    logit_softcap=5.0,
+)
 PROMPTS = [[5, 17, 99, 3, 250], [42, 7], [1, 2, 3, 4, 5, 6, 7], [200]]
 
 

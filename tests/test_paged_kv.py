@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from test_continuous import Request, Script, _agrees_with_alone
 from test_continuous import events as events  # noqa: F401, PLC0414 (the fixture, used by its name)
-from test_generate import PROMPTS, _model
+from test_generate import CONFIGS, PROMPTS, _model, larger_weights
 from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.kernels import paged_attention
+from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve import continuous
 from hpc_tp.serve.api_request import parse_request
 from hpc_tp.serve.blocks import BlockManager, Sequence
@@ -209,7 +210,7 @@ def test_an_http_request_the_whole_cache_cannot_hold_is_a_400_reason():
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "llama-window"])
 def test_the_decode_kernel_reading_blocks_in_place_equals_the_gathered_attention(name, monkeypatch):
     """A decode step of rows of different lengths over scattered blocks: the CPU kernel that reads
     each row's own slots (``counts`` given) and the gather of every row up to the longest, masked."""
@@ -234,3 +235,31 @@ def test_the_decode_kernel_reading_blocks_in_place_equals_the_gathered_attention
     cache.k[:], cache.v[:] = pools
     in_place = model.infer(ids, positions, visible, PagedView(cache, write, slots, lens + 1))
     assert max_rel_err(in_place, gathered) <= 1e-12 and len(calls) == model.cfg.n_layers
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_a_model_windowed_in_every_layer_gives_back_the_blocks_its_window_passed(block_size, events, monkeypatch):
+    """Every layer with a sliding window of 3 (Mistral's kind): a request of 27 prompt tokens (in
+    chunks of 4) and 6 new ones holds no more than the blocks of its last 3 positions after any
+    iteration, and gives the tokens and logits it gives alone, beside a short one; every block comes back."""
+    tp, _ = tp_and_reference()
+    model = larger_weights(GPTModel(ModelConfig(**dict(CONFIGS["llama-gqa"], rope_scaling=None, sliding_window=3)), tp))
+    engine, held, forward = Engine(model, ByteTokenizer()), [], ContinuousBatcher._forward
+
+    def spy(self, admitted):
+        logits = forward(self, admitted)
+        held.append(max(len(s.blocks) - s.dropped for s in self.seqs))
+        return logits
+
+    monkeypatch.setattr(ContinuousBatcher, "_forward", spy)
+    long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
+    requests = [Request(long_prompt, 6), Request(PROMPTS[0], 6)]
+    for request in requests:
+        events.watch(request)
+    batcher = ContinuousBatcher(engine, 2, block_size=block_size, chunk_tokens=4)
+    assert batcher.keep == 3
+    batcher.run(Script([(1, r) for r in requests]) if tp.rank == 0 else None)
+    assert 0 < max(held) <= -(-3 // block_size) + 1 and not any(batcher.blocks.refs)
+    for request in requests:
+        _agrees_with_alone(engine, request, events)

@@ -93,7 +93,7 @@ def norm_params(cfg: ModelConfig) -> int:
 
 def mlp_params(cfg: ModelConfig, tp: int) -> int:
     """One MLP (dense, or one expert) on one tp rank."""
-    b, mats, f = 1 if cfg.bias else 0, 2 if cfg.activation == "swiglu" else 1, cfg.ffn_hidden // tp
+    b, mats, f = 1 if cfg.bias else 0, 2 if cfg.gated_mlp else 1, cfg.ffn_hidden // tp
     return cfg.hidden * mats * f + b * mats * f + f * cfg.hidden + b * cfg.hidden
 
 
@@ -165,7 +165,7 @@ def sequence_sharded(cfg: ModelConfig, tp: int) -> bool:
 def mlp_saved_per_row(cfg: ModelConfig, tp: int, saved: SavedTensors) -> int:
     """Elements an MLP keeps per token row besides its input: activation input(s), fc2 input, aux."""
     f, aux = cfg.ffn_hidden // tp, 1 if saved.activation_aux else 0
-    return f * ((2 + 1 + 1 + aux) if cfg.activation == "swiglu" else (1 + 1 + aux))  # gate|up, silu, product
+    return f * ((2 + 1 + 1 + aux) if cfg.gated_mlp else (1 + 1 + aux))  # gate|up, silu, product
 
 
 def moe_saved_bytes(cfg: ModelConfig, routing: Routing, tp: int, elem: int, saved: SavedTensors) -> int:

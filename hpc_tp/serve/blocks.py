@@ -14,6 +14,9 @@ without a block number ever being sent.
   them and their reference counts grow. A partly filled block is never shared, since its owner goes
   on writing in it: a prompt that continues into one (a chat's next turn, after the last answer's
   unfinished block) gets a copy of it (copy-on-write) and prefills only the rest.
+- Where every layer of the model has a sliding window, a sequence gives back the blocks that fell
+  wholly out of the widest one as it goes on (``drop_before``), so a long request holds about a
+  window's worth of blocks; a model with any global layer keeps them all.
 - A block no sequence references keeps its K/V, and its place in the cache, while it holds tokens a
   prompt may continue: it is evictable, and once no free block is left the least recently released
   is reused first (LRU). Without prefix caching a released block is simply free.
@@ -42,6 +45,7 @@ class Sequence:
         self.length = 0  # slots filled
         self.tokens: list[int] = []  # their token ids (prefix caching only)
         self.names: list[int] = []  # the chain's name after each full block (prefix caching only)
+        self.dropped = 0  # leading blocks given back: no layer's window reaches them any more
 
     def slots(self, size: int, count: int):
         """Its first ``count`` slots' indices in the pool's flat slot axis (block b's slots are
@@ -147,9 +151,17 @@ class BlockManager:
     def release(self, seq: Sequence):
         """Every block of ``seq`` given back, its last first (the least likely to be shared: the
         first evicted), and ``seq`` empty."""
-        for block in reversed(seq.blocks):
+        for block in reversed(seq.blocks[seq.dropped :]):
             self.release_block(block)
         seq.__init__()
+
+    def drop_before(self, seq: Sequence, slot: int):
+        """``seq``'s blocks wholly before slot ``slot`` given back, their table entries the scratch
+        block: every layer's sliding window has passed them, so nothing reads them again."""
+        while seq.dropped < min(slot // self.size, len(seq.blocks)):
+            self.release_block(seq.blocks[seq.dropped])
+            seq.blocks[seq.dropped] = SCRATCH
+            seq.dropped += 1
 
     def release_block(self, block: int):
         self.refs[block] -= 1

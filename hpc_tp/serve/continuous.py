@@ -26,6 +26,12 @@ chosen so far (its cached blocks, if still there, found by prefix caching), and 
 stopped. Admission waits while the free blocks cannot hold a queued prompt and other requests run.
 A request that cannot fit in the whole cache alone is refused (``check_request``'s ``kv_tokens``).
 
+Sliding windows: where every layer has one (Mistral), a request gives back each block that falls
+wholly out of the widest window as it goes on, the block table keeping the scratch block in its place;
+a model with any global layer (Gemma 3: one in six) keeps every block, since that layer reads them
+all. A decode step's window is applied per row (its query's own position); a request must still fit
+whole in the cache to be admitted, as a prefill chunk holds all its blocks until it is written.
+
 One iteration, collective over the tp group; every rank keeps the same block tables, making the same
 calls on the same broadcast inputs, so no block number is ever sent:
 
@@ -215,6 +221,9 @@ class ContinuousBatcher:
         self.blocks = BlockManager(blocks, block_size, prefix_caching)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
         self.prefix_caching = prefix_caching
+        # Positions a request's next token still sees where every layer has a sliding window (0: all)
+        windows = [self.model.cfg.window_of(i) for i in range(len(self.model.layers))]
+        self.keep = max(windows) if all(windows) else 0
         self.seqs = [Sequence() for _ in range(rows)]  # each row's blocks and tokens held
         self.age = numpy.full(rows, -1, dtype=numpy.int64)  # when each busy row was admitted (-1: free)
         self._admissions = 0
@@ -381,8 +390,15 @@ class ContinuousBatcher:
             slots[i, : lens[i] + 1] = self.seqs[r].slots(self.blocks.size, lens[i] + 1)
         out = step_rows(self.model, self.cache, self.feed[rows], lens, slots)
         for r in rows:
-            self.blocks.written(self.seqs[r], [int(self.feed[r])])
+            self._written(r, [int(self.feed[r])])
         return out
+
+    def _written(self, row: int, tokens: list[int]):
+        """Row ``row``'s next slots hold ``tokens``' K/V now; blocks no window reaches any more given back."""
+        seq = self.seqs[row]
+        self.blocks.written(seq, tokens)
+        if self.keep:  # the next token sees positions from length - keep + 1 on
+            self.blocks.drop_before(seq, seq.length - self.keep + 1)
 
     def _prefill(self, rows: list[int], stops: list[int], start: int):
         """One forward pass over the prompts of ``rows``, their tokens ``start`` up to ``stops``, right-
@@ -408,7 +424,7 @@ class ContinuousBatcher:
             last=xp.asarray(stops - start - 1),
         )
         for row, stop in zip(rows, stops):
-            self.blocks.written(self.seqs[row], self.prompts[row][start:stop])
+            self._written(row, self.prompts[row][start:stop])
         return out
 
     def _sample(self, logits, control, source) -> bool:

@@ -30,9 +30,10 @@ class CacheLayer:
     """One layer's view of a cache, the ``cache`` argument of ``ParallelAttention.forward``: ``offset``
     and ``store`` (there), and ``attend``, which a cache with an attention kernel of its own overrides."""
 
-    def attend(self, q, k, v, out) -> bool:
-        """Store ``k``, ``v`` and write the attention of ``q`` over the cache into ``out``, where this
-        cache has a kernel for it; False (and nothing done): ``store``, then the layer's own core."""
+    def attend(self, q, k, v, out, window: int) -> bool:
+        """Store ``k``, ``v`` and write the attention of ``q`` over the cache (each query over its last
+        ``window`` positions; 0: all) into ``out``, where this cache has a kernel for it; False (and
+        nothing done): ``store``, then the layer's own core."""
         return False
 
 
@@ -119,6 +120,11 @@ class _SlotLayer(CacheLayer):
     def offset(self) -> int:
         return self._slots.owner.max_len - 1
 
+    @property
+    def query_slots(self):
+        """The slot each row's new token is written at: where a sliding window ends."""
+        return self._slots.slot
+
     def store(self, k, v):
         if k.shape[2] != 1:
             raise ValueError(f"a slot-addressed decode step takes one new token per row, got {k.shape[2]}")
@@ -179,6 +185,7 @@ class PagedView(_View):
 
     def __init__(self, cache: PagedKVCache, write, read=None, counts=None):
         self.cache, self.write, self.read, self.counts = cache, write, read, counts
+        self.query_slots = None if counts is None else backend.xp_of(write).asarray(counts - 1)
         self.offset = 0 if read is None else read.shape[1] - write.shape[1]
         super().__init__(_PagedLayer, cache.k.shape[0])
 
@@ -203,10 +210,16 @@ class _PagedLayer(CacheLayer):
         # gathered as [hk, B, K, d] and seen as [B, hk, K, d]: one copy, rows of unit stride
         return keys[:, read].swapaxes(0, 1), values[:, read].swapaxes(0, 1)
 
-    def attend(self, q, k, v, out) -> bool:
+    @property
+    def query_slots(self):
+        """Each row's query among the ``read`` slots (its position: a row's slots are in order from
+        0), where a decode step's sliding window ends; None for a prefill, whose ``offset`` says it."""
+        return self._view.query_slots
+
+    def attend(self, q, k, v, out, window: int) -> bool:
         view = self._view
         if view.counts is None or not paged_attention.supported(q, view.cache.k):
             return False
         keys, values = self._write(k, v)
-        paged_attention.decode(q, keys, values, view.read, view.counts, out)
+        paged_attention.decode(q, keys, values, view.read, view.counts, out, window)
         return True
