@@ -231,7 +231,10 @@ def test_the_decode_kernel_reading_blocks_in_place_equals_the_gathered_attention
     write, visible = slots[np.arange(4), lens][:, None], np.arange(lens.max() + 1) <= lens[:, None]
     ids, positions = np.array([[5], [6], [7], [8]]), lens[:, None]
     pools = cache.k.copy(), cache.v.copy()
-    gathered = model.infer(ids, positions, visible, PagedView(cache, write, slots))
+    with monkeypatch.context() as gather:
+        gather.setattr(paged_attention, "supported", lambda q, pool: False)
+        gathered = model.infer(ids, positions, visible, PagedView(cache, write, slots, lens + 1))
+    assert not calls
     cache.k[:], cache.v[:] = pools
     in_place = model.infer(ids, positions, visible, PagedView(cache, write, slots, lens + 1))
     assert max_rel_err(in_place, gathered) <= 1e-12 and len(calls) == model.cfg.n_layers

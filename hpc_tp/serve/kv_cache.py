@@ -178,9 +178,10 @@ class PagedView(_View):
     the slots ``read`` [B, K] (each row's slots 0..K-1 in order, the new ones last among them), or,
     with ``read`` None, over the new K/V alone (a prefill from slot 0). The new tokens are the last T
     of the K slots (``offset`` K - T) for the causal mask; the caller's key mask [B, K] hides the
-    slots a row does not fill. ``counts`` [B] (host int64, optional): how many of its ``read`` slots
-    each row sees, where a decode step may attend with ``kernels.paged_attention`` on the CPU, reading
-    each row's own slots in place instead of gathering them. ``advance`` does nothing: the caller
+    slots a row does not fill. ``counts`` [B] (host int64) makes it a decode step's: how many of its
+    ``read`` slots each row sees (its length and the new one), so where its query is (a sliding
+    window's end) and how far ``kernels.paged_attention`` reads each row's own slots in place on the
+    CPU instead of gathering them. ``advance`` does nothing: the caller
     keeps the rows' lengths."""
 
     def __init__(self, cache: PagedKVCache, write, read=None, counts=None):
