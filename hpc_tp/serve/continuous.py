@@ -29,8 +29,8 @@ A request that cannot fit in the whole cache alone is refused (``check_request``
 Sliding windows: where every layer has one (Mistral), a request gives back each block that falls
 wholly out of the widest window as it goes on, the block table keeping the scratch block in its place;
 a model with any global layer (Gemma 3: one in six) keeps every block, since that layer reads them
-all. A decode step's window is applied per row (its query's own position); a request must still fit
-whole in the cache to be admitted, as a prefill chunk holds all its blocks until it is written.
+all. A decode step's window is applied per row (its query's own position). The check that a request
+fits the cache still counts all its tokens.
 
 One iteration, collective over the tp group; every rank keeps the same block tables, making the same
 calls on the same broadcast inputs, so no block number is ever sent:
