@@ -49,8 +49,8 @@ def _decode(q, k, v, slots, counts, out, window):
             for t in range(first, n):
                 key = k[h, slots[b, t]]
                 for j in range(group):
-                    s = scores[j, t] * 0  # a zero of the arrays' dtype: sums in float32 for float32
-                    for i in range(d):
+                    s = q[b, h, j, 0] * key[0]  # in the arrays' dtype: float32 sums for float32
+                    for i in range(1, d):
                         s += q[b, h, j, i] * key[i]
                     scores[j, t] = s
                     tops[j] = max(tops[j], s)
