@@ -137,9 +137,10 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         "31",
         "--chat-template",
         str(template),
-        # continuous: 8 blocks of 4 tokens a rank besides the scratch one, so that the load preempts
+        # continuous: 16 blocks of 4 tokens a rank besides the scratch one (64 tokens for 8 rows of up to 30):
+        # the load preempts
         *(
-            ["--kv-block-size", "4", "--kv-cache-memory", str(9 * KV_BLOCK_BYTES / 2**30)]
+            ["--kv-block-size", "4", "--kv-cache-memory", str(17 * KV_BLOCK_BYTES / 2**30)]
             if batching == "continuous"
             else []
         ),
