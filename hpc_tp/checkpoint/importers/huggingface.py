@@ -251,12 +251,15 @@ def gemma3_config(hf: ConfigFile) -> ModelConfig:
         )
     if hf.get("attn_logit_softcapping") is not None:
         raise ConfigError(f"{hf.path}: attn_logit_softcapping is not supported (Gemma 3 has none)")
+    if hf.get("use_bidirectional_attention", False):
+        raise ConfigError(f"{hf.path}: use_bidirectional_attention=true (an embedding model) is not supported")
     layers = hf["num_hidden_layers"]
     kinds = hf.get("layer_types")
     if kinds is None:  # older configs: every sliding_window_pattern-th layer is global
         pattern = hf.get("sliding_window_pattern", 6)
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     heads = hf["num_attention_heads"]
+    theta, scaling, local_theta = _gemma3_rope(hf)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden=hf["hidden_size"],
@@ -271,9 +274,9 @@ def gemma3_config(hf: ConfigFile) -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         activation="geglu",
         position="rope",
-        rope_theta=float(hf.get("rope_theta", 1_000_000.0)),
-        rope_scaling=hf.get("rope_scaling"),
-        rope_local_theta=float(hf.get("rope_local_base_freq", 10_000.0)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_theta=local_theta,
         sliding_window=hf.get("sliding_window", 4096),
         layer_types=list(kinds),
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
@@ -425,6 +428,29 @@ def phi3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
             )
         rules.append(rule)
     return rules
+
+
+def _gemma3_rope(hf: ConfigFile) -> tuple[float, dict | None, float]:
+    """(global base, global scaling, local base): from ``rope_parameters`` per layer type, as
+    transformers 5 writes them, or from rope_theta, rope_scaling and rope_local_base_freq before it."""
+    params = hf.get("rope_parameters")
+    if not isinstance(params, dict) or "full_attention" not in params:
+        return (
+            float(hf.get("rope_theta", 1_000_000.0)),
+            hf.get("rope_scaling"),
+            float(hf.get("rope_local_base_freq", 10_000.0)),
+        )
+    full, local = params["full_attention"], params.get("sliding_attention", {})
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"{hf.path}: rope_parameters.sliding_attention={local!r}: local layers' rope must be unscaled"
+        )
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    return (
+        float(full.get("rope_theta", 1_000_000.0)),
+        None if scaling.get("rope_type", "default") == "default" else scaling,
+        float(local.get("rope_theta", 10_000.0)),
+    )
 
 
 # Gemma 3's four norms a block: ours -> theirs.
@@ -703,6 +729,7 @@ def _gemma3_values(cfg: ModelConfig) -> dict:
             f"scale_embeddings={cfg.scale_embeddings}, tie_embeddings={cfg.tie_embeddings}"
         )
     kinds = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.n_layers
+    scalar = cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
@@ -721,7 +748,7 @@ def _gemma3_values(cfg: ModelConfig) -> dict:
         "rope_local_base_freq": cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta,
         "sliding_window": cfg.sliding_window or cfg.max_seq_len,
         "layer_types": kinds,
-        "query_pre_attn_scalar": cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar,
+        "query_pre_attn_scalar": int(scalar) if scalar == int(scalar) else scalar,  # transformers 5 wants an int
         "final_logit_softcapping": cfg.logit_softcap or None,
         "attn_logit_softcapping": None,
         "attention_bias": cfg.bias,
