@@ -247,3 +247,76 @@ def test_gemma3_logits_match_transformers_and_export_loads_there(tmp_path):
     with torch.no_grad():
         again = exported(torch.tensor(IDS)).logits.numpy()
     assert np.abs(again - want).max() <= 1e-12 * np.abs(want).max()
+
+
+# Gemma 3's chat template as its tokenizer_config.json publishes it: a system message joins the first
+# user turn, roles must alternate, the assistant is "model", every turn ends with <end_of_turn>.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\\n'}}
+{%- endif -%}
+"""
+
+
+def test_gemma3_chat_template_comes_with_the_checkpoint_and_ends_turns(tmp_path):
+    """A Gemma 3 folder's chat template and special tokens reach the checkpoint: the system message
+    joins the first user turn, a reply stops at <end_of_turn> (besides <eos>), and a conversation
+    whose roles do not alternate is the template's one-line refusal."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from hpc_tp.errors import ConfigError
+    from hpc_tp.serve.chat import stop_at_end_of_turn, template_for
+    from hpc_tp.tokenizer import load_tokenizer_dir
+
+    config, tensors = gemma3_source()
+    source = write_hf(tmp_path / "hf", config, tensors)
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "Hi": 1, "Be": 2, "brief": 3}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer.save(str(source / "tokenizer.json"))
+    settings = {"chat_template": GEMMA3_TEMPLATE, "bos_token": "<bos>", "eos_token": "<eos>"}
+    (source / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert main(["convert", str(source), "-o", str(tmp_path / "ckpt")]) == 0
+    ours = load_tokenizer_dir(tmp_path / "ckpt" / "step-000000")
+    template = template_for(ours)
+    messages = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
+    assert template.render(messages) == "<bos><start_of_turn>user\nBe brief\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    stop_at_end_of_turn(ours, template)
+    assert {tokenizer.token_to_id("<end_of_turn>"), tokenizer.token_to_id("<eos>")} <= ours.stop_ids
+    with pytest.raises(ConfigError, match="Conversation roles must alternate"):
+        template.render([{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi"}])
