@@ -258,22 +258,12 @@ def gemma3_config(hf: ConfigFile) -> ModelConfig:
     if kinds is None:  # older configs: every sliding_window_pattern-th layer is global
         pattern = hf.get("sliding_window_pattern", 6)
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    heads = hf["num_attention_heads"]
     theta, scaling, local_theta = _gemma3_rope(hf)
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden=hf["hidden_size"],
-        n_layers=layers,
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads", heads),
+    return dataclasses.replace(
+        llama_config(hf),
         head_dim=hf.get("head_dim", 256),
         qk_norm=True,
-        ffn_hidden=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
-        norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         activation="geglu",
-        position="rope",
         rope_theta=theta,
         rope_scaling=scaling,
         rope_local_theta=local_theta,
@@ -284,8 +274,6 @@ def gemma3_config(hf: ConfigFile) -> ModelConfig:
         post_norms=True,
         scale_embeddings=True,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        bias=bool(hf.get("attention_bias", False)),
-        causal=True,
     )
 
 
