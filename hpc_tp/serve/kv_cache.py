@@ -18,7 +18,8 @@ row of its own chosen by the caller (continuous batching's admissions).
 
 ``SlotCache`` is the cache as a decode step of one token per row sees it (``serve.decoding``): the
 slots to write are a device array rather than a Python int (one slot for every row, or one per row),
-and the step attends over a fixed number of slots, its key mask alone deciding which are seen.
+and the step attends over a fixed number of slots, its key mask alone deciding which are seen; its
+``query_slots`` tell a sliding-window layer where each row's window ends.
 """
 
 from __future__ import annotations
