@@ -143,6 +143,19 @@ def test_gemma3_folder_logits_match_reference_at_every_tp_and_export_back(
     comm_world.barrier()
 
 
+@mpi
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_a_multimodal_gemma3_folders_language_model_is_imported(shared_dir, comm_world, prefix):
+    """A ``gemma3`` folder (4B and up) holds the language model under ``text_config`` and its weights
+    under transformers 4's or 5's prefix, beside a vision tower that is left out."""
+    text, tensors = gemma3_source()
+    config = {"model_type": "gemma3", "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}}
+    renamed = {prefix + name.removeprefix("model."): value for name, value in tensors.items()}
+    renamed["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.ones((4, 3, 2, 2))
+    convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, renamed), shared_dir / "ckpt", comm_world)
+    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), gemma3_reference(text, tensors, IDS)) < 1e-9
+
+
 GGUF_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "post_attention_norm",

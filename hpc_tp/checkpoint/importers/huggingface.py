@@ -418,6 +418,28 @@ def phi3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
     return rules
 
 
+# Gemma3TextConfig's sizes by default: a multimodal folder's text_config lists only what differs from them.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+}
+
+
+def gemma3_multimodal_config(hf: ConfigFile) -> ModelConfig:
+    """A multimodal Gemma 3 folder (``gemma3``: the 4B model and up): its language model, described by
+    ``text_config``; the vision tower and its projector are left out."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{hf.path}: text_config={text!r}; a gemma3 config describes its language model there")
+    return gemma3_config(ConfigFile({**_GEMMA3_TEXT_DEFAULTS, **text}, hf.path))
+
+
 def _gemma3_rope(hf: ConfigFile) -> tuple[float, dict | None, float]:
     """(global base, global scaling, local base): from ``rope_parameters`` per layer type, as
     transformers 5 writes them, or from rope_theta, rope_scaling and rope_local_base_freq before it."""
@@ -511,6 +533,13 @@ ARCHITECTURES = {
     "phi3": (windowed_config, phi3_rules, "embed_tokens.weight", ("model.", "")),
     "mixtral": (mixtral_config, mixtral_rules, "embed_tokens.weight", ("model.", "")),
     "gemma3_text": (gemma3_config, gemma3_rules, "embed_tokens.weight", ("model.", "")),
+    # the language model of a multimodal folder, as transformers 4 and 5 name it
+    "gemma3": (
+        gemma3_multimodal_config,
+        gemma3_rules,
+        "embed_tokens.weight",
+        ("language_model.model.", "model.language_model."),
+    ),
     "bert": (bert_config, bert_rules, "embeddings.word_embeddings.weight", ("", "bert.")),
 }
 
