@@ -553,7 +553,7 @@ def import_folder(folder: Path) -> Imported:
         named = model_type or ", ".join(hf.get("architectures", [])) or "none given"
         raise ConfigError(
             f"{folder / CONFIG}: unknown architecture {named!r}; supported model_type values: "
-            f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2, qwen3 and phi3 architectures)"
+            f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2, qwen3, phi3 and gemma3 architectures)"
         )
     make_config, make_rules, anchor, prefixes = ARCHITECTURES[model_type]
     cfg = make_config(hf)
