@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from test_model import GEMMA3_BLOCK
 from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.comm.mpi import self_comm
@@ -58,20 +59,7 @@ CONFIGS["llama-window"] = dict(
 # Qwen3: heads sized apart from hidden (4 x 12 != 32), each query and key head RMS-normed before RoPE.
 CONFIGS["qwen3"] = dict(CONFIGS["llama-gqa"], head_dim=12, qk_norm=True, rope_scaling=None)
 # Gemma 3's block: post-norms, GeGLU, scaled embeddings, local and global rope bases, soft-capped logits.
-CONFIGS["gemma3"] = dict(
-    CONFIGS["llama-window"],
-    n_kv_heads=1,
-    head_dim=12,
-    qk_norm=True,
-    activation="geglu",
-    post_norms=True,
-    scale_embeddings=True,
-    tie_embeddings=True,
-    rope_local_theta=50.0,
-    rope_scaling={"rope_type": "linear", "factor": 2.0},
-    query_pre_attn_scalar=10.0,
-    logit_softcap=5.0,
-)
+CONFIGS["gemma3"] = dict(CONFIGS["llama-window"], **GEMMA3_BLOCK, head_dim=12)
 PROMPTS = [[5, 17, 99, 3, 250], [42, 7], [1, 2, 3, 4, 5, 6, 7], [200]]
 
 

@@ -58,20 +58,20 @@ CONFIGS = {
 }
 # Gemma 3: post-norms, GeGLU, scaled embeddings, a sliding window of 3 on the first layer (its own
 # rope base) and a global second one, a query scale of its own, soft-capped logits.
-CONFIGS["gemma3"] = dict(
-    CONFIGS["qwen3-qk-norm"],
+GEMMA3_BLOCK = dict(  # what makes a Llama-shaped config Gemma 3's (the tests of other files use it too)
     n_kv_heads=1,
+    qk_norm=True,
     activation="geglu",
     post_norms=True,
     scale_embeddings=True,
     tie_embeddings=True,
     sliding_window=3,
-    layer_types=["sliding_attention", "full_attention"],
     rope_local_theta=100.0,
     rope_scaling={"rope_type": "linear", "factor": 2.0},
     query_pre_attn_scalar=10.0,
     logit_softcap=2.0,
 )
+CONFIGS["gemma3"] = dict(CONFIGS["qwen3-qk-norm"], **GEMMA3_BLOCK, layer_types=["sliding_attention", "full_attention"])
 
 
 def perturb_norm_gains(model):

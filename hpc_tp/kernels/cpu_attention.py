@@ -9,6 +9,10 @@ MKL runs the same tiles at 100-140 alone, and each softmax pass goes out to memo
 The causal and key-padding masks are applied in the loop, so no [T, keys] bias is built, and the
 backward accumulates dK and dV straight into the QKV gradient (beta = 1).
 
+Each block's tile spans the keys ``query_blocks`` gives it, from the first its window lets its
+first query see (0 without a window) to its last query's position; keys a row's window or the
+causal mask hides inside the tile are zeros of its softmax, as the composed path makes them.
+
 Same query blocks as ``attention.query_blocks`` and the same saved softmax outputs
 (``saved_score_elements`` per head, here one flat buffer): the layer's memory does not change.
 Fully masked rows give zeros, as the composed softmax does. Attention dropout multiplies each

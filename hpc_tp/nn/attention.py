@@ -20,6 +20,12 @@ Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
 stored them and attended with a kernel of its own (a paged cache's decode step on the CPU). Each rank
 caches only its own K/V heads.
 
+A sliding ``window`` (Mistral, Gemma 3's local layers) lets a query see itself and the window - 1
+keys before it: each causal block reads only the keys from its first query's window on
+(``query_blocks``), and the masks hide the rest of its tile. A cache whose rows write at slots of
+their own (``query_slots``: the fixed-shape and continuous-batching decode steps) says where each
+row's query is, and the window joins the key mask there instead.
+
 With ``recompute_scores`` (selective recomputation, ``hpc_tp.recompute``) forward keeps neither
 the softmax outputs nor the dropout masks, only each query row's log-sum-exp ([B, hk, g, T], in
 float32 at least): backward makes each block's softmax again from the kept Q and K right before

@@ -8,7 +8,8 @@ with tp just as the weights do.
 [layers, batch, local kv heads, max_len, head_dim] for K and for V, preallocated up to the batch's
 final length. Its slots are shared by the rows: the engine left-pads prompts so that every row writes
 its next token at the same slot, and a key mask (kept by the engine) hides the padding slots.
-``SlotCache`` is that cache as a fixed-shape decode step sees it (``serve.decoding.FixedStep``).
+``SlotCache`` is that cache as a fixed-shape decode step sees it (``serve.decoding.FixedStep``); its
+``query_slots`` tell a sliding-window layer where each row's window ends, as a paged decode step's do.
 
 ``PagedKVCache`` is continuous batching's (``serve.continuous``): one pool of fixed-size blocks,
 [layers, local kv heads, blocks x block size, head_dim], whose blocks ``serve.blocks`` hands to the

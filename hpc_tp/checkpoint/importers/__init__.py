@@ -10,8 +10,8 @@ source's config before anything is written.
     source.open_source(path) -> Imported(config, tensors, files, source)
 
 Supported: Hugging Face folders (config.json + safetensors, sharded too) of GPT-2, Llama-family
-(Llama, SmolLM, Qwen2, Mistral, Phi-3, Mixtral) and BERT encoders; GGUF files of the llama (Mixtral's
-experts included), qwen2 and phi3 architectures.
+(Llama, SmolLM, Qwen2, Qwen3, Mistral, Phi-3, Mixtral), Gemma 3 and BERT encoders; GGUF files of the
+llama (Mixtral's experts included), qwen2, qwen3, phi3 and gemma3 architectures.
 """
 
 from __future__ import annotations

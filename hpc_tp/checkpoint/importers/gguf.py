@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp) of the llama, qwen2, qwen3 and phi3 architectures.
+"""GGUF files (llama.cpp) of the llama, qwen2, qwen3, phi3 and gemma3 architectures.
 
 The reader memory-maps the file; a tensor is read (and dequantized with ``gguf.quants`` when it
 is quantized: BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ types) only when the checkpoint writer asks
@@ -228,7 +228,7 @@ def import_gguf(path: Path) -> Imported:
     if architecture not in SUPPORTED:
         raise ConfigError(
             f"{path}: unknown architecture {architecture!r}; supported GGUF architectures: "
-            f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, qwen3, phi3, mistral, mixtral, bert)"
+            f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, qwen3, phi3, mistral, mixtral, gemma3_text, bert)"
         )
     tensors = GGUFTensors(path, reader)
     cfg = _config(meta, tensors, architecture)

@@ -251,29 +251,22 @@ def gemma3_config(hf: ConfigFile) -> ModelConfig:
         )
     if hf.get("attn_logit_softcapping") is not None:
         raise ConfigError(f"{hf.path}: attn_logit_softcapping is not supported (Gemma 3 has none)")
+    if hf.get("use_bidirectional_attention", False):
+        raise ConfigError(f"{hf.path}: use_bidirectional_attention=true (an embedding model) is not supported")
     layers = hf["num_hidden_layers"]
     kinds = hf.get("layer_types")
     if kinds is None:  # older configs: every sliding_window_pattern-th layer is global
         pattern = hf.get("sliding_window_pattern", 6)
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    heads = hf["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden=hf["hidden_size"],
-        n_layers=layers,
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads", heads),
+    theta, scaling, local_theta = _gemma3_rope(hf)
+    return dataclasses.replace(
+        llama_config(hf),
         head_dim=hf.get("head_dim", 256),
         qk_norm=True,
-        ffn_hidden=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
-        norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         activation="geglu",
-        position="rope",
-        rope_theta=float(hf.get("rope_theta", 1_000_000.0)),
-        rope_scaling=hf.get("rope_scaling"),
-        rope_local_theta=float(hf.get("rope_local_base_freq", 10_000.0)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_theta=local_theta,
         sliding_window=hf.get("sliding_window", 4096),
         layer_types=list(kinds),
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
@@ -281,8 +274,6 @@ def gemma3_config(hf: ConfigFile) -> ModelConfig:
         post_norms=True,
         scale_embeddings=True,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        bias=bool(hf.get("attention_bias", False)),
-        causal=True,
     )
 
 
@@ -427,6 +418,51 @@ def phi3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
     return rules
 
 
+# Gemma3TextConfig's sizes by default: a multimodal folder's text_config lists only what differs from them.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+}
+
+
+def gemma3_multimodal_config(hf: ConfigFile) -> ModelConfig:
+    """A multimodal Gemma 3 folder (``gemma3``: the 4B model and up): its language model, described by
+    ``text_config``; the vision tower and its projector are left out."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{hf.path}: text_config={text!r}; a gemma3 config describes its language model there")
+    return gemma3_config(ConfigFile({**_GEMMA3_TEXT_DEFAULTS, **text}, hf.path))
+
+
+def _gemma3_rope(hf: ConfigFile) -> tuple[float, dict | None, float]:
+    """(global base, global scaling, local base): from ``rope_parameters`` per layer type, as
+    transformers 5 writes them, or from rope_theta, rope_scaling and rope_local_base_freq before it."""
+    params = hf.get("rope_parameters")
+    if not isinstance(params, dict) or "full_attention" not in params:
+        return (
+            float(hf.get("rope_theta", 1_000_000.0)),
+            hf.get("rope_scaling"),
+            float(hf.get("rope_local_base_freq", 10_000.0)),
+        )
+    full, local = params["full_attention"], params.get("sliding_attention", {})
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"{hf.path}: rope_parameters.sliding_attention={local!r}: local layers' rope must be unscaled"
+        )
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    return (
+        float(full.get("rope_theta", 1_000_000.0)),
+        None if scaling.get("rope_type", "default") == "default" else scaling,
+        float(local.get("rope_theta", 10_000.0)),
+    )
+
+
 # Gemma 3's four norms a block: ours -> theirs.
 _GEMMA_NORMS = {
     "norm1": "input_layernorm",
@@ -497,6 +533,13 @@ ARCHITECTURES = {
     "phi3": (windowed_config, phi3_rules, "embed_tokens.weight", ("model.", "")),
     "mixtral": (mixtral_config, mixtral_rules, "embed_tokens.weight", ("model.", "")),
     "gemma3_text": (gemma3_config, gemma3_rules, "embed_tokens.weight", ("model.", "")),
+    # the language model of a multimodal folder, as transformers 4 and 5 name it
+    "gemma3": (
+        gemma3_multimodal_config,
+        gemma3_rules,
+        "embed_tokens.weight",
+        ("language_model.model.", "model.language_model."),
+    ),
     "bert": (bert_config, bert_rules, "embeddings.word_embeddings.weight", ("", "bert.")),
 }
 
@@ -510,7 +553,7 @@ def import_folder(folder: Path) -> Imported:
         named = model_type or ", ".join(hf.get("architectures", [])) or "none given"
         raise ConfigError(
             f"{folder / CONFIG}: unknown architecture {named!r}; supported model_type values: "
-            f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2, qwen3 and phi3 architectures)"
+            f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2, qwen3, phi3 and gemma3 architectures)"
         )
     make_config, make_rules, anchor, prefixes = ARCHITECTURES[model_type]
     cfg = make_config(hf)
@@ -703,6 +746,7 @@ def _gemma3_values(cfg: ModelConfig) -> dict:
             f"scale_embeddings={cfg.scale_embeddings}, tie_embeddings={cfg.tie_embeddings}"
         )
     kinds = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.n_layers
+    scalar = cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
@@ -721,7 +765,7 @@ def _gemma3_values(cfg: ModelConfig) -> dict:
         "rope_local_base_freq": cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta,
         "sliding_window": cfg.sliding_window or cfg.max_seq_len,
         "layer_types": kinds,
-        "query_pre_attn_scalar": cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar,
+        "query_pre_attn_scalar": int(scalar) if scalar == int(scalar) else scalar,  # transformers 5 wants an int
         "final_logit_softcapping": cfg.logit_softcap or None,
         "attn_logit_softcapping": None,
         "attention_bias": cfg.bias,
