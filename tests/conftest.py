@@ -2,12 +2,15 @@
 
 - Only rank 0 reports; a failure on any rank prints that rank's report and aborts the whole
   launch at once, so no rank is left waiting in a collective of a test another rank left.
-- ``comm_world`` / ``comm_self`` fixtures give the communicators; ``allclose_all_ranks``
+- ``comm_world`` / ``comm_self`` fixtures give the communicators, ``shared_dir`` a folder every rank sees; ``allclose_all_ranks``
   checks a condition on every rank and agrees on the verdict.
 """
 
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,6 +43,16 @@ def comm_world():
     from hpc_tp.comm.mpi import world
 
     return world()
+
+
+@pytest.fixture
+def shared_dir(comm_world):
+    """One temporary folder for every rank, made by rank 0 and removed once all are done with it."""
+    path = comm_world.bcast_object(tempfile.mkdtemp(prefix="hpc_tp-") if comm_world.rank == 0 else None)
+    yield Path(path)
+    comm_world.barrier()
+    if comm_world.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ with tp=1; ``hpc-tp embed`` pools L2-normalised sentence embeddings that do not 
 import argparse
 import json
 import math
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -133,17 +132,6 @@ def pooled_reference(t, ids):
     states = bert_reference(t, ids, np.zeros_like(ids), np.ones_like(ids))[0]
     mean = states.mean(axis=0)
     return mean / np.linalg.norm(mean)
-
-
-@pytest.fixture
-def shared_dir(comm_world):
-    path = comm_world.bcast_object(tempfile.mkdtemp(prefix="hpc_tp-bert-") if comm_world.rank == 0 else None)
-    yield Path(path)
-    comm_world.barrier()
-    if comm_world.rank == 0:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def converted(shared_dir, comm, tokenizer=True, prefix="bert."):

@@ -5,7 +5,6 @@ bad inputs are one-line errors naming the file and the tensor, and nothing is ov
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import h5py
@@ -136,6 +135,8 @@ GGUF_NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -185,7 +186,7 @@ def mixtral_mlp(config, t, layer, m):
 
 def phi3_source(config: dict, tensors: dict) -> tuple[dict, dict]:
     """A Llama source as Phi-3 stores it: q, k, v fused by rows into qkv_proj, gate and up into
-    gate_up_proj; a sliding window one short of the context, as Phi-3's 4k models declare."""
+    gate_up_proj; a sliding window of 4 positions (shorter than the test's sequences)."""
     fused = {
         k: v
         for k, v in tensors.items()
@@ -199,7 +200,7 @@ def phi3_source(config: dict, tensors: dict) -> tuple[dict, dict]:
         fused[p + "mlp.gate_up_proj.weight"] = np.concatenate(
             [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]
         )
-    return {**config, "model_type": "phi3", "sliding_window": config["max_position_embeddings"] - 1}, fused
+    return {**config, "model_type": "phi3", "sliding_window": 4}, fused
 
 
 def unfused(config: dict, tensors: dict) -> dict:
@@ -261,6 +262,11 @@ def write_gguf(
     w.add_head_count_kv(config["num_key_value_heads"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_rope_freq_base(config["rope_theta"])
+    if config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
+    if "head_dim" in config:
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
     if tokenizer:
         tokenizer(w)
     if config.get("num_local_experts"):
@@ -330,8 +336,9 @@ def softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
-def attention(q, k, v, heads, kv_heads, causal=True, key_mask=None):
-    """q [B, T, heads*d], k/v [B, T, kv_heads*d]: query head j uses kv head j // (heads/kv_heads)."""
+def attention(q, k, v, heads, kv_heads, causal=True, key_mask=None, window=None):
+    """q [B, T, heads*d], k/v [B, T, kv_heads*d]: query head j uses kv head j // (heads/kv_heads);
+    with a sliding ``window`` query i sees keys i - window < j <= i."""
     b, t, _ = q.shape
     d = q.shape[-1] // heads
     q = q.reshape(b, t, heads, d).transpose(0, 2, 1, 3)
@@ -340,6 +347,8 @@ def attention(q, k, v, heads, kv_heads, causal=True, key_mask=None):
     scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d)
     if causal:
         scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
+    if window:
+        scores = np.where(np.triu(np.ones((t, t), bool), 1 - window), scores, -np.inf)
     if key_mask is not None:
         scores = np.where(key_mask[:, None, None, :].astype(bool), scores, -np.inf)
     return (softmax(scores) @ v).transpose(0, 2, 1, 3).reshape(b, t, heads * d)
@@ -391,7 +400,8 @@ def llama_reference(config, t, ids):
         a = rms_norm(x, t[p + "input_layernorm.weight"], eps)
         q = rope(linear(a, p + "self_attn.q_proj"), heads, theta, factor)
         k = rope(linear(a, p + "self_attn.k_proj"), kv, theta, factor)
-        x = x + linear(attention(q, k, linear(a, p + "self_attn.v_proj"), heads, kv), p + "self_attn.o_proj")
+        o = attention(q, k, linear(a, p + "self_attn.v_proj"), heads, kv, window=config.get("sliding_window"))
+        x = x + linear(o, p + "self_attn.o_proj")
         m = rms_norm(x, t[p + "post_attention_layernorm.weight"], eps)
         if config.get("num_local_experts"):
             x = x + mixtral_mlp(config, t, i, m)
@@ -422,17 +432,6 @@ def tp_logits(ckpt, comm, ids=IDS):
     model = GPTModel(ModelConfig.from_dict(meta["config"]), grid.tp)
     load_checkpoint(ckpt, model.state(), grid)
     return model.logits(ids)
-
-
-@pytest.fixture
-def shared_dir(comm_world):
-    path = comm_world.bcast_object(tempfile.mkdtemp(prefix="hpc_tp-convert-") if comm_world.rank == 0 else None)
-    yield Path(path)
-    comm_world.barrier()
-    if comm_world.rank == 0:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def cli_args(**values):
@@ -488,6 +487,34 @@ def test_phi3_fused_projections_split_on_import_logits_match_reference_at_every_
         with safe_open(str(shared_dir / "out" / "model.safetensors"), "np") as f:
             for name, value in tensors.items():
                 assert np.array_equal(f.get_tensor(name), value.astype(f.get_tensor(name).dtype)), name
+    comm_world.barrier()
+
+
+@mpi
+def test_mistral_sliding_window_logits_match_reference_at_every_tp(shared_dir, comm_world):
+    """Mistral's sliding window (3 positions over a sequence of 6) is attention's own window, not a
+    shorter context: the reference's logits at every tp, the context kept, and export writes it back."""
+    config, tensors = llama_source()
+    config = {**config, "model_type": "mistral", "sliding_window": 3}
+    convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors), shared_dir / "ckpt", comm_world)
+    logits = tp_logits(shared_dir / "ckpt", comm_world)
+    assert rel_err(logits, llama_reference(config, tensors, IDS)) < 1e-9
+    assert rel_err(logits, llama_reference({**config, "sliding_window": None}, tensors, IDS)) > 1e-3
+    if comm_world.rank == 0:
+        assert main(["export", str(shared_dir / "ckpt"), "-o", str(shared_dir / "out")]) == 0
+        written = json.loads((shared_dir / "out" / "config.json").read_text())
+        assert (written["model_type"], written["sliding_window"]) == ("mistral", 3)
+        assert written["max_position_embeddings"] == CONTEXT
+        with pytest.raises(ConfigError, match="sliding window of 3 on every layer"):
+            export.run(
+                cli_args(
+                    checkpoint=str(shared_dir / "ckpt"),
+                    output=str(shared_dir / "as-llama"),
+                    arch="llama",
+                    dtype="stored",
+                    force=False,
+                )
+            )
     comm_world.barrier()
 
 

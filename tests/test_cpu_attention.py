@@ -1,7 +1,7 @@
 """The fused attention core (hpc_tp/kernels/cpu_attention.py: numba loop, MKL tiles) gives the composed
 numpy path's numbers: output, saved softmax and dQ/dK/dV, float64 within 1e-12 and float32 within
 1e-5, on strided views of a QKV buffer, grouped-query heads, a cache offset, key padding (fully
-masked rows included), attention dropout and no mask; both paths give the same numbers again when
+masked rows included), attention dropout, a sliding window and no mask; both paths give the same numbers again when
 forward keeps only the rows' log-sum-exp and backward recomputes the softmax from it (selective
 recomputation); and a whole attention layer (with and without rope, with dropout) is the same
 either way."""
@@ -41,47 +41,50 @@ def inputs(dtype, b, hk, g, t, keys, d, dropout=0.0, seed=0):
     return q, k, v, dout, keep
 
 
-def core(fused, statistics, q, k, v, dout, keep, causal, offset, key_mask):
+def core(fused, statistics, q, k, v, dout, keep, causal, offset, key_mask, window=0):
     """(out, what forward kept, dq, dk, dv) on one path; ``statistics``: the selective
     recomputation's (forward keeps the rows' log-sum-exp, backward recomputes the softmax)."""
     (b, hk, g, t, d), keys, dtype = q.shape, k.shape[2], q.dtype
-    blocks = query_blocks(t, keys, offset, causal)
+    blocks = query_blocks(t, keys, offset, causal, window=window)
     out = heads(np.empty((b, t, hk * g * d), dtype), 0, hk, g, d)
     dq, dk, dv = np.empty_like(q), np.zeros_like(k), np.zeros_like(v)
     if fused:
         key_bias = None if key_mask is None else np.where(key_mask.astype(bool), 0.0, -np.inf)
-        kept = cpu_attention.forward(q, k, v, out, blocks, offset, causal, key_bias, keep, statistics)
+        kept = cpu_attention.forward(q, k, v, out, blocks, offset, causal, key_bias, keep, statistics, window)
         if statistics:
-            cpu_attention.backward_recompute(dout, q, k, v, kept, blocks, offset, causal, key_bias, dq, dk, dv, keep)
+            cpu_attention.backward_recompute(
+                dout, q, k, v, kept, blocks, offset, causal, key_bias, dq, dk, dv, keep, window
+            )
         else:
             cpu_attention.backward(dout, q, k, v, kept, blocks, dq, dk, dv, keep)
             kept = [
-                p.reshape(b, hk, g, rows.stop - rows.start, seen)
+                p.reshape(b, hk, g, rows.stop - rows.start, seen.stop - seen.start)
                 for p, (rows, seen) in zip(np.split(kept.reshape(b, hk, g, -1), _tile_ends(blocks), axis=-1), blocks)
             ]
     else:
         masks = (
             None if key_mask is None else attention_bias(b, t, keys, False, key_mask, offset, dtype),
             offset if causal else None,
+            window,
         )
         kept = attention._composed_forward(q, k, v, out, blocks, masks, keep, statistics)
         attention._composed_backward(
             dout, q, k, v, None if statistics else kept, blocks, keep, dq, dk, dv, (kept, masks) if statistics else None
         )
         if causal and not statistics:  # the softmax's causal mask is the added -inf bias it replaces, to the bit
-            whole = attention_bias(b, t, keys, True, key_mask, offset, dtype)
-            by_bias = attention._composed_forward(q, k, v, np.empty_like(out), blocks, (whole, None), keep)
+            whole = attention_bias(b, t, keys, True, key_mask, offset, dtype, window)
+            by_bias = attention._composed_forward(q, k, v, np.empty_like(out), blocks, (whole, None, 0), keep)
             assert all(np.array_equal(x, y) for x, y in zip(kept, by_bias))
     return out, kept, dq, dk, dv
 
 
-def both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, dropout=0.0, seed=0):
+def both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, dropout=0.0, seed=0, window=0):
     q, k, v, dout, keep = inputs(dtype, b, hk, g, t, keys, d, dropout, seed)
-    return [core(fused, False, q, k, v, dout, keep, causal, offset, key_mask) for fused in (True, False)]
+    return [core(fused, False, q, k, v, dout, keep, causal, offset, key_mask, window) for fused in (True, False)]
 
 
 def _tile_ends(blocks):
-    return np.cumsum([(rows.stop - rows.start) * seen for rows, seen in blocks])[:-1]
+    return np.cumsum([(rows.stop - rows.start) * (seen.stop - seen.start) for rows, seen in blocks])[:-1]
 
 
 CASES = {
@@ -90,18 +93,27 @@ CASES = {
     "causal with a cache offset and padding": (2, 2, 2, 5, 37, 8, True, 32, "padded"),
     "bidirectional with padding": (3, 1, 2, 70, 70, 16, False, 0, "padded"),
     "bidirectional, no mask": (2, 3, 1, 64, 64, 4, False, 0, None),
+    "sliding window of 50 over 4 blocks": (2, 2, 3, 200, 200, 8, True, 0, None, 50),
+    "sliding window with dropout": (2, 2, 2, 130, 130, 8, True, 0, "dropout", 7),
+    "sliding window with a cache offset and padding": (2, 2, 2, 5, 37, 8, True, 32, "padded", 3),
+    "sliding window wider than the sequence": (1, 1, 2, 70, 70, 8, True, 0, None, 500),
 }
 
 
+def case(name):
+    """A case's parameters, its sliding window last (0 where it has none)."""
+    return (*CASES[name], 0)[:10]
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("case", CASES)
-def test_fused_core_matches_composed(dtype, case):
-    b, hk, g, t, keys, d, causal, offset, padding = CASES[case]
+@pytest.mark.parametrize("name", CASES)
+def test_fused_core_matches_composed(dtype, name):
+    b, hk, g, t, keys, d, causal, offset, padding, window = case(name)
     key_mask, dropout = None, 0.3 if padding == "dropout" else 0.0
     if padding == "padded":
         key_mask = (np.random.default_rng(1).random((b, keys)) > 0.3).astype("int64")
         key_mask[0, :] = 0  # every key of sequence 0 is padding: its rows are fully masked
-    fused, composed = both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, dropout)
+    fused, composed = both_cores(dtype, b, hk, g, t, keys, d, causal, offset, key_mask, dropout, window=window)
     out, probs, dq, dk, dv = fused
     for got, want in zip((out, *probs, dq, dk, dv), (composed[0], *composed[1], *composed[2:])):
         assert got.shape == want.shape and rel_err(got, want) <= TOL[dtype]
@@ -109,13 +121,13 @@ def test_fused_core_matches_composed(dtype, case):
         assert not out[0].any() and not dq[0].any() and not dk[0].any() and not dv[0].any()
 
 
-def reference_lse(q, k, causal, offset, key_mask):
+def reference_lse(q, k, causal, offset, key_mask, window=0):
     """log(sum(exp(scores))) of each query row over the keys it may see, whole-array numpy; -inf
     for a row that may see none."""
     (b, _, _, t, _), keys = q.shape, k.shape[2]
     scores = np.einsum("bhgtd,bhkd->bhgtk", q.astype("float64"), k.astype("float64"))
     if causal or key_mask is not None:
-        scores = scores + attention_bias(b, t, keys, causal, key_mask, offset, "float64")
+        scores = scores + attention_bias(b, t, keys, causal, key_mask, offset, "float64", window)
     top = scores.max(axis=-1, keepdims=True)
     shift = np.where(np.isfinite(top), top, 0.0)
     with np.errstate(divide="ignore"):
@@ -124,21 +136,21 @@ def reference_lse(q, k, causal, offset, key_mask):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("case", CASES)
-def test_recomputing_from_row_statistics_matches_the_kept_softmax(case, dtype, fused):
+@pytest.mark.parametrize("name", CASES)
+def test_recomputing_from_row_statistics_matches_the_kept_softmax(name, dtype, fused):
     """Selective recomputation's forward keeps each row's log-sum-exp ([B, hk, g, T], +inf for a
     fully masked row) and its backward rebuilds every tile from it: the output and dQ, dK, dV equal
     the path that keeps the softmax, and fully masked rows still give zeros, not NaN."""
-    b, hk, g, t, keys, d, causal, offset, padding = CASES[case]
+    b, hk, g, t, keys, d, causal, offset, padding, window = case(name)
     key_mask, dropout = None, 0.3 if padding == "dropout" else 0.0
     if padding == "padded":
         key_mask = (np.random.default_rng(1).random((b, keys)) > 0.3).astype("int64")
         key_mask[0, :] = 0
     q, k, v, dout, keep = inputs(dtype, b, hk, g, t, keys, d, dropout)
-    out, _, *grads = core(fused, False, q, k, v, dout, keep, causal, offset, key_mask)
-    again, lse, *again_grads = core(fused, True, q, k, v, dout, keep, causal, offset, key_mask)
+    out, _, *grads = core(fused, False, q, k, v, dout, keep, causal, offset, key_mask, window)
+    again, lse, *again_grads = core(fused, True, q, k, v, dout, keep, causal, offset, key_mask, window)
     assert lse.shape == q.shape[:4] and lse.dtype == q.dtype
-    want = reference_lse(q, k, causal, offset, key_mask)
+    want = reference_lse(q, k, causal, offset, key_mask, window)
     masked = np.isneginf(want)
     assert np.array_equal(np.isposinf(lse), masked) and masked.any() == (padding == "padded")
     assert np.max(np.abs(lse[~masked] - want[~masked])) <= TOL[dtype] * np.max(np.abs(want[~masked]))
@@ -147,12 +159,12 @@ def test_recomputing_from_row_statistics_matches_the_kept_softmax(case, dtype, f
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("case", CASES)
-def test_half_precision_recomputation_keeps_float32_statistics(case, dtype):
+@pytest.mark.parametrize("name", CASES)
+def test_half_precision_recomputation_keeps_float32_statistics(name, dtype):
     """Half dtypes run the composed path, whose softmax is computed in float32: the rows'
     log-sum-exp are kept in float32 (a half one would shift whole rows), forward's output is
     unchanged and the gradients differ from keeping the softmax by less than the dtype's rounding."""
-    b, hk, g, t, keys, d, causal, offset, padding = CASES[case]
+    b, hk, g, t, keys, d, causal, offset, padding, window = case(name)
     key_mask, dropout = None, 0.3 if padding == "dropout" else 0.0
     if padding == "padded":
         key_mask = (np.random.default_rng(1).random((b, keys)) > 0.3).astype("int64")
@@ -160,8 +172,8 @@ def test_half_precision_recomputation_keeps_float32_statistics(case, dtype):
     arrays = [
         None if a is None else a.astype(resolve_dtype(dtype)) for a in inputs("float32", b, hk, g, t, keys, d, dropout)
     ]
-    out, _, *grads = core(False, False, *arrays, causal, offset, key_mask)
-    again, lse, *again_grads = core(False, True, *arrays, causal, offset, key_mask)
+    out, _, *grads = core(False, False, *arrays, causal, offset, key_mask, window)
+    again, lse, *again_grads = core(False, True, *arrays, causal, offset, key_mask, window)
     assert lse.dtype == np.float32 and np.array_equal(again, out)
     for got, want in zip(again_grads, grads):
         assert np.isfinite(got.astype("float32")).all() and rel_err(got, want.astype("float64")) <= 2e-3

@@ -238,15 +238,15 @@ def test_cublas_gemm_computes_a_at_b_in_every_layout(name):
         assert G._rel(total, exact + 1) < 1e-5, half
 
 
-def _attention_pass(device: str, t: int, padded: bool) -> list:
-    """Output, input gradient and parameter gradients of one causal GQA + RoPE attention layer on
-    ``device`` (float64, host copies)."""
+def _attention_pass(device: str, t: int, padded: bool, window: int = 0) -> list:
+    """Output, input gradient and parameter gradients of one causal GQA + RoPE attention layer (with a
+    sliding ``window``) on ``device`` (float64, host copies)."""
     from hpc_tp.comm.mpi import self_comm
     from hpc_tp.models.init import initialize
     from hpc_tp.nn.attention import ParallelAttention
 
     backend.use(device)
-    layer = ParallelAttention(32, 4, 2, self_comm(), rope_theta=10000.0, dtype="float64")
+    layer = ParallelAttention(32, 4, 2, self_comm(), rope_theta=10000.0, window=window, dtype="float64")
     initialize(layer, std=0.3, n_layers=1, seed=5)
     rng = np.random.default_rng(0)
     x, dy = (backend.xp.asarray(rng.standard_normal((2, t, 32))) for _ in range(2))
@@ -258,11 +258,13 @@ def _attention_pass(device: str, t: int, padded: bool) -> list:
 
 
 @device_test
+@pytest.mark.parametrize("window", [0, 100])
 @pytest.mark.parametrize("padded", [False, True])
-def test_attention_in_device_blocks_equals_the_cpu_blocks(padded):
-    """T = 300: two causal blocks on the device (256 queries, then 44), five on the CPU (64 each)."""
-    cpu = _attention_pass("cpu", 300, padded)
-    gpu = _attention_pass("cuda", 300, padded)
+def test_attention_in_device_blocks_equals_the_cpu_blocks(padded, window):
+    """T = 300: two causal blocks on the device (256 queries, then 44), five on the CPU (64 each);
+    with a sliding window each block reads only the keys from its first query's window on."""
+    cpu = _attention_pass("cpu", 300, padded, window)
+    gpu = _attention_pass("cuda", 300, padded, window)
     assert max(G._rel(g, c) for g, c in zip(gpu, cpu)) <= 1e-12
 
 
@@ -301,7 +303,7 @@ def test_fused_attention_kernels_match_the_composed_core(dtype):
 
 
 @device_test
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "gemma3"])
 def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
     """Greedy generation with the KV cache (a left-padded prefill, then a token a step) on the device
     picks the CPU's tokens, and the device's logits of the whole sequences equal the CPU's (float64)."""
@@ -326,11 +328,11 @@ def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
 
 
 @device_test
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "gemma3"])
 def test_continuous_batching_on_the_device_gives_the_cpu_tokens(name):
-    """The continuous batcher's row-indexed writes and views (``kv_cache.RowsPrefill``, ``SlotCache``
-    with a slot per row, ``KVCache.copy_slots``) on the device: the CPU's tokens and cached prefixes
-    (float64), some of them cached."""
+    """The continuous batcher's paged KV cache on the device (``kv_cache.PagedView``'s scatter of new
+    K/V to block slots and gather of each row's slots, ``PagedKVCache.copy_block``): the CPU's tokens
+    and cached prefixes (float64), some of them cached."""
     from test_generate import CONFIGS, larger_weights
 
     device, host = (G.continuous_completions(d, CONFIGS[name], larger_weights) for d in ("cuda", "cpu"))
@@ -338,7 +340,7 @@ def test_continuous_batching_on_the_device_gives_the_cpu_tokens(name):
 
 
 @device_test
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "gemma3"])
 def test_a_captured_decode_step_replays_the_cpu_steps(name):
     """The fixed-shape decode step, captured as a CUDA graph at its first step: every replay gives the
     CPU's growing steps' logits (float64), at each replay's own slot and positions."""

@@ -68,6 +68,8 @@ C = self_comm()
         lambda: ParallelMLP(H, 16, C, "swiglu"),
         lambda: ParallelAttention(H, 6, 2, C, causal=True, rope_theta=100.0),
         lambda: ParallelAttention(H, 3, 3, C, causal=False),
+        lambda: ParallelAttention(H, 6, 2, C, causal=True, rope_theta=100.0, window=2),
+        lambda: ParallelAttention(H, 4, 2, C, rope_theta=100.0, head_dim=6, qk_norm_eps=1e-6),
     ],
     ids=[
         "column",
@@ -79,6 +81,8 @@ C = self_comm()
         "mlp-swiglu",
         "attn-gqa-rope",
         "attn-bidir",
+        "attn-sliding-window",
+        "attn-qk-norm-head-dim",
     ],
 )
 def test_layer_gradients(layer, monkeypatch):

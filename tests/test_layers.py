@@ -124,6 +124,8 @@ ATTN_CASES = {
     "gqa-kv2": dict(n_heads=4, n_kv_heads=2, causal=True),  # kv replicated when tp = 4
     "mqa-rope": dict(n_heads=4, n_kv_heads=1, causal=True, rope_theta=10000.0),
     "bidirectional-padded": dict(n_heads=4, n_kv_heads=4, causal=False, padded=True),
+    "gqa-sliding-window": dict(n_heads=4, n_kv_heads=2, causal=True, rope_theta=10000.0, window=3),
+    "sliding-window-padded": dict(n_heads=4, n_kv_heads=4, causal=True, window=2, padded=True),
 }
 
 
@@ -171,25 +173,36 @@ def test_transformer_block_with_dropout(style, query_block):
 
 
 @pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("window", [0, 1, 50])
 @pytest.mark.parametrize(
     "q_len, k_len, offset", [(7, 7, 0), (5, 12, 7), (200, 200, 0), (130, 140, 10), (1100, 1100, 0)]
 )
-def test_query_blocks_see_exactly_the_causal_keys(q_len, k_len, offset, on_device):
+def test_query_blocks_see_exactly_the_causal_keys(q_len, k_len, offset, window, on_device):
+    """Each block's keys run from its first query's window start to its last query's position."""
     rows = []
-    for block, seen in attention.query_blocks(q_len, k_len, offset, causal=True, on_device=on_device):
+    for block, seen in attention.query_blocks(q_len, k_len, offset, True, on_device, window):
         rows += list(range(block.start, block.stop))
-        assert seen == min(k_len, block.stop + offset)  # the block's last query sees keys 0 .. its position
+        assert seen.stop == min(k_len, block.stop + offset)  # the block's last query sees keys up to its position
+        assert seen.start == (max(0, block.start + offset - window + 1) if window else 0)
         assert block.stop - block.start <= attention.query_block(on_device)
     assert rows == list(range(q_len))
     if q_len > attention.query_block(on_device):
         assert attention.saved_score_elements(q_len, k_len, True, on_device) < q_len * k_len
+    if window == 50 and q_len > 2 * attention.query_block(on_device):  # whole tiles outside the window skipped
+        block = attention.query_block(on_device)
+        assert attention.saved_score_elements(q_len, k_len, True, on_device, window) <= q_len * (window + block)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
 @pytest.mark.parametrize("offset", [0, 3])
-def test_softmax_causal_offset_is_the_added_bias_to_the_bit(dtype, offset):
+@pytest.mark.parametrize("window", [0, 2])
+def test_softmax_causal_offset_is_the_added_bias_to_the_bit(dtype, offset, window):
     from hpc_tp.kernels import functional as F
 
     scores = np.random.default_rng(0).standard_normal((2, 3, 6, 9)).astype(dtype)
-    bias = attention.attention_bias(1, 6, 9, True, None, offset, dtype)[0]  # [1, 1, 6, 9]
-    assert np.array_equal(F.softmax_forward(scores, causal_offset=offset), F.softmax_forward(scores + bias))
+    bias = attention.attention_bias(1, 6, 9, True, None, offset, dtype, window)[0]  # [1, 1, 6, 9]
+    masked = F.softmax_forward(scores, causal_offset=offset, window=window)
+    assert np.array_equal(masked, F.softmax_forward(scores + bias))
+    if window:  # query i sees keys i + offset - 1 and i + offset only
+        seen = np.abs(np.subtract.outer(np.arange(6) + offset, np.arange(9)) - 0.5) < 1
+        assert ((masked != 0) == seen).all()

@@ -38,7 +38,47 @@ CONFIGS = {
         bias=False,
         tie_embeddings=False,
     ),
+    # Qwen3: heads sized apart from hidden (4 x 8 != 24) and RMSNorm on each query and key head.
+    "qwen3-qk-norm": dict(
+        vocab_size=37,
+        hidden=24,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        ffn_hidden=40,
+        max_seq_len=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
 }
+# Gemma 3: post-norms, GeGLU, scaled embeddings, a sliding window of 3 on the first layer (its own
+# rope base) and a global second one, a query scale of its own, soft-capped logits.
+GEMMA3_BLOCK = dict(  # what makes a Llama-shaped config Gemma 3's (the tests of other files use it too)
+    n_kv_heads=1,
+    qk_norm=True,
+    activation="geglu",
+    post_norms=True,
+    scale_embeddings=True,
+    tie_embeddings=True,
+    sliding_window=3,
+    rope_local_theta=100.0,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+    query_pre_attn_scalar=10.0,
+    logit_softcap=2.0,
+)
+CONFIGS["gemma3"] = dict(CONFIGS["qwen3-qk-norm"], **GEMMA3_BLOCK, layer_types=["sliding_attention", "full_attention"])
+
+
+def perturb_norm_gains(model):
+    """Gains of 1 would hide a norm applied to the wrong axis: the same random gains on every rank."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.load_full(np.random.default_rng(len(name)).normal(1.0, 0.2, p.partition.full_shape))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -46,6 +86,8 @@ def test_model_matches_single_process(name):
     tp, ref = tp_and_reference()
     cfg = ModelConfig(**CONFIGS[name])
     par, one = GPTModel(cfg, tp, seed=3), GPTModel(cfg, ref, seed=3)
+    perturb_norm_gains(par)
+    perturb_norm_gains(one)
     ids, targets = lm_batch()
     loss_ref, n_ref, ctx_ref = one.forward(ids, targets)
     loss_par, n_par, ctx_par = par.forward(ids, targets)
@@ -58,12 +100,14 @@ def test_model_matches_single_process(name):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("kv_heads", [2, 1])
-def test_micro_batches_accumulate_as_in_one_process(kv_heads, sequence_parallel):
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qk-norm", "gemma3"])
+def test_micro_batches_accumulate_as_in_one_process(name, kv_heads, sequence_parallel):
     """Three micro-batches summed into the gradients. K/V heads fewer than the tp ranks are
     replicated, and only each micro-batch's increment may be summed over the replicas: the whole
-    accumulated gradient once was, at every micro-batch (micro-batch i counted 2**(m-i) times)."""
+    accumulated gradient once was, at every micro-batch (micro-batch i counted 2**(m-i) times).
+    The query/key norm gains' gradients are summed over tp the same way."""
     tp, ref = tp_and_reference()
-    cfg = ModelConfig(**dict(CONFIGS["llama-gqa"], n_kv_heads=kv_heads))
+    cfg = ModelConfig(**dict(CONFIGS[name], n_kv_heads=kv_heads))
     par = GPTModel(dataclasses.replace(cfg, sequence_parallel=sequence_parallel), tp, seed=3)
     one = GPTModel(cfg, ref, seed=3)
     for seed in range(3):
@@ -74,10 +118,11 @@ def test_micro_batches_accumulate_as_in_one_process(kv_heads, sequence_parallel)
     assert_grads_match(par, one, tp, 1e-10)
 
 
-def test_parameter_bytes_per_rank():
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-qk-norm", "gemma3"])
+def test_parameter_bytes_per_rank(name):
     """Sharded bytes are total/tp (vocab rounded up to whole shards); replicated ones are whole on every rank."""
     tp, _ = tp_and_reference()
-    cfg = ModelConfig(**CONFIGS["llama-gqa"])
+    cfg = ModelConfig(**CONFIGS[name])
     model = GPTModel(cfg, tp)
     sharded = replicated = 0
     for _, p in model.named_parameters():
@@ -93,7 +138,8 @@ def test_parameter_bytes_per_rank():
     assert model.local_bytes() == sharded + replicated
     kv_parts = min(tp.size, cfg.n_kv_heads)
     total = cfg.parameter_count() * 8
-    vocab_pad = (-(-cfg.vocab_size // tp.size) * tp.size - cfg.vocab_size) * cfg.hidden * 8 * 2 // tp.size
+    matrices = 1 if cfg.tie_embeddings else 2  # the embedding, and the head where it has its own
+    vocab_pad = (-(-cfg.vocab_size // tp.size) * tp.size - cfg.vocab_size) * cfg.hidden * 8 * matrices // tp.size
     kv_extra = cfg.n_layers * 2 * cfg.hidden * cfg.n_kv_heads * cfg.head_dim * 8 * (1 / kv_parts - 1 / tp.size)
     expected = (total - replicated) / tp.size + replicated + vocab_pad + kv_extra
     assert abs(model.local_bytes() - expected) < 1e-6 * total
@@ -129,6 +175,16 @@ def test_heads_not_divisible_error_lists_working_tp():
         (dict(rope_theta=float("nan")), "rope_theta=nan: expected a number > 0"),
         (dict(rope_scaling=[8.0]), "rope_scaling=[8.0]: expected an object or null"),
         (dict(num_experts=2, capacity_factor="1"), "capacity_factor='1': expected a number > 0"),
+        (dict(qk_norm="yes"), "qk_norm='yes': expected true or false"),
+        (dict(head_dim=0), "head_dim=0: expected a positive integer"),
+        (dict(hidden=30, n_heads=4), "hidden=30 is not divisible by n_heads=4; set head_dim"),
+        (dict(position="rope", head_dim=7), "rope needs an even head size, got 7"),
+        (dict(sliding_window=-2), "sliding_window=-2: expected an integer >= 0 (0: none)"),
+        (dict(sliding_window=4, causal=False), "sliding_window=4: needs causal attention"),
+        (dict(layer_types=["sliding_attention"]), "expected a list of 2 layer types"),
+        (dict(layer_types=["local", "full_attention"]), "layer_types entry 'local': expected one of"),
+        (dict(logit_softcap=-1.0), "logit_softcap=-1.0: expected a number >= 0"),
+        (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar=0: expected a number > 0 or null"),
     ],
 )
 def test_config_values_of_the_wrong_type_or_range_are_one_clear_line(values, message):

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_model import GEMMA3_BLOCK
 
 from hpc_tp.cli import main
 from hpc_tp.comm.mpi import world
@@ -62,12 +63,15 @@ MOE = ModelConfig(
 )
 # Routed by the weights (top 1 of 4, capacity 1.25): the bound must hold, with tokens dropped or not.
 ROUTED = replace(MOE, top_k=1, capacity_factor=1.25, moe_every=1)
+# Gemma 3's block: post-norms, GeGLU, query/key norms, heads of 6 apart from hidden, one kv head,
+# sliding windows of 3 on three layers of four (fewer softmax tiles kept), soft-capped tied logits.
+GEMMA = replace(LLAMA, **GEMMA3_BLOCK, head_dim=6, layer_types=["sliding_attention"] * 3 + ["full_attention"])
 SP = {
     "gpt-sp": replace(GPT, sequence_parallel=True),
     "llama-sp": replace(LLAMA, sequence_parallel=True),
     "moe-sp": replace(MOE, sequence_parallel=True),
 }
-MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, **SP}
+MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "gemma3": GEMMA, **SP}
 MICRO, SEQ, MICRO_BATCHES = 2, 8, 4
 
 
@@ -86,7 +90,7 @@ def engine_layouts(cfg):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("name", ["gpt", "llama", "moe", "moe-sp"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "moe", "moe-sp", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_parameter_and_optimizer_bytes_are_the_engines(name, dtype):
     cfg, precision = MODELS[name], engine_precision(dtype)

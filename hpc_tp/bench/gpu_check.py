@@ -138,8 +138,8 @@ def composed_attention(q, k, v, dout, q_offset, causal, key_mask=None, window=0)
         allowed &= key_mask.astype(bool)[:, None, :]
     if window:
         allowed &= (numpy.arange(t)[:, None] + q_offset - numpy.arange(keys)[None]) < window
-    masks = (numpy.where(allowed, 0.0, -numpy.inf)[:, None, None], q_offset if causal else None)
-    blocks = [(slice(0, t), keys)]
+    masks = (numpy.where(allowed, 0.0, -numpy.inf)[:, None, None], q_offset if causal else None, 0)
+    blocks = [(slice(0, t), slice(0, keys))]
     out = numpy.empty(q.shape)
     probs = attention._composed_forward(q, k, v, out, blocks, masks, None)
     lse = attention._composed_forward(q, k, v, numpy.empty(q.shape), blocks, masks, None, statistics=True)

@@ -66,7 +66,7 @@ def step_flops(cfg: ModelConfig, batch: int, seq: int, needed_only: bool = False
     ``needed_only`` causal attention counts only the query-key pairs a query may see."""
     n, h, f = batch * seq, cfg.hidden, cfg.ffn_hidden
     q, k = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    mlp_mats = 3 if cfg.activation == "swiglu" else 2
+    mlp_mats = 3 if cfg.gated_mlp else 2
     pairs = seq * (seq + 1) // 2 if needed_only and cfg.causal else seq * seq
     forward = 2 * n * (h * (q + 2 * k) + q * h + mlp_mats * h * f) + 4 * batch * pairs * q
     return 3 * forward * cfg.n_layers

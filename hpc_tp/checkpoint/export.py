@@ -30,7 +30,7 @@ def add_arguments(parser):
     parser.add_argument("-o", "--output", required=True, metavar="DIR", help="Hugging Face folder to create")
     parser.add_argument(
         "--arch",
-        choices=("gpt2", "llama", "qwen2", "phi3", "mixtral"),
+        choices=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "gemma3_text"),
         default=None,
         help="target architecture (default: the one it was imported from, else gpt2 for learned "
         "positions and llama for rope)",
@@ -87,7 +87,19 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
         )
     architecture = architecture or meta.get("source", {}).get("architecture")
     if architecture not in EXPORTABLE:
-        architecture = "gpt2" if cfg.position == "learned" else "mixtral" if cfg.num_experts else "llama"
+        architecture = (
+            "gpt2"
+            if cfg.position == "learned"
+            else "mixtral"
+            if cfg.num_experts
+            else "gemma3_text"
+            if cfg.post_norms
+            else "mistral"
+            if cfg.sliding_window
+            else "qwen3"
+            if cfg.qk_norm
+            else "llama"
+        )
     hf_config, rules = export_layout(cfg, architecture)
     folder = Path(info["path"])
     stored = {t["name"]: t["dtype"] for t in info["tensors"]}

@@ -9,6 +9,10 @@ MKL runs the same tiles at 100-140 alone, and each softmax pass goes out to memo
 The causal and key-padding masks are applied in the loop, so no [T, keys] bias is built, and the
 backward accumulates dK and dV straight into the QKV gradient (beta = 1).
 
+Each block's tile spans the keys ``query_blocks`` gives it, from the first its window lets its
+first query see (0 without a window) to its last query's position; keys a row's window or the
+causal mask hides inside the tile are zeros of its softmax, as the composed path makes them.
+
 Same query blocks as ``attention.query_blocks`` and the same saved softmax outputs
 (``saved_score_elements`` per head, here one flat buffer): the layer's memory does not change.
 Fully masked rows give zeros, as the composed softmax does. Attention dropout multiplies each
@@ -55,12 +59,12 @@ def supported(*arrays) -> bool:
 
 
 def _block_tables(blocks):
-    """(first query of each block plus the end, keys each block sees, offset of each block's
-    softmax tile within one head's saved elements plus the total)."""
+    """(first query of each block plus the end, first key each block sees and the key after its
+    last, offset of each block's softmax tile within one head's saved elements plus the total)."""
     starts = numpy.array([rows.start for rows, _ in blocks] + [blocks[-1][0].stop], dtype=numpy.int64)
-    seens = numpy.array([seen for _, seen in blocks], dtype=numpy.int64)
-    sizes = numpy.diff(starts) * seens
-    return starts, seens, numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
+    keys = numpy.array([(seen.start, seen.stop) for _, seen in blocks], dtype=numpy.int64)
+    sizes = numpy.diff(starts) * (keys[:, 1] - keys[:, 0])
+    return starts, keys, numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
 
 
 def _largest_tile(tiles) -> int:
@@ -78,13 +82,16 @@ def _per_sequence(key_bias, batch: int, keys: int, dtype):
     return numpy.ascontiguousarray(numpy.broadcast_to(key_bias, (batch, keys)), dtype=dtype)
 
 
-def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, keep=None, statistics=False):
+def forward(
+    q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, keep=None, statistics=False, window: int = 0
+):
     """Softmax(Q K^T + masks) V into ``out`` ([B, hk, g, T, d] views; K, V [B, hk, keys, d]); Q is
     already scaled. ``key_bias`` [B, keys]: 0 for real keys, -inf for padding; ``keep`` [B, hk, g,
-    T, keys]: attention dropout's scaled keep mask, applied to the softmax before P V. Returns
-    the softmax outputs (before dropout), kept for ``backward``, or with ``statistics`` the rows'
-    log-sum-exp [B, hk, g, T] instead, for ``backward_recompute``."""
-    starts, seens, tiles = _block_tables(blocks)
+    T, keys]: attention dropout's scaled keep mask, applied to the softmax before P V; ``window``
+    > 0: a query sees only its last ``window`` keys (``blocks`` cut for it, ``query_blocks``).
+    Returns the softmax outputs (before dropout), kept for ``backward``, or with ``statistics`` the
+    rows' log-sum-exp [B, hk, g, T] instead, for ``backward_recompute``."""
+    starts, keys, tiles = _block_tables(blocks)
     b, hk, g, t = q.shape[:4]
     lse = numpy.empty((b, hk, g, t) if statistics else (0,) * 4, dtype=q.dtype)
     probs = numpy.empty(_largest_tile(tiles) if statistics else b * hk * g * int(tiles[-1]), dtype=q.dtype)
@@ -96,7 +103,7 @@ def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, ke
         out,
         probs,
         starts,
-        seens,
+        keys,
         tiles,
         q_offset,
         causal,
@@ -104,6 +111,7 @@ def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, ke
         _none(q.dtype, 5) if keep is None else keep,
         dropped,
         lse.reshape(-1),
+        window,
     )
     return lse if statistics else probs
 
@@ -111,20 +119,22 @@ def forward(q, k, v, out, blocks, q_offset: int, causal: bool, key_bias=None, ke
 def backward(dout, q, k, v, probs, blocks, dq, dk, dv, keep=None):
     """dQ (times 1/sqrt(d): Q was scaled in forward), and dK, dV added into their (zeroed) views;
     ``keep`` is forward's dropout mask."""
-    _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, _none(q.dtype, 1), 0, False, None)
+    _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, _none(q.dtype, 1), 0, False, None, 0)
 
 
-def backward_recompute(dout, q, k, v, lse, blocks, q_offset: int, causal: bool, key_bias, dq, dk, dv, keep=None):
+def backward_recompute(
+    dout, q, k, v, lse, blocks, q_offset: int, causal: bool, key_bias, dq, dk, dv, keep=None, window: int = 0
+):
     """``backward`` from forward's row statistics (``forward(..., statistics=True)``) instead of its
     softmax: each tile is made again from Q K^T, forward's masks and ``lse`` where it is used."""
     _backward_call(
-        dout, q, k, v, _none(q.dtype, 1), blocks, dq, dk, dv, keep, lse.reshape(-1), q_offset, causal, key_bias
+        dout, q, k, v, _none(q.dtype, 1), blocks, dq, dk, dv, keep, lse.reshape(-1), q_offset, causal, key_bias, window
     )
 
 
-def _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, lse, q_offset, causal, key_bias):
+def _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, lse, q_offset, causal, key_bias, window):
     """Scratch: dP (then dS), the dropped softmax tile with ``keep``, the recomputed one with ``lse``."""
-    starts, seens, tiles = _block_tables(blocks)
+    starts, keys, tiles = _block_tables(blocks)
     largest = _largest_tile(tiles)
     scratch = numpy.empty(largest * (1 + (keep is not None) + (lse.size > 0)), dtype=dout.dtype)
     _backward(
@@ -134,7 +144,7 @@ def _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, lse, q_offset
         v,
         probs,
         starts,
-        seens,
+        keys,
         tiles,
         1.0 / math.sqrt(q.shape[-1]),
         dq,
@@ -147,6 +157,7 @@ def _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, lse, q_offset
         q_offset,
         causal,
         _key_bias(key_bias, q.shape[0], k.shape[2], dout.dtype),
+        window,
     )
 
 
@@ -191,42 +202,57 @@ if numba is not None:
 
 
 @_jit
-def _exp_tile(p, at, rows, seen, first_query, causal, key_bias, batch, lse, lse_at, recompute):
-    """exp(S + key bias - shift) of the [rows, seen] tile of scores at ``p[at:]``, in place, 0 where
-    the causal mask hides a key; query r sits at absolute position ``first_query + r`` and may see
-    keys up to it when ``causal``. Each row's shift is its largest visible score (0 when there is
-    none), stored at ``lse[lse_at + r]`` when ``lse`` is not empty; with ``recompute`` it is read
-    from there instead (forward's log-sum-exp: the tile is then forward's softmax again).
-    (Loops index a 2-D view from 0: offsets that LLVM cannot prove non-negative keep it from vectorizing.)"""
-    tile = p[at : at + rows * seen].reshape((rows, seen))
-    for r in range(rows):
-        limit = min(seen, first_query + r + 1) if causal else seen
-        if key_bias.shape[0]:
-            for j in range(limit):
-                tile[r, j] += key_bias[batch, j]
-        if recompute:
-            shift = lse[lse_at + r]  # +inf for a fully masked row: every exp is 0, as forward made it
-        else:
-            top = _row_max(tile[r], limit)
-            shift = top if math.isfinite(top) else 0.0
-            if lse.size:
-                lse[lse_at + r] = shift
-        for j in range(limit):
-            tile[r, j] -= shift
-        for j in range(limit, seen):
-            tile[r, j] = 0.0  # exp(0) runs on the fast path, exp(-inf) does not (VML: 1.7x slower)
-    exp(rows * seen, p, at, p, at)
-    if causal:
-        for r in range(rows):
-            for j in range(min(seen, first_query + r + 1), seen):
-                tile[r, j] = 0.0
+def _visible(first_query, r, first_key, seen, causal, window):
+    """The tile columns [low, limit) that query row r sees: its keys sit at absolute positions
+    ``first_key + j``, the query at ``first_query + r``, which sees the keys up to it when
+    ``causal`` and only its last ``window`` of them when ``window`` > 0."""
+    position = first_query + r - first_key
+    limit = min(seen, position + 1) if causal else seen
+    low = min(max(0, position - window + 1), limit) if window else 0
+    return low, limit
 
 
 @_jit
-def _softmax_tile(p, at, rows, seen, first_query, causal, key_bias, batch, lse, lse_at):
+def _exp_tile(p, at, rows, seen, first_query, first_key, causal, window, key_bias, batch, lse, lse_at, recompute):
+    """exp(S + key bias - shift) of the [rows, seen] tile of scores at ``p[at:]``, in place, 0 where
+    the causal mask or the window hides a key (``_visible``). Each row's shift is its largest
+    visible score (0 when there is none), stored at ``lse[lse_at + r]`` when ``lse`` is not empty;
+    with ``recompute`` it is read from there instead (forward's log-sum-exp: the tile is then
+    forward's softmax again).
+    (Loops index views from 0: offsets that LLVM cannot prove non-negative keep it from vectorizing.)"""
+    tile = p[at : at + rows * seen].reshape((rows, seen))
+    for r in range(rows):
+        low, limit = _visible(first_query, r, first_key, seen, causal, window)
+        row = tile[r, low:limit]
+        if key_bias.shape[0]:
+            bias = key_bias[batch, first_key + low : first_key + limit]
+            for j in range(row.size):
+                row[j] += bias[j]
+        if recompute:
+            shift = lse[lse_at + r]  # +inf for a fully masked row: every exp is 0, as forward made it
+        else:
+            top = _row_max(row, row.size)
+            shift = top if math.isfinite(top) else 0.0
+            if lse.size:
+                lse[lse_at + r] = shift
+        for j in range(row.size):
+            row[j] -= shift
+        # exp(0) runs on the fast path, exp(-inf) does not (VML: 1.7x slower): hidden keys are 0 until after exp
+        tile[r, :low] = 0.0
+        tile[r, limit:] = 0.0
+    exp(rows * seen, p, at, p, at)
+    if causal:
+        for r in range(rows):
+            low, limit = _visible(first_query, r, first_key, seen, causal, window)
+            tile[r, :low] = 0.0
+            tile[r, limit:] = 0.0
+
+
+@_jit
+def _softmax_tile(p, at, rows, seen, first_query, first_key, causal, window, key_bias, batch, lse, lse_at):
     """Row-wise softmax of the tile (``_exp_tile``'s arguments), in place; with ``lse`` not empty
     each row's log-sum-exp into it (+inf for a fully masked row, whose outputs are 0)."""
-    _exp_tile(p, at, rows, seen, first_query, causal, key_bias, batch, lse, lse_at, False)
+    _exp_tile(p, at, rows, seen, first_query, first_key, causal, window, key_bias, batch, lse, lse_at, False)
     tile = p[at : at + rows * seen].reshape((rows, seen))
     if lse.size:
         for r in range(rows):
@@ -253,27 +279,38 @@ def _softmax_tile_backward(ds, p, at, rows, seen):
 
 
 @_jit
-def _tile(index, q, starts, seens, tiles):
+def _tile(index, q, starts, keys, tiles):
     """The ``index``-th (batch, kv head, query head of its group, query block) of the loop, with the
-    block's rows, the keys it sees, where its softmax tile is kept and where its rows' statistics are."""
+    block's rows, its first key and how many it sees, where its softmax tile is kept and where its
+    rows' statistics are."""
     _, nk, ng, t, _ = q.shape
-    block, head = index % seens.size, index // seens.size
+    block, head = index % keys.shape[0], index // keys.shape[0]
     b, h, g = head // (nk * ng), (head // ng) % nk, head % ng
-    first = starts[block]
-    return (b, h, g, first, starts[block + 1] - first, seens[block], head * tiles[-1] + tiles[block], head * t + first)
+    first, first_key = starts[block], keys[block, 0]
+    return (
+        b,
+        h,
+        g,
+        first,
+        starts[block + 1] - first,
+        first_key,
+        keys[block, 1] - first_key,
+        head * tiles[-1] + tiles[block],
+        head * t + first,
+    )
 
 
 @_jit
-def _drop(p, at, rows, seen, keep, b, h, g, first, out, out_at):
+def _drop(p, at, rows, seen, keep, b, h, g, first, first_key, out, out_at):
     """out[out_at:] = the [rows, seen] tile at ``p[at:]`` times its block of the keep mask."""
     for r in range(rows):
-        mask = keep[b, h, g, first + r]
+        mask = keep[b, h, g, first + r, first_key:]
         for j in range(seen):
             out[out_at + r * seen + j] = p[at + r * seen + j] * mask[j]
 
 
 @_jit
-def _scores(q, k, b, h, g, first, rows, seen, p, at):
+def _scores(q, k, b, h, g, first, rows, first_key, seen, p, at):
     """S = Q K^T of one tile into ``p[at:]`` (Q already scaled)."""
     gemm(
         NO_TRANS,
@@ -286,7 +323,7 @@ def _scores(q, k, b, h, g, first, rows, seen, p, at):
         _at(q, b, h, g, first),
         _ld(q),
         k,
-        _at(k, b, h, 0, 0),
+        _at(k, b, h, 0, first_key),
         _ld(k),
         0.0,
         p,
@@ -296,17 +333,17 @@ def _scores(q, k, b, h, g, first, rows, seen, p, at):
 
 
 @_jit
-def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bias, keep, dropped, lse):
+def _forward(q, k, v, out, probs, starts, keys, tiles, q_offset, causal, key_bias, keep, dropped, lse, window):
     d = q.shape[-1]
-    for index in range(q.shape[0] * q.shape[1] * q.shape[2] * seens.size):
-        b, h, g, first, rows, seen, at, lse_at = _tile(index, q, starts, seens, tiles)
+    for index in range(q.shape[0] * q.shape[1] * q.shape[2] * keys.shape[0]):
+        b, h, g, first, rows, first_key, seen, at, lse_at = _tile(index, q, starts, keys, tiles)
         if lse.size:
             at = 0  # only the rows' statistics are kept: every tile in the same scratch
-        _scores(q, k, b, h, g, first, rows, seen, probs, at)
-        _softmax_tile(probs, at, rows, seen, first + q_offset, causal, key_bias, b, lse, lse_at)
+        _scores(q, k, b, h, g, first, rows, first_key, seen, probs, at)
+        _softmax_tile(probs, at, rows, seen, first + q_offset, first_key, causal, window, key_bias, b, lse, lse_at)
         weights, weights_at = probs, at
         if keep.size:
-            _drop(probs, at, rows, seen, keep, b, h, g, first, dropped, 0)
+            _drop(probs, at, rows, seen, keep, b, h, g, first, first_key, dropped, 0)
             weights, weights_at = dropped, 0
         gemm(
             NO_TRANS,
@@ -319,7 +356,7 @@ def _forward(q, k, v, out, probs, starts, seens, tiles, q_offset, causal, key_bi
             weights_at,
             seen,
             v,
-            _at(v, b, h, 0, 0),
+            _at(v, b, h, 0, first_key),
             _ld(v),
             0.0,
             out,
@@ -336,7 +373,7 @@ def _backward(
     v,
     probs,
     starts,
-    seens,
+    keys,
     tiles,
     scale,
     dq,
@@ -349,23 +386,24 @@ def _backward(
     q_offset,
     causal,
     key_bias,
+    window,
 ):
     d = q.shape[-1]
-    for index in range(q.shape[0] * q.shape[1] * q.shape[2] * seens.size):
-        b, h, g, first, rows, seen, at, lse_at = _tile(index, q, starts, seens, tiles)
+    for index in range(q.shape[0] * q.shape[1] * q.shape[2] * keys.shape[0]):
+        b, h, g, first, rows, first_key, seen, at, lse_at = _tile(index, q, starts, keys, tiles)
         dout_at, q_at = _at(dout, b, h, g, first), _at(q, b, h, g, first)
-        k_at, v_at = _at(k, b, h, 0, 0), _at(v, b, h, 0, 0)
+        k_at, v_at = _at(k, b, h, 0, first_key), _at(v, b, h, 0, first_key)
         p = probs
         if lse.size:  # selective recomputation: forward's softmax tile again, in the scratch's last tile
             p, at = scratch, scratch.size - largest
-            _scores(q, k, b, h, g, first, rows, seen, p, at)
-            _exp_tile(p, at, rows, seen, first + q_offset, causal, key_bias, b, lse, lse_at, True)
+            _scores(q, k, b, h, g, first, rows, first_key, seen, p, at)
+            _exp_tile(p, at, rows, seen, first + q_offset, first_key, causal, window, key_bias, b, lse, lse_at, True)
         # dP = dO V^T (through the dropout mask), then dS = P (dP - rowsum(dP P)) in the same scratch tile
         gemm(NO_TRANS, TRANS, rows, seen, d, 1.0, dout, dout_at, _ld(dout), v, v_at, _ld(v), 0.0, scratch, 0, seen)
         weights, weights_at = p, at
         if keep.size:
-            _drop(scratch, 0, rows, seen, keep, b, h, g, first, scratch, 0)
-            _drop(p, at, rows, seen, keep, b, h, g, first, scratch, largest)
+            _drop(scratch, 0, rows, seen, keep, b, h, g, first, first_key, scratch, 0)
+            _drop(p, at, rows, seen, keep, b, h, g, first, first_key, scratch, largest)
             weights, weights_at = scratch, largest
         _softmax_tile_backward(scratch, p, at, rows, seen)
         gemm(
@@ -401,7 +439,7 @@ def _backward(
             _ld(q),
             1.0,
             dk,
-            _at(dk, b, h, 0, 0),
+            _at(dk, b, h, 0, first_key),
             _ld(dk),
         )
         gemm(
@@ -419,6 +457,6 @@ def _backward(
             _ld(dout),
             1.0,
             dv,
-            _at(dv, b, h, 0, 0),
+            _at(dv, b, h, 0, first_key),
             _ld(dv),
         )

@@ -176,18 +176,19 @@ def silu_backward(dy, saved):
     return dy * sig * (1.0 + x * (1.0 - sig))
 
 
-def softmax_forward(scores, causal_offset: int | None = None):
+def softmax_forward(scores, causal_offset: int | None = None, window: int = 0):
     """Softmax over the last axis; rows that are entirely -inf (fully masked) give zeros, not NaN.
     One full-size array is written (the result); the row statistics are small. ``causal_offset``:
     scores [..., Tq, Tk] where query i sees only keys j <= i + offset, masked as an added -inf
-    bias would (the device kernel skips them in place; elsewhere they are set to -inf first)."""
-    if causal_offset is not None and cuda_kernels.fused(scores, row=True):
+    bias would (the device kernel skips them in place; elsewhere they are set to -inf first);
+    ``window`` > 0 hides the keys j <= i + offset - window too (sliding-window attention)."""
+    if causal_offset is not None and not window and cuda_kernels.fused(scores, row=True):
         return cuda_kernels.softmax_forward(scores, causal_offset)
     if _half(scores):  # as the norms: float32 row sums (and the device's float32 row kernel)
-        return softmax_forward(scores.astype("float32"), causal_offset).astype(scores.dtype)
+        return softmax_forward(scores.astype("float32"), causal_offset, window).astype(scores.dtype)
     xp = xp_of(scores)
     if causal_offset is not None:
-        scores = causal_masked(scores, causal_offset)
+        scores = causal_masked(scores, causal_offset, window)
     if fast := _fused("softmax_forward", scores, row=True):
         return fast(scores)
     row_max = scores.max(axis=-1, keepdims=True)
@@ -200,15 +201,22 @@ def softmax_forward(scores, causal_offset: int | None = None):
     return p
 
 
-def causal_hidden(q_len: int, k_len: int, offset: int, xp):
-    """[Tq, Tk]: True where key j comes after query i's position i + ``offset`` (the causal mask)."""
-    return xp.arange(k_len)[None, :] > xp.arange(offset, offset + q_len)[:, None]
+def causal_hidden(q_len: int, k_len: int, offset: int, xp, window: int = 0):
+    """[Tq, Tk]: True where key j comes after query i's position i + ``offset`` (the causal mask)
+    or, with a ``window`` > 0, lies ``window`` or more positions before it (sliding-window attention:
+    a query sees itself and the window - 1 keys before it)."""
+    keys, queries = xp.arange(k_len)[None, :], xp.arange(offset, offset + q_len)[:, None]
+    hidden = keys > queries
+    if window:
+        hidden |= keys <= queries - window
+    return hidden
 
 
-def causal_masked(scores, offset: int):
+def causal_masked(scores, offset: int, window: int = 0):
     """``scores`` [..., Tq, Tk] with -inf where ``causal_hidden`` hides the key."""
     xp = xp_of(scores)
-    return xp.where(causal_hidden(*scores.shape[-2:], offset, xp), -xp.inf, scores).astype(scores.dtype, copy=False)
+    hidden = causal_hidden(*scores.shape[-2:], offset, xp, window)
+    return xp.where(hidden, -xp.inf, scores).astype(scores.dtype, copy=False)
 
 
 def softmax_backward(dp, p):

@@ -11,10 +11,12 @@ from pathlib import Path
 from ..errors import ConfigError
 
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu")
+ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu", "geglu")  # geglu: gated GELU, tanh approximation (Gemma)
+GATED = ("swiglu", "geglu")  # MLPs whose first projection is gate and up: act(gate) * up
 POSITIONS = ("learned", "rope")
 FAMILIES = ("gpt", "bert")  # decoder LM (models/gpt.py) or post-LN encoder (models/bert.py)
-SWITCHES = ("tie_embeddings", "bias", "causal", "sequence_parallel")
+LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's names for local and global layers
+SWITCHES = ("tie_embeddings", "bias", "causal", "sequence_parallel", "qk_norm", "post_norms", "scale_embeddings")
 
 
 @dataclass
@@ -24,6 +26,7 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int | None = None  # None: as many as n_heads (no grouped-query attention)
+    head_dim: int | None = None  # None: hidden // n_heads (Qwen3, Gemma 3: set apart from hidden)
     ffn_hidden: int | None = None  # None: 4 * hidden
     max_seq_len: int = 128
     norm: str = "layernorm"
@@ -32,6 +35,14 @@ class ModelConfig:
     position: str = "learned"
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # Hugging Face style, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    sliding_window: int = 0  # > 0: local layers attend to their last this-many positions (self included)
+    layer_types: list | None = None  # per layer "sliding_attention" or "full_attention"; None: all sliding
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # a norm on attention's and the MLP's outputs too, before each residual (Gemma)
+    scale_embeddings: bool = False  # token embeddings times sqrt(hidden) (Gemma)
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers, unscaled (None: rope_theta)
+    query_pre_attn_scalar: float | None = None  # queries scaled by its -1/2 power (None: head_dim's)
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap) (0: none)
     tie_embeddings: bool = True
     bias: bool = True
     causal: bool = True
@@ -52,10 +63,27 @@ class ModelConfig:
             self.n_kv_heads = self.n_heads
         if self.ffn_hidden is None:
             self.ffn_hidden = 4 * self.hidden
+        sizes = (self.hidden, self.n_heads)
+        if self.head_dim is None and all(isinstance(n, int) and n > 0 for n in sizes):  # else validate names them
+            if self.hidden % self.n_heads:
+                raise ConfigError(
+                    f"model config hidden={self.hidden} is not divisible by n_heads={self.n_heads}; "
+                    "set head_dim to size the heads apart from hidden"
+                )
+            self.head_dim = self.hidden // self.n_heads
         self.validate()
 
     def validate(self):
-        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "hidden",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "ffn_hidden",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model config {name}={value!r}: expected a positive integer")
@@ -69,23 +97,26 @@ class ModelConfig:
                 raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         if not isinstance(self.type_vocab_size, int) or self.type_vocab_size < 0:
             raise ConfigError(f"model config type_vocab_size={self.type_vocab_size!r}: expected an integer >= 0")
-        if self.hidden % self.n_heads:
-            raise ConfigError(f"model config hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"model config n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.position == "rope" and (self.hidden // self.n_heads) % 2:
-            raise ConfigError(f"rope needs an even head size, got {self.hidden // self.n_heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rope needs an even head size, got {self.head_dim}")
         for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model config {name}={getattr(self, name)!r}: expected true or false")
         self._check_number("norm_eps", lambda v: v > 0, "a number > 0")
         self._check_number("rope_theta", lambda v: v > 0, "a number > 0")
+        self._check_number("logit_softcap", lambda v: v >= 0, "a number >= 0 (0: no soft-capping)")
+        for name in ("rope_local_theta", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None:
+                self._check_number(name, lambda v: v > 0, "a number > 0 or null")
         self._check_number("init_std", lambda v: v > 0, "a number > 0")
         for name in ("dropout", "attn_dropout"):
             self._check_number(name, lambda v: 0 <= v < 1, "a probability 0 <= p < 1")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ConfigError(f"model config rope_scaling={self.rope_scaling!r}: expected an object or null")
         self._validate_moe()
+        self._validate_window()
 
     def _check_number(self, name: str, allowed, expected: str):
         value = getattr(self, name)
@@ -113,12 +144,41 @@ class ModelConfig:
         self._check_number("capacity_factor", lambda v: v > 0, "a number > 0")
         self._check_number("aux_loss_coef", lambda v: v >= 0, "a number >= 0")
 
-    def is_moe_layer(self, layer: int) -> bool:
-        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+    def _validate_window(self):
+        window = self.sliding_window
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise ConfigError(f"model config sliding_window={window!r}: expected an integer >= 0 (0: none)")
+        if window and not self.causal:
+            raise ConfigError(f"model config sliding_window={window}: needs causal attention (causal=true)")
+        if self.layer_types is None:
+            return
+        if not isinstance(self.layer_types, list) or len(self.layer_types) != self.n_layers:
+            raise ConfigError(
+                f"model config layer_types={self.layer_types!r}: expected a list of {self.n_layers} layer types"
+            )
+        for kind in self.layer_types:
+            if kind not in LAYER_TYPES:
+                raise ConfigError(f"model config layer_types entry {kind!r}: expected one of {', '.join(LAYER_TYPES)}")
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of layer ``layer`` (0: it attends to every earlier position)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
+
+    def rope_of(self, layer: int) -> tuple[float, dict | None]:
+        """RoPE base and scaling of layer ``layer``: a sliding-window layer's own base (unscaled)
+        where ``rope_local_theta`` is set, else the model's."""
+        if self.rope_local_theta is not None and self.window_of(layer):
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.n_heads
+    def gated_mlp(self) -> bool:
+        return self.activation in GATED
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -136,13 +196,20 @@ class ModelConfig:
         except TypeError as e:
             raise ConfigError(f"model config: {e}") from None
 
+    def mlp_parameters(self, width: int) -> int:
+        """Elements of one MLP of ``width`` (dense, an expert or the shared expert); 0 for width 0."""
+        if not width:
+            return 0
+        b = 1 if self.bias else 0
+        return (2 if self.gated_mlp else 1) * (self.hidden * width + b * width) + width * self.hidden + b * self.hidden
+
     def parameter_count(self) -> int:
         h, f, v, L = self.hidden, self.ffn_hidden, self.vocab_size, self.n_layers
-        kv = self.n_kv_heads * self.head_dim
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         b = 1 if self.bias else 0
-        attn = h * (h + 2 * kv) + b * (h + 2 * kv) + h * h + b * h
-        mlp = (2 if self.activation == "swiglu" else 1) * (h * f + b * f) + f * h + b * h
-        norms = 2 * h * (2 if self.norm == "layernorm" and self.bias else 1)
+        mlp = self.mlp_parameters(f)
+        attn = h * (q + 2 * kv) + b * (q + 2 * kv) + q * h + b * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.post_norms else 2) * h * (2 if self.norm == "layernorm" and self.bias else 1)
         moe_layers = sum(self.is_moe_layer(i) for i in range(L))
         moe_extra = moe_layers * ((self.num_experts - 1) * mlp + h * self.num_experts)  # more experts + router
         embed = v * h * (1 if self.tie_embeddings else 2) + (self.max_seq_len * h if self.position == "learned" else 0)

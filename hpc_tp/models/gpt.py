@@ -1,7 +1,8 @@
-"""Decoder language model (GPT-2; Llama family through the config: RoPE, RMSNorm, SwiGLU, GQA).
+"""Decoder language model (GPT-2; Llama family through the config: RoPE, RMSNorm, SwiGLU, GQA;
+Gemma 3: embeddings scaled by sqrt(hidden), post-norms, GeGLU, local and global layers, soft-capped logits).
 
-    ids -> vocab-parallel embedding (+ learned positions) -> blocks -> final norm
-        -> vocab-parallel LM head -> vocab-parallel cross entropy
+    ids -> vocab-parallel embedding (x sqrt(hidden)) (+ learned positions) -> blocks -> final norm
+        -> vocab-parallel LM head (-> cap * tanh(logits / cap)) -> vocab-parallel cross entropy
 
 The pieces are exposed separately (embed, blocks, head) so a pipeline stage can run only its part.
 
@@ -14,6 +15,7 @@ their load-balancing term joins (``backward`` sets it, and so does the pipeline 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import contextmanager
 
@@ -97,6 +99,8 @@ class GPTModel(Module):
     # -- pieces ---------------------------------------------------------------------------------------
     def embed_forward(self, ids, positions=None):
         x, ctx = self.embed.forward(ids)
+        if self.cfg.scale_embeddings:
+            x *= math.sqrt(self.cfg.hidden)
         if self.cfg.position == "learned":
             t = ids.shape[1]
             if t > self.cfg.max_seq_len:
@@ -112,6 +116,8 @@ class GPTModel(Module):
             dx = self._to_shards.backward(dx)
         if self.cfg.position == "learned":
             self.pos.grad[: dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
+        if self.cfg.scale_embeddings:
+            dx = dx * math.sqrt(self.cfg.hidden)
         self.embed.backward(dx, ctx)
 
     def blocks_forward(self, x, key_mask=None, positions=None):
@@ -131,10 +137,17 @@ class GPTModel(Module):
         if self._sequence_comm is not None:
             h = self._from_shards.forward(h)
         logits, head_ctx = self.head.forward(h)
-        return logits, (norm_ctx, head_ctx)
+        capped = None
+        if self.cfg.logit_softcap:  # elementwise, so on each rank's vocabulary shard
+            cap = self.cfg.logit_softcap
+            capped = backend.xp_of(logits).tanh(logits / cap)
+            logits = capped * cap
+        return logits, (norm_ctx, head_ctx, capped)
 
     def logits_backward(self, dlogits, ctx):
-        norm_ctx, head_ctx = ctx
+        norm_ctx, head_ctx, capped = ctx
+        if capped is not None:
+            dlogits = dlogits * (1.0 - capped * capped)
         dh = self.head.backward(dlogits, head_ctx)
         if self._sequence_comm is None:
             return self.final_norm.backward(dh, norm_ctx)

@@ -4,7 +4,9 @@ QKV is one column-parallel GEMM: each rank owns whole query heads and the K/V he
 attend to. With grouped-query attention and tp > kv heads, a KV head is replicated on the
 tp/kv ranks whose query heads use it (its gradient is summed across those replicas). Heads
 are independent, so attention itself needs no communication; the output projection is
-row-parallel and its g all-reduce is the layer's only forward collective.
+row-parallel and its g all-reduce is the layer's only forward collective. The head size may be
+set apart from hidden / heads (``head_dim``), and ``qk_norm_eps`` adds an RMSNorm over head_dim to
+every query and key head before RoPE (Qwen3, Gemma 3).
 
 The core (Q K^T, softmax and P V per causal query block, and their backward) runs as one fused
 numba/MKL loop on the CPU (``cpu_attention``) for float32/float64 numpy arrays;
@@ -15,9 +17,17 @@ dropout): they keep only each row's log-sum-exp and the output for backward, wha
 ``recompute_scores`` says.
 
 Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
-``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled) and
+``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled),
 ``store(k, v) -> (keys, values)``, which writes this step's rotated K/V heads at slots
-``offset:offset+T`` and returns every filled slot. Each rank caches only its own K/V heads.
+``offset:offset+T`` and returns every filled slot, and ``attend(q, k, v, out)``, True where the cache
+stored them and attended with a kernel of its own (a paged cache's decode step on the CPU). Each rank
+caches only its own K/V heads.
+
+A sliding ``window`` (Mistral, Gemma 3's local layers) lets a query see itself and the window - 1
+keys before it: each causal block reads only the keys from its first query's window on
+(``query_blocks``), and the masks hide the rest of its tile. A cache whose rows write at slots of
+their own (``query_slots``: the fixed-shape and continuous-batching decode steps) says where each
+row's query is, and the window joins the key mask there instead.
 
 With ``recompute_scores`` (selective recomputation, ``hpc_tp.recompute``) forward keeps neither
 the softmax outputs nor the dropout masks, only each query row's log-sum-exp ([B, hk, g, T], in
@@ -44,7 +54,9 @@ from ..kernels import functional as F
 from ..module import Module
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
 from ..tensor_parallel.random import DropoutRNG
+from ..tensor_parallel.sequence_parallel import sum_grads_over
 from .dropout import keep_mask
+from .norms import RMSNorm
 
 
 def heads_fit(n_heads: int, n_kv_heads: int, tp: int) -> bool:
@@ -60,14 +72,14 @@ def check_heads(n_heads: int, n_kv_heads: int, tp: int):
         )
 
 
-def attention_bias(batch, q_len, k_len, causal: bool, key_mask, q_offset: int, dtype):
+def attention_bias(batch, q_len, k_len, causal: bool, key_mask, q_offset: int, dtype, window: int = 0):
     """Additive mask [B|1, 1, 1, Tq, Tk]: 0 where a query may look, -inf where it may not.
     ``key_mask`` [B, Tk] is 1 for real tokens and 0 for padding; ``q_offset`` is the absolute
-    position of the first query (decoding with a cache)."""
+    position of the first query (decoding with a cache); ``window``: a causal sliding window."""
     xp = backend.xp
     allowed = xp.ones((1, q_len, k_len), dtype=bool)
     if causal:
-        allowed = allowed & ~F.causal_hidden(q_len, k_len, q_offset, xp)[None]
+        allowed = allowed & ~F.causal_hidden(q_len, k_len, q_offset, xp, window)[None]
     if key_mask is not None:
         allowed = allowed & (key_mask.astype(bool)[:, None, :])
     return xp.where(allowed, 0.0, -xp.inf).astype(dtype)[:, None, None]
@@ -86,31 +98,46 @@ def query_block(on_device: bool) -> int:
 
 
 def query_blocks(
-    q_len: int, k_len: int, q_offset: int, causal: bool, on_device: bool = False
-) -> list[tuple[slice, int]]:
+    q_len: int, k_len: int, q_offset: int, causal: bool, on_device: bool = False, window: int = 0
+) -> list[tuple[slice, slice]]:
     """(query rows, keys they may see) per block: with a causal mask a block of queries needs only
     the keys up to its last query's position, so blocks of 64 skip most of the masked upper
-    triangle (T = 256: 10 of 16 tiles are computed). Without one, the whole square in one block."""
-    return _blocks(q_len, k_len, q_offset, causal, query_block(on_device))
+    triangle (T = 256: 10 of 16 tiles are computed); with a sliding ``window`` only the keys from
+    its first query's window on, so a long sequence costs T x (window + 64) scores, not T^2 / 2.
+    Without a causal mask, the whole square in one block."""
+    return _blocks(q_len, k_len, q_offset, causal, query_block(on_device), window)
 
 
-def _blocks(q_len: int, k_len: int, q_offset: int, causal: bool, block: int) -> list[tuple[slice, int]]:
-    if not causal or q_len <= block:
-        return [(slice(0, q_len), k_len)]
+def _blocks(q_len: int, k_len: int, q_offset: int, causal: bool, block: int, window: int = 0):
+    if not causal:
+        return [(slice(0, q_len), slice(0, k_len))]
+    if q_len <= block:
+        return [(slice(0, q_len), slice(_window_start(q_offset, window), k_len))]
     return [
-        (slice(start, min(start + block, q_len)), min(k_len, min(start + block, q_len) + q_offset))
+        (
+            slice(start, min(start + block, q_len)),
+            slice(_window_start(start + q_offset, window), min(k_len, min(start + block, q_len) + q_offset)),
+        )
         for start in range(0, q_len, block)
     ]
 
 
-def saved_score_elements(q_len: int, k_len: int, causal: bool, on_device: bool = False) -> int:
+def _window_start(position: int, window: int) -> int:
+    """The first key a query at ``position`` sees in a sliding ``window`` (0: no window)."""
+    return max(0, position - window + 1) if window else 0
+
+
+def saved_score_elements(q_len: int, k_len: int, causal: bool, on_device: bool = False, window: int = 0) -> int:
     """Softmax outputs attention keeps per head and sequence (the blocks of ``query_blocks``)."""
-    return _saved_elements(q_len, k_len, causal, query_block(on_device))
+    return _saved_elements(q_len, k_len, causal, query_block(on_device), window)
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for every layout it tries: most of a 175B search's time
-def _saved_elements(q_len: int, k_len: int, causal: bool, block: int) -> int:
-    return sum((rows.stop - rows.start) * seen for rows, seen in _blocks(q_len, k_len, 0, causal, block))
+def _saved_elements(q_len: int, k_len: int, causal: bool, block: int, window: int) -> int:
+    return sum(
+        (rows.stop - rows.start) * (keys.stop - keys.start)
+        for rows, keys in _blocks(q_len, k_len, 0, causal, block, window)
+    )
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None):
@@ -166,7 +193,9 @@ class AttentionContext(NamedTuple):
     dropped: bool  # whether dropout ran (recomputation redraws its mask)
     fused: bool  # whether the fused CPU kernel ran (backward takes the same path)
     rope: object  # the rotary tables (None: no rope)
+    norms: object  # the query and key norms' saved values (None: no qk_norm)
     offset: int  # cache slots filled before this call
+    window: int  # the sliding window the blocks were cut for (0: none, or applied by the key mask)
     out_ctx: object  # the output projection's context
     flash_out: object = None  # the device kernels' attention output [B, hk, g, T, d] (None: they did not run)
 
@@ -183,21 +212,26 @@ class ParallelAttention(Module):
         bias=True,
         rope_theta: float | None = None,
         rope_scaling: dict | None = None,
+        window: int = 0,
         dropout: float = 0.0,
         rng: DropoutRNG | None = None,
         layer_id: int = 0,
         sequence_parallel: bool = False,
+        head_dim: int | None = None,
+        qk_norm_eps: float | None = None,
+        query_scale: float | None = None,
         dtype="float64",
     ):
-        if hidden % n_heads:
+        if head_dim is None and hidden % n_heads:
             raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
         if n_heads % n_kv_heads:
             raise ConfigError(f"{n_heads} attention heads are not a multiple of {n_kv_heads} kv heads")
-        if rope_theta is not None and (hidden // n_heads) % 2:
-            raise ConfigError(f"rope needs an even head size, got {hidden // n_heads}")
+        d = hidden // n_heads if head_dim is None else head_dim
+        if rope_theta is not None and d % 2:
+            raise ConfigError(f"rope needs an even head size, got {d}")
         tp, rank = comm.size, comm.rank
         check_heads(n_heads, n_kv_heads, tp)
-        self.head_dim = d = hidden // n_heads
+        self.head_dim = d
         self.heads_local = n_heads // tp
         self.head_start = rank * self.heads_local
         if n_kv_heads >= tp:
@@ -208,8 +242,13 @@ class ParallelAttention(Module):
             replica_comm = comm.split(color=kv_index, key=rank)
         self.kv_local = n_kv_heads // kv_parts
         self.causal, self.dropout, self.rng, self.layer_id = causal, dropout, rng, layer_id
+        self.window = window  # sliding-window attention: each query sees its last ``window`` keys (0: all)
         self.recompute_scores = False  # selective recomputation (GPTModel.set_selective_recompute)
         self.inv_freq = None if rope_theta is None else rope_inv_freq(d, rope_theta, rope_scaling)
+        # The cores' backward undoes 1/sqrt(d) on dQ; another scale (Gemma's query_pre_attn_scalar)
+        # is fixed up after them by this ratio.
+        self.query_scale = 1.0 / math.sqrt(d) if query_scale is None else query_scale
+        self._scale_ratio = self.query_scale * math.sqrt(d)
         self.qkv = ColumnParallelLinear(
             hidden,
             None,
@@ -226,6 +265,14 @@ class ParallelAttention(Module):
         self.out = RowParallelLinear(
             n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype, sequence_parallel=sequence_parallel
         )
+        # Query/key RMSNorm: one gain over head_dim shared by every head, so replicated; each rank's
+        # gradient covers its own heads only and is summed over tp (a replicated K/V head's partial
+        # gradients add up to its whole one there too).
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(d, tp, qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, tp, qk_norm_eps, dtype)
+        self._comm = comm
 
     def _split_heads(self, qkv):
         """Views of Q [B, hk, g, T, d] and of K, V [B, hk, T, d] in a [B, T, (hq + 2 hk) d] buffer:
@@ -255,33 +302,41 @@ class ParallelAttention(Module):
         qkv, qkv_ctx = self.qkv.forward(x)
         b, t, _ = qkv.shape  # the whole sequence, also when x is a sequence-parallel shard
         q, k, v = self._split_heads(qkv)
+        norms = None
+        if self.q_norm is not None:
+            (q, q_saved), (k, k_saved) = self.q_norm.forward(q), self.k_norm.forward(k)
+            norms = (q_saved, k_saved)
         rope = None
         if self.inv_freq is not None:
             pos = xp.arange(t) if positions is None else positions
             rope = F.rope_tables(pos, self.inv_freq, x.dtype)
             q, k = F.rope_apply(q, *_per_row(rope, q.ndim)), F.rope_apply(k, *_per_row(rope, k.ndim))
-        # Scale the queries, not the [T, keys] scores: in place, since qkv (or the rotated copy) is
+        # Scale the queries, not the [T, keys] scores: in place, since qkv (or the rotated or normed copy) is
         # this call's own array and K/V views do not overlap Q.
-        q *= 1.0 / math.sqrt(self.head_dim)
-        offset = 0
+        q *= self.query_scale
+        merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
+        attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
+        if cache is not None and cache.attend(q, k, v, attn, self.window):  # its own kernel (inference: no context)
+            return self.out.forward(merged)[0], None
+        offset, window = 0, self.window
         if cache is not None:
             offset = cache.offset
             k, v = cache.store(k, v)
+            if window and getattr(cache, "query_slots", None) is not None:
+                key_mask, window = _slot_window(key_mask, cache.query_slots, k.shape[2], window)
         keys = k.shape[2]
         mask = None
         if self.dropout > 0 and self.rng is not None and self.rng.training:
             mask = self._dropout_masks((b, self.kv_local, self.heads_local // self.kv_local, t, keys), x.dtype)
-        merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
-        attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
         fused = cpu_attention.supported(q, k, v, attn, *(() if mask is None else (mask,)))
         if mask is None and flash_attention.supported(q, k, v, attn):
-            lse = flash_attention.forward(q, k, v, attn, offset, self.causal, key_mask)
+            lse = flash_attention.forward(q, k, v, attn, offset, self.causal, key_mask, window)
             y, out_ctx = self.out.forward(merged)
             ctx = AttentionContext(
-                qkv_ctx, q, k, v, None, lse, None, key_mask, False, False, rope, offset, out_ctx, flash_out=attn
+                qkv_ctx, q, k, v, None, lse, None, key_mask, False, False, rope, norms, offset, window, out_ctx, attn
             )
             return y, ctx
-        saved = self._core(q, k, v, attn, key_mask, offset, mask, fused, self.recompute_scores)
+        saved = self._core(q, k, v, attn, key_mask, offset, window, mask, fused, self.recompute_scores)
         y, out_ctx = self.out.forward(merged)
         ctx = AttentionContext(
             qkv_ctx,
@@ -295,7 +350,9 @@ class ParallelAttention(Module):
             dropped=False,
             fused=fused,
             rope=rope,
+            norms=norms,
             offset=offset,
+            window=window,
             out_ctx=out_ctx,
         )
         if self.recompute_scores:
@@ -304,25 +361,26 @@ class ParallelAttention(Module):
             ctx = ctx._replace(probs=None, lse=saved, mask=None, key_mask=key_mask, dropped=mask is not None)
         return y, ctx
 
-    def _core(self, q, k, v, attn, key_mask, offset, mask, fused, statistics=False):
+    def _core(self, q, k, v, attn, key_mask, offset, window, mask, fused, statistics=False):
         """softmax(Q K^T + masks) per query block, returned for backward, and P V (through the
         dropout ``mask``) into ``attn``; with ``statistics`` the rows' log-sum-exp [B, hk, g, T] is
         returned instead of the softmax (selective recomputation)."""
         t, keys = q.shape[3], k.shape[2]
-        blocks = query_blocks(t, keys, offset, self.causal, on_device=backend.xp_of(q) is not numpy)
+        blocks = query_blocks(t, keys, offset, self.causal, backend.xp_of(q) is not numpy, window)
         if fused:
             return cpu_attention.forward(
-                q, k, v, attn, blocks, offset, self.causal, _padding_bias(key_mask), mask, statistics
+                q, k, v, attn, blocks, offset, self.causal, _padding_bias(key_mask), mask, statistics, window
             )
-        return _composed_forward(q, k, v, attn, blocks, self._masks(q, keys, key_mask, offset), mask, statistics)
+        masks = self._masks(q, keys, key_mask, offset, window)
+        return _composed_forward(q, k, v, attn, blocks, masks, mask, statistics)
 
-    def _masks(self, q, keys, key_mask, offset):
+    def _masks(self, q, keys, key_mask, offset, window):
         """The composed path's masks: the key padding as an additive bias (``attention_bias``; None
-        without padding) and the causal mask's offset for the softmax (None: not causal)."""
+        without padding), the causal mask's offset for the softmax (None: not causal) and the window."""
         bias = (
             None if key_mask is None else attention_bias(q.shape[0], q.shape[3], keys, False, key_mask, offset, q.dtype)
         )
-        return bias, offset if self.causal else None
+        return bias, offset if self.causal else None, window
 
     def _heads_view(self, merged):
         """[B, T, hq*d] seen as [B, hk, g, T, d] (query heads grouped by the KV head they share)."""
@@ -331,7 +389,24 @@ class ParallelAttention(Module):
         return merged.reshape(b, t, hk, self.heads_local // hk, self.head_dim).transpose(0, 2, 3, 1, 4)
 
     def backward(self, dy, ctx):
-        qkv_ctx, q, k, v, probs, lse, mask, key_mask, dropped, fused, rope, offset, out_ctx, flash_out = ctx
+        (
+            qkv_ctx,
+            q,
+            k,
+            v,
+            probs,
+            lse,
+            mask,
+            key_mask,
+            dropped,
+            fused,
+            rope,
+            norms,
+            offset,
+            window,
+            out_ctx,
+            flash_out,
+        ) = ctx
         xp = backend.xp_of(dy)
         hk, hq, d = self.kv_local, self.heads_local, self.head_dim
         dmerged = self.out.backward(dy, out_ctx)
@@ -342,13 +417,25 @@ class ParallelAttention(Module):
         dq, dk, dv = self._split_heads(dqkv)
         if flash_out is not None:  # the kernels write every element of dQ, dK and dV
             flash_attention.backward(
-                dattn.astype(q.dtype, copy=False), q, k, v, flash_out, lse, offset, self.causal, key_mask, dq, dk, dv
+                dattn.astype(q.dtype, copy=False),
+                q,
+                k,
+                v,
+                flash_out,
+                lse,
+                offset,
+                self.causal,
+                key_mask,
+                dq,
+                dk,
+                dv,
+                window,
             )
-            return self._rope_backward_and_qkv(dqkv, dq, dk, rope, qkv_ctx)
+            return self._scale_rope_norm_backward_and_qkv(dqkv, dq, dk, rope, norms, qkv_ctx)
         dk[...] = 0.0
         dv[...] = 0.0
         keys = k.shape[2]
-        blocks = query_blocks(t, keys, offset, self.causal, on_device=xp is not numpy)
+        blocks = query_blocks(t, keys, offset, self.causal, xp is not numpy, window)
         if lse is not None:  # selective recomputation: the same masks (same generator position)
             mask = self._dropout_masks(q.shape[:4] + (keys,), q.dtype) if dropped else None
         if fused and lse is not None:
@@ -366,21 +453,39 @@ class ParallelAttention(Module):
                 dk,
                 dv,
                 mask,
+                window,
             )
         elif fused:
             cpu_attention.backward(dattn.astype(q.dtype, copy=False), q, k, v, probs, blocks, dq, dk, dv, mask)
         else:
-            recompute = None if lse is None else (lse, self._masks(q, keys, key_mask, offset))
+            recompute = None if lse is None else (lse, self._masks(q, keys, key_mask, offset, window))
             _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv, recompute)
         del probs, mask  # a redrawn dropout mask is freed before QKV's backward
-        return self._rope_backward_and_qkv(dqkv, dq, dk, rope, qkv_ctx)
+        return self._scale_rope_norm_backward_and_qkv(dqkv, dq, dk, rope, norms, qkv_ctx)
 
-    def _rope_backward_and_qkv(self, dqkv, dq, dk, rope, qkv_ctx):
-        """dQ and dK back through the rotation (in place in ``dqkv``), then QKV's backward."""
+    def _scale_rope_norm_backward_and_qkv(self, dqkv, dq, dk, rope, norms, qkv_ctx):
+        """dQ and dK back through the query scale's departure from 1/sqrt(d), the rotation and the
+        query/key norms (in place in ``dqkv``), then QKV's backward."""
+        if self._scale_ratio != 1.0:
+            dq *= self._scale_ratio
         if rope is not None:
             dq[...] = F.rope_apply(dq, *_per_row(rope, dq.ndim), inverse=True)
             dk[...] = F.rope_apply(dk, *_per_row(rope, dk.ndim), inverse=True)
+        if norms is not None:
+            with sum_grads_over(self._comm, [self.q_norm.weight, self.k_norm.weight]):
+                dq[...] = self.q_norm.backward(dq, norms[0])
+                dk[...] = self.k_norm.backward(dk, norms[1])
         return self.qkv.backward(dqkv, qkv_ctx)
+
+
+def _slot_window(key_mask, query_slots, keys: int, window: int):
+    """A cache whose rows write at slots of their own (``query_slots`` [B] or [1], on the device) says
+    nothing to the blocks about where each query is, so its window joins the key mask instead:
+    (key mask, 0), with slot j seen by row r only when it is one of the ``window`` last up to
+    ``query_slots[r]``."""
+    xp = backend.xp_of(query_slots)
+    recent = xp.arange(keys)[None, :] > query_slots.reshape(-1, 1) - window
+    return (recent if key_mask is None else key_mask.astype(bool) & recent), 0
 
 
 def _padding_bias(key_mask):
@@ -391,12 +496,17 @@ def _padding_bias(key_mask):
     return xp.where(key_mask.astype(bool), 0.0, -xp.inf)
 
 
-def _scores(q, k_t, rows, seen, bias):
+def _scores(q, k_t, rows, keys, bias):
     """Q K^T (+ the additive mask) of one query block."""
-    scores = blas.matmul(q[..., rows, :], k_t[..., :seen])
+    scores = blas.matmul(q[..., rows, :], k_t[..., keys])
     if bias is not None:
-        scores += bias[..., rows, :seen]
+        scores += bias[..., rows, keys]
     return scores
+
+
+def _tile_causal_offset(causal_offset, rows, keys):
+    """The causal offset of a block's tile, whose first key is ``keys.start`` (None: not causal)."""
+    return None if causal_offset is None else causal_offset + rows.start - keys.start
 
 
 def statistics_dtype(dtype) -> str:
@@ -412,23 +522,23 @@ def _composed_forward(q, k, v, attn, blocks, masks, mask, statistics=False):
     by the softmax. Returns the softmax outputs per block, or with ``statistics`` the rows'
     log-sum-exp [B, hk, g, T]."""
     xp = backend.xp_of(q)
-    bias, causal_offset = masks
+    bias, causal_offset, window = masks
     k_t, v5 = k[:, :, None].swapaxes(-1, -2), v[:, :, None]
     kept = xp.empty(q.shape[:4], dtype=statistics_dtype(q.dtype)) if statistics else []
-    for rows, seen in blocks:
-        scores = _scores(q, k_t, rows, seen, bias)
-        causal = None if causal_offset is None else causal_offset + rows.start
+    for rows, keys in blocks:
+        scores = _scores(q, k_t, rows, keys, bias)
+        causal = _tile_causal_offset(causal_offset, rows, keys)
         if statistics:  # the softmax in the statistics' dtype (as ``softmax_forward`` widens half ones anyway)
             wide = scores.astype(kept.dtype, copy=False)
-            p = F.softmax_forward(wide, causal)
+            p = F.softmax_forward(wide, causal, window)
             kept[..., rows] = _log_sum_exp(wide, p)
             p = p.astype(scores.dtype, copy=False)
         else:
-            p = F.softmax_forward(scores, causal)
+            p = F.softmax_forward(scores, causal, window)
             kept.append(p)
         if mask is not None:
-            p = p * mask[..., rows, :seen]
-        blas.matmul(p, v5[..., :seen, :], out=attn[..., rows, :])
+            p = p * mask[..., rows, keys]
+        blas.matmul(p, v5[..., keys, :], out=attn[..., rows, :])
     return kept
 
 
@@ -443,13 +553,13 @@ def _log_sum_exp(scores, p):
     return xp.where(visible, largest - xp.log(xp.where(visible, at_top, 1)), xp.inf)
 
 
-def _recomputed_softmax(q, k_t, rows, seen, recompute):
+def _recomputed_softmax(q, k_t, rows, keys, recompute):
     """Forward's softmax of one block again, exp(Q K^T + masks - lse), from the rows' log-sum-exp."""
-    lse, (bias, causal_offset) = recompute
+    lse, (bias, causal_offset, window) = recompute
     xp = backend.xp_of(q)
-    scores = _scores(q, k_t, rows, seen, bias)
+    scores = _scores(q, k_t, rows, keys, bias)
     if causal_offset is not None:
-        scores = F.causal_masked(scores, causal_offset + rows.start)
+        scores = F.causal_masked(scores, _tile_causal_offset(causal_offset, rows, keys), window)
     wide = scores.astype(lse.dtype, copy=False)
     wide -= lse[..., rows, None]
     return xp.exp(wide, out=wide).astype(scores.dtype, copy=False)
@@ -461,17 +571,17 @@ def _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv, recomput
     k5, v_t = k[:, :, None], v[:, :, None].swapaxes(-1, -2)
     k_t = k5.swapaxes(-1, -2)
     grouped = q.shape[2] > 1  # several query heads per KV head: their K/V gradients are summed
-    for block, (rows, seen) in enumerate(blocks):
-        p = probs[block] if recompute is None else _recomputed_softmax(q, k_t, rows, seen, recompute)
+    for block, (rows, keys) in enumerate(blocks):
+        p = probs[block] if recompute is None else _recomputed_softmax(q, k_t, rows, keys, recompute)
         dout = dattn[..., rows, :]
-        keep = None if mask is None else mask[..., rows, :seen]
+        keep = None if mask is None else mask[..., rows, keys]
         dropped = p if keep is None else p * keep
-        dprobs = blas.matmul(dout, v_t[..., :seen])
+        dprobs = blas.matmul(dout, v_t[..., keys])
         if keep is not None:
             dprobs *= keep
         dscores = F.softmax_backward(dprobs, p)
-        blas.matmul(dscores, k5[..., :seen, :], out=dq[..., rows, :])
+        blas.matmul(dscores, k5[..., keys, :], out=dq[..., rows, :])
         kv_grads = (blas.matmul(dscores.swapaxes(-1, -2), q[..., rows, :]), blas.matmul(dropped.swapaxes(-1, -2), dout))
         for grad, total in zip(kv_grads, (dk, dv)):
-            total[:, :, :seen] += grad.sum(axis=2) if grouped else grad[:, :, 0]
+            total[:, :, keys] += grad.sum(axis=2) if grouped else grad[:, :, 0]
     dq *= 1.0 / math.sqrt(q.shape[-1])

@@ -1,4 +1,6 @@
-"""Pre-LN transformer block: x + drop(attn(norm1(x))), then + drop(mlp(norm2(.))).
+"""Pre-LN transformer block: x + drop(attn(norm1(x))), then + drop(mlp(norm2(.))); with
+``cfg.post_norms`` (Gemma) each branch's output is normed too before its residual:
+x + drop(post_attn_norm(attn(norm1(x)))), then + drop(post_mlp_norm(mlp(norm2(.)))).
 
 Four collectives per block and direction: the f and g of attention and of the MLP. With
 ``cfg.sequence_parallel`` the block's input and output are sequence shards [B, T/tp, H]: f is an
@@ -31,6 +33,7 @@ class TransformerBlock(Module):
         ep_comm: Communicator | None = None,
     ):
         self.norm1 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
+        rope_theta, rope_scaling = cfg.rope_of(layer_id)
         self.attn = ParallelAttention(
             cfg.hidden,
             cfg.n_heads,
@@ -38,15 +41,23 @@ class TransformerBlock(Module):
             comm,
             causal=cfg.causal,
             bias=cfg.bias,
-            rope_theta=cfg.rope_theta if cfg.position == "rope" else None,
-            rope_scaling=cfg.rope_scaling,
+            rope_theta=rope_theta if cfg.position == "rope" else None,
+            rope_scaling=rope_scaling,
+            window=cfg.window_of(layer_id),
             dropout=cfg.attn_dropout,
             rng=rng,
             layer_id=layer_id,
             sequence_parallel=cfg.sequence_parallel,
+            head_dim=cfg.head_dim,
+            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
+            query_scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5,
             dtype=dtype,
         )
         self.norm2 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
+        self.post_attn_norm = self.post_mlp_norm = None
+        if cfg.post_norms:
+            self.post_attn_norm = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
+            self.post_mlp_norm = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self.mlp = feed_forward(cfg, comm, layer_id, ep_comm, dtype)
         self._sequence_comm = comm if cfg.sequence_parallel else None
         drop = (
@@ -60,28 +71,42 @@ class TransformerBlock(Module):
     def forward(self, x, key_mask=None, positions=None, cache=None):
         h, n1 = self.norm1.forward(x)
         a, attn_ctx = self.attn.forward(h, key_mask, positions, cache)
+        a, p1 = _maybe_norm(self.post_attn_norm, a)
         a, d1 = self._drop_attn.forward(a)
         # Residual sums in place: a branch's output is a fresh array nothing else holds.
         x1 = a
         x1 += x
         h, n2 = self.norm2.forward(x1)
         m, mlp_ctx = self.mlp.forward(h)
+        m, p2 = _maybe_norm(self.post_mlp_norm, m)
         m, d2 = self._drop_mlp.forward(m)
         m += x1
-        return m, (n1, attn_ctx, d1, n2, mlp_ctx, d2)
+        return m, (n1, attn_ctx, p1, d1, n2, mlp_ctx, p2, d2)
 
     def backward(self, dy, ctx):
         if self._sequence_comm is None:
             return self._backward(dy, ctx)
-        with sum_grads_over(self._sequence_comm, self.norm1.parameters() + self.norm2.parameters()):
+        norms = [self.norm1, self.norm2, self.post_attn_norm, self.post_mlp_norm]
+        with sum_grads_over(self._sequence_comm, [p for n in norms if n is not None for p in n.parameters()]):
             return self._backward(dy, ctx)
 
     def _backward(self, dy, ctx):
-        n1, attn_ctx, d1, n2, mlp_ctx, d2 = ctx
-        dm = self.mlp.backward(self._drop_mlp.backward(dy, d2), mlp_ctx)
+        n1, attn_ctx, p1, d1, n2, mlp_ctx, p2, d2 = ctx
+        dm = _maybe_norm_backward(self.post_mlp_norm, self._drop_mlp.backward(dy, d2), p2)
+        dm = self.mlp.backward(dm, mlp_ctx)
         dx1 = self.norm2.backward(dm, n2)
         dx1 += dy
-        da = self.attn.backward(self._drop_attn.backward(dx1, d1), attn_ctx)
+        da = _maybe_norm_backward(self.post_attn_norm, self._drop_attn.backward(dx1, d1), p1)
+        da = self.attn.backward(da, attn_ctx)
         dx = self.norm1.backward(da, n1)
         dx += dx1
         return dx
+
+
+def _maybe_norm(norm, x):
+    """``norm(x)`` and its context, or x itself where the block has no such norm."""
+    return (x, None) if norm is None else norm.forward(x)
+
+
+def _maybe_norm_backward(norm, dy, saved):
+    return dy if norm is None else norm.backward(dy, saved)

@@ -2,7 +2,8 @@
 
 A is column-parallel, so each rank applies the elementwise activation to its own columns
 with no communication; B is row-parallel, and one all-reduce sums the partial outputs.
-SwiGLU fuses gate and up projections into one column-parallel GEMM.
+SwiGLU (and Gemma's GeGLU, the same with a tanh GELU) fuses gate and up projections into one
+column-parallel GEMM.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ ACTIVATIONS = {
     "gelu": (F.gelu_erf_forward, F.gelu_erf_backward),
     "silu": (F.silu_forward, F.silu_backward),
 }
+GATED = {"swiglu": "silu", "geglu": "gelu_tanh"}  # a gated MLP's name -> the activation of its gate
 
 
 class ParallelMLP(Module):
@@ -32,12 +34,12 @@ class ParallelMLP(Module):
         dtype="float64",
         sequence_parallel: bool = False,
     ):
-        if activation != "swiglu" and activation not in ACTIVATIONS:
-            raise ConfigError(f"activation {activation!r} is not one of {', '.join([*ACTIVATIONS, 'swiglu'])}")
+        if activation not in GATED and activation not in ACTIVATIONS:
+            raise ConfigError(f"activation {activation!r} is not one of {', '.join([*ACTIVATIONS, *GATED])}")
         if ffn_hidden % comm.size:
             raise ConfigError(f"ffn hidden size {ffn_hidden} is not divisible by tensor-parallel size {comm.size}")
-        self.gated = activation == "swiglu"
-        self.act_forward, self.act_backward = ACTIVATIONS["silu" if self.gated else activation]
+        self.gated = activation in GATED
+        self.act_forward, self.act_backward = ACTIVATIONS[GATED.get(activation, activation)]
         segments = (
             [Segment("gate", ffn_hidden, comm.size, comm.rank), Segment("up", ffn_hidden, comm.size, comm.rank)]
             if self.gated

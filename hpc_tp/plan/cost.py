@@ -255,7 +255,7 @@ class Prediction:
 
 
 def mlp_flops_per_row(cfg: ModelConfig) -> float:
-    return 2.0 * ((2 if cfg.activation == "swiglu" else 1) * cfg.hidden * cfg.ffn_hidden + cfg.ffn_hidden * cfg.hidden)
+    return 2.0 * ((2 if cfg.gated_mlp else 1) * cfg.hidden * cfg.ffn_hidden + cfg.ffn_hidden * cfg.hidden)
 
 
 def forward_flops_per_token(

@@ -93,7 +93,7 @@ def norm_params(cfg: ModelConfig) -> int:
 
 def mlp_params(cfg: ModelConfig, tp: int) -> int:
     """One MLP (dense, or one expert) on one tp rank."""
-    b, mats, f = 1 if cfg.bias else 0, 2 if cfg.activation == "swiglu" else 1, cfg.ffn_hidden // tp
+    b, mats, f = 1 if cfg.bias else 0, 2 if cfg.gated_mlp else 1, cfg.ffn_hidden // tp
     return cfg.hidden * mats * f + b * mats * f + f * cfg.hidden + b * cfg.hidden
 
 
@@ -106,7 +106,13 @@ def block_params(cfg: ModelConfig, tp: int, layer: int = 0, ep: int = 1) -> int:
         mlp = h * cfg.num_experts + cfg.num_experts // ep * mlp_params(cfg, tp)  # router + local experts
     else:
         mlp = mlp_params(cfg, tp)
-    return 2 * norm_params(cfg) + attention + mlp
+    qk_norms = 2 * d if cfg.qk_norm else 0  # one gain over head_dim each for queries and keys, replicated
+    return block_norms(cfg) * norm_params(cfg) + qk_norms + attention + mlp
+
+
+def block_norms(cfg: ModelConfig) -> int:
+    """Norms a block has over the hidden axis: before attention and the MLP, and after each with post_norms."""
+    return 4 if cfg.post_norms else 2
 
 
 def expert_params(cfg: ModelConfig, tp: int, layers: range, ep: int) -> int:
@@ -165,7 +171,7 @@ def sequence_sharded(cfg: ModelConfig, tp: int) -> bool:
 def mlp_saved_per_row(cfg: ModelConfig, tp: int, saved: SavedTensors) -> int:
     """Elements an MLP keeps per token row besides its input: activation input(s), fc2 input, aux."""
     f, aux = cfg.ffn_hidden // tp, 1 if saved.activation_aux else 0
-    return f * ((2 + 1 + 1 + aux) if cfg.activation == "swiglu" else (1 + 1 + aux))  # gate|up, silu, product
+    return f * ((2 + 1 + 1 + aux) if cfg.gated_mlp else (1 + 1 + aux))  # gate|up, silu, product
 
 
 def moe_saved_bytes(cfg: ModelConfig, routing: Routing, tp: int, elem: int, saved: SavedTensors) -> int:
@@ -178,13 +184,14 @@ def moe_saved_bytes(cfg: ModelConfig, routing: Routing, tp: int, elem: int, save
 
 
 def attention_score_bytes(
-    cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int, saved: SavedTensors = ENGINE
+    cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int, saved: SavedTensors = ENGINE, layer: int = 0
 ) -> int:
-    """The softmax outputs and attention-dropout tensors of one layer and micro-batch: what
-    selective recomputation does not keep."""
+    """The softmax outputs and attention-dropout tensors of layer ``layer`` and one micro-batch: what
+    selective recomputation does not keep (a sliding window keeps only the blocks' tiles it reads)."""
     scores = micro_batch * (cfg.n_heads // tp) * seq * seq
+    window = cfg.window_of(layer)
     kept = (
-        micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal, saved.on_device)
+        micro_batch * (cfg.n_heads // tp) * saved_score_elements(seq, seq, cfg.causal, saved.on_device, window)
         if (saved.causal_blocks)
         else scores
     )
@@ -231,7 +238,8 @@ def layer_activation_bytes(
     moe = cfg.is_moe_layer(layer)
     q, kv = cfg.n_heads // tp * d, kv_heads_local(cfg, tp) * d
     mask = elem if saved.mask_bytes is None else saved.mask_bytes
-    elements = shard * 2 * h  # the two norms' saved inputs (xhat)
+    norms = block_norms(cfg)
+    elements = shard * norms * h  # the norms' saved inputs (xhat): two, or four with post_norms
     elements += shard * h  # the QKV input (norm output): replicated over tp without SP
     elements += (sb if moe else shard) * h  # the MLP's input; an MoE layer keeps the whole sequence's
     elements += sb * (q + 2 * kv + q)  # Q, K, V and the output projection's input
@@ -239,15 +247,17 @@ def layer_activation_bytes(
         elements += sb * (q + kv)  # rotated Q and K are new arrays (V stays a view of QKV)
         if saved.row_statistics:
             elements += seq * d  # cos and sin tables, [s, d/2] each
+    if cfg.qk_norm:  # each query and key head's norm keeps its normalised input and its rows' 1/rms
+        elements += sb * (q + kv) + sb * (cfg.n_heads // tp + kv_heads_local(cfg, tp))
     if not moe:
         elements += sb * mlp_saved_per_row(cfg, tp, saved)
     if saved.row_statistics:
-        elements += 2 * shard  # 1/std of each row, both norms
+        elements += norms * shard  # 1/std of each row, every norm
     total = elements * elem
     if moe:
         total += moe_saved_bytes(cfg, Routing.bound(cfg, sb, ep), tp, elem, saved)
     if not selective:
-        total += attention_score_bytes(cfg, micro_batch, seq, tp, elem, saved)
+        total += attention_score_bytes(cfg, micro_batch, seq, tp, elem, saved, layer)
     elif saved.row_statistics:
         total += softmax_statistics_bytes(cfg, micro_batch, seq, tp, elem)
     if cfg.dropout > 0 or saved.always_dropout:
@@ -262,10 +272,11 @@ def embedding_activation_bytes(micro_batch: int, seq: int) -> int:
 
 def head_activation_bytes(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, elem: int) -> int:
     """Final norm (on the sequence shard with SP), head input (the whole sequence), the local logits'
-    softmax numerators and the loss's per-token rows."""
+    softmax numerators (and their tanh with soft-capping) and the loss's per-token rows."""
     sb = micro_batch * seq
     shard = sb // tp if sequence_sharded(cfg, tp) else sb
-    floats = shard * (cfg.hidden + 1) + sb * cfg.hidden + sb * vocab_rows(cfg, tp) + 2 * sb
+    logits = sb * vocab_rows(cfg, tp) * (2 if cfg.logit_softcap else 1)
+    floats = shard * (cfg.hidden + 1) + sb * cfg.hidden + logits + 2 * sb
     return floats * elem + sb * (INDEX_BYTES + 2)
 
 

@@ -10,8 +10,8 @@ source's config before anything is written.
     source.open_source(path) -> Imported(config, tensors, files, source)
 
 Supported: Hugging Face folders (config.json + safetensors, sharded too) of GPT-2, Llama-family
-(Llama, SmolLM, Qwen2, Mistral, Phi-3, Mixtral) and BERT encoders; GGUF files of the llama (Mixtral's
-experts included), qwen2 and phi3 architectures.
+(Llama, SmolLM, Qwen2, Qwen3, Mistral, Phi-3, Mixtral), Gemma 3 and BERT encoders; GGUF files of the
+llama (Mixtral's experts included), qwen2, qwen3, phi3 and gemma3 architectures.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class Rule:
     ``rows``: ours is ``theirs[a:b]`` (a fused torch-layout projection such as Phi-3's qkv_proj);
     ``expert``: ours is ``theirs[e]`` (one expert of GGUF's stacked [experts, out, in] tensors);
     ``rope_heads``: undo llama.cpp's interleaved rope layout of q/k rows over that many heads;
-    ``transpose``: torch's nn.Linear stores [out, in], our linears [in, out].
+    ``transpose``: torch's nn.Linear stores [out, in], our linears [in, out];
+    ``shift``: ours is theirs + shift (Gemma's norms multiply by 1 + weight, ours by the gain).
     ``theirs`` None: the source family has no such tensor (a bias it omits); ours is zeros of ``shape``.
     """
 
@@ -45,6 +46,7 @@ class Rule:
     rope_heads: int | None = None
     rows: tuple[int, int] | None = None
     expert: int | None = None
+    shift: float = 0.0
 
     @property
     def ours_shape(self) -> tuple:
@@ -64,10 +66,14 @@ class Rule:
             x = x[self.rows[0] : self.rows[1]]
         if self.rope_heads:
             x = undo_rope_permutation(x, self.rope_heads)
+        if self.shift:
+            x = x + self.shift
         return numpy.ascontiguousarray(x.T if self.transpose else x)
 
     def to_theirs(self, x):
         """Our tensor back in the source layout (its columns of a fused tensor, if ``columns``)."""
+        if self.shift:
+            x = x - self.shift
         return numpy.ascontiguousarray(x.T if self.transpose else x)
 
 

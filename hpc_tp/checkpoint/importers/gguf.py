@@ -1,10 +1,10 @@
-"""GGUF files (llama.cpp) of the llama, qwen2 and phi3 architectures.
+"""GGUF files (llama.cpp) of the llama, qwen2, qwen3, phi3 and gemma3 architectures.
 
 The reader memory-maps the file; a tensor is read (and dequantized with ``gguf.quants`` when it
 is quantized: BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ types) only when the checkpoint writer asks
 for it; a type the package cannot dequantize is an error naming the tensor. GGUF stores a weight
 as ggml dims [in, out], which numpy sees as [out, in], the nn.Linear layout; and llama.cpp's
-converter interleaves each head's q/k rows for its rope (llama only: qwen2 and phi3 rotate halves
+converter interleaves each head's q/k rows for its rope (llama only: qwen2, qwen3 and phi3 rotate halves
 as Hugging Face does), which is undone here. The rules are the Hugging Face rules of the family (Phi-3's
 fused qkv and gate-up projections included) with GGUF's tensor names. The tokenizer, when the file has one, becomes
 a Hugging Face tokenizer.json (``gguf_tokenizer``).
@@ -21,9 +21,9 @@ import numpy
 from ...errors import ConfigError
 from ...models.config import ModelConfig
 from . import Imported, Rule, lazy_tensors
-from .huggingface import ConfigFile, llama_rules, mixtral_rules, phi3_rules, tokenizer_files
+from .huggingface import ConfigFile, gemma3_rules, llama_rules, mixtral_rules, phi3_rules, tokenizer_files
 
-SUPPORTED = ("llama", "qwen2", "phi3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -35,6 +35,8 @@ _LAYER = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -42,7 +44,15 @@ _LAYER = {
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
 }
+# Gemma 3's four norms a block, under llama.cpp's names (its norm weights hold Gemma's 1 + w already).
+_GEMMA3_LAYER = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# Architectures whose attention normalises each query and key head (RMSNorm over head_dim).
+QK_NORMED = ("qwen3",)
 # Mixtral in llama.cpp: the router, and each projection of all experts stacked in one [experts, out, in] tensor.
 _EXPERT_NAME = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)")
 _STACKED = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
@@ -110,10 +120,16 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
     a = architecture + "."
     heads = meta[a + "attention.head_count"]
     hidden = meta[a + "embedding_length"]
-    rope_dims = meta.get(a + "rope.dimension_count", hidden // heads)
-    if rope_dims != hidden // heads:
+    head_dim = meta.get(a + "attention.key_length", hidden // heads)
+    if meta.get(a + "attention.value_length", head_dim) != head_dim:
         raise ConfigError(
-            f"{meta.path}: rope.dimension_count={rope_dims} != head size {hidden // heads} "
+            f"{meta.path}: attention.value_length={meta.get(a + 'attention.value_length')} != "
+            f"attention.key_length={head_dim} (keys and values of one head size are supported)"
+        )
+    rope_dims = meta.get(a + "rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise ConfigError(
+            f"{meta.path}: rope.dimension_count={rope_dims} != head size {head_dim} "
             "(partial rotary embeddings are not supported)"
         )
     factors = sorted(n for n in tensors.names() if n.startswith(("rope_freqs", "rope_factors")))
@@ -127,13 +143,15 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
         vocab = tensors.shape("token_embd.weight")[0] if "token_embd.weight" in tensors.names() else 1
     experts, top_k = meta.get(a + "expert_count", 0), meta.get(a + "expert_used_count", 2)
     moe = dict(num_experts=experts, top_k=top_k, moe_every=1, capacity_factor=experts / top_k) if experts else {}
-    return ModelConfig(
+    cfg = ModelConfig(
         **moe,
         vocab_size=int(vocab),
         hidden=hidden,
         n_layers=meta[a + "block_count"],
         n_heads=heads,
         n_kv_heads=meta.get(a + "attention.head_count_kv", heads),
+        head_dim=head_dim,
+        qk_norm=architecture in QK_NORMED,
         ffn_hidden=meta[a + "feed_forward_length"],
         max_seq_len=meta[a + "context_length"],
         norm="rmsnorm",
@@ -147,6 +165,32 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
         tie_embeddings="output.weight" not in tensors.names(),
         bias=architecture == "qwen2",
         causal=True,
+        sliding_window=meta.get(a + "attention.sliding_window", 0),
+    )
+    return _gemma3(cfg, meta, a) if architecture == "gemma3" else cfg
+
+
+def _gemma3(cfg: ModelConfig, meta: _Fields, a: str) -> ModelConfig:
+    """Gemma 3's block on top of the common fields, as llama.cpp runs it: the sliding-window layers
+    from ``attention.sliding_window_pattern`` (a flag per layer, or every n-th layer global; 6 when
+    absent), their rope base ``rope.freq_base_swa`` (10000 when absent), and queries scaled by
+    head_dim^-1/2, hidden/heads^-1/2 for the 62-layer 27B model (the file has no query_pre_attn_scalar)."""
+    pattern = meta.get(a + "attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        kinds = ["sliding_attention" if local else "full_attention" for local in pattern]
+    else:
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(cfg.n_layers)]
+    scalar = cfg.hidden // cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim
+    return dataclasses.replace(
+        cfg,
+        activation="geglu",
+        qk_norm=True,
+        post_norms=True,
+        scale_embeddings=True,
+        layer_types=kinds,
+        rope_local_theta=float(meta.get(a + "rope.freq_base_swa", 10000.0)),
+        query_pre_attn_scalar=float(scalar),
+        logit_softcap=float(meta.get(a + "final_logit_softcapping", 0.0) or 0.0),
     )
 
 
@@ -164,8 +208,9 @@ def _gguf_rule(rule: Rule, cfg: ModelConfig, architecture: str) -> Rule:
             rule, theirs=f"blk.{layer}.{_STACKED[part]}.{kind}", expert=int(e), shape=(cfg.num_experts, *rule.shape)
         )
     heads = {"self_attn.q_proj": cfg.n_heads, "self_attn.k_proj": cfg.n_kv_heads}.get(module)
+    names = {**_LAYER, **_GEMMA3_LAYER} if architecture == "gemma3" else _LAYER
     return dataclasses.replace(
-        rule, theirs=f"blk.{layer}.{_LAYER[module]}.{kind}", rope_heads=heads if architecture == "llama" else None
+        rule, theirs=f"blk.{layer}.{names[module]}.{kind}", rope_heads=heads if architecture == "llama" else None
     )
 
 
@@ -183,14 +228,17 @@ def import_gguf(path: Path) -> Imported:
     if architecture not in SUPPORTED:
         raise ConfigError(
             f"{path}: unknown architecture {architecture!r}; supported GGUF architectures: "
-            f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, phi3, bert)"
+            f"{', '.join(SUPPORTED)} (and Hugging Face folders of gpt2, llama, qwen2, qwen3, phi3, mistral, mixtral, gemma3_text, bert)"
         )
     tensors = GGUFTensors(path, reader)
     cfg = _config(meta, tensors, architecture)
     family = ConfigFile({"model_type": architecture}, path)
-    rules = (phi3_rules if architecture == "phi3" else mixtral_rules if cfg.num_experts else llama_rules)(
-        cfg, family, "model."
-    )
+    if architecture == "gemma3":  # llama.cpp stores Gemma's norms as 1 + w already: no shift on import
+        rules = [dataclasses.replace(r, shift=0.0) for r in gemma3_rules(cfg, family, "model.")]
+    else:
+        rules = (phi3_rules if architecture == "phi3" else mixtral_rules if cfg.num_experts else llama_rules)(
+            cfg, family, "model."
+        )
     rules = [_gguf_rule(r, cfg, architecture) for r in rules]
     lazy, ignored = lazy_tensors(rules, tensors, f"{path.name}'s metadata")
     from .gguf_tokenizer import tokenizer_json

@@ -199,13 +199,12 @@ def _llama_biases(hf: ConfigFile) -> tuple[bool, bool, bool]:
     return attention or hf.get("model_type") == "qwen2", attention, bool(hf.get("mlp_bias", False))
 
 
+# Families whose attention normalises each query and key head (RMSNorm over head_dim) before RoPE.
+QK_NORMED = ("qwen3", "qwen3_moe", "gemma3_text")
+
+
 def llama_config(hf: ConfigFile) -> ModelConfig:
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", hidden // heads) != hidden // heads:
-        raise ConfigError(
-            f"{hf.path}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads = "
-            f"{hidden // heads}; only head_dim = hidden_size/num_attention_heads is supported"
-        )
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{hf.path}: hidden_act={hf['hidden_act']!r}; the Llama family needs 'silu' (SwiGLU)")
     if hf.get("use_sliding_window", False):
@@ -216,6 +215,8 @@ def llama_config(hf: ConfigFile) -> ModelConfig:
         n_layers=hf["num_hidden_layers"],
         n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim"),
+        qk_norm=hf.get("model_type") in QK_NORMED,
         ffn_hidden=hf["intermediate_size"],
         max_seq_len=hf["max_position_embeddings"],
         norm="rmsnorm",
@@ -231,15 +232,49 @@ def llama_config(hf: ConfigFile) -> ModelConfig:
 
 
 def windowed_config(hf: ConfigFile) -> ModelConfig:
-    """Mistral and Phi-3: the Llama block, whose config may declare a sliding window. Attention over a
-    window of W keys is full attention up to W + 1 positions, so the context is cut there and nothing
-    longer is asked of the model (Phi-3's 4k models declare a window one short of their context: no cut)."""
+    """Mistral and Phi-3: the Llama block, whose config may declare a sliding window (every layer's:
+    a query sees itself and the window - 1 positions before it)."""
     scaling = hf.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in ("linear", "llama3"):
         raise ConfigError(f"{hf.path}: rope_scaling={scaling!r} (a long-context variant) is not supported")
-    cfg = llama_config(hf)
-    window = hf.get("sliding_window")
-    return dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, window + 1)) if window else cfg
+    return dataclasses.replace(llama_config(hf), sliding_window=hf.get("sliding_window", 0))
+
+
+def gemma3_config(hf: ConfigFile) -> ModelConfig:
+    """Gemma 3 (text): the Llama block with GeGLU, a norm on each branch's output too, query/key norms,
+    head_dim apart from hidden / heads, embeddings times sqrt(hidden), local layers with a sliding
+    window and their own unscaled rope base between global ones, queries scaled by
+    query_pre_attn_scalar^-1/2 and logits soft-capped where the config says so. Tied head."""
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ConfigError(
+            f"{hf.path}: hidden_activation={hf['hidden_activation']!r}; Gemma 3 needs 'gelu_pytorch_tanh'"
+        )
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ConfigError(f"{hf.path}: attn_logit_softcapping is not supported (Gemma 3 has none)")
+    if hf.get("use_bidirectional_attention", False):
+        raise ConfigError(f"{hf.path}: use_bidirectional_attention=true (an embedding model) is not supported")
+    layers = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is None:  # older configs: every sliding_window_pattern-th layer is global
+        pattern = hf.get("sliding_window_pattern", 6)
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    theta, scaling, local_theta = _gemma3_rope(hf)
+    return dataclasses.replace(
+        llama_config(hf),
+        head_dim=hf.get("head_dim", 256),
+        qk_norm=True,
+        activation="geglu",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_local_theta=local_theta,
+        sliding_window=hf.get("sliding_window", 4096),
+        layer_types=list(kinds),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        post_norms=True,
+        scale_embeddings=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
 
 
 def mixtral_config(hf: ConfigFile) -> ModelConfig:
@@ -339,6 +374,11 @@ def llama_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
         rules += _linear(ours + "attn.qkv.k", theirs + "self_attn.k_proj", h, kv, True, qkv_bias)
         rules += _linear(ours + "attn.qkv.v", theirs + "self_attn.v_proj", h, kv, True, qkv_bias)
         rules += _linear(ours + "attn.out", theirs + "self_attn.o_proj", q, h, True, out_bias)
+        if cfg.qk_norm:
+            rules += [
+                Rule(f"{ours}attn.{name}.weight", f"{theirs}self_attn.{name}.weight", (cfg.head_dim,))
+                for name in ("q_norm", "k_norm")
+            ]
         rules += _norm(ours + "norm2", theirs + "post_attention_layernorm", cfg)
         rules += _linear(ours + "mlp.fc1.gate", theirs + "mlp.gate_proj", h, f, True, mlp_bias)
         rules += _linear(ours + "mlp.fc1.up", theirs + "mlp.up_proj", h, f, True, mlp_bias)
@@ -376,6 +416,72 @@ def phi3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
             )
         rules.append(rule)
     return rules
+
+
+# Gemma3TextConfig's sizes by default: a multimodal folder's text_config lists only what differs from them.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+}
+
+
+def gemma3_multimodal_config(hf: ConfigFile) -> ModelConfig:
+    """A multimodal Gemma 3 folder (``gemma3``: the 4B model and up): its language model, described by
+    ``text_config``; the vision tower and its projector are left out."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{hf.path}: text_config={text!r}; a gemma3 config describes its language model there")
+    return gemma3_config(ConfigFile({**_GEMMA3_TEXT_DEFAULTS, **text}, hf.path))
+
+
+def _gemma3_rope(hf: ConfigFile) -> tuple[float, dict | None, float]:
+    """(global base, global scaling, local base): from ``rope_parameters`` per layer type, as
+    transformers 5 writes them, or from rope_theta, rope_scaling and rope_local_base_freq before it."""
+    params = hf.get("rope_parameters")
+    if not isinstance(params, dict) or "full_attention" not in params:
+        return (
+            float(hf.get("rope_theta", 1_000_000.0)),
+            hf.get("rope_scaling"),
+            float(hf.get("rope_local_base_freq", 10_000.0)),
+        )
+    full, local = params["full_attention"], params.get("sliding_attention", {})
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"{hf.path}: rope_parameters.sliding_attention={local!r}: local layers' rope must be unscaled"
+        )
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    return (
+        float(full.get("rope_theta", 1_000_000.0)),
+        None if scaling.get("rope_type", "default") == "default" else scaling,
+        float(local.get("rope_theta", 10_000.0)),
+    )
+
+
+# Gemma 3's four norms a block: ours -> theirs.
+_GEMMA_NORMS = {
+    "norm1": "input_layernorm",
+    "post_attn_norm": "post_attention_layernorm",
+    "norm2": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
+}
+
+
+def gemma3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
+    """Llama's projections and query/key norms and the four norms a block under Gemma's names; every
+    norm gain stored as 1 + Gemma's weight (its RMSNorm multiplies by 1 + weight, ours by the gain)."""
+    rules = [r for r in llama_rules(cfg, hf, prefix) if not r.ours.endswith(("norm1.weight", "norm2.weight"))]
+    for i in range(cfg.n_layers):
+        rules += [
+            Rule(f"layers.{i}.{ours}.weight", f"{prefix}layers.{i}.{theirs}.weight", (cfg.hidden,))
+            for ours, theirs in _GEMMA_NORMS.items()
+        ]
+    return [dataclasses.replace(r, shift=1.0) if "norm" in r.ours else r for r in rules]
 
 
 def mixtral_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
@@ -422,9 +528,18 @@ ARCHITECTURES = {
     "gpt2": (gpt2_config, gpt2_rules, "wte.weight", ("", "transformer.")),
     "llama": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
     "qwen2": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
+    "qwen3": (llama_config, llama_rules, "embed_tokens.weight", ("model.", "")),
     "mistral": (windowed_config, llama_rules, "embed_tokens.weight", ("model.", "")),
     "phi3": (windowed_config, phi3_rules, "embed_tokens.weight", ("model.", "")),
     "mixtral": (mixtral_config, mixtral_rules, "embed_tokens.weight", ("model.", "")),
+    "gemma3_text": (gemma3_config, gemma3_rules, "embed_tokens.weight", ("model.", "")),
+    # the language model of a multimodal folder, as transformers 4 and 5 name it
+    "gemma3": (
+        gemma3_multimodal_config,
+        gemma3_rules,
+        "embed_tokens.weight",
+        ("language_model.model.", "model.language_model."),
+    ),
     "bert": (bert_config, bert_rules, "embeddings.word_embeddings.weight", ("", "bert.")),
 }
 
@@ -438,7 +553,7 @@ def import_folder(folder: Path) -> Imported:
         named = model_type or ", ".join(hf.get("architectures", [])) or "none given"
         raise ConfigError(
             f"{folder / CONFIG}: unknown architecture {named!r}; supported model_type values: "
-            f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2 and phi3 architectures)"
+            f"{', '.join(ARCHITECTURES)} (and GGUF files of the llama, qwen2, qwen3, phi3 and gemma3 architectures)"
         )
     make_config, make_rules, anchor, prefixes = ARCHITECTURES[model_type]
     cfg = make_config(hf)
@@ -518,7 +633,8 @@ def chat_settings(folder: Path) -> dict:
 
 
 # -- export -------------------------------------------------------------------------------------------
-EXPORTABLE = ("gpt2", "llama", "qwen2", "phi3", "mixtral")
+EXPORTABLE = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "gemma3_text")
+WINDOWED = ("mistral", "phi3", "mixtral")  # the exportable families whose config.json has a sliding_window
 
 
 def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]]:
@@ -526,7 +642,12 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
     if (architecture == "mixtral") != bool(cfg.num_experts):
         raise ConfigError(
             f"export as {architecture}: the checkpoint has num_experts={cfg.num_experts}; "
-            "Mixture-of-Experts models export as mixtral, dense ones as gpt2, llama, qwen2 or phi3"
+            "Mixture-of-Experts models export as mixtral, dense ones as gpt2, llama, qwen2, qwen3 or phi3"
+        )
+    if (architecture in QK_NORMED) != cfg.qk_norm:
+        raise ConfigError(
+            f"export as {architecture}: the checkpoint has qk_norm={cfg.qk_norm}; models with query/key "
+            f"norms export as {' or '.join(QK_NORMED)}, others as gpt2, llama, qwen2, phi3 or mixtral"
         )
     if architecture == "gpt2":
         if (cfg.position, cfg.norm, cfg.activation, cfg.bias) != ("learned", "layernorm", "gelu_tanh", True):
@@ -554,22 +675,32 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
             "tie_word_embeddings": cfg.tie_embeddings,
         }
         prefix = ""
-    elif architecture in ("llama", "qwen2", "phi3", "mixtral"):
+    elif architecture == "gemma3_text":
+        values, prefix = _gemma3_values(cfg), "model."
+    elif architecture in ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral"):
         if (cfg.position, cfg.norm, cfg.activation) != ("rope", "rmsnorm", "swiglu"):
             raise ConfigError(
                 f"export as {architecture} needs rope, rmsnorm and swiglu; "
                 f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}"
             )
-        if architecture in ("phi3", "mixtral") and cfg.bias:
+        if cfg.sliding_window and (architecture not in WINDOWED or cfg.layer_types is not None):
+            raise ConfigError(
+                f"export as {architecture}: the checkpoint has a sliding window of {cfg.sliding_window} "
+                f"{'on some layers' if cfg.layer_types else 'on every layer'}; "
+                f"{' and '.join(WINDOWED)} have one on every layer"
+            )
+        if architecture in WINDOWED and cfg.bias:
             raise ConfigError(
                 f"export as {architecture}: the checkpoint has biases, which {architecture} has not; "
                 "export with --arch llama"
             )
         names = {
             "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
             "phi3": "Phi3ForCausalLM",
             "llama": "LlamaForCausalLM",
             "mixtral": "MixtralForCausalLM",
+            "mistral": "MistralForCausalLM",
         }
         values = {
             "architectures": [names[architecture]],
@@ -579,6 +710,7 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
             "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
             "intermediate_size": cfg.ffn_hidden,
             "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps,
@@ -589,6 +721,10 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
         }
         if architecture == "llama":
             values.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+        if architecture in WINDOWED:
+            values["sliding_window"] = cfg.sliding_window or None
+        if architecture == "qwen3":  # q/k/v and output biases or none; an MLP bias must be zero
+            values.update(attention_bias=cfg.bias)
         if architecture == "mixtral":
             values.update(
                 num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef
@@ -598,3 +734,40 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
         raise ConfigError(f"cannot export architecture {architecture!r}; exportable: {', '.join(EXPORTABLE)}")
     rules = ARCHITECTURES[architecture][1](cfg, ConfigFile(values, CONFIG), prefix)
     return values, rules
+
+
+def _gemma3_values(cfg: ModelConfig) -> dict:
+    """Gemma 3's config.json for ``cfg``, which must have Gemma's block."""
+    block = (cfg.position, cfg.norm, cfg.activation, cfg.post_norms, cfg.scale_embeddings, cfg.tie_embeddings)
+    if block != ("rope", "rmsnorm", "geglu", True, True, True):
+        raise ConfigError(
+            "export as gemma3_text needs rope, rmsnorm, geglu, post_norms, scale_embeddings and tied embeddings; "
+            f"the checkpoint has {cfg.position}, {cfg.norm}, {cfg.activation}, post_norms={cfg.post_norms}, "
+            f"scale_embeddings={cfg.scale_embeddings}, tie_embeddings={cfg.tie_embeddings}"
+        )
+    kinds = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.n_layers
+    scalar = cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rope_local_base_freq": cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta,
+        "sliding_window": cfg.sliding_window or cfg.max_seq_len,
+        "layer_types": kinds,
+        "query_pre_attn_scalar": int(scalar) if scalar == int(scalar) else scalar,  # transformers 5 wants an int
+        "final_logit_softcapping": cfg.logit_softcap or None,
+        "attn_logit_softcapping": None,
+        "attention_bias": cfg.bias,
+        "tie_word_embeddings": True,
+    }
