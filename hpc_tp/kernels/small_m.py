@@ -19,6 +19,11 @@ memory holds and moves half the bytes and every sum runs in float32. Sums run in
 precision (float32, or float64 for float64 weights), in another order than BLAS's: the result
 matches numpy's product to rounding.
 
+Weights kept quantized (``kernels.quantized``: 8-bit codes, or 4-bit codes two a byte, with a
+float32 scale, and for 4 bits a minimum, per group of QUANT_ROWS weight rows and column) are
+dequantized the same way, a group of weight rows at a time into cache (``quantized_matmul``): memory
+moves one byte (or half of one) per weight, and the sums run as for a float weight.
+
 Without numba (or with ``HPC_TP_CPU_KERNELS=0``) ``takes`` answers False and ``kernels.blas`` keeps its
 BLAS path (half weights: ``blas.widened_matmul``).
 """
@@ -37,10 +42,12 @@ MIN_FULL_ROWS, MAX_FULL_ROWS, MAX_ROWS = 4, 32, 64
 MIN_WEIGHT = 1 << 15
 TILE_ROWS = 4  # input rows per pass (the rows past the last whole tile: one per pass)
 GROUP = 4  # weight rows (row-major) or columns (transposed) per pass: 4 products per accumulator load
-FULL, BF16, F16 = 0, 1, 2
+FULL, BF16, F16, Q8, Q4 = 0, 1, 2, 3, 4
+QUANT_ROWS = 32  # weight rows sharing a scale (and a minimum): GGUF's block; a multiple of GROUP
 _F16_SCALE = numpy.float32(2.0**112)  # moves a float16 exponent (bias 15) to float32's (bias 127)
 _NO_BITS = numpy.empty(0, numpy.uint16)  # the operand a kernel call does not use
 _NO_FLOATS = numpy.empty(0, numpy.float32)
+_NO_CODES = numpy.empty(0, numpy.uint8)
 
 
 def _half_kinds() -> dict:
@@ -96,22 +103,63 @@ def takes(a, b, out=None) -> bool:
     return layout(b) is not None
 
 
+def _operand_rows(a, dtype):
+    """``a`` as the kernels read it: C-contiguous ``dtype``, columns zero-padded to whole groups
+    (and half activations widened): M x K elements, small."""
+    if a.shape[1] % GROUP or a.dtype != dtype or not a.flags.c_contiguous:
+        padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
+        padded[:, : a.shape[1]] = a
+        a = padded
+    return a
+
+
 def matmul(a, b, out=None):
     """``a @ b`` into ``out`` (allocated when None) for operands ``takes`` accepts."""
     kind = half_kind(b.dtype)
     dtype = result_dtype(b.dtype)
     if out is None:
         out = numpy.empty((a.shape[0], b.shape[1]), dtype)
-    if a.shape[1] % GROUP or a.dtype != dtype or not a.flags.c_contiguous:
-        # Columns zero-padded to whole groups (and half activations widened): M x K elements, small.
-        padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
-        padded[:, : a.shape[1]] = a
-        a = padded
+    a = _operand_rows(a, dtype)
     stored = b if layout(b) == "rows" else b.T
     flat = stored.reshape(-1)
     weight, bits = (flat, _NO_BITS) if kind == FULL else (_NO_FLOATS, flat.view(numpy.uint16))
-    kernel = _rows_by_matrix if stored is b else _rows_by_transposed
-    kernel(a, weight, bits, kind, dtype.type(0), out)
+    if stored is b:
+        _rows_by_matrix(a, weight, bits, _NO_CODES, _NO_FLOATS, _NO_FLOATS, kind, dtype.type(0), out)
+    else:
+        _rows_by_transposed(a, weight, bits, kind, dtype.type(0), out)
+    return out
+
+
+def takes_quantized(a) -> bool:
+    """True when ``quantized_matmul`` takes ``a`` (a numpy 2-D float operand of at most MAX_ROWS rows)."""
+    return (
+        cpu_kernels.ENABLED
+        and isinstance(a, numpy.ndarray)
+        and a.ndim == 2
+        and a.shape[0] <= MAX_ROWS
+        and a.dtype.kind in "fV"
+    )
+
+
+def quantized_matmul(a, codes, scales, lows, bits: int, dtype):
+    """``a @ W`` for W [K, N] kept quantized (``kernels.quantized.QuantizedMatrix``'s arrays: ``codes``
+    int8 [K, N] or uint8 [K/2, N] for ``bits`` 8 or 4, ``scales`` and ``lows`` float32 [K/QUANT_ROWS, N],
+    ``lows`` empty for 8 bits), as ``dtype`` (float32 or float64) sums; K a multiple of QUANT_ROWS."""
+    out = numpy.empty((a.shape[0], codes.shape[1]), dtype)
+    flat = codes.reshape(-1).view(numpy.uint8)
+    no_weight = numpy.empty(0, dtype)  # the float weight operand: unused, of the sums' type
+    kind = Q8 if bits == 8 else Q4
+    _rows_by_matrix(
+        _operand_rows(a, dtype),
+        no_weight,
+        _NO_BITS,
+        flat,
+        scales.reshape(-1),
+        lows.reshape(-1),
+        kind,
+        dtype.type(0),
+        out,
+    )
     return out
 
 
@@ -161,12 +209,40 @@ def _stage_rows(weight, bits, kind, at, stride, count, width, scratch, pitch):
 
 
 @_jit
-def _rows_by_matrix(a, weight, bits, kind, zero, out):
-    """out = a @ W for W [K, N] row-major, flat in ``weight`` (or its half ``bits``); ``a``'s columns
-    are padded with zeros to a multiple of GROUP."""
+def _dequantize_rows(codes, scales, lows, kind, first, start, n, width, scratch, pitch):
+    """Rows ``first`` .. ``first + GROUP`` (one quantization group) and columns ``start`` .. ``start +
+    width`` of a quantized [K, N] weight into ``scratch`` rows ``g * pitch``, as ``scratch``'s floats:
+    an 8-bit code times its scale, or a 4-bit code (row 2i the low nibble of packed row i, 2i + 1 the
+    high one) times its scale plus its minimum."""
+    at = (first // QUANT_ROWS) * n + start
+    scale = scales[at : at + width]
+    for g in range(GROUP):
+        dst = scratch[g * pitch : g * pitch + width]
+        row = first + g
+        if kind == Q8:
+            code = codes[row * n + start : row * n + start + width]
+            for j in range(width):
+                dst[j] = ((numpy.int32(code[j]) ^ 128) - 128) * scale[j]  # the byte read as signed
+        else:
+            code = codes[(row >> 1) * n + start : (row >> 1) * n + start + width]
+            low, shift = lows[at : at + width], 4 * (row & 1)
+            for j in range(width):
+                dst[j] = ((code[j] >> shift) & 15) * scale[j] + low[j]
+
+
+@_jit
+def _rows_by_matrix(a, weight, bits, codes, scales, lows, kind, zero, out):
+    """out = a @ W for W [K, N] row-major, flat in ``weight`` (or its half ``bits``, or quantized in
+    ``codes``, ``scales`` and ``lows`` as ``quantized_matmul`` takes them); ``a``'s columns are padded
+    with zeros to a multiple of GROUP."""
     rows, n = a.shape[0], out.shape[1]
     whole = rows - rows % TILE_ROWS
-    k = (weight.shape[0] if kind == FULL else bits.shape[0]) // n
+    if kind == FULL:
+        k = weight.shape[0] // n
+    elif kind == Q8 or kind == Q4:
+        k = scales.shape[0] // n * QUANT_ROWS
+    else:
+        k = bits.shape[0] // n
     # rows x block accumulators fill ~32 KiB of float32 (L1) beside the weight rows being read
     block = min(n, max(64, (8192 // rows) // 16 * 16))
     acc = numpy.empty(rows * block, out.dtype)
@@ -178,6 +254,9 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
             group = min(GROUP, k - p)
             if kind == FULL and group == GROUP:
                 src, at, step = weight, p * n + start, n
+            elif kind == Q8 or kind == Q4:  # K is whole quantization groups: ``group`` is GROUP
+                _dequantize_rows(codes, scales, lows, kind, p, start, n, width, scratch, block)
+                src, at, step = scratch, 0, block
             else:
                 _stage_rows(weight, bits, kind, p * n + start, n, group, width, scratch, block)
                 src, at, step = scratch, 0, block

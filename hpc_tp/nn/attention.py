@@ -184,6 +184,7 @@ class ParallelAttention(Module):
         layer_id: int = 0,
         sequence_parallel: bool = False,
         dtype="float64",
+        quantize: str | None = None,
     ):
         if hidden % n_heads:
             raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
@@ -218,9 +219,17 @@ class ParallelAttention(Module):
                 Segment("v", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
             ],
             dtype=dtype,
+            quantize=quantize,
         )
         self.out = RowParallelLinear(
-            n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype, sequence_parallel=sequence_parallel
+            n_heads * d,
+            hidden,
+            comm,
+            bias,
+            input_is_parallel=True,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
+            quantize=quantize,
         )
 
     def _split_heads(self, qkv):

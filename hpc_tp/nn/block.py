@@ -45,6 +45,7 @@ class TransformerBlock(Module):
             layer_id=layer_id,
             sequence_parallel=cfg.sequence_parallel,
             dtype=dtype,
+            quantize=cfg.quantize,
         )
         self.norm2 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self.mlp = feed_forward(cfg, comm, layer_id, ep_comm, dtype)

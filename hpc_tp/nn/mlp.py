@@ -31,6 +31,7 @@ class ParallelMLP(Module):
         bias: bool = True,
         dtype="float64",
         sequence_parallel: bool = False,
+        quantize: str | None = None,
     ):
         if activation != "swiglu" and activation not in ACTIVATIONS:
             raise ConfigError(f"activation {activation!r} is not one of {', '.join([*ACTIVATIONS, 'swiglu'])}")
@@ -44,10 +45,24 @@ class ParallelMLP(Module):
             else None
         )
         self.fc1 = ColumnParallelLinear(
-            hidden, ffn_hidden, comm, bias, segments=segments, dtype=dtype, sequence_parallel=sequence_parallel
+            hidden,
+            ffn_hidden,
+            comm,
+            bias,
+            segments=segments,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
+            quantize=quantize,
         )
         self.fc2 = RowParallelLinear(
-            ffn_hidden, hidden, comm, bias, input_is_parallel=True, dtype=dtype, sequence_parallel=sequence_parallel
+            ffn_hidden,
+            hidden,
+            comm,
+            bias,
+            input_is_parallel=True,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
+            quantize=quantize,
         )
         self.local = ffn_hidden // comm.size
 
