@@ -120,6 +120,14 @@ def test_tp_greedy_tokens_equal_one_process(fmt):
     assert ids_tp == [c.ids for c in out_one[0]]
 
 
+def convert_quantized_on_rank0(source, output, fmt, comm):
+    """``hpc-tp convert source -o output --quantize fmt`` in rank 0's process; the other ranks wait."""
+    if comm.rank == 0:
+        imported = quantize_source.quantize_imported(open_source(source), fmt, convert.split_axes)
+        convert.replace_folder(output, False, lambda temp: convert.write_checkpoint(imported, temp))
+    comm.barrier()
+
+
 @mpi
 @pytest.mark.parametrize("fmt, kind", [("int8", "Q8_0"), ("int4", "Q4_0"), ("int4", "Q4_1")])
 def test_gguf_weights_kept_quantized_give_the_widened_imports_logits(shared_dir, comm_world, fmt, kind):  # noqa: F811
@@ -133,18 +141,14 @@ def test_gguf_weights_kept_quantized_give_the_widened_imports_logits(shared_dir,
     kinds = dict.fromkeys(linear, gguf.GGMLQuantizationType[kind])
     comm_world.bcast_object(write_gguf(path, config, tensors, quantized=kinds) if comm_world.rank == 0 else None)
     convert_on_rank0(lambda: path, shared_dir / "widened", comm_world)
-    if comm_world.rank == 0:
-        imported = open_source(path)
-        requantized = []
-        original = quantize_source.quantize
-        quantize_source.quantize = lambda w, bits: requantized.append(w) or original(w, bits)
-        try:
-            kept = quantize_source.quantize_imported(imported, fmt, convert.split_axes)
-            convert.replace_folder(shared_dir / "kept", False, lambda temp: convert.write_checkpoint(kept, temp))
-        finally:
-            quantize_source.quantize = original
-        assert not requantized
-    comm_world.barrier()
+    requantized = []
+    original = quantize_source.quantize
+    quantize_source.quantize = lambda w, bits: requantized.append(w) or original(w, bits)
+    try:
+        convert_quantized_on_rank0(path, shared_dir / "kept", fmt, comm_world)
+    finally:
+        quantize_source.quantize = original
+    assert not requantized
     assert rel_err(tp_logits(shared_dir / "kept", comm_world), tp_logits(shared_dir / "widened", comm_world)) < 1e-6
 
 
@@ -157,9 +161,7 @@ def test_convert_quantizes_an_hpc_tp_checkpoint_that_loads_at_every_tp(shared_di
     comm_world.bcast_object(write_gguf(path, config, tensors, quantized=()) if comm_world.rank == 0 else None)
     convert_on_rank0(lambda: path, shared_dir / "float", comm_world)
     one = ProcessGrid(tp=1, world=self_comm())
-    if comm_world.rank == 0:
-        assert main(["convert", str(shared_dir / "float"), "-o", str(shared_dir / "q"), "--quantize", "int4"]) == 0
-    comm_world.barrier()
+    convert_quantized_on_rank0(shared_dir / "float", shared_dir / "q", "int4", comm_world)
     float_model = GPTModel(ModelConfig.from_dict(load_checkpoint(shared_dir / "float", {}, one)["config"]), self_comm())
     load_checkpoint(shared_dir / "float", float_model.state(), one)
     want = quantized_copy(float_model, self_comm(), "int4", "float64").logits(IDS)

@@ -140,8 +140,8 @@ def matmul(a, w: QuantizedMatrix):
     """``a @ W`` for ``a`` [M, K]: float64 sums for float64 ``a``, else float32."""
     dtype = numpy.dtype(numpy.float64 if a.dtype == numpy.float64 else numpy.float32)
     if small_m.takes_quantized(a):
-        no_low = w.scale[:0]  # 8 bits: the kernel's minimums operand, empty
-        return small_m.quantized_matmul(a, w.codes, w.scale, no_low if w.low is None else w.low, w.bits, dtype)
+        low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
+        return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
     (k, n), xp = w.shape, xp_of(a)
     step = max(1, _BLOCK_BYTES // (dtype.itemsize * n * GROUP_ROWS)) * GROUP_ROWS
     out = xp.zeros((a.shape[0], n), dtype)
