@@ -436,7 +436,8 @@ def shared_dir(comm_world):
 
 
 def cli_args(**values):
-    return argparse.Namespace(**values)
+    """A command's parsed arguments; ``convert``'s --quantize off unless given."""
+    return argparse.Namespace(**{"quantize": None, **values})
 
 
 # -- logits against the reference, at every tp ----------------------------------------------------------

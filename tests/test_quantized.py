@@ -123,7 +123,7 @@ def test_tp_greedy_tokens_equal_one_process(fmt):
 def convert_quantized_on_rank0(source, output, fmt, comm):
     """``hpc-tp convert source -o output --quantize fmt`` in rank 0's process; the other ranks wait."""
     if comm.rank == 0:
-        imported = quantize_source.quantize_imported(open_source(source), fmt, convert.split_axes)
+        imported = quantize_source.quantize_imported(open_source(source, convert.split_axes), fmt, convert.split_axes)
         convert.replace_folder(output, False, lambda temp: convert.write_checkpoint(imported, temp))
     comm.barrier()
 

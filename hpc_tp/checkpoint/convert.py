@@ -24,7 +24,11 @@ from ..paths import check_output_folder
 
 
 def add_arguments(parser):
-    parser.add_argument("source", help="a Hugging Face model folder (config.json + safetensors) or a .gguf file")
+    parser.add_argument(
+        "source",
+        help="a Hugging Face model folder (config.json + safetensors), a .gguf file, or an hpc_tp checkpoint "
+        "(to quantize it)",
+    )
     parser.add_argument("-o", "--output", required=True, metavar="CKPT", help="checkpoint folder to create")
     parser.add_argument("--force", action="store_true", help="replace CKPT if it exists (atomically, when done)")
     parser.add_argument(
@@ -50,7 +54,7 @@ def run(args) -> int:
     if args.quantize is not None:
         bits_of(args.quantize)
     check_output_folder(args.output, "--output")
-    imported = open_source(args.source)
+    imported = open_source(args.source, split_axes)
     if args.quantize is not None:
         imported = quantize_imported(imported, args.quantize, split_axes)
     folder = replace_folder(args.output, args.force, lambda temp: write_checkpoint(imported, temp))

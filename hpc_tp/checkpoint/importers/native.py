@@ -10,14 +10,14 @@ import h5py
 
 from ...errors import ConfigError
 from ...models.config import ModelConfig
-from ..convert import split_axes
 from ..format import MASTER, resolve_checkpoint
 from ..read import describe_checkpoint, read_verified
 from . import Imported, SourceTensor
 
 
-def import_checkpoint(path: Path) -> Imported:
-    """The checkpoint at ``path`` (a step folder, or a root holding them)."""
+def import_checkpoint(path: Path, model_tensors) -> Imported:
+    """The checkpoint at ``path`` (a step folder, or a root holding them); ``model_tensors(cfg)`` names
+    the tensors of a model of ``cfg``."""
     folder = resolve_checkpoint(path)
     described = describe_checkpoint(folder)
     config = described["meta"].get("config")
@@ -27,7 +27,7 @@ def import_checkpoint(path: Path) -> Imported:
     if cfg.quantize is not None:
         raise ConfigError(f"checkpoint {folder} is quantized already ({cfg.quantize}): convert its source instead")
     stored = {t["name"]: t for t in described["tensors"]}
-    names = list(split_axes(cfg))
+    names = list(model_tensors(cfg))
     missing = sorted(set(names) - set(stored))
     if missing:
         raise ConfigError(f"checkpoint {folder}: tensor {missing[0]!r} of its model is missing")

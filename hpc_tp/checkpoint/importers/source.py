@@ -13,12 +13,12 @@ from .huggingface import import_folder
 from .native import import_checkpoint
 
 
-def open_source(path) -> Imported:
-    """A Hugging Face model folder, a GGUF file or an hpc_tp checkpoint folder (or a root holding
-    checkpoints), by what it is."""
+def open_source(path, model_tensors=None) -> Imported:
+    """A Hugging Face model folder, a GGUF file or, where ``model_tensors(cfg)`` names a model's tensors
+    (``convert.split_axes``), an hpc_tp checkpoint folder (or a root holding checkpoints), by what it is."""
     path = Path(path)
-    if path.is_dir() and ((path / MASTER).is_file() or latest_checkpoint(path)):
-        return import_checkpoint(path)
+    if model_tensors is not None and path.is_dir() and ((path / MASTER).is_file() or latest_checkpoint(path)):
+        return import_checkpoint(path, model_tensors)
     if path.is_dir():
         return import_folder(path)
     if path.is_file():
