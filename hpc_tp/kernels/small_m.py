@@ -250,7 +250,8 @@ def _rows_by_quantized(a, codes, scales, lows, zero, out):
     QUANT_ROWS weight rows is summed as its codes (widened in registers, each read once for four input
     rows), and the group's sums are scaled once per column; for 4 bits the group's minimum times the
     sum of ``a`` over the group's rows is added. Row 2i of a 4-bit weight is packed row i's low nibble,
-    row 2i + 1 its high one. Blocks of columns as ``_rows_by_matrix``'s."""
+    row 2i + 1 its high one. Blocks of columns and tiles of rows as ``_rows_by_matrix``'s, written out
+    again: widening the codes into a scratch for its loop measured slower than in registers (NOTES.md)."""
     rows, n = a.shape[0], out.shape[1]
     groups, four_bits = scales.shape[0] // n, lows.shape[0] > 0
     whole = rows - rows % TILE_ROWS

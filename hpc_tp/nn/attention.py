@@ -207,30 +207,21 @@ class ParallelAttention(Module):
         self.causal, self.dropout, self.rng, self.layer_id = causal, dropout, rng, layer_id
         self.recompute_scores = False  # selective recomputation (GPTModel.set_selective_recompute)
         self.inv_freq = None if rope_theta is None else rope_inv_freq(d, rope_theta, rope_scaling)
+        # what both linears are built with (their weights' precision, or format, and the layout)
+        storage = dict(dtype=dtype, sequence_parallel=sequence_parallel, quantize=quantize)
         self.qkv = ColumnParallelLinear(
             hidden,
             None,
             comm,
             bias,
-            sequence_parallel=sequence_parallel,
             segments=[
                 Segment("q", n_heads * d, tp, rank),
                 Segment("k", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
                 Segment("v", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
             ],
-            dtype=dtype,
-            quantize=quantize,
+            **storage,
         )
-        self.out = RowParallelLinear(
-            n_heads * d,
-            hidden,
-            comm,
-            bias,
-            input_is_parallel=True,
-            dtype=dtype,
-            sequence_parallel=sequence_parallel,
-            quantize=quantize,
-        )
+        self.out = RowParallelLinear(n_heads * d, hidden, comm, bias, input_is_parallel=True, **storage)
 
     def _split_heads(self, qkv):
         """Views of Q [B, hk, g, T, d] and of K, V [B, hk, T, d] in a [B, T, (hq + 2 hk) d] buffer:
