@@ -435,7 +435,8 @@ def tp_logits(ckpt, comm, ids=IDS):
 
 
 def cli_args(**values):
-    return argparse.Namespace(**values)
+    """A command's parsed arguments; ``convert``'s --quantize off unless given."""
+    return argparse.Namespace(**{"quantize": None, **values})
 
 
 # -- logits against the reference, at every tp ----------------------------------------------------------

@@ -64,9 +64,11 @@ def benchmark_decode(
     warmup: int = 3,
     seed: int = 0,
     graphs: bool = True,
+    model=None,
 ) -> dict:
     """One record (the same on every rank) for ``cfg`` split over ``comm`` (tp = comm.size); ``graphs``:
-    replay a captured CUDA graph per step where ``serve.decoding`` can (a GPU at tp = 1)."""
+    replay a captured CUDA graph per step where ``serve.decoding`` can (a GPU at tp = 1); ``model``: one
+    of ``cfg`` in ``dtype`` built already (rounds of an A/B time the same models again)."""
     # loaded when the command runs, not by hpc-tp --help
     from ..backend import resolve_dtype
     from ..grid import warn_if_tp_spans_nodes
@@ -76,7 +78,8 @@ def benchmark_decode(
 
     xp = backend.xp
     warn_if_tp_spans_nodes(comm)
-    model = GPTModel(cfg, comm, dtype=resolve_dtype(dtype), seed=seed)
+    if model is None:
+        model = GPTModel(cfg, comm, dtype=resolve_dtype(dtype), seed=seed)
     total = prompt_len + warmup + new_tokens
     cache = KVCache.for_model(model, batch, total)
     key_mask = numpy.zeros((batch, total), dtype=bool)

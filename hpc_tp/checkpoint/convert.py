@@ -1,4 +1,6 @@
-"""``hpc-tp convert SRC -o CKPT``: a Hugging Face model folder or a GGUF file as an hpc_tp checkpoint.
+"""``hpc-tp convert SRC -o CKPT``: a Hugging Face model folder or a GGUF file as an hpc_tp checkpoint;
+with ``--quantize int8|int4`` (any of those, or an hpc_tp checkpoint) one whose linear layers' weights
+stay quantized for inference (``importers/quantize.py``).
 
 The importer (``importers/``) maps every source tensor to this project's name and layout and
 checks its shape; the checkpoint writer then pulls the tensors through one at a time (read,
@@ -12,6 +14,7 @@ and then replaced only once the new checkpoint is complete.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 from pathlib import Path
@@ -21,14 +24,26 @@ from ..paths import check_output_folder
 
 
 def add_arguments(parser):
-    parser.add_argument("source", help="a Hugging Face model folder (config.json + safetensors) or a .gguf file")
+    parser.add_argument(
+        "source",
+        help="a Hugging Face model folder (config.json + safetensors), a .gguf file, or an hpc_tp checkpoint "
+        "(to quantize it)",
+    )
     parser.add_argument("-o", "--output", required=True, metavar="CKPT", help="checkpoint folder to create")
     parser.add_argument("--force", action="store_true", help="replace CKPT if it exists (atomically, when done)")
+    parser.add_argument(
+        "--quantize",
+        metavar="FORMAT",
+        help="keep the linear layers' weights quantized: int8 or int4, in groups of 32 inputs (GGUF Q8_0, "
+        "Q4_0 and Q4_1 weights are kept as stored); the embedding and LM head stay float",
+    )
 
 
 def run(args) -> int:
     # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import world
+    from ..kernels.quantized import bits_of
+    from .importers.quantize import quantize_imported
     from .importers.source import open_source
 
     if world().size > 1:
@@ -36,14 +51,20 @@ def run(args) -> int:
             f"hpc-tp convert runs as one process (started with {world().size} ranks); "
             "the checkpoint it writes loads at any tp"
         )
+    if args.quantize is not None:
+        bits_of(args.quantize)
     check_output_folder(args.output, "--output")
-    imported = open_source(args.source)
+    imported = open_source(args.source, split_axes)
+    if args.quantize is not None:
+        imported = quantize_imported(imported, args.quantize, split_axes)
     folder = replace_folder(args.output, args.force, lambda temp: write_checkpoint(imported, temp))
     cfg = imported.config
     print(
         f"converted {args.source} ({imported.source['format']}, {imported.source['architecture']}): "
         f"{cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
-        f"vocab {cfg.vocab_size}, {len(imported.tensors)} tensors -> {folder}"
+        f"vocab {cfg.vocab_size}, {len(imported.tensors)} tensors"
+        + (f", linear weights {cfg.quantize}" if cfg.quantize else "")
+        + f" -> {folder}"
         + ("" if imported.files else " (no tokenizer found)")
     )
     if imported.ignored:
@@ -76,16 +97,19 @@ class _Staged:
 
 def split_axes(cfg) -> dict:
     """Parameter name -> the axis the model splits it along over tp (None: replicated), from a
-    model of ``cfg``'s structure at toy width: names and axes do not depend on the sizes."""
+    model of ``cfg``'s structure at toy width: names and axes do not depend on the sizes (quantized
+    weights need whole groups of rows: the toy has them)."""
     # loaded when the command runs, not by hpc-tp --help
     from ..comm.mpi import self_comm
+    from ..kernels.quantized import GROUP_ROWS
     from ..models.bert import BertModel
     from ..models.gpt import GPTModel
 
+    group = GROUP_ROWS if cfg.quantize else 1
     toy = dataclasses.replace(
         cfg,
-        hidden=2 * cfg.n_heads,
-        ffn_hidden=1,
+        hidden=math.lcm(2 * cfg.n_heads, group),
+        ffn_hidden=group,
         vocab_size=1,
         max_seq_len=1,
         type_vocab_size=min(cfg.type_vocab_size, 1),

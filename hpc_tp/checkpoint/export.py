@@ -80,6 +80,8 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     cfg = ModelConfig.from_dict(meta["config"])
     if cfg.family != "gpt":
         raise ConfigError(f"checkpoint {info['path']} is a {cfg.family} model; export supports {', '.join(EXPORTABLE)}")
+    if cfg.quantize is not None:
+        raise ConfigError(f"checkpoint {info['path']} holds {cfg.quantize} weights; export writes float checkpoints")
     if cfg.num_experts and cfg.moe_every != 1:
         raise ConfigError(
             f"checkpoint {info['path']} has Mixture-of-Experts layers every {cfg.moe_every} layers; "

@@ -182,7 +182,14 @@ def widened_matmul(a, b, out=None, accumulate: bool = False, block_bytes: int = 
             matmul(a, b[:, start:stop].astype(numpy.float32), out=out[:, start:stop], accumulate=True)
         return out
     step = max(1, block_bytes // (4 * n))
+    return matmul_by_row_blocks(a, lambda start, stop: b[start:stop].astype(numpy.float32), k, step, out)
+
+
+def matmul_by_row_blocks(a, rows, k: int, step: int, out):
+    """``out += a @ B`` for B [k, n] handed over ``step`` of its rows at a time as floats by
+    ``rows(start, stop)`` (widened or dequantized): one block's float copy at a time, never the whole
+    weight's, and each block's product summed by BLAS (or cuBLAS)."""
     for start in range(0, k, step):
         stop = min(k, start + step)
-        matmul(a[:, start:stop], b[start:stop].astype(numpy.float32), out=out, accumulate=True)
+        matmul(a[:, start:stop], rows(start, stop), out=out, accumulate=True)
     return out

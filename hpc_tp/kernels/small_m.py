@@ -19,6 +19,12 @@ memory holds and moves half the bytes and every sum runs in float32. Sums run in
 precision (float32, or float64 for float64 weights), in another order than BLAS's: the result
 matches numpy's product to rounding.
 
+Weights kept quantized (``kernels.quantized``: 8-bit codes, or 4-bit codes two a byte, with a
+float32 scale, and for 4 bits a minimum, per group of QUANT_ROWS weight rows and column) are read the
+same way by ``_rows_by_quantized``: the codes are widened in registers and summed per group, each
+group's sums scaled once per column (``quantized_matmul``), so memory moves one byte (or half of one)
+per weight and no float copy of a weight row is written.
+
 Without numba (or with ``HPC_TP_CPU_KERNELS=0``) ``takes`` answers False and ``kernels.blas`` keeps its
 BLAS path (half weights: ``blas.widened_matmul``).
 """
@@ -38,6 +44,7 @@ MIN_WEIGHT = 1 << 15
 TILE_ROWS = 4  # input rows per pass (the rows past the last whole tile: one per pass)
 GROUP = 4  # weight rows (row-major) or columns (transposed) per pass: 4 products per accumulator load
 FULL, BF16, F16 = 0, 1, 2
+QUANT_ROWS = 32  # weight rows sharing a scale (and a minimum): GGUF's block; a multiple of GROUP
 _F16_SCALE = numpy.float32(2.0**112)  # moves a float16 exponent (bias 15) to float32's (bias 127)
 _NO_BITS = numpy.empty(0, numpy.uint16)  # the operand a kernel call does not use
 _NO_FLOATS = numpy.empty(0, numpy.float32)
@@ -96,22 +103,48 @@ def takes(a, b, out=None) -> bool:
     return layout(b) is not None
 
 
+def _operand_rows(a, dtype):
+    """``a`` as the kernels read it: C-contiguous ``dtype``, columns zero-padded to whole groups
+    (and half activations widened): M x K elements, small."""
+    if a.shape[1] % GROUP or a.dtype != dtype or not a.flags.c_contiguous:
+        padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
+        padded[:, : a.shape[1]] = a
+        a = padded
+    return a
+
+
 def matmul(a, b, out=None):
     """``a @ b`` into ``out`` (allocated when None) for operands ``takes`` accepts."""
     kind = half_kind(b.dtype)
     dtype = result_dtype(b.dtype)
     if out is None:
         out = numpy.empty((a.shape[0], b.shape[1]), dtype)
-    if a.shape[1] % GROUP or a.dtype != dtype or not a.flags.c_contiguous:
-        # Columns zero-padded to whole groups (and half activations widened): M x K elements, small.
-        padded = numpy.zeros((a.shape[0], -(-a.shape[1] // GROUP) * GROUP), dtype)
-        padded[:, : a.shape[1]] = a
-        a = padded
+    a = _operand_rows(a, dtype)
     stored = b if layout(b) == "rows" else b.T
     flat = stored.reshape(-1)
     weight, bits = (flat, _NO_BITS) if kind == FULL else (_NO_FLOATS, flat.view(numpy.uint16))
     kernel = _rows_by_matrix if stored is b else _rows_by_transposed
     kernel(a, weight, bits, kind, dtype.type(0), out)
+    return out
+
+
+def takes_quantized(a) -> bool:
+    """True when ``quantized_matmul`` takes ``a`` (a numpy 2-D float operand of at most MAX_ROWS rows)."""
+    return (
+        cpu_kernels.ENABLED
+        and isinstance(a, numpy.ndarray)
+        and a.ndim == 2
+        and a.shape[0] <= MAX_ROWS
+        and a.dtype.kind in "fV"
+    )
+
+
+def quantized_matmul(a, codes, scales, lows, dtype):
+    """``a @ W`` for W [K, N] kept quantized (``kernels.quantized.QuantizedMatrix``'s arrays: ``codes``
+    int8 [K, N] or, for 4 bits, uint8 [K/2, N]; ``scales`` and ``lows`` float32 [K/QUANT_ROWS, N],
+    ``lows`` empty for 8 bits), as ``dtype`` (float32 or float64) sums; K a multiple of QUANT_ROWS."""
+    out = numpy.empty((a.shape[0], codes.shape[1]), dtype)
+    _rows_by_quantized(_operand_rows(a, dtype), codes.reshape(-1), scales, lows, dtype.type(0), out)
     return out
 
 
@@ -207,6 +240,79 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
                 row0 = acc[r * block : r * block + width]
                 for j in range(width):
                     row0[j] += a00 * w0[j] + a01 * w1[j] + a02 * w2[j] + a03 * w3[j]
+        for r in range(rows):
+            out[r, start : start + width] = acc[r * block : r * block + width]
+
+
+@_jit
+def _rows_by_quantized(a, codes, scales, lows, zero, out):
+    """out = a @ W for W [K, N] kept quantized (``quantized_matmul``'s operands). Each group of
+    QUANT_ROWS weight rows is summed as its codes (widened in registers, each read once for four input
+    rows), and the group's sums are scaled once per column; for 4 bits the group's minimum times the
+    sum of ``a`` over the group's rows is added. Row 2i of a 4-bit weight is packed row i's low nibble,
+    row 2i + 1 its high one. Blocks of columns and tiles of rows as ``_rows_by_matrix``'s, written out
+    again: widening the codes into a scratch for its loop measured slower than in registers (NOTES.md)."""
+    rows, n = a.shape[0], out.shape[1]
+    groups, four_bits = scales.shape[0] // n, lows.shape[0] > 0
+    whole = rows - rows % TILE_ROWS
+    block = min(n, max(64, (8192 // rows) // 16 * 16))
+    acc = numpy.empty(rows * block, out.dtype)
+    part = numpy.empty(rows * block, out.dtype)
+    sums = numpy.empty((rows, groups), out.dtype)  # what multiplies the minimums
+    for r in range(rows):
+        for g in range(groups):
+            sums[r, g] = a[r, g * QUANT_ROWS : (g + 1) * QUANT_ROWS].sum()
+    for start in range(0, n, block):
+        width = min(block, n - start)
+        acc[:] = zero
+        for g in range(groups):
+            part[:] = zero
+            for p in range(g * QUANT_ROWS, (g + 1) * QUANT_ROWS, GROUP):
+                # codes of weight rows p .. p + 3 at columns start ..: four int8 rows, or two packed ones
+                at = (p // 2 if four_bits else p) * n + start
+                w0, w1 = codes[at : at + width], codes[at + n : at + n + width]
+                w2, w3 = codes[at + 2 * n : at + 2 * n + width], codes[at + 3 * n : at + 3 * n + width]
+                for r in range(0, whole, TILE_ROWS):  # each code widened once for four rows
+                    x0, x1, x2, x3 = a[r], a[r + 1], a[r + 2], a[r + 3]
+                    a00, a01, a02, a03 = x0[p], x0[p + 1], x0[p + 2], x0[p + 3]
+                    a10, a11, a12, a13 = x1[p], x1[p + 1], x1[p + 2], x1[p + 3]
+                    a20, a21, a22, a23 = x2[p], x2[p + 1], x2[p + 2], x2[p + 3]
+                    a30, a31, a32, a33 = x3[p], x3[p + 1], x3[p + 2], x3[p + 3]
+                    row0, row1 = part[r * block : r * block + width], part[(r + 1) * block : (r + 1) * block + width]
+                    row2, row3 = (
+                        part[(r + 2) * block : (r + 2) * block + width],
+                        part[(r + 3) * block : (r + 3) * block + width],
+                    )
+                    for j in range(width):
+                        if four_bits:
+                            c0, c1 = numpy.float32(w0[j] & 15), numpy.float32(w0[j] >> 4)
+                            c2, c3 = numpy.float32(w1[j] & 15), numpy.float32(w1[j] >> 4)
+                        else:
+                            c0, c1 = numpy.float32(w0[j]), numpy.float32(w1[j])
+                            c2, c3 = numpy.float32(w2[j]), numpy.float32(w3[j])
+                        row0[j] += a00 * c0 + a01 * c1 + a02 * c2 + a03 * c3
+                        row1[j] += a10 * c0 + a11 * c1 + a12 * c2 + a13 * c3
+                        row2[j] += a20 * c0 + a21 * c1 + a22 * c2 + a23 * c3
+                        row3[j] += a30 * c0 + a31 * c1 + a32 * c2 + a33 * c3
+                for r in range(whole, rows):  # the rows after the last whole tile: one at a time
+                    x0 = a[r]
+                    a00, a01, a02, a03 = x0[p], x0[p + 1], x0[p + 2], x0[p + 3]
+                    row0 = part[r * block : r * block + width]
+                    for j in range(width):
+                        if four_bits:
+                            c0, c1 = numpy.float32(w0[j] & 15), numpy.float32(w0[j] >> 4)
+                            c2, c3 = numpy.float32(w1[j] & 15), numpy.float32(w1[j] >> 4)
+                        else:
+                            c0, c1 = numpy.float32(w0[j]), numpy.float32(w1[j])
+                            c2, c3 = numpy.float32(w2[j]), numpy.float32(w3[j])
+                        row0[j] += a00 * c0 + a01 * c1 + a02 * c2 + a03 * c3
+            at = g * n + start
+            scale, low = scales[at : at + width], lows[at : at + width] if four_bits else scales[at : at + width]
+            for r in range(rows):
+                total, codes_sum = acc[r * block : r * block + width], part[r * block : r * block + width]
+                low_factor = sums[r, g] if four_bits else zero
+                for j in range(width):
+                    total[j] += scale[j] * codes_sum[j] + low[j] * low_factor
         for r in range(rows):
             out[r, start : start + width] = acc[r * block : r * block + width]
 

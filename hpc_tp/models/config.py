@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..kernels.quantized import bits_of
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu", "geglu")  # geglu: gated GELU, tanh approximation (Gemma)
@@ -57,6 +58,8 @@ class ModelConfig:
     moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0
     capacity_factor: float = 1.25  # expert capacity = ceil(factor * tokens * top_k / num_experts)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss
+    # "int8" / "int4": the linear layers' weights are kept quantized (kernels/quantized.py), for inference
+    quantize: str | None = None
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -117,6 +120,13 @@ class ModelConfig:
             raise ConfigError(f"model config rope_scaling={self.rope_scaling!r}: expected an object or null")
         self._validate_moe()
         self._validate_window()
+        if self.quantize is not None:
+            bits_of(self.quantize, "model config quantize")
+            if self.num_experts or self.family != "gpt":
+                raise ConfigError(
+                    f"model config quantize={self.quantize!r}: quantized weights are for dense decoders "
+                    f"(family gpt, num_experts 0), not family={self.family!r} with num_experts={self.num_experts}"
+                )
 
     def _check_number(self, name: str, allowed, expected: str):
         value = getattr(self, name)

@@ -221,6 +221,7 @@ class ParallelAttention(Module):
         qk_norm_eps: float | None = None,
         query_scale: float | None = None,
         dtype="float64",
+        quantize: str | None = None,
     ):
         if head_dim is None and hidden % n_heads:
             raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
@@ -249,21 +250,19 @@ class ParallelAttention(Module):
         # is fixed up after them by this ratio.
         self.query_scale = 1.0 / math.sqrt(d) if query_scale is None else query_scale
         self._scale_ratio = self.query_scale * math.sqrt(d)
+        # what both linears are built with (their weights' precision, or format, and the layout)
+        storage = dict(dtype=dtype, sequence_parallel=sequence_parallel, quantize=quantize)
         self.qkv = ColumnParallelLinear(
             hidden,
             None,
             comm,
             bias,
-            sequence_parallel=sequence_parallel,
             segments=[
                 Segment("q", n_heads * d, tp, rank),
                 Segment("k", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
                 Segment("v", n_kv_heads * d, kv_parts, kv_index, kv_replicas, replica_comm),
             ],
-            dtype=dtype,
-        )
-        self.out = RowParallelLinear(
-            n_heads * d, hidden, comm, bias, input_is_parallel=True, dtype=dtype, sequence_parallel=sequence_parallel
+            **storage,
         )
         # Query/key RMSNorm: one gain over head_dim shared by every head, so replicated; each rank's
         # gradient covers its own heads only and is summed over tp (a replicated K/V head's partial
@@ -273,6 +272,7 @@ class ParallelAttention(Module):
             self.q_norm = RMSNorm(d, tp, qk_norm_eps, dtype)
             self.k_norm = RMSNorm(d, tp, qk_norm_eps, dtype)
         self._comm = comm
+        self.out = RowParallelLinear(n_heads * d, hidden, comm, bias, input_is_parallel=True, **storage)
 
     def _split_heads(self, qkv):
         """Views of Q [B, hk, g, T, d] and of K, V [B, hk, T, d] in a [B, T, (hq + 2 hk) d] buffer:

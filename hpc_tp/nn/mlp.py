@@ -33,6 +33,7 @@ class ParallelMLP(Module):
         bias: bool = True,
         dtype="float64",
         sequence_parallel: bool = False,
+        quantize: str | None = None,
     ):
         if activation not in GATED and activation not in ACTIVATIONS:
             raise ConfigError(f"activation {activation!r} is not one of {', '.join([*ACTIVATIONS, *GATED])}")
@@ -45,12 +46,10 @@ class ParallelMLP(Module):
             if self.gated
             else None
         )
-        self.fc1 = ColumnParallelLinear(
-            hidden, ffn_hidden, comm, bias, segments=segments, dtype=dtype, sequence_parallel=sequence_parallel
-        )
-        self.fc2 = RowParallelLinear(
-            ffn_hidden, hidden, comm, bias, input_is_parallel=True, dtype=dtype, sequence_parallel=sequence_parallel
-        )
+        # what both linears are built with (their weights' precision, or format, and the layout)
+        storage = dict(dtype=dtype, sequence_parallel=sequence_parallel, quantize=quantize)
+        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, comm, bias, segments=segments, **storage)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, comm, bias, input_is_parallel=True, **storage)
         self.local = ffn_hidden // comm.size
 
     def forward(self, x):

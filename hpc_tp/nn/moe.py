@@ -192,7 +192,14 @@ def feed_forward(cfg, comm: Communicator, layer_id: int, ep_comm: Communicator |
     """The MLP of block ``layer_id``: a MoE layer where ``cfg.is_moe_layer`` says so, else dense."""
     if not cfg.is_moe_layer(layer_id):
         return ParallelMLP(
-            cfg.hidden, cfg.ffn_hidden, comm, cfg.activation, cfg.bias, dtype, sequence_parallel=cfg.sequence_parallel
+            cfg.hidden,
+            cfg.ffn_hidden,
+            comm,
+            cfg.activation,
+            cfg.bias,
+            dtype,
+            sequence_parallel=cfg.sequence_parallel,
+            quantize=cfg.quantize,
         )
     return MoEMLP(
         cfg.hidden,

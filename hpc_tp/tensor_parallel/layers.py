@@ -7,15 +7,20 @@ regions instead: f all-gathers the input's sequence shards, g reduce-scatters al
 A column-parallel layer may carry several output segments in one fused weight (Q, K, V or
 gate, up): one GEMM, while each segment stays its own Parameter (a view into the buffer)
 with its own Partition, so checkpoints and importers see plain logical tensors.
+
+With ``quantize`` ("int8" or "int4", inference only) a layer keeps its weight quantized
+(``kernels.quantized``): each logical weight is then the Parameters ``weight.codes``, ``weight.scale``
+(and ``weight.min``), cut as the weight is (by columns, or by rows: a row split must keep whole groups).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..kernels import blas
+from ..kernels import blas, quantized
 from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
 from .mappings import (
     SEQUENCE_AXIS,
@@ -51,12 +56,33 @@ def _flat(x):
 
 
 def product(a, b, keep_sums: bool = False):
-    """``a @ b`` (``a`` [..., k], ``b`` [k, n]) in ``a``'s dtype, through ``kernels.blas``: a product of
-    half-precision operands comes back as float32 sums, and activations keep the model's dtype
-    (pipeline messages and buffers are allocated for it). ``keep_sums``: return those float32 sums
-    as they are (partial products that are summed over tp before they are rounded)."""
-    y = blas.matmul(_flat(a), b).reshape(a.shape[:-1] + (b.shape[1],))
+    """``a @ b`` (``a`` [..., k], ``b`` [k, n] or a ``QuantizedMatrix``) in ``a``'s dtype, through
+    ``kernels.blas`` (``kernels.quantized``): a product of half-precision operands comes back as float32
+    sums, and activations keep the model's dtype (pipeline messages and buffers are allocated for it).
+    ``keep_sums``: return those float32 sums as they are (partial products that are summed over tp
+    before they are rounded)."""
+    matmul = quantized.matmul if isinstance(b, quantized.QuantizedMatrix) else blas.matmul
+    y = matmul(_flat(a), b).reshape(a.shape[:-1] + (b.shape[1],))
     return y if y.dtype == a.dtype or keep_sums else y.astype(a.dtype)
+
+
+class QuantizedWeight(Module):
+    """The Parameters of a weight kept quantized: ``codes``, ``scale`` (and ``min``), views of
+    ``matrix``'s arrays, each cut as ``partition`` cuts the logical weight [K, N] (its rows counted
+    in each part's own rows). Inference only: no gradients."""
+
+    def __init__(self, matrix: quantized.QuantizedMatrix, partition):
+        k, n = partition.full_shape
+        for part, array in matrix.arrays():
+            shape = (quantized.part_rows(part, k, matrix.bits), n)
+            # an empty gradient: nothing trains a quantized weight (the trainer refuses such models)
+            no_grad = backend.xp.zeros(0, array.dtype)
+            setattr(self, part, Parameter(array, replace(partition, full_shape=shape), grad=no_grad))
+
+
+def _no_backward(quantize):
+    if quantize is not None:
+        raise ConfigError(f"weights kept quantized ({quantize}) are for inference: they have no backward")
 
 
 def add_weight_grad(grad, x2, dy2):
@@ -89,6 +115,7 @@ class ColumnParallelLinear(Module):
         segments: list[Segment] | None = None,
         dtype="float64",
         sequence_parallel: bool = False,
+        quantize: str | None = None,
     ):
         if segments is None:
             if out_features % comm.size:
@@ -101,8 +128,14 @@ class ColumnParallelLinear(Module):
         self.output_region = GatherFromTensorParallel(comm) if gather_output else Identity()
         widths = [s.full // s.parts for s in segments]
         self.out_local = sum(widths)
-        self._weight = param_buffer((in_features, self.out_local), dtype)
-        self._weight_grad = grad_buffer(self._weight)
+        self.quantize = quantize
+        if quantize is None:
+            self._weight = param_buffer((in_features, self.out_local), dtype)
+            self._weight_grad = grad_buffer(self._weight)
+        else:
+            bits = quantized.bits_of(quantize, "quantize")
+            quantized.check_rows(in_features, 1, "a column-parallel layer", bits)
+            self._weight = quantized.QuantizedMatrix.zeros(in_features, self.out_local, bits, backend.xp)
         self._bias = param_buffer(self.out_local, dtype) if bias else None
         self._bias_grad = grad_buffer(self._bias) if bias else None
         self.params: list[tuple[str, Parameter]] = []
@@ -118,16 +151,13 @@ class ColumnParallelLinear(Module):
             if seg.replica_comm is not None and seg.replica_comm.size > 1:
                 self._replica_regions.append((CopyToTensorParallel(seg.replica_comm), cols))
             prefix = f"{seg.name}." if seg.name else ""
-            self.params.append(
-                (
-                    prefix + "weight",
-                    Parameter(
-                        self._weight[:, cols],
-                        split((in_features, seg.full), 1, seg.parts, seg.index, seg.replicas),
-                        grad=self._weight_grad[:, cols],
-                    ),
-                )
-            )
+            partition = split((in_features, seg.full), 1, seg.parts, seg.index, seg.replicas)
+            if quantize is None:
+                weight = Parameter(self._weight[:, cols], partition, grad=self._weight_grad[:, cols])
+                self.params.append((prefix + "weight", weight))
+            else:
+                parts = QuantizedWeight(self._weight.columns(cols), partition)
+                self.params.extend(parts.named_parameters(prefix + "weight."))
             if bias:
                 self.params.append(
                     (
@@ -152,6 +182,7 @@ class ColumnParallelLinear(Module):
         return self.output_region.forward(y), x
 
     def backward(self, dy, x):
+        _no_backward(self.quantize)
         dy2 = _flat(self.output_region.backward(dy))
         x = self.f.forward(x)  # x itself; under sequence parallelism the sequence gathered again
         dx = product(dy2, self._weight.T).reshape(x.shape)
@@ -200,6 +231,7 @@ class RowParallelLinear(Module):
         input_is_parallel: bool = True,
         dtype="float64",
         sequence_parallel: bool = False,
+        quantize: str | None = None,
     ):
         if in_features % comm.size:
             raise ConfigError(f"input size {in_features} is not divisible by tensor-parallel size {comm.size}")
@@ -209,10 +241,15 @@ class RowParallelLinear(Module):
             if sequence_parallel
             else ReduceFromTensorParallel(comm)
         )
-        self.weight = Parameter(
-            param_buffer((in_features // comm.size, out_features), dtype),
-            split((in_features, out_features), 0, comm.size, comm.rank),
-        )
+        partition = split((in_features, out_features), 0, comm.size, comm.rank)
+        self.quantize = quantize
+        if quantize is None:
+            self.weight = Parameter(param_buffer((in_features // comm.size, out_features), dtype), partition)
+        else:
+            bits = quantized.bits_of(quantize, "quantize")
+            quantized.check_rows(in_features, comm.size, "a row-parallel layer", bits)
+            self._matrix = quantized.QuantizedMatrix.zeros(in_features // comm.size, out_features, bits, backend.xp)
+            self.weight = QuantizedWeight(self._matrix, partition)
         self.bias = (
             Parameter(param_buffer(out_features, dtype), replicated((out_features,), comm.size), decay=False)
             if bias
@@ -222,12 +259,14 @@ class RowParallelLinear(Module):
     def forward(self, x):
         x = self.input_region.forward(x)
         # g sums the partial products: half ones as float32 sums, rounded once after, as one process rounds them
-        y = self.g.forward(product(x, self.weight.data, keep_sums=self.g.comm.size > 1)).astype(x.dtype, copy=False)
+        weight = self.weight.data if self.quantize is None else self._matrix
+        y = self.g.forward(product(x, weight, keep_sums=self.g.comm.size > 1)).astype(x.dtype, copy=False)
         if self.bias is not None:
             y += self.bias.data
         return y, x
 
     def backward(self, dy, x):
+        _no_backward(self.quantize)
         dy2, x2 = _flat(self.g.backward(dy)), _flat(x)
         if self.bias is not None:
             self.bias.grad += dy2.sum(axis=0, dtype=self.bias.grad.dtype)

@@ -208,6 +208,11 @@ class Trainer:
             raise ConfigError(
                 f"--model {s.model} is a {cfg.family} encoder: hpc-tp train trains decoder language models (family gpt)"
             )
+        if cfg.quantize is not None:
+            raise ConfigError(
+                f"model config quantize={cfg.quantize!r}: quantized weights are for inference (generate, serve, "
+                "eval); train from the float checkpoint they were converted from"
+            )
         if cfg.vocab_size < vocab:
             raise ConfigError(
                 f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab} (--tokenizer {s.tokenizer})"

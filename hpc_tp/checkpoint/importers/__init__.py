@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy
 
 from ...errors import ConfigError
+from ...kernels.quantized import from_codes
 from ...models.config import ModelConfig
 
 
@@ -87,16 +88,31 @@ def undo_rope_permutation(w, heads: int):
 
 class SourceTensor:
     """A logical tensor still in the source file: shape and dtype are known, values are read
-    when it is indexed (the checkpoint writer takes ``data[partition.valid_local()]``)."""
+    when it is indexed (the checkpoint writer takes ``data[partition.valid_local()]``).
+    ``quantized(bits)``: the tensor as the source's own quantized numbers (``kernels.quantized``),
+    where they are of that format; None where they are not (then the values are quantized)."""
 
-    def __init__(self, shape: tuple, dtype, read: Callable[[], numpy.ndarray]):
+    def __init__(self, shape: tuple, dtype, read: Callable[[], numpy.ndarray], quantized=None):
         self.shape, self.dtype, self._read = tuple(shape), numpy.dtype(dtype), read
+        self.quantized = quantized or (lambda bits: None)
 
     def __getitem__(self, index):
         values = self._read()
         if values.shape != self.shape:  # a rule bug, never a user error: shapes were checked up front
             raise AssertionError(f"read shape {values.shape}, expected {self.shape}")
         return values.astype(self.dtype, copy=False)[index]
+
+
+def _quantized_ours(rule: Rule, reader, bits: int):
+    """Our weight as the source's quantized numbers (a reader's ``read_quantized``: codes, scales and
+    minimums in the source's [out, in] layout, groups along ``in``), or None where the reader has no
+    such tensor of ``bits`` bits. Rows, experts, rope order and the transpose move whole groups."""
+    read = getattr(reader, "read_quantized", None)
+    found = None if read is None or rule.columns else read(rule.theirs, bits)
+    if found is None:
+        return None
+    codes, scale, low = (None if x is None else rule.to_ours(x) for x in found)
+    return from_codes(codes, scale, low, bits)
 
 
 @dataclass
@@ -129,7 +145,10 @@ def lazy_tensors(rules: list[Rule], reader, config_name: str) -> tuple[dict[str,
             )
         used.add(rule.theirs)
         tensors[rule.ours] = SourceTensor(
-            rule.ours_shape, reader.dtype(rule.theirs), lambda rule=rule: rule.to_ours(reader.read(rule.theirs))
+            rule.ours_shape,
+            reader.dtype(rule.theirs),
+            lambda rule=rule: rule.to_ours(reader.read(rule.theirs)),
+            lambda bits, rule=rule: _quantized_ours(rule, reader, bits),
         )
     dtype = next(iter(tensors.values())).dtype if tensors else numpy.float32
     for rule in rules:

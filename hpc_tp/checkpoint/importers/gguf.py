@@ -5,7 +5,9 @@ is quantized: BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ types) only when the ch
 for it; a type the package cannot dequantize is an error naming the tensor. GGUF stores a weight
 as ggml dims [in, out], which numpy sees as [out, in], the nn.Linear layout; and llama.cpp's
 converter interleaves each head's q/k rows for its rope (llama only: qwen2, qwen3 and phi3 rotate halves
-as Hugging Face does), which is undone here. The rules are the Hugging Face rules of the family (Phi-3's
+as Hugging Face does), which is undone here. ``hpc-tp convert --quantize`` keeps Q8_0 (int8), Q4_0 and
+Q4_1 (int4) weights as they are stored (``read_quantized``: the same numbers, transposed). The rules are
+the Hugging Face rules of the family (Phi-3's
 fused qkv and gate-up projections included) with GGUF's tensor names. The tokenizer, when the file has one, becomes
 a Hugging Face tokenizer.json (``gguf_tokenizer``).
 """
@@ -78,6 +80,17 @@ class GGUFTensors:
     def where(self, name: str) -> str:
         return self.label
 
+    def read_quantized(self, name: str, bits: int):
+        """A Q8_0 (``bits`` 8), Q4_0 or Q4_1 (``bits`` 4) tensor's own numbers (``_kept_blocks``),
+        without a float copy; None for any other type."""
+        from gguf import GGMLQuantizationType as Q
+
+        t = self._tensors[name]
+        kind = Q(t.tensor_type).name
+        if kind not in _KEPT or _KEPT[kind][0] != bits:
+            return None
+        return _kept_blocks(kind, t.data, self.shape(name))
+
     def read(self, name: str) -> numpy.ndarray:
         from gguf import GGMLQuantizationType as Q
         from gguf.quants import dequantize
@@ -93,6 +106,27 @@ class GGUFTensors:
                 "cannot dequantize (F32, F16, BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K and IQ types "
                 "can be read)"
             ) from None
+
+
+# GGUF's blocks kept as ``kernels.quantized`` numbers (``read_quantized``): type -> (bits, bytes a block,
+# whether a float16 minimum follows the scale). Each block is 32 weights along a row ``in``.
+_KEPT = {"Q8_0": (8, 34, False), "Q4_0": (4, 18, False), "Q4_1": (4, 20, True)}
+
+
+def _kept_blocks(kind: str, data, shape: tuple):
+    """(codes, scales, minimums) of a Q8_0 / Q4_0 / Q4_1 tensor ``shape`` [..., in]: codes [..., in] as
+    integers (-127..127, or 0..15 with Q4_0's offset of 8 in its minimum, -8 scale: exact), scales and
+    minimums [..., in / 32] as float32 (float16 widened: exact); minimums None for Q8_0."""
+    _, size, has_min = _KEPT[kind]
+    blocks = numpy.asarray(data).reshape(-1, size)
+    groups = shape[:-1] + (shape[-1] // 32,)
+    scale = numpy.ascontiguousarray(blocks[:, :2]).view(numpy.float16).astype(numpy.float32).reshape(groups)
+    if kind == "Q8_0":
+        return blocks[:, 2:].view(numpy.int8).reshape(shape), scale, None
+    packed = blocks[:, 4 if has_min else 2 :]
+    codes = numpy.concatenate([packed & 15, packed >> 4], axis=1).reshape(shape)  # element j, then j + 16
+    low = numpy.ascontiguousarray(blocks[:, 2:4]).view(numpy.float16).astype(numpy.float32) if has_min else None
+    return codes, scale, -8 * scale if low is None else low.reshape(groups)
 
 
 class _Fields:

@@ -1,18 +1,24 @@
-"""A model saved by another tool, opened by what it is: a Hugging Face folder or a GGUF file."""
+"""A model saved by another tool, opened by what it is: a Hugging Face folder or a GGUF file; or an
+hpc_tp checkpoint (to quantize it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ...errors import ConfigError
+from ..format import MASTER, latest_checkpoint
 from . import Imported
 from .gguf import import_gguf
 from .huggingface import import_folder
+from .native import import_checkpoint
 
 
-def open_source(path) -> Imported:
-    """A Hugging Face model folder or a GGUF file, by what it is."""
+def open_source(path, model_tensors=None) -> Imported:
+    """A Hugging Face model folder, a GGUF file or, where ``model_tensors(cfg)`` names a model's tensors
+    (``convert.split_axes``), an hpc_tp checkpoint folder (or a root holding checkpoints), by what it is."""
     path = Path(path)
+    if model_tensors is not None and path.is_dir() and ((path / MASTER).is_file() or latest_checkpoint(path)):
+        return import_checkpoint(path, model_tensors)
     if path.is_dir():
         return import_folder(path)
     if path.is_file():

@@ -1,0 +1,150 @@
+"""Linear weights kept quantized for inference: 8-bit or 4-bit codes with a float32 scale (and, for 4
+bits, a minimum) per group of 32 weight rows and column.
+
+A weight W [K, N] (``y = x @ W``) is three arrays:
+
+    codes  int8 [K, N], w = code * scale                    (int8)
+           uint8 [K/2, N], two codes 0..15 a byte: row 2i   (int4)
+           in packed row i's low nibble, row 2i + 1 in its
+           high one; w = code * scale + min
+    scale  float32 [K/32, N]
+    min    float32 [K/32, N], int4 only
+
+Groups run along K, 32 rows each: GGUF's block. GGUF's Q8_0 (a float16 scale and 32 int8 codes a
+block), Q4_0 (a float16 scale, codes offset by 8: min = -8 scale, exact) and Q4_1 (float16 scale and
+min) are these numbers exactly, transposed, so such files load without a float copy and without a
+second rounding. Any other weight is quantized here by those formats' rules: 8 bits symmetric
+(scale = max |w| / 127, Q8_0's), 4 bits between the group's minimum and maximum (scale =
+(max - min) / 15, Q4_1's). A tp split along K must fall between groups (the layers check it).
+
+Products: a few rows (decoding) through ``small_m.quantized_matmul``, which dequantizes in cache and
+reads every code once for all rows; many rows (prefill), or without numba, or on a GPU: blocks of
+weight rows dequantized elementwise (numpy or cupy) and multiplied by BLAS or cuBLAS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy
+
+from ..backend import xp_of
+from ..errors import ConfigError
+from . import blas, small_m
+
+FORMATS = {"int8": 8, "int4": 4}
+GROUP_ROWS = small_m.QUANT_ROWS
+PARTS = ("codes", "scale", "min")
+_BLOCK_BYTES = 4 << 20  # float rows dequantized at a time on the many-rows path
+
+
+def bits_of(name, what: str = "--quantize") -> int:
+    """8 or 4 for a format name, else one ConfigError line."""
+    if name not in FORMATS:
+        raise ConfigError(f"{what} {name!r}: expected one of {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def part_rows(part: str, k: int, bits: int) -> int:
+    """Rows of ``part`` for a weight of ``k`` rows."""
+    if part != "codes":
+        return k // GROUP_ROWS
+    return k if bits == 8 else k // 2
+
+
+def check_rows(k: int, parts: int, what: str, bits: int):
+    """A weight of ``k`` rows cut into ``parts`` along K keeps whole groups, or one ConfigError line."""
+    if k % (GROUP_ROWS * parts):
+        cut = f"tensor parallelism {parts} would cut a group" if k % GROUP_ROWS == 0 else "they are not whole groups"
+        raise ConfigError(
+            f"int{bits} weights of {what} in groups of {GROUP_ROWS} rows along its {k} inputs: {cut} "
+            f"(expected inputs a multiple of {GROUP_ROWS} x tp)"
+        )
+
+
+@dataclass
+class QuantizedMatrix:
+    """A weight [K, N] as its quantized arrays (numpy or cupy); ``low`` is None for 8 bits."""
+
+    codes: object
+    scale: object
+    low: object
+    bits: int
+
+    @classmethod
+    def zeros(cls, k: int, n: int, bits: int, xp):
+        rows = k // GROUP_ROWS
+        low = xp.zeros((rows, n), numpy.float32) if bits == 4 else None
+        codes = xp.zeros((part_rows("codes", k, bits), n), numpy.int8 if bits == 8 else numpy.uint8)
+        return cls(codes, xp.zeros((rows, n), numpy.float32), low, bits)
+
+    @property
+    def shape(self) -> tuple:
+        return self.scale.shape[0] * GROUP_ROWS, self.scale.shape[1]
+
+    def arrays(self) -> list:
+        """(part name, array) for each stored part."""
+        return [(part, a) for part, a in zip(PARTS, (self.codes, self.scale, self.low)) if a is not None]
+
+    def columns(self, cols: slice) -> QuantizedMatrix:
+        """Views of columns ``cols`` (a fused weight's segment)."""
+        low = None if self.low is None else self.low[:, cols]
+        return QuantizedMatrix(self.codes[:, cols], self.scale[:, cols], low, self.bits)
+
+    def dequantize(self, start: int = 0, stop: int | None = None, dtype=numpy.float32):
+        """Weight rows [start, stop) (whole groups) as ``dtype``."""
+        stop = self.shape[0] if stop is None else stop
+        xp, n = xp_of(self.codes), self.shape[1]
+        if self.bits == 8:
+            values = self.codes[start:stop].astype(dtype)
+        else:
+            packed = self.codes[start // 2 : stop // 2]
+            values = xp.empty((stop - start, n), dtype)
+            values[0::2], values[1::2] = packed & 15, packed >> 4
+        groups = values.reshape(-1, GROUP_ROWS, n)
+        groups *= self.scale[start // GROUP_ROWS : stop // GROUP_ROWS, None].astype(dtype)
+        if self.low is not None:
+            groups += self.low[start // GROUP_ROWS : stop // GROUP_ROWS, None].astype(dtype)
+        return values
+
+
+def quantize(w, bits: int) -> QuantizedMatrix:
+    """A float weight [K, N] (numpy; K whole groups) quantized by Q8_0's rule (8 bits) or Q4_1's (4)."""
+    k, n = w.shape
+    groups = numpy.asarray(w, numpy.float64).reshape(k // GROUP_ROWS, GROUP_ROWS, n)
+    if bits == 8:
+        scale = (numpy.abs(groups).max(axis=1) / 127).astype(numpy.float32)
+        low, top = None, 127
+        shifted = groups
+    else:
+        low = groups.min(axis=1).astype(numpy.float32)
+        scale = ((groups.max(axis=1) - low) / 15).astype(numpy.float32)
+        top = 15
+        shifted = groups - low[:, None]
+    safe = numpy.where(scale == 0, 1, scale)[:, None]  # an all-equal group: every code 0 (8 bits) or 0 + min
+    codes = numpy.clip(numpy.rint(shifted / safe), -top if bits == 8 else 0, top).reshape(k, n)
+    return from_codes(codes, scale, low, bits)
+
+
+def from_codes(codes, scale, low, bits: int) -> QuantizedMatrix:
+    """The stored arrays from codes as integers [K, N] (-127..127, or 0..15 for 4 bits), scales and
+    minimums [K/32, N] (None for 8 bits)."""
+    if bits == 8:
+        return QuantizedMatrix(codes.astype(numpy.int8), scale.astype(numpy.float32), None, 8)
+    nibbles = codes.astype(numpy.uint8)
+    packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    return QuantizedMatrix(packed, scale.astype(numpy.float32), low.astype(numpy.float32), 4)
+
+
+def matmul(a, w: QuantizedMatrix):
+    """``a @ W`` for ``a`` [M, K]: float64 sums for float64 ``a``, else float32."""
+    dtype = numpy.dtype(numpy.float64 if a.dtype == numpy.float64 else numpy.float32)
+    if small_m.takes_quantized(a):
+        low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
+        return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
+    (k, n), xp = w.shape, xp_of(a)
+    step = max(1, _BLOCK_BYTES // (dtype.itemsize * n * GROUP_ROWS)) * GROUP_ROWS
+    out = xp.zeros((a.shape[0], n), dtype)
+    return blas.matmul_by_row_blocks(
+        a.astype(dtype, copy=False), lambda start, stop: w.dequantize(start, stop, dtype), k, step, out
+    )

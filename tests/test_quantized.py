@@ -1,0 +1,193 @@
+"""Weights kept quantized at inference (``kernels/quantized.py``, ``hpc-tp convert --quantize``): the
+few-row kernel and the blockwise path against dequantize-then-numpy; quantized models at tp = the world
+size against one process at the same precision; GGUF Q8_0, Q4_0 and Q4_1 kept as stored against the
+widened import; and the errors of a bad format, a tp that cuts a group, and training."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_convert import IDS, convert_on_rank0, llama_source, rel_err, tp_logits, write_gguf
+from test_generate import CONFIGS, PROMPTS, larger_weights
+from tp_helpers import max_rel_err, tp_and_reference
+
+from hpc_tp.checkpoint import convert, load_checkpoint
+from hpc_tp.checkpoint.importers import quantize as quantize_source
+from hpc_tp.checkpoint.importers.source import open_source
+from hpc_tp.cli import main
+from hpc_tp.comm.mpi import self_comm
+from hpc_tp.errors import ConfigError
+from hpc_tp.grid import ProcessGrid
+from hpc_tp.kernels import quantized, small_m
+from hpc_tp.models import GPTModel, ModelConfig
+from hpc_tp.serve.generate import Engine, left_pad
+from hpc_tp.serve.kv_cache import KVCache
+from hpc_tp.serve.sampling import SamplingParams
+from hpc_tp.tensor_parallel.layers import RowParallelLinear
+from hpc_tp.tokenizer import ByteTokenizer
+
+mpi = pytest.mark.mpi(min_size=1)
+# 128 inputs to every row-parallel layer: four groups of 32, whole at tp = 1, 2 and 4.
+CONFIG = dict(CONFIGS["llama-gqa"], vocab_size=300, hidden=128, ffn_hidden=256)
+STEPS = 3
+# Across tp only the order of the sums differs: float64 to rounding, float32 to its rounding of the logits.
+SAME_PRECISION = {"float64": 1e-10, "float32": 1e-5}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64, 65, 130])
+def test_product_equals_dequantize_then_numpy(bits, dtype, rows):
+    """1-64 rows: the numba kernel (dequantized in cache); more: blocks dequantized and BLAS."""
+    rng = np.random.default_rng(rows)
+    w = quantized.quantize(rng.normal(size=(192, 200)), bits)
+    a = rng.normal(size=(rows, 192)).astype(dtype)
+    want = a.astype(np.float64) @ w.dequantize(dtype=np.float64)
+    got = quantized.matmul(a, w)
+    assert got.dtype == np.dtype(dtype)
+    assert rel_err(got, want) < (1e-13 if dtype == "float64" else 3e-6)
+
+
+def test_the_kernel_takes_the_few_row_products():
+    assert small_m.takes_quantized(np.zeros((64, 32), np.float32)) == small_m.cpu_kernels.ENABLED
+    assert not small_m.takes_quantized(np.zeros((65, 32), np.float32))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_rounds_within_half_a_step_and_packs_two_codes_a_byte(bits):
+    rng = np.random.default_rng(bits)
+    w = rng.normal(size=(64, 40)) * rng.uniform(0.1, 3, size=40)
+    m = quantized.quantize(w, bits)
+    assert m.codes.shape == ((64, 40) if bits == 8 else (32, 40)) and m.scale.shape == (2, 40)
+    step = np.repeat(m.scale, 32, axis=0)
+    assert (np.abs(m.dequantize(dtype=np.float64) - w) <= step / 2 * (1 + 1e-6)).all()
+    codes = m.codes[0] & 15 if bits == 4 else m.codes[0]
+    assert np.allclose(codes * m.scale[0] + (0 if m.low is None else m.low[0]), m.dequantize()[0])
+
+
+def _quantized_model(comm, fmt, dtype):
+    """The llama-gqa model with ``larger_weights``, its linear weights quantized to ``fmt``."""
+    float_model = larger_weights(GPTModel(ModelConfig(**CONFIG), self_comm(), dtype="float64", seed=4))
+    return quantized_copy(float_model, comm, fmt, dtype)
+
+
+def quantized_copy(float_model, comm, fmt, dtype):
+    """A model of ``float_model``'s config (one process's) at ``comm``, its linear weights quantized to ``fmt``."""
+    full = {name: p.data for name, p in float_model.named_parameters()}
+    model = GPTModel(dataclasses.replace(float_model.cfg, quantize=fmt), comm, dtype=dtype, seed=4)
+    for name, p in model.named_parameters():
+        if name in full:
+            p.load_full(full[name])
+            continue
+        weight, part = name.rsplit(".", 1)
+        p.load_full(dict(quantized.quantize(full[weight], quantized.FORMATS[fmt]).arrays())[part])
+    return model
+
+
+def _logits(model):
+    """Prefill logits of PROMPTS at their real tokens, then STEPS decode steps' (KV cache), float64."""
+    tokens, key_mask, positions = left_pad(PROMPTS, STEPS, pad_id=0)
+    width = tokens.shape[1]
+    cache = KVCache.for_model(model, len(PROMPTS), width + STEPS)
+    prefill = model.infer(tokens, positions, key_mask[:, :width], cache, all_positions=True)
+    out = [prefill[key_mask[:, :width]]]
+    ids, lens = np.argmax(prefill[:, -1], axis=-1), np.array([len(p) for p in PROMPTS])
+    for s in range(STEPS):
+        key_mask[:, width + s] = True
+        out.append(model.infer(ids[:, None], (lens + s)[:, None], key_mask[:, : width + s + 1], cache))
+        ids = (ids * 7 + 3) % CONFIG["vocab_size"]
+    return [np.asarray(o, np.float64) for o in out]
+
+
+@mpi
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype):
+    tp, one = tp_and_reference()
+    got, want = _logits(_quantized_model(tp, fmt, dtype)), _logits(_quantized_model(one, fmt, dtype))
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert max_rel_err(g, w) <= SAME_PRECISION[dtype], f"step {step}"
+
+
+@mpi
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_tp_greedy_tokens_equal_one_process(fmt):
+    tp, one = tp_and_reference()
+    params = [SamplingParams(max_new_tokens=6)] * len(PROMPTS)
+    out_tp = Engine(_quantized_model(tp, fmt, "float32"), ByteTokenizer()).generate(PROMPTS, params)
+    ids_tp = tp.allgather_object(None if out_tp is None else [c.ids for c in out_tp[0]])[0]
+    out_one = Engine(_quantized_model(one, fmt, "float32"), ByteTokenizer()).generate(PROMPTS, params)
+    assert ids_tp == [c.ids for c in out_one[0]]
+
+
+def convert_quantized_on_rank0(source, output, fmt, comm):
+    """``hpc-tp convert source -o output --quantize fmt`` in rank 0's process; the other ranks wait."""
+    if comm.rank == 0:
+        imported = quantize_source.quantize_imported(open_source(source, convert.split_axes), fmt, convert.split_axes)
+        convert.replace_folder(output, False, lambda temp: convert.write_checkpoint(imported, temp))
+    comm.barrier()
+
+
+@mpi
+@pytest.mark.parametrize("fmt, kind", [("int8", "Q8_0"), ("int4", "Q4_0"), ("int4", "Q4_1")])
+def test_gguf_weights_kept_quantized_give_the_widened_imports_logits(shared_dir, comm_world, fmt, kind):  # noqa: F811
+    """Every linear weight of a llama GGUF stored as ``kind``: converted with --quantize, its numbers
+    are kept (nothing is quantized again), and the logits at every tp are the float import's."""
+    import gguf
+
+    config, tensors = llama_source(hidden=128, ffn=256)
+    linear = [n for n in tensors if n.endswith("proj.weight")]
+    path = shared_dir / "m.gguf"
+    kinds = dict.fromkeys(linear, gguf.GGMLQuantizationType[kind])
+    comm_world.bcast_object(write_gguf(path, config, tensors, quantized=kinds) if comm_world.rank == 0 else None)
+    convert_on_rank0(lambda: path, shared_dir / "widened", comm_world)
+    requantized = []
+    original = quantize_source.quantize
+    quantize_source.quantize = lambda w, bits: requantized.append(w) or original(w, bits)
+    try:
+        convert_quantized_on_rank0(path, shared_dir / "kept", fmt, comm_world)
+    finally:
+        quantize_source.quantize = original
+    assert not requantized
+    assert rel_err(tp_logits(shared_dir / "kept", comm_world), tp_logits(shared_dir / "widened", comm_world)) < 1e-6
+
+
+@mpi
+def test_convert_quantizes_an_hpc_tp_checkpoint_that_loads_at_every_tp(shared_dir, comm_world):  # noqa: F811
+    """float checkpoint -> convert --quantize int4 -> the model loads at every tp, its logits those of
+    the float weights quantized in process."""
+    config, tensors = llama_source(hidden=128, ffn=256)
+    path = shared_dir / "m.gguf"
+    comm_world.bcast_object(write_gguf(path, config, tensors, quantized=()) if comm_world.rank == 0 else None)
+    convert_on_rank0(lambda: path, shared_dir / "float", comm_world)
+    one = ProcessGrid(tp=1, world=self_comm())
+    convert_quantized_on_rank0(shared_dir / "float", shared_dir / "q", "int4", comm_world)
+    float_model = GPTModel(ModelConfig.from_dict(load_checkpoint(shared_dir / "float", {}, one)["config"]), self_comm())
+    load_checkpoint(shared_dir / "float", float_model.state(), one)
+    want = quantized_copy(float_model, self_comm(), "int4", "float64").logits(IDS)
+    assert rel_err(tp_logits(shared_dir / "q", comm_world), want) < 1e-10
+
+
+def test_bad_quantize_values_are_one_line(tmp_path, capsys):
+    assert main(["convert", str(tmp_path), "-o", str(tmp_path / "out"), "--quantize", "int3"]) == 2
+    assert capsys.readouterr().err.strip() == "hpc-tp: error: --quantize 'int3': expected one of int8, int4"
+    with pytest.raises(ConfigError, match="model config quantize 'fp8': expected one of int8, int4"):
+        ModelConfig(**CONFIG, quantize="fp8")
+    with pytest.raises(ConfigError, match="for dense decoders"):
+        ModelConfig(**CONFIG, quantize="int4", num_experts=4)
+
+
+def test_a_tp_that_cuts_a_group_is_refused():
+    class FourRanks:
+        size, rank = 4, 0
+
+    with pytest.raises(ConfigError, match="along its 64 inputs: tensor parallelism 4 would cut a group"):
+        RowParallelLinear(64, 32, FourRanks(), bias=False, quantize="int4")
+    with pytest.raises(ConfigError, match="along its 48 inputs: they are not whole groups"):
+        quantized.check_rows(48, 1, "a weight", 8)
+
+
+def test_training_refuses_a_quantized_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--model", "tiny", "--set", "quantize=int8", "--steps", "1"]) == 2
+    assert "model config quantize='int8': quantized weights are for inference" in capsys.readouterr().err
