@@ -38,24 +38,10 @@ CONFIGS = {
         bias=False,
         tie_embeddings=False,
     ),
-    # Qwen3: heads sized apart from hidden (4 x 8 != 24) and RMSNorm on each query and key head.
-    "qwen3-qk-norm": dict(
-        vocab_size=37,
-        hidden=24,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        qk_norm=True,
-        ffn_hidden=40,
-        max_seq_len=16,
-        norm="rmsnorm",
-        activation="swiglu",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
-    ),
 }
+
+# Qwen3: heads sized apart from hidden (4 x 8 != 24) and RMSNorm on each query and key head.
+CONFIGS["qwen3-qk-norm"] = dict(CONFIGS["llama-gqa"], head_dim=8, qk_norm=True)
 
 
 def perturb_norm_gains(model):
@@ -162,6 +148,10 @@ def test_heads_not_divisible_error_lists_working_tp():
         (dict(head_dim=0), "head_dim=0: expected a positive integer"),
         (dict(hidden=30, n_heads=4), "hidden=30 is not divisible by n_heads=4; set head_dim"),
         (dict(position="rope", head_dim=7), "rope needs an even head size, got 7"),
+        (dict(num_experts=2, dense_layers=[2]), "dense_layers=[2]: expected a list of layer indices 0 .. 1"),
+        (dict(num_experts=2, shared_expert_ffn_hidden=-1), "shared_expert_ffn_hidden=-1: expected an integer >= 0"),
+        (dict(num_experts=2, expert_ffn_hidden=0), "expert_ffn_hidden=0: expected a positive integer"),
+        (dict(normalize_top_k="no"), "normalize_top_k='no': expected true or false"),
     ],
 )
 def test_config_values_of_the_wrong_type_or_range_are_one_clear_line(values, message):
