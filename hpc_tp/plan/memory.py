@@ -114,8 +114,7 @@ def block_params(cfg: ModelConfig, tp: int, layer: int = 0, ep: int = 1) -> int:
         mlp = h * cfg.num_experts + experts + shared_expert_params(cfg, tp)
     else:
         mlp = mlp_params(cfg, tp)
-    qk_norms = 2 * d if cfg.qk_norm else 0  # one gain over head_dim each for queries and keys, replicated
-    return block_norms(cfg) * norm_params(cfg) + qk_norms + attention + mlp
+    return block_norms(cfg) * norm_params(cfg) + attention + mlp
 
 
 def block_norms(cfg: ModelConfig) -> int:
@@ -265,8 +264,6 @@ def layer_activation_bytes(
         elements += sb * (q + kv)  # rotated Q and K are new arrays (V stays a view of QKV)
         if saved.row_statistics:
             elements += seq * d  # cos and sin tables, [s, d/2] each
-    if cfg.qk_norm:  # each query and key head's norm keeps its normalised input and its rows' 1/rms
-        elements += sb * (q + kv) + sb * (cfg.n_heads // tp + kv_heads_local(cfg, tp))
     if not moe:
         elements += sb * mlp_saved_per_row(cfg, tp, saved)
     if saved.row_statistics:
