@@ -78,6 +78,7 @@ def test_command_writes_consistent_record(comm_world, tmp_path, capsys):
         r = json.loads(open(path).read())
         assert (r["tp"], r["layers"], r["hidden"], r["seq_len"], r["micro_batch"]) == (comm_world.size, 1, 32, 8, 2)
         assert r["dtype"] == "float32" and r["threads_per_rank"] == 1 and r["repeats"] == 3
+        assert (r["nodes"], r["ranks_per_node"]) == (1, comm_world.size)  # every rank on this one host
         assert isinstance(r["malloc_retained"], bool)
         assert r["huge_pages_requested"] == heap_huge_pages_requested()
         assert len(r["huge_page_bytes"]) == comm_world.size

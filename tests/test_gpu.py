@@ -7,6 +7,8 @@ cupy finds NVRTC and the CUDA headers, and the wrappers' dtype handling runs eve
 standing in for cupy). The 2-rank test shares one device through MPI (NCCL refuses one device twice).
 """
 
+import json
+import re
 import sys
 
 import numpy as np
@@ -17,6 +19,7 @@ from hpc_tp import backend
 from hpc_tp.backend import resolve_dtype
 from hpc_tp.bench import gpu_check as G
 from hpc_tp.kernels import cuda_kernels as K
+from hpc_tp.kernels import flash_attention as FA
 from hpc_tp.kernels import functional as F
 
 CUDA = backend.cuda_available()
@@ -38,22 +41,24 @@ def on_device():
     backend.use("cpu")
 
 
-def _nvrtc(options=()):
+def _nvrtc(options=(), arch="compute_90"):
     """NVRTC and cupy's compile options (its headers, the CUDA headers it found) for ``options``:
-    what a kernel is compiled with on a device, here without one; skipped where either is missing."""
+    what a kernel is compiled with on a device, here without one; skipped where either is missing.
+    ``arch``: a virtual one gives PTX; a real one (sm_90) runs ptxas too."""
     pytest.importorskip("cupy", reason="cupy is not installed")
     from cupy._core import core
     from cupy_backends.cuda.libs import nvrtc
 
     try:
         nvrtc.getVersion()
-        return nvrtc, [*core.assemble_cupy_compiler_options(tuple(options)), "-arch=compute_90"]
+        return nvrtc, [*core.assemble_cupy_compiler_options(tuple(options)), f"-arch={arch}"]
     except Exception as error:  # noqa: BLE001 -- NVRTC and the CUDA headers are separate packages
         pytest.skip(f"NVRTC or the CUDA headers are not found here: {error}")
 
 
-def _compile(label, source, names=(), options=()):
-    nvrtc, options = _nvrtc(options)
+def _compile(label, source, names=(), options=(), arch="compute_90"):
+    """The program log (ptxas's report with ``--ptxas-options=-v`` and a real ``arch``)."""
+    nvrtc, options = _nvrtc(options, arch)
     program = nvrtc.createProgram(source, f"{label}.cu", [], [])
     for name in names:
         nvrtc.addNameExpression(program, name)
@@ -62,6 +67,7 @@ def _compile(label, source, names=(), options=()):
     except Exception:  # noqa: BLE001 -- the log says why
         pytest.fail(f"{label} does not compile for sm_90:\n{nvrtc.getProgramLog(program)}")
     assert nvrtc.getPTX(program)
+    return nvrtc.getProgramLog(program)
 
 
 def test_row_kernels_compile_for_sm90():
@@ -69,6 +75,21 @@ def test_row_kernels_compile_for_sm90():
     functional sends it: other dtypes take the composed code)."""
     names = [f"{k}<{t}>" for k in K._ROW_KERNELS for t in K._CTYPES.values()]
     _compile("rows", K.row_source(), names, K.ROW_OPTIONS)
+
+
+@pytest.mark.parametrize("dtype", FA.DTYPES)
+def test_flash_attention_compiles_for_sm90(dtype):
+    """The fused attention's three kernels for every head-size bucket, NVRTC and ptxas for sm_90 alone
+    (no device). With float sums (half and float32 inputs) every instance keeps its accumulators in
+    registers: ptxas reports no stack frame and no spill (float64, the checking dtype, may spill)."""
+    for bucket in FA.HEAD_DIMS:
+        log = _compile(
+            f"flash {dtype} {bucket}", FA.SOURCE, FA.names(dtype, bucket), (*FA.OPTIONS, "--ptxas-options=-v"), "sm_90"
+        )
+        frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
+        assert len(frames) == len(FA.KERNELS), log
+        if dtype != "float64":
+            assert all(frame == ("0", "0") for frame in frames), f"bucket {bucket}: {log}"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
@@ -248,6 +269,42 @@ def test_attention_in_device_blocks_equals_the_cpu_blocks(padded, window):
 
 
 @device_test
+@pytest.mark.parametrize("window", [0, 100])
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_fused_attention_layer_equals_the_composed_one(padded, window, monkeypatch):
+    """The layer on the device through the fused kernels (``HPC_TP_FLASH_ATTENTION=1``) and through the composed
+    path (``HPC_TP_FLASH_ATTENTION=0``), float64: T = 300 crosses query, key and device-block tiles; with a
+    sliding window too."""
+    monkeypatch.setenv("HPC_TP_FLASH_ATTENTION", "1")
+    fused = _attention_pass("cuda", 300, padded, window)
+    monkeypatch.setenv("HPC_TP_FLASH_ATTENTION", "0")
+    composed = _attention_pass("cuda", 300, padded, window)
+    assert max(G._rel(f, c) for f, c in zip(fused, composed)) <= 1e-12
+
+
+@device_test
+def test_the_device_layer_runs_the_fused_kernels_and_keeps_no_scores(monkeypatch):
+    from hpc_tp.comm.mpi import self_comm
+    from hpc_tp.nn.attention import ParallelAttention
+
+    monkeypatch.setenv("HPC_TP_FLASH_ATTENTION", "1")
+    layer = ParallelAttention(32, 4, 2, self_comm(), dtype="float32")
+    _, ctx = layer.forward(cupy.ones((2, 40, 32), "float32"))
+    assert ctx.flash_out is not None and ctx.probs is None and ctx.lse.shape == (2, 2, 2, 40)
+
+
+@device_test
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_fused_attention_kernels_match_the_composed_core(dtype):
+    """Output, log-sum-exp, dQ, dK, dV of every ``gpu_check.FLASH_CASES`` case (GQA, padding, a cache
+    offset, head size 256 with a window, no causal mask) against the composed core in float64."""
+    if dtype == "bfloat16" and G._bfloat16_missing():
+        pytest.skip(G._bfloat16_missing())
+    errors = G.flash_errors(dtype)
+    assert max(errors.values()) <= G.FLASH_TOL[dtype], errors
+
+
+@device_test
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "gemma3"])
 def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
     """Greedy generation with the KV cache (a left-padded prefill, then a token a step) on the device
@@ -381,3 +438,35 @@ def test_a_check_that_fails_without_a_message_is_a_row_not_a_crash(tmp_path):
         ("silent", "FAIL", "AssertionError: "),
         ("next", "ok", ""),
     ]
+
+
+def test_peer_rows_alternate_and_put_the_peer_over_the_engine(tmp_path):
+    """A peer row from stand-in timers: every round times the engine and then each peer, the medians and
+    ranges land in ms, peer / engine > 1 where the engine is faster, and the table and JSON carry it."""
+    report, calls = G.Report(out=tmp_path), []
+    engine_s = iter([0.004, 0.002, 0.003])
+
+    def engine():
+        calls.append("engine")
+        return next(engine_s)
+
+    def peer(repeats):
+        calls.append(f"peer x{repeats}")
+        return 0.0045
+
+    G._peer_row(report, {"kind": "W1 step", "dtype": "float32", "batch": 4}, engine, {"torch eager": lambda: peer})
+    row = json.loads((tmp_path / "gpu_check.json").read_text())["peer"][0]
+    assert calls == ["engine", "peer x5"] * G.PEER_ROUNDS
+    assert row["engine"] == {"median": 3.0, "min": 2.0, "max": 4.0} and row["torch eager / engine"] == 1.5
+    assert "W1 step float32 batch 4: engine 3.000 ms (2.000-4.000)" in (tmp_path / "gpu_check.md").read_text()
+    assert "torch eager / engine 1.50x" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_without_torch_on_a_device_the_peer_section_is_one_row_saying_why(tmp_path, monkeypatch):
+    from hpc_tp.bench import torch_peer
+
+    monkeypatch.setattr(torch_peer, "torch_missing", lambda: "torch is not importable here (stand-in)")
+    report = G.Report(out=tmp_path)
+    G.run_peer_benchmarks(report)
+    assert report.rows["peer"] == [{"skipped": "torch is not importable here (stand-in)"}]
+    assert "- skipped: torch is not importable here (stand-in)" in (tmp_path / "gpu_check.md").read_text()

@@ -18,6 +18,12 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from hpc_tp.models.config import load_config
+from hpc_tp.plan.calibration import load_calibration
+from hpc_tp.plan.clusters import get_cluster
+from hpc_tp.plan.cost import Layout
+from hpc_tp.plan.placement import compare_placements
+
 sys.path.insert(0, str(Path(__file__).parent))
 from slurm.cluster import missing_programs  # noqa: E402
 from slurm.nodes import VirtualCluster, unavailable  # noqa: E402
@@ -283,7 +289,7 @@ def test_zero1_dp_across_nodes_tp_inside(cluster):
     assert_same_losses(logged_losses(jobs / "zero.jsonl"), one_process_losses(steps))
 
 
-def hpc_tp_step(cluster, *args, nodes=2, per_node=1, timeout=120):
+def hpc_tp_step(cluster, *args, nodes=2, per_node=1, distribution="block", timeout=120):
     """`srun --mpi=pmix hpc-tp ARGS` over ``nodes`` nodes: one job step, output and exit status."""
     env = job_env(cluster)
     env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -291,6 +297,7 @@ def hpc_tp_step(cluster, *args, nodes=2, per_node=1, timeout=120):
         "--mpi=pmix",
         f"--nodes={nodes}",
         f"--ntasks-per-node={per_node}",
+        f"--distribution={distribution}",
         "--cpus-per-task=1",
         str(VENV / "bin" / "hpc-tp"),
         *args,
@@ -341,8 +348,6 @@ def test_planner_keeps_tp_inside_a_node_when_a_layout_fits():
     with tp inside a node fits (no cluster needed: the planner alone)."""
     from dataclasses import replace
 
-    from hpc_tp.models.config import load_config
-    from hpc_tp.plan.clusters import get_cluster
     from hpc_tp.plan.search import search
 
     base = get_cluster("cpu-2core")
@@ -351,6 +356,20 @@ def test_planner_keeps_tp_inside_a_node_when_a_layout_fits():
     assert any(r.kind == "nodes" and r.layout["tp"] == 4 for r in plan.rejected)
     one_per_node = search(load_config("tiny"), 2, 8, 16, replace(base, devices_per_node=1))
     assert all(p.layout.tp == 1 for p in one_per_node.ranked)
+
+
+@pytest.mark.timeout(240)
+def test_plan_auto_reads_the_launch_placement(cluster):
+    """Ranks dealt round-robin over 2 nodes x 2 (srun --distribution=cyclic): every tp group of 2 would
+    straddle the nodes, so `--plan auto` picks tp = 1, from the launch it runs in."""
+    log = cluster.dir / "jobs" / "plan-auto-cyclic.jsonl"
+    run = hpc_tp_step(
+        cluster, "train", *TINY_RUN, "--plan", "auto", "--log", str(log), per_node=2, distribution="cyclic"
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    chosen = next(line for line in run.stdout.splitlines() if line.startswith("--plan auto: "))
+    assert chosen.startswith("--plan auto: tp=1 "), chosen
+    assert "spans 2 nodes" not in run.stderr, run.stderr
 
 
 # ------------------------------------------------------------------ generate and serve across nodes
@@ -500,3 +519,11 @@ def test_bench_comm_measures_intra_and_inter_node_links_apart(cluster):
     limit = 100e6 / 8 / 1e9  # GB/s
     assert records["p2p_inter"]["raw_algbw_GBps"] < 1.1 * limit, records["p2p_inter"]
     assert records["p2p_intra"]["raw_algbw_GBps"] > 3 * limit, records["p2p_intra"]
+    # The file is a calibration: the planner prices each link class apart and so ranks tp inside a node first.
+    two_per_node = get_cluster("cpu-2core").with_overrides(devices_per_node=2)
+    calibration = load_calibration([path])
+    network = calibration.network(two_per_node)
+    assert network.inter["p2p"].bw < 1.1 * limit * 1e9 < 3 * limit * 1e9 < network.intra["p2p"].bw
+    w1 = load_config("w1", vocab_size=258)
+    placed = compare_placements(w1, Layout(2, 2, 1, 4), 8, 256, two_per_node, calibration)
+    assert [(p.prediction.layout.placement, p.tp_spans_nodes) for p in placed] == [("block", False), ("cyclic", True)]

@@ -203,6 +203,36 @@ def test_a_chat_with_parts_a_tool_turn_and_null_content_streams_as_openai_stream
         assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
+def test_a_forced_call_streams_its_arguments_in_pieces_the_clients_stream_helper_assembles(server):
+    url, _ = server
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    with _client(url).chat.completions.stream(
+        model="ckpt",
+        messages=[{"role": "user", "content": "q"}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        max_tokens=20,
+        temperature=0,
+    ) as stream:
+        pieces = [e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion().choices[0]
+    [call] = final.message.tool_calls
+    assert call.function.name == "f" and call.function.arguments == "".join(pieces) and len(pieces) > 1
+    if final.finish_reason == "tool_calls":  # not cut by max_tokens: the arguments are the schema's object
+        assert set(json.loads(call.function.arguments)) == {"n"}
+
+
 def test_sixteen_concurrent_async_streams_each_equal_the_request_alone(server):
     url, engine = server
     prompts = [f"chat {i}: " + "z" * (i % 4) for i in range(16)]

@@ -24,6 +24,7 @@ from hpc_tp.plan.calibration import from_comm_records, from_step_records, load_c
 from hpc_tp.plan.clusters import CLUSTERS, engine_precision, get_cluster
 from hpc_tp.plan.cost import Layout, Link, hops, predict, stage_collectives, traffic
 from hpc_tp.plan.memory import MEGATRON, kv_cache_bytes, layer_activation_bytes, stage_memory
+from hpc_tp.plan.placement import compare_placements, launch_cluster, launch_placement
 from hpc_tp.plan.search import divisors, structural_reason, variant_reason
 from hpc_tp.serve.kv_cache import KVCache
 from hpc_tp.train.optim import AdamW
@@ -779,3 +780,131 @@ def test_validate_measures_every_virtual_stage_count_the_engine_runs():
         (1, 1, 4, 1),
     }
     assert world_layouts(cfg, 4, 8, 64, 2) == [lay for lay in both if lay.virtual_stages == 1]
+
+
+# -- placement: which ranks share a node ------------------------------------------------------------------
+
+W1_TRAINED = load_config("w1", vocab_size=258)  # W1 as hpc-tp train builds it: the byte tokenizer's vocabulary
+TWO_PER_NODE = get_cluster("cpu-2core").with_overrides(devices_per_node=2)
+
+
+def _two_links(intra_bw=5e9, inter_bw=25e6) -> list[dict]:
+    """bench comm's ping-pong records inside a node and across, at the given bandwidths."""
+    return [
+        {"op": op, "ranks": 4, "link": link, "bytes": n, "project_time_s": alpha + n / bw}
+        for op, link, alpha, bw in (("p2p_intra", "intra", 5e-5, intra_bw), ("p2p_inter", "inter", 1e-4, inter_bw))
+        for n in (2**16, 2**20, 2**22)
+    ]
+
+
+def test_placements_deal_ranks_to_nodes_and_decide_which_groups_cross():
+    block, cyclic = Layout(2, 2, 1, 4), Layout(2, 2, 1, 4, placement="cyclic")
+    assert block.node_of_rank(2).tolist() == [0, 0, 1, 1] and cyclic.node_of_rank(2).tolist() == [0, 1, 0, 1]
+    assert not block.spans_nodes("tp", 2) and block.spans_nodes("pp", 2)
+    assert cyclic.spans_nodes("tp", 2) and not cyclic.spans_nodes("pp", 2)
+    assert launch_placement(["a", "a", "b", "b"]) == (2, "block")
+    assert launch_placement(["a", "b", "a", "b"]) == (2, "cyclic")
+    assert launch_placement(["a", "b", "b", "a"]) is None
+    assert launch_cluster(TWO_PER_NODE, ["a"] * 4) == (TWO_PER_NODE, "block")
+    four = get_cluster("cpu-2core")
+    assert launch_cluster(four, ["a", "b", "a", "b"]) == (TWO_PER_NODE, "cyclic")
+    with pytest.raises(ConfigError, match="placement 'scatter': expected one of block, cyclic"):
+        Layout(2, 2, 1, 4, placement="scatter")
+
+
+def test_bytes_between_nodes_per_placement_are_every_message_that_crosses():
+    """W1 at tp=2 x pp=2 on 2 nodes of 2, m = 2 micro-batches of 4 x 256 tokens: every byte one node
+    sends another, counted once, as the benchmark's network counters count them."""
+    activation, tokens, m = 4 * 256 * 768 * 4, 4 * 256, 2
+    tied = 129 * 768 * 4  # each tp rank's rows of the padded 258-row embedding, summed by the end stages
+    by_placement = {
+        p.prediction.layout.placement: p.bytes_between_nodes
+        for p in compare_placements(W1_TRAINED, Layout(2, 2, 1, 4), 8, 256, TWO_PER_NODE)
+    }
+    # tp across (both tp groups straddle; a 2-rank all-reduce sends the buffer each way): per stage
+    # 4 all-reduces per block x 2 blocks + the embedding's or the head's, per micro-batch; the loss's
+    # row max and sum-exp on the last stage; a grad norm per stage; the world's finite check on a ring
+    # of 4 ranks whose 4 edges all cross (1.5 x 8 bytes each).
+    tp_messages = 2 * m * (4 * 2 + 1) * activation + m * (tokens * 4 + 2 * tokens * 4) + 2 * 16
+    assert by_placement["cyclic"] == 2 * tp_messages + 4 * 1.5 * 8
+    # tp inside: both pipeline pairs straddle: m activations forward and m gradients back each, the
+    # loss broadcast and grad norm (16 bytes, twice), the tied embedding's sum; the finite check's
+    # ring crosses twice.
+    pairs = 2 * (2 * m * activation + 2 * 2 * 16 + 2 * tied)  # 2 pairs; a 2-rank sum sends n each way
+    assert by_placement["block"] == pairs + 2 * 1.5 * 8
+    assert by_placement["block"] / 2**20 == pytest.approx(25.5, abs=0.05)
+    assert by_placement["cyclic"] / 2**20 == pytest.approx(216.0, abs=0.05)
+
+
+def test_slow_link_ranks_tp_inside_a_node_first():
+    calibration = from_comm_records(_two_links())
+    placed = compare_placements(W1_TRAINED, Layout(2, 2, 1, 4), 8, 256, TWO_PER_NODE, calibration)
+    assert [(p.prediction.layout.placement, p.tp_spans_nodes) for p in placed] == [("block", False), ("cyclic", True)]
+    block, cyclic = (p.prediction for p in placed)
+    # The difference is the tp messages priced at 25 MB/s instead of 5 GB/s: most of a second per stage.
+    assert cyclic.tp_s > 0.5 and block.tp_s < 0.05 and cyclic.pp_s < block.pp_s
+    assert cyclic.step_s > block.step_s + cyclic.tp_s
+    # With the link as fast as a node's, the placements cost the same to within the messages' latency.
+    even = compare_placements(
+        W1_TRAINED, Layout(2, 2, 1, 4), 8, 256, TWO_PER_NODE, from_comm_records(_two_links(inter_bw=5e9))
+    )
+    assert even[0].prediction.step_s == pytest.approx(even[1].prediction.step_s, rel=0.01)
+
+
+def test_search_never_proposes_tp_across_nodes_when_tp_inside_fits_whatever_the_placement():
+    calibration = from_comm_records(_two_links(inter_bw=5e9))  # even where crossing is free
+    block = search(W1_TRAINED, 4, 8, 256, TWO_PER_NODE, calibration, micro_batches=(4,))
+    assert {p.layout.tp for p in block.ranked} == {1, 2}
+    assert {r.layout["tp"] for r in block.rejected if r.kind == "nodes"} == {4}
+    cyclic = search(W1_TRAINED, 4, 8, 256, TWO_PER_NODE, calibration, micro_batches=(4,), placement="cyclic")
+    assert {p.layout.tp for p in cyclic.ranked} == {1}  # round-robin: every tp > 1 straddles the nodes
+    assert {r.layout["tp"] for r in cyclic.rejected if r.kind == "nodes"} == {2, 4}
+    assert all("predicted" in r.reason for r in cyclic.rejected if r.kind == "nodes")
+
+
+def test_calibration_keeps_the_two_links_apart():
+    inter_all_reduce = [
+        {"op": "all_reduce", "ranks": 2, "link": "inter", "bytes": n, "project_time_s": 2 * 3e-4 + n / 2e7}
+        for n in (2**16, 2**22)
+    ]
+    step = {
+        "benchmark": "step",
+        "tp": 4,
+        "nodes": 2,
+        "ranks_per_node": 2,
+        "flops": 6e9,
+        "compute_s": 0.1,
+        "comm_s": 0.5,
+        "dtype": "float32",
+        "layers": 2,
+        "micro_batch": 2,
+        "seq_len": 8,
+        "hidden": 16,
+    }
+    cal = from_comm_records(_two_links() + inter_all_reduce).merge(from_step_records([step]))
+    network = cal.network(TWO_PER_NODE, tp=4)
+    assert network.intra["p2p"].bw == pytest.approx(5e9) and network.inter["p2p"].bw == pytest.approx(25e6)
+    assert network.inter["all_reduce"].bw == pytest.approx(2e7) and network.inter["all_reduce"].alpha == pytest.approx(
+        3e-4
+    )
+    assert network.intra["all_gather"] == network.intra["p2p"]  # not measured: the class's ping-pong prices it
+    assert cal.steps[0].ranks == 2 and cal.steps[0].inter
+    messages = 4 * 2 * network.inter["all_reduce"].time("all_reduce", 4, 2 * 8 * 16 * 4)
+    assert network.wait == pytest.approx((0.5 - messages) / 0.1)  # against the link its messages crossed
+
+
+def test_plan_command_compares_the_placements(tmp_path, capsys):
+    links, out = tmp_path / "links.json", tmp_path / "plan.json"
+    links.write_text(json.dumps(_two_links()))
+    argv = ["plan", "--model", "w1", "--set", "vocab_size=258", "--cluster", "cpu-2core", "--gpus", "4"]
+    argv += ["--gpus-per-node", "2", "--global-batch", "8", "--seq-len", "256", "--micro-batch", "4"]
+    assert main([*argv, "--calibration", str(links), "--sequence-parallel", "off", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "the top layout on nodes of 2, by placement (fastest first):" in text
+    assert text.index("block (tp inside a node)") < text.index("cyclic (tp across nodes)")
+    placements = json.loads(out.read_text())["placements"]
+    assert [p["placement"] for p in placements] == ["block", "cyclic"]
+    assert placements[0]["step_s"] < placements[1]["step_s"] and placements[1]["tp_spans_nodes"]
+    assert main([*argv, "--placement", "cyclic", "--top", "1"]) == 0
+    top = capsys.readouterr().out.splitlines()[3]  # round-robin: tp > 1 straddles the nodes, so tp = 1 ranks first
+    assert top.split()[:2] == ["1", "tp=1"], top

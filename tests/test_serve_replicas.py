@@ -15,8 +15,11 @@ from test_generate import _model, write_checkpoint
 from test_serve import _post, _text_of, serving
 
 from hpc_tp.comm.mpi import self_comm
+from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
+from hpc_tp.models import ModelConfig
 from hpc_tp.serve.generate import Engine
+from hpc_tp.serve.loading import check_layout
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.tokenizer import ByteTokenizer
 
@@ -67,3 +70,16 @@ def test_two_replicas_answer_every_request_once_as_alone(tmp_path, ranks, tp):
         spread = re.search(rf"{N_REQUESTS} requests answered \(by replica: (\d+) (\d+)\)", output)
         assert spread, output
         assert all(int(n) > 0 for n in spread.groups()), output  # 24 requests at once, 4 rows a replica
+
+
+def test_heads_that_do_not_split_over_tp_name_the_layouts_of_the_world_replicas_included():
+    cfg = ModelConfig(hidden=72, n_heads=9, n_kv_heads=3)
+    check_layout(cfg, 3, 6)  # fits: nothing said
+    with pytest.raises(ConfigError) as bad:
+        check_layout(cfg, 2, 2)
+    assert (
+        str(bad.value)
+        == "9 attention heads with 3 kv heads cannot be split over --tp 2; on 2 ranks: --tp 1 (2 replicas)"
+    )
+    with pytest.raises(ConfigError, match=r"on 6 ranks: --tp 1 \(6 replicas\), --tp 3 \(2 replicas\)$"):
+        check_layout(cfg, 2, 6)

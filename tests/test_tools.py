@@ -182,24 +182,54 @@ def test_tool_choice_none_and_a_cut_forced_call_answer_content():
     assert named.turn('{"a": 1, "b"', "length") == ({"role": "assistant", "content": '{"a": 1, "b"'}, "length")
 
 
-def test_a_stream_holds_back_what_may_be_a_call_and_ends_with_the_calls():
+def _fed(stream: CallStream, answer: str, step: int = 3) -> tuple[str, list[dict]]:
+    """``answer`` fed to ``stream`` ``step`` characters at a time: the content and the call deltas sent."""
+    fed = [stream.feed(answer[i : i + step]) for i in range(0, len(answer), step)]
+    assert all(len({d["index"] for d in deltas}) == len(deltas) for _, deltas in fed)  # one delta a call a chunk
+    return "".join(text for text, _ in fed), [d for _, deltas in fed for d in deltas]
+
+
+def _assembled(deltas: list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments) of each call, as a client puts OpenAI's streamed tool-call deltas together."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["type"] == "function" and d["index"] == len(calls)
+            calls[d["index"]] = [d["function"]["name"], d["function"]["arguments"]]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[d["index"]][1] += d["function"]["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+def test_a_stream_holds_back_what_may_be_a_call_and_streams_the_calls_arguments_in_pieces():
     stream = CallStream(_tools())
-    answer = 'Checking <weather>.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-    sent = [stream.feed(answer[i : i + 3]) for i in range(0, len(answer), 3)]
-    assert "".join(sent) == "Checking <weather>."  # "<we" was held until it could not begin "<tool_call>"
+    answer = (
+        'Checking <weather>.<tool_call>{"name": "add", "arguments": {"a": 1, "b": "}{\\""}}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": {"a": 3}}</tool_call>'
+    )
+    content, deltas = _fed(stream, answer)
+    assert content == "Checking <weather>."  # "<we" was held until it could not begin "<tool_call>"
+    assert len(deltas) > 4  # the arguments went out in pieces, as they were written
+    assert _assembled(deltas) == [("add", '{"a": 1, "b": "}{\\""}'), ("add", '{"a": 3}')]
     last, finish = stream.last("stop")
-    assert finish == "tool_calls" and last["content"] is None
-    assert [(c["index"], c["function"]["name"]) for c in last["tool_calls"]] == [(0, "add")]
-    whole = CallStream(_tools())
-    assert whole.feed('{"name": "add"') == "" and whole.feed(', "parameters": {"a": 1, "b": 2}}') == ""
+    assert finish == "tool_calls" and last["content"] is None and "tool_calls" not in last
+    llama = CallStream(_tools())
+    assert _fed(llama, '{"name": "add", "parameters": {"a": 1, "b": 2}}', step=5)[1] != []
+    forced = CallStream(_tools({"type": "function", "function": {"name": "add"}}))
+    content, deltas = _fed(forced, '{"a": 1, "b": 2}', step=2)
+    assert content == "" and _assembled(deltas) == [("add", '{"a": 1, "b": 2}')]
+    assert forced.last("stop") == ({"role": "assistant", "content": None}, "tool_calls")
+    whole = CallStream(_tools())  # keys in another order: recognised only at the end, and sent whole
+    assert _fed(whole, '{"arguments": {"a": 1, "b": 2}, "name": "add"}') == ("", [])
     assert whole.last("stop")[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b": 2}'
     plain = CallStream(_tools())
-    assert plain.feed("Sunny, ") + plain.feed("21 C") == "Sunny, 21 C" and plain.last("stop") == (
+    assert plain.feed("Sunny, ")[0] + plain.feed("21 C")[0] == "Sunny, 21 C" and plain.last("stop") == (
         {"role": "assistant", "content": None},
         "stop",
     )
     held = CallStream(_tools())
-    assert held.feed("[1, 2]") == "" and held.last("stop") == ({"role": "assistant", "content": "[1, 2]"}, "stop")
+    assert held.feed("[1, 2]") == ("", []) and held.last("stop") == ({"role": "assistant", "content": "[1, 2]"}, "stop")
 
 
 @pytest.mark.parametrize(
@@ -328,9 +358,10 @@ def test_over_http_a_forced_call_whole_and_streamed_and_a_bad_schema_400():
             if line.startswith("data: ") and line != "data: [DONE]"
         ]
         assert status == 200 and "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks) == ""
-        last = chunks[-1]["choices"][0]
-        assert last["finish_reason"] == "tool_calls"
-        assert [(c["index"], c["function"]) for c in last["delta"]["tool_calls"]] == [(0, whole[0]["function"])]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or ()]
+        [(name, arguments)] = _assembled(deltas)
+        assert name == "add" and json.loads(arguments) == json.loads(whole[0]["function"]["arguments"])
         bad = {
             "messages": ASK,
             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}},

@@ -10,7 +10,13 @@ on one machine in well under 5 minutes, as a short table.
 3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
    (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
    measured large-GEMM peak, and each step again replayed from a CUDA graph (``bench step
-   --cuda-graph``); then W1 decode steps with and without a CUDA graph (``bench decode``).
+   --cuda-graph``); then W1 decode steps with and without a CUDA graph (``bench decode``);
+4. the fused attention kernels (``flash_attention``) against the composed core: their error (a check
+   row, float64, float32 and half) and both paths' forward + backward time on W1's attention and a
+   1B-class one, alternating;
+5. the PyTorch peer on the same card (``torch_peer``, where torch imports): the W1 step eagerly and
+   through ``torch.compile``, alternating with this engine's, and W1 decode eagerly and from a CUDA
+   graph, with the ratios.
 
 The table goes to stdout and, with ``--out DIR`` or ``$OUT``, to DIR/gpu_check.md and .json.
 Exit status: 0 when every check passed, and also when there is no CUDA device (the only line
@@ -20,6 +26,7 @@ then starts "gpu-check skipped: no CUDA device"); 1 when a check failed or raise
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -40,6 +47,21 @@ TP_TOL = 1e-9
 MIXED_TOL = {"float16": 1e-2, "bfloat16": 5e-2}
 MOE = {"num_experts": 4, "top_k": 2}  # every MLP a Mixture of Experts: routing, dispatch and combine on the device
 W1_ROWS = ((4, 256), (32, 256))  # (micro-batch, seq): the CPU benchmark's shape, then one a GPU fills
+# Fused attention against the composed core in float64 on the host: sums in float64, float32 or float;
+# half inputs differ from it by their output's rounding (2^-8 for bfloat16, 2^-11 for float16) and more.
+FLASH_TOL = {"float64": 1e-12, "float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+# (name, (B, hk, g, T, keys, d), q offset, causal, padded, window): W1's heads, then GQA with padding,
+# decoding after a cache, the largest head size with a sliding window, and no causal mask.
+FLASH_CASES = (
+    ("W1 heads", (2, 12, 1, 256, 256, 64), 0, True, False, 0),
+    ("GQA, padding", (2, 2, 4, 100, 100, 128), 0, True, True, 0),
+    ("after a cache", (2, 2, 2, 7, 40, 80), 33, True, True, 0),
+    ("head 256, window", (1, 1, 2, 70, 70, 256), 0, True, False, 33),
+    ("not causal", (2, 3, 1, 50, 50, 32), 0, False, True, 0),
+)
+# (name, B, heads, T, d): W1's attention at micro-batch 32 and a 1B-class model's (hidden 2048, seq 2048).
+FLASH_SHAPES = (("W1 32x256", 32, 12, 256, 64), ("1B 4x2048", 4, 16, 2048, 128))
+PEER_ROUNDS = 3
 
 
 # -- checks: each returns numbers; the bounds are applied by the caller (here and tests/test_gpu.py) --
@@ -101,6 +123,139 @@ def kernel_errors(dtype: str, rows: int = 37, n: int = 300) -> dict[str, float]:
         _worst(F.rmsnorm_backward(d["dy"], d["gain"], dev_saved), F.rmsnorm_backward(dy, gain, saved)),
     )
     return errors
+
+
+def composed_attention(q, k, v, dout, q_offset, causal, key_mask=None, window=0):
+    """(output, log-sum-exp, dQ, dK, dV) of the composed attention core (``attention._composed_forward``
+    and ``_composed_backward``) on host arrays: Q [B, hk, g, T, d] (scaled), K, V [B, hk, keys, d]; the
+    padding and the sliding window as an additive bias, the causal mask in the softmax."""
+    from ..nn import attention  # the engine loads when a check runs: gpu-check first probes for a device
+
+    b, hk, g, t, d = q.shape
+    keys = k.shape[2]
+    allowed = numpy.ones((b, t, keys), dtype=bool)
+    if key_mask is not None:
+        allowed &= key_mask.astype(bool)[:, None, :]
+    if window:
+        allowed &= (numpy.arange(t)[:, None] + q_offset - numpy.arange(keys)[None]) < window
+    masks = (numpy.where(allowed, 0.0, -numpy.inf)[:, None, None], q_offset if causal else None)
+    blocks = [(slice(0, t), keys)]
+    out = numpy.empty(q.shape)
+    probs = attention._composed_forward(q, k, v, out, blocks, masks, None)
+    lse = attention._composed_forward(q, k, v, numpy.empty(q.shape), blocks, masks, None, statistics=True)
+    dq, dk, dv = numpy.empty(q.shape), numpy.zeros(k.shape), numpy.zeros(v.shape)
+    attention._composed_backward(dout, q, k, v, probs, blocks, None, dq, dk, dv)
+    return out, lse, dq, dk, dv
+
+
+def attention_case(shape, padded: bool, seed: int = 0):
+    """Q (scaled), K, V, dO in float64 and a key mask (left padding of unequal lengths, so that the first
+    queries of a sequence see no key at all; None without ``padded``) for ``shape`` (B, hk, g, T, keys, d)."""
+    batch, hk, g, t, keys, d = shape
+    rng = numpy.random.default_rng(seed)
+    q = rng.standard_normal((batch, hk, g, t, d)) / numpy.sqrt(d)
+    k, v = rng.standard_normal((2, batch, hk, keys, d))
+    key_mask = None
+    if padded:
+        key_mask = numpy.ones((batch, keys), dtype=bool)
+        for b in range(batch):
+            key_mask[b, : (2 * b + 3) % keys] = False
+    return q, k, v, rng.standard_normal(q.shape), key_mask
+
+
+def flash_errors(dtype: str) -> dict[str, float]:
+    """Worst relative error of the fused kernels' output, log-sum-exp, dQ, dK and dV in ``dtype``, per
+    case of ``FLASH_CASES``, against the composed core in float64 on the same (rounded) inputs."""
+    import cupy  # optional (hpc_tp[gpu]): only a machine with a device gets here
+
+    from ..kernels import flash_attention  # loaded when the check runs, as the engine's other modules
+
+    errors = {}
+    for name, shape, q_offset, causal, padded, window in FLASH_CASES:
+        arrays = attention_case(shape, padded)
+        rounded = [a.astype(backend.resolve_dtype(dtype)) for a in arrays[:4]]
+        q, k, v, dout = (cupy.asarray(a) for a in rounded)
+        mask = None if arrays[4] is None else cupy.asarray(arrays[4])
+        out = cupy.empty_like(q)
+        lse = flash_attention.forward(q, k, v, out, q_offset, causal, mask, window)
+        dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+        flash_attention.backward(dout, q, k, v, out, lse, q_offset, causal, mask, dq, dk, dv, window)
+        wide = [a.astype(numpy.float64) for a in rounded]
+        ref = composed_attention(*wide, q_offset, causal, arrays[4], window)
+        seen = numpy.isfinite(ref[1])
+        lse_host = backend.to_numpy(lse)
+        lse_error = _rel(lse_host[seen], ref[1][seen]) if numpy.array_equal(numpy.isfinite(lse_host), seen) else 1.0
+        errors[name] = max(lse_error, *(_rel(x, r) for x, r in zip((out, dq, dk, dv), (ref[0], *ref[2:]))))
+    return errors
+
+
+def flash_timings(dtype: str, batch: int, heads: int, seq: int, d: int, rounds: int = 5) -> dict:
+    """Forward + backward of one causal attention core [batch, heads, seq, d] on the device, the fused
+    kernels and the composed path (query blocks of ``DEVICE_QUERY_BLOCK``) alternating: each round's
+    time (CUDA events), median and range in ms."""
+    import cupy  # optional (hpc_tp[gpu]): only a machine with a device gets here
+
+    from ..kernels import flash_attention  # loaded when the row runs, as the engine's other modules
+    from ..nn import attention
+
+    rng = numpy.random.default_rng(0)
+    q, k, v, dout = (
+        cupy.asarray((rng.standard_normal(s) / scale).astype(backend.resolve_dtype(dtype)))
+        for s, scale in (
+            ((batch, heads, 1, seq, d), numpy.sqrt(d)),
+            ((batch, heads, seq, d), 1),
+            ((batch, heads, seq, d), 1),
+            ((batch, heads, 1, seq, d), 1),
+        )
+    )
+    out, dq, dk, dv = cupy.empty_like(q), cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+    blocks = attention.query_blocks(seq, seq, 0, True, on_device=True)
+
+    def fused():
+        lse = flash_attention.forward(q, k, v, out, 0, True)
+        flash_attention.backward(dout, q, k, v, out, lse, 0, True, None, dq, dk, dv)
+
+    def composed():
+        probs = attention._composed_forward(q, k, v, out, blocks, (None, 0), None)
+        dk[...], dv[...] = 0, 0
+        attention._composed_backward(dout, q, k, v, probs, blocks, None, dq, dk, dv)
+
+    times = {"fused": [], "composed": []}
+    for run in (fused, composed):  # compiles and warms both
+        run()
+    for _ in range(rounds):
+        for name, run in (("fused", fused), ("composed", composed)):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            run()
+            stop.record()
+            stop.synchronize()
+            times[name].append(cupy.cuda.get_elapsed_time(start, stop))
+    return {f"{name}_ms": _spread(t) for name, t in times.items()}
+
+
+def flash_step_timings(dtype: str, batch: int, seq: int, rounds: int = 3) -> dict:
+    """The W1 step (``bench step``) with the layer's attention through the fused kernels
+    (``HPC_TP_FLASH_ATTENTION=1``) and through the composed path, alternating: ms per round."""
+    times = {"fused": [], "composed": []}
+    before = os.environ.get("HPC_TP_FLASH_ATTENTION")
+    try:
+        for _ in range(rounds):
+            for name, flag in (("fused", "1"), ("composed", "0")):
+                os.environ["HPC_TP_FLASH_ATTENTION"] = flag
+                times[name].append(benchmark(dtype, batch, seq)["step_s"] * 1e3)
+    finally:
+        if before is None:
+            os.environ.pop("HPC_TP_FLASH_ATTENTION")
+        else:
+            os.environ["HPC_TP_FLASH_ATTENTION"] = before
+    return {f"{name}_ms": _spread(t) for name, t in times.items()}
+
+
+def _spread(values) -> dict:
+    """Median and range of one path's rounds."""
+    values = sorted(values)
+    return {"median": float(numpy.median(values)), "min": values[0], "max": values[-1]}
 
 
 def train_losses(
@@ -445,6 +600,7 @@ class Report:
         self.checks: list[dict] = []
         self.bench: list[dict] = []
         self.decode: list[dict] = []
+        self.rows: dict[str, list[dict]] = {"flash": [], "peer": []}
         self.started = time.perf_counter()
 
     def save(self):
@@ -454,7 +610,13 @@ class Report:
         (self.out / "gpu_check.md").write_text(self.text())
         (self.out / "gpu_check.json").write_text(
             json.dumps(
-                {"environment": dict(self.env), "checks": self.checks, "w1": self.bench, "w1_decode": self.decode},
+                {
+                    "environment": dict(self.env),
+                    "checks": self.checks,
+                    "w1": self.bench,
+                    "w1_decode": self.decode,
+                    **self.rows,
+                },
                 indent=1,
             )
             + "\n"
@@ -469,6 +631,10 @@ class Report:
 
     def add_decode(self, row: dict):
         self.decode.append(row)
+        self.save()
+
+    def add_row(self, section: str, row: dict):
+        self.rows[section].append(row)
         self.save()
 
     def check(self, name: str, bound: str, run):
@@ -502,6 +668,14 @@ def _bounded(value: float, bound: float, detail: str = ""):
     return ("ok" if value <= bound else "FAIL"), f"{value:.1e}", detail
 
 
+def _worst_of(errors: dict[str, float], bound: float, what: str = ""):
+    """A check row from named errors: the worst against ``bound``, every one in the detail."""
+    worst = max(errors, key=errors.get)
+    return _bounded(
+        errors[worst], bound, f"{what}worst: {worst}; " + ", ".join(f"{k} {v:.0e}" for k, v in errors.items())
+    )
+
+
 def run_checks(report: Report):
     # First, while this process has not started MPI: a singleton MPI parent can confuse a child mpiexec.
     pair = {}
@@ -517,13 +691,7 @@ def run_checks(report: Report):
     for dtype in ("float64", "float32"):
 
         def kernels(dtype=dtype):
-            errors = kernel_errors(dtype)
-            worst = max(errors, key=errors.get)
-            return _bounded(
-                errors[worst],
-                KERNEL_TOL[dtype],
-                f"worst: {worst}; " + ", ".join(f"{k} {v:.0e}" for k, v in errors.items()),
-            )
+            return _worst_of(kernel_errors(dtype), KERNEL_TOL[dtype])
 
         report.check(f"fused kernels vs numpy, {dtype}", f"{KERNEL_TOL[dtype]:.0e}", kernels)
 
@@ -584,6 +752,12 @@ def run_checks(report: Report):
             )
 
         report.check(f"{'MoE ' if model else ''}mixed precision {dtype} vs float32", f"{MIXED_TOL[dtype]:.0e}", mixed)
+    for dtype in ("float64", "float32", _bf16_or_fp16()):
+
+        def flash(dtype=dtype):
+            return _worst_of(flash_errors(dtype), FLASH_TOL[dtype], "out, lse, dQ, dK, dV; ")
+
+        report.check(f"fused attention vs composed, {dtype}", f"{FLASH_TOL[dtype]:.0e}", flash)
 
 
 def run_benchmarks(report: Report):
@@ -630,6 +804,104 @@ def run_benchmarks(report: Report):
                 f"{row['card_gemm_tflops']:.1f} TFLOP/s",
                 flush=True,
             )
+
+
+def run_flash_benchmarks(report: Report):
+    """The fused attention's forward + backward against the composed path's, alternating, per shape;
+    then the W1 step with each."""
+    for dtype in ("float32", _bf16_or_fp16()):
+        for name, batch, heads, seq, d in FLASH_SHAPES:
+            measure = functools.partial(flash_timings, dtype, batch, heads, seq, d)
+            _measured_row(report, "flash", {"dtype": dtype, "shape": name}, measure, _flash_cells)
+        batch, seq = W1_ROWS[-1]
+        measure = functools.partial(flash_step_timings, dtype, batch, seq)
+        _measured_row(report, "flash", {"dtype": dtype, "shape": f"W1 step {batch}x{seq}"}, measure, _flash_cells)
+
+
+def _measured_row(report: Report, section: str, row: dict, measure, cells):
+    """``row`` with what ``measure()`` returns, or the error it raised (one failed row must not end the
+    table); saved, and printed as ``cells`` writes it."""
+    try:
+        row.update(measure())
+    except Exception as error:  # noqa: BLE001
+        row["error"] = f"{type(error).__name__}: {error}"[:200]
+    report.add_row(section, row)
+    print("  " + cells(row), flush=True)
+
+
+def _flash_cells(row: dict) -> str:
+    if "error" in row:
+        return f"{row['dtype']} {row['shape']}: failed: {row['error']}"
+    fused, composed = row["fused_ms"], row["composed_ms"]
+    return (
+        f"{row['dtype']} {row['shape']}: fused {fused['median']:.3f} ms ({fused['min']:.3f}-{fused['max']:.3f}), "
+        f"composed {composed['median']:.3f} ms ({composed['min']:.3f}-{composed['max']:.3f}), "
+        f"composed/fused {composed['median'] / fused['median']:.2f}x"
+    )
+
+
+def run_peer_benchmarks(report: Report):
+    """W1 steps of this engine and of PyTorch (eager, torch.compile) alternating, then W1 decode of both
+    (eager, CUDA graphs); one row each with the medians, ranges and ratios (> 1: this engine is faster)."""
+    from . import torch_peer  # loaded when the rows run, as the engine's other modules
+
+    missing = torch_peer.torch_missing()
+    if missing:
+        report.add_row("peer", {"skipped": missing})
+        print(f"  skipped: {missing}", flush=True)
+        return
+    for dtype in ("float32", _bf16_or_fp16()):
+        for batch, seq in W1_ROWS:
+            _peer_row(
+                report,
+                {"kind": "W1 step", "dtype": dtype, "batch": batch},
+                lambda dtype=dtype, batch=batch, seq=seq: benchmark(dtype, batch, seq)["step_s"],
+                {
+                    "torch eager": lambda dtype=dtype, batch=batch: torch_peer.w1_step(dtype, batch, compiled=False),
+                    "torch.compile": lambda dtype=dtype, batch=batch: torch_peer.w1_step(dtype, batch, compiled=True),
+                },
+            )
+    for batch in (1, 32):
+        _peer_row(
+            report,
+            {"kind": "W1 decode", "dtype": "float32", "batch": batch},
+            lambda batch=batch: decode_timings(batch, graphs=True)["token_s"],
+            {
+                "torch eager": lambda batch=batch: torch_peer.decode_step(batch, graphs=False),
+                "torch CUDA graph": lambda batch=batch: torch_peer.decode_step(batch, graphs=True),
+            },
+        )
+
+
+def _peer_row(report: Report, row: dict, engine, peers: dict):
+    """``PEER_ROUNDS`` rounds of: this engine's time (``engine()``), then each peer's (``peers[name]()``
+    builds a timer once; each round times 5 steps); the medians and ranges in ms, and peer/engine."""
+
+    def measure():
+        timers = {name: make() for name, make in peers.items()}
+        rounds = {name: [] for name in ("engine", *timers)}
+        for _ in range(PEER_ROUNDS):
+            rounds["engine"].append(engine())
+            for name, timer in timers.items():
+                rounds[name].append(timer(5))
+        spread = {name: _spread([1e3 * s for s in seconds]) for name, seconds in rounds.items()}
+        ratios = {f"{name} / engine": spread[name]["median"] / spread["engine"]["median"] for name in timers}
+        return spread | ratios
+
+    _measured_row(report, "peer", row, measure, _peer_cells)
+
+
+def _peer_cells(row: dict) -> str:
+    if "skipped" in row:
+        return f"skipped: {row['skipped']}"
+    head = f"{row['kind']} {row['dtype']} batch {row['batch']}"
+    if "error" in row:
+        return f"{head}: failed: {row['error']}"
+    cells = [
+        f"{name} {v['median']:.3f} ms ({v['min']:.3f}-{v['max']:.3f})" for name, v in row.items() if isinstance(v, dict)
+    ]
+    ratios = [f"{name} {v:.2f}x" for name, v in row.items() if name.endswith("/ engine")]
+    return f"{head}: " + ", ".join(cells) + "; " + ", ".join(ratios)
 
 
 def run_decode_benchmarks(report: Report, batches=(1, 8, 64)):
@@ -691,6 +963,16 @@ def markdown(env, report: Report) -> str:
     if report.decode:
         lines += ["", "W1 decode, float32, prompt 64, 32 timed tokens (median ms a token):", ""]
         lines += [f"- {_decode_cells(d)}" for d in report.decode]
+    if report.rows["flash"]:
+        lines += ["", "Fused attention vs composed, causal, forward + backward, alternating (median and range):", ""]
+        lines += [f"- {_flash_cells(r)}" for r in report.rows["flash"]]
+    if report.rows["peer"]:
+        lines += [
+            "",
+            f"PyTorch on the same card, {PEER_ROUNDS} alternating rounds (peer / engine > 1: engine faster):",
+            "",
+        ]
+        lines += [f"- {_peer_cells(r)}" for r in report.rows["peer"]]
     return "\n".join(lines) + "\n"
 
 
@@ -698,6 +980,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.md/.json (default $OUT)")
     parser.add_argument("--no-bench", action="store_true", help="checks only")
+    parser.add_argument("--no-peer", action="store_true", help="without the PyTorch rows")
     parser.add_argument("--pair-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.pair_worker:
@@ -721,6 +1004,11 @@ def main(argv=None) -> int:
         run_benchmarks(report)
         print("W1 decode, float32, prompt 64, 32 timed tokens:", flush=True)
         run_decode_benchmarks(report)
+        print("fused attention vs composed, forward + backward:", flush=True)
+        run_flash_benchmarks(report)
+        if not args.no_peer:
+            print("PyTorch on the same card:", flush=True)
+            run_peer_benchmarks(report)
     report.save()
     print("\n" + report.text(), flush=True)
     return 1 if report.failed else 0

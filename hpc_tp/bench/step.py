@@ -53,7 +53,7 @@ import numpy
 from .. import backend, cuda_graph
 from ..backend import retain_freed_memory  # also what backend.use('cpu') applies for training
 from ..comm.mpi import MPICommunicator
-from ..grid import warn_if_tp_spans_nodes
+from ..grid import node_of_ranks, warn_if_tp_spans_nodes
 from ..kernels import blas
 from ..models.config import ModelConfig
 from ..models.gpt import GPTModel
@@ -110,6 +110,7 @@ def benchmark_step(
     (``hpc_tp.cuda_graph``; the first step is then a warm-up one)."""
     retained = retain_freed_memory()
     warn_if_tp_spans_nodes(comm)
+    nodes = node_of_ranks(comm)
     model = build_blocks(cfg, comm, dtype)
     x = backend.xp.asarray(numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype))
     scale = backend.xp.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
@@ -143,6 +144,8 @@ def benchmark_step(
     return {
         "benchmark": "step",
         "tp": comm.size,
+        "nodes": len(set(nodes)),  # the planner's calibration: which link the tp all-reduces crossed,
+        "ranks_per_node": max(nodes.count(n) for n in nodes),  # and how many ranks shared a node's cores
         "dtype": numpy.dtype(dtype).name,
         "threads_per_rank": threads,
         "gemm": blas.backend_for(dtype) if backend.device == "cpu" else backend.device,

@@ -10,8 +10,11 @@ every query and key head before RoPE (Qwen3, Gemma 3).
 
 The core (Q K^T, softmax and P V per causal query block, and their backward) runs as one fused
 numba/MKL loop on the CPU (``cpu_attention``) for float32/float64 numpy arrays;
-``_composed_forward``/``_composed_backward`` are its reference and the path everywhere else (cupy,
-half dtypes, no MKL).
+``_composed_forward``/``_composed_backward`` are its reference and the path everywhere else (half
+dtypes on the CPU, no MKL, a GPU). With ``HPC_TP_FLASH_ATTENTION=1`` the core on a GPU runs as the
+fused FlashAttention-style kernels of ``flash_attention`` instead (cupy arrays without attention
+dropout): they keep only each row's log-sum-exp and the output for backward, whatever
+``recompute_scores`` says.
 
 Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
 ``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled) and
@@ -44,7 +47,7 @@ import numpy
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..kernels import blas, cpu_attention
+from ..kernels import blas, cpu_attention, flash_attention
 from ..kernels import functional as F
 from ..module import Module
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
@@ -192,6 +195,7 @@ class AttentionContext(NamedTuple):
     offset: int  # cache slots filled before this call
     window: int  # the sliding window the blocks were cut for (0: none, or applied by the key mask)
     out_ctx: object  # the output projection's context
+    flash_out: object = None  # the device kernels' attention output [B, hk, g, T, d] (None: they did not run)
 
 
 class ParallelAttention(Module):
@@ -321,6 +325,13 @@ class ParallelAttention(Module):
         merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
         attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
         fused = cpu_attention.supported(q, k, v, attn, *(() if mask is None else (mask,)))
+        if mask is None and flash_attention.supported(q, k, v, attn):
+            lse = flash_attention.forward(q, k, v, attn, offset, self.causal, key_mask, window)
+            y, out_ctx = self.out.forward(merged)
+            ctx = AttentionContext(
+                qkv_ctx, q, k, v, None, lse, None, key_mask, False, False, rope, norms, offset, window, out_ctx, attn
+            )
+            return y, ctx
         saved = self._core(q, k, v, attn, key_mask, offset, window, mask, fused, self.recompute_scores)
         y, out_ctx = self.out.forward(merged)
         ctx = AttentionContext(
@@ -374,15 +385,49 @@ class ParallelAttention(Module):
         return merged.reshape(b, t, hk, self.heads_local // hk, self.head_dim).transpose(0, 2, 3, 1, 4)
 
     def backward(self, dy, ctx):
-        qkv_ctx, q, k, v, probs, lse, mask, key_mask, dropped, fused, rope, norms, offset, window, out_ctx = ctx
+        (
+            qkv_ctx,
+            q,
+            k,
+            v,
+            probs,
+            lse,
+            mask,
+            key_mask,
+            dropped,
+            fused,
+            rope,
+            norms,
+            offset,
+            window,
+            out_ctx,
+            flash_out,
+        ) = ctx
         xp = backend.xp_of(dy)
         hk, hq, d = self.kv_local, self.heads_local, self.head_dim
         dmerged = self.out.backward(dy, out_ctx)
         b, t, _ = dmerged.shape
         dattn = self._heads_view(dmerged)
         # dQ, dK, dV are written straight into the QKV gradient, in the layout QKV's GEMM produced.
-        dqkv = xp.empty((b, t, (hq + 2 * hk) * d), dtype=q.dtype if fused else dy.dtype)
+        dqkv = xp.empty((b, t, (hq + 2 * hk) * d), dtype=q.dtype if fused or flash_out is not None else dy.dtype)
         dq, dk, dv = self._split_heads(dqkv)
+        if flash_out is not None:  # the kernels write every element of dQ, dK and dV
+            flash_attention.backward(
+                dattn.astype(q.dtype, copy=False),
+                q,
+                k,
+                v,
+                flash_out,
+                lse,
+                offset,
+                self.causal,
+                key_mask,
+                dq,
+                dk,
+                dv,
+                window,
+            )
+            return self._rope_backward_and_qkv(dqkv, dq, dk, rope, norms, qkv_ctx)
         dk[...] = 0.0
         dv[...] = 0.0
         keys = k.shape[2]
@@ -412,6 +457,11 @@ class ParallelAttention(Module):
             recompute = None if lse is None else (lse, self._masks(q, keys, key_mask, offset, window))
             _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv, recompute)
         del probs, mask  # a redrawn dropout mask is freed before QKV's backward
+        return self._rope_backward_and_qkv(dqkv, dq, dk, rope, norms, qkv_ctx)
+
+    def _rope_backward_and_qkv(self, dqkv, dq, dk, rope, norms, qkv_ctx):
+        """dQ back through a query scale other than 1/sqrt(d) (the cores undo that one), dQ and dK
+        through the rotation and the query/key norms (in place in ``dqkv``), then QKV's backward."""
         if self._scale_ratio != 1.0:
             dq *= self._scale_ratio
         if rope is not None:

@@ -5,8 +5,11 @@ on relative error, so 8-byte and 64-MiB messages count alike) to the ring model 
 
     time(n) = hops(op, r) * alpha + traffic(op, r) * n / bw,
 
-which gives the operation its own (alpha, bw) for the link class the benchmark ran on (inside a
-node when its ranks fit on one). Compute: a step record gives the sustained FLOP/s of one rank
+which gives the operation its own (alpha, bw) for the link class the benchmark ran on: the one
+each record names (``link``: "intra" or "inter" node; ``p2p_intra`` and ``p2p_inter`` are the
+ping-pongs of each), else inside a node when its ranks fit on one. An operation not measured on a
+class whose ping-pong was is priced with that ping-pong's alpha and bandwidth: the same wire, in the
+same alpha-beta model. Compute: a step record gives the sustained FLOP/s of one rank
 on the block stack, elementwise work included: ``flops / tp / compute_s``. A layout uses the
 record of its tp, else the one whose per-rank work per micro-batch is closest to its own (GEMM
 efficiency falls as matrices shrink); on CPU nodes (``compute_units``) the rate is rescaled when the plan puts more
@@ -35,6 +38,7 @@ class StepRate:
     messages: int = 0  # tp all-reduces in the measured step: 4 per block
     message_bytes: int = 0
     comm_s: float = 0.0  # the step's time in them, waiting for the other ranks included
+    inter: bool = False  # its tp group spanned nodes: its messages crossed the inter-node link
 
     def wait(self, link: Link) -> float | None:
         """Seconds the messages took beyond ``link``'s alpha-beta time, per second of the step's
@@ -47,41 +51,49 @@ class StepRate:
 
 @dataclass
 class Calibration:
-    links: dict = field(default_factory=dict)  # op -> Link, measured
+    links: dict = field(default_factory=dict)  # op -> Link, from records that do not name their link
     link_ranks: int = 0  # ranks of the communication benchmark
     steps: list = field(default_factory=list)  # StepRate
     mem_bw: float | None = None  # bytes/s of the update per rank (as cost.py counts them), if measured
     sources: list = field(default_factory=list)
+    node_links: dict = field(default_factory=dict)  # "intra" / "inter" -> {op: Link}, records that name it
 
     def network(self, cluster, tp: int | None = None) -> Network:
-        """The measured links over the cluster's; ``wait`` from the step records at ``tp`` (ranks wait
-        longer for their partners in larger groups), else the largest of any record."""
+        """The measured links over the cluster's, per link class; ``wait`` from the step records at ``tp``
+        (ranks wait longer for their partners in larger groups), else the largest of any record, each
+        against the link class its messages crossed."""
         base = Network.of_cluster(cluster)
-        inter = self.link_ranks > cluster.devices_per_node
-        measured = {**(base.inter if inter else base.intra), **self.links}
-        link = measured["all_reduce"]
+        unnamed = "inter" if self.link_ranks > cluster.devices_per_node else "intra"
+        classes = {}
+        for name, preset in (("intra", base.intra), ("inter", base.inter)):
+            measured = {**(self.links if name == unnamed else {}), **self.node_links.get(name, {})}
+            wire = {op: measured["p2p"] for op in OPS} if "p2p" in measured else {}
+            classes[name] = {**preset, **wire, **measured}
         records = [s for s in self.steps if s.tp == tp] or self.steps
-        waits = [s.wait(link) for s in records if s.wait(link) is not None]
-        return replace(base, **{"inter" if inter else "intra": measured}, wait=max(waits, default=0.0))
+        waits = [s.wait(classes["inter" if s.inter else "intra"]["all_reduce"]) for s in records]
+        return replace(base, **classes, wait=max((w for w in waits if w is not None), default=0.0))
 
     def rank_flops(
         self, cluster, ranks_per_node: int, forward_flops: float, tp: int, busy_ranks: float | None = None
     ) -> float:
         """FLOP/s of one rank doing ``forward_flops`` per micro-batch at ``tp``: the record measured
         with as many ranks on the node, at the same tp, of the nearest work, in that order;
-        ``busy_ranks``: how many of them compute at once on average (``Cluster.rank_flops``)."""
+        ``busy_ranks``: how many of them compute at once on average (``Cluster.rank_flops``); of equally
+        near records, the slowest."""
         busy = ranks_per_node if busy_ranks is None else busy_ranks
         if not self.steps:
             return cluster.rank_flops(busy)
-        best = min(
-            self.steps,
-            key=lambda s: (
+
+        def distance(s):
+            return (
                 s.ranks != ranks_per_node,
                 s.tp != tp,
                 abs(math.log(max(s.forward_flops, 1.0) / max(forward_flops, 1.0))),
-            ),
-        )
-        rate = best.rate
+            )
+
+        best = min(self.steps, key=distance)
+        # Records as near (groups measured at once, one per node): the slowest, as a pipeline waits for it.
+        rate = min(s.rate for s in self.steps if distance(s) == distance(best))
         if cluster.compute_units is not None:
 
             def share(ranks):
@@ -97,10 +109,18 @@ class Calibration:
             self.steps + other.steps,
             other.mem_bw or self.mem_bw,
             self.sources + other.sources,
+            {
+                c: {**self.node_links.get(c, {}), **other.node_links.get(c, {})}
+                for c in {*self.node_links, *other.node_links}
+            },
         )
 
     def describe(self) -> str:
-        parts = [f"{op} alpha {link.alpha * 1e6:.1f} us, {link.bw / 1e9:.2f} GB/s" for op, link in self.links.items()]
+        named = [(f"{op} {c}", link) for c, links in self.node_links.items() for op, link in links.items()]
+        parts = [
+            f"{op} alpha {link.alpha * 1e6:.1f} us, {link.bw / 1e9:.3g} GB/s"
+            for op, link in [*self.links.items(), *named]
+        ]
         parts += [
             f"compute {s.rate / 1e9:.1f} GFLOP/s per rank ({s.ranks} ranks, tp={s.tp}, "
             f"{s.forward_flops / 1e9:.2f} GFLOP forward per micro-batch)"
@@ -123,33 +143,45 @@ def fit_link(op: str, ranks: int, sizes, seconds) -> Link:
     return Link(float(alpha), float(1.0 / inverse_bw))
 
 
+# bench comm's ping-pongs between rank 0 and a rank on its own node or on another: p2p on that class.
+PING_PONGS = {"p2p_intra": "intra", "p2p_inter": "inter"}
+
+
 def from_comm_records(records: list[dict], source: str = "bench comm") -> Calibration:
-    """Fit every operation measured at two ranks or more (the largest rank count of each)."""
-    links, ranks_used = {}, 0
-    for op in OPS:
-        mine = [r for r in records if r.get("op") == op and r.get("ranks", 0) >= 2]
-        if not mine:
-            continue
+    """Fit every operation measured at two ranks or more (the largest rank count of each), per link
+    class where the records name it."""
+    groups = {}
+    for r in records:
+        op, link = ("p2p", PING_PONGS[r.get("op")]) if r.get("op") in PING_PONGS else (r.get("op"), r.get("link"))
+        if op in OPS and r.get("ranks", 0) >= 2:
+            groups.setdefault((link, op), []).append(r)
+    links, node_links, unnamed_ranks = {}, {}, 0
+    for (link, op), mine in groups.items():
         ranks = max(r["ranks"] for r in mine)
         mine = [r for r in mine if r["ranks"] == ranks]
-        links[op] = fit_link(op, ranks, [r["bytes"] for r in mine], [r["project_time_s"] for r in mine])
-        ranks_used = max(ranks_used, ranks)
-    return Calibration(links=links, link_ranks=ranks_used, sources=[source])
+        fitted = fit_link(op, ranks, [r["bytes"] for r in mine], [r["project_time_s"] for r in mine])
+        if link is None:
+            links[op], unnamed_ranks = fitted, max(unnamed_ranks, ranks)
+        else:
+            node_links.setdefault(link, {})[op] = fitted
+    return Calibration(links=links, link_ranks=unnamed_ranks, sources=[source], node_links=node_links)
 
 
 def step_rate(record: dict, ranks: int | None = None) -> StepRate:
-    """A ``bench step`` record as a rate; ``ranks``: how many ran on the node (default: its tp)."""
+    """A ``bench step`` record as a rate; ``ranks``: how many ran on the node (default: the record's
+    ``ranks_per_node``, else its tp)."""
     tp = record["tp"]
     itemsize = numpy.dtype(record["dtype"]).itemsize
     messages = 4 * record["layers"] if tp > 1 else 0
     return StepRate(
-        ranks or tp,
+        ranks or record.get("ranks_per_node", tp),
         record["flops"] / 3 / tp,
         record["flops"] / tp / record["compute_s"],
         tp,
         messages,
         record["micro_batch"] * record["seq_len"] * record["hidden"] * itemsize,
         record["comm_s"],
+        record.get("nodes", 1) > 1,
     )
 
 

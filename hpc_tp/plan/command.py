@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser):
     cluster.add_argument("--intra-bw", type=float, metavar="GB/s", help="per-device bandwidth inside a node")
     cluster.add_argument("--inter-bw", type=float, metavar="GB/s", help="per-device bandwidth across nodes")
     cluster.add_argument(
+        "--placement",
+        choices=("block", "cyclic"),
+        default="block",
+        help="how the launcher puts ranks on nodes: block, node by node (srun's and mpirun's default), or "
+        "cyclic, round-robin (srun --distribution=cyclic, mpirun --map-by node) (default %(default)s)",
+    )
+    cluster.add_argument(
         "--precision",
         choices=("bf16", "float32", "float64"),
         help="bf16 mixed precision or the engine's one dtype (default: the preset's)",
@@ -166,6 +173,7 @@ def run(args) -> int:
         check_output_file(args.json, "--json")
     # loaded when the command runs, not by hpc-tp --help
     from .calibration import load_calibration
+    from .placement import compare_placements
     from .report import format_plan, plan_json
     from .search import search
 
@@ -189,10 +197,26 @@ def run(args) -> int:
         eps=args.ep,
         distributed_optimizer=args.distributed_optimizer,
         virtual_stages=virtual_stages,
+        placement=args.placement,
+    )
+    placed = (
+        compare_placements(cfg, plan.ranked[0].layout, args.global_batch, seq, cluster, calibration)
+        if plan.ranked and gpus > cluster.devices_per_node
+        else []
     )
     print(
         format_plan(
-            plan, cfg, args.model, cluster, gpus, args.global_batch, seq, calibration, args.top, args.serve_batch
+            plan,
+            cfg,
+            args.model,
+            cluster,
+            gpus,
+            args.global_batch,
+            seq,
+            calibration,
+            args.top,
+            args.serve_batch,
+            placed,
         )
     )
     if args.json:
@@ -200,7 +224,7 @@ def run(args) -> int:
 
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(
-            json.dumps(plan_json(plan, cfg, args.model, cluster, gpus, args.global_batch, seq), indent=1) + "\n"
+            json.dumps(plan_json(plan, cfg, args.model, cluster, gpus, args.global_batch, seq, placed), indent=1) + "\n"
         )
     return 0 if plan.ranked else 1
 

@@ -42,9 +42,13 @@ sends another at the capacity bound, spread evenly. pp: one activation (a sequen
 SP) forward and one gradient backward per micro-batch and stage boundary. dp: the stage's dense
 gradients once per step over dp, the experts' over the expert-dp group (dp / ep), in 25 MiB
 buckets. Each step also reduces a few scalars (token count, loss, grad norm, the finite check).
-A group whose ranks span nodes (ranks = arange(world).reshape(dp, pp, tp), nodes cut that in
-blocks of devices_per_node; the dp index is (outer, e) for ep and expert-dp, ``grid.py``)
-crosses the inter-node link, the rest stay inside a node.
+A group whose ranks span nodes (ranks = arange(world).reshape(dp, pp, tp); the dp index is
+(outer, e) for ep and expert-dp, ``grid.py``) crosses the inter-node link, the rest stay inside a
+node. Which ranks share a node is the layout's ``placement``: ``block`` fills node by node (the
+launchers' default: a tp that divides the ranks per node stays inside one), ``cyclic`` deals the
+ranks round-robin over the nodes (``srun --distribution=cyclic``, ``mpirun --map-by node``: a tp
+group then spans nodes and its pipeline neighbours share one). ``placement.bytes_between_nodes``
+counts what a step sends from one node to another, every rank's messages summed.
 
 Pipeline. With per-micro-batch stage times T_s (forward + backward, their tp collectives and
 p2p) and m micro-batches, a step takes sum_s T_s + (m - 1) max_s T_s: the slowest stage works
@@ -66,6 +70,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy
 
+from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..module import DEFAULT_BUCKET_BYTES
 from ..pipeline.partition import balanced_layers, rank_layers, stage_costs
@@ -86,6 +91,7 @@ from .memory import (
 UPDATE_PASSES = 11  # numpy AdamW (about 33 array passes), grad norm, finite check, zeroing: / 4 arrays
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+PLACEMENTS = ("block", "cyclic")  # srun --distribution=block|cyclic: ranks node by node, or round-robin
 
 
 def hops(op: str, group: int) -> int:
@@ -135,6 +141,14 @@ class Network:
         return (self.inter if inter else self.intra)[op].time(op, group, nbytes)
 
 
+def node_of_rank(world: int, devices_per_node: int, placement: str) -> numpy.ndarray:
+    """Each rank's node: ``block`` fills a node before the next, ``cyclic`` deals ranks round-robin."""
+    ranks = numpy.arange(world)
+    if placement == "cyclic":
+        return ranks % -(-world // devices_per_node)
+    return ranks // devices_per_node
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int
@@ -147,9 +161,12 @@ class Layout:
     ep: int = 1  # expert parallelism, carved out of dp
     distributed_optimizer: bool = False  # ZeRO-1: optimizer states and masters sharded over dp
     virtual_stages: int = 1  # model chunks per pipeline rank: > 1 is interleaved 1F1B
+    placement: str = "block"  # how the launcher deals ranks to nodes: one of PLACEMENTS
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", recompute_mode(self.recompute))
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement {self.placement!r}: expected one of {', '.join(PLACEMENTS)}")
 
     @property
     def optimizer_shards(self) -> int:
@@ -163,15 +180,18 @@ class Layout:
         sizes = {"world": self.world, "ep": self.ep, "expert_dp": self.dp // self.ep}
         return sizes[group] if group in sizes else getattr(self, group)
 
+    def node_of_rank(self, devices_per_node: int) -> numpy.ndarray:
+        return node_of_rank(self.world, devices_per_node, self.placement)
+
     def spans_nodes(self, group: str, devices_per_node: int) -> bool:
         """Whether some group of this kind has ranks on more than one node (its ring then runs at the
-        inter-node speed). Ranks are ``arange(world).reshape(dp, pp, tp)``, node = rank // per node,
-        and the dp index is ``outer * ep + e`` (``grid.py``)."""
+        inter-node speed). Ranks are ``arange(world).reshape(dp, pp, tp)``, placed on nodes by
+        ``placement``, and the dp index is ``outer * ep + e`` (``grid.py``)."""
         if self.world <= devices_per_node:
             return False
         if group == "world":
             return True
-        nodes = numpy.arange(self.world).reshape(self.dp // self.ep, self.ep, self.pp, self.tp) // devices_per_node
+        nodes = self.node_of_rank(devices_per_node).reshape(self.dp // self.ep, self.ep, self.pp, self.tp)
         if group == "dp":
             nodes = nodes.reshape(1, self.dp, self.pp, self.tp)
         axis = {"dp": 1, "expert_dp": 0, "ep": 1, "pp": 2, "tp": 3}[group]
@@ -187,6 +207,7 @@ class Layout:
             self.schedule if self.pp > 1 else "",
             f"V={self.virtual_stages}" if chunks and self.pp > 1 and self.schedule == "1f1b" else "",
             "zero1" if self.distributed_optimizer else "",
+            "placed cyclic" if self.placement == "cyclic" else "",
         ]
         return " ".join(
             [f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch={self.micro_batch}", *[e for e in extras if e]]
@@ -226,6 +247,7 @@ class Prediction:
     layers: list = field(default_factory=list)  # layers per stage
     collectives: list = field(default_factory=list)
     ep_s: float = 0.0  # MoE routing counts and all-to-alls over the ep group
+    stage_collectives: list = field(default_factory=list)  # every stage's collectives, in stage order
 
     @property
     def peak_memory(self) -> int:
@@ -492,6 +514,7 @@ def predict(
         [len(r) for r in ranges],
         worst["comms"],
         comm["ep"],
+        [kinds[kind(s)]["comms"] for s in range(layout.pp)],
     )
 
 

@@ -47,7 +47,9 @@ def format_plan(
     calibration=None,
     top: int = 8,
     serve_batch: int | None = None,
+    placed: list | None = None,
 ) -> str:
+    """``placed``: the top layout under each placement (``placement.compare_placements``), fastest first."""
     lines = [
         f"hpc-tp plan: {model} ({_count(cfg.parameter_count())} parameters, {cfg.n_layers} layers, hidden "
         f"{cfg.hidden}, {cfg.n_heads} heads) on {describe_cluster(cluster, gpus)}",
@@ -83,6 +85,9 @@ def format_plan(
                 f"    {c.group:<5} {c.op:<10} {c.nbytes / 2**20:>10.3f} MiB x {c.count:<6} {c.seconds:>9.4g} s"
                 f"  {c.what}"
             )
+        if placed:
+            lines.append(f"  the top layout on nodes of {cluster.devices_per_node}, by placement (fastest first):")
+            lines += [f"    {p.describe()}" for p in placed]
     else:
         lines.append("  no feasible layout")
     if plan.rejected:
@@ -109,7 +114,9 @@ def _structural(plan: Plan) -> int:
     return sum(1 for r in plan.rejected if r.kind not in ("memory", "nodes"))  # those two were considered
 
 
-def plan_json(plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: int, seq: int) -> dict:
+def plan_json(
+    plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: int, seq: int, placed: list | None = None
+) -> dict:
     def prediction(p):
         return {
             **asdict(p.layout),
@@ -138,4 +145,13 @@ def plan_json(plan: Plan, cfg, model: str, cluster, gpus: int, global_batch: int
         "cluster": asdict(cluster),
         "ranked": [prediction(p) for p in plan.ranked],
         "rejected": [{**r.layout, "reason": r.reason, "kind": r.kind} for r in plan.rejected],
+        "placements": [
+            {
+                "placement": p.prediction.layout.placement,
+                "step_s": p.prediction.step_s,
+                "bytes_between_nodes": p.bytes_between_nodes,
+                "tp_spans_nodes": p.tp_spans_nodes,
+            }
+            for p in placed or []
+        ],
     }

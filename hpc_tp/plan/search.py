@@ -106,12 +106,14 @@ def search(
     eps=None,
     distributed_optimizer: bool = False,
     virtual_stages=(1,),
+    placement: str = "block",
 ) -> Plan:
     """Every layout of ``world`` ranks; ``micro_batches``: the sizes to try (default: every divisor);
     ``sequence_parallel``: the settings to try; ``eps``: the expert-parallel sizes (default: every
     divisor of dp, for MoE models); ``distributed_optimizer``: ZeRO-1 wherever dp > 1;
     ``virtual_stages``: the chunk counts per rank to try with 1F1B, where the engine runs them
-    (pp > 1, pp * V <= layers, micro-batches a multiple of pp)."""
+    (pp > 1, pp * V <= layers, micro-batches a multiple of pp); ``placement``: how the launcher
+    deals ranks to nodes (``cost.PLACEMENTS``)."""
     if seq > cfg.max_seq_len and cfg.position == "learned":
         raise ConfigError(
             f"--seq-len {seq} is longer than the model's learned positions (max_seq_len {cfg.max_seq_len})"
@@ -138,7 +140,17 @@ def search(
                             if (pp, v) not in splits:
                                 splits[pp, v] = [len(r) for r in balanced_layers(cfg, pp, virtual_stages=v)]
                             layout = Layout(
-                                tp, pp, dp, micro, again, schedule, sp, ep, distributed_optimizer and dp > 1, v
+                                tp,
+                                pp,
+                                dp,
+                                micro,
+                                again,
+                                schedule,
+                                sp,
+                                ep,
+                                distributed_optimizer and dp > 1,
+                                v,
+                                placement,
                             )
                             _consider(plan, cfg, layout, global_batch, seq, cluster, calibration, splits[pp, v])
     _keep_tp_inside_nodes(plan, cluster.devices_per_node)
@@ -157,7 +169,8 @@ def _keep_tp_inside_nodes(plan: Plan, devices_per_node: int):
     plan.rejected += [
         Rejected(
             asdict(p.layout),
-            f"tp={p.layout.tp} spans nodes of {devices_per_node} devices, and a layout with tp inside a node fits",
+            f"tp={p.layout.tp} spans nodes of {devices_per_node} devices, and a layout with tp inside a node fits "
+            f"(predicted {p.step_s:.4g} s)",
             "nodes",
         )
         for p in spanning
@@ -211,13 +224,15 @@ def choose_layout(
     ep: int = 1,
     distributed_optimizer: bool = False,
     virtual_stages: int | None = None,
+    placement: str = "block",
 ) -> dict:
     """The top plan as the trainer's settings: tp, pp, dp, micro_batch, recompute, schedule,
     virtual_stages, reason. ``cluster``: a preset name or a ``Cluster``; ``calibration``: a
     ``Calibration`` or JSON paths; ``ep``: the expert-parallel size the run asked for (only layouts
     whose dp it divides); ``distributed_optimizer``: whether the run shards its optimizer (its memory
     and update time); ``virtual_stages``: None tries ``AUTO_VIRTUAL_STAGES`` where the engine runs
-    them, a number keeps only the layouts that run that V (so 1: no interleaving)."""
+    them, a number keeps only the layouts that run that V (so 1: no interleaving); ``placement``: how the
+    launch put ranks on nodes (``cluster.devices_per_node`` of them a node)."""
     if virtual_stages is not None and (not isinstance(virtual_stages, int) or virtual_stages < 1):
         raise ConfigError(f"--virtual-stages {virtual_stages!r}: expected a positive integer")
     cluster = get_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -235,6 +250,7 @@ def choose_layout(
         eps=(ep,),
         distributed_optimizer=distributed_optimizer,
         virtual_stages=AUTO_VIRTUAL_STAGES if virtual_stages is None else (virtual_stages,),
+        placement=placement,
     )
     if not plan.ranked:
         counts = ", ".join(f"{n} {kind}" for kind, n in plan.reasons().items())

@@ -95,12 +95,13 @@ class Job:
 
     def text(self, piece: str, logprobs=None):
         """Text that became final, and the row's log-probabilities so far (a list that grows)."""
-        if self.calls is not None:
-            piece = self.calls.feed(piece)  # text that may still be a tool call is held back
-        if self.stream and piece:
+        calls = None
+        if self.calls is not None:  # text that may still be a tool call is held back, calls go out as deltas
+            piece, calls = self.calls.feed(piece)
+        if self.stream and (piece or calls):
             new = logprobs[self.logprobs_sent :] if logprobs is not None else None
             self.logprobs_sent += len(new or ())
-            self.events.put(("text", self.index, piece, new))
+            self.events.put(("text", self.index, piece, new, calls))
 
     def finish(self, completion, metrics, queued_s: float):
         if self.on_finish is not None:

@@ -57,10 +57,12 @@ def chat_logprobs(entries, tokenizer) -> dict:
     }
 
 
-def choice(request, index: int, text: str, finish: str | None, entries, tokenizer, streamed: bool, first: bool) -> dict:
+def choice(
+    request, index: int, text: str, finish: str | None, entries, tokenizer, streamed: bool, first: bool, calls=None
+) -> dict:
     """Choice ``index`` of ``request`` (an ``api_request.Request``): its text, or a chunk of it, and the
     log-probabilities ``entries`` of its tokens (None where none were asked). ``first``: the choice's
-    first chunk, which carries a chat's role and an echoed prompt."""
+    first chunk, which carries a chat's role and an echoed prompt. ``calls``: a chunk's tool-call deltas."""
     if request.echo is not None and first:
         text = request.echo[index // request.n] + text
     if request.chat:
@@ -69,6 +71,8 @@ def choice(request, index: int, text: str, finish: str | None, entries, tokenize
             message = {"role": "assistant", "content": text}
         else:
             message = {"content": text} if text else {}
+        if calls:
+            message = {**message, "content": text or None, "tool_calls": calls}
         if request.tools is not None and finish is not None:  # the answer's calls, parsed out of its text
             calls = request.jobs[index].calls
             message, finish = calls.last(finish) if streamed else request.tools.turn(text, finish)

@@ -196,10 +196,21 @@ class CompletionServer:
         )
 
     def chunk(
-        self, request: Request, job_id: int, index: int, text: str, finish: str | None, entries, first: bool
+        self,
+        request: Request,
+        job_id: int,
+        index: int,
+        text: str,
+        finish: str | None,
+        entries,
+        first: bool,
+        calls: list[dict] | None = None,
     ) -> dict:
-        """One chunk of a streamed answer: choice ``index``'s ``text`` and the log-probabilities ``entries``."""
-        piece = api_response.choice(request, index, text, finish, entries, self.tokenizer, streamed=True, first=first)
+        """One chunk of a streamed answer: choice ``index``'s ``text``, the log-probabilities ``entries``
+        and the tool-call deltas ``calls``."""
+        piece = api_response.choice(
+            request, index, text, finish, entries, self.tokenizer, streamed=True, first=first, calls=calls
+        )
         return api_response.envelope(request, job_id, self.model_name, [piece], streamed=True)
 
     def models(self) -> dict:
@@ -390,7 +401,8 @@ def _handler(app: CompletionServer):
                     break
                 index = event[1]
                 if event[0] == "text":
-                    self._event(app.chunk(request, job_id, index, event[2], None, event[3], index not in started))
+                    text, entries, calls = event[2:]
+                    self._event(app.chunk(request, job_id, index, text, None, entries, index not in started, calls))
                 else:
                     completion, sent = event[2], request.jobs[index].logprobs_sent
                     rest = None if completion.logprobs is None else completion.logprobs[sent:]  # not streamed yet

@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..grid import ProcessGrid
 from ..launch import check_launch, install_abort_on_exception
 from ..models import GPTModel, ModelConfig
+from ..nn.attention import heads_fit
 from ..tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
 
 
@@ -31,7 +32,22 @@ def open_checkpoint(args):
     if not isinstance(meta.get("config"), dict):
         raise ConfigError(f"checkpoint {folder} has no model config (meta['config']); was it written by hpc-tp?")
     # Sequence parallelism is a training layout of the same weights; the KV-cache path runs without it.
-    return grid, folder, replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=False)
+    cfg = replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=False)
+    check_layout(cfg, grid.tp, world().size)
+    return grid, folder, cfg
+
+
+def check_layout(cfg: ModelConfig, tp: int, ranks: int):
+    """ConfigError unless ``cfg``'s heads split over ``tp``, naming the layouts of ``ranks`` ranks that
+    fit: a tp the heads allow, the world cut into that many replicas."""
+    if heads_fit(cfg.n_heads, cfg.n_kv_heads, tp):
+        return
+    fits = [t for t in range(1, ranks + 1) if ranks % t == 0 and heads_fit(cfg.n_heads, cfg.n_kv_heads, t)]
+    layouts = ", ".join(f"--tp {t} ({ranks // t} replica{'s' if ranks // t > 1 else ''})" for t in fits)
+    raise ConfigError(
+        f"{cfg.n_heads} attention heads with {cfg.n_kv_heads} kv heads cannot be split over --tp {tp}; "
+        f"on {ranks} rank{'s' if ranks > 1 else ''}: {layouts}"
+    )
 
 
 def load_for_inference(args, opened=None):

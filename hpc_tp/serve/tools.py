@@ -45,6 +45,8 @@ _HERMES = re.compile(re.escape(_HERMES_OPEN) + r"(.*?)(?:" + re.escape(_HERMES_C
 # in decoded text) and Llama 3.1's.
 _PREFIXES = ("[TOOL_CALLS]", "<|python_tag|>")
 _CHOICE_WORDS = ("none", "auto", "required")
+# What a call in any of those formats opens with, up to the ``{`` of its arguments: its name first.
+_CALL_HEADER = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
 class ToolUse:
@@ -157,24 +159,34 @@ class ToolUse:
 
 
 class CallStream:
-    """One streamed answer: what it has said so far, and how much of that has gone out (text that may
-    still turn out to be a call is held back); its last chunk carries the rest and the calls."""
+    """One streamed answer: what it has said so far, how much of that has gone out as content (text
+    that may still turn out to be a call is held back), and the calls it has begun. A call goes out as
+    OpenAI streams one: its id, type and name once the model has written its name and the ``{`` that
+    opens its arguments, then the arguments piece by piece as they are written (the model's own JSON
+    text, whitespace and all). A forced call's whole answer is its arguments. The last chunk carries the
+    held-back content, and the calls whole where their format was only recognisable at the end."""
 
     def __init__(self, tools: ToolUse):
         self.tools, self.text, self.sent = tools, "", 0
+        self.calls: list[_OpenCall] = []  # the calls begun, in order
+        self.searched = 0  # where the search for the next call's header resumes
 
-    def feed(self, piece: str) -> str:
-        """The answer ``piece`` longer: the part of it that can no longer be a call and has not gone out."""
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        """The answer ``piece`` longer: (the part of it that can no longer be a call and has not gone
+        out, the tool-call deltas it adds)."""
         self.text += piece
         end = self._streamable()
         out = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
-        return out
+        return out, self._call_deltas()
 
     def last(self, finish_reason: str) -> tuple[dict, str]:
-        """(the last chunk's delta: what was held back, and the calls with their index; the finish reason)."""
+        """(the last chunk's delta: what was held back, and the calls not streamed; the finish reason)."""
         content, calls = self.tools.parse(self.text)
         rest = content[self.sent :] if content.startswith(self.text[: self.sent]) else content
+        if self.calls:  # they went out as they were written
+            delta = {"role": "assistant", "content": (rest or None) if calls else None}
+            return delta, "tool_calls" if finish_reason == "stop" else finish_reason
         delta = {"role": "assistant", "content": rest or None}
         if calls:
             delta["tool_calls"], finish_reason = [{"index": i, **c} for i, c in enumerate(calls)], "tool_calls"
@@ -193,6 +205,70 @@ class CallStream:
             if self.text.endswith(_HERMES_OPEN[:k]):
                 return len(self.text) - k
         return len(self.text)
+
+    def _call_deltas(self) -> list[dict]:
+        deltas = []
+        while True:
+            if self.calls and not self.calls[-1].closed:
+                piece = self.calls[-1].more(self.text)
+                if deltas and deltas[-1]["index"] == len(self.calls) - 1:  # one delta a call a chunk, as OpenAI's
+                    deltas[-1]["function"]["arguments"] += piece
+                elif piece:
+                    deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+                if not self.calls[-1].closed:
+                    return deltas
+                self.searched = self.calls[-1].end
+            opened = self._next_call()
+            if opened is None:
+                return deltas
+            self.calls.append(opened)
+            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function"}
+            deltas.append({"index": len(self.calls) - 1, **call, "function": {"name": opened.name, "arguments": ""}})
+
+    def _next_call(self) -> _OpenCall | None:
+        """The call whose header the unsearched text holds, if it holds one naming a declared tool."""
+        if self.tools.choice == "none":
+            return None
+        if self.tools.forced is not None:
+            return None if self.calls or not self.text.lstrip() else _OpenCall(self.tools.forced["function"]["name"], 0)
+        header = _CALL_HEADER.search(self.text, self.searched)
+        if header is None or header.group(1) not in self.tools.names or header.start() < self.sent:
+            return None
+        return _OpenCall(header.group(1), header.end())
+
+
+class _OpenCall:
+    """A streamed call's arguments: an object starting at ``start`` in the answer, sent up to ``end``;
+    ``closed`` once its closing brace is sent."""
+
+    def __init__(self, name: str, start: int):
+        self.name, self.start, self.end, self.closed = name, start, start, False
+
+    def more(self, text: str) -> str:
+        """The arguments' text written since the last call, up to their closing brace."""
+        close = _object_end(text, self.start)
+        stop = len(text) if close is None else close
+        piece, self.end, self.closed = text[self.end : stop], stop, close is not None
+        return piece
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index just past the JSON value that begins (after whitespace) at ``start``, if it is an object
+    or array written to its end; None while it is still open."""
+    depth, quoted, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if quoted:
+            escaped, quoted = (not escaped and c == "\\"), quoted and (escaped or c != '"')
+        elif c == '"':
+            quoted = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 def template_messages(messages):

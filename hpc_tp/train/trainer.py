@@ -34,7 +34,7 @@ from ..comm import use_device
 from ..comm.mpi import world as mpi_world
 from ..comm.watchdog import WatchedCommunicator, watched
 from ..errors import ConfigError
-from ..grid import ProcessGrid
+from ..grid import ProcessGrid, node_of_ranks
 from ..models import load_config
 from ..models.config import PRESETS, ModelConfig
 from ..module import DEFAULT_BUCKET_BYTES, GradArena
@@ -47,7 +47,9 @@ from ..pipeline import (
     tied_names,
 )
 from ..plan import choose_layout
+from ..plan.clusters import get_cluster
 from ..plan.cost import Layout
+from ..plan.placement import launch_cluster
 from ..preemption import StopRequest
 from ..serve.chat import read_template, template_for
 from ..tensor_parallel.sequence_parallel import check_sequence_divisible
@@ -152,8 +154,9 @@ class Trainer:
     # -- set-up ------------------------------------------------------------------------------------------
     def _planned(self, world) -> TrainSettings:
         """The settings with the planner's fastest layout (hpc_tp.plan) for this world and model, its
-        virtual stages included (only the asked V if --virtual-stages was given); the planner is
-        arithmetic, so every rank reaches the same answer without a message."""
+        virtual stages included (only the asked V if --virtual-stages was given), on the launch's ranks per
+        node and placement. The planner is arithmetic on what every rank holds once the nodes are
+        gathered, so every rank reaches the same answer. Collective over ``world``."""
 
         s = self.settings
         if s.init:
@@ -163,15 +166,18 @@ class Trainer:
             )
         self.init_meta, self.tokenizer = None, self._tokenizer()
         self.cfg = self._model_config()
+        # The launch's nodes: which ranks share one decides which groups cross the network.
+        cluster, placement = launch_cluster(get_cluster(s.plan_cluster), node_of_ranks(world))
         choice = choose_layout(
             self.cfg,
             world.size,
             s.global_batch,
             self._seq_len(),
-            cluster=s.plan_cluster,
+            cluster=cluster,
             ep=s.ep,
             distributed_optimizer=s.distributed_optimizer,
             virtual_stages=s.virtual_stages,
+            placement=placement,
         )
         layout = {k: v for k, v in choice.items() if k != "reason"}
         planned = replace(s, plan=None, **layout)
