@@ -138,8 +138,8 @@ def composed_attention(q, k, v, dout, q_offset, causal, key_mask=None, window=0)
         allowed &= key_mask.astype(bool)[:, None, :]
     if window:
         allowed &= (numpy.arange(t)[:, None] + q_offset - numpy.arange(keys)[None]) < window
-    masks = (numpy.where(allowed, 0.0, -numpy.inf)[:, None, None], q_offset if causal else None)
-    blocks = [(slice(0, t), keys)]
+    masks = (numpy.where(allowed, 0.0, -numpy.inf)[:, None, None], q_offset if causal else None, 0)
+    blocks = [(slice(0, t), slice(0, keys))]
     out = numpy.empty(q.shape)
     probs = attention._composed_forward(q, k, v, out, blocks, masks, None)
     lse = attention._composed_forward(q, k, v, numpy.empty(q.shape), blocks, masks, None, statistics=True)
@@ -216,7 +216,7 @@ def flash_timings(dtype: str, batch: int, heads: int, seq: int, d: int, rounds: 
         flash_attention.backward(dout, q, k, v, out, lse, 0, True, None, dq, dk, dv)
 
     def composed():
-        probs = attention._composed_forward(q, k, v, out, blocks, (None, 0), None)
+        probs = attention._composed_forward(q, k, v, out, blocks, (None, 0, 0), None)
         dk[...], dv[...] = 0, 0
         attention._composed_backward(dout, q, k, v, probs, blocks, None, dq, dk, dv)
 
