@@ -18,7 +18,7 @@ from hpc_tp.nn import attention
 from hpc_tp.nn.attention import rope_inv_freq
 from hpc_tp.serve.decoding import FixedStep, GrowingStep, decode_stepper
 from hpc_tp.serve.generate import Engine, left_pad
-from hpc_tp.serve.kv_cache import KVCache, RowsPrefill
+from hpc_tp.serve.kv_cache import KVCache
 from hpc_tp.serve.sampling import SamplingParams, next_token
 from hpc_tp.tokenizer import ByteTokenizer
 
@@ -131,31 +131,6 @@ def test_moe_inference_keeps_every_tokens_experts():
     for i, prompt in enumerate(PROMPTS):
         assert max_rel_err(last_logits([prompt])[0], batched[i]) <= 1e-10, f"prompt {i}"
     assert not any(moe.dropless for moe in model.moe_layers())  # training's capacity is back after the call
-
-
-@pytest.mark.parametrize("name", CONFIGS)
-def test_right_padded_prompts_prefilled_into_chosen_rows_are_each_as_alone(name):
-    """One prefill of right-padded prompts into rows that are not neighbours (``RowsPrefill``, as
-    continuous batching admits them) with ``last`` at each one's final token: each prompt's logits and
-    its row's first n slots of K/V are those of the prompt prefilled alone, and no other row is touched."""
-    tp, _ = tp_and_reference()
-    model = _model(name, tp)
-    rows, lens = np.array([4, 0, 2, 3]), np.array([len(p) for p in PROMPTS])
-    tokens = np.zeros((len(PROMPTS), lens.max()), dtype=np.int64)
-    for i, prompt in enumerate(PROMPTS):
-        tokens[i, : len(prompt)] = prompt
-    cache = KVCache.for_model(model, 6, 10)
-    cache.k[:], cache.v[:] = 7.0, 7.0  # what earlier requests left: stays where no prompt is written
-    batched = model.infer(
-        tokens, np.arange(lens.max()), np.arange(lens.max()) < lens[:, None], RowsPrefill(cache, rows), last=lens - 1
-    )
-    for i, prompt in enumerate(PROMPTS):
-        alone = KVCache.for_model(model, 1, len(prompt))
-        logits = model.infer(np.array([prompt]), np.arange(len(prompt))[None], np.ones((1, len(prompt)), bool), alone)
-        assert max_rel_err(batched[i], logits[0]) <= 1e-10, f"prompt {i}"
-        for mine, own in ((cache.k, alone.k), (cache.v, alone.v)):
-            assert max_rel_err(mine[:, rows[i], :, : len(prompt)], own[:, 0]) <= 1e-10, f"prompt {i}"
-    assert (cache.k[:, [1, 5]] == 7.0).all() and (cache.k[:, rows, :, lens.max() :] == 7.0).all()
 
 
 @pytest.mark.parametrize("name", CONFIGS)

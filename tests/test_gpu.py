@@ -332,9 +332,9 @@ def test_decoding_on_the_device_gives_the_cpu_tokens_and_logits(name):
 @device_test
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "gemma3"])
 def test_continuous_batching_on_the_device_gives_the_cpu_tokens(name):
-    """The continuous batcher's row-indexed writes and views (``kv_cache.RowsPrefill``, ``SlotCache``
-    with a slot per row, ``KVCache.copy_slots``) on the device: the CPU's tokens and cached prefixes
-    (float64), some of them cached."""
+    """The continuous batcher's paged KV cache on the device (``kv_cache.PagedView``'s scatter of new
+    K/V to block slots and gather of each row's slots, ``PagedKVCache.copy_block``): the CPU's tokens
+    and cached prefixes (float64), some of them cached."""
     from test_generate import CONFIGS, larger_weights
 
     device, host = (G.continuous_completions(d, CONFIGS[name], larger_weights) for d in ("cuda", "cpu"))

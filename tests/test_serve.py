@@ -115,6 +115,10 @@ def serving(*flags, ranks: int = 2):
                 proc.wait()
 
 
+# one block of 4 tokens of llama-gqa's K/V at tp = 2 in float64: 2 layers, K and V, 1 kv head of 8
+KV_BLOCK_BYTES = 2 * 2 * 1 * 4 * 8 * 8
+
+
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
     ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
@@ -133,6 +137,13 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         "31",
         "--chat-template",
         str(template),
+        # continuous: 16 blocks of 4 tokens a rank besides the scratch one (64 tokens for 8 rows of up to 30):
+        # the load preempts
+        *(
+            ["--kv-block-size", "4", "--kv-cache-memory", str(17 * KV_BLOCK_BYTES / 2**30)]
+            if batching == "continuous"
+            else []
+        ),
     ) as served:
         port, pids, proc, lines = served.port, served.pids, served.proc, served.lines
         prompts = [f"request {i}: " + "xy" * (i % 7) for i in range(N_REQUESTS)]

@@ -17,9 +17,11 @@ dropout): they keep only each row's log-sum-exp and the output for backward, wha
 ``recompute_scores`` says.
 
 Incremental decoding passes a ``cache`` (one layer's slots of a KV cache, e.g.
-``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled) and
+``hpc_tp.serve.kv_cache.LayerCache``): an object with ``offset`` (slots already filled),
 ``store(k, v) -> (keys, values)``, which writes this step's rotated K/V heads at slots
-``offset:offset+T`` and returns every filled slot. Each rank caches only its own K/V heads.
+``offset:offset+T`` and returns every filled slot, and ``attend(q, k, v, out)``, True where the cache
+stored them and attended with a kernel of its own (a paged cache's decode step on the CPU). Each rank
+caches only its own K/V heads.
 
 A sliding ``window`` (Mistral, Gemma 3's local layers) lets a query see itself and the window - 1
 keys before it: each causal block reads only the keys from its first query's window on
@@ -312,6 +314,10 @@ class ParallelAttention(Module):
         # Scale the queries, not the [T, keys] scores: in place, since qkv (or the rotated or normed copy) is
         # this call's own array and K/V views do not overlap Q.
         q *= self.query_scale
+        merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
+        attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
+        if cache is not None and cache.attend(q, k, v, attn, self.window):  # its own kernel (inference: no context)
+            return self.out.forward(merged)[0], None
         offset, window = 0, self.window
         if cache is not None:
             offset = cache.offset
@@ -322,8 +328,6 @@ class ParallelAttention(Module):
         mask = None
         if self.dropout > 0 and self.rng is not None and self.rng.training:
             mask = self._dropout_masks((b, self.kv_local, self.heads_local // self.kv_local, t, keys), x.dtype)
-        merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
-        attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
         fused = cpu_attention.supported(q, k, v, attn, *(() if mask is None else (mask,)))
         if mask is None and flash_attention.supported(q, k, v, attn):
             lse = flash_attention.forward(q, k, v, attn, offset, self.causal, key_mask, window)
@@ -427,7 +431,7 @@ class ParallelAttention(Module):
                 dv,
                 window,
             )
-            return self._rope_backward_and_qkv(dqkv, dq, dk, rope, norms, qkv_ctx)
+            return self._scale_rope_norm_backward_and_qkv(dqkv, dq, dk, rope, norms, qkv_ctx)
         dk[...] = 0.0
         dv[...] = 0.0
         keys = k.shape[2]
@@ -457,11 +461,11 @@ class ParallelAttention(Module):
             recompute = None if lse is None else (lse, self._masks(q, keys, key_mask, offset, window))
             _composed_backward(dattn, q, k, v, probs, blocks, mask, dq, dk, dv, recompute)
         del probs, mask  # a redrawn dropout mask is freed before QKV's backward
-        return self._rope_backward_and_qkv(dqkv, dq, dk, rope, norms, qkv_ctx)
+        return self._scale_rope_norm_backward_and_qkv(dqkv, dq, dk, rope, norms, qkv_ctx)
 
-    def _rope_backward_and_qkv(self, dqkv, dq, dk, rope, norms, qkv_ctx):
-        """dQ back through a query scale other than 1/sqrt(d) (the cores undo that one), dQ and dK
-        through the rotation and the query/key norms (in place in ``dqkv``), then QKV's backward."""
+    def _scale_rope_norm_backward_and_qkv(self, dqkv, dq, dk, rope, norms, qkv_ctx):
+        """dQ and dK back through the query scale's departure from 1/sqrt(d), the rotation and the
+        query/key norms (in place in ``dqkv``), then QKV's backward."""
         if self._scale_ratio != 1.0:
             dq *= self._scale_ratio
         if rope is not None:

@@ -141,10 +141,12 @@ def parse_request(
     endpoint: str = COMPLETIONS,
     chat_template=None,
     model_name: str | None = None,
+    kv_tokens: int | None = None,
 ) -> Request:
     """The Request for a body sent to ``endpoint``, or ConfigError with the reason it is refused.
-    ``chat_template`` (a ``serve.chat.ChatTemplate``) renders a chat request's messages; a request
-    naming a ``model`` other than ``model_name`` is refused (UnknownModel)."""
+        ``chat_template`` (a ``serve.chat.ChatTemplate``) renders a chat request's messages; a request
+        naming a ``model`` other than ``model_name`` is refused (UnknownModel), and one whose prompt and
+    tokens the whole KV cache cannot hold (``kv_tokens``, continuous batching's) with the reason."""
     request = read_body(body)
     fields = _FIELDS | _OWN_FIELDS[endpoint] | set(_DEFAULT_ONLY)
     unknown = sorted(set(request) - fields)
@@ -221,7 +223,7 @@ def parse_request(
                 max_new_tokens=_default_limit(endpoint, ids, default_max_tokens, max_model_len or cfg.max_seq_len),
             )
         )
-        check_request(ids, own, cfg, names=names, max_model_len=max_model_len)
+        check_request(ids, own, cfg, names=names, max_model_len=max_model_len, kv_tokens=kv_tokens)
         for j in range(n):
             seeded = own if j == 0 or own.seed is None else replace(own, seed=own.seed + j)
             jobs.append(Job(ids, seeded, stream, len(jobs), events, tools))

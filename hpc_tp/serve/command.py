@@ -68,8 +68,25 @@ def add_batching_argument(parser: argparse.ArgumentParser, unit: str):
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help=f"continuous batching: a row keeps its last request's K/V, and {unit} that begin "
-        f"with those tokens prefill only the rest (default: on)",
+        help=f"continuous batching: the KV cache keeps full blocks of tokens (shared, and after their "
+        f"request ends until the memory is needed), and {unit} that begin with them prefill only "
+        f"the rest (default: on)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="continuous batching: GiB of K/V blocks a rank, allocated at start; where they run out the "
+        "youngest request is preempted and recomputed later (default: enough for every row at "
+        "the longest a request may be, which never preempts)",
+    )
+    parser.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="continuous batching: tokens a KV cache block holds (default %(default)s)",
     )
 
 
@@ -151,7 +168,14 @@ def run(args) -> int:
     if args.batching == "continuous":  # each replica its share of the prompts, rows refilled as they finish
         share = list(range(grid.coords.dp, len(work), grid.dp_size))
         longest = max((len(work[i][0]) + params[i].max_new_tokens - 1 for i in share), default=1)  # its rows' slots
-        batcher = ContinuousBatcher(engine, max(1, min(args.batch_size, len(share))), longest, args.prefix_caching)
+        batcher = ContinuousBatcher(
+            engine,
+            max(1, min(args.batch_size, len(share))),
+            longest,
+            args.prefix_caching,
+            block_size=args.kv_block_size,
+            kv_cache_memory=args.kv_cache_memory,
+        )
         out = batcher.generate([work[i][0] for i in share], [params[i] for i in share])
         if out is not None:
             mine = [(i, c, metrics) for i, (c, metrics) in zip(share, out)]

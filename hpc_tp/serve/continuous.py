@@ -1,57 +1,72 @@
 """Continuous (iteration-level) batching: requests join and leave a running decode batch.
 
-The batch has a fixed number of rows (``hpc-tp serve --max-batch``), each its own region of one KV
-cache: a request is prefilled into a free row (from slot 0, or after the prefix it finds cached
-there, below), and every iteration
-runs one decode step for the busy rows (``decoding.step_rows``: each row writes its token at its
-own slot, its positions count its own tokens, and a key mask by its length hides whatever an
-earlier request left in the row). A row that finishes (EOS, stop string, max tokens, client gone)
-takes the next queued request at the next iteration, as in Orca (OSDI '22) and vLLM, where a static
-batch (``Engine.generate``) holds every row until its longest one is done.
+The batch has a fixed number of rows (``hpc-tp serve --max-batch``), each a request in flight, whose
+K/V live in blocks of one paged KV cache (``kv_cache.PagedKVCache``, blocks handed out by
+``blocks.BlockManager``): a request takes a block as its tokens reach one, so the cache holds what the
+requests have, not every row at the longest a request may be. A request is prefilled into a free row
+(after the prefix it finds cached, below), and every iteration runs one decode step for the rows with
+a token to feed (``decoding.step_rows``: each row writes its token in its own last block, its
+positions count its own tokens, and it attends over its own blocks up to its length). A row that
+finishes (EOS, stop string, max tokens, client gone) gives its blocks back and takes the next queued
+request at the next iteration, as in Orca (OSDI '22) and vLLM, where a static batch
+(``Engine.generate``) holds every row until its longest one is done.
 
-Prefix caching: every row keeps a record of the tokens its K/V stand for (``tokens``, ``lens``),
-and a row that frees keeps its K/V. A request whose prompt begins with what some row holds (the
-same system prompt, or a chat's next turn, which repeats the last turn's prompt and answer)
-prefills only the rest of its prompt, attending to those slots: in the free row holding the
-longest such prefix, or, where a busy row holds it, in a free row the prefix's K/V are copied into
-(one copy of a few slots instead of recomputing them). The logits are those of a whole prefill. A
-free row that runs along in a decode step writes at its kept length, after what it keeps. vLLM
-shares prefixes in place, as blocks of a paged cache; rows of one cache copy them.
+Prefix caching (vLLM's automatic prefix caching, ``serve.blocks``): the full blocks of a request's
+tokens are named by a hash chain over them, and a request whose prompt begins with blocks the cache
+holds (the same system prompt, or a chat's next turn, which repeats the last turn's prompt and answer)
+shares them, counted by reference, and prefills only the rest, attending to them; where its prompt goes
+on into a partly filled block some request wrote, it gets a copy of that block (copy-on-write). A
+finished request's blocks stay cached until a new block is needed and no free one is left (LRU).
+The logits are those of a whole prefill.
 
-One iteration, collective over the tp group:
+Preemption by recompute: where a row needs a block (a decode step entering a new block, a prefill
+chunk) and none is free, the youngest request in flight (the last admitted) gives all its blocks back
+and is queued again, first in line, to be prefilled again with its prompt and the tokens it has
+chosen so far (its cached blocks, if still there, found by prefix caching), and goes on as if never
+stopped. Admission waits while the free blocks cannot hold a queued prompt and other requests run.
+A request that cannot fit in the whole cache alone is refused (``check_request``'s ``kv_tokens``).
 
-    admit     tp rank 0 gives each queued request a free row and finds the longest prefix of its
-              prompt some row holds (``_place``), and one ``bcast_object`` sends their (row, prompt
-              ids, prefix length, the row holding it), only when there are any; when no row is busy every rank
-              waits in that broadcast for the next admissions, or for the word to stop;
-    decode    one step for the rows that have a token to feed, up to the last of them;
-    prefill   each admitted prompt's prefix copied into its row where another row holds it; then the
-              prompts waiting, in admission order, up to ``chunk_tokens`` tokens in all (chunked
-              prefill: a long prompt goes on at the next iteration), right-padded to the longest in
-              one forward pass per first slot (``_prefill``; several when their padded tokens pass
-              ``prefill_tokens``), each into its own row: a prompt's last real token's logits, once
-              its last chunk is in, give the request's first token;
+Sliding windows: where every layer has one (Mistral), a request gives back each block that falls
+wholly out of the widest window as it goes on, the block table keeping the scratch block in its place;
+a model with any global layer (Gemma 3: one in six) keeps every block, since that layer reads them
+all. A decode step's window is applied per row (its query's own position). The check that a request
+fits the cache still counts all its tokens.
+
+One iteration, collective over the tp group; every rank keeps the same block tables, making the same
+calls on the same broadcast inputs, so no block number is ever sent:
+
+    admit     tp rank 0 gives queued requests (those preempted first) free rows, and one
+              ``bcast_object`` sends their (row, token ids), only when there are any; when no row is
+              busy every rank waits in that broadcast for the next admissions, or for the word to stop;
+    decode    one step for the rows that have a token to feed, each with a block for its new slot
+              (oldest first; the youngest are preempted where blocks run out);
+    prefill   each admitted prompt's cached prefix found (``BlockManager.admit``); then the prompts
+              waiting, in admission order, up to ``chunk_tokens`` tokens in all (chunked prefill: a
+              long prompt goes on at the next iteration), each with blocks for its chunk, right-padded
+              to the longest in one forward pass per first slot (``_prefill``; several when their
+              padded tokens pass ``prefill_tokens``): a prompt's last real token's logits, once its
+              last chunk is in, give the request's first token;
     sample    rank 0 samples every busy row (``_Row``: EOS, stop strings, max tokens, cancellation),
-              streams text, finishes requests and takes queued ones for the rows now free; one
-              ``comm.broadcast`` of an int64 array gives each row's next token (-1: free;
-              ``DROPPED``: cancelled during its prefill, free now) and whether admissions follow. The other ranks only ever see token ids.
+              streams text, finishes requests, queues the preempted ones again and takes queued ones
+              for the rows now free; one ``comm.broadcast`` of an int64 array gives each row's next
+              token (-1: free; ``DROPPED``: cancelled during its prefill, free now) and whether
+              admissions follow. The other ranks only ever see token ids.
 
 Prompts admitted together share their prefill: one pass has the same 2 all-reduces a layer and one
 logits gather for k prompts as for one, where prefilling each alone took k of each. Right padding
 keeps every prompt at positions 0..n-1 from slot 0, as alone: causal attention never lets a real token
 see the padding after it, and MoE inference is dropless, so the padding changes no prompt's numbers.
-The K/V go straight into each prompt's row (``kv_cache.RowsPrefill``; the rows admitted together need
-not be neighbours), with no second cache to copy from, and only each row's last real position reaches
-the LM head (``GPTModel.infer``'s ``last``).
+The K/V go straight into each prompt's blocks, the padding's into the scratch block, and only each
+row's last real position reaches the LM head (``GPTModel.infer``'s ``last``).
 
 Left for later: the step runs eagerly (its shapes change with the rows' lengths, so no CUDA graph
-is captured, unlike a static batch's steps on a GPU at tp = 1), a prefill chunk and the decode step
-of the rows already busy are two passes rather than one (vLLM mixes them in one), and each row holds
-its max_len slots from the start (no paged memory).
+is captured, unlike a static batch's steps on a GPU at tp = 1), and a prefill chunk and the decode
+step of the rows already busy are two passes rather than one (vLLM mixes them in one).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -59,9 +74,11 @@ import numpy
 
 from .. import backend
 from ..comm.base import on_rank0
+from ..errors import ConfigError
+from .blocks import SCRATCH, BlockManager, Sequence
 from .decoding import step_rows
 from .generate import _Row, check_request
-from .kv_cache import KVCache, RowsPrefill
+from .kv_cache import PagedKVCache, PagedView
 
 # The default bound on a batched prefill's padded tokens (its prompts x the longest of them), raised to
 # the rows' max_len where that is more, as vLLM's max_num_batched_tokens before chunked prefill
@@ -77,6 +94,7 @@ PREFILL_TOKENS = 2048
 # 493 ms whole, 236 ms in chunks of 512, 120 ms of 256 and 77 ms of 128, and took 492 / 458 / 449 /
 # 523 ms to its first token: 128 costs the long prompt, 256 does not.
 CHUNK_TOKENS = 256
+KV_BLOCK_SIZE = 16  # tokens a block, vLLM's default
 DROPPED = -2  # a row's control value: its request was cancelled during its prefill, and the row is free
 
 
@@ -98,7 +116,7 @@ class RowMetrics:
     """What a request's usage reports of the batch it was decoded in."""
 
     batch: int  # rows busy once it was admitted, its own included
-    kv_cache_bytes_per_rank: list[int]  # the whole cache: every row, max_len slots each
+    kv_cache_bytes_per_rank: list[int]  # the whole pool of blocks, allocated at start
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -133,23 +151,51 @@ class _Queue:
 
 
 class _Busy:
-    """Rank 0's record of one busy row."""
+    """Rank 0's record of one request in flight (or preempted and queued again)."""
 
-    def __init__(self, request, row: _Row, admitted: float, batch: int, cached: int):
-        self.request, self.row, self.admitted, self.batch, self.cached = request, row, admitted, batch, cached
+    def __init__(self, request, row: _Row, admitted: float, batch: int):
+        self.request, self.row, self.admitted, self.batch = request, row, admitted, batch
+        self.cached: int | None = None  # prompt tokens found cached at its first admission
         self.first: float | None = None  # when its first token was chosen
+
+    @property
+    def ids(self) -> list[int]:
+        """What a prefill gives it: its prompt, then the tokens chosen so far (after a preemption)."""
+        return list(self.request.ids) + self.row.ids
+
+
+def kv_pool_blocks(model, rows: int, max_len: int, block_size: int, memory_gib: float | None) -> int:
+    """Blocks of the pool, the scratch block among them: as many as ``memory_gib`` GiB a rank holds
+    (``--kv-cache-memory``), or by default enough for ``rows`` requests of ``max_len`` tokens each (the
+    whole batch at its longest: no request is ever preempted)."""
+    if not (isinstance(block_size, int) and block_size >= 1):
+        raise ConfigError(f"--kv-block-size {block_size}: expected an integer >= 1")
+    if memory_gib is None:
+        return rows * -(-max_len // block_size) + 1
+    per_block = PagedKVCache.block_bytes(model, block_size)
+    if not (math.isfinite(memory_gib) and memory_gib > 0):
+        raise ConfigError(f"--kv-cache-memory {memory_gib}: expected a number of GiB > 0")
+    blocks = int(memory_gib * 2**30 // per_block)
+    if blocks < 2:
+        raise ConfigError(
+            f"--kv-cache-memory {memory_gib}: holds {blocks} blocks of {block_size} tokens "
+            f"({per_block} bytes each a rank); expected at least {2 * per_block / 2**30:.3g} GiB "
+            "(one block and the scratch block)"
+        )
+    return blocks
 
 
 class ContinuousBatcher:
-    """Serves requests through ``rows`` rows of one KV cache for ``engine``'s model and tokenizer, each
-    row ``max_len`` slots (default the model's max_seq_len; a request must fit its prompt and new
-    tokens but the last in them). ``prefix_caching``: a prompt that begins with what a row holds
-    prefills only the rest (module docstring). Prompts admitted together are prefilled in batches
-    of at most ``prefill_tokens`` padded tokens (default ``PREFILL_TOKENS``, or max_len if more; 1:
-    one at a time). An iteration prefills at most ``chunk_tokens`` prompt tokens (default
-    ``CHUNK_TOKENS``), a longer prompt over several iterations, between decode steps (chunked
-    prefill). Collective over the tp group: every rank builds one (the cache is allocated here) and
-    calls ``run``."""
+    """Serves requests through ``rows`` rows (requests in flight) for ``engine``'s model and tokenizer,
+    their K/V in one paged KV cache of blocks of ``block_size`` tokens, ``kv_cache_memory`` GiB a rank
+    (default: enough for every row at ``max_len``; ``kv_pool_blocks``). A request must fit its prompt
+    and new tokens but the last in ``max_len`` (default the model's max_seq_len) and in the cache.
+    ``prefix_caching``: a prompt that begins with what the cache holds prefills only the rest (module
+    docstring). Prompts admitted together are prefilled in batches of at most ``prefill_tokens`` padded
+    tokens (default ``PREFILL_TOKENS``, or max_len if more; 1: one at a time). An iteration prefills at
+    most ``chunk_tokens`` prompt tokens (default ``CHUNK_TOKENS``), a longer prompt over several
+    iterations, between decode steps (chunked prefill). Collective over the tp group: every rank builds
+    one (the cache is allocated here) and calls ``run``."""
 
     def __init__(
         self,
@@ -159,6 +205,8 @@ class ContinuousBatcher:
         prefix_caching: bool = True,
         prefill_tokens: int | None = None,
         chunk_tokens: int | None = None,
+        block_size: int | None = None,
+        kv_cache_memory: float | None = None,
     ):
         self.engine, self.model, self.comm = engine, engine.model, engine.comm
         self.max_len = min(self.model.cfg.max_seq_len, max_len or self.model.cfg.max_seq_len)
@@ -167,18 +215,28 @@ class ContinuousBatcher:
                 raise ValueError(f"{name} {value}: expected an integer >= 1")
         self.prefill_tokens = prefill_tokens or max(PREFILL_TOKENS, self.max_len)
         self.chunk_tokens = chunk_tokens or CHUNK_TOKENS
-        self.prompts: dict[int, list[int]] = {}  # rows whose prompt is being prefilled, in admission order
-        self.cache = KVCache.for_model(self.model, rows, self.max_len)
+        block_size = KV_BLOCK_SIZE if block_size is None else block_size
+        blocks = kv_pool_blocks(self.model, rows, self.max_len, block_size, kv_cache_memory)
+        self.cache = PagedKVCache.for_model(self.model, blocks, block_size)
+        self.blocks = BlockManager(blocks, block_size, prefix_caching)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
         self.prefix_caching = prefix_caching
-        # Each row's cached tokens: a busy row's request so far; a free row's last request's, kept for a
-        # prompt that begins with them (without prefix caching, none).
-        self.lens = numpy.zeros(rows, dtype=numpy.int64)
-        self.tokens = numpy.zeros((rows, self.max_len), dtype=numpy.int64)
+        # Positions a request's next token still sees where every layer has a sliding window (0: all)
+        windows = [self.model.cfg.window_of(i) for i in range(len(self.model.layers))]
+        self.keep = max(windows) if all(windows) else 0
+        self.seqs = [Sequence() for _ in range(rows)]  # each row's blocks and tokens held
+        self.age = numpy.full(rows, -1, dtype=numpy.int64)  # when each busy row was admitted (-1: free)
+        self._admissions = 0
+        self.prompts: dict[int, list[int]] = {}  # rows whose prompt is being prefilled, in admission order
         self.feed = numpy.full(rows, -1, dtype=numpy.int64)  # the token each row feeds next (-1: none)
+        self.preempted: list[int] = []  # rows whose request was preempted this iteration, youngest first
         self._busy: list[_Busy | None] = [None] * rows  # rank 0 only
-        self._taken: list = []  # rank 0: requests taken for freed rows, admitted at the next iteration
-        self._deferred: list = []  # rank 0: requests whose prompt one admitted with them brings (``_admit``)
+        self._waiting: list = []  # rank 0: requests taken (and preempted ones, first) waiting for a row
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens one request may hold: every block but the scratch one."""
+        return self.blocks.usable * self.blocks.size
 
     def run(self, source=None):
         """Serve until tp rank 0's ``source`` says stop. ``source`` (rank 0 only) has
@@ -206,7 +264,8 @@ class ContinuousBatcher:
                 del self.prompts[int(r)]
             self.feed = numpy.maximum(control[:-1], -1)
             prefilling = numpy.isin(numpy.arange(len(self.feed)), list(self.prompts))
-            self._free_rows((self.feed < 0) & ~prefilling)
+            for r in numpy.flatnonzero((self.feed < 0) & ~prefilling & (self.age >= 0)):
+                self._free(int(r))
             more = bool(control[-1])
 
     def generate(self, prompts=None, params=None):
@@ -219,101 +278,87 @@ class ContinuousBatcher:
         self.run(_Queue(requests))
         return [r.result for r in requests]
 
-    def _free_rows(self, free):
-        """Rows ``free`` (a mask) keep what they hold for prefix caching, but for one slot: a free row
-        that runs along in a decode step writes its token at its length, which must be a slot."""
-        self.lens[free] = numpy.minimum(self.lens[free], self.max_len - 1) if self.prefix_caching else 0
-
-    def _place(self, ids, free: list[int], taken: list[int]) -> tuple[int, int, int]:
-        """Rank 0: (row, prefix, source) for prompt ``ids``: the free row to admit it into, the longest
-        prefix of it a row holds and that row: the free row itself where one holds it (no copy), else
-        the lowest busy one, the prompt going to the lowest free row. The prompt's last token is always
-        prefilled (its logits give the first new token). Rows ``taken`` by this admission are no
-        source: a copy into one of them may come first."""
-        n = len(ids) - 1
-        if not self.prefix_caching or n == 0:
-            return free[0], 0, free[0]
-        rows = numpy.array([r for r in range(len(self.lens)) if r not in taken])
-        same = self.tokens[rows, :n] == numpy.asarray(ids[:n], dtype=numpy.int64)
-        held = numpy.minimum(numpy.where(same.all(axis=1), n, same.argmin(axis=1)), self.lens[rows])
-        best = int(held.max())
-        if best == 0:
-            return free[0], 0, free[0]
-        holding = [int(r) for r in rows[held == best]]
-        in_place = [r for r in holding if r in free]
-        return (in_place[0], best, in_place[0]) if in_place else (free[0], best, holding[0])
+    def _free(self, row: int):
+        """Row ``row``'s blocks given back (with prefix caching they stay cached until needed)."""
+        self.blocks.release(self.seqs[row])
+        self.age[row] = -1
 
     def _admit(self, source, idle: bool):
-        """Rank 0: the requests taken (waiting for some when idle) placed in free rows (``_place``), as
-        [(row, prompt ids, length of its cached prefix, the row holding that)]; None: stop.
+        """Rank 0: queued requests (waiting for some when idle) given free rows, as [(row, the ids to
+        prefill)]; None: stop. Requests go in order while the free blocks hold their prompts (the
+        first always, when no row is busy: it fits alone).
 
         With prefix caching, a request whose prompt is the same as one admitted with it (the n choices
-        of one API request) waits for the next iteration, when it finds that prompt's K/V in the other's
-        row and copies them rather than prefilling the same tokens again."""
-        requests, self._taken = self._taken, []
-        while idle and not requests:
+        of one API request) waits for the next iteration, when it finds that prompt's K/V cached and
+        shares them rather than prefilling the same tokens again."""
+        while idle and not self._waiting:
             requests = source.take(len(self._busy), idle=True)
             if requests is None:
                 return None
+            self._waiting += requests
         free = [r for r, busy in enumerate(self._busy) if busy is None]
-        if len(requests) > len(free):
-            raise ValueError(f"{len(requests)} requests taken for {len(free)} free rows")
-        prompts, placing, self._deferred = [], [], []
-        for request in requests:
-            shared = self.prefix_caching and len(request.ids) > 1 and request.ids in prompts
-            (self._deferred if shared else placing).append(request)
-            prompts.append(request.ids)
-        requests = placing
-        now, busy = time.perf_counter(), len(self._busy) - len(free) + len(requests)
-        admitted, taken = [], []
-        for request in requests:
-            check_request(request.ids, request.params, self.model.cfg, max_model_len=self.max_len)
-            row, cached, source = self._place(request.ids, free, taken)
-            free.remove(row)
-            taken.append(row)
-            row_state = _Row(request.params, self.engine.tokenizer, request.ids)
-            self._busy[row] = _Busy(request, row_state, now, busy, cached)
-            admitted.append((row, list(request.ids), cached, source))
+        busy, room = len(self._busy) - len(free), self.blocks.available()
+        now, admitted = time.perf_counter(), []
+        for item in list(self._waiting):
+            if not free:
+                break
+            ids = item.ids
+            if self.prefix_caching and len(ids) > 1 and any(ids == other for _, other in admitted):
+                continue
+            needed = self.blocks.blocks_for(len(ids))
+            if needed > room and (busy or admitted):
+                break
+            room -= needed
+            self._waiting.remove(item)
+            if not isinstance(item, _Busy):  # a new request, not a preempted one
+                check_request(ids, item.params, self.model.cfg, max_model_len=self.max_len, kv_tokens=self.kv_tokens)
+                item = _Busy(item, _Row(item.params, self.engine.tokenizer, ids), now, 0)
+            row = free.pop(0)
+            self._busy[row] = item
+            admitted.append((row, ids))
+        for row, _ in admitted:
+            self._busy[row].batch = self._busy[row].batch or busy + len(admitted)
         return admitted
 
     def _forward(self, admitted):
-        """The decode step for the rows with a token to feed, then the admitted prompts' cached prefixes
-        copied into their rows (all before any prefill, which could overwrite a source), then this
-        iteration's prefill chunks (up to ``chunk_tokens``, those from one slot together); {row: logits
-        [V]} on the host of rank 0 for the rows that stepped or whose prompt is now in ({} elsewhere)."""
+        """The decode step for the rows with a token to feed, then the admitted prompts' cached
+        prefixes found, then this iteration's prefill chunks (up to ``chunk_tokens``, those from one
+        slot together), blocks reserved for each (``_room``); {row: logits [V]} on the host of rank 0
+        for the rows that stepped or whose prompt is now in ({} elsewhere)."""
         host = self.comm.rank == 0
-        logits = {}
+        logits, self.preempted = {}, []
+        for row in numpy.argsort(self.age):  # the oldest first: the youngest are preempted for them
+            if self.feed[row] >= 0:
+                self._room(int(row), self.seqs[row].length + 1, logits)
         stepping = numpy.flatnonzero(self.feed >= 0)
         if stepping.size:
-            # Rows after the last busy one are left out; free rows before it run along, unread, writing
-            # after what they keep (admitted rows are free here: their prefill overwrites that slot).
-            last = int(stepping[-1]) + 1
-            ids = numpy.where(self.feed >= 0, self.feed, self.engine.pad_id)[:last]
-            out = step_rows(
-                self.model, self.cache.rows(0, last), ids, self.lens[:last], width=int(self.lens[stepping].max()) + 1
-            )
-            self.tokens[stepping, self.lens[stepping]] = self.feed[stepping]
-            self.lens[stepping] += 1
+            out = self._step(stepping)
             if host:
                 out = backend.to_numpy(out)
-                logits.update((int(r), out[r]) for r in stepping)
-        for row, ids, cached, source in admitted:
-            if source != row:
-                self.cache.copy_slots(source, row, cached)
-                self.tokens[row, :cached] = self.tokens[source, :cached]
-            self.lens[row], self.prompts[row] = cached, ids  # prefilled from its cached prefix on
-        by_start: dict[int, list[tuple[int, int]]] = {}  # this iteration's chunks by their first slot
-        budget = self.chunk_tokens
-        for row, ids in self.prompts.items():  # in admission order: the earliest finish first
-            start = int(self.lens[row])
+                logits.update((int(r), out[i]) for i, r in enumerate(stepping))
+        for row, ids in admitted:
+            copy = self.blocks.admit(self.seqs[row], ids, len(ids) - 1)
+            if copy is not None:
+                self.cache.copy_block(*copy)
+            self.prompts[row], self.age[row] = ids, self._admissions
+            self._admissions += 1
+            if host and self._busy[row].cached is None:
+                self._busy[row].cached = self.seqs[row].length
+        chunks, budget = [], self.chunk_tokens  # (row, first slot, stop) in admission order: the earliest finish first
+        for row, ids in list(self.prompts.items()):
+            if row not in self.prompts:  # preempted for an older one's chunk
+                continue
+            start = self.seqs[row].length
             stop = min(len(ids), start + budget)
             if stop == start:
                 break
-            by_start.setdefault(start, []).append((row, stop))
-            budget -= stop - start
-        for start, chunks in by_start.items():
-            for group in prefill_groups([stop - start for _, stop in chunks], self.prefill_tokens):
-                rows, stops = [chunks[i][0] for i in group], [chunks[i][1] for i in group]
+            if self._room(row, stop, logits):
+                chunks.append((row, start, stop))
+                budget -= stop - start
+        for start in dict.fromkeys(start for _, start, _ in chunks):  # each first slot, in order
+            mine = [(row, stop) for row, first, stop in chunks if first == start]
+            for group in prefill_groups([stop - start for _, stop in mine], self.prefill_tokens):
+                rows, stops = [mine[i][0] for i in group], [mine[i][1] for i in group]
                 out = self._prefill(rows, stops, start)
                 done = [(i, row) for i, (row, stop) in enumerate(zip(rows, stops)) if stop == len(self.prompts[row])]
                 if host:
@@ -323,21 +368,54 @@ class ContinuousBatcher:
                     del self.prompts[row]
         return logits
 
+    def _room(self, row: int, slots: int, logits: dict) -> bool:
+        """Blocks for row ``row``'s first ``slots`` slots, the youngest requests preempted while too few
+        are free; False where that was the row's own."""
+        while not self.blocks.reserve(self.seqs[row], slots):
+            victim = int(numpy.argmax(self.age))
+            self._free(victim)
+            self.prompts.pop(victim, None)
+            self.feed[victim] = -1
+            logits.pop(victim, None)  # a decode step's, for a row preempted in the prefill after it
+            self.preempted.append(victim)
+            if victim == row:
+                return False
+        return True
+
+    def _step(self, rows):
+        """One decode step for ``rows``, each feeding its token at its length; records the tokens."""
+        lens = numpy.array([self.seqs[r].length for r in rows])
+        slots = numpy.full((len(rows), int(lens.max()) + 1), SCRATCH, dtype=numpy.int64)  # past a row's own: masked
+        for i, r in enumerate(rows):
+            slots[i, : lens[i] + 1] = self.seqs[r].slots(self.blocks.size, lens[i] + 1)
+        out = step_rows(self.model, self.cache, self.feed[rows], lens, slots)
+        for r in rows:
+            self._written(r, [int(self.feed[r])])
+        return out
+
+    def _written(self, row: int, tokens: list[int]):
+        """Row ``row``'s next slots hold ``tokens``' K/V now; blocks no window reaches any more given back."""
+        seq = self.seqs[row]
+        self.blocks.written(seq, tokens)
+        if self.keep:  # the next token sees positions from length - keep + 1 on
+            self.blocks.drop_before(seq, seq.length - self.keep + 1)
+
     def _prefill(self, rows: list[int], stops: list[int], start: int):
         """One forward pass over the prompts of ``rows``, their tokens ``start`` up to ``stops``, right-
-        padded to the longest, each into its row of the cache from slot ``start`` (the rows hold the
-        tokens before it): with causal attention a prompt's tokens never see the padding after them, so
-        each row's K/V and its last real token's logits ([len(rows), V]) are those of its prompt alone.
-        The padding's K/V land after them, hidden by the row's length."""
-        xp = backend.xp
+        padded to the longest, each into its row's blocks from slot ``start`` (the rows hold the tokens
+        before it), the padding's K/V into the scratch block: with causal attention a prompt's tokens
+        never see the padding after them, so each row's K/V and its last real token's logits
+        ([len(rows), V]) are those of its prompt alone."""
+        xp, size = backend.xp, self.blocks.size
         stops = numpy.array(stops)
         width = int(stops.max()) - start
         tokens = numpy.full((len(rows), width), self.engine.pad_id, dtype=numpy.int64)
+        slots = numpy.full((len(rows), start + width), SCRATCH, dtype=numpy.int64)
         for i, (row, stop) in enumerate(zip(rows, stops)):
             tokens[i, : stop - start] = self.prompts[row][start:stop]
-            self.tokens[row, start:stop] = tokens[i, : stop - start]
+            slots[i, :stop] = self.seqs[row].slots(size, stop)
         real = numpy.arange(start + width) < stops[:, None]  # the held slots, then each chunk's own tokens
-        view = RowsPrefill(self.cache, xp.asarray(rows, dtype=numpy.int64), start)
+        view = PagedView(self.cache, xp.asarray(slots[:, start:]), xp.asarray(slots) if start else None)
         out = self.model.infer(
             xp.asarray(tokens),
             xp.arange(start, start + width),
@@ -345,14 +423,18 @@ class ContinuousBatcher:
             view,
             last=xp.asarray(stops - start - 1),
         )
-        self.lens[rows] = stops
+        for row, stop in zip(rows, stops):
+            self._written(row, self.prompts[row][start:stop])
         return out
 
     def _sample(self, logits, control, source) -> bool:
         """Rank 0: each busy row's next token into ``control`` (-1 where the row is now free, DROPPED
         where a request cancelled during its chunked prefill leaves it), finished requests answered,
-        queued requests taken for the free rows; True if any were."""
+        preempted ones queued again first, queued requests taken for the free rows; True if any wait."""
         now = time.perf_counter()
+        self._waiting[:0] = [self._busy[r] for r in reversed(self.preempted)]  # the oldest first
+        for r in self.preempted:
+            self._busy[r] = None
         for r, z in logits.items():
             busy = self._busy[r]
             if busy.request.cancelled:
@@ -369,9 +451,10 @@ class ContinuousBatcher:
             self._busy[r].row.cancel(now)
             self._finish(r, now)
             control[r] = DROPPED
-        free = sum(b is None for b in self._busy) - len(self._deferred)
-        self._taken, self._deferred = self._deferred + (source.take(free, idle=False) if free else []), []
-        return bool(self._taken)
+        free = sum(b is None for b in self._busy) - len(self._waiting)
+        if free > 0:
+            self._waiting += source.take(free, idle=False)
+        return bool(self._waiting)
 
     def _finish(self, r: int, now: float):
         """Rank 0: row ``r``'s request answered, the row free."""

@@ -12,9 +12,10 @@ step's chosen ids back through one of two steppers; both give the same logits.
   token instead of hundreds. A W1 decode step on an H200 is bound by the host's Python launching
   them (3.5 ms a token at batch 1 for ~0.05 ms of weight traffic), as vLLM found for its decode steps.
 
-``step_rows`` is the decode step of continuous batching (``serve.continuous``): every row its own
-request at its own length, each writing its token at its own slot. It runs eagerly, its shapes
-changing with the rows' lengths: no CUDA graph is captured for it yet.
+``step_rows`` is the decode step of continuous batching (``serve.continuous``) over a paged cache:
+every row its own request at its own length, writing its token at its own slot and attending over
+its own blocks, gathered up to the longest row's length. It runs eagerly, its shapes changing with
+the rows' lengths: no CUDA graph is captured for it yet.
 
 The capture's rules, its private memory pool and where it can run (``capturable``: tp = 1 on a
 GPU) are ``hpc_tp.cuda_graph``'s. ``HPC_TP_CUDA_GRAPHS=0`` turns graphs off (an A/B, or a driver
@@ -26,7 +27,7 @@ from __future__ import annotations
 import numpy
 
 from .. import backend, cuda_graph
-from .kv_cache import KVCache, SlotCache
+from .kv_cache import KVCache, PagedKVCache, PagedView, SlotCache
 
 
 def positions_after(lens, step: int, model):
@@ -38,18 +39,18 @@ def positions_after(lens, step: int, model):
     return pos
 
 
-def step_rows(model, cache: KVCache, ids, lens, width: int | None = None):
+def step_rows(model, cache: PagedKVCache, ids, lens, slots):
     """One decode step in which each row is a sequence of its own from slot 0 (no padding): row r
     holds ``lens[r]`` tokens, feeds ``ids[r]`` at position ``lens[r]`` (clamped as ``positions_after``
-    does), writes its K/V at slot ``lens[r]`` and attends to slots 0..lens[r] only, whatever an
-    earlier request left after them. The step attends over the first ``width`` slots (default: the
-    longest row's and its new one); a free row running along, whose logits nobody reads, may hold
-    more, and then sees those ``width`` slots and writes after them. ``ids``, ``lens``: host int
-    arrays [B]; returns logits [B, V]."""
+    does), writes its K/V at its slot ``lens[r]`` and attends to its slots 0..lens[r] only.
+    ``slots`` [B, W] (W > every length): each row's pool slots in order, its block table spelled out
+    (past its own, any slot: masked). ``ids``, ``lens``, ``slots``: host int arrays; returns logits
+    [B, V]."""
     xp = backend.xp
-    width = int(lens.max()) + 1 if width is None else width
+    width = slots.shape[1]
     visible = numpy.arange(width) <= lens[:, None]
-    view = SlotCache(cache, xp.asarray(lens, dtype=numpy.int64), width)
+    write = slots[numpy.arange(len(lens)), lens][:, None]
+    view = PagedView(cache, xp.asarray(write), xp.asarray(slots), lens + 1)
     return model.infer(
         xp.asarray(ids, dtype=numpy.int64).reshape(-1, 1),
         xp.asarray(positions_after(lens, 0, model)[:, None]),

@@ -160,9 +160,11 @@ def check_request(
     cfg,
     names: dict[str, str] | None = None,
     max_model_len: int | None = None,
+    kv_tokens: int | None = None,
 ):
     """ConfigError naming the problem (fields named as in ``names``), before a request joins a batch;
-    ``max_model_len``: a server's own bound on a request's positions, below the model's max_seq_len."""
+    ``max_model_len``: a server's own bound on a request's positions, below the model's max_seq_len;
+    ``kv_tokens``: the most a request may hold in a paged KV cache (all of it)."""
     params.validate(names)
     if not prompt_ids:
         raise ConfigError("prompt is empty: generation needs at least one prompt token")
@@ -180,6 +182,8 @@ def check_request(
         )
     if needed > cfg.max_seq_len:
         raise ConfigError(f"{asked}; the model has max_seq_len {cfg.max_seq_len}")
+    if kv_tokens is not None and needed > kv_tokens:
+        raise ConfigError(f"{asked}; this server's KV cache holds {kv_tokens} tokens (--kv-cache-memory)")
 
 
 def left_pad(prompts: list[list[int]], extra: int, pad_id: int):

@@ -64,6 +64,7 @@ class CompletionServer:
         self.tokenizer, self.cfg, self.default_max_tokens = tokenizer, cfg, default_max_tokens
         self.encoder = not cfg.causal
         self.max_model_len, self.chat_template, self.model_name = max_model_len, chat_template, model_name
+        self.kv_tokens: int | None = None  # what the batcher's KV cache holds for one request, once built
         self.started = int(time.time())
         self.metrics = ServerMetrics()
         self.jobs: queue.Queue = queue.Queue()
@@ -134,6 +135,7 @@ class CompletionServer:
             path,
             self.chat_template,
             self.model_name,
+            self.kv_tokens,
         )
         for job in request.jobs:
             job.on_finish = self.metrics.finish

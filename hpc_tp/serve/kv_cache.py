@@ -1,25 +1,22 @@
-"""KV cache for incremental decoding, sharded by heads like the attention that fills it.
+"""KV caches for incremental decoding, sharded by heads like the attention that fills them.
 
 Each tp rank caches only the K/V heads its attention owns (with grouped-query attention whole KV
-groups; when tp > kv heads a KV head is cached on each rank that replicates it), so the cache
-shrinks with tp just as the weights do. Buffers are preallocated, [layers, batch, local kv heads,
-max_len, head_dim] for K and for V: a static batch's up to its final length, continuous batching's
-for every row at the longest a request may be (serve's --max-model-len).
+groups; when tp > kv heads a KV head is cached on each rank that replicates it), so a cache shrinks
+with tp just as the weights do.
 
-In a static batch (``Engine.generate``) slots are shared by the rows: the engine left-pads prompts
-so that every row writes its next token at the same slot, and a key mask (kept by the engine) hides
-the padding slots. Under continuous batching (``serve.continuous``) each row is its own request:
-prompts are prefilled into their rows (``RowsPrefill``), ``rows`` gives the first rows to a decode
-step, which writes every row's token at that row's own slot, and ``copy_slots`` hands a cached prompt
-prefix from one row to another.
+``KVCache`` is a static batch's (``Engine.generate``, ``hpc-tp bench decode``): buffers
+[layers, batch, local kv heads, max_len, head_dim] for K and for V, preallocated up to the batch's
+final length. Its slots are shared by the rows: the engine left-pads prompts so that every row writes
+its next token at the same slot, and a key mask (kept by the engine) hides the padding slots.
+``SlotCache`` is that cache as a fixed-shape decode step sees it (``serve.decoding.FixedStep``); its
+``query_slots`` tell a sliding-window layer where each row's window ends, as a paged decode step's do.
 
-``RowsPrefill`` is the cache as one prefill of several right-padded prompts sees it, each into a
-row of its own chosen by the caller (continuous batching's admissions).
-
-``SlotCache`` is the cache as a decode step of one token per row sees it (``serve.decoding``): the
-slots to write are a device array rather than a Python int (one slot for every row, or one per row),
-and the step attends over a fixed number of slots, its key mask alone deciding which are seen; its
-``query_slots`` tell a sliding-window layer where each row's window ends.
+``PagedKVCache`` is continuous batching's (``serve.continuous``): one pool of fixed-size blocks,
+[layers, local kv heads, blocks x block size, head_dim], whose blocks ``serve.blocks`` hands to the
+requests a few at a time as their tokens need them, and shares between requests with a common prefix.
+A forward pass sees it through a ``PagedView``: each row's new K/V are written at the pool slots its
+block table gives, and attention reads each row's slots gathered in order, so the layers see the
+[B, heads, keys, d] arrays of a contiguous cache.
 """
 
 from __future__ import annotations
@@ -27,10 +24,21 @@ from __future__ import annotations
 import numpy
 
 from .. import backend
-from ..kernels import cuda_kernels
+from ..kernels import cuda_kernels, paged_attention
 
 
-class LayerCache:
+class CacheLayer:
+    """One layer's view of a cache, the ``cache`` argument of ``ParallelAttention.forward``: ``offset``
+    and ``store`` (there), and ``attend``, which a cache with an attention kernel of its own overrides."""
+
+    def attend(self, q, k, v, out, window: int) -> bool:
+        """Store ``k``, ``v`` and write the attention of ``q`` over the cache (each query over its last
+        ``window`` positions; 0: all) into ``out``, where this cache has a kernel for it; False (and
+        nothing done): ``store``, then the layer's own core."""
+        return False
+
+
+class LayerCache(CacheLayer):
     """One layer's view of the cache, the ``cache`` argument of ``ParallelAttention.forward``."""
 
     def __init__(self, owner: KVCache, layer: int):
@@ -69,18 +77,6 @@ class KVCache:
     def layer(self, i: int) -> LayerCache:
         return self._layers[i]
 
-    def rows(self, start: int, stop: int) -> KVCache:
-        """Rows ``start:stop`` as a cache of their own, empty (length 0) and sharing this one's memory: a
-        decode step over the first rows touches no other. Whatever those rows hold stays in memory;
-        the step's key mask decides what is seen."""
-        return KVCache(self.k[:, start:stop], self.v[:, start:stop])
-
-    def copy_slots(self, source: int, target: int, slots: int):
-        """Row ``target``'s first ``slots`` slots made row ``source``'s, every layer: a prompt prefix
-        cached in one row, reused in another (continuous batching's prefix caching)."""
-        for buffers in (self.k, self.v):
-            buffers[:, target, :, :slots] = buffers[:, source, :, :slots]
-
     def advance(self, steps: int):
         """Every layer stored ``steps`` more slots: the next step writes after them."""
         self.length += steps
@@ -91,12 +87,11 @@ class KVCache:
 
 
 class _View:
-    """The cache as one kind of step sees it: each layer's ``store`` of its own kind, and no
-    ``advance`` (the caller keeps the rows' lengths)."""
+    """A cache as one kind of step sees it: each layer's ``store`` of its own kind, and no
+    ``advance`` (the caller keeps the lengths)."""
 
-    def __init__(self, owner: KVCache, layer_kind):
-        self.owner = owner
-        self._layers = [layer_kind(self, i) for i in range(owner.k.shape[0])]
+    def __init__(self, layer_kind, layers: int):
+        self._layers = [layer_kind(self, i) for i in range(layers)]
 
     def layer(self, i: int):
         return self._layers[i]
@@ -105,61 +100,26 @@ class _View:
         pass
 
 
-class RowsPrefill(_View):
-    """``cache`` for one prefill of right-padded prompts [B, T] into rows ``rows`` (an int array [B] on
-    the device) of ``owner`` from slot ``offset``, rows that need not be neighbours (continuous
-    batching admits into whichever are free), each holding the first ``offset`` tokens of its prompt
-    already (prefix caching; 0: none). Each layer writes its K/V for the T slots straight into those
-    rows and attends over them, after the held slots where there are any. A row shorter than T gets
-    padding after its prompt there, which its length hides as it hides whatever an earlier request
-    left. ``advance`` does nothing: each row's length is the caller's to keep."""
-
-    def __init__(self, owner: KVCache, rows, offset: int = 0):
-        self.rows, self.offset = rows, offset
-        super().__init__(owner, _RowsLayer)
-
-
-class _RowsLayer:
-    def __init__(self, prefill: RowsPrefill, layer: int):
-        self._prefill, self._layer = prefill, layer
-        self.offset = prefill.offset
-
-    def store(self, k, v):
-        owner, rows = self._prefill.owner, self._prefill.rows
-        start, stop = self.offset, self.offset + k.shape[2]
-        if stop > owner.max_len:
-            raise ValueError(f"KV cache of {owner.max_len} slots cannot take slots {start}..{stop - 1}")
-        keys, values = owner.k[self._layer], owner.v[self._layer]
-        keys[rows, :, start:stop] = k
-        values[rows, :, start:stop] = v
-        if start == 0:
-            return k, v
-        return keys[rows, :, :stop], values[rows, :, :stop]
-
-
 class SlotCache(_View):
-    """``cache`` for decode steps of one new token per row whose slots are read on the device: each
-    layer writes the token's K/V at the slot that the int64 array ``slot`` holds, [1] for every row
-    alike (the fixed-shape steps a captured CUDA graph replays) or [B] one per row (continuous
-    batching), and returns the first ``width`` slots (default all ``max_len``). For the causal mask
-    every returned slot comes before the query (``offset``), so the caller's key mask over them alone
-    decides which are seen: the filled ones. ``advance`` does nothing: the caller moves ``slot`` and
-    the owner's ``length``."""
+    """``cache`` for fixed-shape decode steps of one new token per row, the slot to write a device
+    array rather than a Python int: each layer writes the token's K/V at the slot that the int64
+    array ``slot`` [1] holds, the same for every row (the steps a captured CUDA graph replays), and
+    returns all ``max_len`` slots. For the causal mask every slot comes before the query
+    (``offset``), so the caller's key mask alone decides which are seen: the filled ones.
+    ``advance`` does nothing: the caller moves ``slot`` and the owner's ``length``."""
 
-    def __init__(self, owner: KVCache, slot, width: int | None = None):
-        self.slot = slot
-        self.width = owner.max_len if width is None else width
-        self.rows = backend.xp_of(slot).arange(owner.k.shape[1]) if len(slot) > 1 else None
-        super().__init__(owner, _SlotLayer)
+    def __init__(self, owner: KVCache, slot):
+        self.owner, self.slot = owner, slot
+        super().__init__(_SlotLayer, owner.k.shape[0])
 
 
-class _SlotLayer:
+class _SlotLayer(CacheLayer):
     def __init__(self, slots: SlotCache, layer: int):
         self._slots, self._layer = slots, layer
 
     @property
     def offset(self) -> int:
-        return self._slots.width - 1
+        return self._slots.owner.max_len - 1
 
     @property
     def query_slots(self):
@@ -172,10 +132,96 @@ class _SlotLayer:
         slots = self._slots
         keys, values = slots.owner.k[self._layer], slots.owner.v[self._layer]
         for cache, new in ((keys, k), (values, v)):
-            if slots.rows is not None:  # row r at slot[r]: [B, slots, hk, d] indexed by (row, slot) pairs
-                cache.swapaxes(1, 2)[slots.rows, slots.slot] = new[:, :, 0]
-            elif isinstance(cache, numpy.ndarray):
+            if isinstance(cache, numpy.ndarray):
                 cache[:, :, int(slots.slot[0])] = new[:, :, 0]
             else:
                 cuda_kernels.write_slot(cache, new, slots.slot)
-        return keys[:, :, : slots.width], values[:, :, : slots.width]
+        return keys, values
+
+
+class PagedKVCache:
+    """Over the pool ``k``, ``v`` [layers, local kv heads, slots, head_dim], its slots in blocks of
+    ``block_size`` (block b: slots b * block_size onwards)."""
+
+    def __init__(self, k, v, block_size: int):
+        self.k, self.v, self.block_size = k, v, block_size
+
+    @classmethod
+    def for_model(cls, model, blocks: int, block_size: int) -> PagedKVCache:
+        attn, xp = model.layers[0].attn, backend.xp
+        shape = (len(model.layers), attn.kv_local, blocks * block_size, attn.head_dim)
+        return cls(xp.zeros(shape, dtype=model.dtype), xp.zeros(shape, dtype=model.dtype), block_size)
+
+    @staticmethod
+    def block_bytes(model, block_size: int) -> int:
+        """What one block takes on this rank, K and V of every layer."""
+        attn = model.layers[0].attn
+        return 2 * len(model.layers) * attn.kv_local * block_size * attn.head_dim * numpy.dtype(model.dtype).itemsize
+
+    @property
+    def blocks(self) -> int:
+        return self.k.shape[2] // self.block_size
+
+    def copy_block(self, source: int, target: int):
+        """Block ``target``'s slots made block ``source``'s, every layer (copy-on-write)."""
+        size = self.block_size
+        for pool in (self.k, self.v):
+            pool[:, :, target * size : (target + 1) * size] = pool[:, :, source * size : (source + 1) * size]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
+class PagedView(_View):
+    """``cache`` for one forward pass of B rows of T new tokens over a ``PagedKVCache``: each layer
+    writes the tokens' K/V at the pool slots ``write`` [B, T] (int64, on the device) and attends over
+    the slots ``read`` [B, K] (each row's slots 0..K-1 in order, the new ones last among them), or,
+    with ``read`` None, over the new K/V alone (a prefill from slot 0). The new tokens are the last T
+    of the K slots (``offset`` K - T) for the causal mask; the caller's key mask [B, K] hides the
+    slots a row does not fill. ``counts`` [B] (host int64) makes it a decode step's: how many of its
+    ``read`` slots each row sees (its length and the new one), so where its query is (a sliding
+    window's end) and how far ``kernels.paged_attention`` reads each row's own slots in place on the
+    CPU instead of gathering them. ``advance`` does nothing: the caller
+    keeps the rows' lengths."""
+
+    def __init__(self, cache: PagedKVCache, write, read=None, counts=None):
+        self.cache, self.write, self.read, self.counts = cache, write, read, counts
+        self.query_slots = None if counts is None else backend.xp_of(write).asarray(counts - 1)
+        self.offset = 0 if read is None else read.shape[1] - write.shape[1]
+        super().__init__(_PagedLayer, cache.k.shape[0])
+
+
+class _PagedLayer(CacheLayer):
+    def __init__(self, view: PagedView, layer: int):
+        self._view, self._layer = view, layer
+        self.offset = view.offset
+
+    def _write(self, k, v):
+        view = self._view
+        keys, values = view.cache.k[self._layer], view.cache.v[self._layer]
+        for pool, new in ((keys, k), (values, v)):
+            pool[:, view.write] = new.swapaxes(0, 1)  # [hk, B, T, d] at the (row, token) pairs' slots
+        return keys, values
+
+    def store(self, k, v):
+        keys, values = self._write(k, v)
+        read = self._view.read
+        if read is None:
+            return k, v
+        # gathered as [hk, B, K, d] and seen as [B, hk, K, d]: one copy, rows of unit stride
+        return keys[:, read].swapaxes(0, 1), values[:, read].swapaxes(0, 1)
+
+    @property
+    def query_slots(self):
+        """Each row's query among the ``read`` slots (its position: a row's slots are in order from
+        0), where a decode step's sliding window ends; None for a prefill, whose ``offset`` says it."""
+        return self._view.query_slots
+
+    def attend(self, q, k, v, out, window: int) -> bool:
+        view = self._view
+        if view.counts is None or not paged_attention.supported(q, view.cache.k):
+            return False
+        keys, values = self._write(k, v)
+        paged_attention.decode(q, keys, values, view.read, view.counts, out, window)
+        return True

@@ -32,8 +32,8 @@ group is a replica with its own batcher and KV cache, and the requests go to whi
 
 A response's usage reports time_to_first_token_s from its arrival (queue_s of it waiting for a row),
 decode_tokens_per_s of its own tokens after the first, batch_size (rows busy once it was admitted,
-its own included) and kv_cache_bytes_per_rank (the whole cache, allocated at start: --max-batch
-rows of --max-model-len slots).
+its own included) and kv_cache_bytes_per_rank (the whole pool of KV blocks, allocated at start:
+--kv-cache-memory, or --max-batch rows of --max-model-len tokens).
 
 Stopping (``serve.shutdown``): SIGTERM on rank 0 (``scancel`` and ``srun`` signal every rank; under
 ``mpirun`` send it to the ranks, whose pids the start-up line prints) stops accepting connections,
@@ -166,6 +166,8 @@ def run(args) -> int:
     if error is not None:
         raise ConfigError(error)
     batcher, layout = _batcher(args, model, tokenizer, max_len, encoder)
+    if server is not None:  # a request the whole KV cache cannot hold is refused as it comes
+        server.kv_tokens = getattr(batcher, "kv_tokens", None)
     if grid.world.rank != 0:
         batcher.run(RemoteJobs(replicas) if grid.world.rank in leaders else None)
         return 0
@@ -200,9 +202,19 @@ def _batcher(args, model, tokenizer, max_len: int, encoder: bool):
     if args.batching == "static":
         return StaticBatches(engine, args.max_batch), "static batches"
     batcher = ContinuousBatcher(
-        engine, args.max_batch, max_len, args.prefix_caching, args.max_batch_prefill_tokens, args.prefill_chunk
+        engine,
+        args.max_batch,
+        max_len,
+        args.prefix_caching,
+        args.max_batch_prefill_tokens,
+        args.prefill_chunk,
+        args.kv_block_size,
+        args.kv_cache_memory,
     )
-    return batcher, f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {args.max_batch} rows of {max_len} slots"
+    return batcher, (
+        f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {batcher.blocks.usable} blocks of "
+        f"{batcher.blocks.size} tokens ({batcher.kv_tokens} tokens) for {args.max_batch} rows"
+    )
 
 
 class StaticBatches:

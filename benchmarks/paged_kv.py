@@ -1,0 +1,128 @@
+"""Continuous batching's KV cache, checkout against checkout: its memory at start-up and the decode
+throughput of a full batch, in alternating rounds in one run.
+
+    python benchmarks/paged_kv.py --variant main=PATH --variant paged=PATH [--variant small=PATH@GIB]
+                                  [--rows 8] [--max-len 2048] [--prompt 256] [--new 256] [--rounds 4]
+
+Each variant is a source tree (``PYTHONPATH``), and optionally ``@GIB`` for ``kv_cache_memory`` (a tree
+that has it). A round runs every variant once, in an order that alternates (after an untimed one, in which numba
+compiles a fresh tree's kernels into its cache), each in a fresh process at
+tp = 1: a llama-shaped random model (``--hidden`` 256, 8 layers, 8 heads, 2 kv heads, float32, the byte
+vocabulary), a ``ContinuousBatcher`` of ``--rows`` rows and ``--max-len`` positions, then ``--rows``
+greedy requests of ``--prompt`` random tokens and ``--new`` new tokens each, all at once (after an
+untimed warm-up batch of the same shapes, which compiles the kernels). Reported per variant and round: the
+cache's bytes (allocated), the resident memory it added at start-up and at the end (pages touched:
+numpy's zeros are mapped lazily), and the completion tokens a second over the whole batch, of wall
+time and of the process's CPU time (one process, one thread: the work done, which a loaded machine's
+time slicing disturbs less than the wall clock); then the median and range over rounds. No time is asserted: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def worker(args):
+    # the tree under test is on PYTHONPATH: imported only in the worker
+    import numpy
+
+    from hpc_tp.comm.mpi import self_comm
+    from hpc_tp.models import GPTModel
+    from hpc_tp.models.config import load_config
+    from hpc_tp.serve.continuous import ContinuousBatcher
+    from hpc_tp.serve.generate import Engine
+    from hpc_tp.serve.sampling import SamplingParams
+    from hpc_tp.tokenizer import ByteTokenizer
+
+    cfg = load_config(
+        "llama-tiny",
+        vocab_size=258,
+        hidden=args.hidden,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=2,
+        ffn_hidden=3 * args.hidden,
+        max_seq_len=args.max_len,
+    )
+    model = GPTModel(cfg, self_comm(), dtype="float32", seed=0)
+    engine = Engine(model, ByteTokenizer())
+    before = rss_bytes()
+    memory = {} if args.kv_gib is None else {"kv_cache_memory": args.kv_gib}
+    batcher = ContinuousBatcher(engine, args.rows, args.max_len, **memory)
+    at_start = rss_bytes() - before
+    rng = numpy.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 256, args.prompt)] for _ in range(args.rows)]
+    batcher.generate([p[::-1] for p in prompts], [SamplingParams(max_new_tokens=4)] * args.rows)  # compiles kernels
+    params = [SamplingParams(max_new_tokens=args.new, ignore_eos=True) for _ in prompts]
+    start, cpu = time.perf_counter(), time.process_time()
+    out = batcher.generate(prompts, params)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(c.ids) for c, _ in out)
+    print(
+        json.dumps(
+            {
+                "cache_mib": batcher.cache.nbytes / 2**20,
+                "rss_start_mib": at_start / 2**20,
+                "rss_end_mib": (rss_bytes() - before) / 2**20,
+                "tokens_per_s": tokens / seconds,
+                "tokens_per_cpu_s": tokens / cpu,
+            }
+        )
+    )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", action="append", required=False, default=[], metavar="NAME=PATH[@GIB]")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--kv-gib", type=float, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    variants = []
+    for spec in args.variant:
+        name, _, tree = spec.partition("=")
+        tree, _, gib = tree.partition("@")
+        variants.append((name, str(Path(tree).resolve()), gib or None))
+    shape = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("rows", "max-len", "hidden", "prompt", "new")]
+    results = {name: [] for name, _, _ in variants}
+    for r in range(-1, args.rounds):  # round -1 untimed: numba compiles a fresh tree's kernels into its cache
+        for name, tree, gib in variants if r % 2 == 0 else variants[::-1]:
+            command = [sys.executable, __file__, "--worker", *shape] + ([f"--kv-gib={gib}"] if gib else [])
+            env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+            line = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
+            if r >= 0:
+                record = json.loads(line)
+                results[name].append(record)
+                print(json.dumps({"round": r, "variant": name, **record}), flush=True)
+    for name, records in results.items():
+        summary = {
+            key: f"{statistics.median(r[key] for r in records):.1f} "
+            f"[{min(r[key] for r in records):.1f}, {max(r[key] for r in records):.1f}]"
+            for key in records[0]
+        }
+        print(json.dumps({"variant": name, "median [range]": summary}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The paged KV cache (``serve.blocks``, ``kv_cache.PagedKVCache``): blocks follow the tokens held,
+full blocks are shared by reference and a partly filled one copied, unreferenced blocks stay cached
+until evicted (least recently released first), every reference comes back; prompts prefilled into
+scattered blocks are each as alone; a pool too small for the batch preempts the youngest request,
+which is recomputed and gives the tokens and logits it gives alone; bad sizes are one ConfigError
+line. At tp = world size, float64."""
+
+import numpy as np
+import pytest
+from test_continuous import Request, Script, _agrees_with_alone
+from test_continuous import events as events  # noqa: F401, PLC0414 (the fixture, used by its name)
+from test_generate import CONFIGS, PROMPTS, _model, larger_weights
+from tp_helpers import max_rel_err, tp_and_reference
+
+from hpc_tp.errors import ConfigError
+from hpc_tp.kernels import paged_attention
+from hpc_tp.models import GPTModel, ModelConfig
+from hpc_tp.serve import continuous
+from hpc_tp.serve.api_request import parse_request
+from hpc_tp.serve.blocks import BlockManager, Sequence
+from hpc_tp.serve.continuous import ContinuousBatcher, kv_pool_blocks
+from hpc_tp.serve.generate import Engine
+from hpc_tp.serve.kv_cache import KVCache, PagedKVCache, PagedView
+from hpc_tp.serve.sampling import SamplingParams
+from hpc_tp.tokenizer import ByteTokenizer
+
+IDS = [7, 1, 8, 2, 8, 1, 8, 2, 8, 4]
+
+
+def _held(manager, ids, slots):
+    seq = Sequence()
+    assert manager.reserve(seq, slots)
+    manager.written(seq, ids[:slots])
+    return seq
+
+
+def test_full_blocks_are_shared_and_a_partly_filled_one_copied():
+    m = BlockManager(8, 4)
+    a = _held(m, IDS, 10)  # blocks of 4, 4 and 2 tokens
+    assert len(a.blocks) == 3 and m.available() == 4
+    b = Sequence()
+    copy = m.admit(b, IDS[:9] + [99, 98], 10)  # A's two full blocks, then 1 of the 2 tokens of its third
+    assert b.blocks[:2] == a.blocks[:2] and [m.refs[x] for x in a.blocks] == [2, 2, 1]
+    assert copy == (a.blocks[2], b.blocks[2]) and b.length == 9 and b.tokens == IDS[:9]
+    assert m.reserve(b, 11) and len(b.blocks) == 3  # its own third block takes slots 8..11
+    m.written(b, [99, 98])
+    c = Sequence()
+    assert m.admit(c, IDS[:4] + [5], 4) is None and c.blocks == a.blocks[:1] and c.length == 4
+    for seq in (a, b, c):
+        m.release(seq)
+    assert not any(m.refs) and m.available() == 7
+
+
+def test_a_prompt_keeps_its_last_token_to_prefill():
+    m = BlockManager(8, 4)
+    m.release(_held(m, IDS[:8], 8))
+    again = Sequence()
+    assert m.admit(again, IDS[:8], 7) is not None and again.length == 7  # a block and 3 tokens copied
+
+
+def test_unreferenced_blocks_are_evicted_least_recently_released_first():
+    m = BlockManager(4, 2)  # three blocks besides the scratch one
+    held = _held(m, [1, 2, 3, 4], 4)
+    first = list(held.blocks)
+    m.release(held)
+    seq = Sequence()
+    m.admit(seq, [1, 2, 3, 4, 0], 4)
+    assert seq.blocks == first and m.refs[first[0]] == 1
+    m.release(seq)  # [3, 4] released before [1, 2]: evicted first
+    other = _held(m, [9, 9], 2)  # the free block
+    assert other.blocks == [3] and m.available() == 2
+    third = _held(m, [8, 8], 2)  # evicts [3, 4]
+    found = Sequence()
+    m.admit(found, [1, 2, 3, 4, 5], 4)
+    assert found.length == 2 and found.blocks == first[:1] and third.blocks == [first[1]]
+    assert not m.reserve(found, 6)  # two more blocks asked for, none left: nothing taken
+    assert found.blocks == first[:1] and m.available() == 0
+
+
+def test_without_prefix_caching_a_released_block_is_free():
+    m = BlockManager(4, 2, prefix_caching=False)
+    seq = _held(m, [1, 2, 3], 3)
+    m.release(seq)
+    again = Sequence()
+    assert m.admit(again, [1, 2, 3, 4], 3) is None and again.length == 0 and not m.evictable
+    assert m.available() == 3
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_right_padded_prompts_prefilled_into_scattered_blocks_are_each_as_alone(name, block_size):
+    """One prefill of right-padded prompts, each into blocks of its own out of order in the pool (as
+    continuous batching hands them out), the padding into the scratch block, with ``last`` at each
+    one's final token: each prompt's logits and K/V are those of the prompt prefilled alone, and no
+    other block is touched. Then a decode step reads each row's blocks up to its own length."""
+    tp, _ = tp_and_reference()
+    model = _model(name, tp)
+    lens = np.array([len(p) for p in PROMPTS])
+    blocks = np.random.default_rng(1).permutation(np.arange(1, 40))
+    tables = np.split(blocks, np.cumsum([-(-n // block_size) + 1 for n in lens]))[: len(PROMPTS)]
+    slots = [(t[:, None] * block_size + np.arange(block_size)).reshape(-1) for t in tables]
+    cache = PagedKVCache.for_model(model, 40, block_size)
+    cache.k[:], cache.v[:] = 7.0, 7.0  # what earlier requests left: stays where no prompt is written
+    tokens, write = np.zeros((len(PROMPTS), lens.max()), np.int64), np.zeros((len(PROMPTS), lens.max()), np.int64)
+    for i, prompt in enumerate(PROMPTS):
+        tokens[i, : len(prompt)], write[i, : len(prompt)] = prompt, slots[i][: len(prompt)]
+    arange = np.arange(lens.max())
+    batched = model.infer(tokens, arange, arange < lens[:, None], PagedView(cache, write), last=lens - 1)
+    untouched = np.ones(cache.k.shape[2], bool)
+    for i, prompt in enumerate(PROMPTS):
+        alone = KVCache.for_model(model, 1, len(prompt) + 1)
+        logits = model.infer(np.array([prompt]), np.arange(len(prompt))[None], np.ones((1, len(prompt)), bool), alone)
+        assert max_rel_err(batched[i], logits[0]) <= 1e-10, f"prompt {i}"
+        for pool, own in ((cache.k, alone.k), (cache.v, alone.v)):
+            assert max_rel_err(pool[:, :, slots[i][: len(prompt)]], own[:, 0, :, : len(prompt)]) <= 1e-10
+        untouched[slots[i][: len(prompt)]] = False
+        # one decode step of this row alone, against the contiguous cache's
+        step = model.infer(np.array([[3]]), np.array([[len(prompt)]]), np.ones((1, len(prompt) + 1), bool), alone)
+        read = slots[i][: len(prompt) + 1][None]
+        paged = model.infer(
+            np.array([[3]]),
+            np.array([[len(prompt)]]),
+            np.ones((1, len(prompt) + 1), bool),
+            PagedView(cache, read[:, -1:], read),
+        )
+        assert max_rel_err(paged, step) <= 1e-10, f"prompt {i}"
+        untouched[read[0, -1]] = False
+    untouched[:block_size] = False  # the scratch block: the padding's
+    assert (cache.k[:, :, untouched] == 7.0).all() and (cache.v[:, :, untouched] == 7.0).all()
+
+
+def _tiny_pool(engine, blocks: int, block_size: int) -> float:
+    """GiB of ``blocks`` blocks (the scratch one among them)."""
+    return blocks * PagedKVCache.block_bytes(engine.model, block_size) / 2**30
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_a_tiny_pool_preempts_the_youngest_and_recomputes_it(block_size, prefix_caching, events, monkeypatch):
+    """Three rows, a pool of 28 tokens: three requests of up to 23 positions each start (their prompts
+    fit) and run out of blocks as they decode: the youngest is preempted, its blocks given back, and
+    prefilled again with its prompt and tokens so far once there is room. Every request gives the
+    tokens and logits it gives alone, and every block comes back."""
+    tp, _ = tp_and_reference()
+    engine = Engine(_model("llama-gqa", tp), ByteTokenizer())
+    preempted, forward = [], ContinuousBatcher._forward
+
+    def spy(self, admitted):
+        logits = forward(self, admitted)
+        preempted.extend(self.preempted)
+        return logits
+
+    monkeypatch.setattr(ContinuousBatcher, "_forward", spy)
+    requests = [Request(PROMPTS[2], 16), Request(PROMPTS[0], 14), Request(PROMPTS[1] + [9, 9], 12)]
+    due = [(1, r) for r in requests]
+    for request in requests:
+        events.watch(request)
+    memory = _tiny_pool(engine, 28 // block_size + 1, block_size)
+    batcher = ContinuousBatcher(engine, 3, prefix_caching=prefix_caching, block_size=block_size, kv_cache_memory=memory)
+    assert batcher.kv_tokens == 28
+    batcher.run(Script(due) if tp.rank == 0 else None)
+    assert preempted and not any(batcher.blocks.refs)
+    for request in requests:
+        _agrees_with_alone(engine, request, events)
+    if tp.rank == 0:
+        assert [len(r.done[0].ids) for r in requests] == [16, 14, 12]
+        assert requests[2].done[1].batch == 3  # preempted and resumed: the batch it was first admitted to
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_request_the_whole_cache_cannot_hold_is_refused():
+    tp, _ = tp_and_reference()
+    engine = Engine(_model("gpt2", tp), ByteTokenizer())
+    batcher = ContinuousBatcher(engine, 2, block_size=4, kv_cache_memory=_tiny_pool(engine, 4, 4))
+    assert batcher.kv_tokens == 12
+    with pytest.raises(ConfigError, match=r"needs 13 positions; this server's KV cache holds 12 tokens \(--kv-cache"):
+        batcher.generate(
+            [[1] * 10] if tp.rank == 0 else None, [SamplingParams(max_new_tokens=4)] if tp.rank == 0 else None
+        )
+
+
+@pytest.mark.parametrize(
+    "memory, block_size, message",
+    [
+        (0.0, 16, "--kv-cache-memory 0.0: expected a number of GiB > 0"),
+        (-1.0, 16, "--kv-cache-memory -1.0: expected a number of GiB > 0"),
+        (float("nan"), 16, "--kv-cache-memory nan: expected a number of GiB > 0"),
+        (float("inf"), 16, "--kv-cache-memory inf: expected a number of GiB > 0"),
+        (1e-9, 16, r"--kv-cache-memory 1e-09: holds 0 blocks of 16 tokens \(\d+ bytes each a rank\); expected at"),
+        (None, 0, "--kv-block-size 0: expected an integer >= 1"),
+    ],
+)
+def test_bad_kv_cache_sizes_are_one_config_error_line(memory, block_size, message):
+    model = _model("gpt2", tp_and_reference()[1])
+    with pytest.raises(ConfigError, match=message) as error:
+        kv_pool_blocks(model, 4, 32, block_size, memory)
+    assert "\n" not in str(error.value)
+    assert kv_pool_blocks(model, 4, 32, 16, None) == 4 * 2 + 1  # every row at its longest, and the scratch block
+    assert continuous.KV_BLOCK_SIZE == 16
+
+
+def test_an_http_request_the_whole_cache_cannot_hold_is_a_400_reason():
+    cfg = _model("gpt2", tp_and_reference()[1]).cfg
+    body = b'{"prompt": "0123456789", "max_tokens": 4}'
+    with pytest.raises(ConfigError, match=r"needs 13 positions; this server's KV cache holds 12 tokens"):
+        parse_request(body, ByteTokenizer(), cfg, 16, kv_tokens=12)
+    assert len(parse_request(body, ByteTokenizer(), cfg, 16, kv_tokens=13).jobs) == 1
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "llama-window"])
+def test_the_decode_kernel_reading_blocks_in_place_equals_the_gathered_attention(name, monkeypatch):
+    """A decode step of rows of different lengths over scattered blocks: the CPU kernel that reads
+    each row's own slots (``counts`` given) and the gather of every row up to the longest, masked."""
+    if not paged_attention.supported(np.zeros(1), np.zeros(1)):
+        pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
+    calls, decode = [], paged_attention.decode
+    monkeypatch.setattr(paged_attention, "decode", lambda *args: calls.append(1) or decode(*args))
+    tp, _ = tp_and_reference()
+    model = _model(name, tp)
+    cache = PagedKVCache.for_model(model, 30, 4)
+    rng = np.random.default_rng(2)
+    cache.k[:], cache.v[:] = rng.standard_normal(cache.k.shape), rng.standard_normal(cache.v.shape)
+    lens = np.array([9, 2, 14, 0])
+    tables = np.split(rng.permutation(np.arange(1, 30))[:16], [3, 4, 8])
+    slots = np.zeros((4, lens.max() + 1), np.int64)
+    for i, table in enumerate(tables):
+        slots[i, : lens[i] + 1] = (table[:, None] * 4 + np.arange(4)).reshape(-1)[: lens[i] + 1]
+    write, visible = slots[np.arange(4), lens][:, None], np.arange(lens.max() + 1) <= lens[:, None]
+    ids, positions = np.array([[5], [6], [7], [8]]), lens[:, None]
+    pools = cache.k.copy(), cache.v.copy()
+    with monkeypatch.context() as gather:
+        gather.setattr(paged_attention, "supported", lambda q, pool: False)
+        gathered = model.infer(ids, positions, visible, PagedView(cache, write, slots, lens + 1))
+    assert not calls
+    cache.k[:], cache.v[:] = pools
+    in_place = model.infer(ids, positions, visible, PagedView(cache, write, slots, lens + 1))
+    assert max_rel_err(in_place, gathered) <= 1e-12 and len(calls) == model.cfg.n_layers
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_a_model_windowed_in_every_layer_gives_back_the_blocks_its_window_passed(block_size, events, monkeypatch):
+    """Every layer with a sliding window of 3 (Mistral's kind): a request of 27 prompt tokens (in
+    chunks of 4) and 6 new ones holds no more than the blocks of its last 3 positions after any
+    iteration, and gives the tokens and logits it gives alone, beside a short one; every block comes back."""
+    tp, _ = tp_and_reference()
+    model = larger_weights(GPTModel(ModelConfig(**dict(CONFIGS["llama-gqa"], rope_scaling=None, sliding_window=3)), tp))
+    engine, held, forward = Engine(model, ByteTokenizer()), [], ContinuousBatcher._forward
+
+    def spy(self, admitted):
+        logits = forward(self, admitted)
+        held.append(max(len(s.blocks) - s.dropped for s in self.seqs))
+        return logits
+
+    monkeypatch.setattr(ContinuousBatcher, "_forward", spy)
+    long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
+    requests = [Request(long_prompt, 6), Request(PROMPTS[0], 6)]
+    for request in requests:
+        events.watch(request)
+    batcher = ContinuousBatcher(engine, 2, block_size=block_size, chunk_tokens=4)
+    assert batcher.keep == 3
+    batcher.run(Script([(1, r) for r in requests]) if tp.rank == 0 else None)
+    assert 0 < max(held) <= -(-3 // block_size) + 1 and not any(batcher.blocks.refs)
+    for request in requests:
+        _agrees_with_alone(engine, request, events)
