@@ -5,6 +5,7 @@ bad inputs are one-line errors naming the file and the tensor, and nothing is ov
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import h5py
@@ -144,6 +145,21 @@ GGUF_NAMES = {
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
     "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# Experts (Mixtral's block_sparse_moe, Qwen-MoE's mlp), stacked per projection in one [experts, out, in] tensor.
+EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight")
+GGUF_STACKED = {
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
 }
 
 
@@ -269,15 +285,24 @@ def write_gguf(
         w.add_value_length(config["head_dim"])
     if tokenizer:
         tokenizer(w)
-    if config.get("num_local_experts"):
-        w.add_expert_count(config["num_local_experts"])
+    experts = config.get("num_local_experts") or config.get("num_experts")  # Mixtral's or Qwen-MoE's key
+    if experts:
+        w.add_expert_count(experts)
         w.add_expert_used_count(config["num_experts_per_tok"])
-    held = {}
+    if "moe_intermediate_size" in config:
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in config:
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    held, stacks = {}, {}
     for name, value in tensors.items():
-        if ".experts." in name:  # written below, all of a layer's experts stacked per projection
+        if expert := EXPERT_NAME.fullmatch(name):  # written below, all of a layer's experts stacked per projection
+            layer, e, part = expert.groups()
+            stacks.setdefault(f"blk.{layer}.{GGUF_STACKED[part]}.weight", {})[int(e)] = value.astype(np.float32)
             held[name] = value.astype(np.float32).astype(np.float64)
             continue
         data = value.astype(np.float32)
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps Hugging Face's [1, hidden] as a vector
+            data = data[0]
         order = np.arange(value.shape[0])  # stored row j holds row order[j] of the HF weight
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
@@ -305,14 +330,8 @@ def write_gguf(
             w.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=kinds[name])
         else:
             w.add_tensor(gguf_name, data)
-    for layer in range(config["num_hidden_layers"]):
-        for part, stacked in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
-            experts = [
-                tensors[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{part}.weight"]
-                for e in range(config.get("num_local_experts", 0))
-            ]
-            if experts:
-                w.add_tensor(f"blk.{layer}.{stacked}.weight", np.stack(experts).astype(np.float32))
+    for gguf_name, stack in stacks.items():
+        w.add_tensor(gguf_name, np.stack([stack[e] for e in sorted(stack)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -426,10 +445,12 @@ def convert_on_rank0(write_source, output, comm):
     comm.barrier()
 
 
-def tp_logits(ckpt, comm, ids=IDS):
-    grid = ProcessGrid(tp=comm.size, world=comm)
+def tp_logits(ckpt, comm, ids=IDS, tp=None):
+    """Logits at tp (default: the world size), with the experts of a MoE model spread over world / tp."""
+    tp = comm.size if tp is None else tp
+    grid = ProcessGrid(tp=tp, dp=comm.size // tp, ep=comm.size // tp, world=comm)
     meta = load_checkpoint(ckpt, {}, grid)
-    model = GPTModel(ModelConfig.from_dict(meta["config"]), grid.tp)
+    model = GPTModel(ModelConfig.from_dict(meta["config"]), grid.tp, ep_comm=grid.ep)
     load_checkpoint(ckpt, model.state(), grid)
     return model.logits(ids)
 

@@ -2,7 +2,9 @@
 weights give, once converted, the logits of a plain-numpy forward pass written from the published
 architecture, at tp = 1, 2, 4 (and ep where there are experts); export writes the same tensors back."""
 
+import argparse
 import json
+import re
 
 import numpy as np
 import pytest
@@ -22,7 +24,10 @@ from test_convert import (
     write_hf,
 )
 
+from hpc_tp.checkpoint import export
+from hpc_tp.checkpoint.importers.source import open_source
 from hpc_tp.cli import main
+from hpc_tp.errors import ConfigError
 
 mpi = pytest.mark.mpi(min_size=1)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 4, 2, 6, 3  # heads of 6: not hidden / heads
@@ -54,13 +59,13 @@ def qwen_source(model_type: str, seed=0) -> tuple[dict, dict]:
         config.update(
             num_experts=4,
             num_experts_per_tok=2,
-            moe_intermediate_size=10,
+            moe_intermediate_size=8,
             norm_topk_prob=model_type == "qwen3_moe",
             decoder_sparse_step=1,
             mlp_only_layers=[1],
         )
     if model_type == "qwen2_moe":
-        config["shared_expert_intermediate_size"] = 14
+        config["shared_expert_intermediate_size"] = 12
     d = config["head_dim"]
     normal = lambda shape, scale=0.3: rng.normal(0, scale, shape)  # noqa: E731
     t = {"model.embed_tokens.weight": normal((VOCAB, h), 0.5), "model.norm.weight": 1 + normal(h, 0.1)}
@@ -179,3 +184,56 @@ def test_qwen3_head_dim_and_qk_norm_logits_match_reference_at_every_tp(shared_di
     )
     convert_on_rank0(lambda: path, shared_dir / "gguf-ckpt", comm_world)
     assert rel_err(tp_logits(shared_dir / "gguf-ckpt", comm_world), qwen_reference(config, held, IDS)) < 1e-9
+
+
+@mpi
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_logits_match_reference_at_every_tp_and_ep(shared_dir, comm_world, model_type):
+    """Router, experts of moe_intermediate_size, a dense layer among the sparse ones (mlp_only_layers),
+    Qwen2-MoE's sigmoid-gated shared expert and unnormalised top k, Qwen3-MoE's q/k norms and renormalised
+    top k: from a Hugging Face folder and from GGUF (stacked experts), at every tp x ep, exported back."""
+    config, tensors = qwen_source(model_type)
+    reference = qwen_reference(config, tensors, IDS)
+    convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors), shared_dir / "ckpt", comm_world)
+    for tp in (t for t in (1, 2, 4) if comm_world.size % t == 0):
+        assert rel_err(tp_logits(shared_dir / "ckpt", comm_world, tp=tp), reference) < 1e-9, tp
+    if comm_world.rank == 0:
+        assert exported_tensors_equal(shared_dir / "ckpt", shared_dir / "out", tensors, model_type)
+    path = shared_dir / "moe.gguf"
+    arch = model_type.replace("_", "")
+    held = comm_world.bcast_object(
+        write_gguf(path, config, tensors, quantized=(), arch=arch) if comm_world.rank == 0 else None
+    )
+    convert_on_rank0(lambda: path, shared_dir / "gguf-ckpt", comm_world)
+    assert rel_err(tp_logits(shared_dir / "gguf-ckpt", comm_world), qwen_reference(config, held, IDS)) < 1e-9
+
+
+def test_export_refuses_a_layout_the_target_has_no_place_for(tmp_path):
+    """A Qwen2-MoE checkpoint (shared expert, a dense layer, unnormalised top k) is not a Mixtral nor a
+    Qwen3-MoE; a dense Qwen3 is not a Llama (no q/k norms there): one line each, nothing written."""
+    for model_type, target, expected in (
+        ("qwen2_moe", "mixtral", "dense layers among its MoE ones"),
+        ("qwen2_moe", "qwen3_moe", "shared_expert_ffn_hidden=12"),
+        ("qwen3", "llama", "qk_norm=True; models with query/key norms export as qwen3 or qwen3_moe"),
+    ):
+        write_hf(tmp_path / model_type, *qwen_source(model_type))
+        if not (tmp_path / f"{model_type}-ckpt").exists():
+            assert main(["convert", str(tmp_path / model_type), "-o", str(tmp_path / f"{model_type}-ckpt")]) == 0
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            export.run(
+                argparse.Namespace(
+                    checkpoint=str(tmp_path / f"{model_type}-ckpt"),
+                    output=str(tmp_path / "out"),
+                    arch=target,
+                    dtype="stored",
+                    force=False,
+                )
+            )
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_mlp_only_layers_is_one_line(tmp_path):
+    config, tensors = qwen_source("qwen3_moe")
+    write_hf(tmp_path / "hf", {**config, "mlp_only_layers": "1"}, tensors)
+    with pytest.raises(ConfigError, match=r"config\.json: mlp_only_layers='1': expected a list of layer indices"):
+        open_source(tmp_path / "hf")

@@ -60,6 +60,19 @@ CONFIGS["llama-window"] = dict(
 CONFIGS["qwen3"] = dict(CONFIGS["llama-gqa"], head_dim=12, qk_norm=True, rope_scaling=None)
 # Gemma 3's block: post-norms, GeGLU, scaled embeddings, local and global rope bases, soft-capped logits.
 CONFIGS["gemma3"] = dict(CONFIGS["llama-window"], **GEMMA3_BLOCK, head_dim=12)
+# Qwen-MoE: a dense first layer, then experts narrower than it, a shared expert, the top k unnormalised;
+# a capacity that never drops (as imported), so the full forward the cache is checked against drops nothing.
+CONFIGS["qwen-moe"] = dict(
+    CONFIGS["qwen3"],
+    n_layers=3,
+    num_experts=4,
+    top_k=2,
+    capacity_factor=2.0,
+    dense_layers=[0],
+    expert_ffn_hidden=16,
+    shared_expert_ffn_hidden=24,
+    normalize_top_k=False,
+)
 PROMPTS = [[5, 17, 99, 3, 250], [42, 7], [1, 2, 3, 4, 5, 6, 7], [200]]
 
 

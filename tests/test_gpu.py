@@ -269,14 +269,16 @@ def test_attention_in_device_blocks_equals_the_cpu_blocks(padded, window):
 
 
 @device_test
+@pytest.mark.parametrize("window", [0, 100])
 @pytest.mark.parametrize("padded", [False, True])
-def test_the_fused_attention_layer_equals_the_composed_one(padded, monkeypatch):
+def test_the_fused_attention_layer_equals_the_composed_one(padded, window, monkeypatch):
     """The layer on the device through the fused kernels (``HPC_TP_FLASH_ATTENTION=1``) and through the composed
-    path (``HPC_TP_FLASH_ATTENTION=0``), float64: T = 300 crosses query, key and device-block tiles."""
+    path (``HPC_TP_FLASH_ATTENTION=0``), float64: T = 300 crosses query, key and device-block tiles; with a
+    sliding window too."""
     monkeypatch.setenv("HPC_TP_FLASH_ATTENTION", "1")
-    fused = _attention_pass("cuda", 300, padded)
+    fused = _attention_pass("cuda", 300, padded, window)
     monkeypatch.setenv("HPC_TP_FLASH_ATTENTION", "0")
-    composed = _attention_pass("cuda", 300, padded)
+    composed = _attention_pass("cuda", 300, padded, window)
     assert max(G._rel(f, c) for f, c in zip(fused, composed)) <= 1e-12
 
 

@@ -38,24 +38,9 @@ CONFIGS = {
         bias=False,
         tie_embeddings=False,
     ),
-    # Qwen3: heads sized apart from hidden (4 x 8 != 24) and RMSNorm on each query and key head.
-    "qwen3-qk-norm": dict(
-        vocab_size=37,
-        hidden=24,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        qk_norm=True,
-        ffn_hidden=40,
-        max_seq_len=16,
-        norm="rmsnorm",
-        activation="swiglu",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
-    ),
 }
+# Qwen3: heads sized apart from hidden (4 x 8 != 24) and RMSNorm on each query and key head.
+CONFIGS["qwen3-qk-norm"] = dict(CONFIGS["llama-gqa"], head_dim=8, qk_norm=True)
 # Gemma 3: post-norms, GeGLU, scaled embeddings, a sliding window of 3 on the first layer (its own
 # rope base) and a global second one, a query scale of its own, soft-capped logits.
 GEMMA3_BLOCK = dict(  # what makes a Llama-shaped config Gemma 3's (the tests of other files use it too)
@@ -185,6 +170,10 @@ def test_heads_not_divisible_error_lists_working_tp():
         (dict(layer_types=["local", "full_attention"]), "layer_types entry 'local': expected one of"),
         (dict(logit_softcap=-1.0), "logit_softcap=-1.0: expected a number >= 0"),
         (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar=0: expected a number > 0 or null"),
+        (dict(num_experts=2, dense_layers=[2]), "dense_layers=[2]: expected a list of layer indices 0 .. 1"),
+        (dict(num_experts=2, shared_expert_ffn_hidden=-1), "shared_expert_ffn_hidden=-1: expected an integer >= 0"),
+        (dict(num_experts=2, expert_ffn_hidden=0), "expert_ffn_hidden=0: expected a positive integer"),
+        (dict(normalize_top_k="no"), "normalize_top_k='no': expected true or false"),
     ],
 )
 def test_config_values_of_the_wrong_type_or_range_are_one_clear_line(values, message):

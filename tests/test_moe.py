@@ -31,8 +31,20 @@ def _layouts(size):
     return [(t, size // t) for t in range(1, size + 1) if size % t == 0 and E % (size // t) == 0]
 
 
-def _moe(comm, ep_comm, top_k, capacity_factor):
-    moe = MoEMLP(H, F, E, top_k, comm, ep_comm, capacity_factor, aux_loss_coef=0.3)
+def _moe(comm, ep_comm, top_k, capacity_factor, shared=0, normalize=True):
+    """``shared``: the width of a Qwen2-MoE shared expert (0: none); ``normalize``: renormalise the top k."""
+    moe = MoEMLP(
+        H,
+        F,
+        E,
+        top_k,
+        comm,
+        ep_comm,
+        capacity_factor,
+        aux_loss_coef=0.3,
+        shared_expert_ffn_hidden=shared,
+        normalize_top_k=normalize,
+    )
     initialize(moe, 0.5, 1, seed=3)
     moe.loss_scale = 0.7
     return moe
@@ -43,16 +55,20 @@ def _data(ranks, seed=0):
     return rng.standard_normal((ranks, N, H)), rng.standard_normal((ranks, N, H))
 
 
-@pytest.mark.parametrize("top_k,capacity_factor", [(1, 1.0), (2, 0.5), (2, 4.0)])
-def test_every_layout_matches_one_process(top_k, capacity_factor):
+@pytest.mark.parametrize(
+    "top_k,capacity_factor,shared,normalize",
+    [(1, 1.0, 0, True), (2, 0.5, 0, True), (2, 4.0, 0, True), (2, 0.5, 12, False)],
+    ids=["top-1", "top-2-dropping", "top-2", "qwen2-moe-shared-expert-unnormalized"],
+)
+def test_every_layout_matches_one_process(top_k, capacity_factor, shared, normalize):
     comm = world()
     for tp, ep in _layouts(comm.size):
         grid = ProcessGrid(tp=tp, dp=ep, ep=ep, world=comm)
         x, dy = _data(ep)
-        one = _moe(self_comm(), None, top_k, capacity_factor)
+        one = _moe(self_comm(), None, top_k, capacity_factor, shared, normalize)
         y_one, ctx_one = one.forward(x.reshape(1, ep * N, H))
         dx_one = one.backward(dy.reshape(1, ep * N, H), ctx_one)
-        par = _moe(grid.tp, grid.ep, top_k, capacity_factor)
+        par = _moe(grid.tp, grid.ep, top_k, capacity_factor, shared, normalize)
         mine = slice(grid.coords.ep * N, (grid.coords.ep + 1) * N)
         y, ctx = par.forward(x[grid.coords.ep][None])
         dx = par.backward(dy[grid.coords.ep][None], ctx)
@@ -65,10 +81,10 @@ def test_every_layout_matches_one_process(top_k, capacity_factor):
         assert grid.ep.all_reduce_scalar(par.aux_sum(ctx)) == pytest.approx(one.aux_sum(ctx_one), rel=TOL)
         ref = dict(one.named_parameters())
         names = [n for n, _ in par.named_parameters()]
-        assert len(names) == 1 + 4 * E // ep and set(names) <= set(ref)
+        assert len(names) == 1 + 4 * E // ep + (5 if shared else 0) and set(names) <= set(ref)
         for name, p in par.named_parameters():
             g = gather_full(p.grad, p.partition, grid.tp)
-            if name == "router":  # each ep rank saw its own tokens: the dp all-reduce sums them
+            if not is_expert_parameter(name):  # each ep rank saw its own tokens: the dp all-reduce sums them
                 g = grid.ep.all_reduce(g)
             assert max_rel_err(g, ref[name].grad) <= TOL, (tp, ep, name)
 
@@ -98,9 +114,11 @@ def test_dispatch_loses_and_duplicates_no_token():
     assert everything.dropped == 0 and comm.all_reduce_scalar(len(everything.token)) == ep * N * k
 
 
-def test_load_balancing_gradient_matches_finite_differences():
-    """J = <dy, y> + loss_scale * aux_sum: router, input and an expert weight, central differences."""
-    moe = _moe(self_comm(), None, 2, 1.0)
+@pytest.mark.parametrize("shared,normalize", [(0, True), (12, False)], ids=["mixtral", "qwen2-moe"])
+def test_load_balancing_gradient_matches_finite_differences(shared, normalize):
+    """J = <dy, y> + loss_scale * aux_sum: router, input, an expert weight and the shared expert's gate
+    (Qwen2-MoE: unnormalised top k), central differences."""
+    moe = _moe(self_comm(), None, 2, 1.0, shared, normalize)
     x, dy = (a[0][None] for a in _data(1, seed=2))
 
     def objective():
@@ -111,12 +129,11 @@ def test_load_balancing_gradient_matches_finite_differences():
     dx = moe.backward(dy, ctx)
     assert max(abs(g) for g in moe.router.grad.ravel()) > 0
     params = dict(moe.named_parameters())
-    for array, grad in (
-        (moe.router.data, moe.router.grad),
-        (x, dx),
-        (params["experts.1.fc1.weight"].data, params["experts.1.fc1.weight"].grad),
-    ):
-        for index in [(0, 0), (0, 1), (0, 3)] if array.ndim == 2 else [(0, 1, 2), (0, 4, 5)]:
+    checked = [(moe.router.data, moe.router.grad), (x, dx)]
+    checked += [(params[n].data, params[n].grad) for n in params if n in ("experts.1.fc1.weight", "shared_expert_gate")]
+    assert len(checked) == (4 if shared else 3)
+    for array, grad in checked:
+        for index in {1: [(0,), (5,)], 2: [(0, 0), (0, 1), (0, 3)], 3: [(0, 1, 2), (0, 4, 5)]}[array.ndim]:
             keep = array[index]
             array[index] = keep + 1e-6
             up = objective()[0]
@@ -163,10 +180,24 @@ CONFIG = dict(
 )
 
 
-def test_model_at_every_layout_matches_one_process():
-    """Loss and every gradient of a GPT with a MoE layer; each ep rank holds its own batch rows."""
+# Qwen2-MoE's layout: experts narrower than the dense MLP, a shared expert, the top k kept unnormalised,
+# MoE every layer but one kept dense.
+QWEN2_MOE = dict(
+    CONFIG,
+    n_layers=3,
+    moe_every=1,
+    dense_layers=[1],
+    expert_ffn_hidden=8,
+    shared_expert_ffn_hidden=12,
+    normalize_top_k=False,
+)
+
+
+@pytest.mark.parametrize("config", [CONFIG, QWEN2_MOE], ids=["moe-every-2", "qwen2-moe"])
+def test_model_at_every_layout_matches_one_process(config):
+    """Loss and every gradient of a GPT with MoE layers; each ep rank holds its own batch rows."""
     comm = world()
-    cfg = ModelConfig(**CONFIG)
+    cfg = ModelConfig(**config)
     rng = np.random.default_rng(7)
     for tp, ep in _layouts(comm.size):
         ids = rng.integers(0, 37, (ep, 8))

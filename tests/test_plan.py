@@ -66,12 +66,27 @@ ROUTED = replace(MOE, top_k=1, capacity_factor=1.25, moe_every=1)
 # Gemma 3's block: post-norms, GeGLU, query/key norms, heads of 6 apart from hidden, one kv head,
 # sliding windows of 3 on three layers of four (fewer softmax tiles kept), soft-capped tied logits.
 GEMMA = replace(LLAMA, **GEMMA3_BLOCK, head_dim=6, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+# Qwen-MoE: heads apart from hidden with q/k norms, a dense layer among sparse ones, experts narrower
+# than it, a sigmoid-gated shared expert, top k unnormalised; every expert sees every token as in MOE.
+QWEN_MOE = replace(
+    LLAMA,
+    n_layers=3,
+    head_dim=6,
+    qk_norm=True,
+    num_experts=4,
+    top_k=4,
+    capacity_factor=1.0,
+    dense_layers=[1],
+    expert_ffn_hidden=8,
+    shared_expert_ffn_hidden=12,
+    normalize_top_k=False,
+)
 SP = {
     "gpt-sp": replace(GPT, sequence_parallel=True),
     "llama-sp": replace(LLAMA, sequence_parallel=True),
     "moe-sp": replace(MOE, sequence_parallel=True),
 }
-MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "gemma3": GEMMA, **SP}
+MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "qwen-moe": QWEN_MOE, "gemma3": GEMMA, **SP}
 MICRO, SEQ, MICRO_BATCHES = 2, 8, 4
 
 
@@ -90,7 +105,7 @@ def engine_layouts(cfg):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("name", ["gpt", "llama", "moe", "moe-sp", "gemma3"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "moe", "moe-sp", "qwen-moe", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_parameter_and_optimizer_bytes_are_the_engines(name, dtype):
     cfg, precision = MODELS[name], engine_precision(dtype)

@@ -216,7 +216,7 @@ def flash_timings(dtype: str, batch: int, heads: int, seq: int, d: int, rounds: 
         flash_attention.backward(dout, q, k, v, out, lse, 0, True, None, dq, dk, dv)
 
     def composed():
-        probs = attention._composed_forward(q, k, v, out, blocks, (None, 0), None)
+        probs = attention._composed_forward(q, k, v, out, blocks, (None, 0, 0), None)
         dk[...], dv[...] = 0, 0
         attention._composed_backward(dout, q, k, v, probs, blocks, None, dq, dk, dv)
 

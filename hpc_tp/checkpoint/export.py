@@ -30,7 +30,18 @@ def add_arguments(parser):
     parser.add_argument("-o", "--output", required=True, metavar="DIR", help="Hugging Face folder to create")
     parser.add_argument(
         "--arch",
-        choices=("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "gemma3_text"),
+        choices=(
+            "gpt2",
+            "llama",
+            "qwen2",
+            "qwen3",
+            "mistral",
+            "phi3",
+            "mixtral",
+            "qwen2_moe",
+            "qwen3_moe",
+            "gemma3_text",
+        ),
         default=None,
         help="target architecture (default: the one it was imported from, else gpt2 for learned "
         "positions and llama for rope)",
@@ -71,6 +82,7 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
         SINGLE,
         TOKENIZER,
         TOKENIZER_CONFIG,
+        default_export,
         export_layout,
     )
 
@@ -82,26 +94,9 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
         raise ConfigError(f"checkpoint {info['path']} is a {cfg.family} model; export supports {', '.join(EXPORTABLE)}")
     if cfg.quantize is not None:
         raise ConfigError(f"checkpoint {info['path']} holds {cfg.quantize} weights; export writes float checkpoints")
-    if cfg.num_experts and cfg.moe_every != 1:
-        raise ConfigError(
-            f"checkpoint {info['path']} has Mixture-of-Experts layers every {cfg.moe_every} layers; "
-            "export writes Mixtral, whose every layer is one"
-        )
     architecture = architecture or meta.get("source", {}).get("architecture")
     if architecture not in EXPORTABLE:
-        architecture = (
-            "gpt2"
-            if cfg.position == "learned"
-            else "mixtral"
-            if cfg.num_experts
-            else "gemma3_text"
-            if cfg.post_norms
-            else "mistral"
-            if cfg.sliding_window
-            else "qwen3"
-            if cfg.qk_norm
-            else "llama"
-        )
+        architecture = default_export(cfg)
     hf_config, rules = export_layout(cfg, architecture)
     folder = Path(info["path"])
     stored = {t["name"]: t["dtype"] for t in info["tensors"]}

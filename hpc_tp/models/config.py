@@ -17,7 +17,16 @@ GATED = ("swiglu", "geglu")  # MLPs whose first projection is gate and up: act(g
 POSITIONS = ("learned", "rope")
 FAMILIES = ("gpt", "bert")  # decoder LM (models/gpt.py) or post-LN encoder (models/bert.py)
 LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's names for local and global layers
-SWITCHES = ("tie_embeddings", "bias", "causal", "sequence_parallel", "qk_norm", "post_norms", "scale_embeddings")
+SWITCHES = (
+    "tie_embeddings",
+    "bias",
+    "causal",
+    "sequence_parallel",
+    "qk_norm",
+    "normalize_top_k",
+    "post_norms",
+    "scale_embeddings",
+)
 
 
 @dataclass
@@ -55,7 +64,11 @@ class ModelConfig:
     sequence_parallel: bool = False  # norms, dropout and residuals on 1/tp of the sequence (training)
     num_experts: int = 0  # > 0: Mixture-of-Experts MLPs (nn/moe.py) of ffn_hidden each
     top_k: int = 2  # experts per token
-    moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0
+    moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0 and i is not in dense_layers
+    dense_layers: list[int] = dataclasses.field(default_factory=list)  # layers kept dense (Qwen's mlp_only_layers)
+    expert_ffn_hidden: int | None = None  # each expert's MLP width; None: ffn_hidden (ffn_hidden sizes dense layers)
+    shared_expert_ffn_hidden: int = 0  # > 0: a shared expert every token passes, scaled by sigmoid(x w) (Qwen2-MoE)
+    normalize_top_k: bool = True  # the top-k probabilities renormalised to sum 1 (Mixtral, Qwen3-MoE); else kept
     capacity_factor: float = 1.25  # expert capacity = ceil(factor * tokens * top_k / num_experts)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss
     # "int8" / "int4": the linear layers' weights are kept quantized (kernels/quantized.py), for inference
@@ -66,6 +79,8 @@ class ModelConfig:
             self.n_kv_heads = self.n_heads
         if self.ffn_hidden is None:
             self.ffn_hidden = 4 * self.hidden
+        if self.expert_ffn_hidden is None:
+            self.expert_ffn_hidden = self.ffn_hidden
         sizes = (self.hidden, self.n_heads)
         if self.head_dim is None and all(isinstance(n, int) and n > 0 for n in sizes):  # else validate names them
             if self.hidden % self.n_heads:
@@ -85,6 +100,7 @@ class ModelConfig:
             "n_kv_heads",
             "head_dim",
             "ffn_hidden",
+            "expert_ffn_hidden",
             "max_seq_len",
         ):
             value = getattr(self, name)
@@ -151,6 +167,18 @@ class ModelConfig:
                 raise ConfigError(f"model config {name}={value!r}: expected a positive integer")
         if self.top_k > self.num_experts:
             raise ConfigError(f"model config top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        shared = self.shared_expert_ffn_hidden
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ConfigError(
+                f"model config shared_expert_ffn_hidden={shared!r}: expected an integer >= 0 (0: no shared expert)"
+            )
+        layers = self.dense_layers
+        if not isinstance(layers, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in layers
+        ):
+            raise ConfigError(
+                f"model config dense_layers={layers!r}: expected a list of layer indices 0 .. {self.n_layers - 1}"
+            )
         self._check_number("capacity_factor", lambda v: v > 0, "a number > 0")
         self._check_number("aux_loss_coef", lambda v: v >= 0, "a number >= 0")
 
@@ -188,7 +216,7 @@ class ModelConfig:
         return self.activation in GATED
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -221,7 +249,11 @@ class ModelConfig:
         attn = h * (q + 2 * kv) + b * (q + 2 * kv) + q * h + b * h + (2 * self.head_dim if self.qk_norm else 0)
         norms = (4 if self.post_norms else 2) * h * (2 if self.norm == "layernorm" and self.bias else 1)
         moe_layers = sum(self.is_moe_layer(i) for i in range(L))
-        moe_extra = moe_layers * ((self.num_experts - 1) * mlp + h * self.num_experts)  # more experts + router
+        expert, shared = (
+            self.mlp_parameters(width) for width in (self.expert_ffn_hidden, self.shared_expert_ffn_hidden)
+        )
+        shared += h if self.shared_expert_ffn_hidden else 0  # its gate
+        moe_extra = moe_layers * (self.num_experts * expert + shared - mlp + h * self.num_experts)  # router too
         embed = v * h * (1 if self.tie_embeddings else 2) + (self.max_seq_len * h if self.position == "learned" else 0)
         return L * (attn + mlp + norms) + moe_extra + embed + h * (2 if self.norm == "layernorm" and self.bias else 1)
 

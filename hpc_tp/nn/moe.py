@@ -1,15 +1,18 @@
 """Mixture-of-Experts MLP: a router sends each token to its top-k experts (Switch / GShard).
 
     probs = softmax(x W_router)                  W_router [H, E], replicated
-    top-k experts per token; gates = their probs (renormalised to sum 1 when k > 1)
+    top-k experts per token; gates = their probs (renormalised to sum 1 when k > 1, unless
+        ``normalize_top_k`` is off: Qwen2-MoE keeps the softmax probabilities as they are)
     y = sum over kept choices of gate * expert_e(x)
+      (+ sigmoid(x w_shared) * shared_expert(x)  with a shared expert, Qwen2-MoE)
 
 Experts are plain ``ParallelMLP`` s, so each is tensor-parallel inside over the tp group (its
 ranks hold the same tokens and route them alike); they are spread over the expert-parallel
 group with all-to-all dispatch and combine (``tensor_parallel/experts.py``, which also states
 the capacity rule). Each expert is its own set of parameters named by its global index
 (``experts.<e>.fc1.weight`` ...), stored at its full logical shape, so a checkpoint loads at any
-ep and any tp.
+ep and any tp. The shared expert is a dense tensor-parallel MLP every rank runs on its own tokens,
+and its gate vector ``shared_expert_gate`` [H] is replicated like the router.
 
 Load balancing (Switch Transformer): ``aux = E * sum_e f_e P_e``, f_e the share of the group's
 assignments routed to e (before dropping), P_e the mean router probability of e. As a sum over
@@ -76,6 +79,7 @@ class MoEContext(NamedTuple):
     plan: object  # the dispatcher's DispatchPlan
     y_rows: object  # the experts' outputs, one row per kept assignment
     expert_ctxs: list  # each local expert's own context
+    shared: object  # (its output [N, H], its scale [N, 1], its context) or None: no shared expert
 
 
 class MoEMLP(Module):
@@ -93,8 +97,11 @@ class MoEMLP(Module):
         bias: bool = True,
         dtype="float64",
         sequence_parallel: bool = False,
+        shared_expert_ffn_hidden: int = 0,
+        normalize_top_k: bool = True,
     ):
         self.num_experts, self.top_k, self.aux_loss_coef = num_experts, top_k, aux_loss_coef
+        self.normalize_top_k = normalize_top_k and top_k > 1
         # Inside a sequence-parallel block the input is a sequence shard [B, T/tp, H], but the experts
         # are tensor-parallel: every tp rank must route and feed them the same tokens. The shards are
         # all-gathered in (backward keeps this rank's shard of the input gradient, which the experts'
@@ -116,6 +123,11 @@ class MoEMLP(Module):
             ],
             self._dispatcher.first_expert,
         )
+        # The shared expert sees the gathered tokens like the routed ones, so it is not sequence-parallel itself.
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_expert_ffn_hidden:
+            self.shared_expert = ParallelMLP(hidden, shared_expert_ffn_hidden, comm, activation, bias, dtype)
+            self.shared_expert_gate = Parameter(param_buffer(hidden, dtype), replicated((hidden,), comm.size))
         self.loss_scale = 1.0
         self.stats = MoEStats()
         self.count_stats = True
@@ -129,7 +141,7 @@ class MoEMLP(Module):
         # Sorted as float32 (exact for the half types): cupy cannot sort bfloat16.
         choices = xp.argsort(-probs.astype("float32", copy=False), axis=1, kind="stable")[:, : self.top_k]
         chosen = xp.take_along_axis(probs, choices, axis=1)
-        gates = chosen / chosen.sum(axis=1, keepdims=True) if self.top_k > 1 else chosen
+        gates = chosen / chosen.sum(axis=1, keepdims=True) if self.normalize_top_k else chosen
         return probs, choices, chosen, gates
 
     def forward(self, x):
@@ -144,10 +156,16 @@ class MoEMLP(Module):
         y_rows = self._dispatcher.combine([y for y, _ in results], plan, xs.shape[1], xs.dtype)
         y = xp.zeros_like(xs)
         F.scatter_add_rows(y, plan.token, gates[plan.token, plan.choice][:, None] * y_rows)
+        shared = None
+        if self.shared_expert is not None:
+            out, shared_ctx = self.shared_expert.forward(xs)
+            scale = 1.0 / (1.0 + xp.exp(-blas.matmul(xs, self.shared_expert_gate.data.reshape(-1, 1))))
+            y += scale * out
+            shared = (out, scale, shared_ctx)
         share = xp.asarray(plan.assignments / (plan.group_tokens * self.top_k))  # f_e
         if self.count_stats:
             self._count(plan, float(self.num_experts * share @ xp.asarray(plan.group_prob_sum / plan.group_tokens)))
-        ctx = MoEContext(x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs)
+        ctx = MoEContext(x.shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs, shared)
         return self._scatter_sequence.forward(y.reshape(x.shape)), ctx
 
     def _count(self, plan, aux: float):
@@ -164,7 +182,7 @@ class MoEMLP(Module):
         return float(self.aux_loss_coef * self.num_experts * (ctx.probs.sum(axis=0) @ ctx.share))
 
     def backward(self, dy, ctx):
-        shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs = ctx
+        shape, xs, probs, choices, chosen, gates, share, plan, y_rows, expert_ctxs, shared = ctx
         xp = backend.xp_of(dy)
         d = self._scatter_sequence.backward(dy).reshape(-1, shape[-1])
         d_rows = d[plan.token]
@@ -174,7 +192,13 @@ class MoEMLP(Module):
         d_expert_in = [e.backward(g, c) for e, g, c in zip(self.experts, d_inputs, expert_ctxs)]
         dx = xp.zeros_like(xs)
         F.scatter_add_rows(dx, plan.token, self._dispatcher.combine(d_expert_in, plan, xs.shape[1], xs.dtype))
-        if self.top_k > 1:  # through gates = chosen / sum(chosen)
+        if shared is not None:  # y += s * out with s = sigmoid(x w): ds/dz = s (1 - s)
+            out, scale, shared_ctx = shared
+            dz = (d * out).sum(axis=1) * (scale * (1.0 - scale))[:, 0]
+            blas.matmul(xs.T, dz[:, None], out=self.shared_expert_gate.grad.reshape(-1, 1), accumulate=True)
+            dx += self.shared_expert.backward(d * scale, shared_ctx)
+            dx += dz[:, None] * self.shared_expert_gate.data[None, :]
+        if self.normalize_top_k:  # through gates = chosen / sum(chosen)
             total = chosen.sum(axis=1, keepdims=True)
             dchosen = dgates / total - (dgates * chosen).sum(axis=1, keepdims=True) / total**2
         else:
@@ -203,7 +227,7 @@ def feed_forward(cfg, comm: Communicator, layer_id: int, ep_comm: Communicator |
         )
     return MoEMLP(
         cfg.hidden,
-        cfg.ffn_hidden,
+        cfg.expert_ffn_hidden,
         cfg.num_experts,
         cfg.top_k,
         comm,
@@ -214,4 +238,6 @@ def feed_forward(cfg, comm: Communicator, layer_id: int, ep_comm: Communicator |
         cfg.bias,
         dtype,
         sequence_parallel=cfg.sequence_parallel,
+        shared_expert_ffn_hidden=cfg.shared_expert_ffn_hidden,
+        normalize_top_k=cfg.normalize_top_k,
     )

@@ -254,19 +254,25 @@ class Prediction:
         return max(m.total for m in self.memory.values())
 
 
-def mlp_flops_per_row(cfg: ModelConfig) -> float:
-    return 2.0 * ((2 if cfg.gated_mlp else 1) * cfg.hidden * cfg.ffn_hidden + cfg.ffn_hidden * cfg.hidden)
+def mlp_flops_per_row(cfg: ModelConfig, width: int | None = None) -> float:
+    """One row through an MLP of ``width`` (default: the dense one)."""
+    f = cfg.ffn_hidden if width is None else width
+    return 2.0 * ((2 if cfg.gated_mlp else 1) * cfg.hidden * f + f * cfg.hidden)
 
 
 def forward_flops_per_token(
     cfg: ModelConfig, seq: int, layers: range, first: bool, last: bool, expert_rows_per_token: float | None = None
 ) -> float:
     """Forward FLOPs per token of a stage's ``layers`` (global indices). An MoE layer's MLP counts
-    ``expert_rows_per_token`` expert rows (default: top_k, the model's FLOPs) plus its router."""
+    ``expert_rows_per_token`` expert rows (default: top_k, the model's FLOPs), its router, and its
+    shared expert with that expert's gate, in place of the dense MLP ``stage_costs`` counts."""
     embedding, block, head = stage_costs(cfg, seq)
     moe = sum(cfg.is_moe_layer(i) for i in layers)
     rows = cfg.top_k if expert_rows_per_token is None else expert_rows_per_token
-    experts = moe * (rows - 1) * mlp_flops_per_row(cfg) + router_flops_per_token(cfg, layers)
+    shared = cfg.shared_expert_ffn_hidden
+    per_layer = rows * mlp_flops_per_row(cfg, cfg.expert_ffn_hidden) - mlp_flops_per_row(cfg)
+    per_layer += mlp_flops_per_row(cfg, shared) + 2 * cfg.hidden if shared else 0.0
+    experts = moe * per_layer + router_flops_per_token(cfg, layers)
     return len(layers) * block + experts + (embedding if first else 0.0) + (head if last else 0.0)
 
 

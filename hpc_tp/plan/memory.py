@@ -91,23 +91,30 @@ def norm_params(cfg: ModelConfig) -> int:
     return cfg.hidden * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
 
 
-def mlp_params(cfg: ModelConfig, tp: int) -> int:
-    """One MLP (dense, or one expert) on one tp rank."""
-    b, mats, f = 1 if cfg.bias else 0, 2 if cfg.gated_mlp else 1, cfg.ffn_hidden // tp
+def mlp_params(cfg: ModelConfig, tp: int, width: int | None = None) -> int:
+    """One MLP of ``width`` (default: the dense one; an expert's, the shared expert's) on one tp rank."""
+    b, mats = 1 if cfg.bias else 0, 2 if cfg.gated_mlp else 1
+    f = (cfg.ffn_hidden if width is None else width) // tp
     return cfg.hidden * mats * f + b * mats * f + f * cfg.hidden + b * cfg.hidden
+
+
+def shared_expert_params(cfg: ModelConfig, tp: int) -> int:
+    """A Qwen2-MoE shared expert on one tp rank and its replicated gate vector (0 without one)."""
+    width = cfg.shared_expert_ffn_hidden
+    return mlp_params(cfg, tp, width) + cfg.hidden if width else 0
 
 
 def block_params(cfg: ModelConfig, tp: int, layer: int = 0, ep: int = 1) -> int:
     """Elements of transformer block ``layer`` on one tp rank (of an ep group for MoE layers)."""
     h, d, b = cfg.hidden, cfg.head_dim, 1 if cfg.bias else 0
     qkv = (cfg.n_heads // tp + 2 * kv_heads_local(cfg, tp)) * d
-    attention = h * qkv + b * qkv + (cfg.n_heads // tp) * d * h + b * h
-    if cfg.is_moe_layer(layer):
-        mlp = h * cfg.num_experts + cfg.num_experts // ep * mlp_params(cfg, tp)  # router + local experts
+    attention = h * qkv + b * qkv + (cfg.n_heads // tp) * d * h + b * h + (2 * d if cfg.qk_norm else 0)
+    if cfg.is_moe_layer(layer):  # router, local experts, shared expert
+        experts = cfg.num_experts // ep * mlp_params(cfg, tp, cfg.expert_ffn_hidden)
+        mlp = h * cfg.num_experts + experts + shared_expert_params(cfg, tp)
     else:
         mlp = mlp_params(cfg, tp)
-    qk_norms = 2 * d if cfg.qk_norm else 0  # one gain over head_dim each for queries and keys, replicated
-    return block_norms(cfg) * norm_params(cfg) + qk_norms + attention + mlp
+    return block_norms(cfg) * norm_params(cfg) + attention + mlp
 
 
 def block_norms(cfg: ModelConfig) -> int:
@@ -117,7 +124,8 @@ def block_norms(cfg: ModelConfig) -> int:
 
 def expert_params(cfg: ModelConfig, tp: int, layers: range, ep: int) -> int:
     """The experts' share of ``stage_params``: their gradients go over the expert-dp group."""
-    return sum(cfg.is_moe_layer(i) for i in layers) * (cfg.num_experts // ep) * mlp_params(cfg, tp)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in layers)
+    return moe_layers * (cfg.num_experts // ep) * mlp_params(cfg, tp, cfg.expert_ffn_hidden)
 
 
 def sharded_elements(params: int, experts: int, shards: int = 1, ep: int = 1) -> float:
@@ -168,18 +176,23 @@ def sequence_sharded(cfg: ModelConfig, tp: int) -> bool:
     return cfg.sequence_parallel and tp > 1
 
 
-def mlp_saved_per_row(cfg: ModelConfig, tp: int, saved: SavedTensors) -> int:
-    """Elements an MLP keeps per token row besides its input: activation input(s), fc2 input, aux."""
-    f, aux = cfg.ffn_hidden // tp, 1 if saved.activation_aux else 0
+def mlp_saved_per_row(cfg: ModelConfig, tp: int, saved: SavedTensors, width: int | None = None) -> int:
+    """Elements an MLP of ``width`` (default the dense one) keeps per token row besides its input:
+    activation input(s), fc2 input, aux."""
+    f, aux = (cfg.ffn_hidden if width is None else width) // tp, 1 if saved.activation_aux else 0
     return f * ((2 + 1 + 1 + aux) if cfg.gated_mlp else (1 + 1 + aux))  # gate|up, silu, product
 
 
 def moe_saved_bytes(cfg: ModelConfig, routing: Routing, tp: int, elem: int, saved: SavedTensors) -> int:
     """What an MoE layer's MLP part keeps (its input excepted), at the capacity bound."""
     n, k, experts = routing.tokens, cfg.top_k, cfg.num_experts
-    floats = n * experts + n * k * (2 if k > 1 else 1)  # probabilities, chosen (and gates when k > 1)
+    renormalized = cfg.normalize_top_k and k > 1
+    floats = n * experts + n * k * (2 if renormalized else 1)  # probabilities, chosen (and renormalised gates)
     floats += routing.sent * cfg.hidden  # combined expert outputs
-    floats += routing.received * (cfg.hidden + mlp_saved_per_row(cfg, tp, saved))  # expert inputs, MLPs
+    expert_rows = cfg.hidden + mlp_saved_per_row(cfg, tp, saved, cfg.expert_ffn_hidden)  # inputs and MLPs
+    floats += routing.received * expert_rows
+    if cfg.shared_expert_ffn_hidden:  # on the layer's own input: its MLP, its output and its scale
+        floats += n * (mlp_saved_per_row(cfg, tp, saved, cfg.shared_expert_ffn_hidden) + cfg.hidden + 1)
     return floats * elem + n * experts * INDEX_BYTES + experts * 8  # top-k order; load shares (float64)
 
 
@@ -243,12 +256,14 @@ def layer_activation_bytes(
     elements += shard * h  # the QKV input (norm output): replicated over tp without SP
     elements += (sb if moe else shard) * h  # the MLP's input; an MoE layer keeps the whole sequence's
     elements += sb * (q + 2 * kv + q)  # Q, K, V and the output projection's input
+    if cfg.qk_norm:  # the normalised heads (xhat), and new Q and K arrays where no rope makes them
+        elements += sb * (q + kv) * (1 if cfg.position == "rope" else 2)
+        if saved.row_statistics:
+            elements += sb * (cfg.n_heads // tp + kv_heads_local(cfg, tp))  # 1/rms of each head's row
     if cfg.position == "rope":
         elements += sb * (q + kv)  # rotated Q and K are new arrays (V stays a view of QKV)
         if saved.row_statistics:
             elements += seq * d  # cos and sin tables, [s, d/2] each
-    if cfg.qk_norm:  # each query and key head's norm keeps its normalised input and its rows' 1/rms
-        elements += sb * (q + kv) + sb * (cfg.n_heads // tp + kv_heads_local(cfg, tp))
     if not moe:
         elements += sb * mlp_saved_per_row(cfg, tp, saved)
     if saved.row_statistics:

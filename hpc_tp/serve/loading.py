@@ -33,7 +33,7 @@ def open_checkpoint(args):
         raise ConfigError(f"checkpoint {folder} has no model config (meta['config']); was it written by hpc-tp?")
     # Sequence parallelism is a training layout of the same weights; the KV-cache path runs without it.
     cfg = replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=False)
-    check_layout(cfg, grid.tp, world().size)
+    check_layout(cfg, grid.tp.size, world().size)
     return grid, folder, cfg
 
 

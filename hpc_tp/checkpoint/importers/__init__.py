@@ -10,8 +10,9 @@ source's config before anything is written.
     source.open_source(path) -> Imported(config, tensors, files, source)
 
 Supported: Hugging Face folders (config.json + safetensors, sharded too) of GPT-2, Llama-family
-(Llama, SmolLM, Qwen2, Qwen3, Mistral, Phi-3, Mixtral), Gemma 3 and BERT encoders; GGUF files of the
-llama (Mixtral's experts included), qwen2, qwen3, phi3 and gemma3 architectures.
+(Llama, SmolLM, Qwen2, Qwen3, Mistral, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE), Gemma 3 and BERT encoders;
+GGUF files of the llama (Mixtral's experts included), qwen2, qwen3, qwen2moe, qwen3moe, phi3 and gemma3
+architectures.
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ class Rule:
         return numpy.ascontiguousarray(x.T if self.transpose else x)
 
     def to_theirs(self, x):
-        """Our tensor back in the source layout (its columns of a fused tensor, if ``columns``)."""
+        """Our tensor back in the source layout (its columns of a fused tensor, if ``columns``; with
+        ``expert``, the one slice of a stacked tensor that holds only it, as Qwen2-MoE's [1, hidden] gate)."""
         if self.shift:
             x = x - self.shift
-        return numpy.ascontiguousarray(x.T if self.transpose else x)
+        x = x.T if self.transpose else x
+        return numpy.ascontiguousarray(x[None] if self.expert is not None else x)
 
 
 def undo_rope_permutation(w, heads: int):

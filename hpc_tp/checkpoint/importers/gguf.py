@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp) of the llama, qwen2, qwen3, phi3 and gemma3 architectures.
+"""GGUF files (llama.cpp) of the llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3 and gemma3 architectures.
 
 The reader memory-maps the file; a tensor is read (and dequantized with ``gguf.quants`` when it
 is quantized: BF16, Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ types) only when the checkpoint writer asks
@@ -23,9 +23,11 @@ import numpy
 from ...errors import ConfigError
 from ...models.config import ModelConfig
 from . import Imported, Rule, lazy_tensors
-from .huggingface import ConfigFile, gemma3_rules, llama_rules, mixtral_rules, phi3_rules, tokenizer_files
+from .huggingface import ARCHITECTURES, ConfigFile, tokenizer_files
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma3")
+# The Hugging Face model_type of each architecture whose name differs (the rules are written in its names).
+_HF_TYPE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -54,10 +56,21 @@ _GEMMA3_LAYER = {
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 # Architectures whose attention normalises each query and key head (RMSNorm over head_dim).
-QK_NORMED = ("qwen3",)
-# Mixtral in llama.cpp: the router, and each projection of all experts stacked in one [experts, out, in] tensor.
-_EXPERT_NAME = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)")
-_STACKED = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+QK_NORMED = ("qwen3", "qwen3moe")
+# MoE in llama.cpp: the router, and each projection of all experts stacked in one [experts, out, in]
+# tensor (Mixtral's w1, w3, w2; Qwen-MoE's gate, up, down), the shared expert's own (Qwen2-MoE).
+_EXPERT_NAME = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)")
+_STACKED = {
+    name: f"ffn_{part}_exps"
+    for part, names in (("gate", ("w1", "gate_proj")), ("up", ("w3", "up_proj")), ("down", ("w2", "down_proj")))
+    for name in names
+}
+_ROUTERS = {"block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp"}
+_SHARED = {
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
 
 
 class GGUFTensors:
@@ -175,8 +188,7 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
     vocab = meta.get(a + "vocab_size")
     if vocab is None:  # older files: the embedding says it (lazy_tensors reports a missing embedding)
         vocab = tensors.shape("token_embd.weight")[0] if "token_embd.weight" in tensors.names() else 1
-    experts, top_k = meta.get(a + "expert_count", 0), meta.get(a + "expert_used_count", 2)
-    moe = dict(num_experts=experts, top_k=top_k, moe_every=1, capacity_factor=experts / top_k) if experts else {}
+    moe = _mixture(meta, tensors, architecture)
     cfg = ModelConfig(
         **moe,
         vocab_size=int(vocab),
@@ -186,7 +198,10 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
         n_kv_heads=meta.get(a + "attention.head_count_kv", heads),
         head_dim=head_dim,
         qk_norm=architecture in QK_NORMED,
-        ffn_hidden=meta[a + "feed_forward_length"],
+        # A file whose every layer is MoE may give only its experts' width.
+        ffn_hidden=meta.get(a + "feed_forward_length")
+        or moe.get("expert_ffn_hidden")
+        or meta[a + "feed_forward_length"],
         max_seq_len=meta[a + "context_length"],
         norm="rmsnorm",
         norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
@@ -197,7 +212,7 @@ def _config(meta: _Fields, tensors: GGUFTensors, architecture: str) -> ModelConf
         if scaling == "linear"
         else None,
         tie_embeddings="output.weight" not in tensors.names(),
-        bias=architecture == "qwen2",
+        bias=architecture in ("qwen2", "qwen2moe"),
         causal=True,
         sliding_window=meta.get(a + "attention.sliding_window", 0),
     )
@@ -228,14 +243,42 @@ def _gemma3(cfg: ModelConfig, meta: _Fields, a: str) -> ModelConfig:
     )
 
 
+def _mixture(meta: _Fields, tensors: GGUFTensors, architecture: str) -> dict:
+    """The MoE fields of the config ({} for a dense model). Which layers are sparse, the file's tensors
+    say (a router ``ffn_gate_inp`` or not); llama.cpp renormalises the top k for all but qwen2moe
+    unless the file says otherwise (``expert_weights_norm``)."""
+    a = architecture + "."
+    experts, top_k = meta.get(a + "expert_count", 0), meta.get(a + "expert_used_count", 2)
+    if not experts:
+        return {}
+    layers = meta[a + "block_count"]
+    names = tensors.names()
+    return dict(
+        num_experts=experts,
+        top_k=top_k,
+        moe_every=1,
+        dense_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+        expert_ffn_hidden=meta.get(a + "expert_feed_forward_length") or meta[a + "feed_forward_length"],
+        shared_expert_ffn_hidden=meta.get(a + "expert_shared_feed_forward_length", 0),
+        normalize_top_k=bool(meta.get(a + "expert_weights_norm", architecture != "qwen2moe")),
+        capacity_factor=experts / top_k,
+    )
+
+
 def _gguf_rule(rule: Rule, cfg: ModelConfig, architecture: str) -> Rule:
     if rule.theirs is None:  # a bias the family omits (Qwen2's output and MLP): zeros, no tensor to name
         return rule
     if rule.theirs in _TOP:
         return dataclasses.replace(rule, theirs=_TOP[rule.theirs])
     layer, module, kind = _LAYER_NAME.fullmatch(rule.theirs).groups()
-    if module == "block_sparse_moe.gate":
-        return dataclasses.replace(rule, theirs=f"blk.{layer}.ffn_gate_inp.{kind}")
+    if module in _ROUTERS:
+        return dataclasses.replace(rule, theirs=f"blk.{layer}.{_ROUTERS[module]}.{kind}")
+    if module in _SHARED:
+        return dataclasses.replace(rule, theirs=f"blk.{layer}.{_SHARED[module]}.{kind}")
+    if module == "mlp.shared_expert_gate":  # a vector [hidden] here, Hugging Face's [1, hidden]
+        return dataclasses.replace(
+            rule, theirs=f"blk.{layer}.ffn_gate_inp_shexp.{kind}", shape=(cfg.hidden,), expert=None
+        )
     if expert := _EXPERT_NAME.fullmatch(module):
         e, part = expert.groups()
         return dataclasses.replace(
@@ -266,13 +309,11 @@ def import_gguf(path: Path) -> Imported:
         )
     tensors = GGUFTensors(path, reader)
     cfg = _config(meta, tensors, architecture)
-    family = ConfigFile({"model_type": architecture}, path)
+    # The Hugging Face family whose rules name the tensors (llama.cpp files Mixtral under llama).
+    model_type = "mixtral" if architecture == "llama" and cfg.num_experts else _HF_TYPE.get(architecture, architecture)
+    rules = ARCHITECTURES[model_type][1](cfg, ConfigFile({"model_type": model_type}, path), "model.")
     if architecture == "gemma3":  # llama.cpp stores Gemma's norms as 1 + w already: no shift on import
-        rules = [dataclasses.replace(r, shift=0.0) for r in gemma3_rules(cfg, family, "model.")]
-    else:
-        rules = (phi3_rules if architecture == "phi3" else mixtral_rules if cfg.num_experts else llama_rules)(
-            cfg, family, "model."
-        )
+        rules = [dataclasses.replace(r, shift=0.0) for r in rules]
     rules = [_gguf_rule(r, cfg, architecture) for r in rules]
     lazy, ignored = lazy_tensors(rules, tensors, f"{path.name}'s metadata")
     from .gguf_tokenizer import tokenizer_json

@@ -122,7 +122,11 @@ def _json(path: Path) -> dict:
 # Sizes and constants the importers compute with: a value of another JSON type is the file's error.
 _INTEGER_KEYS = {
     "num_local_experts",
+    "num_experts",
     "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
     "vocab_size",
     "hidden_size",
     "num_attention_heads",
@@ -195,8 +199,24 @@ def gpt2_config(hf: ConfigFile) -> ModelConfig:
 
 def _llama_biases(hf: ConfigFile) -> tuple[bool, bool, bool]:
     """Which linears the source has biases on: (q/k/v, output projection, MLP)."""
-    attention = bool(hf.get("attention_bias", False))
-    return attention or hf.get("model_type") == "qwen2", attention, bool(hf.get("mlp_bias", False))
+    attention, model_type = bool(hf.get("attention_bias", False)), hf.get("model_type")
+    qkv = attention or model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+    return qkv, attention, bool(hf.get("mlp_bias", False))
+
+
+def _rope(hf: ConfigFile) -> dict:
+    """rope_theta and rope_scaling, from the keys of those names or from newer transformers'
+    ``rope_parameters`` (the base and the scaling in one object)."""
+    parameters = hf.get("rope_parameters", {})
+    if not isinstance(parameters, dict):
+        raise ConfigError(f"{hf.path}: rope_parameters={parameters!r}: expected an object")
+    theta = hf.get("rope_theta", parameters.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{hf.path}: rope_theta={theta!r}: expected a number")
+    scaling = hf.get("rope_scaling")
+    if scaling is None and parameters.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
+    return {"rope_theta": float(theta), "rope_scaling": scaling}
 
 
 # Families whose attention normalises each query and key head (RMSNorm over head_dim) before RoPE.
@@ -223,8 +243,7 @@ def llama_config(hf: ConfigFile) -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         activation="swiglu",
         position="rope",
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rope_scaling=hf.get("rope_scaling"),
+        **_rope(hf),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=any(_llama_biases(hf)),
         causal=True,
@@ -289,6 +308,32 @@ def mixtral_config(hf: ConfigFile) -> ModelConfig:
         moe_every=1,
         capacity_factor=experts / top_k,
         aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)),
+    )
+
+
+def qwen_moe_config(hf: ConfigFile) -> ModelConfig:
+    """Qwen2-MoE and Qwen3-MoE: a router over ``num_experts`` experts of ``moe_intermediate_size`` in the
+    layers ``decoder_sparse_step`` picks, except ``mlp_only_layers`` (dense, of ``intermediate_size``); the
+    top-k softmax probabilities renormalised only with ``norm_topk_prob``; Qwen2-MoE adds to every token a
+    shared expert of ``shared_expert_intermediate_size`` scaled by sigmoid(shared_expert_gate x). Imported
+    dropless (capacity factor experts / k), as the source computes."""
+    # Released configs say num_experts; newer transformers writes Qwen3-MoE's as num_local_experts.
+    experts, top_k = hf.get("num_experts") or hf["num_local_experts"], hf["num_experts_per_tok"]
+    dense = hf.get("mlp_only_layers", [])
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise ConfigError(f"{hf.path}: mlp_only_layers={dense!r}: expected a list of layer indices")
+    shared = hf.get("shared_expert_intermediate_size", 0) if hf.get("model_type") == "qwen2_moe" else 0
+    return dataclasses.replace(
+        llama_config(hf),
+        num_experts=experts,
+        top_k=top_k,
+        moe_every=hf.get("decoder_sparse_step", 1),
+        dense_layers=dense,
+        expert_ffn_hidden=hf["moe_intermediate_size"],
+        shared_expert_ffn_hidden=shared,
+        normalize_top_k=bool(hf.get("norm_topk_prob", False)),
+        capacity_factor=experts / top_k,
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
     )
 
 
@@ -484,22 +529,50 @@ def gemma3_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
     return [dataclasses.replace(r, shift=1.0) if "norm" in r.ours else r for r in rules]
 
 
-def mixtral_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
-    """Llama's tensors with each MLP a ``block_sparse_moe``: the router ``gate`` [experts, hidden] and
-    experts whose w1, w3, w2 are gate, up and down."""
-    h, f, p = cfg.hidden, cfg.ffn_hidden, prefix
-    rules = [r for r in llama_rules(cfg, hf, prefix) if ".mlp." not in r.ours]
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}.mlp.", f"{p}layers.{i}.block_sparse_moe."
+def _swiglu(ours: str, theirs: str, names: tuple[str, str, str], f: int, cfg: ModelConfig) -> list[Rule]:
+    """A SwiGLU MLP of width ``f`` whose gate, up and down projections the source calls ``names``; zero
+    biases where the model has biases elsewhere (Qwen2-MoE's q/k/v)."""
+    bias = "zeros" if cfg.bias else None
+    gate, up, down = names
+    return (
+        _linear(ours + "fc1.gate", theirs + gate, cfg.hidden, f, True, bias)
+        + _linear(ours + "fc1.up", theirs + up, cfg.hidden, f, True, bias)
+        + _linear(ours + "fc2", theirs + down, f, cfg.hidden, True, bias)
+    )
+
+
+def _moe_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str, block: str, expert_names: tuple) -> list[Rule]:
+    """Llama's tensors, with the MLP of every MoE layer a ``block``: the router ``gate`` [experts, hidden]
+    and experts whose projections are ``expert_names``; a shared expert and its gate where the config has one."""
+    h, f, p = cfg.hidden, cfg.expert_ffn_hidden, prefix
+    rules = [r for r in llama_rules(cfg, hf, prefix) if not (".mlp." in r.ours and cfg.is_moe_layer(_layer_of(r)))]
+    for i in filter(cfg.is_moe_layer, range(cfg.n_layers)):
+        ours, theirs = f"layers.{i}.mlp.", f"{p}layers.{i}.{block}."
         rules.append(Rule(ours + "router", theirs + "gate.weight", (cfg.num_experts, h), transpose=True))
         for e in range(cfg.num_experts):
-            for part, name, shape in (("fc1.gate", "w1", (f, h)), ("fc1.up", "w3", (f, h)), ("fc2", "w2", (h, f))):
-                rules.append(
-                    Rule(
-                        f"{ours}experts.{e}.{part}.weight", f"{theirs}experts.{e}.{name}.weight", shape, transpose=True
-                    )
-                )
+            rules += _swiglu(f"{ours}experts.{e}.", f"{theirs}experts.{e}.", expert_names, f, cfg)
+        if cfg.shared_expert_ffn_hidden:
+            names = ("gate_proj", "up_proj", "down_proj")
+            rules += _swiglu(
+                ours + "shared_expert.", theirs + "shared_expert.", names, cfg.shared_expert_ffn_hidden, cfg
+            )
+            # Its gate is a Linear(hidden, 1): our vector is that one row.
+            rules.append(Rule(ours + "shared_expert_gate", theirs + "shared_expert_gate.weight", (1, h), expert=0))
     return rules
+
+
+def _layer_of(rule: Rule) -> int:
+    return int(rule.ours.split(".")[1])
+
+
+def mixtral_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
+    """Each MLP a ``block_sparse_moe`` whose experts' w1, w3, w2 are gate, up and down."""
+    return _moe_rules(cfg, hf, prefix, "block_sparse_moe", ("w1", "w3", "w2"))
+
+
+def qwen_moe_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
+    """The MLP of each sparse layer (``mlp``) holds the router, the experts and Qwen2-MoE's shared expert."""
+    return _moe_rules(cfg, hf, prefix, "mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
 def bert_rules(cfg: ModelConfig, hf: ConfigFile, prefix: str) -> list[Rule]:
@@ -540,6 +613,8 @@ ARCHITECTURES = {
         "embed_tokens.weight",
         ("language_model.model.", "model.language_model."),
     ),
+    "qwen2_moe": (qwen_moe_config, qwen_moe_rules, "embed_tokens.weight", ("model.", "")),
+    "qwen3_moe": (qwen_moe_config, qwen_moe_rules, "embed_tokens.weight", ("model.", "")),
     "bert": (bert_config, bert_rules, "embeddings.word_embeddings.weight", ("", "bert.")),
 }
 
@@ -633,21 +708,59 @@ def chat_settings(folder: Path) -> dict:
 
 
 # -- export -------------------------------------------------------------------------------------------
-EXPORTABLE = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "gemma3_text")
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+EXPORTABLE = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", *MIXTURES, "gemma3_text")
 WINDOWED = ("mistral", "phi3", "mixtral")  # the exportable families whose config.json has a sliding_window
+_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def default_export(cfg: ModelConfig) -> str:
+    """The architecture that holds ``cfg`` when the checkpoint does not say where it came from."""
+    if cfg.position == "learned":
+        return "gpt2"
+    if cfg.num_experts:
+        return "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.shared_expert_ffn_hidden else "mixtral"
+    if cfg.post_norms:
+        return "gemma3_text"
+    if cfg.sliding_window:
+        return "mistral"
+    return "qwen3" if cfg.qk_norm else "llama"
+
+
+def _mixture_mismatch(cfg: ModelConfig, architecture: str) -> str | None:
+    """What of ``cfg``'s Mixture-of-Experts layout ``architecture`` has no place for, or None."""
+    if architecture == "mixtral":
+        if cfg.moe_every != 1 or cfg.dense_layers:
+            return "dense layers among its MoE ones (mixtral's every layer is MoE; qwen2_moe and qwen3_moe have them)"
+        if cfg.expert_ffn_hidden != cfg.ffn_hidden or not cfg.normalize_top_k:
+            return "experts narrower than ffn_hidden or unnormalised top-k weights (export as qwen3_moe)"
+    if (architecture == "qwen2_moe") != bool(cfg.shared_expert_ffn_hidden):
+        return f"shared_expert_ffn_hidden={cfg.shared_expert_ffn_hidden} (qwen2_moe always has a shared expert, the others none)"
+    return None
 
 
 def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]]:
     """config.json and the rules for writing ``cfg``'s tensors as a Hugging Face ``architecture``."""
-    if (architecture == "mixtral") != bool(cfg.num_experts):
+    if (architecture in MIXTURES) != bool(cfg.num_experts):
         raise ConfigError(
-            f"export as {architecture}: the checkpoint has num_experts={cfg.num_experts}; "
-            "Mixture-of-Experts models export as mixtral, dense ones as gpt2, llama, qwen2, qwen3 or phi3"
+            f"export as {architecture}: the checkpoint has num_experts={cfg.num_experts}; Mixture-of-Experts "
+            f"models export as {', '.join(MIXTURES)}, dense ones as gpt2, llama, qwen2, qwen3 or phi3"
         )
+    if cfg.num_experts and (mismatch := _mixture_mismatch(cfg, architecture)):
+        raise ConfigError(f"export as {architecture}: the checkpoint has {mismatch}")
     if (architecture in QK_NORMED) != cfg.qk_norm:
         raise ConfigError(
             f"export as {architecture}: the checkpoint has qk_norm={cfg.qk_norm}; models with query/key "
-            f"norms export as {' or '.join(QK_NORMED)}, others as gpt2, llama, qwen2, phi3 or mixtral"
+            f"norms export as {' or '.join(QK_NORMED)}, others as gpt2, llama, qwen2, qwen2_moe, phi3 or mixtral"
         )
     if architecture == "gpt2":
         if (cfg.position, cfg.norm, cfg.activation, cfg.bias) != ("learned", "layernorm", "gelu_tanh", True):
@@ -677,7 +790,7 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
         prefix = ""
     elif architecture == "gemma3_text":
         values, prefix = _gemma3_values(cfg), "model."
-    elif architecture in ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral"):
+    elif architecture in _CLASSES:
         if (cfg.position, cfg.norm, cfg.activation) != ("rope", "rmsnorm", "swiglu"):
             raise ConfigError(
                 f"export as {architecture} needs rope, rmsnorm and swiglu; "
@@ -694,16 +807,8 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
                 f"export as {architecture}: the checkpoint has biases, which {architecture} has not; "
                 "export with --arch llama"
             )
-        names = {
-            "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM",
-            "phi3": "Phi3ForCausalLM",
-            "llama": "LlamaForCausalLM",
-            "mixtral": "MixtralForCausalLM",
-            "mistral": "MistralForCausalLM",
-        }
         values = {
-            "architectures": [names[architecture]],
+            "architectures": [_CLASSES[architecture]],
             "model_type": architecture,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden,
@@ -723,8 +828,22 @@ def export_layout(cfg: ModelConfig, architecture: str) -> tuple[dict, list[Rule]
             values.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
         if architecture in WINDOWED:
             values["sliding_window"] = cfg.sliding_window or None
-        if architecture == "qwen3":  # q/k/v and output biases or none; an MLP bias must be zero
+        if architecture in ("qwen3", "qwen3_moe"):  # q/k/v and output biases or none; an MLP bias must be zero
             values.update(attention_bias=cfg.bias)
+        if architecture == "qwen2_moe":  # q/k/v biases or none; the others must be zero
+            values.update(qkv_bias=cfg.bias)
+        if architecture in ("qwen2_moe", "qwen3_moe"):
+            values.update(
+                num_experts=cfg.num_experts,
+                num_experts_per_tok=cfg.top_k,
+                moe_intermediate_size=cfg.expert_ffn_hidden,
+                norm_topk_prob=cfg.normalize_top_k,
+                decoder_sparse_step=cfg.moe_every,
+                mlp_only_layers=cfg.dense_layers,
+                router_aux_loss_coef=cfg.aux_loss_coef,
+            )
+        if architecture == "qwen2_moe":
+            values.update(shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden)
         if architecture == "mixtral":
             values.update(
                 num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef
