@@ -26,6 +26,7 @@ to recompute), so neither pass holds more than a few tiles besides Q, K, V and t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy
@@ -56,9 +57,17 @@ def supported(*arrays) -> bool:
 
 def _block_tables(blocks):
     """(first query of each block plus the end, keys each block sees, offset of each block's
-    softmax tile within one head's saved elements plus the total)."""
-    starts = numpy.array([rows.start for rows, _ in blocks] + [blocks[-1][0].stop], dtype=numpy.int64)
-    seens = numpy.array([seen for _, seen in blocks], dtype=numpy.int64)
+    softmax tile within one head's saved elements plus the total), made once per layout: every
+    layer of a pass asks for the same ones, and in a decode step their numpy calls cost more than
+    the tiles they describe."""
+    return _tables(tuple((rows.start, rows.stop, seen) for rows, seen in blocks))
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(layout):
+    """``_block_tables`` of (start, stop, seen) per block; the kernels only read the arrays."""
+    starts = numpy.array([start for start, _, _ in layout] + [layout[-1][1]], dtype=numpy.int64)
+    seens = numpy.array([seen for _, _, seen in layout], dtype=numpy.int64)
     sizes = numpy.diff(starts) * seens
     return starts, seens, numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
 
