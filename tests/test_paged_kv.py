@@ -167,6 +167,7 @@ def test_a_tiny_pool_preempts_the_youngest_and_recomputes_it(block_size, prefix_
     if tp.rank == 0:
         assert [len(r.done[0].ids) for r in requests] == [16, 14, 12]
         assert requests[2].done[1].batch == 3  # preempted and resumed: the batch it was first admitted to
+        assert sum(r.done[0].preemptions for r in requests) == len(preempted)  # each counted on its request
 
 
 @pytest.mark.mpi(min_size=1)

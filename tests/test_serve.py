@@ -232,6 +232,9 @@ def test_server_under_load_malformed_requests_and_sigterm(tmp_path, batching):
         assert counted['hpc_tp_requests_refused_total{code="400"}'] == str(len(malformed) + 1)
         assert counted['hpc_tp_requests_refused_total{code="404"}'] == "1"
         assert (float(counted["hpc_tp_prompt_tokens_cached_total"]) > 0) == (batching == "continuous")
+        assert int(counted["hpc_tp_preemptions_total"]) >= 0 and (
+            batching == "continuous" or counted["hpc_tp_preemptions_total"] == "0"
+        )
         assert _post(port, b"{}", path="/v1/other")[0] == 404
         with socket.create_connection(("127.0.0.1", port), timeout=60) as raw:
             raw.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n")

@@ -157,6 +157,7 @@ class _Busy:
         self.request, self.row, self.admitted, self.batch = request, row, admitted, batch
         self.cached: int | None = None  # prompt tokens found cached at its first admission
         self.first: float | None = None  # when its first token was chosen
+        self.preemptions = 0  # times it gave its blocks back to an older request
 
     @property
     def ids(self) -> list[int]:
@@ -434,6 +435,7 @@ class ContinuousBatcher:
         now = time.perf_counter()
         self._waiting[:0] = [self._busy[r] for r in reversed(self.preempted)]  # the oldest first
         for r in self.preempted:
+            self._busy[r].preemptions += 1
             self._busy[r] = None
         for r, z in logits.items():
             busy = self._busy[r]
@@ -460,8 +462,10 @@ class ContinuousBatcher:
         """Rank 0: row ``r``'s request answered, the row free."""
         busy = self._busy[r]
         first = now if busy.first is None else busy.first
+        completion = busy.row.completion(len(busy.request.ids), busy.admitted, first, busy.cached)
+        completion.preemptions = busy.preemptions
         busy.request.finish(
-            busy.row.completion(len(busy.request.ids), busy.admitted, first, busy.cached),
+            completion,
             RowMetrics(busy.batch, self.kv_bytes),
             busy.admitted - busy.request.arrived,
         )

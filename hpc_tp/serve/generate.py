@@ -39,6 +39,7 @@ class Completion:
     decode_tokens_per_s: float  # tokens after the first, over the time they took
     cached_tokens: int = 0  # of the prompt's, found in the KV cache (continuous batching's prefix caching)
     logprobs: list[TokenLogprob] | None = None  # one per id, where the request asked for them
+    preemptions: int = 0  # times its KV blocks went to an older request and it was prefilled again
 
 
 @dataclass

@@ -3,7 +3,8 @@ monitoring an HPC center or a cloud runs beside its services (vLLM exposes the l
 
 Counted on rank 0 as requests finish (``Job.finish``, called by either batcher) and as the HTTP
 server refuses them: requests by finish reason, refusals by status, prompt tokens (and of them those
-found cached), generated tokens; the requests decoding now and those waiting for a row; and
+found cached), generated tokens, preemptions (a request's KV blocks given to an older one, the request
+prefilled again later); the requests decoding now and those waiting for a row; and
 histograms of time to first token and of the whole request, from arrival.
 """
 
@@ -43,6 +44,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self.finished, self.refused, self.tokens = Counter(), Counter(), Counter()
         self.started = 0  # jobs handed to the batcher
+        self.preemptions = 0  # of the requests answered
         self.ttft, self.latency = Histogram(), Histogram()
 
     def admitted(self, jobs: int):
@@ -59,6 +61,7 @@ class ServerMetrics:
             self.tokens.update(
                 prompt=completion.prompt_tokens, cached=completion.cached_tokens, generated=len(completion.ids)
             )
+            self.preemptions += completion.preemptions
             self.ttft.observe(queued_s + completion.ttft_s)
             self.latency.observe(time.perf_counter() - job.arrived)
 
@@ -102,6 +105,12 @@ class ServerMetrics:
                     "counter",
                     "Tokens generated.",
                     [f"{PREFIX}generation_tokens_total {self.tokens['generated']}"],
+                ),
+                (
+                    "preemptions_total",
+                    "counter",
+                    "Times a request answered gave its KV blocks to an older one and was prefilled again.",
+                    [f"{PREFIX}preemptions_total {self.preemptions}"],
                 ),
                 (
                     "requests_running",
