@@ -22,7 +22,7 @@ from hpc_tp.pipeline.partition import rank_layers
 from hpc_tp.plan import choose_layout, search
 from hpc_tp.plan.calibration import from_comm_records, from_step_records, load_calibration
 from hpc_tp.plan.clusters import CLUSTERS, engine_precision, get_cluster
-from hpc_tp.plan.cost import Layout, Link, hops, predict, stage_collectives, traffic
+from hpc_tp.plan.cost import Layout, Link, forward_flops_per_token, hops, predict, stage_collectives, traffic
 from hpc_tp.plan.memory import MEGATRON, kv_cache_bytes, layer_activation_bytes, stage_memory
 from hpc_tp.plan.placement import compare_placements, launch_cluster, launch_placement
 from hpc_tp.plan.search import divisors, structural_reason, variant_reason
@@ -908,3 +908,20 @@ def test_plan_command_compares_the_placements(tmp_path, capsys):
     assert main([*argv, "--placement", "cyclic", "--top", "1"]) == 0
     top = capsys.readouterr().out.splitlines()[3]  # round-robin: tp > 1 straddles the nodes, so tp = 1 ranks first
     assert top.split()[:2] == ["1", "tp=1"], top
+
+
+def test_forward_flops_count_the_query_width_and_each_windowed_layers_window_only():
+    """Attention's projections and scores are counted over heads x head_dim (Gemma 3's is not the
+    hidden size), and a sliding-window layer's scores and weighted values over its window alone."""
+    full = ModelConfig(hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=24, ffn_hidden=96, max_seq_len=256)
+    windowed = replace(full, sliding_window=48, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    seq, layers = 256, range(4)
+    q, kv = 4 * 24, 2 * 24
+    projections = 2 * (64 * (q + 2 * kv) + q * 64 + 2 * 64 * 96)  # qkv, out, fc1, fc2 (gelu: one fc1)
+    block = projections + 4 * seq * q
+    assert forward_flops_per_token(full, seq, layers, False, False) == pytest.approx(4 * block)
+    saved = 3 * 4 * (seq - 48) * q  # three local layers see 48 keys, not 256
+    assert forward_flops_per_token(windowed, seq, layers, False, False) == pytest.approx(4 * block - saved)
+    assert forward_flops_per_token(windowed, 32, layers, False, False) == pytest.approx(
+        forward_flops_per_token(full, 32, layers, False, False)
+    )  # a sequence shorter than the window: nothing unseen

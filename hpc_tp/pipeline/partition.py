@@ -24,9 +24,9 @@ def stage_costs(cfg: ModelConfig, seq_len: int | None = None) -> tuple[float, fl
     """Forward flops per token of (embedding, one block, final norm + head + loss)."""
     t = cfg.max_seq_len if seq_len is None else seq_len
     h, f, v = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size
-    kv = cfg.n_kv_heads * cfg.head_dim
-    matmuls = h * (h + 2 * kv) + h * h + (2 if cfg.gated_mlp else 1) * h * f + f * h
-    block = 2 * matmuls + 4 * t * h  # projections, then scores and weighted values over t keys
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    matmuls = h * (q + 2 * kv) + q * h + (2 if cfg.gated_mlp else 1) * h * f + f * h
+    block = 2 * matmuls + 4 * t * q  # projections, then scores and weighted values over t keys
     embedding = 2 * h  # lookup and position add: memory traffic more than flops
     head = 2 * h * v + 5 * v  # logits, then max, exp, sum and the target pick per vocab entry
     return float(embedding), float(block), float(head)

@@ -273,7 +273,10 @@ def forward_flops_per_token(
     per_layer = rows * mlp_flops_per_row(cfg, cfg.expert_ffn_hidden) - mlp_flops_per_row(cfg)
     per_layer += mlp_flops_per_row(cfg, shared) + 2 * cfg.hidden if shared else 0.0
     experts = moe * per_layer + router_flops_per_token(cfg, layers)
-    return len(layers) * block + experts + (embedding if first else 0.0) + (head if last else 0.0)
+    # A windowed layer's scores and weighted values cover its window, not the whole sequence.
+    unseen = sum(seq - min(seq, cfg.window_of(i)) for i in layers if cfg.window_of(i))
+    windows = 4.0 * unseen * cfg.n_heads * cfg.head_dim
+    return len(layers) * block - windows + experts + (embedding if first else 0.0) + (head if last else 0.0)
 
 
 def router_flops_per_token(cfg: ModelConfig, layers: range) -> float:
