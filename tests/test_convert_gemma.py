@@ -127,7 +127,7 @@ def test_gemma3_folder_logits_match_reference_at_every_tp_and_export_back(
     config, tensors = gemma3_source(softcap=softcap, rope_parameters=rope_parameters)
     reference = gemma3_reference(config, tensors, IDS)
     convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, tensors), shared_dir / "ckpt", comm_world)
-    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), reference) < 1e-9
+    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), reference) < 1e-10
     if comm_world.rank == 0:  # and back: Gemma's weights (the norms' 1 + w undone) under Gemma's names
         assert main(["export", str(shared_dir / "ckpt"), "-o", str(shared_dir / "out")]) == 0
         written = json.loads((shared_dir / "out" / "config.json").read_text())
@@ -153,7 +153,7 @@ def test_a_multimodal_gemma3_folders_language_model_is_imported(shared_dir, comm
     renamed = {prefix + name.removeprefix("model."): value for name, value in tensors.items()}
     renamed["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.ones((4, 3, 2, 2))
     convert_on_rank0(lambda: write_hf(shared_dir / "hf", config, renamed), shared_dir / "ckpt", comm_world)
-    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), gemma3_reference(text, tensors, IDS)) < 1e-9
+    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), gemma3_reference(text, tensors, IDS)) < 1e-10
 
 
 GGUF_NAMES = {
@@ -223,7 +223,7 @@ def test_gemma3_gguf_logits_match_reference_at_every_tp(shared_dir, comm_world):
     path = shared_dir / "gemma3.gguf"
     held = comm_world.bcast_object(write_gemma3_gguf(path, config, tensors) if comm_world.rank == 0 else None)
     convert_on_rank0(lambda: path, shared_dir / "ckpt", comm_world)
-    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), gemma3_reference(config, held, IDS)) < 1e-9
+    assert rel_err(tp_logits(shared_dir / "ckpt", comm_world), gemma3_reference(config, held, IDS)) < 1e-10
 
 
 def test_gemma3_logits_match_transformers_and_export_loads_there(tmp_path):
