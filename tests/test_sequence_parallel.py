@@ -4,6 +4,7 @@ keeps 1/tp of the activations the one-process block keeps."""
 
 import numpy as np
 import pytest
+from test_model import CONFIGS as MODEL_CONFIGS
 from tp_helpers import lm_batch, max_rel_err, same_random, tp_and_reference
 
 from hpc_tp.errors import ConfigError
@@ -21,20 +22,7 @@ CONFIGS = {
     "gpt2-dropout": dict(
         vocab_size=37, hidden=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=16, dropout=0.2, attn_dropout=0.1
     ),
-    "llama-gqa": dict(
-        vocab_size=37,
-        hidden=24,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=40,
-        max_seq_len=16,
-        norm="rmsnorm",
-        activation="swiglu",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
-    ),
+    "llama-gqa": MODEL_CONFIGS["llama-gqa"],
     # The MoE layer gathers the sequence its tensor-parallel experts need; some assignments are dropped.
     "moe-dropout": dict(
         vocab_size=37,
