@@ -29,6 +29,7 @@ from hpc_tp.pipeline import (
     model_chunks,
     parse_pp_layers,
     pipeline_forward_backward,
+    stage_costs,
     stage_layers,
     stage_ops,
     sync_tied_embeddings,
@@ -411,6 +412,25 @@ def test_stage_split():
     assert [len(r) for r in stage_layers(12, 12)] == [1] * 12
     assert parse_pp_layers("3,2,3", 8, 3) == [range(0, 3), range(3, 5), range(5, 8)]
     assert layers_from_counts([1, 4], 5, 2) == [range(0, 1), range(1, 5)]
+
+
+def test_balanced_split_weighs_each_layer():
+    """A sliding-window layer's attention covers its window, so at a long sequence four local layers
+    cost less than one global one: the default split gives the local half of the model more layers
+    (a uniform cost per block split it 4 + 4). An MoE layer's MLP is its top-k experts and router."""
+    cfg = ModelConfig(hidden=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=4096, vocab_size=64)
+    local_then_global = dataclasses.replace(
+        cfg, sliding_window=32, layer_types=["sliding_attention"] * 4 + ["full_attention"] * 4
+    )
+    _, blocks, _ = stage_costs(local_then_global)
+    assert blocks[0] < blocks[4] and len(set(blocks[:4])) == len(set(blocks[4:])) == 1
+    assert balanced_layers(cfg, 2) == [range(0, 4), range(4, 8)]
+    assert balanced_layers(local_then_global, 2) == [range(0, 6), range(6, 8)]
+    moe = dataclasses.replace(cfg, num_experts=4, top_k=2, moe_every=2)
+    _, moe_blocks, _ = stage_costs(moe, 64)
+    mlp = 2 * (64 * 96 + 96 * 64)  # one row through the dense MLP (gelu: one fc1)
+    assert moe_blocks[0] == stage_costs(cfg, 64)[1][0]  # layer 0 stays dense
+    assert moe_blocks[1] - moe_blocks[0] == 2 * mlp - mlp + 2 * 64 * 4  # two experts' rows and the router
 
 
 @pytest.mark.parametrize(

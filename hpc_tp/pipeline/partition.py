@@ -7,7 +7,8 @@ around the ring V times in smaller steps. Parameter names keep the whole model's
 so a checkpoint does not depend on the layout.
 
 A pipeline is as fast as its slowest chunk, so layers are split to balance an estimate of each
-chunk's work: the blocks' forward flops per token, plus the embedding on the first chunk and
+chunk's work: each block's forward flops per token (a sliding-window layer's attention covers its
+window, an MoE layer's MLP its top-k experts), plus the embedding on the first chunk and
 the final norm, LM head and cross entropy on the last (for a small model with a large
 vocabulary the head can weigh as much as several blocks). An explicit split (``--pp-layers
 3,2,3``, one count per chunk) overrides the estimate. Every chunk runs at least one block.
@@ -20,16 +21,45 @@ from ..models.config import ModelConfig
 from ..models.gpt import GPTModel
 
 
-def stage_costs(cfg: ModelConfig, seq_len: int | None = None) -> tuple[float, float, float]:
-    """Forward flops per token of (embedding, one block, final norm + head + loss)."""
-    t = cfg.max_seq_len if seq_len is None else seq_len
-    h, f, v = cfg.hidden, cfg.ffn_hidden, cfg.vocab_size
+def mlp_flops_per_row(cfg: ModelConfig, width: int | None = None) -> float:
+    """One row through an MLP of ``width`` (default: the dense one)."""
+    f = cfg.ffn_hidden if width is None else width
+    return 2.0 * ((2 if cfg.gated_mlp else 1) * cfg.hidden * f + f * cfg.hidden)
+
+
+def layer_flops_per_token(cfg: ModelConfig, layer: int, seq: int, expert_rows_per_token: float | None = None) -> float:
+    """Forward flops per token of block ``layer`` (a global index) at sequence ``seq``: its projections,
+    its scores and weighted values over the keys it sees (a sliding-window layer: its window only), and
+    its MLP. An MoE layer's MLP is ``expert_rows_per_token`` expert rows (default: top_k, the model's
+    flops), its router and its shared expert with that expert's gate."""
+    h = cfg.hidden
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    matmuls = h * (q + 2 * kv) + q * h + (2 if cfg.gated_mlp else 1) * h * f + f * h
-    block = 2 * matmuls + 4 * t * q  # projections, then scores and weighted values over t keys
-    embedding = 2 * h  # lookup and position add: memory traffic more than flops
-    head = 2 * h * v + 5 * v  # logits, then max, exp, sum and the target pick per vocab entry
-    return float(embedding), float(block), float(head)
+    window = cfg.window_of(layer)
+    keys = min(seq, window) if window else seq
+    attention = 2 * (h * (q + 2 * kv) + q * h) + 4 * keys * q
+    if not cfg.is_moe_layer(layer):
+        return attention + mlp_flops_per_row(cfg)
+    rows = cfg.top_k if expert_rows_per_token is None else expert_rows_per_token
+    experts = rows * mlp_flops_per_row(cfg, cfg.expert_ffn_hidden) + 2 * h * cfg.num_experts
+    shared = cfg.shared_expert_ffn_hidden
+    if shared:
+        experts += mlp_flops_per_row(cfg, shared) + 2 * h
+    return attention + experts
+
+
+def edge_costs(cfg: ModelConfig) -> tuple[float, float]:
+    """Forward flops per token of the embedding (first stage) and of the final norm + head + loss (last)."""
+    embedding = 2 * cfg.hidden  # lookup and position add: memory traffic more than flops
+    head = 2 * cfg.hidden * cfg.vocab_size + 5 * cfg.vocab_size  # logits, then max, exp, sum and the target pick
+    return float(embedding), float(head)
+
+
+def stage_costs(cfg: ModelConfig, seq_len: int | None = None) -> tuple[float, list[float], float]:
+    """Forward flops per token of (the embedding, each block in order, the final norm + head + loss):
+    blocks differ where some have a sliding window or experts."""
+    t = cfg.max_seq_len if seq_len is None else seq_len
+    embedding, head = edge_costs(cfg)
+    return embedding, [layer_flops_per_token(cfg, i, t) for i in range(cfg.n_layers)], head
 
 
 def stage_layers(
@@ -107,10 +137,8 @@ def check_virtual_stages(virtual_stages, pp: int, n_layers: int):
 def balanced_layers(cfg: ModelConfig, pp: int, seq_len: int | None = None, virtual_stages: int = 1) -> list[range]:
     """The default split of ``cfg`` into ``pp * virtual_stages`` chunks, from ``stage_costs``."""
     check_virtual_stages(virtual_stages, pp, cfg.n_layers)
-    embedding, block, head = stage_costs(cfg, seq_len)
-    return stage_layers(
-        cfg.n_layers, pp * virtual_stages, [block] * cfg.n_layers, first_extra=embedding, last_extra=head
-    )
+    embedding, blocks, head = stage_costs(cfg, seq_len)
+    return stage_layers(cfg.n_layers, pp * virtual_stages, blocks, first_extra=embedding, last_extra=head)
 
 
 def layers_from_counts(counts, n_layers: int, pp: int, virtual_stages: int = 1) -> list[range]:

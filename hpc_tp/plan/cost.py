@@ -1,8 +1,8 @@
 """Predicted step time of a (tp, pp, dp, micro-batch, recompute, schedule, sp, ep, V) layout.
 
-Compute. Forward FLOPs per token come from ``pipeline.partition.stage_costs`` (the estimate the
-stage split balances): per block 2 x (QKV, output, MLP weights) + 4 s h for scores and P V,
-plus the embedding on the first stage and the head and loss on the last. Backward costs twice
+Compute. Forward FLOPs per token come from ``pipeline.partition.layer_flops_per_token`` (the
+estimate the stage split balances): per block 2 x (QKV, output, MLP weights) + 4 s h for scores
+and P V (a sliding-window layer's s its window), plus the embedding on the first stage and the head and loss on the last. Backward costs twice
 the forward; full recomputation runs each block's forward once more, selective recomputation
 only Q K^T (2 s h per token and layer, the softmax rebuilt from it). A stage's work is split
 over its tp ranks, each running at the cluster's (or the calibration's) sustained FLOP/s. An MoE
@@ -73,7 +73,7 @@ import numpy
 from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..module import DEFAULT_BUCKET_BYTES
-from ..pipeline.partition import balanced_layers, rank_layers, stage_costs
+from ..pipeline.partition import balanced_layers, edge_costs, layer_flops_per_token, rank_layers
 from ..recompute import recompute_mode
 from .memory import (
     ENGINE,
@@ -254,29 +254,20 @@ class Prediction:
         return max(m.total for m in self.memory.values())
 
 
-def mlp_flops_per_row(cfg: ModelConfig, width: int | None = None) -> float:
-    """One row through an MLP of ``width`` (default: the dense one)."""
-    f = cfg.ffn_hidden if width is None else width
-    return 2.0 * ((2 if cfg.gated_mlp else 1) * cfg.hidden * f + f * cfg.hidden)
-
-
 def forward_flops_per_token(
     cfg: ModelConfig, seq: int, layers: range, first: bool, last: bool, expert_rows_per_token: float | None = None
 ) -> float:
-    """Forward FLOPs per token of a stage's ``layers`` (global indices). An MoE layer's MLP counts
-    ``expert_rows_per_token`` expert rows (default: top_k, the model's FLOPs), its router, and its
-    shared expert with that expert's gate, in place of the dense MLP ``stage_costs`` counts."""
-    embedding, block, head = stage_costs(cfg, seq)
-    moe = sum(cfg.is_moe_layer(i) for i in layers)
-    rows = cfg.top_k if expert_rows_per_token is None else expert_rows_per_token
-    shared = cfg.shared_expert_ffn_hidden
-    per_layer = rows * mlp_flops_per_row(cfg, cfg.expert_ffn_hidden) - mlp_flops_per_row(cfg)
-    per_layer += mlp_flops_per_row(cfg, shared) + 2 * cfg.hidden if shared else 0.0
-    experts = moe * per_layer + router_flops_per_token(cfg, layers)
-    # A windowed layer's scores and weighted values cover its window, not the whole sequence.
-    unseen = sum(seq - min(seq, cfg.window_of(i)) for i in layers if cfg.window_of(i))
-    windows = 4.0 * unseen * cfg.n_heads * cfg.head_dim
-    return len(layers) * block - windows + experts + (embedding if first else 0.0) + (head if last else 0.0)
+    """Forward FLOPs per token of a stage's ``layers`` (global indices): the sum of each block's
+    ``layer_flops_per_token`` (an MoE layer counting ``expert_rows_per_token`` expert rows, default top_k),
+    with the embedding on the first stage and the head on the last."""
+    embedding, head = edge_costs(cfg)
+    # Layers of one kind (window, MoE or not) cost the same: counted once a kind, as the search asks
+    # this for every layout it tries.
+    kinds: dict[tuple, list[int]] = {}
+    for i in layers:
+        kinds.setdefault((cfg.window_of(i), cfg.is_moe_layer(i)), []).append(i)
+    blocks = sum(len(ids) * layer_flops_per_token(cfg, ids[0], seq, expert_rows_per_token) for ids in kinds.values())
+    return blocks + (embedding if first else 0.0) + (head if last else 0.0)
 
 
 def router_flops_per_token(cfg: ModelConfig, layers: range) -> float:
