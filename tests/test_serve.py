@@ -82,7 +82,9 @@ def _start_line(proc, lines: queue.Queue, timeout=60):
             assert proc.poll() is None, "".join(seen)
             continue
         seen.append(line)
-        match = re.search(r"listening on http://127\.0\.0\.1:(\d+) \(tp=\d+, replicas=\d+, rank pids ([\d ]+)\)", line)
+        match = re.search(
+            r"listening on http://127\.0\.0\.1:(\d+) \(tp=\d+, pp=\d+, replicas=\d+, rank pids ([\d ]+)\)", line
+        )
         if match:
             return int(match.group(1)), [int(p) for p in match.group(2).split()]
     raise AssertionError("no start-up line in time:\n" + "".join(seen))

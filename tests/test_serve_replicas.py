@@ -74,12 +74,12 @@ def test_two_replicas_answer_every_request_once_as_alone(tmp_path, ranks, tp):
 
 def test_heads_that_do_not_split_over_tp_name_the_layouts_of_the_world_replicas_included():
     cfg = ModelConfig(hidden=72, n_heads=9, n_kv_heads=3)
-    check_layout(cfg, 3, 6)  # fits: nothing said
+    check_layout(cfg, 3, 1, 6)  # fits: nothing said
     with pytest.raises(ConfigError) as bad:
-        check_layout(cfg, 2, 2)
+        check_layout(cfg, 2, 1, 2)
     assert (
         str(bad.value)
         == "9 attention heads with 3 kv heads cannot be split over --tp 2; on 2 ranks: --tp 1 (2 replicas)"
     )
     with pytest.raises(ConfigError, match=r"on 6 ranks: --tp 1 \(6 replicas\), --tp 3 \(2 replicas\)$"):
-        check_layout(cfg, 2, 6)
+        check_layout(cfg, 2, 1, 6)

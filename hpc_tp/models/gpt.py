@@ -247,13 +247,28 @@ class GPTModel(Module):
         Decoding never drops: dropout is off for the call, whatever the model was trained with, and
         MoE layers keep every token's choices (no capacity), so a request's tokens do not depend on
         the other requests or the padding in its batch, as in vLLM's and Megatron's inference."""
-        if self._sequence_comm is not None:
-            raise ConfigError("sequence_parallel is for training: serve the checkpoint with sequence_parallel false")
+        self._check_inference()  # before the embedding, which would cut the sequence into shards
+        x, _ = self.embed_forward(ids, positions)
+        x = self.infer_blocks(x, positions, key_mask, cache)
+        cache.advance(ids.shape[1])
+        return self.infer_logits(x, all_positions, last)
+
+    def infer_blocks(self, x, positions, key_mask, cache):
+        """``infer``'s blocks alone over hidden states ``x`` [B, T, H] (this model's blocks: a pipeline
+        stage's own, ``serve.stages``), each writing its K/V into ``cache.layer(i)``; the caller
+        advances the cache."""
+        self._check_inference()
         with self.inference():
-            x, _ = self.embed_forward(ids, positions)
             for i, block in enumerate(self.layers):
                 x, _ = block.forward(x, key_mask, positions, cache.layer(i))
-        cache.advance(ids.shape[1])
+        return x
+
+    def _check_inference(self):
+        if self._sequence_comm is not None:
+            raise ConfigError("sequence_parallel is for training: serve the checkpoint with sequence_parallel false")
+
+    def infer_logits(self, x, all_positions: bool = False, last=None):
+        """``infer``'s full-vocabulary logits from the last block's hidden states ``x`` [B, T, H]."""
         if not all_positions:
             x = x[:, -1] if last is None else x[backend.xp_of(x).arange(x.shape[0]), last]
         return self._full_logits(x)

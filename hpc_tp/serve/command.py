@@ -1,14 +1,15 @@
-"""``hpc-tp generate``: text from a checkpoint, the model split over tp ranks.
+"""``hpc-tp generate``: text from a checkpoint, the model split over tp ranks (and pp stages).
 
     hpc-tp generate --ckpt CKPT --prompt TEXT                      one prompt, text to stdout
     hpc-tp generate --ckpt CKPT --prompts IN.jsonl --out OUT.jsonl  a batch job (sbatch)
 
 The checkpoint brings the model config (meta["config"]) and the tokenizer (its saved files; bytes
 when it has none); each rank reads only its slice of the weights. World rank 0 alone reads the
-prompts and writes the results; the others receive token ids by broadcast. With tp < world size,
-the world is cut into data-parallel replicas that share the prompts. ``--batching continuous`` (the
-default) decodes them with ``serve.continuous``'s scheduler, a prompt taking a row as soon as one is
-free; ``--batching static`` in batches of --batch-size that run until their longest is done.
+prompts and writes the results; the others receive token ids by broadcast. ``--pp`` cuts the layers
+into pipeline stages (``serve.stages``); with tp x pp < world size, the world is cut into data-parallel
+replicas that share the prompts. ``--batching continuous`` (the default) decodes them with
+``serve.continuous``'s scheduler, a prompt taking a row as soon as one is free; ``--batching static``
+in batches of --batch-size that run until their longest is done.
 
 A prompts line is {"prompt": TEXT} plus optional "id" and per-line overrides of the sampling
 flags (max_new_tokens, temperature, top_k, top_p, seed, stop: a string or a list). An output line
@@ -35,8 +36,9 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser):
-    """The checkpoint, layout and precision flags ``generate`` and ``serve`` share."""
+def add_model_arguments(parser: argparse.ArgumentParser, stages: bool = True):
+    """The checkpoint, layout and precision flags ``generate``, ``serve`` and ``embed`` share; ``stages``:
+    with ``--pp`` (a decoder's pipeline stages; an encoder runs in one piece)."""
     parser.add_argument(
         "--ckpt",
         "--checkpoint",
@@ -45,7 +47,16 @@ def add_model_arguments(parser: argparse.ArgumentParser):
         metavar="CKPT",
         help="checkpoint step folder, or a root holding them (the latest is used)",
     )
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
+    over = " over --pp" if stages else ""
+    parser.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size (default: the world size{over})")
+    if stages:
+        parser.add_argument(
+            "--pp",
+            type=int,
+            default=1,
+            help="pipeline stages, each its share of the layers on tp ranks: a model larger than a node, "
+            "pp across nodes and tp inside (default %(default)s); the world is tp x pp x replicas",
+        )
     parser.add_argument(
         "--dtype",
         choices=DTYPES,

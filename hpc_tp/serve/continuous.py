@@ -173,7 +173,9 @@ def kv_pool_blocks(model, rows: int, max_len: int, block_size: int, memory_gib: 
         raise ConfigError(f"--kv-block-size {block_size}: expected an integer >= 1")
     if memory_gib is None:
         return rows * -(-max_len // block_size) + 1
-    per_block = PagedKVCache.block_bytes(model, block_size)
+    # the most a rank of the group holds: pipeline stages hold different layers, and every rank needs
+    # the same blocks (collective over the group, as the batcher that calls it)
+    per_block = max(model.comm.allgather_object(PagedKVCache.block_bytes(model, block_size)))
     if not (math.isfinite(memory_gib) and memory_gib > 0):
         raise ConfigError(f"--kv-cache-memory {memory_gib}: expected a number of GiB > 0")
     blocks = int(memory_gib * 2**30 // per_block)
@@ -222,8 +224,9 @@ class ContinuousBatcher:
         self.blocks = BlockManager(blocks, block_size, prefix_caching)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
         self.prefix_caching = prefix_caching
-        # Positions a request's next token still sees where every layer has a sliding window (0: all)
-        windows = [self.model.cfg.window_of(i) for i in range(len(self.model.layers))]
+        # Positions a request's next token still sees where every layer has a sliding window (0: all):
+        # every layer of the model, so that pipeline stages, which hold different ones, free blocks alike
+        windows = [self.model.cfg.window_of(i) for i in range(self.model.cfg.n_layers)]
         self.keep = max(windows) if all(windows) else 0
         self.seqs = [Sequence() for _ in range(rows)]  # each row's blocks and tokens held
         self.age = numpy.full(rows, -1, dtype=numpy.int64)  # when each busy row was admitted (-1: free)

@@ -32,7 +32,7 @@ INPUT_KEYS = ("text", "ids", "id", "type_ids")
 
 
 def add_arguments(parser):
-    add_model_arguments(parser)
+    add_model_arguments(parser, stages=False)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", action="append", help="a text to embed (repeatable)")
     source.add_argument("--inputs", metavar="FILE.jsonl", help='JSON lines, each {"text": TEXT} or {"ids": [...]}')

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 from .. import backend
 from ..backend import resolve_dtype
@@ -13,51 +14,80 @@ from ..comm.mpi import world
 from ..errors import ConfigError
 from ..grid import ProcessGrid
 from ..launch import check_launch, install_abort_on_exception
-from ..models import GPTModel, ModelConfig
+from ..models import ModelConfig
 from ..nn.attention import heads_fit
+from ..pipeline import build_stage
 from ..tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
+from .stages import PipelineStages
 
 
 def open_checkpoint(args):
-    """(grid, checkpoint folder, ModelConfig) for ``args.ckpt`` at ``--tp`` (default: the world) on
-    ``--device``."""
+    """(grid, checkpoint folder, ModelConfig) for ``args.ckpt`` at ``--tp`` x ``--pp`` (tp default: the
+    ranks of a stage, the world over pp) on ``--device``; the rest of the world: replicas."""
+    pp = getattr(args, "pp", 1)  # `hpc-tp embed` has no --pp: an encoder runs in one piece
     if args.tp is not None and args.tp < 1:
-        raise ConfigError(f"--tp {args.tp}: expected a positive integer (default: the world size)")
+        raise ConfigError(f"--tp {args.tp}: expected a positive integer (default: the world size over --pp)")
+    if pp < 1:
+        raise ConfigError(f"--pp {pp}: expected a positive integer (default 1)")
     check_launch()
     install_abort_on_exception()
-    grid = ProcessGrid(tp=args.tp or world().size, pp=1)
-    backend.use(args.device, grid.local_rank)
+    ranks = world().size
+    tp = args.tp or max(ranks // pp, 1)
     folder = resolve_checkpoint(args.ckpt)
-    meta = load_checkpoint(folder, {}, grid)
+    # the header alone needs no grid but the world's ranks: the layout is checked against its config
+    # before a grid is cut, so a world the layout does not divide gets the layouts that fit the model
+    meta = load_checkpoint(folder, {}, SimpleNamespace(world=world()))
     if not isinstance(meta.get("config"), dict):
         raise ConfigError(f"checkpoint {folder} has no model config (meta['config']); was it written by hpc-tp?")
     # Sequence parallelism is a training layout of the same weights; the KV-cache path runs without it.
     cfg = replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=False)
-    check_layout(cfg, grid.tp.size, world().size)
+    check_layout(cfg, tp, pp, ranks)
+    grid = ProcessGrid(tp=tp, pp=pp)
+    backend.use(args.device, grid.local_rank)
     return grid, folder, cfg
 
 
-def check_layout(cfg: ModelConfig, tp: int, ranks: int):
-    """ConfigError unless ``cfg``'s heads split over ``tp``, naming the layouts of ``ranks`` ranks that
-    fit: a tp the heads allow, the world cut into that many replicas."""
-    if heads_fit(cfg.n_heads, cfg.n_kv_heads, tp):
+def check_layout(cfg: ModelConfig, tp: int, pp: int, ranks: int):
+    """ConfigError unless ``cfg``'s heads split over ``tp``, its layers over ``pp`` stages (one at least
+    each) and ``ranks`` into groups of tp x pp (the replicas), naming the layouts of ``ranks`` ranks that
+    fit: those that keep the one of ``tp`` and ``pp`` that was not at fault, where there are any."""
+    heads, stages = heads_fit(cfg.n_heads, cfg.n_kv_heads, tp), pp <= cfg.n_layers
+    if heads and stages and ranks % (tp * pp) == 0:
         return
-    fits = [t for t in range(1, ranks + 1) if ranks % t == 0 and heads_fit(cfg.n_heads, cfg.n_kv_heads, t)]
-    layouts = ", ".join(f"--tp {t} ({ranks // t} replica{'s' if ranks // t > 1 else ''})" for t in fits)
-    raise ConfigError(
-        f"{cfg.n_heads} attention heads with {cfg.n_kv_heads} kv heads cannot be split over --tp {tp}; "
-        f"on {ranks} rank{'s' if ranks > 1 else ''}: {layouts}"
-    )
+    fits = [
+        (t, p)
+        for p in range(1, min(ranks, cfg.n_layers) + 1)
+        for t in range(1, ranks // p + 1)
+        if ranks % (t * p) == 0 and heads_fit(cfg.n_heads, cfg.n_kv_heads, t)
+    ]
+    if not heads:
+        problem = f"{cfg.n_heads} attention heads with {cfg.n_kv_heads} kv heads cannot be split over --tp {tp}"
+        near = [(t, p) for t, p in fits if p == pp]
+    elif not stages:
+        problem = f"--pp {pp} is more pipeline stages than the model's {cfg.n_layers} layers"
+        near = [(t, p) for t, p in fits if t == tp]
+    else:
+        problem = f"{ranks} ranks do not split into replicas of --tp {tp} x --pp {pp} = {tp * pp} ranks"
+        near = []
+    layouts = ", ".join(_layout(t, p, ranks) for t, p in near or fits)
+    raise ConfigError(f"{problem}; on {ranks} rank{'s' if ranks > 1 else ''}: {layouts}")
+
+
+def _layout(tp: int, pp: int, ranks: int) -> str:
+    replicas = ranks // (tp * pp)
+    stages = f" --pp {pp}" if pp > 1 else ""
+    return f"--tp {tp}{stages} ({replicas} replica{'s' if replicas > 1 else ''})"
 
 
 def load_for_inference(args, opened=None):
     """(grid, model, tokenizer) from ``args.ckpt``, or from ``opened`` (``open_checkpoint``'s answer,
-    where the caller looked at the config first): a decoder, and the tokenizer saved with it (bytes
-    when it has none)."""
+    where the caller looked at the config first): a decoder (a ``GPTModel``, or at pp > 1 this rank's
+    stage as ``serve.stages.PipelineStages``), and the tokenizer saved with it (bytes when it has none)."""
     grid, folder, cfg = opened or open_checkpoint(args)
     if not cfg.causal:
         raise ConfigError(f"checkpoint {folder} holds an encoder (causal=false): use `hpc-tp embed` for it")
-    model = GPTModel(cfg, grid.tp, dtype=resolve_dtype(args.dtype))
-    load_checkpoint(folder, model.state(), grid)
+    stage = build_stage(cfg, grid, resolve_dtype(args.dtype))  # the whole model at pp = 1
+    load_checkpoint(folder, stage.state(), grid)
+    model = PipelineStages(stage, grid) if grid.pp_size > 1 else stage
     tokenizer = load_tokenizer_dir(folder) if (folder / CONFIG_FILE).is_file() else ByteTokenizer()
     return grid, model, tokenizer

@@ -24,9 +24,10 @@ two decode steps requests that finished leave their row and queued ones are pref
 rows (together, in passes of at most --max-batch-prefill-tokens padded tokens), so a new request
 starts within one step of arriving instead of waiting for a whole batch. An
 idle server waits --batch-window-ms after a first request for company before it starts. The other
-ranks only ever receive token ids. With more ranks than ``--tp`` (world = tp x replicas) every tp
-group is a replica with its own batcher and KV cache, and the requests go to whichever has a free row
-(``serve.replicas``). ``--batching static`` runs the batches of before instead
+ranks only ever receive token ids. ``--pp`` cuts the layers into pipeline stages of tp ranks each
+(``serve.stages``), one tp x pp group decoding. With more ranks than tp x pp (world = tp x pp x
+replicas) every such group is a replica with its own batcher and KV cache, and the requests go to
+whichever has a free row (``serve.replicas``). ``--batching static`` runs the batches of before instead
 (``StaticBatches``). Streaming responses are server-sent events: one
 ``data: {chunk}`` per piece of final text, then ``data: [DONE]``.
 
@@ -129,21 +130,22 @@ def run(args) -> int:
             raise ConfigError(f"{flag} {value}: expected an integer >= 1")
     template_source = read_template(args.chat_template)  # a bad file fails every rank before the load
     opened = open_checkpoint(args)
-    encoder = not opened[2].causal  # served for /v1/embeddings
-    grid, model, tokenizer = (load_encoder if encoder else load_for_inference)(args, opened)
-    max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
-    if encoder and grid.dp_size != 1:  # embeddings batch over one tp group; the router sends prompts
+    grid, _, cfg = opened
+    encoder = not cfg.causal  # served for /v1/embeddings
+    if encoder and grid.tp_size != grid.world.size:  # embeddings batch over one tp group, in one piece
         raise ConfigError(
-            f"--tp {grid.tp_size} with {grid.world.size} ranks: an encoder is served by one tp "
-            f"group, use --tp {grid.world.size}"
+            f"--tp {grid.tp_size} --pp {grid.pp_size} with {grid.world.size} ranks: an encoder is served "
+            f"by one tp group, use --tp {grid.world.size} --pp 1"
         )
+    _, model, tokenizer = (load_encoder if encoder else load_for_inference)(args, opened)
+    max_len = min(model.cfg.max_seq_len, args.max_model_len or model.cfg.max_seq_len)
     stop = Shutdown()
     # Every replica's tp rank 0 samples, so each checks the stop ids, the template's end of turn among them.
     template = None if encoder else template_for(tokenizer, template_source, args.chat_template)
     stop_at_end_of_turn(tokenizer, template)
     # The replicas' requests and answers go over a communicator of their own (serve.replicas).
     replicas = grid.world.split(0, grid.world.rank) if grid.dp_size > 1 else None
-    leaders = [int(grid.ranks[d, 0, 0]) for d in range(grid.dp_size)]  # each replica's tp rank 0
+    leaders = [int(grid.ranks[d, 0, 0]) for d in range(grid.dp_size)]  # each replica's first rank, which samples
     server, error = None, None
     if grid.world.rank == 0:
         from .http import CompletionServer
@@ -172,7 +174,7 @@ def run(args) -> int:
         batcher.run(RemoteJobs(replicas) if grid.world.rank in leaders else None)
         return 0
     print(
-        f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, "
+        f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, pp={grid.pp_size}, "
         f"replicas={grid.dp_size}, rank pids {' '.join(map(str, pids))}); {layout}",
         flush=True,
     )
