@@ -1,6 +1,8 @@
 """Pipeline-parallel inference (``serve.stages``): at pp = 2 (2 ranks) and tp = 2 x pp = 2 (4 ranks) a
 static batch and the continuous batcher give one process's tokens and logits (float64, 1e-10), with
-tied and untied heads, learned positions and RoPE, sliding-window and MoE layers; ``hpc-tp generate
+tied and untied heads, learned positions and RoPE, sliding-window and MoE layers, and a KV pool small
+enough to preempt on stages of different layers; every position's logits reach the sampling rank
+alone; ``hpc-tp generate
 --pp`` writes one process's completions, replicas included; ``hpc-tp serve --pp 2`` answers the OpenAI
 client as one process would; a layout that does not fit is one ConfigError line on every rank."""
 
@@ -21,8 +23,8 @@ from hpc_tp.grid import ProcessGrid
 from hpc_tp.models import ModelConfig
 from hpc_tp.serve import continuous, generate
 from hpc_tp.serve.continuous import ContinuousBatcher
-from hpc_tp.serve.generate import Engine
-from hpc_tp.serve.kv_cache import PagedKVCache
+from hpc_tp.serve.generate import Engine, left_pad
+from hpc_tp.serve.kv_cache import KVCache, PagedKVCache
 from hpc_tp.serve.loading import check_layout, load_for_inference
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.serve.stages import PipelineStages
@@ -84,6 +86,30 @@ def _one_process(name, logits_seen):
     completions = [engine.generate([p], [params])[0][0] for p, params in zip(PROMPTS, _params())]
     logits = {seed: logits_seen.pop(seed) for seed in range(len(PROMPTS))}
     return completions, logits
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_positions_logits_reach_the_sampling_rank(comm_world, shared_dir):
+    """``infer(all_positions=True)`` through the stages: a prefill and two decode steps' logits at every
+    position are one process's, on the group's rank 0 alone."""
+    _, model = _pipelined(comm_world, shared_dir, "llama-gqa")
+    reference = _model("llama-gqa", self_comm())
+    tokens, key_mask, positions = left_pad(PROMPTS, 2, pad_id=0)
+    width, lens = tokens.shape[1], np.array([len(p) for p in PROMPTS])
+    caches = [KVCache.for_model(m, len(PROMPTS), width + 2) for m in (model, reference)]
+    calls = [(tokens, positions, key_mask[:, :width])]
+    for step in range(2):
+        key_mask[:, width + step] = True
+        calls.append((np.full((len(PROMPTS), 1), 7 + step), (lens + step)[:, None], key_mask[:, : width + step + 1]))
+    failures = []
+    for ids, pos, mask in calls:
+        got = model.infer(ids, pos, mask, caches[0], all_positions=True)
+        want = reference.infer(ids, pos, mask, caches[1], all_positions=True)
+        if (got is None) != (model.comm.rank != 0):
+            failures.append(f"rank {model.comm.rank} got logits {None if got is None else got.shape}")
+        elif got is not None and max_rel_err(got, want) > 1e-10:
+            failures.append(f"logits of {ids.shape[1]} positions off by {max_rel_err(got, want):.2e}")
+    _agree(model.comm, sum(model.comm.allgather_object(failures), []))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -191,20 +217,22 @@ def test_layout_errors_name_the_value_and_the_layouts_that_fit():
     )
 
 
-def test_serve_at_pp_2_answers_the_openai_client_as_one_process(tmp_path):
+@pytest.mark.parametrize("ranks,flags", [(2, []), (4, ["--tp", "1"])], ids=["pp2", "pp2-2-replicas"])
+def test_serve_at_pp_2_answers_the_openai_client_as_one_process(tmp_path, ranks, flags):
     ckpt = write_checkpoint(tmp_path / "ckpt", "llama-gqa", ProcessGrid(tp=1, world=self_comm()), ByteTokenizer())
     engine = Engine(_model("llama-gqa", self_comm()), ByteTokenizer())
-    with serving("--ckpt", str(ckpt), "--pp", "2", "--dtype", "float64", "--max-model-len", "31") as served:
+    # 2 rows a replica: the 6 prompts of one request fill both replicas of 4 ranks
+    layout = ["--pp", "2", *flags, "--max-batch", "2"]
+    with serving("--ckpt", str(ckpt), *layout, "--dtype", "float64", "--max-model-len", "31", ranks=ranks) as served:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0)
-        prompts = ["stage one", "and two"]
-        answer = client.completions.create(model=ckpt.parent.name, prompt=prompts, max_tokens=6, temperature=0)
-        streamed = client.completions.create(
-            model=ckpt.parent.name, prompt="streamed", max_tokens=5, temperature=0, stream=True
-        )
+        name = client.models.list().data[0].id
+        prompts = [f"stage {i}" + "ab" * i for i in range(6)]
+        answer = client.completions.create(model=name, prompt=prompts, max_tokens=6, temperature=0)
+        streamed = client.completions.create(model=name, prompt="streamed", max_tokens=5, temperature=0, stream=True)
         text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
     want, _ = engine.generate(
         [list(p.encode()) for p in [*prompts, "streamed"]],
-        [SamplingParams(max_new_tokens=6)] * 2 + [SamplingParams(max_new_tokens=5)],
+        [SamplingParams(max_new_tokens=6)] * len(prompts) + [SamplingParams(max_new_tokens=5)],
     )
-    assert [c.text for c in sorted(answer.choices, key=lambda c: c.index)] == [w.text for w in want[:2]]
-    assert text == want[2].text
+    assert [c.text for c in sorted(answer.choices, key=lambda c: c.index)] == [w.text for w in want[:-1]]
+    assert text == want[-1].text
