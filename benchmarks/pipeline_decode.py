@@ -75,7 +75,7 @@ def main():
         "pp=1": GPTModel(cfg, self_comm(), dtype=dtype) if comm.rank == 0 else None,
         "pp=2": PipelineStages(build_stage(cfg, grid, dtype), grid),
     }
-    found = {name: [] for name in variants}  # (wall, CPU summed over the ranks) medians, a round each
+    found = {name: [] for name in variants}  # a round each: medians of (wall, CPU, CPU in receives) a step
     for round_ in range(args.rounds):
         for name, model in variants.items():
             rng = numpy.random.default_rng(round_)  # the same tokens on every rank
