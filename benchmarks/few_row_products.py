@@ -3,13 +3,17 @@
 float32 through ``kernels.blas``'s BLAS path and through the few-row kernel, and bfloat16 weights through
 the kernel.
 
-    OMP_NUM_THREADS=1 python benchmarks/few_row_products.py [--rows 1,8,32] [--rounds 3]
+    OMP_NUM_THREADS=1 python benchmarks/few_row_products.py [--rows 1,8,32] [--rounds 3] [--threads 1,2]
 
 Each call takes the next of several copies of the weight (128 MiB in all), so the weight comes from
 memory as in a decode step, not from cache. Times are the thread's CPU time per product, the best of
 ``--repeats`` passes over the copies, and each line gives the range of that best over the rounds
 (CPU time rather than wall time: on a shared machine a descheduled thread is not the kernel's cost;
 memory traffic of other processes still is). GB/s: the weight's bytes over the best time.
+
+``--threads 1,2`` runs every way at each thread count (``kernels.threads.use``: MKL's and the
+kernels'), alternating within each round; the times are then wall times, since a second thread's
+work is not the calling thread's CPU time (on a loaded machine they include waits for a core).
 """
 
 from __future__ import annotations
@@ -26,26 +30,29 @@ SHAPES = {
 }
 
 
-def best_seconds(product, weights, repeats: int) -> float:
+def best_seconds(product, weights, repeats: int, clock) -> float:
     best = float("inf")
     for _ in range(repeats):
-        start = time.thread_time()
+        start = clock()
         for w in weights:
             product(w)
-        best = min(best, (time.thread_time() - start) / len(weights))
+        best = min(best, (clock() - start) / len(weights))
     return best
 
 
 def main():
     import ml_dtypes
 
-    from hpc_tp.kernels import blas, small_m
+    from hpc_tp.kernels import blas, small_m, threads
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,32", help="values of M (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="passes per round (default %(default)s)")
+    parser.add_argument("--threads", default=None, help="thread counts to compare, e.g. 1,2 (default: the rank's)")
     args = parser.parse_args()
+    counts = [threads.COUNT] if args.threads is None else [int(c) for c in args.threads.split(",")]
+    clock = time.thread_time if counts == [1] else time.perf_counter
     rng = numpy.random.default_rng(0)
     for name, (k, n, transposed) in SHAPES.items():
         copies = max(1, (128 << 20) // (4 * k * n))
@@ -61,15 +68,18 @@ def main():
                 "small_m f32": (lambda w: small_m.matmul(a, w, out), full),
                 "small_m bf16": (lambda w: small_m.matmul(a, w, out), half),
             }
-            times = {way: [] for way in ways}
+            times = {(way, count): [] for way in ways for count in counts}
             for _ in range(args.rounds):
-                for way, (product, weights) in ways.items():
-                    times[way].append(best_seconds(product, weights, args.repeats))
+                for way, count in times:
+                    threads.use(count)
+                    product, weights = ways[way]
+                    times[way, count].append(best_seconds(product, weights, args.repeats, clock))
             parts = []
-            for way, seconds in times.items():
+            for (way, count), seconds in times.items():
                 gigabytes = (ways[way][1][0].nbytes) / 1e9
+                label = way if len(counts) == 1 else f"{way} x{count}"
                 parts.append(
-                    f"{way} {min(seconds) * 1e3:.3f}-{max(seconds) * 1e3:.3f} ms ({gigabytes / min(seconds):.1f} GB/s)"
+                    f"{label} {min(seconds) * 1e3:.3f}-{max(seconds) * 1e3:.3f} ms ({gigabytes / min(seconds):.1f} GB/s)"
                 )
             print(f"{name} M={m}: " + ", ".join(parts), flush=True)
 

@@ -10,6 +10,7 @@ import pytest
 from test_continuous import Request, Script, _agrees_with_alone
 from test_continuous import events as events  # noqa: F401, PLC0414 (the fixture, used by its name)
 from test_generate import CONFIGS, PROMPTS, _model, larger_weights
+from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
 from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.errors import ConfigError
@@ -267,3 +268,25 @@ def test_a_model_windowed_in_every_layer_gives_back_the_blocks_its_window_passed
     assert 0 < max(held) <= -(-3 // block_size) + 1 and not any(batcher.blocks.refs)
     for request in requests:
         _agrees_with_alone(engine, request, events)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_threads_split_the_decode_kernel_s_rows_and_heads_without_changing_a_bit(window, thread_count):
+    """Rows of unequal lengths over scattered slots: the same bits at 1, 2 and 3 threads, each
+    thread a range of (row, KV head) pairs of about equal work."""
+    if not paged_attention.supported(np.zeros(1), np.zeros(1)):
+        pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
+    rng = np.random.default_rng(3)
+    rows, heads, group, d, pool = 5, 3, 3, 16, 200
+    k, v = rng.standard_normal((2, heads, pool, d))
+    q = rng.standard_normal((rows, heads, group, 1, d))
+    counts = np.array([40, 1, 17, 2, 33])
+    slots = np.stack([rng.permutation(pool)[: counts.max()] for _ in range(rows)])
+    results = []
+    for count in (1, 2, 3):
+        thread_count(count)
+        out = np.zeros_like(q)
+        paged_attention.decode(q, k, v, slots, counts, out, window)
+        results.append(out)
+    assert all(np.array_equal(results[0], result) for result in results[1:])
+    assert np.isfinite(results[0]).all()

@@ -4,8 +4,9 @@ exactly; kernels.blas sends it the products it takes and nothing else."""
 
 import numpy as np
 import pytest
+from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
 
-from hpc_tp.kernels import blas, cpu_kernels, small_m
+from hpc_tp.kernels import blas, cpu_kernels, quantized, small_m
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 needs_numba = pytest.mark.skipif(not cpu_kernels.ENABLED, reason="needs numba")
@@ -92,3 +93,26 @@ def test_many_rows_against_a_half_weight_widen_it_by_blocks(dtype, layout, accum
     expected = a.astype("float64") @ w.astype("float64") + (1 if accumulate else 0)
     assert got is out and np.abs(got - expected).max() <= 3e-6 * np.abs(expected).max()
     np.testing.assert_allclose(blas.matmul(a, w), expected - (1 if accumulate else 0), rtol=1e-4, atol=1e-3)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("layout", ["row-major", "transposed view"])
+def test_threads_split_the_outputs_without_changing_a_bit(dtype, layout, thread_count):
+    """Each thread's outputs are summed in the order of one thread's: the same bits at 1, 2 and 3
+    threads, with ranges of uneven widths and the kernels' tails inside them."""
+    if dtype.startswith("int") and layout != "row-major":
+        pytest.skip("quantized weights are kept row-major")
+    m, k, n = 7, 320, 1999
+    a = rng.standard_normal((m, k)).astype("float64" if dtype == "float64" else "float32")
+    if dtype.startswith("int"):
+        w = quantized.quantize(rng.standard_normal((k, n)).astype("float32"), int(dtype[3:]))
+        product = lambda: quantized.matmul(a, w)  # noqa: E731
+    else:
+        w = _weight(k, n, dtype, layout)
+        product = lambda: small_m.matmul(a, w)  # noqa: E731
+    results = []
+    for count in (1, 2, 3):
+        thread_count(count)
+        results.append(product())
+    assert all(np.array_equal(results[0], result) for result in results[1:])

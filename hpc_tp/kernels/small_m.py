@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy
 
-from . import cpu_kernels
+from . import cpu_kernels, threads
 
 # Rows it takes: for float32/float64 weights MKL's GEMV is as fast for one row and its GEMM for many
 # (the ranges are where these kernels were faster, measured on the 135M model's shapes); half weights
@@ -45,6 +45,9 @@ TILE_ROWS = 4  # input rows per pass (the rows past the last whole tile: one per
 GROUP = 4  # weight rows (row-major) or columns (transposed) per pass: 4 products per accumulator load
 FULL, BF16, F16 = 0, 1, 2
 QUANT_ROWS = 32  # weight rows sharing a scale (and a minimum): GGUF's block; a multiple of GROUP
+# A thread's columns start at a multiple of this (16 float32 lanes of an AVX-512 vector, 4 such vectors
+# per loop turn): each column keeps its place in the loops' vector body or tail at any thread count.
+COLUMN_ALIGN = 64
 _F16_SCALE = numpy.float32(2.0**112)  # moves a float16 exponent (bias 15) to float32's (bias 127)
 _NO_BITS = numpy.empty(0, numpy.uint16)  # the operand a kernel call does not use
 _NO_FLOATS = numpy.empty(0, numpy.float32)
@@ -123,8 +126,11 @@ def matmul(a, b, out=None):
     stored = b if layout(b) == "rows" else b.T
     flat = stored.reshape(-1)
     weight, bits = (flat, _NO_BITS) if kind == FULL else (_NO_FLOATS, flat.view(numpy.uint16))
-    kernel = _rows_by_matrix if stored is b else _rows_by_transposed
-    kernel(a, weight, bits, kind, dtype.type(0), out)
+    args = (a, weight, bits, kind, dtype.type(0), out)
+    if stored is b:  # whole output columns to each thread, in blocks of a vector's multiple
+        threads.run(_rows_by_matrix, _rows_by_matrix_over, args, threads.columns(out.shape[1], COLUMN_ALIGN))
+    else:  # whole groups of vocabulary rows
+        threads.run(_rows_by_transposed, _rows_by_transposed_over, args, threads.columns(out.shape[1], GROUP))
     return out
 
 
@@ -144,8 +150,24 @@ def quantized_matmul(a, codes, scales, lows, dtype):
     int8 [K, N] or, for 4 bits, uint8 [K/2, N]; ``scales`` and ``lows`` float32 [K/QUANT_ROWS, N],
     ``lows`` empty for 8 bits), as ``dtype`` (float32 or float64) sums; K a multiple of QUANT_ROWS."""
     out = numpy.empty((a.shape[0], codes.shape[1]), dtype)
-    _rows_by_quantized(_operand_rows(a, dtype), codes.reshape(-1), scales, lows, dtype.type(0), out)
+    args = (_operand_rows(a, dtype), codes.reshape(-1), scales, lows, dtype.type(0), out)
+    threads.run(_rows_by_quantized, _rows_by_quantized_over, args, threads.columns(out.shape[1], COLUMN_ALIGN))
     return out
+
+
+def warm_up(weight_dtype):
+    """Compile (or load from numba's cache) every kernel here for weights of ``weight_dtype``, at the
+    rank's thread count: a server calls it before its first request, which would otherwise wait for
+    it (about half a second a kernel loaded from the cache, seconds compiled)."""
+    dtype = result_dtype(weight_dtype)
+    if not cpu_kernels.ENABLED or dtype not in cpu_kernels.DTYPES:
+        return
+    a, w = numpy.ones((MIN_FULL_ROWS, 2 * QUANT_ROWS), dtype), numpy.ones((2 * QUANT_ROWS, 4 * COLUMN_ALIGN), dtype)
+    matmul(a, w)
+    matmul(a, numpy.ascontiguousarray(w.T).T)
+    scales = numpy.ones(2 * w.shape[1], numpy.float32)
+    quantized_matmul(a, w.astype(numpy.int8), scales, scales[:0], dtype)
+    quantized_matmul(a, w[:QUANT_ROWS].astype(numpy.uint8), scales, scales, dtype)
 
 
 if cpu_kernels.ENABLED:
@@ -194,18 +216,18 @@ def _stage_rows(weight, bits, kind, at, stride, count, width, scratch, pitch):
 
 
 @_jit
-def _rows_by_matrix(a, weight, bits, kind, zero, out):
-    """out = a @ W for W [K, N] row-major, flat in ``weight`` (or its half ``bits``); ``a``'s columns
-    are padded with zeros to a multiple of GROUP."""
+def _rows_by_matrix(a, weight, bits, kind, zero, out, first, last):
+    """out[:, first:last] = a @ W[:, first:last] for W [K, N] row-major, flat in ``weight`` (or its
+    half ``bits``); ``a``'s columns are padded with zeros to a multiple of GROUP."""
     rows, n = a.shape[0], out.shape[1]
     whole = rows - rows % TILE_ROWS
     k = (weight.shape[0] if kind == FULL else bits.shape[0]) // n
     # rows x block accumulators fill ~32 KiB of float32 (L1) beside the weight rows being read
-    block = min(n, max(64, (8192 // rows) // 16 * 16))
+    block = min(last - first, max(COLUMN_ALIGN, (8192 // rows) // COLUMN_ALIGN * COLUMN_ALIGN))
     acc = numpy.empty(rows * block, out.dtype)
     scratch = numpy.empty(GROUP * block, out.dtype)
-    for start in range(0, n, block):
-        width = min(block, n - start)
+    for start in range(first, last, block):
+        width = min(block, last - start)
         acc[:] = zero
         for p in range(0, k, GROUP):
             group = min(GROUP, k - p)
@@ -245,8 +267,8 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
 
 
 @_jit
-def _rows_by_quantized(a, codes, scales, lows, zero, out):
-    """out = a @ W for W [K, N] kept quantized (``quantized_matmul``'s operands). Each group of
+def _rows_by_quantized(a, codes, scales, lows, zero, out, first, last):
+    """out[:, first:last] = a @ W[:, first:last] for W [K, N] kept quantized (``quantized_matmul``'s operands). Each group of
     QUANT_ROWS weight rows is summed as its codes (widened in registers, each read once for four input
     rows), and the group's sums are scaled once per column; for 4 bits the group's minimum times the
     sum of ``a`` over the group's rows is added. Row 2i of a 4-bit weight is packed row i's low nibble,
@@ -255,15 +277,15 @@ def _rows_by_quantized(a, codes, scales, lows, zero, out):
     rows, n = a.shape[0], out.shape[1]
     groups, four_bits = scales.shape[0] // n, lows.shape[0] > 0
     whole = rows - rows % TILE_ROWS
-    block = min(n, max(64, (8192 // rows) // 16 * 16))
+    block = min(last - first, max(COLUMN_ALIGN, (8192 // rows) // COLUMN_ALIGN * COLUMN_ALIGN))
     acc = numpy.empty(rows * block, out.dtype)
     part = numpy.empty(rows * block, out.dtype)
     sums = numpy.empty((rows, groups), out.dtype)  # what multiplies the minimums
     for r in range(rows):
         for g in range(groups):
             sums[r, g] = a[r, g * QUANT_ROWS : (g + 1) * QUANT_ROWS].sum()
-    for start in range(0, n, block):
-        width = min(block, n - start)
+    for start in range(first, last, block):
+        width = min(block, last - start)
         acc[:] = zero
         for g in range(groups):
             part[:] = zero
@@ -318,16 +340,16 @@ def _rows_by_quantized(a, codes, scales, lows, zero, out):
 
 
 @_jit
-def _rows_by_transposed(a, weight, bits, kind, zero, out):
-    """out = a @ E.T for E [N, K] row-major, flat in ``weight`` (or its half ``bits``); ``a`` is
-    padded as for ``_rows_by_matrix``."""
+def _rows_by_transposed(a, weight, bits, kind, zero, out, first, last):
+    """out[:, first:last] = a @ E[first:last].T for E [N, K] row-major, flat in ``weight`` (or its
+    half ``bits``), ``first`` a multiple of GROUP; ``a`` is padded as for ``_rows_by_matrix``."""
     rows, n = a.shape[0], out.shape[1]
     whole = rows - rows % TILE_ROWS
     k = (weight.shape[0] if kind == FULL else bits.shape[0]) // n
     scratch = numpy.empty(GROUP * k, out.dtype)
     sums = numpy.empty((TILE_ROWS, GROUP), out.dtype)
-    for c in range(0, n, GROUP):
-        group = min(GROUP, n - c)
+    for c in range(first, last, GROUP):
+        group = min(GROUP, last - c)
         if kind == FULL and group == GROUP:
             src, at = weight, c * k
         else:
@@ -378,3 +400,22 @@ def _rows_by_transposed(a, weight, bits, kind, zero, out):
                 s03 += x0[p] * e3[p]
             sums[0, 0], sums[0, 1], sums[0, 2], sums[0, 3] = s00, s01, s02, s03
             out[r, c : c + group] = sums[0, :group]
+
+
+# Each kernel's threads: one range of output columns (``threads.run``'s [start, stop)) each.
+@threads.parallel_jit
+def _rows_by_matrix_over(a, weight, bits, kind, zero, out, bounds):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _rows_by_matrix(a, weight, bits, kind, zero, out, bounds[part], bounds[part + 1])
+
+
+@threads.parallel_jit
+def _rows_by_quantized_over(a, codes, scales, lows, zero, out, bounds):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _rows_by_quantized(a, codes, scales, lows, zero, out, bounds[part], bounds[part + 1])
+
+
+@threads.parallel_jit
+def _rows_by_transposed_over(a, weight, bits, kind, zero, out, bounds):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _rows_by_transposed(a, weight, bits, kind, zero, out, bounds[part], bounds[part + 1])

@@ -1,0 +1,112 @@
+"""How many threads a rank computes on, decided once for its numba kernels and for MKL.
+
+``COUNT`` is ``OMP_NUM_THREADS`` where it is set (the Makefile and ``jobs/`` set 1: ranks that share
+cores must not also share threads; one rank alone on a 2-core machine: 2). Where it is unset, a rank
+that its launcher bound to some of the machine's cores takes those (its affinity); an unbound one
+takes an equal share of the cores among the ranks on its node (Open MPI's or MPICH's local size).
+Numba's pool and MKL are both set to it at import.
+
+Kernels split their output into ``COUNT`` ranges [start, stop) (``columns``, or ``balanced`` for
+work of unequal sizes) and numba's ``prange`` runs one range on each thread (``run``). A range is a
+whole set of outputs, each summed by one thread in the same order as without a split, so the results
+are the same bits at any thread count. At one thread the kernel runs directly, with no parallel
+launch. Numba's threading layer is asked for a thread-safe one (TBB or OpenMP: its ``workqueue``
+aborts when two Python threads launch kernels at once; serving calls them from its main thread).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy
+
+from ..errors import ConfigError
+from .mkl import LIBRARY
+
+try:
+    import numba
+except ImportError:  # optional: without numba only MKL's count is set
+    numba = None
+
+# Where launchers say how many ranks share the node: Open MPI, then MPICH's Hydra.
+_LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def decide(env) -> int:
+    """The thread count for the environment ``env`` (see the module's docstring)."""
+    value = env.get("OMP_NUM_THREADS")
+    if value is not None:
+        first = value.split(",")[0].strip()  # OpenMP's list of nesting levels: the outer one is ours
+        if not first.isdigit() or int(first) < 1:
+            raise ConfigError(f"OMP_NUM_THREADS={value!r}: expected a number of threads >= 1")
+        return int(first)
+    machine = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    if cores < machine:
+        return cores
+    local = next((int(env[name]) for name in _LOCAL_SIZE_VARIABLES if env.get(name, "").isdigit()), 1)
+    return max(1, cores // max(1, local))
+
+
+def use(count: int):
+    """Make ``count`` the rank's thread count: ``COUNT``, MKL's and numba's (benchmarks compare counts
+    in one process with it)."""
+    global COUNT
+    COUNT = count
+    if LIBRARY is not None:  # MKL reads OMP_NUM_THREADS itself; where it is unset its default is every core
+        ctypes.CDLL(LIBRARY).MKL_Set_Num_Threads(ctypes.c_int(count))
+    if numba is not None and count > 1:
+        if "NUMBA_THREADING_LAYER" not in os.environ:
+            numba.config.THREADING_LAYER = "threadsafe"
+        # numba's pool holds at most NUMBA_NUM_THREADS (the machine's cores); this sets the importing
+        # thread's share of it, and ``run`` splits into COUNT ranges whatever a thread's share.
+        numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
+
+
+COUNT = 1
+use(decide(os.environ))
+
+
+def columns(n: int, align: int, parts: int | None = None):
+    """Bounds (int64, ``len - 1`` ranges) splitting ``n`` outputs into up to ``parts`` (COUNT) ranges
+    of near-equal width; every inner bound a multiple of ``align``."""
+    units = -(-n // align)
+    parts = max(1, min(COUNT if parts is None else parts, units))
+    bounds = (numpy.arange(parts + 1, dtype=numpy.int64) * units // parts) * align
+    bounds[-1] = n
+    return bounds
+
+
+def balanced(work, parts: int | None = None):
+    """Bounds splitting items of sizes ``work`` (>= 0) into up to ``parts`` (COUNT) consecutive
+    ranges of near-equal total work, none empty."""
+    parts = max(1, min(COUNT if parts is None else parts, len(work)))
+    if parts == 1:
+        return numpy.array([0, len(work)], numpy.int64)
+    total = numpy.cumsum(numpy.asarray(work, numpy.float64) + 1.0)  # + 1: an item costs something at 0
+    cuts = numpy.searchsorted(total, total[-1] * numpy.arange(1, parts) / parts, side="right")
+    return numpy.unique(numpy.concatenate(([0], cuts, [len(work)]))).astype(numpy.int64)
+
+
+def run(kernel, parallel, args, bounds):
+    """``kernel(*args, start, stop)`` for every range of ``bounds``: directly where there is one,
+    else through ``parallel(*args, bounds)``, the kernel's ``prange`` over the ranges."""
+    if bounds.shape[0] == 2:
+        kernel(*args, bounds[0], bounds[1])
+    else:
+        parallel(*args, bounds)
+
+
+if numba is not None:
+    prange = numba.prange
+
+    def parallel_jit(function):
+        """A kernel's ``prange`` over ranges (``run``'s ``parallel``), cached on disk as the kernels are."""
+        return numba.njit(cache=True, nogil=True, parallel=True)(function)
+
+else:  # never called: the kernels' ``takes``/``supported`` answer False without numba
+    prange = range
+
+    def parallel_jit(function):
+        return function

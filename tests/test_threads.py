@@ -1,0 +1,69 @@
+"""kernels.threads: the rank's thread count from OMP_NUM_THREADS or its cores, one bad value one
+ConfigError line; the ranges kernels split their outputs into cover every output once."""
+
+import os
+
+import numpy as np
+import pytest
+
+from hpc_tp.errors import ConfigError
+from hpc_tp.kernels import threads
+
+
+@pytest.fixture
+def thread_count():
+    """``thread_count(n)`` runs the rest of the test at n threads; the rank's count is put back after."""
+    before = threads.COUNT
+    yield threads.use
+    threads.use(before)
+
+
+@pytest.mark.parametrize("value, count", [("3", 3), (" 2 ", 2), ("4,2", 4)])
+def test_omp_num_threads_decides_where_it_is_set(value, count):
+    assert threads.decide({"OMP_NUM_THREADS": value, "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}) == count
+
+
+@pytest.mark.parametrize("value", ["0", "two", "", "-1"])
+def test_a_bad_omp_num_threads_is_one_config_error_line(value):
+    with pytest.raises(ConfigError, match=rf"^OMP_NUM_THREADS={value!r}: expected a number of threads >= 1$"):
+        threads.decide({"OMP_NUM_THREADS": value})
+
+
+@pytest.mark.parametrize(
+    "affinity, env, count",
+    [
+        (range(16), {}, 16),  # alone and unbound: every core
+        (range(16), {"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 4),  # unbound: a share of the node's cores
+        (range(16), {"MPI_LOCALNRANKS": "3"}, 5),
+        (range(16), {"OMPI_COMM_WORLD_LOCAL_SIZE": "32"}, 1),  # more ranks than cores: one each
+        ({4, 5}, {"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, 2),  # bound by the launcher: its cores
+    ],
+)
+def test_without_omp_num_threads_a_rank_takes_its_cores(affinity, env, count, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(affinity), raising=False)
+    assert threads.decide(env) == count
+
+
+@pytest.mark.parametrize("n, align, parts", [(1999, 64, 3), (576, 64, 2), (49152, 4, 7), (100, 64, 4), (5, 4, 1)])
+def test_column_ranges_cover_every_output_once_at_aligned_starts(n, align, parts):
+    bounds = threads.columns(n, align, parts)
+    assert bounds[0] == 0 and bounds[-1] == n and np.all(np.diff(bounds) > 0)
+    assert np.all(bounds[:-1] % align == 0) and len(bounds) - 1 == min(parts, -(-n // align))
+    assert bounds.dtype == np.int64
+
+
+def test_balanced_ranges_share_the_work_and_none_is_empty():
+    assert threads.balanced([100, 1, 1, 100], 2).tolist() == [0, 2, 4]
+    assert threads.balanced([1] * 8, 4).tolist() == [0, 2, 4, 6, 8]
+    assert threads.balanced([3, 3], 5).tolist() == [0, 1, 2]
+    assert threads.balanced([7, 1, 2], 1).tolist() == [0, 3]
+
+
+def test_a_kernel_runs_once_per_range_and_directly_for_one():
+    calls = []
+    kernel = lambda *args: calls.append(("kernel", *args))  # noqa: E731 (stand-ins for jitted kernels)
+    parallel = lambda *args: calls.append(("parallel", args[0], args[1].tolist()))  # noqa: E731
+    threads.run(kernel, parallel, ("x",), np.array([0, 10]))
+    threads.run(kernel, parallel, ("x",), np.array([0, 6, 10]))
+    assert calls == [("kernel", "x", 0, 10), ("parallel", "x", [0, 6, 10])]
