@@ -14,6 +14,11 @@ memory traffic of other processes still is). GB/s: the weight's bytes over the b
 ``--threads 1,2`` runs every way at each thread count (``kernels.threads.use``: MKL's and the
 kernels'), alternating within each round; the times are then wall times, since a second thread's
 work is not the calling thread's CPU time (on a loaded machine they include waits for a core).
+
+``--step`` times instead a whole decode step's products of that model at 8 rows, float32 (30 layers
+of QKV [576, 960], output [576, 576], gate and up [576, 3072], down [1536, 576], then the head): each
+round, per thread count, the median wall and process CPU time (every thread's) of ``--repeats`` steps.
+OpenMP's wait policy is read once a process, so compare it across runs (``OMP_WAIT_POLICY=active``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,42 @@ def best_seconds(product, weights, repeats: int, clock) -> float:
     return best
 
 
+STEP_WEIGHTS = ((576, 960), (576, 576), (576, 3072), (1536, 576))
+
+
+def decode_step_times(counts, rounds: int, repeats: int):
+    """{count: ([median wall s], [median CPU s])} over the rounds, for ``--step``."""
+    from hpc_tp.kernels import small_m, threads
+
+    rng = numpy.random.default_rng(0)
+    layers = [[rng.standard_normal(shape).astype(numpy.float32) for shape in STEP_WEIGHTS] for _ in range(30)]
+    head = rng.standard_normal((49152, 576)).astype(numpy.float32).T
+    hidden, inner = (
+        rng.standard_normal((8, 576)).astype(numpy.float32),
+        rng.standard_normal((8, 1536)).astype(numpy.float32),
+    )
+
+    def step():
+        for layer in layers:
+            for w in layer:
+                small_m.matmul(inner if w.shape[0] == inner.shape[1] else hidden, w)
+        small_m.matmul(hidden, head)
+
+    times = {count: ([], []) for count in counts}
+    for _ in range(rounds):
+        for count, (walls, cpus) in times.items():
+            threads.use(count)
+            step()  # the kernels compiled or loaded, the weights touched
+            samples = []
+            for _ in range(repeats):
+                wall, cpu = time.perf_counter(), time.process_time()
+                step()
+                samples.append((time.perf_counter() - wall, time.process_time() - cpu))
+            walls.append(numpy.median([wall for wall, _ in samples]))
+            cpus.append(numpy.median([cpu for _, cpu in samples]))
+    return times
+
+
 def main():
     import ml_dtypes
 
@@ -50,8 +91,17 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="passes per round (default %(default)s)")
     parser.add_argument("--threads", default=None, help="thread counts to compare, e.g. 1,2 (default: the rank's)")
+    parser.add_argument("--step", action="store_true", help="time a decode step's products at 8 rows instead")
     args = parser.parse_args()
     counts = [threads.COUNT] if args.threads is None else [int(c) for c in args.threads.split(",")]
+    if args.step:
+        for count, (walls, cpus) in decode_step_times(counts, args.rounds, args.repeats).items():
+            print(
+                f"decode step, 8 rows, {count} thread(s): wall {min(walls) * 1e3:.1f}-{max(walls) * 1e3:.1f} ms, "
+                f"CPU {min(cpus) * 1e3:.1f}-{max(cpus) * 1e3:.1f} ms",
+                flush=True,
+            )
+        return
     clock = time.thread_time if counts == [1] else time.perf_counter
     rng = numpy.random.default_rng(0)
     for name, (k, n, transposed) in SHAPES.items():

@@ -7,7 +7,8 @@ the shorter rows padded to the longest and masked) before the attention core. Th
 each row's slots in place, up to its own length (and from the first its sliding window sees): per
 row and KV head, the scores of the group's query
 heads, their softmax and the weighted sum of V, in the arrays' dtype (as MKL's products are). Used for float32 and
-float64 numpy arrays when the fused CPU kernels are on (``cpu_kernels.ENABLED``).
+float64 numpy arrays when the fused CPU kernels are on (``cpu_kernels.ENABLED``). Threads
+(``kernels.threads``) take ranges of (row, KV head) pairs holding about as many keys each.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ same way by ``_rows_by_quantized``: the codes are widened in registers and summe
 group's sums scaled once per column (``quantized_matmul``), so memory moves one byte (or half of one)
 per weight and no float copy of a weight row is written.
 
+Threads (``kernels.threads``): each product's output columns (the head's vocabulary rows) are cut into
+one range a thread, each column summed in the same order at any count.
+
 Without numba (or with ``HPC_TP_CPU_KERNELS=0``) ``takes`` answers False and ``kernels.blas`` keeps its
 BLAS path (half weights: ``blas.widened_matmul``).
 """
@@ -45,8 +48,9 @@ TILE_ROWS = 4  # input rows per pass (the rows past the last whole tile: one per
 GROUP = 4  # weight rows (row-major) or columns (transposed) per pass: 4 products per accumulator load
 FULL, BF16, F16 = 0, 1, 2
 QUANT_ROWS = 32  # weight rows sharing a scale (and a minimum): GGUF's block; a multiple of GROUP
-# A thread's columns start at a multiple of this (16 float32 lanes of an AVX-512 vector, 4 such vectors
-# per loop turn): each column keeps its place in the loops' vector body or tail at any thread count.
+# A thread's columns, and every block of them but the last, start at a multiple of this (AVX-512's 16
+# float32 lanes, unrolled 4 times), so that a column is summed by the same vector code whatever the
+# thread count (tests/test_small_m.py checks the bits).
 COLUMN_ALIGN = 64
 _F16_SCALE = numpy.float32(2.0**112)  # moves a float16 exponent (bias 15) to float32's (bias 127)
 _NO_BITS = numpy.empty(0, numpy.uint16)  # the operand a kernel call does not use
@@ -268,9 +272,9 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out, first, last):
 
 @_jit
 def _rows_by_quantized(a, codes, scales, lows, zero, out, first, last):
-    """out[:, first:last] = a @ W[:, first:last] for W [K, N] kept quantized (``quantized_matmul``'s operands). Each group of
-    QUANT_ROWS weight rows is summed as its codes (widened in registers, each read once for four input
-    rows), and the group's sums are scaled once per column; for 4 bits the group's minimum times the
+    """out[:, first:last] = a @ W[:, first:last] for W [K, N] kept quantized (``quantized_matmul``'s
+    operands). Each group of QUANT_ROWS weight rows is summed as its codes (widened in registers, each
+    read once for four input rows), and the group's sums are scaled once per column; for 4 bits the group's minimum times the
     sum of ``a`` over the group's rows is added. Row 2i of a 4-bit weight is packed row i's low nibble,
     row 2i + 1 its high one. Blocks of columns and tiles of rows as ``_rows_by_matrix``'s, written out
     again: widening the codes into a scratch for its loop measured slower than in registers (NOTES.md)."""

@@ -10,7 +10,8 @@ Kernels split their output into ``COUNT`` ranges [start, stop) (``columns``, or 
 work of unequal sizes) and numba's ``prange`` runs one range on each thread (``run``). A range is a
 whole set of outputs, each summed by one thread in the same order as without a split, so the results
 are the same bits at any thread count. At one thread the kernel runs directly, with no parallel
-launch. Numba's threading layer is asked for a thread-safe one (TBB or OpenMP: its ``workqueue``
+launch. OpenMP's threads sleep between regions (``OMP_WAIT_POLICY=PASSIVE`` where it is unset).
+Numba's threading layer is asked for a thread-safe one (TBB or OpenMP: its ``workqueue``
 aborts when two Python threads launch kernels at once; serving calls them from its main thread).
 """
 
@@ -64,6 +65,11 @@ def use(count: int):
         numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
 
 
+# Where unset, OpenMP's threads (numba's pool and MKL's) sleep between parallel regions rather than
+# spin: read when each runtime starts, so before ``use`` starts them. A spinning thread holds a core the
+# rank's own main thread, or a neighbour, needs: a decode step's products at 2 threads on a loaded
+# 2-core machine took 256-1612 ms spinning, 68-363 ms sleeping, 279-424 ms at 1 thread.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 COUNT = 1
 use(decide(os.environ))
 
