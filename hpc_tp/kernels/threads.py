@@ -4,7 +4,7 @@
 cores must not also share threads; one rank alone on a 2-core machine: 2). Where it is unset, a rank
 that its launcher bound to some of the machine's cores takes those (its affinity); an unbound one
 takes an equal share of the cores among the ranks on its node (Open MPI's or MPICH's local size).
-Numba's pool and MKL are both set to it at import.
+Numba's pool and MKL (unless ``MKL_NUM_THREADS`` sets its own) are set to it at import.
 
 Kernels split their output into ``COUNT`` ranges [start, stop) (``columns``, or ``balanced`` for
 work of unequal sizes) and numba's ``prange`` runs one range on each thread (``run``). A range is a
@@ -55,7 +55,9 @@ def use(count: int):
     in one process with it)."""
     global COUNT
     COUNT = count
-    if LIBRARY is not None:  # MKL reads OMP_NUM_THREADS itself; where it is unset its default is every core
+    # MKL reads OMP_NUM_THREADS itself, but where it is unset MKL's default is every core of the node;
+    # MKL_NUM_THREADS, where set, is MKL's own count and stays.
+    if LIBRARY is not None and "MKL_NUM_THREADS" not in os.environ:
         ctypes.CDLL(LIBRARY).MKL_Set_Num_Threads(ctypes.c_int(count))
     if numba is not None and count > 1:
         if "NUMBA_THREADING_LAYER" not in os.environ:
@@ -67,8 +69,8 @@ def use(count: int):
 
 # Where unset, OpenMP's threads (numba's pool and MKL's) sleep between parallel regions rather than
 # spin: read when each runtime starts, so before ``use`` starts them. A spinning thread holds a core the
-# rank's own main thread, or a neighbour, needs: a decode step's products at 2 threads on a loaded
-# 2-core machine took 256-1612 ms spinning, 68-363 ms sleeping, 279-424 ms at 1 thread.
+# rank's own main thread, or a neighbour, needs: on a loaded 2-core machine workload B at 2 threads
+# took 1.4-4x as long spinning (docs/performance.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 COUNT = 1
 use(decide(os.environ))
