@@ -26,7 +26,8 @@ group's sums scaled once per column (``quantized_matmul``), so memory moves one 
 per weight and no float copy of a weight row is written.
 
 Without numba (or with ``HPC_TP_CPU_KERNELS=0``) ``takes`` answers False and ``kernels.blas`` keeps its
-BLAS path (half weights: ``blas.widened_matmul``).
+BLAS path (half weights: ``blas.widened_matmul``). bfloat16 activations by bfloat16 weights go to
+``kernels.bf16_dot`` instead where the CPU has AVX512_BF16 (``blas.matmul`` asks it first).
 """
 
 from __future__ import annotations
