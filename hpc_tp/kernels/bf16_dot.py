@@ -381,7 +381,7 @@ def _tile_rows(left):
 @_jit
 def _matrix_tiles(a, r, rows, w, k0, pairs, pitch, out, start, stop):
     """out[r : r + rows, start:stop] += a[r : r + rows, k0 : k0 + 2 pairs] @ w[k0 : k0 + 2 pairs, start:stop]
-    in tiles of ``rows`` (6, 8, 4, 2 or 1) x 64, 32, 64, 128 or 128 columns: 24, 16, 16, 16 or 8
+    in tiles of ``rows`` (6, 8, 4, 2 or 1) x 64, 32, 64, 128 or 32 columns: 24, 16, 16, 16 or 2
     accumulators (float32 vectors of 16)."""
     a_pitch, n = a.shape[1], out.shape[1]
     if rows == 6:
@@ -396,9 +396,9 @@ def _matrix_tiles(a, r, rows, w, k0, pairs, pitch, out, start, stop):
     elif rows == 2:
         for c in range(start, stop, 4 * COLUMN_GROUP):
             _matrix_tile(a, r * a_pitch + k0, a_pitch, 2, w, k0 * n + c, pitch, pairs, out, r * n + c, n, stop - c, 4)
-    else:
-        for c in range(start, stop, 4 * COLUMN_GROUP):
-            _matrix_tile(a, r * a_pitch + k0, a_pitch, 1, w, k0 * n + c, pitch, pairs, out, r * n + c, n, stop - c, 4)
+    else:  # one row streams the weight fastest in the narrowest strips (14.7 against 11.9 GB/s for 128 columns)
+        for c in range(start, stop, COLUMN_GROUP):
+            _matrix_tile(a, r * a_pitch + k0, a_pitch, 1, w, k0 * n + c, pitch, pairs, out, r * n + c, n, stop - c, 1)
 
 
 @_jit
