@@ -1,9 +1,13 @@
 """Decode-shaped products, BLAS against ``kernels.small_m``, alternating in one run: [M, K] @ W for the
 135M llama model's MLP weights and its tied head (a transposed view of the [49152, 576] embedding),
-float32 through ``kernels.blas``'s BLAS path and through the few-row kernel, and bfloat16 weights through
-the kernel.
+float32 through ``kernels.blas``'s BLAS path and through the few-row kernel, and bfloat16 weights
+(with bfloat16 activations, as ``--dtype bfloat16`` holds them) through the kernel and, where the CPU
+has avx512_bf16, through ``kernels.bf16_dot``. Then prefill-shaped products ([--prefill-rows, K] @ W,
+the weight in cache) in GFLOP/s: float32 through MKL, bfloat16 through ``blas.widened_matmul`` and
+through ``kernels.bf16_dot``.
 
     OMP_NUM_THREADS=1 python benchmarks/few_row_products.py [--rows 1,8,32] [--rounds 3] [--threads 1,2]
+        [--prefill-rows 256] [--step]
 
 Each call takes the next of several copies of the weight (128 MiB in all), so the weight comes from
 memory as in a decode step, not from cache. Times are the thread's CPU time per product, the best of
@@ -84,7 +88,7 @@ def decode_step_times(counts, rounds: int, repeats: int):
 def main():
     import ml_dtypes
 
-    from hpc_tp.kernels import blas, small_m, threads
+    from hpc_tp.kernels import bf16_dot, blas, small_m, threads
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,32", help="values of M (default %(default)s)")
@@ -92,6 +96,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="passes per round (default %(default)s)")
     parser.add_argument("--threads", default=None, help="thread counts to compare, e.g. 1,2 (default: the rank's)")
     parser.add_argument("--step", action="store_true", help="time a decode step's products at 8 rows instead")
+    parser.add_argument(
+        "--prefill-rows", type=int, default=256, help="rows of the prefill products (default %(default)s)"
+    )
     args = parser.parse_args()
     counts = [threads.COUNT] if args.threads is None else [int(c) for c in args.threads.split(",")]
     if args.step:
@@ -111,13 +118,16 @@ def main():
         half = [w.astype(ml_dtypes.bfloat16).T if transposed else w.astype(ml_dtypes.bfloat16) for w in stored]
         for m in (int(r) for r in args.rows.split(",")):
             a = rng.standard_normal((m, k)).astype(numpy.float32)
+            a_half = a.astype(ml_dtypes.bfloat16)
             out = numpy.empty((m, n), numpy.float32)
             # kernels.blas's MKL call as it was before the few-row kernels (numpy where MKL is missing)
             ways = {
                 "blas f32": (lambda w: blas._mkl_gemm(a, w, out, 0.0) or numpy.matmul(a, w, out=out), full),
                 "small_m f32": (lambda w: small_m.matmul(a, w, out), full),
-                "small_m bf16": (lambda w: small_m.matmul(a, w, out), half),
+                "small_m bf16": (lambda w: small_m.matmul(a_half, w, out), half),
             }
+            if bf16_dot.AVAILABLE:
+                ways["bf16_dot"] = (lambda w: bf16_dot.matmul(a_half, w, out), half)
             times = {(way, count): [] for way in ways for count in counts}
             for _ in range(args.rounds):
                 for way, count in times:
@@ -132,6 +142,30 @@ def main():
                     f"{label} {min(seconds) * 1e3:.3f}-{max(seconds) * 1e3:.3f} ms ({gigabytes / min(seconds):.1f} GB/s)"
                 )
             print(f"{name} M={m}: " + ", ".join(parts), flush=True)
+        prefill(full[0], half[0], args, rng, clock)
+
+
+def prefill(full, half, args, rng, clock):
+    """[--prefill-rows, K] @ W in GFLOP/s (the weight in cache, as a prefill's rows reuse it)."""
+    import ml_dtypes
+
+    from hpc_tp.kernels import bf16_dot, blas
+
+    (k, n), m = full.shape, args.prefill_rows
+    a = rng.standard_normal((m, k)).astype(numpy.float32)
+    a_half, out = a.astype(ml_dtypes.bfloat16), numpy.empty((m, n), numpy.float32)
+    ways = {
+        "mkl f32": (lambda w: blas.matmul(a, w, out), [full]),
+        "widened bf16": (lambda w: blas.widened_matmul(a_half, w, out), [half]),
+    }
+    if bf16_dot.AVAILABLE:
+        ways["bf16_dot"] = (lambda w: bf16_dot.matmul(a_half, w, out), [half])
+    rates = {way: [] for way in ways}
+    for _ in range(args.rounds):
+        for way, (product, weights) in ways.items():
+            rates[way].append(2 * m * k * n / best_seconds(product, weights, args.repeats, clock) / 1e9)
+    parts = [f"{way} {min(r):.0f}-{max(r):.0f} GFLOP/s" for way, r in rates.items()]
+    print(f"  prefill M={m}: " + ", ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

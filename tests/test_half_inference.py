@@ -1,6 +1,7 @@
 """Inference with half-precision weights (``--dtype bfloat16|float16``): prefill and KV-cached decode
 steps at tp = the world size give one process's logits at the same precision, and stay close to
-float32's; products run through ``kernels.small_m`` (few rows) and its blockwise widening (prefill)."""
+float32's; products run through ``kernels.bf16_dot`` (bfloat16 on a CPU with avx512_bf16), or
+``kernels.small_m`` (few rows) and its blockwise widening (prefill)."""
 
 import json
 
@@ -10,6 +11,7 @@ from test_generate import CONFIGS, PROMPTS, larger_weights
 from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.backend import resolve_dtype
+from hpc_tp.kernels import bf16_dot
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.generate import left_pad
 from hpc_tp.serve.kv_cache import KVCache
@@ -112,3 +114,15 @@ def test_generate_command_loads_a_checkpoint_in_bfloat16(tmp_path):
     )
     if lead:
         assert [json.loads(line)["completion"] for line in got] == [w.text for w in out[0]]
+
+
+def test_bfloat16_widening_path_forced(monkeypatch):
+    """With ``kernels.bf16_dot`` off (a CPU without avx512_bf16) tp still gives one process's logits,
+    and where it is on, its logits are the widening path's up to the order of the float32 sums."""
+    tp, one = tp_and_reference()
+    native = _logits(tp, "bfloat16")
+    monkeypatch.setattr(bf16_dot, "AVAILABLE", False)
+    widened = _logits(tp, "bfloat16")
+    for step, (got, want, alone) in enumerate(zip(native, widened, _logits(one, "bfloat16"))):
+        assert max_rel_err(want, alone) <= SAME_PRECISION["bfloat16"], f"step {step}"
+        assert max_rel_err(got, want) <= SAME_PRECISION["bfloat16"], f"step {step}"
