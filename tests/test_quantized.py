@@ -1,5 +1,6 @@
 """Weights kept quantized at inference (``kernels/quantized.py``, ``hpc-tp convert --quantize``): the
-few-row kernel and the blockwise path against dequantize-then-numpy; quantized models at tp = the world
+few-row float kernel and the blockwise path against dequantize-then-numpy, the integer kernel
+(``kernels/int8_dot.py``, where the CPU has AVX512-VNNI) against numpy doing its arithmetic; quantized models at tp = the world
 size against one process at the same precision; GGUF Q8_0, Q4_0 and Q4_1 kept as stored against the
 widened import; and the errors of a bad format, a tp that cuts a group, and training."""
 
@@ -18,7 +19,7 @@ from hpc_tp.cli import main
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
-from hpc_tp.kernels import quantized, small_m
+from hpc_tp.kernels import int8_dot, quantized, small_m
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache
@@ -32,12 +33,21 @@ CONFIG = dict(CONFIGS["llama-gqa"], vocab_size=300, hidden=128, ffn_hidden=256)
 STEPS = 3
 # Across tp only the order of the sums differs: float64 to rounding, float32 to its rounding of the logits.
 SAME_PRECISION = {"float64": 1e-10, "float32": 1e-5}
+INT8_ROUNDING = 5e-2  # int8 activations over a model: codes one step apart (test_tp_gives_one_process_logits...)
+HOST_VNNI = int8_dot.AVAILABLE
+needs_vnni = pytest.mark.skipif(not HOST_VNNI, reason="needs numba and a CPU with avx512_vnni")
+
+
+@pytest.fixture
+def float_products(monkeypatch):
+    """Few-row products of float32 activations by the float kernel, as on a CPU without VNNI."""
+    monkeypatch.setattr(int8_dot, "AVAILABLE", False)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 64, 65, 130])
-def test_product_equals_dequantize_then_numpy(bits, dtype, rows):
+def test_product_equals_dequantize_then_numpy(bits, dtype, rows, float_products):
     """1-64 rows: the numba kernel (dequantized in cache); more: blocks dequantized and BLAS."""
     rng = np.random.default_rng(rows)
     w = quantized.quantize(rng.normal(size=(192, 200)), bits)
@@ -46,6 +56,73 @@ def test_product_equals_dequantize_then_numpy(bits, dtype, rows):
     got = quantized.matmul(a, w)
     assert got.dtype == np.dtype(dtype)
     assert rel_err(got, want) < (1e-13 if dtype == "float64" else 3e-6)
+
+
+def _integer_reference(a, w):
+    """``int8_dot``'s arithmetic in numpy: rows quantized per group of 32 (scale max |a| / 127, codes
+    rounded half to even), integer dots per group with the weight codes, each group's dot scaled, and
+    for 4 bits the minimum times the float sum of the group's activations; also the activation codes."""
+    m, k = a.shape
+    groups = a.reshape(m, k // 32, 32)
+    scale = np.abs(groups).max(axis=2) / np.float32(127)
+    codes = np.rint(groups / np.where(scale > 0, scale, np.float32(1))[..., None])
+    w_codes = w.codes.astype(np.int64)
+    if w.bits == 4:
+        w_codes = np.empty((k, w.shape[1]), np.int64)
+        w_codes[0::2], w_codes[1::2] = w.codes & 15, w.codes >> 4
+    dots = np.einsum("mgi,gin->mgn", codes.astype(np.int64), w_codes.reshape(k // 32, 32, -1))
+    out = np.einsum("mg,gn,mgn->mn", scale.astype(np.float64), w.scale.astype(np.float64), dots)
+    if w.bits == 4:
+        out += groups.astype(np.float64).sum(axis=2) @ w.low
+    return out, codes.reshape(m, k).astype(np.int8)
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])
+def test_integer_product_equals_numpy_doing_its_arithmetic(bits, rows):
+    """float32 activations, 1-64 rows: codes equal, products to float32 rounding; 200 columns leave a
+    partial tile of 16. The product's distance from the float one stays within what rounding ``a`` to
+    half a step (max |a| / 254 per group) can move it: sum over k of that half step times |w|."""
+    rng = np.random.default_rng(rows)
+    w = quantized.quantize(rng.normal(size=(192, 200)), bits)
+    a = (rng.normal(size=(rows, 192)) * rng.uniform(0.01, 10, size=(rows, 1))).astype(np.float32)
+    want, want_codes = _integer_reference(a, w)
+    got = quantized.matmul(a, w)
+    assert got.dtype == np.float32 and rel_err(got, want) < 3e-6
+    np.testing.assert_array_equal(int8_dot.quantize_rows(a)[0], want_codes)
+    dense = w.dequantize(dtype=np.float64)
+    half_step = np.repeat(np.abs(a.reshape(rows, -1, 32)).max(axis=2) / 254, 32, axis=1)
+    assert (np.abs(got - a.astype(np.float64) @ dense) <= half_step @ np.abs(dense) * 1.001 + 1e-5).all()
+
+
+@pytest.mark.parametrize("integer", [True, False])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kernels_write_only_their_column_range(bits, integer):
+    """[start, stop) of the product, the other columns untouched (a split over cores writes one
+    output): ranges that start and stop inside a tile of 16 and inside a block of columns."""
+    if integer and not HOST_VNNI:
+        pytest.skip("needs numba and a CPU with avx512_vnni")
+    if not small_m.cpu_kernels.ENABLED:
+        pytest.skip("needs numba")
+    rng = np.random.default_rng(bits)
+    w = quantized.quantize(rng.normal(size=(96, 300)), bits)
+    a = rng.normal(size=(5, 96)).astype(np.float32)
+    low = w.scale[:0] if w.low is None else w.low
+    for start, stop in [(0, 300), (7, 150), (150, 299), (33, 34)]:
+        out = np.full((5, 300), np.nan, np.float32)
+        if integer:
+            lows = np.empty(0, np.float32) if w.low is None else int8_dot.interleave_columns(w.low)
+            columns = int8_dot.interleave(w.codes, bits), int8_dot.interleave_columns(w.scale), lows
+            int8_dot.matmul(a, *columns, bits, 300, start, stop, out)
+            full = _integer_reference(a, w)[0]
+        else:
+            small_m.quantized_matmul(
+                a, w.codes, w.scale.reshape(-1), low.reshape(-1), np.dtype(np.float32), start, stop, out
+            )
+            full = a.astype(np.float64) @ w.dequantize(dtype=np.float64)
+        assert np.isnan(out[:, :start]).all() and np.isnan(out[:, stop:]).all()
+        assert rel_err(out[:, start:stop], full[:, start:stop]) < 3e-6
 
 
 def test_the_kernel_takes_the_few_row_products():
@@ -101,12 +178,38 @@ def _logits(model):
 
 @mpi
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype):
+@pytest.mark.parametrize("dtype, integer", [("float64", False), ("float32", False), ("float32", True)])
+def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype, integer, monkeypatch):
+    """float32 both ways: by the float kernel, and where the CPU has VNNI in int8 with an int8 head.
+    Then each rank quantizes the activations of its whole groups as one process does, but a value
+    that tp's other order of sums moves across half a step takes the next code, and the layers after
+    carry it: the logits agree to the activations' rounding, not to float32's (a wrong split or a
+    missing sum is an error of order 1; ``test_integer_layers_at_tp...`` holds each layer to float32)."""
+    if integer and not HOST_VNNI:
+        pytest.skip("needs numba and a CPU with avx512_vnni")
+    monkeypatch.setattr(int8_dot, "AVAILABLE", integer)
     tp, one = tp_and_reference()
     got, want = _logits(_quantized_model(tp, fmt, dtype)), _logits(_quantized_model(one, fmt, dtype))
     for step, (g, w) in enumerate(zip(got, want)):
-        assert max_rel_err(g, w) <= SAME_PRECISION[dtype], f"step {step}"
+        assert max_rel_err(g, w) <= (INT8_ROUNDING if integer else SAME_PRECISION[dtype]), f"step {step}"
+
+
+@mpi
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_integer_layers_at_tp_give_one_process_numbers(fmt):
+    """One input, int8 activations: the MLP (column-parallel gate and up, row-parallel down: each rank
+    quantizes whole groups of the same numbers) and the int8 head's logits for this rank's vocabulary
+    block equal one process's to float32 rounding."""
+    tp, one = tp_and_reference()
+    x = np.random.default_rng(5).normal(size=(1, 3, CONFIG["hidden"])).astype(np.float32)
+    model, reference = _quantized_model(tp, fmt, "float32"), _quantized_model(one, fmt, "float32")
+    assert max_rel_err(model.layers[0].mlp.forward(x)[0], reference.layers[0].mlp.forward(x)[0]) <= 1e-6
+    assert isinstance(model.head._product_weight(), quantized.QuantizedMatrix)
+    block = -(-CONFIG["vocab_size"] // tp.size)
+    want = reference.head.forward(x)[0][..., tp.rank * block : (tp.rank + 1) * block]
+    got = model.head.forward(x)[0][..., : want.shape[-1]]
+    assert max_rel_err(got, want) <= 1e-6
 
 
 @mpi

@@ -139,12 +139,16 @@ def takes_quantized(a) -> bool:
     )
 
 
-def quantized_matmul(a, codes, scales, lows, dtype):
-    """``a @ W`` for W [K, N] kept quantized (``kernels.quantized.QuantizedMatrix``'s arrays: ``codes``
-    int8 [K, N] or, for 4 bits, uint8 [K/2, N]; ``scales`` and ``lows`` float32 [K/QUANT_ROWS, N],
-    ``lows`` empty for 8 bits), as ``dtype`` (float32 or float64) sums; K a multiple of QUANT_ROWS."""
-    out = numpy.empty((a.shape[0], codes.shape[1]), dtype)
-    _rows_by_quantized(_operand_rows(a, dtype), codes.reshape(-1), scales, lows, dtype.type(0), out)
+def quantized_matmul(a, codes, scales, lows, dtype, start: int = 0, stop: int | None = None, out=None):
+    """``a @ W`` columns [start, stop) into ``out`` ([M, N] of ``dtype``, allocated when None) for W
+    [K, N] kept quantized (``kernels.quantized.QuantizedMatrix``'s arrays: ``codes`` int8 [K, N] or,
+    for 4 bits, uint8 [K/2, N]; ``scales`` and ``lows`` float32 [K/QUANT_ROWS, N], ``lows`` empty for
+    8 bits), as ``dtype`` (float32 or float64) sums; K a multiple of QUANT_ROWS."""
+    n = codes.shape[1]
+    if out is None:
+        out = numpy.empty((a.shape[0], n), dtype)
+    stop = n if stop is None else stop
+    _rows_by_quantized(_operand_rows(a, dtype), codes.reshape(-1), scales, lows, dtype.type(0), start, stop, out)
     return out
 
 
@@ -245,8 +249,8 @@ def _rows_by_matrix(a, weight, bits, kind, zero, out):
 
 
 @_jit
-def _rows_by_quantized(a, codes, scales, lows, zero, out):
-    """out = a @ W for W [K, N] kept quantized (``quantized_matmul``'s operands). Each group of
+def _rows_by_quantized(a, codes, scales, lows, zero, first, stop, out):
+    """out[:, first:stop] = a @ W for W [K, N] kept quantized (``quantized_matmul``'s operands). Each group of
     QUANT_ROWS weight rows is summed as its codes (widened in registers, each read once for four input
     rows), and the group's sums are scaled once per column; for 4 bits the group's minimum times the
     sum of ``a`` over the group's rows is added. Row 2i of a 4-bit weight is packed row i's low nibble,
@@ -262,8 +266,8 @@ def _rows_by_quantized(a, codes, scales, lows, zero, out):
     for r in range(rows):
         for g in range(groups):
             sums[r, g] = a[r, g * QUANT_ROWS : (g + 1) * QUANT_ROWS].sum()
-    for start in range(0, n, block):
-        width = min(block, n - start)
+    for start in range(first, stop, block):
+        width = min(block, stop - start)
         acc[:] = zero
         for g in range(groups):
             part[:] = zero
