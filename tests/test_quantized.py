@@ -33,7 +33,6 @@ CONFIG = dict(CONFIGS["llama-gqa"], vocab_size=300, hidden=128, ffn_hidden=256)
 STEPS = 3
 # Across tp only the order of the sums differs: float64 to rounding, float32 to its rounding of the logits.
 SAME_PRECISION = {"float64": 1e-10, "float32": 1e-5}
-INT8_ROUNDING = 5e-2  # int8 activations over a model: codes one step apart (test_tp_gives_one_process_logits...)
 HOST_VNNI = int8_dot.AVAILABLE
 needs_vnni = pytest.mark.skipif(not HOST_VNNI, reason="needs numba and a CPU with avx512_vnni")
 
@@ -61,7 +60,7 @@ def test_product_equals_dequantize_then_numpy(bits, dtype, rows, float_products)
 def _integer_reference(a, w):
     """``int8_dot``'s arithmetic in numpy: rows quantized per group of 32 (scale max |a| / 127, codes
     rounded half to even), integer dots per group with the weight codes, each group's dot scaled, and
-    for 4 bits the minimum times the float sum of the group's activations; also the activation codes."""
+    for 4 bits the minimum times the float sum of the group's activations."""
     m, k = a.shape
     groups = a.reshape(m, k // 32, 32)
     scale = np.abs(groups).max(axis=2) / np.float32(127)
@@ -74,23 +73,23 @@ def _integer_reference(a, w):
     out = np.einsum("mg,gn,mgn->mn", scale.astype(np.float64), w.scale.astype(np.float64), dots)
     if w.bits == 4:
         out += groups.astype(np.float64).sum(axis=2) @ w.low
-    return out, codes.reshape(m, k).astype(np.int8)
+    return out
 
 
 @needs_vnni
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])
 def test_integer_product_equals_numpy_doing_its_arithmetic(bits, rows):
-    """float32 activations, 1-64 rows: codes equal, products to float32 rounding; 200 columns leave a
-    partial tile of 16. The product's distance from the float one stays within what rounding ``a`` to
+    """float32 activations, 1-64 rows (tiles of four and single rows): products to float32 rounding
+    (one activation code off by one would move a product by about 1e-3); 200 columns leave a partial
+    tile of 16. The product's distance from the float one stays within what rounding ``a`` to
     half a step (max |a| / 254 per group) can move it: sum over k of that half step times |w|."""
     rng = np.random.default_rng(rows)
     w = quantized.quantize(rng.normal(size=(192, 200)), bits)
     a = (rng.normal(size=(rows, 192)) * rng.uniform(0.01, 10, size=(rows, 1))).astype(np.float32)
-    want, want_codes = _integer_reference(a, w)
+    want = _integer_reference(a, w)
     got = quantized.matmul(a, w)
     assert got.dtype == np.float32 and rel_err(got, want) < 3e-6
-    np.testing.assert_array_equal(int8_dot.quantize_rows(a)[0], want_codes)
     dense = w.dequantize(dtype=np.float64)
     half_step = np.repeat(np.abs(a.reshape(rows, -1, 32)).max(axis=2) / 254, 32, axis=1)
     assert (np.abs(got - a.astype(np.float64) @ dense) <= half_step @ np.abs(dense) * 1.001 + 1e-5).all()
@@ -115,7 +114,7 @@ def test_kernels_write_only_their_column_range(bits, integer):
             lows = np.empty(0, np.float32) if w.low is None else int8_dot.interleave_columns(w.low)
             columns = int8_dot.interleave(w.codes, bits), int8_dot.interleave_columns(w.scale), lows
             int8_dot.matmul(a, *columns, bits, 300, start, stop, out)
-            full = _integer_reference(a, w)[0]
+            full = _integer_reference(a, w)
         else:
             small_m.quantized_matmul(
                 a, w.codes, w.scale.reshape(-1), low.reshape(-1), np.dtype(np.float32), start, stop, out
@@ -178,20 +177,17 @@ def _logits(model):
 
 @mpi
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("dtype, integer", [("float64", False), ("float32", False), ("float32", True)])
-def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype, integer, monkeypatch):
-    """float32 both ways: by the float kernel, and where the CPU has VNNI in int8 with an int8 head.
-    Then each rank quantizes the activations of its whole groups as one process does, but a value
-    that tp's other order of sums moves across half a step takes the next code, and the layers after
-    carry it: the logits agree to the activations' rounding, not to float32's (a wrong split or a
-    missing sum is an error of order 1; ``test_integer_layers_at_tp...`` holds each layer to float32)."""
-    if integer and not HOST_VNNI:
-        pytest.skip("needs numba and a CPU with avx512_vnni")
-    monkeypatch.setattr(int8_dot, "AVAILABLE", integer)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype, float_products):
+    """Float products (float32 ones by the float kernel). With int8 activations each rank quantizes
+    the same numbers as one process only up to float32 rounding: a value that tp's other order of sums
+    moves across half a step takes the next code; this small random model's prefill logits move by a
+    few percent for such codes, enough to change the argmax token the decode steps are fed. So the
+    integer path is held layer by layer instead (``test_integer_layers_at_tp_give_one_process_numbers``)."""
     tp, one = tp_and_reference()
     got, want = _logits(_quantized_model(tp, fmt, dtype)), _logits(_quantized_model(one, fmt, dtype))
     for step, (g, w) in enumerate(zip(got, want)):
-        assert max_rel_err(g, w) <= (INT8_ROUNDING if integer else SAME_PRECISION[dtype]), f"step {step}"
+        assert max_rel_err(g, w) <= SAME_PRECISION[dtype], f"step {step}"
 
 
 @mpi
@@ -214,7 +210,7 @@ def test_integer_layers_at_tp_give_one_process_numbers(fmt):
 
 @mpi
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_tp_greedy_tokens_equal_one_process(fmt):
+def test_tp_greedy_tokens_equal_one_process(fmt, float_products):
     tp, one = tp_and_reference()
     params = [SamplingParams(max_new_tokens=6)] * len(PROMPTS)
     out_tp = Engine(_quantized_model(tp, fmt, "float32"), ByteTokenizer()).generate(PROMPTS, params)

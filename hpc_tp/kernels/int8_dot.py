@@ -19,11 +19,13 @@ Per output column j and row r, group g of weight scale s, minimum m (4 bits) and
 
 which adds the rounding of ``a`` to int8 (at most half a step, max |a| / 254, per element) to the
 weights' own. Float64 activations never take this path (their products keep float sums).
-``AVAILABLE`` is True where numba runs and the host has avx512_vnni; elsewhere ``small_m``'s float
-kernel computes every product.
+``AVAILABLE`` is True where numba runs and the host has avx512_vnni, unless ``HPC_TP_INT8_DOT=0`` (for
+an A/B, or float activations); elsewhere ``small_m``'s float kernel computes every product.
 """
 
 from __future__ import annotations
+
+import os
 
 import llvmlite.binding
 import numpy
@@ -35,7 +37,11 @@ from .small_m import QUANT_ROWS
 LANES = 16  # int32 lanes of a 512-bit vector: output columns a tile
 QUADS = QUANT_ROWS // 4  # vpdpbusd steps a group
 OFFSET = 128  # 8-bit codes are stored as code + OFFSET (the unsigned operand)
-AVAILABLE = cpu_kernels.ENABLED and bool(llvmlite.binding.get_host_cpu_features().get("avx512vnni"))
+AVAILABLE = (
+    cpu_kernels.ENABLED
+    and os.environ.get("HPC_TP_INT8_DOT", "1") != "0"
+    and bool(llvmlite.binding.get_host_cpu_features().get("avx512vnni"))
+)
 
 
 def group_bytes(bits: int) -> int:
@@ -74,28 +80,13 @@ def interleave_columns(values):
     return numpy.ascontiguousarray(padded.reshape(groups, tiles, LANES).transpose(1, 0, 2))
 
 
-def quantize_rows(a):
-    """float32 rows [M, K] (K whole groups) as int8 codes [M, K], their scales [M, K / QUANT_ROWS]
-    (max |a| / 127 of the group), the sums of each group's codes (int32) and of its values (float32)."""
-    rows, k = a.shape
-    codes = numpy.empty((rows, k), numpy.int8)
-    scales = numpy.empty((rows, k // QUANT_ROWS), numpy.float32)
-    code_sums = numpy.empty((rows, k // QUANT_ROWS), numpy.int32)
-    sums = numpy.empty((rows, k // QUANT_ROWS), numpy.float32)
-    _quantize_rows(a, codes, scales, code_sums, sums)
-    return codes, scales, code_sums, sums
-
-
 def matmul(a, interleaved, scales, lows, bits: int, n: int, start: int = 0, stop: int | None = None, out=None):
     """``a @ W`` columns [start, stop) into ``out`` (float32 [M, n], allocated when None) for float32
-    ``a`` [M, K] and W given by ``interleave``'s codes and ``interleave_columns``'s scales and
-    minimums (``lows`` empty for 8 bits)."""
+    ``a`` [M, K] (C-contiguous) and W given by ``interleave``'s codes and ``interleave_columns``'s
+    scales and minimums (``lows`` empty for 8 bits)."""
     if out is None:
         out = numpy.empty((a.shape[0], n), numpy.float32)
-    codes, a_scales, code_sums, sums = quantize_rows(a)
-    stop = n if stop is None else stop
-    flat = (codes.view(numpy.uint32), a_scales, code_sums * OFFSET, sums, interleaved, scales, lows)
-    _rows_by_interleaved(*(x.reshape(-1) for x in flat), bits, a_scales.shape[1], start, stop, out)
+    _product(a, interleaved, scales, lows, bits, start, n if stop is None else stop, out)
     return out
 
 
@@ -110,18 +101,18 @@ else:  # never called: ``AVAILABLE`` is False without numba
     intrinsic = _jit = _exact_jit = cpu_kernels._jit
 
 
-def _tile_row(bits: int):
-    """An intrinsic ``tile_row(weights, w_at, acts, a_at, a_scales, compensation, sums, s_at, scales,
-    lows, c_at, groups, out)``: out[:LANES] = one activation row times one tile of W, all flat 1-D
-    arrays: the tile's codes (uint8 ``weights`` from ``w_at``, ``group_bytes(bits)`` a group), the
-    row's quads (uint32 ``acts`` from ``a_at``), its per-group scales, compensations and sums (from
-    ``s_at``), the tile's per-group scales and minimums (LANES float32 a group from ``c_at``). The
-    sums stay in registers over the groups: one vpdpbusd a quad and a multiply-add a group."""
+def _tile_rows(bits: int, rows: int):
+    """An intrinsic ``tile_rows(weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales,
+    lows, c_at, out)``: out[: rows * LANES] = ``rows`` activation rows times one tile of W. Offsets
+    are in elements of C-contiguous arrays: the tile's codes (uint8 ``weights`` from ``w_at``,
+    ``group_bytes(bits)`` a group), the first row's codes (int8 ``acts`` [M, K] from ``a_at``), its
+    per-group scales, code sums and sums ([M, groups] from ``s_at``), the tile's per-group scales and
+    minimums (float32 [tiles, groups, LANES] from ``c_at``). Each code vector is loaded (and for 4 bits
+    split into nibbles) once for all rows, and the sums stay in registers over the groups: one
+    vpdpbusd a quad and row, a multiply-add a group and row."""
 
     @intrinsic
-    def tile_row(
-        typingctx, weights, w_at, acts, a_at, a_scales, compensation, sums, s_at, scales, lows, c_at, groups, out
-    ):
+    def tile_rows(typingctx, weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out):
         def codegen(context, builder, signature, args):
             i32, f32 = ir.IntType(32), ir.FloatType()
             i8x64, i32x16, f32x16 = (
@@ -132,66 +123,68 @@ def _tile_row(bits: int):
             dpbusd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(i32x16, [i32x16, i8x64, i8x64]), "llvm.x86.avx512.vpdpbusd.512"
             )
-            w_at, a_at, s_at, c_at, groups = (args[i] for i in (1, 3, 7, 10, 11))
+            w_at, a_at, s_at, c_at = args[1], args[3], args[7], args[10]
+            groups = cgutils.unpack_tuple(
+                builder, context.make_array(signature.args[4])(context, builder, args[4]).shape
+            )[1]
             zeros = ir.Constant(i32x16, None)
 
-            def element(i, index):  # pointer to element ``index`` of flat array argument i
-                data = context.make_array(signature.args[i])(context, builder, args[i]).data
-                return builder.gep(data, [index])
-
-            def vector(i, index, vector_type):
-                return builder.load(builder.bitcast(element(i, index), vector_type.as_pointer()), align=1)
+            def element(i, index, as_type=None):  # pointer to element ``index`` of array argument i
+                pointer = builder.gep(context.make_array(signature.args[i])(context, builder, args[i]).data, [index])
+                return pointer if as_type is None else builder.bitcast(pointer, as_type.as_pointer())
 
             def splat(value, vector_type):
                 one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, i32(0))
                 return builder.shuffle_vector(one, one, zeros)
 
-            def step(acc, weight, at):  # acc += the dots of ``weight`` with activation quad ``at``
-                quad = builder.load(element(2, at), align=4)
-                return builder.call(dpbusd, [acc, weight, builder.bitcast(splat(quad, i32x16), i8x64)])
-
-            total = cgutils.alloca_once_value(builder, ir.Constant(f32x16, None))
+            k = builder.mul(groups, groups.type(QUANT_ROWS))
+            totals = [cgutils.alloca_once_value(builder, ir.Constant(f32x16, None)) for _ in range(rows)]
             with cgutils.for_range(builder, groups) as loop:
                 g = loop.index
                 first_byte = builder.add(w_at, builder.mul(g, g.type(group_bytes(bits))))
-                first_quad = builder.add(a_at, builder.mul(g, g.type(QUADS)))
-                acc = zeros
-                if bits == 8:
-                    for q in range(QUADS):
-                        weight = vector(0, builder.add(first_byte, g.type(64 * q)), i8x64)
-                        acc = step(acc, weight, builder.add(first_quad, g.type(q)))
-                else:  # quads q and q + QUADS/2 share the bytes of vector q: low and high nibbles
-                    nibble = ir.Constant(i8x64, [15] * 64)
-                    for q in range(QUADS // 2):
-                        both = vector(0, builder.add(first_byte, g.type(64 * q)), i8x64)
-                        high = builder.and_(builder.lshr(both, ir.Constant(i8x64, [4] * 64)), nibble)
-                        acc = step(acc, builder.and_(both, nibble), builder.add(first_quad, g.type(q)))
-                        acc = step(acc, high, builder.add(first_quad, g.type(q + QUADS // 2)))
-                row_group, column_group = builder.add(s_at, g), builder.add(c_at, builder.mul(g, g.type(LANES)))
-                if bits == 8:  # the codes were stored plus OFFSET: take OFFSET times the activation codes' sum
-                    acc = builder.sub(acc, splat(builder.load(element(5, row_group)), i32x16))
-                scale = builder.fmul(
-                    vector(8, column_group, f32x16), splat(builder.load(element(4, row_group)), f32x16)
-                )
-                part = builder.fmul(builder.sitofp(acc, f32x16), scale)
-                if bits == 4:
-                    low_sum = builder.fmul(
-                        vector(9, column_group, f32x16), splat(builder.load(element(6, row_group)), f32x16)
-                    )
-                    part = builder.fadd(part, low_sum)
-                builder.store(builder.fadd(builder.load(total), part), total)
-            builder.store(
-                builder.load(total), builder.bitcast(element(12, ir.IntType(64)(0)), f32x16.as_pointer()), align=4
-            )
+                first_code = builder.add(a_at, builder.mul(g, g.type(QUANT_ROWS)))
+                accs = [zeros] * rows
+
+                def step(weight, q):  # every row's sums += the dots of ``weight`` with its quad q
+                    for r in range(rows):
+                        at = builder.add(first_code, builder.add(builder.mul(k, k.type(r)), k.type(4 * q)))
+                        quad = builder.load(element(2, at, i32), align=1)
+                        accs[r] = builder.call(dpbusd, [accs[r], weight, builder.bitcast(splat(quad, i32x16), i8x64)])
+
+                for v in range(group_bytes(bits) // 64):
+                    weight = builder.load(element(0, builder.add(first_byte, g.type(64 * v)), i8x64), align=1)
+                    if bits == 8:
+                        step(weight, v)
+                    else:  # quads v and v + QUADS/2 share the bytes of vector v: low and high nibbles
+                        nibble = ir.Constant(i8x64, [15] * 64)
+                        step(builder.and_(weight, nibble), v)
+                        step(builder.and_(builder.lshr(weight, ir.Constant(i8x64, [4] * 64)), nibble), v + QUADS // 2)
+                column_group = builder.add(c_at, builder.mul(g, g.type(LANES)))
+                w_scale = builder.load(element(8, column_group, f32x16), align=4)
+                low = builder.load(element(9, column_group, f32x16), align=4) if bits == 4 else None
+                for r in range(rows):
+                    row_group = builder.add(builder.add(s_at, builder.mul(groups, groups.type(r))), g)
+                    dots = accs[r]
+                    if bits == 8:  # the codes were stored plus OFFSET: take OFFSET times the activation codes' sum
+                        offset = builder.mul(builder.load(element(5, row_group)), i32(OFFSET))
+                        dots = builder.sub(dots, splat(offset, i32x16))
+                    scale = builder.fmul(w_scale, splat(builder.load(element(4, row_group)), f32x16))
+                    part = builder.fmul(builder.sitofp(dots, f32x16), scale)
+                    if bits == 4:
+                        part = builder.fadd(part, builder.fmul(low, splat(builder.load(element(6, row_group)), f32x16)))
+                    builder.store(builder.fadd(builder.load(totals[r]), part), totals[r])
+            for r in range(rows):
+                builder.store(builder.load(totals[r]), element(11, ir.IntType(64)(r * LANES), f32x16), align=4)
             return context.get_dummy_value()
 
-        arg_types = (weights, w_at, acts, a_at, a_scales, compensation, sums, s_at, scales, lows, c_at, groups, out)
+        arg_types = (weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out)
         return types.void(*arg_types), codegen
 
-    return tile_row
+    return tile_rows
 
 
-_tile_row8, _tile_row4 = _tile_row(8), _tile_row(4)
+TILE_ROWS = 4  # rows a code vector serves while it is in a register
+_ONE8, _FOUR8, _ONE4, _FOUR4 = (_tile_rows(bits, rows) for bits in (8, 4) for rows in (1, TILE_ROWS))
 
 
 @_exact_jit
@@ -213,46 +206,30 @@ def _quantize_rows(a, codes, scales, code_sums, sums):
 
 
 @_jit
-def _rows_by_interleaved(acts, a_scales, compensation, sums, weights, scales, lows, bits, groups, start, stop, out):
-    """out[:, start:stop] = a @ W for ``a`` given by ``quantize_rows`` (its codes as uint32 quads) and W
-    by ``interleave`` and ``interleave_columns``, every array flat."""
-    rows = a_scales.shape[0] // groups
-    tile_bytes = groups * LANES * QUANT_ROWS * bits // 8
-    tile_out = numpy.empty(LANES, numpy.float32)
+def _product(a, weights, scales, lows, bits, start, stop, out):
+    """out[:, start:stop] = a @ W (``matmul``'s operands)."""
+    rows, k = a.shape
+    groups = k // QUANT_ROWS
+    codes = numpy.empty((rows, k), numpy.int8)
+    a_scales = numpy.empty((rows, groups), numpy.float32)
+    code_sums = numpy.empty((rows, groups), numpy.int32)
+    sums = numpy.empty((rows, groups), numpy.float32)
+    _quantize_rows(a, codes, a_scales, code_sums, sums)
+    tile_out = numpy.empty(TILE_ROWS * LANES, numpy.float32)
     for tile in range(start // LANES, -(-stop // LANES)):
         first, last = max(start, tile * LANES), min(stop, (tile + 1) * LANES)
-        for r in range(rows):  # the tile's codes stay in cache for every row after the first
-            at = (tile * tile_bytes, r * groups * QUADS, r * groups, tile * groups * LANES)
-            if bits == 4:
-                _tile_row4(
-                    weights,
-                    at[0],
-                    acts,
-                    at[1],
-                    a_scales,
-                    compensation,
-                    sums,
-                    at[2],
-                    scales,
-                    lows,
-                    at[3],
-                    groups,
-                    tile_out,
-                )
+        w_at, c_at = tile * weights.shape[1] * weights.shape[2], tile * groups * LANES
+        r = 0
+        while r < rows:  # the tile's codes stay in cache for every row after the first
+            count = TILE_ROWS if r + TILE_ROWS <= rows else 1
+            if bits == 4 and count == TILE_ROWS:
+                _FOUR4(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+            elif bits == 4:
+                _ONE4(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+            elif count == TILE_ROWS:
+                _FOUR8(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
             else:
-                _tile_row8(
-                    weights,
-                    at[0],
-                    acts,
-                    at[1],
-                    a_scales,
-                    compensation,
-                    sums,
-                    at[2],
-                    scales,
-                    lows,
-                    at[3],
-                    groups,
-                    tile_out,
-                )
-            out[r, first:last] = tile_out[first - tile * LANES : last - tile * LANES]
+                _ONE8(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+            for i in range(count):
+                out[r + i, first:last] = tile_out[i * LANES + first - tile * LANES : i * LANES + last - tile * LANES]
+            r += count
