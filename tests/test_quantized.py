@@ -1,7 +1,7 @@
 """Weights kept quantized at inference (``kernels/quantized.py``, ``hpc-tp convert --quantize``): the
 few-row float kernel and the blockwise path against dequantize-then-numpy, the integer kernel
-(``kernels/int8_dot.py``, where the CPU has AVX512-VNNI) against numpy doing its arithmetic; quantized models at tp = the world
-size against one process at the same precision; GGUF Q8_0, Q4_0 and Q4_1 kept as stored against the
+(``kernels/int8_dot.py``, where the CPU has AVX512-VNNI) against numpy doing its arithmetic; quantized
+models at tp = the world size against one process at the same precision; the int8 head; GGUF Q8_0, Q4_0 and Q4_1 kept as stored against the
 widened import; and the errors of a bad format, a tp that cuts a group, and training."""
 
 import dataclasses
@@ -122,6 +122,16 @@ def test_kernels_write_only_their_column_range(bits, integer):
             full = a.astype(np.float64) @ w.dequantize(dtype=np.float64)
         assert np.isnan(out[:, :start]).all() and np.isnan(out[:, stop:]).all()
         assert rel_err(out[:, start:stop], full[:, start:stop]) < 3e-6
+
+
+def test_the_head_of_a_quantized_model_is_int8_below_float64():
+    """float32 (or half): the int8 copy of the head; float64 keeps the float head, as does a float model."""
+    float_model = GPTModel(ModelConfig(**CONFIG), self_comm(), dtype="float32", seed=4)
+    assert isinstance(
+        _quantized_model(self_comm(), "int4", "float32").head._product_weight(), quantized.QuantizedMatrix
+    )
+    assert isinstance(_quantized_model(self_comm(), "int4", "float64").head._product_weight(), np.ndarray)
+    assert isinstance(float_model.head._product_weight(), np.ndarray)
 
 
 def test_the_kernel_takes_the_few_row_products():
