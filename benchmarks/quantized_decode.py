@@ -6,9 +6,11 @@ steps) on one process, each variant's model built once and timed again in every 
 
 ``--model``: a preset or a JSON model config (the config of a converted checkpoint, e.g. SmolLM2-135M's
 from ``hpc-tp inspect``); weights are random (the time of a product does not depend on the values).
-Variants: NAME=QUANTIZE:DTYPE, where QUANTIZE is none, int8 or int4 (the linear layers' weights) and
-DTYPE the precision of everything else (the embedding and tied head, the activations). Each line gives
-the tokens/s range over the rounds and the median; no time is asserted anywhere.
+Variants: NAME=QUANTIZE:DTYPE[:float], where QUANTIZE is none, int8 or int4 (the linear layers' weights)
+and DTYPE the precision of everything else (the embedding, the activations; a quantized model's head is
+int8 unless DTYPE is float64); ``:float`` runs that variant's few-row products by the float kernel, as
+without VNNI (``kernels/int8_dot.py``), for an A/B in one run. Each line gives the tokens/s range over
+the rounds and the median; no time is asserted anywhere.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ def main():
     from hpc_tp.backend import resolve_dtype
     from hpc_tp.bench.decode import benchmark_decode
     from hpc_tp.comm.mpi import self_comm
+    from hpc_tp.kernels import int8_dot
     from hpc_tp.models.config import load_config
     from hpc_tp.models.gpt import GPTModel
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-tiny", help="preset or JSON config (default %(default)s)")
     parser.add_argument(
-        "--variant", action="append", help=f"NAME=QUANTIZE:DTYPE (default {' '.join(DEFAULT_VARIANTS)})"
+        "--variant", action="append", help=f"NAME=QUANTIZE:DTYPE[:float] (default {' '.join(DEFAULT_VARIANTS)})"
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default %(default)s)")
@@ -46,17 +49,19 @@ def main():
     models = {}
     for spec in args.variant or DEFAULT_VARIANTS:
         name, _, rest = spec.partition("=")
-        quantize, _, dtype = rest.partition(":")
+        quantize, dtype, *products = rest.split(":")
         variant = dataclasses.replace(cfg, quantize=None if quantize == "none" else quantize)
-        models[name] = (GPTModel(variant, self_comm(), dtype=resolve_dtype(dtype)), dtype)
+        models[name] = (GPTModel(variant, self_comm(), dtype=resolve_dtype(dtype)), dtype, products != ["float"])
     rates = {name: [] for name in models}
+    host_integer = int8_dot.AVAILABLE  # restored for every variant without ``:float``
     for _ in range(args.rounds):
-        for name, (model, dtype) in models.items():
+        for name, (model, dtype, integer) in models.items():
+            int8_dot.AVAILABLE = host_integer and integer
             record = benchmark_decode(
                 self_comm(), model.cfg, 1, args.prompt_len, args.new_tokens, dtype, warmup=3, model=model
             )
             rates[name].append(record["tokens_per_s"])
-    for name, (model, _) in models.items():
+    for name, (model, *_) in models.items():
         r = rates[name]
         print(
             f"{name}: {min(r):.1f}-{max(r):.1f} tokens/s (median {statistics.median(r):.1f}), "

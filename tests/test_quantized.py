@@ -1,6 +1,7 @@
 """Weights kept quantized at inference (``kernels/quantized.py``, ``hpc-tp convert --quantize``): the
-few-row kernel and the blockwise path against dequantize-then-numpy; quantized models at tp = the world
-size against one process at the same precision; GGUF Q8_0, Q4_0 and Q4_1 kept as stored against the
+few-row float kernel and the blockwise path against dequantize-then-numpy, the integer kernel
+(``kernels/int8_dot.py``, where the CPU has AVX512-VNNI) against numpy doing its arithmetic; quantized
+models at tp = the world size against one process at the same precision; the int8 head; GGUF Q8_0, Q4_0 and Q4_1 kept as stored against the
 widened import; and the errors of a bad format, a tp that cuts a group, and training."""
 
 import dataclasses
@@ -18,7 +19,7 @@ from hpc_tp.cli import main
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
-from hpc_tp.kernels import quantized, small_m
+from hpc_tp.kernels import int8_dot, quantized, small_m
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache
@@ -32,12 +33,20 @@ CONFIG = dict(CONFIGS["llama-gqa"], vocab_size=300, hidden=128, ffn_hidden=256)
 STEPS = 3
 # Across tp only the order of the sums differs: float64 to rounding, float32 to its rounding of the logits.
 SAME_PRECISION = {"float64": 1e-10, "float32": 1e-5}
+HOST_VNNI = int8_dot.AVAILABLE
+needs_vnni = pytest.mark.skipif(not HOST_VNNI, reason="needs numba and a CPU with avx512_vnni")
+
+
+@pytest.fixture
+def float_products(monkeypatch):
+    """Few-row products of float32 activations by the float kernel, as on a CPU without VNNI."""
+    monkeypatch.setattr(int8_dot, "AVAILABLE", False)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 64, 65, 130])
-def test_product_equals_dequantize_then_numpy(bits, dtype, rows):
+def test_product_equals_dequantize_then_numpy(bits, dtype, rows, float_products):
     """1-64 rows: the numba kernel (dequantized in cache); more: blocks dequantized and BLAS."""
     rng = np.random.default_rng(rows)
     w = quantized.quantize(rng.normal(size=(192, 200)), bits)
@@ -46,6 +55,83 @@ def test_product_equals_dequantize_then_numpy(bits, dtype, rows):
     got = quantized.matmul(a, w)
     assert got.dtype == np.dtype(dtype)
     assert rel_err(got, want) < (1e-13 if dtype == "float64" else 3e-6)
+
+
+def _integer_reference(a, w):
+    """``int8_dot``'s arithmetic in numpy: rows quantized per group of 32 (scale max |a| / 127, codes
+    rounded half to even), integer dots per group with the weight codes, each group's dot scaled, and
+    for 4 bits the minimum times the float sum of the group's activations."""
+    m, k = a.shape
+    groups = a.reshape(m, k // 32, 32)
+    scale = np.abs(groups).max(axis=2) / np.float32(127)
+    codes = np.rint(groups / np.where(scale > 0, scale, np.float32(1))[..., None])
+    w_codes = w.codes.astype(np.int64)
+    if w.bits == 4:
+        w_codes = np.empty((k, w.shape[1]), np.int64)
+        w_codes[0::2], w_codes[1::2] = w.codes & 15, w.codes >> 4
+    dots = np.einsum("mgi,gin->mgn", codes.astype(np.int64), w_codes.reshape(k // 32, 32, -1))
+    out = np.einsum("mg,gn,mgn->mn", scale.astype(np.float64), w.scale.astype(np.float64), dots)
+    if w.bits == 4:
+        out += groups.astype(np.float64).sum(axis=2) @ w.low
+    return out
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])
+def test_integer_product_equals_numpy_doing_its_arithmetic(bits, rows):
+    """float32 activations, 1-64 rows (tiles of four and single rows): products to float32 rounding
+    (one activation code off by one would move a product by about 1e-3); 200 columns leave a partial
+    tile of 16. The product's distance from the float one stays within what rounding ``a`` to
+    half a step (max |a| / 254 per group) can move it: sum over k of that half step times |w|."""
+    rng = np.random.default_rng(rows)
+    w = quantized.quantize(rng.normal(size=(192, 200)), bits)
+    a = (rng.normal(size=(rows, 192)) * rng.uniform(0.01, 10, size=(rows, 1))).astype(np.float32)
+    want = _integer_reference(a, w)
+    got = quantized.matmul(a, w)
+    assert got.dtype == np.float32 and rel_err(got, want) < 3e-6
+    dense = w.dequantize(dtype=np.float64)
+    half_step = np.repeat(np.abs(a.reshape(rows, -1, 32)).max(axis=2) / 254, 32, axis=1)
+    assert (np.abs(got - a.astype(np.float64) @ dense) <= half_step @ np.abs(dense) * 1.001 + 1e-5).all()
+
+
+@pytest.mark.parametrize("integer", [True, False])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kernels_write_only_their_column_range(bits, integer):
+    """[start, stop) of the product, the other columns untouched (a split over cores writes one
+    output): ranges that start and stop inside a tile of 16 and inside a block of columns."""
+    if integer and not HOST_VNNI:
+        pytest.skip("needs numba and a CPU with avx512_vnni")
+    if not small_m.cpu_kernels.ENABLED:
+        pytest.skip("needs numba")
+    rng = np.random.default_rng(bits)
+    w = quantized.quantize(rng.normal(size=(96, 300)), bits)
+    a = rng.normal(size=(5, 96)).astype(np.float32)
+    low = w.scale[:0] if w.low is None else w.low
+    for start, stop in [(0, 300), (7, 150), (150, 299), (33, 34)]:
+        out = np.full((5, 300), np.nan, np.float32)
+        if integer:
+            lows = np.empty(0, np.float32) if w.low is None else int8_dot.interleave_columns(w.low)
+            columns = int8_dot.interleave(w.codes, bits), int8_dot.interleave_columns(w.scale), lows
+            int8_dot.matmul(a, *columns, bits, 300, start, stop, out)
+            full = _integer_reference(a, w)
+        else:
+            rows = small_m._operand_rows(a, np.dtype(np.float32))
+            scales, lows = w.scale.reshape(-1), low.reshape(-1)
+            small_m._rows_by_quantized(rows, w.codes.reshape(-1), scales, lows, np.float32(0), out, start, stop)
+            full = a.astype(np.float64) @ w.dequantize(dtype=np.float64)
+        assert np.isnan(out[:, :start]).all() and np.isnan(out[:, stop:]).all()
+        assert rel_err(out[:, start:stop], full[:, start:stop]) < 3e-6
+
+
+def test_the_head_of_a_quantized_model_is_int8_below_float64():
+    """float32 (or half): the int8 copy of the head; float64 keeps the float head, as does a float model."""
+    float_model = GPTModel(ModelConfig(**CONFIG), self_comm(), dtype="float32", seed=4)
+    assert isinstance(
+        _quantized_model(self_comm(), "int4", "float32").head._product_weight(), quantized.QuantizedMatrix
+    )
+    assert isinstance(_quantized_model(self_comm(), "int4", "float64").head._product_weight(), np.ndarray)
+    assert isinstance(float_model.head._product_weight(), np.ndarray)
 
 
 def test_the_kernel_takes_the_few_row_products():
@@ -102,7 +188,12 @@ def _logits(model):
 @mpi
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype):
+def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype, float_products):
+    """Float products (float32 ones by the float kernel). With int8 activations each rank quantizes
+    the same numbers as one process only up to float32 rounding: a value that tp's other order of sums
+    moves across half a step takes the next code; this small random model's prefill logits move by a
+    few percent for such codes, enough to change the argmax token the decode steps are fed. So the
+    integer path is held layer by layer instead (``test_integer_layers_at_tp_give_one_process_numbers``)."""
     tp, one = tp_and_reference()
     got, want = _logits(_quantized_model(tp, fmt, dtype)), _logits(_quantized_model(one, fmt, dtype))
     for step, (g, w) in enumerate(zip(got, want)):
@@ -110,8 +201,26 @@ def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype):
 
 
 @mpi
+@needs_vnni
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_tp_greedy_tokens_equal_one_process(fmt):
+def test_integer_layers_at_tp_give_one_process_numbers(fmt):
+    """One input, int8 activations: the MLP (column-parallel gate and up, row-parallel down: each rank
+    quantizes whole groups of the same numbers) and the int8 head's logits for this rank's vocabulary
+    block equal one process's to float32 rounding."""
+    tp, one = tp_and_reference()
+    x = np.random.default_rng(5).normal(size=(1, 3, CONFIG["hidden"])).astype(np.float32)
+    model, reference = _quantized_model(tp, fmt, "float32"), _quantized_model(one, fmt, "float32")
+    assert max_rel_err(model.layers[0].mlp.forward(x)[0], reference.layers[0].mlp.forward(x)[0]) <= 1e-6
+    assert isinstance(model.head._product_weight(), quantized.QuantizedMatrix)
+    block = -(-CONFIG["vocab_size"] // tp.size)
+    want = reference.head.forward(x)[0][..., tp.rank * block : (tp.rank + 1) * block]
+    got = model.head.forward(x)[0][..., : want.shape[-1]]
+    assert max_rel_err(got, want) <= 1e-6
+
+
+@mpi
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_tp_greedy_tokens_equal_one_process(fmt, float_products):
     tp, one = tp_and_reference()
     params = [SamplingParams(max_new_tokens=6)] * len(PROMPTS)
     out_tp = Engine(_quantized_model(tp, fmt, "float32"), ByteTokenizer()).generate(PROMPTS, params)

@@ -36,7 +36,10 @@ import os
 
 import numpy
 
-from . import cpu_kernels
+from . import cpu_kernels, threads
+
+# Ranges of output columns a thread takes start at multiples of the widest tile (64 columns).
+COLUMN_ALIGN = 64
 
 COLUMN_GROUP = 32  # columns of one interleaved pair of weight-row loads (two float32 vectors)
 HEAD_TILE = 4  # input rows and weight rows of the transposed kernel's tile
@@ -121,10 +124,12 @@ def matmul(a, w, out=None, accumulate: bool = False, start: int = 0, stop: int |
     if out is None:
         out = numpy.empty((m, n), numpy.float32)
     bits = _padded_bits(a)
+    bounds = start + threads.columns(stop - start, COLUMN_ALIGN)
     if w.flags.c_contiguous:
-        _rows_by_matrix(bits, w.view(numpy.uint16), out, accumulate, start, stop)
+        threads.run(_rows_by_matrix, _rows_by_matrix_over, (bits, w.view(numpy.uint16), out, accumulate), bounds)
     else:
-        _rows_by_transposed(bits, w.T.view(numpy.uint16), out, accumulate, start, stop)
+        args = (bits, w.T.view(numpy.uint16), out, accumulate)
+        threads.run(_rows_by_transposed, _rows_by_transposed_over, args, bounds)
     return out
 
 
@@ -445,3 +450,16 @@ def _rows_by_transposed(a, e, out, accumulate, start, stop):
         while r < m:
             _transposed_tile(a, r * a_pitch, a_pitch, 1, e, c * k, k, out, r * n + c, n, stop - c, 4)
             r += 1
+
+
+# The threads' drivers (``kernels.threads.run``): each range of output columns on a thread of its own.
+@threads.parallel_jit
+def _rows_by_matrix_over(a, w, out, accumulate, bounds):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _rows_by_matrix(a, w, out, accumulate, bounds[part], bounds[part + 1])
+
+
+@threads.parallel_jit
+def _rows_by_transposed_over(a, e, out, accumulate, bounds):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _rows_by_transposed(a, e, out, accumulate, bounds[part], bounds[part + 1])

@@ -17,20 +17,24 @@ second rounding. Any other weight is quantized here by those formats' rules: 8 b
 (scale = max |w| / 127, Q8_0's), 4 bits between the group's minimum and maximum (scale =
 (max - min) / 15, Q4_1's). A tp split along K must fall between groups (the layers check it).
 
-Products: a few rows (decoding) through ``small_m.quantized_matmul``, which dequantizes in cache and
-reads every code once for all rows; many rows (prefill), or without numba, or on a GPU: blocks of
-weight rows dequantized elementwise (numpy or cupy) and multiplied by BLAS or cuBLAS.
+Products: a few rows (decoding) of float32 (or half) activations, where the CPU has AVX512-VNNI,
+through ``int8_dot``: the activations quantized to int8 per group and dotted with the codes in integer
+arithmetic, from a copy of the codes interleaved for it (written at the first such product, as many
+bytes again as the codes); float64 activations, or a CPU without VNNI, through
+``small_m.quantized_matmul``, which widens the codes in registers and reads every code once for all
+rows; many rows (prefill), or without numba, or on a GPU: blocks of weight rows dequantized
+elementwise (numpy or cupy) and multiplied by BLAS or cuBLAS.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy
 
 from ..backend import xp_of
 from ..errors import ConfigError
-from . import blas, small_m
+from . import blas, int8_dot, small_m
 
 FORMATS = {"int8": 8, "int4": 4}
 GROUP_ROWS = small_m.QUANT_ROWS
@@ -64,12 +68,15 @@ def check_rows(k: int, parts: int, what: str, bits: int):
 
 @dataclass
 class QuantizedMatrix:
-    """A weight [K, N] as its quantized arrays (numpy or cupy); ``low`` is None for 8 bits."""
+    """A weight [K, N] as its quantized arrays (numpy or cupy); ``low`` is None for 8 bits.
+    ``interleaved``: ``int8_dot``'s copy of them, made at the first product that takes that path (the
+    weights of a model kept quantized are loaded once, before it serves)."""
 
     codes: object
     scale: object
     low: object
     bits: int
+    interleaved: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def zeros(cls, k: int, n: int, bits: int, xp):
@@ -136,10 +143,21 @@ def from_codes(codes, scale, low, bits: int) -> QuantizedMatrix:
     return QuantizedMatrix(packed, scale.astype(numpy.float32), low.astype(numpy.float32), 4)
 
 
+def _interleaved(w: QuantizedMatrix) -> tuple:
+    if w.interleaved is None:
+        lows = numpy.empty(0, numpy.float32) if w.low is None else int8_dot.interleave_columns(w.low)
+        w.interleaved = int8_dot.interleave(w.codes, w.bits), int8_dot.interleave_columns(w.scale), lows
+    return w.interleaved
+
+
 def matmul(a, w: QuantizedMatrix):
-    """``a @ W`` for ``a`` [M, K]: float64 sums for float64 ``a``, else float32."""
+    """``a @ W`` for ``a`` [M, K]: float64 sums for float64 ``a``, else float32 (from int8 activations
+    where ``int8_dot.AVAILABLE``)."""
     dtype = numpy.dtype(numpy.float64 if a.dtype == numpy.float64 else numpy.float32)
     if small_m.takes_quantized(a):
+        if dtype == numpy.float32 and int8_dot.AVAILABLE:
+            rows = numpy.ascontiguousarray(a, numpy.float32)
+            return int8_dot.matmul(rows, *_interleaved(w), w.bits, w.shape[1])
         low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
         return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
     (k, n), xp = w.shape, xp_of(a)

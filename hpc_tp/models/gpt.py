@@ -69,13 +69,13 @@ class GPTModel(Module):
         if has_head:
             self.final_norm = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
             if cfg.tie_embeddings:
-                self.head = VocabParallelLMHead(self.embed.weight, comm, owns_weight=False)
+                self.head = VocabParallelLMHead(self.embed.weight, comm, owns_weight=False, quantize=cfg.quantize)
             else:
                 weight = Parameter(
                     param_buffer((-(-cfg.vocab_size // comm.size), cfg.hidden), dtype),
                     split((cfg.vocab_size, cfg.hidden), 0, comm.size, comm.rank),
                 )
-                self.head = VocabParallelLMHead(weight, comm, owns_weight=True)
+                self.head = VocabParallelLMHead(weight, comm, owns_weight=True, quantize=cfg.quantize)
             self._loss = VocabParallelCrossEntropy(cfg.vocab_size, comm)
         initialize(self, cfg.init_std, cfg.n_layers, seed)
 

@@ -14,6 +14,7 @@ import numpy
 
 from .. import backend
 from ..comm.base import Communicator
+from ..kernels import quantized
 from ..kernels.functional import scatter_add_rows
 from ..module import Module, Parameter, param_buffer, split
 from .layers import add_weight_grad, product
@@ -68,16 +69,33 @@ class VocabParallelLMHead(Module):
     What crosses the wire: f before the head, so nothing forward (every rank holds h [B, T, hidden]);
     backward an all-reduce of the hidden-state gradient [B, T, hidden], running while the weight
     gradient is computed.
+
+    ``quantize`` (a model whose linear layers are kept quantized, inference only): a float32 or half
+    head on the CPU multiplies an int8 copy of W (``kernels.quantized``, Q8_0's groups of 32 along
+    hidden), as llama.cpp keeps its output layer 8-bit: a quarter of a float32 head's bytes a decode
+    step. The copy is made at the first forward, after the weights are loaded. A float64 model keeps
+    the float head: its numbers are the quantized layers' exactly.
     """
 
-    def __init__(self, weight: Parameter, comm: Communicator, owns_weight: bool):
+    def __init__(self, weight: Parameter, comm: Communicator, owns_weight: bool, quantize: str | None = None):
         self.f = CopyToTensorParallel(comm)
         # Tied: the embedding owns and names the weight; the underscore keeps Module from listing it twice.
         self.weight = weight if owns_weight else None
         self._w = weight
+        self.quantize = quantize
+        self._int8 = None
+
+    def _product_weight(self):
+        """W.T as the forward multiplies it: the int8 copy where ``quantize`` takes it, else the float view."""
+        data = self._w.data
+        if self.quantize is None or not isinstance(data, numpy.ndarray) or data.dtype == numpy.float64:
+            return data.T
+        if self._int8 is None:
+            self._int8 = quantized.quantize(data.T, 8)
+        return self._int8
 
     def forward(self, h):
-        return product(self.f.forward(h), self._w.data.T), h
+        return product(self.f.forward(h), self._product_weight()), h
 
     def backward(self, dlogits, h):
         h2, d2 = h.reshape(-1, h.shape[-1]), dlogits.reshape(-1, dlogits.shape[-1])

@@ -1,0 +1,244 @@
+"""Few-row products of weights kept quantized (``kernels.quantized``) in integer arithmetic, as
+llama.cpp does them: each activation row quantized to int8 per group of QUANT_ROWS inputs (GGUF's
+Q8 blocks: scale = max |a| / 127), the codes dotted with AVX512-VNNI's ``vpdpbusd`` (64 byte products
+summed four by four into sixteen int32 lanes in one instruction), and each group's integer dot
+scaled once.
+
+``vpdpbusd`` sums four neighbouring bytes of a lane, so a lane must hold four inputs of one output
+column; the stored codes [K, N] have a column's inputs N bytes apart. ``interleave`` therefore writes
+the codes once more, at the first few-row product (``QuantizedMatrix.interleaved``), in tiles of
+sixteen columns: in a tile, for each group, its quads of inputs (k = 4q .. 4q + 3) side by side, one
+64-byte vector a quad, the whole of K contiguous, as GGUF's blocks keep a row's inputs together.
+It is unsigned times signed: 8-bit weight codes are stored plus 128 (and 128 times the sum of the
+activation codes taken off each group's dot); 4-bit codes are 0..15 already and stay two a byte, the
+low nibbles of a group's 256 bytes its quads 0..3 and the high ones its quads 4..7.
+
+Per output column j and row r, group g of weight scale s, minimum m (4 bits) and activation scale t:
+
+    y[r, j] += t * s * (sum_k code_a * code_w) + m * sum_k a      (the last sum in float, of ``a``)
+
+which adds the rounding of ``a`` to int8 (at most half a step, max |a| / 254, per element) to the
+weights' own. Float64 activations never take this path (their products keep float sums).
+``AVAILABLE`` is True where numba runs and the host has avx512_vnni, unless ``HPC_TP_INT8_DOT=0`` (for
+an A/B, or float activations); elsewhere ``small_m``'s float kernel computes every product.
+"""
+
+from __future__ import annotations
+
+import os
+
+import llvmlite.binding
+import numpy
+from llvmlite import ir
+
+from . import cpu_kernels, small_m, threads
+from .small_m import QUANT_ROWS
+
+LANES = 16  # int32 lanes of a 512-bit vector: output columns a tile
+QUADS = QUANT_ROWS // 4  # vpdpbusd steps a group
+OFFSET = 128  # 8-bit codes are stored as code + OFFSET (the unsigned operand)
+AVAILABLE = (
+    cpu_kernels.ENABLED
+    and os.environ.get("HPC_TP_INT8_DOT", "1") != "0"
+    and bool(llvmlite.binding.get_host_cpu_features().get("avx512vnni"))
+)
+
+
+def group_bytes(bits: int) -> int:
+    """Bytes of one tile's group in the interleaved layout."""
+    return LANES * QUANT_ROWS * bits // 8
+
+
+def interleave(codes, bits: int):
+    """Codes [K, N] (int8, or uint8 [K/2, N] two 4-bit codes a byte) as the kernel reads them: uint8
+    [tiles, K / QUANT_ROWS, group_bytes(bits)], columns past N zero (their outputs are not written)."""
+    k = codes.shape[0] * (8 // bits)
+    n = codes.shape[1]
+    tiles = -(-n // LANES)
+    if bits == 8:
+        wide = (codes.view(numpy.uint8) ^ OFFSET).astype(numpy.uint8)
+    else:
+        wide = numpy.empty((k, n), numpy.uint8)
+        wide[0::2], wide[1::2] = codes & 15, codes >> 4
+    padded = numpy.zeros((k, tiles * LANES), numpy.uint8)
+    padded[:, :n] = wide
+    # [group, quad, byte of quad, tile, lane] -> [tile, group, quad, lane, byte of quad]
+    quads = padded.reshape(k // QUANT_ROWS, QUADS, 4, tiles, LANES).transpose(3, 0, 1, 4, 2)
+    quads = quads.reshape(tiles, k // QUANT_ROWS, QUADS, LANES * 4)
+    if bits == 4:
+        half = QUADS // 2
+        quads = quads[:, :, :half] | (quads[:, :, half:] << 4)
+    return numpy.ascontiguousarray(quads).reshape(tiles, k // QUANT_ROWS, group_bytes(bits))
+
+
+def interleave_columns(values):
+    """Per-group float32 values [K / QUANT_ROWS, N] (scales, minimums) as [tiles, groups, LANES]."""
+    groups, n = values.shape
+    tiles = -(-n // LANES)
+    padded = numpy.zeros((groups, tiles * LANES), numpy.float32)
+    padded[:, :n] = values
+    return numpy.ascontiguousarray(padded.reshape(groups, tiles, LANES).transpose(1, 0, 2))
+
+
+def matmul(a, interleaved, scales, lows, bits: int, n: int, start: int = 0, stop: int | None = None, out=None):
+    """``a @ W`` columns [start, stop) into ``out`` (float32 [M, n], allocated when None) for float32
+    ``a`` [M, K] (C-contiguous) and W given by ``interleave``'s codes and ``interleave_columns``'s
+    scales and minimums (``lows`` empty for 8 bits)."""
+    if out is None:
+        out = numpy.empty((a.shape[0], n), numpy.float32)
+    stop = n if stop is None else stop
+    bounds = start + threads.columns(stop - start, small_m.COLUMN_ALIGN)
+    threads.run(_product, _product_over, (a, interleaved, scales, lows, bits, out), bounds)
+    return out
+
+
+if cpu_kernels.ENABLED:
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    _jit = cpu_kernels.numba.njit(cache=True, nogil=True, fastmath={"contract", "reassoc", "nsz", "arcp"})
+    # Rounding to the nearest code as numpy does it: no reciprocal in place of the division.
+    _exact_jit = cpu_kernels.numba.njit(cache=True, nogil=True)
+else:  # never called: ``AVAILABLE`` is False without numba
+    intrinsic = _jit = _exact_jit = cpu_kernels._jit
+
+
+def _tile_rows(bits: int, rows: int):
+    """An intrinsic ``tile_rows(weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales,
+    lows, c_at, out)``: out[: rows * LANES] = ``rows`` activation rows times one tile of W. Offsets
+    are in elements of C-contiguous arrays: the tile's codes (uint8 ``weights`` from ``w_at``,
+    ``group_bytes(bits)`` a group), the first row's codes (int8 ``acts`` [M, K] from ``a_at``), its
+    per-group scales, code sums and sums ([M, groups] from ``s_at``), the tile's per-group scales and
+    minimums (float32 [tiles, groups, LANES] from ``c_at``). Each code vector is loaded (and for 4 bits
+    split into nibbles) once for all rows, and the sums stay in registers over the groups: one
+    vpdpbusd a quad and row, a multiply-add a group and row."""
+
+    @intrinsic
+    def tile_rows(typingctx, weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out):
+        def codegen(context, builder, signature, args):
+            i32, f32 = ir.IntType(32), ir.FloatType()
+            i8x64, i32x16, f32x16 = (
+                ir.VectorType(ir.IntType(8), 64),
+                ir.VectorType(i32, LANES),
+                ir.VectorType(f32, LANES),
+            )
+            dpbusd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(i32x16, [i32x16, i8x64, i8x64]), "llvm.x86.avx512.vpdpbusd.512"
+            )
+            w_at, a_at, s_at, c_at = args[1], args[3], args[7], args[10]
+            groups = cgutils.unpack_tuple(
+                builder, context.make_array(signature.args[4])(context, builder, args[4]).shape
+            )[1]
+            zeros = ir.Constant(i32x16, None)
+
+            def element(i, index, as_type=None):  # pointer to element ``index`` of array argument i
+                pointer = builder.gep(context.make_array(signature.args[i])(context, builder, args[i]).data, [index])
+                return pointer if as_type is None else builder.bitcast(pointer, as_type.as_pointer())
+
+            def splat(value, vector_type):
+                one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, i32(0))
+                return builder.shuffle_vector(one, one, zeros)
+
+            k = builder.mul(groups, groups.type(QUANT_ROWS))
+            totals = [cgutils.alloca_once_value(builder, ir.Constant(f32x16, None)) for _ in range(rows)]
+            with cgutils.for_range(builder, groups) as loop:
+                g = loop.index
+                first_byte = builder.add(w_at, builder.mul(g, g.type(group_bytes(bits))))
+                first_code = builder.add(a_at, builder.mul(g, g.type(QUANT_ROWS)))
+                accs = [zeros] * rows
+
+                def step(weight, q):  # every row's sums += the dots of ``weight`` with its quad q
+                    for r in range(rows):
+                        at = builder.add(first_code, builder.add(builder.mul(k, k.type(r)), k.type(4 * q)))
+                        quad = builder.load(element(2, at, i32), align=1)
+                        accs[r] = builder.call(dpbusd, [accs[r], weight, builder.bitcast(splat(quad, i32x16), i8x64)])
+
+                for v in range(group_bytes(bits) // 64):
+                    weight = builder.load(element(0, builder.add(first_byte, g.type(64 * v)), i8x64), align=1)
+                    if bits == 8:
+                        step(weight, v)
+                    else:  # quads v and v + QUADS/2 share the bytes of vector v: low and high nibbles
+                        nibble = ir.Constant(i8x64, [15] * 64)
+                        step(builder.and_(weight, nibble), v)
+                        step(builder.and_(builder.lshr(weight, ir.Constant(i8x64, [4] * 64)), nibble), v + QUADS // 2)
+                column_group = builder.add(c_at, builder.mul(g, g.type(LANES)))
+                w_scale = builder.load(element(8, column_group, f32x16), align=4)
+                low = builder.load(element(9, column_group, f32x16), align=4) if bits == 4 else None
+                for r in range(rows):
+                    row_group = builder.add(builder.add(s_at, builder.mul(groups, groups.type(r))), g)
+                    dots = accs[r]
+                    if bits == 8:  # the codes were stored plus OFFSET: take OFFSET times the activation codes' sum
+                        offset = builder.mul(builder.load(element(5, row_group)), i32(OFFSET))
+                        dots = builder.sub(dots, splat(offset, i32x16))
+                    scale = builder.fmul(w_scale, splat(builder.load(element(4, row_group)), f32x16))
+                    part = builder.fmul(builder.sitofp(dots, f32x16), scale)
+                    if bits == 4:
+                        part = builder.fadd(part, builder.fmul(low, splat(builder.load(element(6, row_group)), f32x16)))
+                    builder.store(builder.fadd(builder.load(totals[r]), part), totals[r])
+            for r in range(rows):
+                builder.store(builder.load(totals[r]), element(11, ir.IntType(64)(r * LANES), f32x16), align=4)
+            return context.get_dummy_value()
+
+        arg_types = (weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out)
+        return types.void(*arg_types), codegen
+
+    return tile_rows
+
+
+TILE_ROWS = 4  # rows a code vector serves while it is in a register
+_ONE8, _FOUR8, _ONE4, _FOUR4 = (_tile_rows(bits, rows) for bits in (8, 4) for rows in (1, TILE_ROWS))
+
+
+@_exact_jit
+def _quantize_rows(a, codes, scales, code_sums, sums):
+    rows, groups = scales.shape
+    for r in range(rows):
+        for g in range(groups):
+            values = a[r, g * QUANT_ROWS : (g + 1) * QUANT_ROWS]
+            scale = numpy.float32(numpy.abs(values).max() / numpy.float32(127))
+            scales[r, g] = scale
+            safe = scale if scale > 0 else numpy.float32(1)  # an all-zero group: every code 0
+            total, code_total = numpy.float32(0), 0
+            for i in range(QUANT_ROWS):
+                code = numpy.rint(values[i] / safe)
+                codes[r, g * QUANT_ROWS + i] = numpy.int8(code)
+                code_total += numpy.int32(code)
+                total += values[i]
+            code_sums[r, g], sums[r, g] = code_total, total
+
+
+@_jit
+def _product(a, weights, scales, lows, bits, out, start, stop):
+    """out[:, start:stop] = a @ W (``matmul``'s operands)."""
+    rows, k = a.shape
+    groups = k // QUANT_ROWS
+    codes = numpy.empty((rows, k), numpy.int8)
+    a_scales = numpy.empty((rows, groups), numpy.float32)
+    code_sums = numpy.empty((rows, groups), numpy.int32)
+    sums = numpy.empty((rows, groups), numpy.float32)
+    _quantize_rows(a, codes, a_scales, code_sums, sums)
+    tile_out = numpy.empty(TILE_ROWS * LANES, numpy.float32)
+    for tile in range(start // LANES, -(-stop // LANES)):
+        first, last = max(start, tile * LANES), min(stop, (tile + 1) * LANES)
+        w_at, c_at = tile * weights.shape[1] * weights.shape[2], tile * groups * LANES
+        r = 0
+        while r < rows:  # the tile's codes stay in cache for every row after the first
+            count = TILE_ROWS if r + TILE_ROWS <= rows else 1
+            if bits == 4 and count == TILE_ROWS:
+                _FOUR4(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+            elif bits == 4:
+                _ONE4(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+            elif count == TILE_ROWS:
+                _FOUR8(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+            else:
+                _ONE8(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+            for i in range(count):
+                out[r + i, first:last] = tile_out[i * LANES + first - tile * LANES : i * LANES + last - tile * LANES]
+            r += count
+
+
+@threads.parallel_jit
+def _product_over(a, weights, scales, lows, bits, out, bounds):
+    """``_product`` over ``kernels.threads``' ranges of output columns, one a thread."""
+    for part in threads.prange(bounds.shape[0] - 1):
+        _product(a, weights, scales, lows, bits, out, bounds[part], bounds[part + 1])
