@@ -295,13 +295,18 @@ def test_layers_of_one_window_are_a_kind_whose_blocks_take_units_of_one_pool():
 
 
 def test_a_windowed_kind_gives_back_what_its_window_passed_and_shares_what_it_sees():
-    """Layers of window 3 and global ones, blocks of 2: as a sequence decodes, its global kind keeps
+    """Layers of window 3 and global ones, blocks of 2: blocks reserved together take their units in a
+    run, dealt column by column (each lane's slots in order). As a sequence decodes, its global kind keeps
     every block and its windowed kind gives back those wholly before its window (the scratch unit in
     their place). A prompt that begins with its tokens shares every global block and the windowed
     blocks its window sees, and copies the partly filled block of each kind, every unit of it; once
     the oldest windowed blocks are evicted, the prefix is still found as far as the window's are
     cached. Every reference comes back."""
     m = BlockManager(30, PagedLayout([3, 3, 0, 3, 3, 0], 2))
+    fresh = Sequence(2)
+    assert m.reserve(fresh, 6)  # 3 global blocks, units 1-3; 3 windowed ones, units 4-9 dealt by column
+    assert fresh.tables == [[1, 2, 3], [4, 5, 6]] and (m.slots(fresh, 6) == np.arange(2, 20).reshape(3, 6)).all()
+    m.release(fresh)
     a = Sequence(2)
     for token in IDS + [9]:  # 11 tokens decoded one at a time
         assert m.reserve(a, a.length + 1)

@@ -9,8 +9,8 @@ without a number ever being sent.
   with one block table a sequence. A unit holds ``group`` layers' K/V for a block's tokens (``group``
   the greatest common divisor of the kinds' layer counts), so a kind of n layers takes n / group
   units for each of its blocks: with no window, or one window in every layer, that is one unit a
-  block, the unit every layer's K/V; Gemma 3's 5 local layers to 1 global take 5 units a local block
-  and 1 a global one, each kind its own table.
+  block, the unit every layer's K/V; Gemma 3 12B's 40 local layers and 8 global make units of 8
+  layers, 5 a local block and 1 a global one, each kind its own table.
 - One pool for every kind, not one each: a sequence's kinds need units in a ratio that changes with
   its length (the same at 500 tokens, 5 local units to 1 global; at 8K a windowed kind holds only its
   window), so any fixed split of ``--kv-cache-memory`` would leave one kind's part idle while the
@@ -26,13 +26,15 @@ without a number ever being sent.
   request on a model with global layers holds the whole context only in the global kind's blocks.
 - Prefix caching, as vLLM's automatic prefix caching: a full block is named by its tokens and the name
   of the block before it (a hash chain), so a name stands for every token from slot 0 to the block's
-  end; each kind has its own blocks of a name. A prompt whose first blocks have names the cache holds
-  in every kind shares those blocks: its tables point at them and their reference counts grow (a
-  windowed kind takes only those its window still sees). A partly filled block is never shared, since
-  its owner goes on writing in it: a prompt that continues into one (a chat's next turn, after the
-  last answer's unfinished block) gets a copy of it in each kind (copy-on-write) and prefills only the
-  rest. A windowed kind's block given back stays cached, unreferenced, until evicted: once it is, a
-  prompt beginning with its tokens finds no cached prefix past it, in any kind.
+  end; each kind has its own block of a name. A prompt whose first blocks have names the cache holds
+  shares those blocks: its tables point at them and their reference counts grow. A global kind must
+  hold every block of the prefix; a windowed kind only those its window sees from the prefix's end,
+  the only ones it takes. A windowed block given back stays cached, unreferenced, until evicted (being
+  released early, it is among the first), so a chat's next turn still finds its whole prefix while
+  the global blocks and the window's last ones are cached. A partly filled block is never shared,
+  since its owner goes on writing in it: a prompt that continues into one (a chat's next turn, after
+  the last answer's unfinished block) gets a copy of it in each kind (copy-on-write) and prefills only
+  the rest.
 - A block no sequence references keeps its K/V, and its place in the cache, while it holds tokens a
   prompt may continue: it is evictable, and once too few free units are left the least recently
   released is reused first (LRU). Without prefix caching a released block is simply free.
@@ -212,7 +214,7 @@ class BlockManager:
         copies = []
         if self.available() >= sum(self.layout.units):
             for kind, (table, source) in enumerate(zip(seq.tables, sources)):
-                copy = self._allocate(kind)
+                (copy,) = self._allocate(kind)
                 table.append(copy)
                 self._record(copy, kind, name, rest[:shared])
                 m = self.layout.units[kind]
@@ -239,7 +241,7 @@ class BlockManager:
         if sum(n * m for n, m in zip(needed, self.layout.units)) > self.available():
             return False
         for kind, (table, n) in enumerate(zip(seq.tables, needed)):
-            table += [self._allocate(kind) for _ in range(n)]
+            table += self._allocate(kind, n) if n else []
         return True
 
     def written(self, seq: Sequence, tokens: list[int]):
@@ -304,19 +306,23 @@ class BlockManager:
             self.evictable_units -= self.layout.units[self.kind[block]]
         self.refs[block] += 1
 
-    def _allocate(self, kind: int) -> int:
-        """A block of kind ``kind``: free units, evicting the least recently released blocks while
-        too few are free (the caller has checked that enough are available)."""
+    def _allocate(self, kind: int, count: int = 1) -> list[int]:
+        """``count`` blocks of kind ``kind`` from free units, evicting the least recently released
+        blocks while too few are free (the caller has checked that enough are available). The units
+        are dealt out column by column, so that where they are free in a run each layer's K/V of
+        consecutive blocks lie in consecutive units, as one kind's would: the decode kernel reads a
+        row's window in streams, not a unit here and there."""
         m = self.layout.units[kind]
-        while len(self.free) < m:
+        while len(self.free) < m * count:
             block, _ = self.evictable.popitem(last=False)
             self.evictable_units -= self.layout.units[self.kind[block]]
             self.free.extend(self._units(block))
             self._forget(block)
-        units = [self.free.popleft() for _ in range(m)]
-        block = units[0]
-        self.members[block, :m], self.kind[block], self.refs[block] = units, kind, 1
-        return block
+        units = [self.free.popleft() for _ in range(m * count)]
+        blocks = units[:count]
+        for i, block in enumerate(blocks):
+            self.members[block, :m], self.kind[block], self.refs[block] = units[i::count], kind, 1
+        return blocks
 
     def _record(self, block: int, kind: int, parent: int | None, tokens: list[int]):
         if not self.tokens[block]:
