@@ -241,7 +241,7 @@ class BlockManager:
         if sum(n * m for n, m in zip(needed, self.layout.units)) > self.available():
             return False
         for kind, (table, n) in enumerate(zip(seq.tables, needed)):
-            table += self._allocate(kind, n) if n else []
+            table += self._allocate(kind, n)
         return True
 
     def written(self, seq: Sequence, tokens: list[int]):
