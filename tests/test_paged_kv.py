@@ -285,12 +285,18 @@ def test_layers_of_one_window_are_a_kind_whose_blocks_take_units_of_one_pool():
     and the longest that fits a pool, count its window and not its length."""
     layout = PagedLayout([3, 3, 0, 3, 3, 0], 2)
     assert (layout.windows, layout.group, layout.units, layout.lanes) == ([0, 3], 2, [1, 2], 3)
-    assert layout.place == [(0, 1), (1, 1), (0, 0), (0, 2), (1, 2), (1, 0)]
+    assert layout.places(range(6)) == [(0, 1), (1, 1), (0, 0), (0, 2), (1, 2), (1, 0)]
+    assert layout.places([3, 4, 5]) == [(0, 2), (1, 2), (0, 0)]  # a pipeline stage's own layers
     assert layout.cap(0) is None and layout.cap(1) == 2  # 3 positions: 2 blocks of 2 wherever they fall
     assert layout.units_for(20) == 10 + 2 * 2 and layout.most_slots(20) == 2 * 16  # 16 + 2 x 2 units
     assert PagedLayout([3, 3, 0, 3, 3, 0], 2, chunk_tokens=8).cap(1) == 6  # slots 6..15 of a chunk 8..15
     plain = PagedLayout([0, 0, 0], 16)
-    assert (plain.group, plain.units, plain.place, plain.most_slots(5)) == (3, [1], [(0, 0), (1, 0), (2, 0)], 80)
+    assert (plain.group, plain.units, plain.places(range(3)), plain.most_slots(5)) == (
+        3,
+        [1],
+        [(0, 0), (1, 0), (2, 0)],
+        80,
+    )
     assert PagedLayout([4, 4], 2).most_slots(3) is None  # every layer windowed, the window fits: any length
 
 

@@ -61,7 +61,7 @@ SCRATCH = 0  # the unit padding is written to, and a given-back block's stand-in
 class PagedLayout:
     """How the layers of sliding ``windows`` (one a layer, 0: none) share a paged cache of blocks of
     ``block_size`` slots, prefilled ``chunk_tokens`` at a time at most: the kinds (one a window, in
-    increasing order), the units a block of each kind takes, and each layer's place."""
+    increasing order), the units a block of each kind takes, and each layer's lane."""
 
     def __init__(self, windows: list[int], block_size: int, chunk_tokens: int = 1):
         if not (isinstance(block_size, int) and block_size >= 1):
@@ -73,11 +73,22 @@ class PagedLayout:
         self.units = [n // self.group for n in counts]  # units a block of each kind takes
         self.lanes = sum(self.units)  # block tables spelled out in units, each kind's in turn
         first, seen = [0, *accumulate(self.units)], [0] * len(counts)
-        self.place = []  # each layer's (index on the pool's leading axis, lane)
+        self.lane_of = []  # each layer's lane: its kind's j-th layer in the kind's (j // group)-th
         for w in windows:
             kind = self.windows.index(w)
-            self.place.append((seen[kind] % self.group, first[kind] + seen[kind] // self.group))
+            self.lane_of.append(first[kind] + seen[kind] // self.group)
             seen[kind] += 1
+
+    def places(self, layer_ids) -> list[tuple[int, int]]:
+        """(index on a pool's leading axis, lane) of each layer of ``layer_ids`` (a pipeline stage's,
+        or every one): the layers of a lane that the pool holds take indices 0, 1, ..., so that a
+        stage's pool holds only its own layers' K/V of each unit."""
+        places, seen = [], {}
+        for layer in layer_ids:
+            lane = self.lane_of[layer]
+            places.append((seen.get(lane, 0), lane))
+            seen[lane] = seen.get(lane, 0) + 1
+        return places
 
     @classmethod
     def of(cls, cfg, block_size: int, chunk_tokens: int = 1) -> PagedLayout:

@@ -12,11 +12,12 @@ its next token at the same slot, and a key mask (kept by the engine) hides the p
 ``query_slots`` tell a sliding-window layer where each row's window ends, as a paged decode step's do.
 
 ``PagedKVCache`` is continuous batching's (``serve.continuous``): one pool of fixed-size units,
-[group, local kv heads, units x block size, head_dim], whose units ``serve.blocks`` hands to the
+[depth, local kv heads, units x block size, head_dim], whose units ``serve.blocks`` hands to the
 requests a few at a time as their tokens need them, and shares between requests with a common prefix.
 A unit holds ``group`` layers' K/V (``blocks.PagedLayout``: every layer where they share one window or
 none; with layers of several windows, the layers of one kind are spread over several units a block, each
-a lane of its block table). A forward pass sees it through a ``PagedView``: each row's new K/V are
+a lane of its block table); a pipeline stage's pool holds its own of them (``depth``: the most of one
+lane it holds). A forward pass sees it through a ``PagedView``: each row's new K/V are
 written at the pool slots its block table gives (each layer its own lane's), and attention reads
 each row's slots gathered in order, so the layers see the [B, heads, keys, d] arrays of a contiguous
 cache.
@@ -144,23 +145,29 @@ class _SlotLayer(CacheLayer):
 
 
 class PagedKVCache:
-    """Over the pool ``k``, ``v`` [group, local kv heads, slots, head_dim] of ``layout``
-    (``blocks.PagedLayout``), its slots in units of ``layout.size`` (unit u: slots u * size onwards)."""
+    """Over the pool ``k``, ``v`` [depth, local kv heads, slots, head_dim] of ``layout``
+    (``blocks.PagedLayout``), its slots in units of ``layout.size`` (unit u: slots u * size onwards);
+    ``place``: each of the model's layers' (index on the leading axis, lane)."""
 
-    def __init__(self, k, v, layout: PagedLayout):
-        self.k, self.v, self.layout, self.block_size = k, v, layout, layout.size
+    def __init__(self, k, v, layout: PagedLayout, place: list[tuple[int, int]]):
+        self.k, self.v, self.layout, self.place, self.block_size = k, v, layout, place, layout.size
 
     @classmethod
     def for_model(cls, model, units: int, layout: PagedLayout) -> PagedKVCache:
-        attn, xp = model.layers[0].attn, backend.xp
-        shape = (layout.group, attn.kv_local, units * layout.size, attn.head_dim)
-        return cls(xp.zeros(shape, dtype=model.dtype), xp.zeros(shape, dtype=model.dtype), layout)
+        attn, xp, place = model.layers[0].attn, backend.xp, cls.places(model, layout)
+        shape = (1 + max(index for index, _ in place), attn.kv_local, units * layout.size, attn.head_dim)
+        return cls(xp.zeros(shape, dtype=model.dtype), xp.zeros(shape, dtype=model.dtype), layout, place)
 
     @staticmethod
-    def unit_bytes(model, layout: PagedLayout) -> int:
-        """What one unit takes on this rank, K and V of its ``layout.group`` layers."""
-        attn = model.layers[0].attn
-        return 2 * layout.group * attn.kv_local * layout.size * attn.head_dim * numpy.dtype(model.dtype).itemsize
+    def places(model, layout: PagedLayout) -> list[tuple[int, int]]:
+        """``layout.places`` of ``model``'s layers (a pipeline stage's own)."""
+        return layout.places([block.attn.layer_id for block in model.layers])
+
+    @classmethod
+    def unit_bytes(cls, model, layout: PagedLayout) -> int:
+        """What one unit takes on this rank, K and V of the layers of it that this rank holds."""
+        attn, depth = model.layers[0].attn, 1 + max(index for index, _ in cls.places(model, layout))
+        return 2 * depth * attn.kv_local * layout.size * attn.head_dim * numpy.dtype(model.dtype).itemsize
 
     @property
     def units(self) -> int:
@@ -193,13 +200,13 @@ class PagedView(_View):
         self.cache, self.write, self.read, self.counts = cache, write, read, counts
         self.query_slots = None if counts is None else backend.xp_of(write).asarray(counts - 1)
         self.offset = 0 if read is None else read.shape[-1] - write.shape[-1]
-        super().__init__(_PagedLayer, len(cache.layout.place))
+        super().__init__(_PagedLayer, len(cache.place))
 
 
 class _PagedLayer(CacheLayer):
     def __init__(self, view: PagedView, layer: int):
         self._view, self._layer = view, layer
-        self._pool, self._lane = view.cache.layout.place[layer]
+        self._pool, self._lane = view.cache.place[layer]
         self.offset = view.offset
 
     def _write(self, k, v):
