@@ -3,18 +3,23 @@ throughput of a full batch, in alternating rounds in one run.
 
     python benchmarks/paged_kv.py --variant main=PATH --variant paged=PATH [--variant small=PATH@GIB]
                                   [--rows 8] [--max-len 2048] [--prompt 256] [--new 256] [--rounds 4]
+                                  [--layers 8] [--window 0] [--global-every 0]
 
 Each variant is a source tree (``PYTHONPATH``), and optionally ``@GIB`` for ``kv_cache_memory`` (a tree
 that has it). A round runs every variant once, in an order that alternates (after an untimed one, in which numba
 compiles a fresh tree's kernels into its cache), each in a fresh process at
-tp = 1: a llama-shaped random model (``--hidden`` 256, 8 layers, 8 heads, 2 kv heads, float32, the byte
-vocabulary), a ``ContinuousBatcher`` of ``--rows`` rows and ``--max-len`` positions, then ``--rows``
-greedy requests of ``--prompt`` random tokens and ``--new`` new tokens each, all at once (after an
-untimed warm-up batch of the same shapes, which compiles the kernels). Reported per variant and round: the
-cache's bytes (allocated), the resident memory it added at start-up and at the end (pages touched:
-numpy's zeros are mapped lazily), and the completion tokens a second over the whole batch, of wall
-time and of the process's CPU time (one process, one thread: the work done, which a loaded machine's
-time slicing disturbs less than the wall clock); then the median and range over rounds. No time is asserted: the machine is shared and noisy.
+tp = 1: a llama-shaped random model (``--hidden`` 256, ``--layers`` 8, 8 heads, 2 kv heads, float32, the
+byte vocabulary; with ``--window W`` every layer has a sliding window of W but, with ``--global-every K``,
+every K-th, which is global: Gemma 3's pattern at K = 6), a ``ContinuousBatcher`` of ``--rows`` rows and
+``--max-len`` positions, then ``--rows`` greedy requests of ``--prompt`` random tokens and ``--new`` new
+tokens each, all at once (after an untimed warm-up batch of the same shapes, which compiles the
+kernels). Reported per variant and round: the cache's bytes (allocated), the resident memory it added
+at start-up and at the end (pages touched: numpy's zeros are mapped lazily), the most KV memory the
+requests held at once (the pool's share of blocks referenced after an iteration: deterministic), the
+longest request the pool takes (``kv_tokens``), and the completion tokens a second over the whole
+batch, of wall time and of the process's CPU time (one process, one thread: the work done, which a
+loaded machine's time slicing disturbs less than the wall clock); then the median and range over
+rounds. No time is asserted: the machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -48,15 +53,19 @@ def worker(args):
     from hpc_tp.serve.sampling import SamplingParams
     from hpc_tp.tokenizer import ByteTokenizer
 
+    every = args.global_every
+    kinds = ["full_attention" if every and i % every == every - 1 else "sliding_attention" for i in range(args.layers)]
     cfg = load_config(
         "llama-tiny",
         vocab_size=258,
         hidden=args.hidden,
-        n_layers=8,
+        n_layers=args.layers,
         n_heads=8,
         n_kv_heads=2,
         ffn_hidden=3 * args.hidden,
         max_seq_len=args.max_len,
+        sliding_window=args.window,
+        layer_types=kinds if args.window else None,
     )
     model = GPTModel(cfg, self_comm(), dtype="float32", seed=0)
     engine = Engine(model, ByteTokenizer())
@@ -64,6 +73,14 @@ def worker(args):
     memory = {} if args.kv_gib is None else {"kv_cache_memory": args.kv_gib}
     batcher = ContinuousBatcher(engine, args.rows, args.max_len, **memory)
     at_start = rss_bytes() - before
+    blocks, forward, held = batcher.blocks, ContinuousBatcher._forward, [0]
+
+    def counted(self, admitted):  # the blocks referenced once the iteration's tokens are in
+        logits = forward(self, admitted)
+        held[0] = max(held[0], blocks.usable - blocks.available())
+        return logits
+
+    ContinuousBatcher._forward = counted
     rng = numpy.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 256, args.prompt)] for _ in range(args.rows)]
     batcher.generate([p[::-1] for p in prompts], [SamplingParams(max_new_tokens=4)] * args.rows)  # compiles kernels
@@ -76,6 +93,8 @@ def worker(args):
         json.dumps(
             {
                 "cache_mib": batcher.cache.nbytes / 2**20,
+                "held_mib": held[0] * batcher.cache.nbytes / (blocks.usable + 1) / 2**20,
+                "kv_tokens": batcher.kv_tokens,
                 "rss_start_mib": at_start / 2**20,
                 "rss_end_mib": (rss_bytes() - before) / 2**20,
                 "tokens_per_s": tokens / seconds,
@@ -94,6 +113,9 @@ def main():
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--window", type=int, default=0)
+    p.add_argument("--global-every", type=int, default=0)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kv-gib", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -104,7 +126,8 @@ def main():
         name, _, tree = spec.partition("=")
         tree, _, gib = tree.partition("@")
         variants.append((name, str(Path(tree).resolve()), gib or None))
-    shape = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("rows", "max-len", "hidden", "prompt", "new")]
+    names = ("rows", "max-len", "hidden", "prompt", "new", "layers", "window", "global-every")
+    shape = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in names]
     results = {name: [] for name, _, _ in variants}
     for r in range(-1, args.rounds):  # round -1 untimed: numba compiles a fresh tree's kernels into its cache
         for name, tree, gib in variants if r % 2 == 0 else variants[::-1]:

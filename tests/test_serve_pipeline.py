@@ -22,6 +22,7 @@ from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.models import ModelConfig
 from hpc_tp.serve import continuous, generate
+from hpc_tp.serve.blocks import PagedLayout
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache, PagedKVCache
@@ -150,7 +151,7 @@ def test_a_small_kv_cache_preempts_alike_on_stages_of_different_layers(comm_worl
     the most layers, so the block tables, and the preemptions, stay the same on both."""
     _, model = _pipelined(comm_world, shared_dir, "qwen-moe")
     assert len(set(model.comm.allgather_object(len(model.layers)))) == 2
-    most = max(model.comm.allgather_object(PagedKVCache.block_bytes(model, 4)))
+    most = max(model.comm.allgather_object(PagedKVCache.unit_bytes(model, PagedLayout.of(model.cfg, 4))))
     # 4 blocks of 4 tokens and the scratch one: 2 rows of up to 12 tokens need 6, so requests are preempted
     engine = Engine(model, ByteTokenizer())
     batcher = ContinuousBatcher(engine, rows=2, block_size=4, kv_cache_memory=5 * most / 2**30)

@@ -26,11 +26,13 @@ chosen so far (its cached blocks, if still there, found by prefix caching), and 
 stopped. Admission waits while the free blocks cannot hold a queued prompt and other requests run.
 A request that cannot fit in the whole cache alone is refused (``check_request``'s ``kv_tokens``).
 
-Sliding windows: where every layer has one (Mistral), a request gives back each block that falls
-wholly out of the widest window as it goes on, the block table keeping the scratch block in its place;
-a model with any global layer (Gemma 3: one in six) keeps every block, since that layer reads them
-all. A decode step's window is applied per row (its query's own position). The check that a request
-fits the cache still counts all its tokens.
+Sliding windows: the layers of one window (or none) are a kind with a block table of its own
+(``blocks.PagedLayout``), all kinds' blocks out of one pool of units. A windowed kind gives back each
+block that falls wholly out of its window as the request goes on, its table keeping the scratch unit
+in its place, while a global kind (Gemma 3's one layer in six) keeps every block: a long request holds
+its whole context only in the global layers. A decode step's window is applied per row (its query's
+own position). The check that a request fits the cache (``kv_tokens``) counts the units it holds at
+its longest: a windowed kind's at most its window and a prefill chunk.
 
 One iteration, collective over the tp group; every rank keeps the same block tables, making the same
 calls on the same broadcast inputs, so no block number is ever sent:
@@ -75,7 +77,7 @@ import numpy
 from .. import backend
 from ..comm.base import on_rank0
 from ..errors import ConfigError
-from .blocks import SCRATCH, BlockManager, Sequence
+from .blocks import SCRATCH, BlockManager, PagedLayout, Sequence
 from .decoding import step_rows
 from .generate import _Row, check_request
 from .kv_cache import PagedKVCache, PagedView
@@ -165,33 +167,31 @@ class _Busy:
         return list(self.request.ids) + self.row.ids
 
 
-def kv_pool_blocks(model, rows: int, max_len: int, block_size: int, memory_gib: float | None) -> int:
-    """Blocks of the pool, the scratch block among them: as many as ``memory_gib`` GiB a rank holds
-    (``--kv-cache-memory``), or by default enough for ``rows`` requests of ``max_len`` tokens each (the
-    whole batch at its longest: no request is ever preempted)."""
-    if not (isinstance(block_size, int) and block_size >= 1):
-        raise ConfigError(f"--kv-block-size {block_size}: expected an integer >= 1")
+def kv_pool_units(model, layout: PagedLayout, rows: int, max_len: int, memory_gib: float | None) -> int:
+    """Units of the pool (``layout``'s), the scratch unit among them: as many as ``memory_gib`` GiB a
+    rank holds (``--kv-cache-memory``), or by default enough for ``rows`` requests of ``max_len`` tokens
+    each (the whole batch at its longest: no request is ever preempted)."""
     if memory_gib is None:
-        return rows * -(-max_len // block_size) + 1
+        return rows * layout.units_for(max_len) + 1
     # the most a rank of the group holds: pipeline stages hold different layers, and every rank needs
-    # the same blocks (collective over the group, as the batcher that calls it)
-    per_block = max(model.comm.allgather_object(PagedKVCache.block_bytes(model, block_size)))
+    # the same units (collective over the group, as the batcher that calls it)
+    per_unit = max(model.comm.allgather_object(PagedKVCache.unit_bytes(model, layout)))
     if not (math.isfinite(memory_gib) and memory_gib > 0):
         raise ConfigError(f"--kv-cache-memory {memory_gib}: expected a number of GiB > 0")
-    blocks = int(memory_gib * 2**30 // per_block)
-    if blocks < 2:
+    units = int(memory_gib * 2**30 // per_unit)
+    if units < 2:
         raise ConfigError(
-            f"--kv-cache-memory {memory_gib}: holds {blocks} blocks of {block_size} tokens "
-            f"({per_block} bytes each a rank); expected at least {2 * per_block / 2**30:.3g} GiB "
-            "(one block and the scratch block)"
+            f"--kv-cache-memory {memory_gib}: holds {units} units of {layout.size} tokens "
+            f"({per_unit} bytes each a rank); expected at least {2 * per_unit / 2**30:.3g} GiB "
+            "(one unit and the scratch unit)"
         )
-    return blocks
+    return units
 
 
 class ContinuousBatcher:
     """Serves requests through ``rows`` rows (requests in flight) for ``engine``'s model and tokenizer,
     their K/V in one paged KV cache of blocks of ``block_size`` tokens, ``kv_cache_memory`` GiB a rank
-    (default: enough for every row at ``max_len``; ``kv_pool_blocks``). A request must fit its prompt
+    (default: enough for every row at ``max_len``; ``kv_pool_units``). A request must fit its prompt
     and new tokens but the last in ``max_len`` (default the model's max_seq_len) and in the cache.
     ``prefix_caching``: a prompt that begins with what the cache holds prefills only the rest (module
     docstring). Prompts admitted together are prefilled in batches of at most ``prefill_tokens`` padded
@@ -219,16 +219,15 @@ class ContinuousBatcher:
         self.prefill_tokens = prefill_tokens or max(PREFILL_TOKENS, self.max_len)
         self.chunk_tokens = chunk_tokens or CHUNK_TOKENS
         block_size = KV_BLOCK_SIZE if block_size is None else block_size
-        blocks = kv_pool_blocks(self.model, rows, self.max_len, block_size, kv_cache_memory)
-        self.cache = PagedKVCache.for_model(self.model, blocks, block_size)
-        self.blocks = BlockManager(blocks, block_size, prefix_caching)
+        self.layout = PagedLayout.of(self.model.cfg, block_size, self.chunk_tokens)
+        units = kv_pool_units(self.model, self.layout, rows, self.max_len, kv_cache_memory)
+        self.cache = PagedKVCache.for_model(self.model, units, self.layout)
+        self.blocks = BlockManager(units, self.layout, prefix_caching)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
         self.prefix_caching = prefix_caching
-        # Positions a request's next token still sees where every layer has a sliding window (0: all):
-        # every layer of the model, so that pipeline stages, which hold different ones, free blocks alike
-        windows = [self.model.cfg.window_of(i) for i in range(self.model.cfg.n_layers)]
-        self.keep = max(windows) if all(windows) else 0
-        self.seqs = [Sequence() for _ in range(rows)]  # each row's blocks and tokens held
+        # the tables cover every layer of the model (``PagedLayout.of`` reads the config), so that
+        # pipeline stages, which hold different ones, make the same calls
+        self.seqs = [Sequence(len(self.layout.windows)) for _ in range(rows)]  # each row's blocks and tokens held
         self.age = numpy.full(rows, -1, dtype=numpy.int64)  # when each busy row was admitted (-1: free)
         self._admissions = 0
         self.prompts: dict[int, list[int]] = {}  # rows whose prompt is being prefilled, in admission order
@@ -239,8 +238,10 @@ class ContinuousBatcher:
 
     @property
     def kv_tokens(self) -> int:
-        """Tokens one request may hold: every block but the scratch one."""
-        return self.blocks.usable * self.blocks.size
+        """Tokens one request may hold: as many as every unit but the scratch one holds for it (with
+        every kind windowed and the windows fitting, any number: ``max_len``)."""
+        most = self.layout.most_slots(self.blocks.usable)
+        return self.max_len if most is None else most
 
     def run(self, source=None):
         """Serve until tp rank 0's ``source`` says stop. ``source`` (rank 0 only) has
@@ -309,7 +310,7 @@ class ContinuousBatcher:
             ids = item.ids
             if self.prefix_caching and len(ids) > 1 and any(ids == other for _, other in admitted):
                 continue
-            needed = self.blocks.blocks_for(len(ids))
+            needed = self.layout.units_for(len(ids))
             if needed > room and (busy or admitted):
                 break
             room -= needed
@@ -341,8 +342,7 @@ class ContinuousBatcher:
                 out = backend.to_numpy(out)
                 logits.update((int(r), out[i]) for i, r in enumerate(stepping))
         for row, ids in admitted:
-            copy = self.blocks.admit(self.seqs[row], ids, len(ids) - 1)
-            if copy is not None:
+            for copy in self.blocks.admit(self.seqs[row], ids, len(ids) - 1):
                 self.cache.copy_block(*copy)
             self.prompts[row], self.age[row] = ids, self._admissions
             self._admissions += 1
@@ -389,20 +389,14 @@ class ContinuousBatcher:
     def _step(self, rows):
         """One decode step for ``rows``, each feeding its token at its length; records the tokens."""
         lens = numpy.array([self.seqs[r].length for r in rows])
-        slots = numpy.full((len(rows), int(lens.max()) + 1), SCRATCH, dtype=numpy.int64)  # past a row's own: masked
+        shape = (self.layout.lanes, len(rows), int(lens.max()) + 1)
+        slots = numpy.full(shape, SCRATCH, dtype=numpy.int64)  # past a row's own: masked
         for i, r in enumerate(rows):
-            slots[i, : lens[i] + 1] = self.seqs[r].slots(self.blocks.size, lens[i] + 1)
+            slots[:, i, : lens[i] + 1] = self.blocks.slots(self.seqs[r], lens[i] + 1)
         out = step_rows(self.model, self.cache, self.feed[rows], lens, slots)
         for r in rows:
-            self._written(r, [int(self.feed[r])])
+            self.blocks.written(self.seqs[r], [int(self.feed[r])])
         return out
-
-    def _written(self, row: int, tokens: list[int]):
-        """Row ``row``'s next slots hold ``tokens``' K/V now; blocks no window reaches any more given back."""
-        seq = self.seqs[row]
-        self.blocks.written(seq, tokens)
-        if self.keep:  # the next token sees positions from length - keep + 1 on
-            self.blocks.drop_before(seq, seq.length - self.keep + 1)
 
     def _prefill(self, rows: list[int], stops: list[int], start: int):
         """One forward pass over the prompts of ``rows``, their tokens ``start`` up to ``stops``, right-
@@ -410,16 +404,16 @@ class ContinuousBatcher:
         before it), the padding's K/V into the scratch block: with causal attention a prompt's tokens
         never see the padding after them, so each row's K/V and its last real token's logits
         ([len(rows), V]) are those of its prompt alone."""
-        xp, size = backend.xp, self.blocks.size
+        xp = backend.xp
         stops = numpy.array(stops)
         width = int(stops.max()) - start
         tokens = numpy.full((len(rows), width), self.engine.pad_id, dtype=numpy.int64)
-        slots = numpy.full((len(rows), start + width), SCRATCH, dtype=numpy.int64)
+        slots = numpy.full((self.layout.lanes, len(rows), start + width), SCRATCH, dtype=numpy.int64)
         for i, (row, stop) in enumerate(zip(rows, stops)):
             tokens[i, : stop - start] = self.prompts[row][start:stop]
-            slots[i, :stop] = self.seqs[row].slots(size, stop)
+            slots[:, i, :stop] = self.blocks.slots(self.seqs[row], stop)
         real = numpy.arange(start + width) < stops[:, None]  # the held slots, then each chunk's own tokens
-        view = PagedView(self.cache, xp.asarray(slots[:, start:]), xp.asarray(slots) if start else None)
+        view = PagedView(self.cache, xp.asarray(slots[..., start:]), xp.asarray(slots) if start else None)
         out = self.model.infer(
             xp.asarray(tokens),
             xp.arange(start, start + width),
@@ -428,7 +422,7 @@ class ContinuousBatcher:
             last=xp.asarray(stops - start - 1),
         )
         for row, stop in zip(rows, stops):
-            self._written(row, self.prompts[row][start:stop])
+            self.blocks.written(self.seqs[row], self.prompts[row][start:stop])
         return out
 
     def _sample(self, logits, control, source) -> bool:

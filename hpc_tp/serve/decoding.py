@@ -43,13 +43,13 @@ def step_rows(model, cache: PagedKVCache, ids, lens, slots):
     """One decode step in which each row is a sequence of its own from slot 0 (no padding): row r
     holds ``lens[r]`` tokens, feeds ``ids[r]`` at position ``lens[r]`` (clamped as ``positions_after``
     does), writes its K/V at its slot ``lens[r]`` and attends to its slots 0..lens[r] only.
-    ``slots`` [B, W] (W > every length): each row's pool slots in order, its block table spelled out
-    (past its own, any slot: masked). ``ids``, ``lens``, ``slots``: host int arrays; returns logits
-    [B, V]."""
+    ``slots`` [lanes, B, W] (W > every length): each row's pool slots in order, its block tables spelled
+    out (``PagedView``; past its own, any slot: masked). ``ids``, ``lens``, ``slots``: host int arrays;
+    returns logits [B, V]."""
     xp = backend.xp
-    width = slots.shape[1]
+    width = slots.shape[-1]
     visible = numpy.arange(width) <= lens[:, None]
-    write = slots[numpy.arange(len(lens)), lens][:, None]
+    write = slots[:, numpy.arange(len(lens)), lens][:, :, None]
     view = PagedView(cache, xp.asarray(write), xp.asarray(slots), lens + 1)
     return model.infer(
         xp.asarray(ids, dtype=numpy.int64).reshape(-1, 1),

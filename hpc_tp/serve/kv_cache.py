@@ -11,12 +11,16 @@ its next token at the same slot, and a key mask (kept by the engine) hides the p
 ``SlotCache`` is that cache as a fixed-shape decode step sees it (``serve.decoding.FixedStep``); its
 ``query_slots`` tell a sliding-window layer where each row's window ends, as a paged decode step's do.
 
-``PagedKVCache`` is continuous batching's (``serve.continuous``): one pool of fixed-size blocks,
-[layers, local kv heads, blocks x block size, head_dim], whose blocks ``serve.blocks`` hands to the
+``PagedKVCache`` is continuous batching's (``serve.continuous``): one pool of fixed-size units,
+[depth, local kv heads, units x block size, head_dim], whose units ``serve.blocks`` hands to the
 requests a few at a time as their tokens need them, and shares between requests with a common prefix.
-A forward pass sees it through a ``PagedView``: each row's new K/V are written at the pool slots its
-block table gives, and attention reads each row's slots gathered in order, so the layers see the
-[B, heads, keys, d] arrays of a contiguous cache.
+A unit holds ``group`` layers' K/V (``blocks.PagedLayout``: every layer where they share one window or
+none; with layers of several windows, the layers of one kind are spread over several units a block, each
+a lane of its block table); a pipeline stage's pool holds its own of them (``depth``: the most of one
+lane it holds). A forward pass sees it through a ``PagedView``: each row's new K/V are
+written at the pool slots its block table gives (each layer its own lane's), and attention reads
+each row's slots gathered in order, so the layers see the [B, heads, keys, d] arrays of a contiguous
+cache.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy
 
 from .. import backend
 from ..kernels import cuda_kernels, paged_attention
+from .blocks import PagedLayout
 
 
 class CacheLayer:
@@ -140,30 +145,36 @@ class _SlotLayer(CacheLayer):
 
 
 class PagedKVCache:
-    """Over the pool ``k``, ``v`` [layers, local kv heads, slots, head_dim], its slots in blocks of
-    ``block_size`` (block b: slots b * block_size onwards)."""
+    """Over the pool ``k``, ``v`` [depth, local kv heads, slots, head_dim] of ``layout``
+    (``blocks.PagedLayout``), its slots in units of ``layout.size`` (unit u: slots u * size onwards);
+    ``place``: each of the model's layers' (index on the leading axis, lane)."""
 
-    def __init__(self, k, v, block_size: int):
-        self.k, self.v, self.block_size = k, v, block_size
+    def __init__(self, k, v, layout: PagedLayout, place: list[tuple[int, int]]):
+        self.k, self.v, self.layout, self.place, self.block_size = k, v, layout, place, layout.size
 
     @classmethod
-    def for_model(cls, model, blocks: int, block_size: int) -> PagedKVCache:
-        attn, xp = model.layers[0].attn, backend.xp
-        shape = (len(model.layers), attn.kv_local, blocks * block_size, attn.head_dim)
-        return cls(xp.zeros(shape, dtype=model.dtype), xp.zeros(shape, dtype=model.dtype), block_size)
+    def for_model(cls, model, units: int, layout: PagedLayout) -> PagedKVCache:
+        attn, xp, place = model.layers[0].attn, backend.xp, cls.places(model, layout)
+        shape = (1 + max(index for index, _ in place), attn.kv_local, units * layout.size, attn.head_dim)
+        return cls(xp.zeros(shape, dtype=model.dtype), xp.zeros(shape, dtype=model.dtype), layout, place)
 
     @staticmethod
-    def block_bytes(model, block_size: int) -> int:
-        """What one block takes on this rank, K and V of every layer."""
-        attn = model.layers[0].attn
-        return 2 * len(model.layers) * attn.kv_local * block_size * attn.head_dim * numpy.dtype(model.dtype).itemsize
+    def places(model, layout: PagedLayout) -> list[tuple[int, int]]:
+        """``layout.places`` of ``model``'s layers (a pipeline stage's own)."""
+        return layout.places([block.attn.layer_id for block in model.layers])
+
+    @classmethod
+    def unit_bytes(cls, model, layout: PagedLayout) -> int:
+        """What one unit takes on this rank, K and V of the layers of it that this rank holds."""
+        attn, depth = model.layers[0].attn, 1 + max(index for index, _ in cls.places(model, layout))
+        return 2 * depth * attn.kv_local * layout.size * attn.head_dim * numpy.dtype(model.dtype).itemsize
 
     @property
-    def blocks(self) -> int:
+    def units(self) -> int:
         return self.k.shape[2] // self.block_size
 
     def copy_block(self, source: int, target: int):
-        """Block ``target``'s slots made block ``source``'s, every layer (copy-on-write)."""
+        """Unit ``target``'s slots made unit ``source``'s, every layer it holds (copy-on-write)."""
         size = self.block_size
         for pool in (self.k, self.v):
             pool[:, :, target * size : (target + 1) * size] = pool[:, :, source * size : (source + 1) * size]
@@ -175,33 +186,34 @@ class PagedKVCache:
 
 class PagedView(_View):
     """``cache`` for one forward pass of B rows of T new tokens over a ``PagedKVCache``: each layer
-    writes the tokens' K/V at the pool slots ``write`` [B, T] (int64, on the device) and attends over
-    the slots ``read`` [B, K] (each row's slots 0..K-1 in order, the new ones last among them), or,
-    with ``read`` None, over the new K/V alone (a prefill from slot 0). The new tokens are the last T
-    of the K slots (``offset`` K - T) for the causal mask; the caller's key mask [B, K] hides the
-    slots a row does not fill. ``counts`` [B] (host int64) makes it a decode step's: how many of its
+    writes the tokens' K/V at the pool slots ``write[lane]`` [lanes, B, T] (int64, on the device) of
+    its lane and attends over the slots ``read[lane]`` [lanes, B, K] (each row's slots 0..K-1 in
+    order, the new ones last among them), or, with ``read`` None, over the new K/V alone (a prefill
+    from slot 0). The new tokens are the last T of the K slots (``offset`` K - T) for the causal mask;
+    the caller's key mask [B, K] hides the slots a row does not fill, and a windowed layer's window
+    those before it (its kind's table gives them the scratch unit once given back). ``counts`` [B] (host int64) makes it a decode step's: how many of its
     ``read`` slots each row sees (its length and the new one), so where its query is (a sliding
     window's end) and how far ``kernels.paged_attention`` reads each row's own slots in place on the
-    CPU instead of gathering them. ``advance`` does nothing: the caller
-    keeps the rows' lengths."""
+    CPU instead of gathering them. ``advance`` does nothing: the caller keeps the rows' lengths."""
 
     def __init__(self, cache: PagedKVCache, write, read=None, counts=None):
         self.cache, self.write, self.read, self.counts = cache, write, read, counts
         self.query_slots = None if counts is None else backend.xp_of(write).asarray(counts - 1)
-        self.offset = 0 if read is None else read.shape[1] - write.shape[1]
-        super().__init__(_PagedLayer, cache.k.shape[0])
+        self.offset = 0 if read is None else read.shape[-1] - write.shape[-1]
+        super().__init__(_PagedLayer, len(cache.place))
 
 
 class _PagedLayer(CacheLayer):
     def __init__(self, view: PagedView, layer: int):
         self._view, self._layer = view, layer
+        self._pool, self._lane = view.cache.place[layer]
         self.offset = view.offset
 
     def _write(self, k, v):
         view = self._view
-        keys, values = view.cache.k[self._layer], view.cache.v[self._layer]
+        keys, values = view.cache.k[self._pool], view.cache.v[self._pool]
         for pool, new in ((keys, k), (values, v)):
-            pool[:, view.write] = new.swapaxes(0, 1)  # [hk, B, T, d] at the (row, token) pairs' slots
+            pool[:, view.write[self._lane]] = new.swapaxes(0, 1)  # [hk, B, T, d] at the (row, token) pairs' slots
         return keys, values
 
     def store(self, k, v):
@@ -210,6 +222,7 @@ class _PagedLayer(CacheLayer):
         if read is None:
             return k, v
         # gathered as [hk, B, K, d] and seen as [B, hk, K, d]: one copy, rows of unit stride
+        read = read[self._lane]
         return keys[:, read].swapaxes(0, 1), values[:, read].swapaxes(0, 1)
 
     @property
@@ -223,5 +236,5 @@ class _PagedLayer(CacheLayer):
         if view.counts is None or not paged_attention.supported(q, view.cache.k):
             return False
         keys, values = self._write(k, v)
-        paged_attention.decode(q, keys, values, view.read, view.counts, out, window)
+        paged_attention.decode(q, keys, values, view.read[self._lane], view.counts, out, window)
         return True

@@ -218,7 +218,7 @@ def _batcher(args, model, tokenizer, max_len: int, encoder: bool):
         args.kv_cache_memory,
     )
     return batcher, (
-        f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {batcher.blocks.usable} blocks of "
+        f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {batcher.blocks.usable} units of "
         f"{batcher.blocks.size} tokens ({batcher.kv_tokens} tokens) for {args.max_batch} rows"
     )
 
