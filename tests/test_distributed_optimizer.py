@@ -518,9 +518,14 @@ def test_half_precision_masters_live_in_the_pieces(tmp_path, dtype):
             )
             masters = trainer.optimizer.masters(trainer.precision.master)
             assert all(isinstance(m, StreamedTensor) and m.dtype == np.float32 for m in masters.values())
+    # At 4 ranks ZeRO's reduce-scatter and the all-reduce add the ranks' gradients in other orders, so a
+    # float32 master may differ in its last bit; rounded to a bfloat16 parameter (8 bits of mantissa)
+    # that can land on the neighbouring value, which moves later losses and norms by up to ~1e-4 (measured; the products' inputs
+    # were checked equal through the first step). float16's 11 bits have not shown it.
+    tolerance = 1e-6 if dtype == "float16" else 1e-3
     for key in ("loss", "grad_norm"):
         got, want = (np.array([r[key] for r in records[zero]]) for zero in (True, False))
-        assert np.max(np.abs(got - want) / np.abs(want)) < 1e-6, key
+        assert np.max(np.abs(got - want) / np.abs(want)) < tolerance, key
     want = np.array([r["loss"] for r in records[True][3:]])
     for zero in (False, True):
         _truncate_to(f"{folder}-True", 3, comm)
@@ -528,4 +533,4 @@ def test_half_precision_masters_live_in_the_pieces(tmp_path, dtype):
         if tail.precision.scaler is not None:
             tail.precision.scaler = LossScaler(scale=2.0**10)
         losses = np.array([r["loss"] for r in tail.run().records])
-        assert np.max(np.abs(losses - want) / want) < 1e-6, zero
+        assert np.max(np.abs(losses - want) / want) < tolerance, zero
