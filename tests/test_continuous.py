@@ -168,21 +168,24 @@ MODELS = {**CONFIGS, "moe": dict(CONFIGS["gpt2"], num_experts=4, top_k=2, capaci
 
 
 @pytest.mark.parametrize(
-    "prefill_tokens, shapes",
+    "prefill_tokens, pass_tokens, shapes",
     [
-        (None, [(6, 27)]),
-        (16, [(1, 27), (1, 13), (2, 7), (2, 2)]),
-        (1, [(1, 27), (1, 13), (1, 7), (1, 5), (1, 2), (1, 1)]),
+        (None, 1000, [(6, 27)]),
+        (None, 16, [(2, 27), (4, 7)]),
+        (16, 16, [(1, 27), (1, 13), (2, 7), (2, 2)]),
+        (1, 16, [(1, 27), (1, 13), (1, 7), (1, 5), (1, 2), (1, 1)]),
     ],
-    ids=["one-prefill", "bounded", "one-at-a-time"],
+    ids=["one-prefill", "less-padding", "bounded", "one-at-a-time"],
 )
 @pytest.mark.parametrize("name", MODELS)
 def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone(
-    name, prefill_tokens, shapes, events, monkeypatch
+    name, prefill_tokens, pass_tokens, shapes, events, monkeypatch
 ):
     """``generate`` with a row for every prompt admits them all at once: prompts of different lengths
     right-padded into one forward pass (or into passes of at most ``prefill_tokens`` padded tokens,
-    longest first), each request's tokens and logits those it has alone."""
+    longest first, cut where the padding saved is worth a pass of ``pass_tokens``), each request's
+    tokens and logits those it has alone."""
+    monkeypatch.setattr(continuous, "PASS_TOKENS", pass_tokens)
     tp, _ = tp_and_reference()
     model = larger_weights(GPTModel(ModelConfig(**MODELS[name]), tp, seed=4))
     engine, prefills = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
@@ -212,14 +215,43 @@ def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone
 
 
 def test_prefill_groups_bound_padded_tokens_longest_first():
-    assert continuous.prefill_groups([2, 9, 5, 7, 1, 3], 16) == [[1], [3, 2], [5, 0, 4]]
-    assert continuous.prefill_groups([4, 4, 4], 12) == [[0, 1, 2]]  # ties keep their order
-    assert continuous.prefill_groups([30, 3], 8) == [[0], [1]]  # a prompt past the bound goes alone
+    assert continuous.prefill_groups([2, 9, 5, 7, 1, 3], 16, 16) == [[1], [3, 2], [5, 0, 4]]
+    assert continuous.prefill_groups([4, 4, 4], 12, 16) == [[0, 1, 2]]  # ties keep their order
+    assert continuous.prefill_groups([30, 3], 8, 16) == [[0], [1]]  # a prompt past the bound goes alone
+    # a pass more where it saves more padded tokens than it costs: 44 padded > 16, 4 padded < 16
+    assert continuous.prefill_groups([106, 150], 2048, 16) == [[1], [0]]
+    assert continuous.prefill_groups([96, 100], 2048, 16) == [[1, 0]]
+    assert continuous.prefill_groups([96, 100], 2048, 3) == [[1], [0]]
+    lengths = [int(n) for n in np.random.default_rng(0).integers(1, 200, 7)]
+    groups = continuous.prefill_groups(lengths, 600, 16)
+    assert sorted(i for g in groups for i in g) == list(range(7))
+    assert all(len(g) * max(lengths[i] for i in g) <= 600 for g in groups)
+    assert _groups_cost(groups, lengths) == min(
+        _groups_cost(g, lengths)
+        for g in _partitions(sorted(range(7), key=lambda i: -lengths[i]))
+        if all(len(group) * max(lengths[i] for i in group) <= 600 for group in g)
+    )
     engine = Engine(_model("gpt2", tp_and_reference()[1]), ByteTokenizer())
     assert ContinuousBatcher(engine, 1).prefill_tokens == continuous.PREFILL_TOKENS
     assert ContinuousBatcher(engine, 1, prefill_tokens=8).prefill_tokens == 8
     with pytest.raises(ValueError, match="prefill_tokens 0: expected an integer >= 1"):
         ContinuousBatcher(engine, 1, prefill_tokens=0)
+
+
+def _groups_cost(groups, lengths, pass_tokens=16):
+    return sum(pass_tokens + len(g) * max(lengths[i] for i in g) for g in groups)
+
+
+def _partitions(order):
+    """Every cut of ``order`` into runs."""
+    for cuts in itertools.product([False, True], repeat=len(order) - 1):
+        groups, run = [], [order[0]]
+        for index, cut in zip(order[1:], cuts):
+            if cut:
+                groups.append(run)
+                run = []
+            run.append(index)
+        yield groups + [run]
 
 
 def test_a_request_arriving_mid_decode_starts_before_the_long_one_ends(events):

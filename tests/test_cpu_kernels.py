@@ -126,3 +126,79 @@ def test_scatter_add_rows_leaves_other_shapes_to_add_at():
     assert table[0].tolist() == [1.0] * 4 and table[1].tolist() == [2.0] * 4 and table[2:].sum() == 0
     with pytest.raises(ValueError):
         F.scatter_add_rows(table, np.array([0, 1]), np.ones((2, 6)))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("norm", ["layernorm", "layernorm-no-bias", "rmsnorm"])
+def test_residual_sum_and_norm_in_one_pass(monkeypatch, dtype, norm):
+    """The sum is numpy's bit for bit and the norm the fused norm's: a block's numbers do not move."""
+    branch, residual, gain, bias = arrays(dtype, SHAPE, SHAPE, SHAPE[-1:], SHAPE[-1:], seed=5)
+    center, bias = norm.startswith("layernorm"), (bias if norm == "layernorm" else None)
+    total, y, saved = F.add_norm_forward(branch.copy(), residual, gain, bias, 1e-5, center)
+    want = branch + residual
+    norm_of = (
+        (lambda x: F.layernorm_forward(x, gain, bias, 1e-5)) if center else (lambda x: F.rmsnorm_forward(x, gain, 1e-5))
+    )
+    y_ref, saved_ref = norm_of(want)
+    assert np.array_equal(total, want)
+    for got, ref in zip((y, *saved), (y_ref, *saved_ref), strict=True):
+        assert np.array_equal(got, ref)
+    composed = both_paths(monkeypatch, lambda: F.add_norm_forward(branch.copy(), residual, gain, bias, 1e-5, center))[1]
+    assert_close((total, y, *saved), (composed[0], composed[1], *composed[2]), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_swiglu_gives_the_composed_bits_and_what_backward_keeps(monkeypatch, dtype):
+    (h,) = arrays(dtype, (3, 7, 2 * 24), seed=6)
+    h[0, 0, :3] = [-200.0, 200.0, 0.0]  # exp overflows to inf, underflows to 0
+    with np.errstate(over="ignore"):
+        fused, composed = both_paths(monkeypatch, lambda: F.gated_forward(h, 24, F.silu_forward))
+    (inner, ((gate, sig), act, up)), (inner_ref, ((gate_ref, sig_ref), act_ref, up_ref)) = fused, composed
+    for got, ref in ((inner, inner_ref), (gate, gate_ref), (sig, sig_ref), (act, act_ref), (up, up_ref)):
+        assert got.dtype == ref.dtype and np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_rope_rotation_gives_the_composed_bits(monkeypatch, dtype, per_row):
+    """Q heads as attention sees them (a strided view [B, hk, g, T, d] of the QKV product), both
+    directions, with positions shared by the rows or each row's own."""
+    b, hk, g, t, d = 3, 2, 2, 5, 8
+    (qkv,) = arrays(dtype, (b, t, hk * g * d + 16), seed=7)
+    q = qkv[..., : hk * g * d].reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
+    positions = np.arange(t) + 3 if not per_row else np.array([[5, 9, 2, 7, 11]]) + np.arange(b)[:, None]
+    inv_freq = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
+    cos, sin = F.rope_tables(positions, inv_freq, dtype)
+    if per_row:
+        cos, sin = cos[:, None, None], sin[:, None, None]
+    for inverse in (False, True):
+        got, want = both_paths(monkeypatch, lambda: F.rope_apply(q, cos, sin, inverse))
+        assert got.flags.c_contiguous and got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_rope_tables_follow_positions_moved_in_place():
+    """Tables are shared by the layers asking for the same positions, compared by value: a caller's
+    positions array moved on in place (a fixed-shape decode step) gets its new tables."""
+    positions, inv_freq = np.arange(4), 1.0 / 10000 ** (np.arange(0, 8, 2) / 8)
+    first = F.rope_tables(positions, inv_freq, "float64")
+    assert F.rope_tables(positions.copy(), inv_freq.copy(), "float64")[0] is first[0]
+    assert not first[0].flags.writeable
+    positions += 1
+    moved = F.rope_tables(positions, inv_freq, "float64")
+    assert np.array_equal(moved[0], np.cos((np.arange(4) + 1.0)[:, None] * inv_freq))
+    assert np.array_equal(F.rope_tables(positions, inv_freq, "float32")[1], moved[1].astype("float32"))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_write_slots_matches_fancy_indexing(dtype):
+    k_pool, v_pool = arrays(dtype, (2, 20, 8), (2, 20, 8), seed=8)
+    (qkv,) = arrays(dtype, (3, 2, 3 * 2 * 8), seed=9)  # [B, T, ...]: K and V heads as strided views
+    k = qkv[..., 16:32].reshape(3, 2, 2, 8).transpose(0, 2, 1, 3)
+    v = qkv[..., 32:].reshape(3, 2, 2, 8).transpose(0, 2, 1, 3)
+    slots = np.array([[4, 5], [17, 0], [9, 12]])
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    want_k[:, slots], want_v[:, slots] = k.swapaxes(0, 1), v.swapaxes(0, 1)
+    cpu_kernels.write_slots(k_pool, v_pool, slots, k, v)
+    assert np.array_equal(k_pool, want_k) and np.array_equal(v_pool, want_v)
+    with pytest.raises(IndexError):
+        cpu_kernels.write_slots(k_pool, v_pool, np.array([[20, 0]] * 3), k, v)

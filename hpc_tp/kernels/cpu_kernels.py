@@ -12,6 +12,12 @@ Row sums accumulate in float64 (a float32 row of 768 sums to within 1e-7 of the 
 ``fastmath`` lets LLVM vectorize those sums and contract multiply-adds, which changes the last bit
 against numpy, never the numbers across tp (every row is whole on every rank).
 
+The decode step's small pieces (a residual sum and the next norm; SwiGLU's gate and up; RoPE's rotation;
+K/V written into a paged pool) are each one call here: at a few rows their cost is the calls and
+temporaries of the composed code, not the arithmetic. Those marked exact (``_exact``: no fastmath) make
+the same IEEE operations as the numpy code they replace, in the same order, so they give its bits and
+training keeps its numbers.
+
 Without numba (or with ``HPC_TP_CPU_KERNELS=0``, e.g. for an A/B benchmark) ``fused`` is False and
 the composed numpy code runs. Kernels compile on first use and are cached on disk beside this file.
 """
@@ -50,6 +56,12 @@ def _jit(function):
     )
 
 
+def _jit_exact(function):
+    """Compiled without fastmath (no contraction or reordering: numpy's bits); numpy's error model, so
+    that a division does not test for zero and its loop vectorizes."""
+    return numba.njit(cache=True, nogil=True, error_model="numpy")(function) if (numba is not None) else function
+
+
 def _rows(x):
     return x.reshape(-1, x.shape[-1])
 
@@ -62,9 +74,14 @@ def _c(x):
 
 
 @_jit
-def _norm_rows(x, gain, bias, eps, center, y, xhat, rstd):
+def _norm_rows(x, residual, gain, bias, eps, center, y, xhat, rstd):
+    """y, xhat, rstd of each row of x; ``residual`` (no rows: none) is added into x first, row by row
+    (a block's residual sum and the norm after it in one pass); ``bias`` empty: none."""
     rows, n = x.shape
     for r in range(rows):
+        if residual.shape[0]:
+            for i in range(n):
+                x[r, i] += residual[r, i]
         mean = 0.0
         if center:
             for i in range(n):
@@ -77,10 +94,16 @@ def _norm_rows(x, gain, bias, eps, center, y, xhat, rstd):
             var += d * d
         scale = 1.0 / math.sqrt(var / n + eps)
         rstd[r, 0] = scale
-        for i in range(n):
-            h = xhat[r, i] * scale
-            xhat[r, i] = h
-            y[r, i] = h * gain[i] + bias[i]
+        if bias.shape[0]:
+            for i in range(n):
+                h = xhat[r, i] * scale
+                xhat[r, i] = h
+                y[r, i] = h * gain[i] + bias[i]
+        else:
+            for i in range(n):
+                h = xhat[r, i] * scale
+                xhat[r, i] = h
+                y[r, i] = h * gain[i]
 
 
 @_jit
@@ -103,13 +126,16 @@ def _norm_rows_backward(dy, gain, xhat, rstd, center, dx, dgain, dbias):
             dx[r, i] = scale * (dy[r, i] * gain[i] - g_mean - xhat[r, i] * g_xhat)
 
 
-def _norm_forward(x, gain, bias, eps, center: bool):
+def _norm_forward(x, gain, bias, eps, center: bool, residual=None):
+    """The norm of x, or with ``residual`` of x + residual, summed into x (C-contiguous, the caller's own)."""
     x = _c(x)
+    rows = _rows(x)
     y, xhat = numpy.empty_like(x), numpy.empty_like(x)
     rstd = numpy.empty(x.shape[:-1] + (1,), x.dtype)
     gain = _c(gain.astype(x.dtype, copy=False))  # the kernel takes one dtype; x's is the one computed in
-    bias = numpy.zeros_like(gain) if bias is None else _c(bias.astype(x.dtype, copy=False))
-    _norm_rows(_rows(x), gain, bias, eps, center, _rows(y), _rows(xhat), _rows(rstd))
+    bias = gain[:0] if bias is None else _c(bias.astype(x.dtype, copy=False))
+    residual = rows[:0] if residual is None else _rows(_c(residual.astype(x.dtype, copy=False)))
+    _norm_rows(rows, residual, gain, bias, eps, center, _rows(y), _rows(xhat), _rows(rstd))
     return y, (xhat, rstd)
 
 
@@ -145,6 +171,114 @@ def rmsnorm_forward(x, gain, eps):
 
 def rmsnorm_backward(dy, gain, saved):
     return _norm_backward(dy, gain, saved, center=False)[:2]
+
+
+def add_norm_forward(x, residual, gain, bias, eps, center: bool):
+    """x += residual, then its norm (layernorm with ``center``, else rmsnorm; ``bias`` None for
+    rmsnorm): one pass over each row for the two; (x, y, saved). x as ``fused_rows`` says."""
+    return (x, *_norm_forward(x, gain, bias, eps, center, residual))
+
+
+def fused_rows(x, residual) -> bool:
+    """True where ``add_norm_forward`` takes x and residual: x C-contiguous and written in place,
+    residual of its shape."""
+    return fused(x) and x.flags.writeable and isinstance(residual, numpy.ndarray) and residual.shape == x.shape
+
+
+# -- SwiGLU's gate and up --------------------------------------------------------------------------
+
+
+@_jit_exact
+def _negate(h, local, out):
+    for r in range(h.shape[0]):
+        gate, o = h[r, :local], out[r]
+        for i in range(local):
+            o[i] = -gate[i]
+
+
+@_jit_exact
+def _swiglu(h, local, one, sig, act, inner):
+    """From sig = exp(-gate) (numpy's exp): sig = 1 / (1 + exp(-gate)), act = gate sig and
+    inner = act up, the operations of ``functional.silu_forward`` and the product after it."""
+    for r in range(h.shape[0]):
+        gate, up, s, a, y = h[r, :local], h[r, local:], sig[r], act[r], inner[r]
+        for i in range(local):
+            v = one / (one + s[i])
+            s[i] = v
+            w = gate[i] * v
+            a[i] = w
+            y[i] = w * up[i]
+
+
+def swiglu_forward(h, local: int):
+    """silu(gate) * up for h = [gate | up] [..., 2 local]: the product, and what ``silu_backward``
+    and the MLP's backward keep, (gate, sig), act, up; three passes (numpy's vectorized exp between two
+    fused ones) where the composed code makes seven, each with its own temporary."""
+    h = _c(h)
+    rows = _rows(h)
+    shape = h.shape[:-1] + (local,)
+    sig, act, inner = numpy.empty(shape, h.dtype), numpy.empty(shape, h.dtype), numpy.empty(shape, h.dtype)
+    _negate(rows, local, _rows(sig))
+    numpy.exp(sig, out=sig)
+    _swiglu(rows, local, h.dtype.type(1), _rows(sig), _rows(act), _rows(inner))
+    gate, up = h[..., :local], h[..., local:]
+    return inner, ((gate, sig), act, up)
+
+
+# -- rotary position embedding ---------------------------------------------------------------------
+
+
+@_jit_exact
+def _rotate(x, cos, sin, sign, out):
+    """out = x with pairs (i, i + d/2) of each [B, H, T, d] row rotated by the tables [1|B, T, d/2]
+    (``sign`` -1: rotated back), as ``functional.rope_apply`` computes it. out may be x."""
+    rows, heads, steps, d = x.shape
+    half = d // 2
+    for b in range(rows):
+        tb = 0 if cos.shape[0] == 1 else b
+        for h in range(heads):
+            for t in range(steps):
+                c, s, src, dst = cos[tb, t], sin[tb, t], x[b, h, t], out[b, h, t]
+                for i in range(half):
+                    x1, x2, si = src[i], src[i + half], sign * s[i]
+                    dst[i] = x1 * c[i] - x2 * si
+                    dst[i + half] = x2 * c[i] + x1 * si
+
+
+def rope_apply(x, cos, sin, inverse: bool = False):
+    """``functional.rope_apply`` for x [..., T, d] (any strides) and tables of x's dtype, [T, d/2]
+    or [B, 1.., T, d/2] for x [B, ..., T, d]: one pass into a new C-contiguous array."""
+    t, d = x.shape[-2:]
+    heads = (x.shape[0] if x.ndim > 2 else 1, -1, t, d)
+    out = numpy.empty(x.shape, x.dtype)
+    half = (-1, t, d // 2)
+    _rotate(
+        x.reshape(heads), cos.reshape(half), sin.reshape(half), x.dtype.type(-1 if inverse else 1), out.reshape(heads)
+    )
+    return out
+
+
+# -- K/V into a paged pool -------------------------------------------------------------------------
+
+
+@_jit
+def _write_slots(k_pool, v_pool, slots, k, v):
+    """k_pool[h, slots[b, t]] = k[b, h, t] (and v alike), for every row, head and token."""
+    rows, heads, steps, d = k.shape
+    for b in range(rows):
+        for t in range(steps):
+            slot = slots[b, t]
+            if slot < 0 or slot >= k_pool.shape[1]:
+                raise IndexError("slot out of range")
+            for h in range(heads):
+                k_pool[h, slot, :] = k[b, h, t]
+                v_pool[h, slot, :] = v[b, h, t]
+
+
+def write_slots(k_pool, v_pool, slots, k, v):
+    """One layer's new K and V [B, hk, T, d] (any strides) at the slots [B, T] of its pools
+    [hk, slots, d]: one call for both, where fancy indexing makes two copies and two scatters."""
+    _write_slots(k_pool, v_pool, slots, k, v)
 
 
 # -- GELU (tanh approximation) ---------------------------------------------------------------------

@@ -105,6 +105,25 @@ def rmsnorm_backward(dy, gain, saved):
     return dx, dgain
 
 
+def add_norm_forward(x, residual, gain, bias, eps, center: bool):
+    """``x += residual`` (x: the caller's own array), then its layernorm (``center``) or rmsnorm
+    (``bias`` None): (x, y, saved), a pre-LN block's residual sum and the norm after it."""
+    if cpu_kernels.fused_rows(x, residual):
+        return cpu_kernels.add_norm_forward(x, residual, gain, bias, eps, center)
+    x += residual
+    return (x, *(layernorm_forward(x, gain, bias, eps) if center else rmsnorm_forward(x, gain, eps)))
+
+
+def gated_forward(h, local: int, act_forward):
+    """act(gate) * up for h = [gate | up] [..., 2 local], a gated MLP's activation (``act_forward``:
+    e.g. ``silu_forward``): (the product, (act's saved values, act, up)) for the MLP's backward."""
+    if act_forward is silu_forward and cpu_kernels.fused(h):
+        return cpu_kernels.swiglu_forward(h, local)
+    gate, up = h[..., :local], h[..., local:]
+    act, act_ctx = act_forward(gate)
+    return act * up, (act_ctx, act, up)
+
+
 def gelu_tanh_forward(x):
     """0.5 x (1 + tanh(c (x + 0.044715 x^3))), with the inner term as x (c + 0.044715 c x^2) and
     every step in place: no float power (x**3 costs more than the GEMM before it) and one output."""
@@ -254,15 +273,33 @@ def scatter_add_rows(target, rows, values):
         xp.add.at(target, rows, values.astype(target.dtype, copy=False))
 
 
+# The last host tables made, by what made them: every layer of a forward pass asks for the same ones.
+_last_tables: tuple = (None, None)
+
+
 def rope_tables(positions, inv_freq, dtype):
-    """cos/sin of shape [..., T, head_dim/2] for rotate-half RoPE at absolute ``positions`` [..., T]."""
+    """cos/sin of shape [..., T, head_dim/2] for rotate-half RoPE at absolute ``positions`` [..., T].
+    Host tables are reused while the positions, frequencies and dtype are the same (read only)."""
+    global _last_tables
     xp = xp_of(positions)
+    key = None
+    if xp is numpy and xp_of(inv_freq) is numpy:  # by value: a caller may move its positions in place
+        key = (positions.shape, positions.dtype, positions.tobytes(), inv_freq.tobytes(), numpy.dtype(dtype))
+        if _last_tables[0] == key:
+            return _last_tables[1]
     angles = positions.astype("float64")[..., None] * inv_freq
-    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+    tables = xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+    if key is not None:
+        for table in tables:
+            table.flags.writeable = False  # shared by the layers that ask next
+        _last_tables = (key, tables)
+    return tables
 
 
 def rope_apply(x, cos, sin, inverse=False):
     """Rotate pairs (i, i + d/2) of x [..., T, d]; ``inverse`` rotates back (the backward pass)."""
+    if cpu_kernels.fused(cos) and isinstance(x, numpy.ndarray) and x.dtype == cos.dtype == sin.dtype:
+        return cpu_kernels.rope_apply(x, cos, sin, inverse)
     xp = xp_of(x)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]

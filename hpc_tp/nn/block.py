@@ -74,10 +74,9 @@ class TransformerBlock(Module):
         a, attn_ctx = self.attn.forward(h, key_mask, positions, cache)
         a, p1 = _maybe_norm(self.post_attn_norm, a)
         a, d1 = self._drop_attn.forward(a)
-        # Residual sums in place: a branch's output is a fresh array nothing else holds.
-        x1 = a
-        x1 += x
-        h, n2 = self.norm2.forward(x1)
+        # Residual sums in place: a branch's output is a fresh array nothing else holds. The sum and
+        # the norm after it are one pass over each row.
+        x1, h, n2 = self.norm2.add_forward(a, x)
         m, mlp_ctx = self.mlp.forward(h)
         m, p2 = _maybe_norm(self.post_mlp_norm, m)
         m, d2 = self._drop_mlp.forward(m)

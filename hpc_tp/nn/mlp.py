@@ -55,9 +55,7 @@ class ParallelMLP(Module):
     def forward(self, x):
         h, fc1_ctx = self.fc1.forward(x)
         if self.gated:
-            gate, up = h[..., : self.local], h[..., self.local :]
-            act, act_ctx = self.act_forward(gate)
-            inner, saved = act * up, (act_ctx, act, up)
+            inner, saved = F.gated_forward(h, self.local, self.act_forward)
         else:
             inner, saved = self.act_forward(h)
         y, fc2_ctx = self.fc2.forward(inner)

@@ -18,6 +18,11 @@ class LayerNorm(Module):
     def forward(self, x):
         return F.layernorm_forward(x, self.weight.data, None if self.bias is None else self.bias.data, self.eps)
 
+    def add_forward(self, x, residual):
+        """``x += residual`` (x: the caller's own array) and the norm of the sum: (sum, y, saved)."""
+        bias = None if self.bias is None else self.bias.data
+        return F.add_norm_forward(x, residual, self.weight.data, bias, self.eps, center=True)
+
     def backward(self, dy, saved):
         dx, dgain, dbias = F.layernorm_backward(dy, self.weight.data, saved)
         self.weight.grad += dgain
@@ -33,6 +38,10 @@ class RMSNorm(Module):
 
     def forward(self, x):
         return F.rmsnorm_forward(x, self.weight.data, self.eps)
+
+    def add_forward(self, x, residual):
+        """``x += residual`` (x: the caller's own array) and the norm of the sum: (sum, y, saved)."""
+        return F.add_norm_forward(x, residual, self.weight.data, None, self.eps, center=False)
 
     def backward(self, dy, saved):
         dx, dgain = F.rmsnorm_backward(dy, self.weight.data, saved)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy
 
 from .. import backend
-from ..kernels import cuda_kernels, paged_attention
+from ..kernels import cpu_kernels, cuda_kernels, paged_attention
 from .blocks import PagedLayout
 
 
@@ -212,6 +212,9 @@ class _PagedLayer(CacheLayer):
     def _write(self, k, v):
         view = self._view
         keys, values = view.cache.k[self._pool], view.cache.v[self._pool]
+        if cpu_kernels.fused(keys) and k.dtype == v.dtype == keys.dtype and isinstance(k, numpy.ndarray):
+            cpu_kernels.write_slots(keys, values, view.write[self._lane], k, v)  # both in one call
+            return keys, values
         for pool, new in ((keys, k), (values, v)):
             pool[:, view.write[self._lane]] = new.swapaxes(0, 1)  # [hk, B, T, d] at the (row, token) pairs' slots
         return keys, values
