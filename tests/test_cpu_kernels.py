@@ -176,19 +176,6 @@ def test_rope_rotation_gives_the_composed_bits(monkeypatch, dtype, per_row):
         assert got.flags.c_contiguous and got.dtype == want.dtype and np.array_equal(got, want)
 
 
-def test_rope_tables_follow_positions_moved_in_place():
-    """Tables are shared by the layers asking for the same positions, compared by value: a caller's
-    positions array moved on in place (a fixed-shape decode step) gets its new tables."""
-    positions, inv_freq = np.arange(4), 1.0 / 10000 ** (np.arange(0, 8, 2) / 8)
-    first = F.rope_tables(positions, inv_freq, "float64")
-    assert F.rope_tables(positions.copy(), inv_freq.copy(), "float64")[0] is first[0]
-    assert not first[0].flags.writeable
-    positions += 1
-    moved = F.rope_tables(positions, inv_freq, "float64")
-    assert np.array_equal(moved[0], np.cos((np.arange(4) + 1.0)[:, None] * inv_freq))
-    assert np.array_equal(F.rope_tables(positions, inv_freq, "float32")[1], moved[1].astype("float32"))
-
-
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_write_slots_matches_fancy_indexing(dtype):
     k_pool, v_pool = arrays(dtype, (2, 20, 8), (2, 20, 8), seed=8)

@@ -273,27 +273,12 @@ def scatter_add_rows(target, rows, values):
         xp.add.at(target, rows, values.astype(target.dtype, copy=False))
 
 
-# The last host tables made, by what made them: every layer of a forward pass asks for the same ones.
-_last_tables: tuple = (None, None)
-
-
 def rope_tables(positions, inv_freq, dtype):
     """cos/sin of shape [..., T, head_dim/2] for rotate-half RoPE at absolute ``positions`` [..., T].
-    Host tables are reused while the positions, frequencies and dtype are the same (read only)."""
-    global _last_tables
+    Each layer makes its own: the planner's memory model counts them a layer (tests/test_plan.py)."""
     xp = xp_of(positions)
-    key = None
-    if xp is numpy and xp_of(inv_freq) is numpy:  # by value: a caller may move its positions in place
-        key = (positions.shape, positions.dtype, positions.tobytes(), inv_freq.tobytes(), numpy.dtype(dtype))
-        if _last_tables[0] == key:
-            return _last_tables[1]
     angles = positions.astype("float64")[..., None] * inv_freq
-    tables = xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
-    if key is not None:
-        for table in tables:
-            table.flags.writeable = False  # shared by the layers that ask next
-        _last_tables = (key, tables)
-    return tables
+    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
 
 
 def rope_apply(x, cos, sin, inverse=False):
