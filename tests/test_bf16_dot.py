@@ -102,3 +102,15 @@ def test_environment_switches_it_off():
     env = dict(os.environ, HPC_TP_BF16_DOT="0")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+@needs_bf16
+def test_warm_up_prepares_both_kernels_for_a_bfloat16_model_only():
+    """In a fresh process, ``warm_up`` for a bfloat16 model leaves both kernels compiled or loaded (a
+    server's first request does not wait for them), and for another dtype touches none."""
+    count = "len(bf16_dot._rows_by_matrix.signatures + bf16_dot._rows_by_matrix_over.signatures)"
+    count += " + len(bf16_dot._rows_by_transposed.signatures + bf16_dot._rows_by_transposed_over.signatures)"
+    for dtype, kernels in (("ml_dtypes.bfloat16", 2), ("'float32'", 0)):
+        code = f"import ml_dtypes; from hpc_tp.kernels import bf16_dot; bf16_dot.warm_up({dtype}); print({count})"
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert int(result.stdout) == kernels, dtype

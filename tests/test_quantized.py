@@ -5,6 +5,8 @@ models at tp = the world size against one process at the same precision; the int
 widened import; and the errors of a bad format, a tp that cuts a group, and training."""
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -300,3 +302,16 @@ def test_training_refuses_a_quantized_model(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--model", "tiny", "--set", "quantize=int8", "--steps", "1"]) == 2
     assert "model config quantize='int8': quantized weights are for inference" in capsys.readouterr().err
+
+
+@needs_vnni
+def test_warm_up_prepares_the_integer_kernel_a_decode_step_takes():
+    """In a fresh process, ``quantized.warm_up`` for float32 activations leaves ``int8_dot``'s kernel
+    compiled or loaded for 8- and 4-bit codes (at one thread the kernel itself, at more its driver): a
+    server's first request does not wait for it."""
+    code = (
+        "from hpc_tp.kernels import int8_dot, quantized; quantized.warm_up('float32'); "
+        "print(len(int8_dot._product.signatures) + len(int8_dot._product_over.signatures))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(result.stdout) == 2  # int8 codes and packed 4-bit ones

@@ -106,6 +106,16 @@ def takes(a, w, out=None) -> bool:
     )
 
 
+def warm_up(dtype):
+    """Compile (or load from numba's cache) both kernels at the rank's thread count, for a model of
+    bfloat16 ``dtype`` where the CPU has the instruction, before a server's first request would wait."""
+    if not AVAILABLE or numpy.dtype(dtype) != _BF16:
+        return
+    a, w = numpy.ones((8, 2 * COLUMN_ALIGN), _BF16), numpy.ones((2 * COLUMN_ALIGN, 2 * COLUMN_ALIGN), _BF16)
+    matmul(a, w)
+    matmul(a, numpy.ascontiguousarray(w.T).T)
+
+
 def _padded_bits(a):
     """``a``'s bits, C-contiguous, columns zero-padded to a whole pair (the kernels read pairs)."""
     if a.shape[1] % 2 or not a.flags.c_contiguous:

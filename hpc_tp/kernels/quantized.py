@@ -150,6 +150,15 @@ def _interleaved(w: QuantizedMatrix) -> tuple:
     return w.interleaved
 
 
+def warm_up(dtype):
+    """Compile (or load from numba's cache) the few-row kernels a decode step of ``dtype`` activations
+    takes against 8- and 4-bit weights (``int8_dot``'s where the CPU has VNNI, else ``small_m``'s),
+    before a server's first request would wait for them."""
+    a = numpy.ones((small_m.MIN_FULL_ROWS, 2 * GROUP_ROWS), dtype)
+    for bits in FORMATS.values():
+        matmul(a, quantize(numpy.ones((2 * GROUP_ROWS, 4 * small_m.COLUMN_ALIGN)), bits))
+
+
 def matmul(a, w: QuantizedMatrix):
     """``a @ W`` for ``a`` [M, K]: float64 sums for float64 ``a``, else float32 (from int8 activations
     where ``int8_dot.AVAILABLE``)."""

@@ -161,18 +161,16 @@ def quantized_matmul(a, codes, scales, lows, dtype):
 
 
 def warm_up(weight_dtype):
-    """Compile (or load from numba's cache) every kernel here for weights of ``weight_dtype``, at the
-    rank's thread count: a server calls it before its first request, which would otherwise wait for
-    it (about half a second a kernel loaded from the cache, seconds compiled)."""
+    """Compile (or load from numba's cache) the float kernels here for weights of ``weight_dtype``, at
+    the rank's thread count: a server calls it before its first request, which would otherwise wait for
+    it (about half a second a kernel loaded from the cache, seconds compiled). Quantized weights' kernels:
+    ``kernels.quantized.warm_up``, through the dispatch that picks them."""
     dtype = result_dtype(weight_dtype)
     if not cpu_kernels.ENABLED or dtype not in cpu_kernels.DTYPES:
         return
     a, w = numpy.ones((MIN_FULL_ROWS, 2 * QUANT_ROWS), dtype), numpy.ones((2 * QUANT_ROWS, 4 * COLUMN_ALIGN), dtype)
     matmul(a, w)
     matmul(a, numpy.ascontiguousarray(w.T).T)
-    scales = numpy.ones(2 * w.shape[1], numpy.float32)
-    quantized_matmul(a, w.astype(numpy.int8), scales, scales[:0], dtype)
-    quantized_matmul(a, w[:QUANT_ROWS].astype(numpy.uint8), scales, scales, dtype)
 
 
 if cpu_kernels.ENABLED:

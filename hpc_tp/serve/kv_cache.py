@@ -155,7 +155,7 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model, units: int, layout: PagedLayout) -> PagedKVCache:
         attn, xp, place = model.layers[0].attn, backend.xp, cls.places(model, layout)
-        shape = (1 + max(index for index, _ in place), attn.kv_local, units * layout.size, attn.head_dim)
+        shape = (_depth(place), attn.kv_local, units * layout.size, attn.head_dim)
         return cls(xp.zeros(shape, dtype=model.dtype), xp.zeros(shape, dtype=model.dtype), layout, place)
 
     @staticmethod
@@ -166,7 +166,7 @@ class PagedKVCache:
     @classmethod
     def unit_bytes(cls, model, layout: PagedLayout) -> int:
         """What one unit takes on this rank, K and V of the layers of it that this rank holds."""
-        attn, depth = model.layers[0].attn, 1 + max(index for index, _ in cls.places(model, layout))
+        attn, depth = model.layers[0].attn, _depth(cls.places(model, layout))
         return 2 * depth * attn.kv_local * layout.size * attn.head_dim * numpy.dtype(model.dtype).itemsize
 
     @property
@@ -182,6 +182,11 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return int(self.k.nbytes + self.v.nbytes)
+
+
+def _depth(place) -> int:
+    """The pool's leading axis for layers at ``place`` ((index, lane) each): the most of one lane held."""
+    return 1 + max(index for index, _ in place)
 
 
 class PagedView(_View):

@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def run(args) -> int:
     # loaded when the command runs, not by hpc-tp --help
-    from ..kernels import paged_attention, small_m
+    from ..kernels import bf16_dot, paged_attention, quantized, small_m
     from .chat import read_template, stop_at_end_of_turn, template_for
     from .embed import load_encoder
     from .loading import load_for_inference, open_checkpoint
@@ -172,6 +172,9 @@ def run(args) -> int:
     if not encoder:  # the decode kernels compile or load now, not in the first request
         small_m.warm_up(model.dtype)
         paged_attention.warm_up(model.dtype)
+        if model.cfg.quantize:
+            quantized.warm_up(model.dtype)
+        bf16_dot.warm_up(model.dtype)
     if server is not None:  # a request the whole KV cache cannot hold is refused as it comes
         server.kv_tokens = getattr(batcher, "kv_tokens", None)
     if grid.world.rank != 0:
