@@ -51,11 +51,11 @@ def logits_seen(monkeypatch):
     return seen
 
 
-def _pipelined(comm, folder, name):
+def _pipelined(comm, folder, name, pp_layers=None):
     """(grid, PipelineStages) of checkpoint ``name``, written in ``folder`` by every rank, loaded at pp = 2
-    and tp = the rest of ``comm``, as ``hpc-tp generate --pp 2`` loads it."""
+    and tp = the rest of ``comm``, as ``hpc-tp generate --pp 2 [--pp-layers PP_LAYERS]`` loads it."""
     ckpt = write_checkpoint(folder / name, name, ProcessGrid(tp=comm.size, world=comm), ByteTokenizer())
-    args = SimpleNamespace(ckpt=str(ckpt), tp=None, pp=2, dtype="float64", device="cpu")
+    args = SimpleNamespace(ckpt=str(ckpt), tp=None, pp=2, pp_layers=pp_layers, dtype="float64", device="cpu")
     grid, model, _ = load_for_inference(args)
     return grid, model
 
@@ -146,6 +146,21 @@ def test_continuous_batcher_at_pp_2_gives_one_process_tokens_and_logits(
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("split", ["1,2", "2,1"])
+def test_an_explicit_layer_split_gives_one_process_tokens_and_logits(split, comm_world, shared_dir, logits_seen):
+    """qwen-moe's 3 layers cut by ``--pp-layers``: each stage holds the layers the split names."""
+    _, model = _pipelined(comm_world, shared_dir, "qwen-moe", pp_layers=split)
+    counts = [int(c) for c in split.split(",")]
+    assert len(model.layers) == counts[model.stage.layer_ids[0] > 0]  # the first stage holds layer 0
+    out = ContinuousBatcher(Engine(model, ByteTokenizer()), rows=2).generate(PROMPTS, _params())
+    failures = []
+    if model.comm.rank == 0:
+        got_logits = {seed: logits_seen.pop(seed) for seed in range(len(PROMPTS))}
+        failures = _compare([c for c, _ in out], got_logits, *_one_process("qwen-moe", logits_seen))
+    _agree(model.comm, failures)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_small_kv_cache_preempts_alike_on_stages_of_different_layers(comm_world, shared_dir, logits_seen):
     """qwen-moe's 3 layers over 2 stages: --kv-cache-memory buys every rank the blocks of the stage with
     the most layers, so the block tables, and the preemptions, stay the same on both."""
@@ -195,6 +210,15 @@ def test_a_layout_that_does_not_fit_is_one_line_on_every_rank(comm_world, shared
     ranks = comm_world.size
     expected = f"--pp 3 is more pipeline stages than the model's 2 layers; on {ranks} rank{'s' if ranks > 1 else ''}: "
     _agree(comm_world, [] if error.startswith("hpc-tp: error: " + expected) and "\n" not in error else [error])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_layer_split_that_does_not_fit_is_one_line_on_every_rank(comm_world, shared_dir, capsys):
+    ckpt = write_checkpoint(shared_dir / "ckpt", "gpt2", ProcessGrid(tp=comm_world.size, world=comm_world))
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "x", "--pp", "2", "--pp-layers", "2,1"]) == 2
+    error = capsys.readouterr().err.strip()
+    expected = "hpc-tp: error: --pp-layers 2,1 adds up to 3 layers but the model has 2"
+    _agree(comm_world, [] if error == expected else [error])
 
 
 def test_layout_errors_name_the_value_and_the_layouts_that_fit():

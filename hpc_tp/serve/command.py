@@ -57,6 +57,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, stages: bool = True):
             help="pipeline stages, each its share of the layers on tp ranks: a model larger than a node, "
             "pp across nodes and tp inside (default %(default)s); the world is tp x pp x replicas",
         )
+        parser.add_argument(
+            "--pp-layers",
+            default=None,
+            metavar="N,N,...",
+            help="layers per pipeline stage, one count a stage (default: balanced by a cost estimate, as training splits)",
+        )
     parser.add_argument(
         "--dtype",
         choices=DTYPES,

@@ -16,7 +16,7 @@ from ..grid import ProcessGrid
 from ..launch import check_launch, install_abort_on_exception
 from ..models import ModelConfig
 from ..nn.attention import heads_fit
-from ..pipeline import build_stage
+from ..pipeline import build_stage, parse_pp_layers
 from ..tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
 from .stages import PipelineStages
 
@@ -86,7 +86,9 @@ def load_for_inference(args, opened=None):
     grid, folder, cfg = opened or open_checkpoint(args)
     if not cfg.causal:
         raise ConfigError(f"checkpoint {folder} holds an encoder (causal=false): use `hpc-tp embed` for it")
-    stage = build_stage(cfg, grid, resolve_dtype(args.dtype))  # the whole model at pp = 1
+    spec = getattr(args, "pp_layers", None)  # None (or no such flag): balanced by cost, as training splits
+    layers = None if spec is None else parse_pp_layers(spec, cfg.n_layers, grid.pp_size)
+    stage = build_stage(cfg, grid, resolve_dtype(args.dtype), layers_per_stage=layers)  # the whole model at pp = 1
     load_checkpoint(folder, stage.state(), grid)
     model = PipelineStages(stage, grid) if grid.pp_size > 1 else stage
     tokenizer = load_tokenizer_dir(folder) if (folder / CONFIG_FILE).is_file() else ByteTokenizer()
