@@ -114,15 +114,15 @@ def _alone(engine, request, events):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
     tp, _ = tp_and_reference()
-    steps, step_rows = [], continuous.step_rows
+    passes, run_pass = [], ContinuousBatcher._pass  # (decode rows, prompts) of each forward pass
 
-    def finite_step(model, cache, ids, lens, slots):
-        out = step_rows(model, cache, ids, lens, slots)
-        steps.append(len(lens))
+    def finite_pass(self, stepping, rows, stops, start):
+        out = run_pass(self, stepping, rows, stops, start)
+        passes.append((len(stepping), len(rows)))
         assert np.isfinite(out).all()
         return out
 
-    monkeypatch.setattr(continuous, "step_rows", finite_step)
+    monkeypatch.setattr(ContinuousBatcher, "_pass", finite_pass)
     long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
     requests = [
         Request(PROMPTS[2], 3),
@@ -160,7 +160,9 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
         last = [len(order) - 1 - order[::-1].index(i) for i in range(len(requests))]
         assert first[2] > last[0] and first[2] < last[1]  # into row 0 once the first request left it
         assert first[4] < last[1] or first[4] < last[3]  # admitted while another row decodes
+        steps = [rows for rows, _ in passes if rows]
         assert max(steps) == 2 and min(steps) == 1
+        assert any(rows and prompts for rows, prompts in passes)  # a decode step rode along a prefill pass
 
 
 # capacity 0.5 would drop tokens in training: inference must keep them, padding or not
@@ -188,7 +190,7 @@ def test_prompts_admitted_together_share_a_prefill_and_give_what_they_give_alone
     monkeypatch.setattr(continuous, "PASS_TOKENS", pass_tokens)
     tp, _ = tp_and_reference()
     model = larger_weights(GPTModel(ModelConfig(**MODELS[name]), tp, seed=4))
-    engine, prefills = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
+    engine, prefills = Engine(model, ByteTokenizer()), _prefill_passes(monkeypatch)
     long_prompt = [int(i) for i in np.random.default_rng(5).integers(0, 256, 27)]
     requests = [
         events.watch(Request(ids, new))
@@ -297,17 +299,17 @@ def test_a_stop_string_ends_a_row_its_streamed_text_held_back_and_frees_it(event
         assert waiting.done[0].finish_reason == "length" and len(waiting.done[0].ids) == 4
 
 
-def _prefill_passes(model, monkeypatch) -> list:
-    """Records each prefill pass of ``model.infer`` (the ones picking rows' ``last`` positions) as
-    ((prompts, tokens), first position)."""
-    passes, infer = [], model.infer
+def _prefill_passes(monkeypatch) -> list:
+    """Records each forward pass that carries prompts (``ContinuousBatcher._pass``, a decode step riding
+    along or not) as ((prompts, tokens), first slot)."""
+    passes, run_pass = [], ContinuousBatcher._pass
 
-    def spy(ids, positions, *args, last=None, **kwargs):
-        if last is not None:
-            passes.append((tuple(ids.shape), int(positions[0])))
-        return infer(ids, positions, *args, last=last, **kwargs)
+    def spy(self, stepping, rows, stops, start):
+        if rows:
+            passes.append(((len(rows), max(stops) - start), start))
+        return run_pass(self, stepping, rows, stops, start)
 
-    monkeypatch.setattr(model, "infer", spy)
+    monkeypatch.setattr(ContinuousBatcher, "_pass", spy)
     return passes
 
 
@@ -382,7 +384,7 @@ def test_prompts_with_a_cached_prefix_share_a_prefill_after_it(name, events, mon
     each request as alone."""
     tp, _ = tp_and_reference()
     model = _model(name, tp)
-    engine, prefills = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
+    engine, prefills = Engine(model, ByteTokenizer()), _prefill_passes(monkeypatch)
     system = [60, 61, 62, 63, 64, 65]
     own = [[1], [2, 3, 4], [5, 6], [7, 8, 9, 10, 11], [12], [13, 14]]
     requests = [events.watch(Request(system + tokens, 1 if i < 3 else 3)) for i, tokens in enumerate(own)]
@@ -408,7 +410,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(name, prefix_
     gives what it gives alone."""
     tp, _ = tp_and_reference()
     model = _model(name, tp)
-    engine, chunks = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
+    engine, chunks = Engine(model, ByteTokenizer()), _prefill_passes(monkeypatch)
     long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
     short, long = Request(PROMPTS[2], 6), Request(long_prompt, 3)
     later = Request(long_prompt[:20] + [250, 251, 252, 253, 254], 2)
@@ -439,7 +441,7 @@ def test_a_request_cancelled_during_its_chunked_prefill_frees_its_row_at_once(ev
     after its first chunk, answered "cancelled" with no tokens, and the waiting request takes the row."""
     tp, _ = tp_and_reference()
     model = _model("gpt2", tp)
-    engine, passes = Engine(model, ByteTokenizer()), _prefill_passes(model, monkeypatch)
+    engine, passes = Engine(model, ByteTokenizer()), _prefill_passes(monkeypatch)
     long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 27)]
     gone, waiting = Request(long_prompt, 5, cancel_after=0), Request(PROMPTS[2], 3)
     due = [(1, gone), (1, waiting)]

@@ -103,7 +103,7 @@ class GPTModel(Module):
             x *= math.sqrt(self.cfg.hidden)
         if self.cfg.position == "learned":
             t = ids.shape[1]
-            if t > self.cfg.max_seq_len:
+            if positions is None and t > self.cfg.max_seq_len:  # given positions are each checked by indexing
                 raise ConfigError(f"sequence length {t} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
             x += self.pos.data[:t] if positions is None else self.pos.data[positions]
         if self._sequence_comm is not None:

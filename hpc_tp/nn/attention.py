@@ -316,14 +316,11 @@ class ParallelAttention(Module):
         q *= self.query_scale
         merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
         attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
-        if cache is not None and cache.attend(q, k, v, attn, self.window):  # its own kernel (inference: no context)
+        if cache is not None:  # inference: nothing kept for a backward
+            for part in cache.parts(q, k, v, attn, key_mask):
+                self._attend_cached(*part)
             return self.out.forward(merged)[0], None
         offset, window = 0, self.window
-        if cache is not None:
-            offset = cache.offset
-            k, v = cache.store(k, v)
-            if window and getattr(cache, "query_slots", None) is not None:
-                key_mask, window = _slot_window(key_mask, cache.query_slots, k.shape[2], window)
         keys = k.shape[2]
         mask = None
         if self.dropout > 0 and self.rng is not None and self.rng.training:
@@ -360,6 +357,20 @@ class ParallelAttention(Module):
             # log-sum-exp, the key mask ([B, keys], small) and whether dropout ran.
             ctx = ctx._replace(probs=None, lse=saved, mask=None, key_mask=key_mask, dropped=mask is not None)
         return y, ctx
+
+    def _attend_cached(self, cache, key_mask, q, k, v, attn):
+        """Inference's attention of one batch over ``cache`` (a ``serve.kv_cache`` layer) into ``attn``:
+        the cache's own kernel where it has one, else its stored K/V through the core."""
+        if cache.attend(q, k, v, attn, self.window):
+            return
+        offset, window = cache.offset, self.window
+        k, v = cache.store(k, v)
+        if window and getattr(cache, "query_slots", None) is not None:
+            key_mask, window = _slot_window(key_mask, cache.query_slots, k.shape[2], window)
+        if flash_attention.supported(q, k, v, attn):
+            flash_attention.forward(q, k, v, attn, offset, self.causal, key_mask, window)
+            return
+        self._core(q, k, v, attn, key_mask, offset, window, None, cpu_attention.supported(q, k, v, attn))
 
     def _core(self, q, k, v, attn, key_mask, offset, window, mask, fused, statistics=False):
         """softmax(Q K^T + masks) per query block, returned for backward, and P V (through the

@@ -5,7 +5,7 @@ K/V live in blocks of one paged KV cache (``kv_cache.PagedKVCache``, blocks hand
 ``blocks.BlockManager``): a request takes a block as its tokens reach one, so the cache holds what the
 requests have, not every row at the longest a request may be. A request is prefilled into a free row
 (after the prefix it finds cached, below), and every iteration runs one decode step for the rows with
-a token to feed (``decoding.step_rows``: each row writes its token in its own last block, its
+a token to feed (``decoding.step_view``: each row writes its token in its own last block, its
 positions count its own tokens, and it attends over its own blocks up to its length). A row that
 finishes (EOS, stop string, max tokens, client gone) gives its blocks back and takes the next queued
 request at the next iteration, as in Orca (OSDI '22) and vLLM, where a static batch
@@ -40,15 +40,17 @@ calls on the same broadcast inputs, so no block number is ever sent:
     admit     tp rank 0 gives queued requests (those preempted first) free rows, and one
               ``bcast_object`` sends their (row, token ids), only when there are any; when no row is
               busy every rank waits in that broadcast for the next admissions, or for the word to stop;
-    decode    one step for the rows that have a token to feed, each with a block for its new slot
-              (oldest first; the youngest are preempted where blocks run out);
-    prefill   each admitted prompt's cached prefix found (``BlockManager.admit``); then the prompts
-              waiting, in admission order, up to ``chunk_tokens`` tokens in all (chunked prefill: a
-              long prompt goes on at the next iteration), each with blocks for its chunk, right-padded
-              to the longest in one forward pass per first slot (``_prefill``; several when their
-              padded tokens pass ``prefill_tokens``, or where a pass more costs less than the padding
-              it saves, ``prefill_groups``): a prompt's last real token's logits, once its last chunk
-              is in, give the request's first token;
+    blocks    a block for the new slot of each row that has a token to feed (oldest first; the
+              youngest are preempted where blocks run out); each admitted prompt's cached prefix
+              found (``BlockManager.admit``); then the prompts waiting, in admission order, up to
+              ``chunk_tokens`` tokens in all (chunked prefill: a long prompt goes on at the next
+              iteration), each with blocks for its chunk;
+    passes    the prompts' chunks right-padded to the longest in one forward pass per first slot
+              (several when their padded tokens pass ``prefill_tokens``, or where a pass more costs
+              less than the padding it saves, ``prefill_groups``), the decode step of the rows with a
+              token to feed riding along the first (``_pass``), or alone where no prompt waits: a
+              prompt's last real token's logits, once its last chunk is in, give the request's first
+              token;
     sample    rank 0 samples every busy row (``_Row``: EOS, stop strings, max tokens, cancellation),
               streams text, finishes requests, queues the preempted ones again and takes queued ones
               for the rows now free; one ``comm.broadcast`` of an int64 array gives each row's next
@@ -62,9 +64,15 @@ see the padding after it, and MoE inference is dropless, so the padding changes 
 The K/V go straight into each prompt's blocks, the padding's into the scratch block, and only each
 row's last real position reaches the LM head (``GPTModel.infer``'s ``last``).
 
+A decode step and a prefill pass in one (as vLLM schedules them, and Sarathi's "piggybacking"): every
+layer but attention works token by token, so the prompts' tokens and the decode rows' are flattened
+into one row of tokens (``kv_cache.MixedView``) and each weight is read once for both, where a decode
+step alone reads every weight for a few rows; each layer's attention splits the tokens back into the
+prefill's [rows, width] and the step's [rows, 1] and runs each as it runs alone, so every request's
+numbers are those of the two passes.
+
 Left for later: the step runs eagerly (its shapes change with the rows' lengths, so no CUDA graph
-is captured, unlike a static batch's steps on a GPU at tp = 1), and a prefill chunk and the decode
-step of the rows already busy are two passes rather than one (vLLM mixes them in one).
+is captured, unlike a static batch's steps on a GPU at tp = 1).
 """
 
 from __future__ import annotations
@@ -79,9 +87,9 @@ from .. import backend
 from ..comm.base import on_rank0
 from ..errors import ConfigError
 from .blocks import SCRATCH, BlockManager, PagedLayout, Sequence
-from .decoding import step_rows
+from .decoding import positions_after, step_view
 from .generate import _Row, check_request
-from .kv_cache import PagedKVCache, PagedView
+from .kv_cache import MixedView, PagedKVCache, PagedView
 
 # The default bound on a batched prefill's padded tokens (its prompts x the longest of them), raised to
 # the rows' max_len where that is more, as vLLM's max_num_batched_tokens before chunked prefill
@@ -340,21 +348,17 @@ class ContinuousBatcher:
         return admitted
 
     def _forward(self, admitted):
-        """The decode step for the rows with a token to feed, then the admitted prompts' cached
-        prefixes found, then this iteration's prefill chunks (up to ``chunk_tokens``, those from one
-        slot together), blocks reserved for each (``_room``); {row: logits [V]} on the host of rank 0
-        for the rows that stepped or whose prompt is now in ({} elsewhere)."""
+        """Blocks for the rows with a token to feed, then the admitted prompts' cached prefixes found,
+        then this iteration's prefill chunks (up to ``chunk_tokens``, those from one slot together),
+        blocks reserved for each (``_room``); then the passes: the decode step rides along the first
+        prefill pass (``_pass``: the weights read once for both), or runs alone where no prompt waits.
+        {row: logits [V]} on the host of rank 0 for the rows that stepped or whose prompt is now in
+        ({} elsewhere)."""
         host = self.comm.rank == 0
         logits, self.preempted = {}, []
         for row in numpy.argsort(self.age):  # the oldest first: the youngest are preempted for them
             if self.feed[row] >= 0:
                 self._room(int(row), self.seqs[row].length + 1, logits)
-        stepping = numpy.flatnonzero(self.feed >= 0)
-        if stepping.size:
-            out = self._step(stepping)
-            if host:
-                out = backend.to_numpy(out)
-                logits.update((int(r), out[i]) for i, r in enumerate(stepping))
         for row, ids in admitted:
             for copy in self.blocks.admit(self.seqs[row], ids, len(ids) - 1):
                 self.cache.copy_block(*copy)
@@ -373,17 +377,24 @@ class ContinuousBatcher:
             if self._room(row, stop, logits):
                 chunks.append((row, start, stop))
                 budget -= stop - start
+        passes = []  # (rows, stops, first slot)
         for start in dict.fromkeys(start for _, start, _ in chunks):  # each first slot, in order
             mine = [(row, stop) for row, first, stop in chunks if first == start]
             for group in prefill_groups([stop - start for _, stop in mine], self.prefill_tokens, PASS_TOKENS):
-                rows, stops = [mine[i][0] for i in group], [mine[i][1] for i in group]
-                out = self._prefill(rows, stops, start)
-                done = [(i, row) for i, (row, stop) in enumerate(zip(rows, stops)) if stop == len(self.prompts[row])]
-                if host:
-                    out = backend.to_numpy(out)
-                    logits.update((row, out[i]) for i, row in done)
-                for _, row in done:
-                    del self.prompts[row]
+                passes.append(([mine[i][0] for i in group], [mine[i][1] for i in group], start))
+        stepping = numpy.flatnonzero(self.feed >= 0)  # after the chunks' blocks, which may preempt the youngest
+        if stepping.size and not passes:
+            passes.append(([], [], 0))
+        for rows, stops, start in passes:
+            out = self._pass(stepping, rows, stops, start)
+            done = [(i, row) for i, (row, stop) in enumerate(zip(rows, stops)) if stop == len(self.prompts[row])]
+            if host:
+                out = backend.to_numpy(out)
+                logits.update((int(r), out[len(rows) + i]) for i, r in enumerate(stepping))  # sampled first
+                logits.update((row, out[i]) for i, row in done)
+            for _, row in done:
+                del self.prompts[row]
+            stepping = stepping[:0]  # the first pass took the decode step
         return logits
 
     def _room(self, row: int, slots: int, logits: dict) -> bool:
@@ -400,24 +411,46 @@ class ContinuousBatcher:
                 return False
         return True
 
-    def _step(self, rows):
-        """One decode step for ``rows``, each feeding its token at its length; records the tokens."""
+    def _pass(self, stepping, rows: list[int], stops: list[int], start: int):
+        """One forward pass over a decode step for rows ``stepping`` (each feeding its token at its
+        length) and the prompts of ``rows``, their tokens ``start`` up to ``stops`` (either may be
+        empty); with both, their tokens flattened into one row (``MixedView``), so that the weights are
+        read once for both. Records the tokens written; returns the logits [len(rows) + len(stepping),
+        V]: each prompt's last token in the pass, then each decode row's."""
+        parts = ([self._prefill_part(rows, stops, start)] if rows else []) + (
+            [self._step_part(stepping)] if len(stepping) else []
+        )
+        if len(parts) == 1:
+            ids, positions, mask, view, last = parts[0]
+            out = self.model.infer(ids, positions, mask, view, last=last)
+        else:
+            ids, positions, view, last = _flattened(parts)
+            out = self.model.infer(ids, positions, None, view, last=last)
+        for row, stop in zip(rows, stops):
+            self.blocks.written(self.seqs[row], self.prompts[row][start:stop])
+        for r in stepping:
+            self.blocks.written(self.seqs[r], [int(self.feed[r])])
+        return out
+
+    def _step_part(self, rows):
+        """A decode step for ``rows``, each feeding its token at its length (``decoding.step_view``):
+        (ids [B, 1], positions [B, 1], key mask, ``PagedView``, None)."""
+        xp = backend.xp
         lens = numpy.array([self.seqs[r].length for r in rows])
         shape = (self.layout.lanes, len(rows), int(lens.max()) + 1)
         slots = numpy.full(shape, SCRATCH, dtype=numpy.int64)  # past a row's own: masked
         for i, r in enumerate(rows):
             slots[:, i, : lens[i] + 1] = self.blocks.slots(self.seqs[r], lens[i] + 1)
-        out = step_rows(self.model, self.cache, self.feed[rows], lens, slots)
-        for r in rows:
-            self.blocks.written(self.seqs[r], [int(self.feed[r])])
-        return out
+        view, visible = step_view(self.cache, lens, slots)
+        ids = xp.asarray(self.feed[rows], dtype=numpy.int64).reshape(-1, 1)
+        return ids, xp.asarray(positions_after(lens, 0, self.model)[:, None]), visible, view, None
 
-    def _prefill(self, rows: list[int], stops: list[int], start: int):
-        """One forward pass over the prompts of ``rows``, their tokens ``start`` up to ``stops``, right-
-        padded to the longest, each into its row's blocks from slot ``start`` (the rows hold the tokens
-        before it), the padding's K/V into the scratch block: with causal attention a prompt's tokens
-        never see the padding after them, so each row's K/V and its last real token's logits
-        ([len(rows), V]) are those of its prompt alone."""
+    def _prefill_part(self, rows: list[int], stops: list[int], start: int):
+        """The prompts of ``rows``, their tokens ``start`` up to ``stops``, right-padded to the longest,
+        each into its row's blocks from slot ``start`` (the rows hold the tokens before it), the
+        padding's K/V into the scratch block: with causal attention a prompt's tokens never see the
+        padding after them, so each row's K/V and its last real token's logits are those of its
+        prompt alone. (tokens [B, T], positions [T], key mask, ``PagedView``, each row's last [B])."""
         xp = backend.xp
         stops = numpy.array(stops)
         width = int(stops.max()) - start
@@ -428,16 +461,8 @@ class ContinuousBatcher:
             slots[:, i, :stop] = self.blocks.slots(self.seqs[row], stop)
         real = numpy.arange(start + width) < stops[:, None]  # the held slots, then each chunk's own tokens
         view = PagedView(self.cache, xp.asarray(slots[..., start:]), xp.asarray(slots) if start else None)
-        out = self.model.infer(
-            xp.asarray(tokens),
-            xp.arange(start, start + width),
-            xp.asarray(real),
-            view,
-            last=xp.asarray(stops - start - 1),
-        )
-        for row, stop in zip(rows, stops):
-            self.blocks.written(self.seqs[row], self.prompts[row][start:stop])
-        return out
+        positions = xp.arange(start, start + width)
+        return xp.asarray(tokens), positions, xp.asarray(real), view, xp.asarray(stops - start - 1)
 
     def _sample(self, logits, control, source) -> bool:
         """Rank 0: each busy row's next token into ``control`` (-1 where the row is now free, DROPPED
@@ -481,3 +506,19 @@ class ContinuousBatcher:
             busy.admitted - busy.request.arrived,
         )
         self._busy[r] = None
+
+
+def _flattened(parts):
+    """``_pass``'s parts (ids [B, T], positions [T] or [B, T], key mask, view, last [B] or None: T - 1)
+    as one row: (ids [1, N], positions [1, N], ``MixedView``, each part's last tokens' indices)."""
+    xp = backend.xp
+    ids, positions, cuts, last, first = [], [], [], [], 0
+    for tokens, pos, mask, view, picks in parts:
+        rows, width = tokens.shape
+        ids.append(tokens.reshape(-1))
+        positions.append(xp.broadcast_to(pos, (rows, width)).reshape(-1))
+        cuts.append((view, rows, width, mask))
+        picks = xp.full(rows, width - 1) if picks is None else picks
+        last.append(first + xp.arange(rows) * width + picks)
+        first += rows * width
+    return xp.concatenate(ids)[None], xp.concatenate(positions)[None], MixedView(cuts), xp.concatenate(last)

@@ -12,7 +12,7 @@ step's chosen ids back through one of two steppers; both give the same logits.
   token instead of hundreds. A W1 decode step on an H200 is bound by the host's Python launching
   them (3.5 ms a token at batch 1 for ~0.05 ms of weight traffic), as vLLM found for its decode steps.
 
-``step_rows`` is the decode step of continuous batching (``serve.continuous``) over a paged cache:
+``step_view`` is the decode step of continuous batching (``serve.continuous``) over a paged cache:
 every row its own request at its own length, writing its token at its own slot and attending over
 its own blocks, gathered up to the longest row's length. It runs eagerly, its shapes changing with
 the rows' lengths: no CUDA graph is captured for it yet.
@@ -39,24 +39,17 @@ def positions_after(lens, step: int, model):
     return pos
 
 
-def step_rows(model, cache: PagedKVCache, ids, lens, slots):
-    """One decode step in which each row is a sequence of its own from slot 0 (no padding): row r
-    holds ``lens[r]`` tokens, feeds ``ids[r]`` at position ``lens[r]`` (clamped as ``positions_after``
-    does), writes its K/V at its slot ``lens[r]`` and attends to its slots 0..lens[r] only.
-    ``slots`` [lanes, B, W] (W > every length): each row's pool slots in order, its block tables spelled
-    out (``PagedView``; past its own, any slot: masked). ``ids``, ``lens``, ``slots``: host int arrays;
-    returns logits [B, V]."""
+def step_view(cache: PagedKVCache, lens, slots):
+    """A continuous batch's decode step over a paged cache, in which each row is a sequence of its own
+    from slot 0 (no padding): row r holds ``lens[r]`` tokens and feeds one at position ``lens[r]``,
+    writes its K/V at its slot ``lens[r]`` and attends to its slots 0..lens[r] only. ``slots`` [lanes,
+    B, W] (W > every length): each row's pool slots in order, its block tables spelled out (past its
+    own, any slot: masked). Returns the step's ``PagedView`` of ``cache`` and key mask [B, W] (on the
+    device)."""
     xp = backend.xp
-    width = slots.shape[-1]
-    visible = numpy.arange(width) <= lens[:, None]
+    visible = numpy.arange(slots.shape[-1]) <= lens[:, None]
     write = slots[:, numpy.arange(len(lens)), lens][:, :, None]
-    view = PagedView(cache, xp.asarray(write), xp.asarray(slots), lens + 1)
-    return model.infer(
-        xp.asarray(ids, dtype=numpy.int64).reshape(-1, 1),
-        xp.asarray(positions_after(lens, 0, model)[:, None]),
-        xp.asarray(visible),
-        view,
-    )
+    return PagedView(cache, xp.asarray(write), xp.asarray(slots), lens + 1), xp.asarray(visible)
 
 
 class GrowingStep:

@@ -42,6 +42,11 @@ class CacheLayer:
         nothing done): ``store``, then the layer's own core."""
         return False
 
+    def parts(self, q, k, v, out, key_mask):
+        """The batches a forward pass's tokens make, each attending on its own: [(layer, key mask, q, k,
+        v, out)], the arrays views of the pass's (``MixedView`` has several; every other cache one)."""
+        return [(self, key_mask, q, k, v, out)]
+
 
 class LayerCache(CacheLayer):
     """One layer's view of the cache, the ``cache`` argument of ``ParallelAttention.forward``."""
@@ -206,6 +211,51 @@ class PagedView(_View):
         self.query_slots = None if counts is None else backend.xp_of(write).asarray(counts - 1)
         self.offset = 0 if read is None else read.shape[-1] - write.shape[-1]
         super().__init__(_PagedLayer, len(cache.place))
+
+
+class MixedView:
+    """``cache`` for one forward pass over several batches' tokens at once (continuous batching's
+    prefill chunks and decode step together, ``serve.continuous``): ``parts`` [(view, rows, width, key
+    mask)], each a ``PagedView`` of ``rows`` x ``width`` new tokens and that batch's key mask, their
+    tokens flattened in order into the pass's one row. Every layer but attention works token by token,
+    so the weights are read once for all the parts; each layer's attention splits the tokens back into
+    the parts' [rows, ..., width, d] views and each part attends over its own slots, as alone."""
+
+    def __init__(self, parts):
+        self._parts = parts
+        self._layers = {}
+
+    def layer(self, i: int):
+        if i not in self._layers:
+            self._layers[i] = _MixedLayer(
+                [(view.layer(i), rows, width, mask) for view, rows, width, mask in self._parts]
+            )
+        return self._layers[i]
+
+    def advance(self, steps: int):
+        pass
+
+
+class _MixedLayer(CacheLayer):
+    def __init__(self, parts):
+        self._parts = parts
+
+    def parts(self, q, k, v, out, key_mask):
+        split, start = [], 0
+        for layer, rows, width, mask in self._parts:
+            views = [_tokens(x, start, rows, width) for x in (q, k, v, out)]
+            split.append((layer, mask, *views))
+            start += rows * width
+        return split
+
+
+def _tokens(x, start: int, rows: int, width: int):
+    """Of ``x`` [1, ..., N, d] (one row of N tokens), tokens ``start`` .. ``start + rows x width`` as a view
+    [rows, ..., width, d]: splitting the token axis keeps its stride, so no copy is made and what is
+    written into it lands in ``x``."""
+    part = x[0, ..., start : start + rows * width, :]
+    part = part.reshape(*part.shape[:-2], rows, width, part.shape[-1])
+    return backend.xp_of(x).moveaxis(part, -3, 0)
 
 
 class _PagedLayer(CacheLayer):

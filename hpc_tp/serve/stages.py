@@ -68,7 +68,8 @@ class PipelineStages:
                 self._send(logits, 0, LOGITS)
         if self.comm.rank != 0:
             return None
-        shape = (batch, tokens, self.cfg.vocab_size) if all_positions else (batch, self.cfg.vocab_size)
+        picked = batch if last is None else len(last)  # a mixed pass picks tokens of its one row
+        shape = (batch, tokens, self.cfg.vocab_size) if all_positions else (picked, self.cfg.vocab_size)
         return self._receive(shape, self.pp.size - 1, LOGITS)
 
     def _receive(self, shape, source: int, tag: int):
