@@ -6,9 +6,10 @@ scaled once.
 
 ``vpdpbusd`` sums four neighbouring bytes of a lane, so a lane must hold four inputs of one output
 column; the stored codes [K, N] have a column's inputs N bytes apart. ``interleave`` therefore writes
-the codes once more, at the first few-row product (``QuantizedMatrix.interleaved``), in tiles of
-sixteen columns: in a tile, for each group, its quads of inputs (k = 4q .. 4q + 3) side by side, one
-64-byte vector a quad, the whole of K contiguous, as GGUF's blocks keep a row's inputs together.
+the codes in another layout (``QuantizedMatrix.pack``, at load, which then keeps that copy only: the
+many-row products dequantize blocks of it, ``dequantize``), in tiles of sixteen columns: in a tile,
+for each group, its quads of inputs (k = 4q .. 4q + 3) side by side, one 64-byte vector a quad, the
+whole of K contiguous, as GGUF's blocks keep a row's inputs together.
 It is unsigned times signed: 8-bit weight codes are stored plus 128 (and 128 times the sum of the
 activation codes taken off each group's dot); 4-bit codes are 0..15 already and stay two a byte, the
 low nibbles of a group's 256 bytes its quads 0..3 and the high ones its quads 4..7.

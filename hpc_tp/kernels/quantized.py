@@ -127,7 +127,7 @@ class QuantizedMatrix:
         """Keep the arrays in ``int8_dot``'s layout only, where few-row products take it (host arrays,
         a CPU with VNNI; elsewhere the stored layout stays the only one). True when packed."""
         if self.packed is None and int8_dot.AVAILABLE and isinstance(self.codes, numpy.ndarray):
-            lows = numpy.empty((0, 0, 0), numpy.float32) if self.low is None else int8_dot.interleave_columns(self.low)
+            lows = numpy.empty(0, numpy.float32) if self.low is None else int8_dot.interleave_columns(self.low)
             codes, scales = int8_dot.interleave(self.codes, self.bits), int8_dot.interleave_columns(self.scale)
             self.packed = Packed(codes, scales, lows, self.shape[1])
             self.codes = self.scale = self.low = None
