@@ -182,31 +182,41 @@ class PackedPart:
 
 
 def quantize(w, bits: int) -> QuantizedMatrix:
-    """A float weight [K, N] (numpy; K whole groups) quantized by Q8_0's rule (8 bits) or Q4_1's (4)."""
+    """A float weight [K, N] (numpy; K whole groups) quantized by Q8_0's rule (8 bits) or Q4_1's (4).
+    A transposed weight (the tied head's E.T) is read as it lies, its groups contiguous: the same
+    numbers, without a strided float64 copy of it."""
     k, n = w.shape
-    groups = numpy.asarray(w, numpy.float64).reshape(k // GROUP_ROWS, GROUP_ROWS, n)
+    transposed = w.T.flags.c_contiguous and not w.flags.c_contiguous
+    if transposed:
+        groups, axis = numpy.asarray(w.T, numpy.float64).reshape(n, k // GROUP_ROWS, GROUP_ROWS), 2
+    else:
+        groups, axis = numpy.asarray(w, numpy.float64).reshape(k // GROUP_ROWS, GROUP_ROWS, n), 1
     if bits == 8:
-        scale = (numpy.abs(groups).max(axis=1) / 127).astype(numpy.float32)
+        scale = (numpy.abs(groups).max(axis=axis) / 127).astype(numpy.float32)
         low, top = None, 127
         shifted = groups
     else:
-        low = groups.min(axis=1).astype(numpy.float32)
-        scale = ((groups.max(axis=1) - low) / 15).astype(numpy.float32)
+        low = groups.min(axis=axis).astype(numpy.float32)
+        scale = ((groups.max(axis=axis) - low) / 15).astype(numpy.float32)
         top = 15
-        shifted = groups - low[:, None]
-    safe = numpy.where(scale == 0, 1, scale)[:, None]  # an all-equal group: every code 0 (8 bits) or 0 + min
-    codes = numpy.clip(numpy.rint(shifted / safe), -top if bits == 8 else 0, top).reshape(k, n)
-    return from_codes(codes, scale, low, bits)
+        shifted = groups - numpy.expand_dims(low, axis)
+    safe = numpy.expand_dims(
+        numpy.where(scale == 0, 1, scale), axis
+    )  # an all-equal group: every code 0 (8 bits) or 0 + min
+    codes = numpy.clip(numpy.rint(shifted / safe), -top if bits == 8 else 0, top)
+    if transposed:
+        return from_codes(codes.reshape(n, k).T, scale.T, None if low is None else low.T, bits)
+    return from_codes(codes.reshape(k, n), scale, low, bits)
 
 
 def from_codes(codes, scale, low, bits: int) -> QuantizedMatrix:
     """The stored arrays from codes as integers [K, N] (-127..127, or 0..15 for 4 bits), scales and
     minimums [K/32, N] (None for 8 bits)."""
     if bits == 8:
-        return QuantizedMatrix(codes.astype(numpy.int8), scale.astype(numpy.float32), None, 8)
-    nibbles = codes.astype(numpy.uint8)
+        return QuantizedMatrix(codes.astype(numpy.int8, order="C"), scale.astype(numpy.float32, order="C"), None, 8)
+    nibbles = codes.astype(numpy.uint8, order="C")
     packed = nibbles[0::2] | (nibbles[1::2] << 4)
-    return QuantizedMatrix(packed, scale.astype(numpy.float32), low.astype(numpy.float32), 4)
+    return QuantizedMatrix(packed, scale.astype(numpy.float32, order="C"), low.astype(numpy.float32, order="C"), 4)
 
 
 def warm_up(dtype):

@@ -4,6 +4,7 @@ int8 copy, so a server's first request builds nothing that later ones do not."""
 
 from __future__ import annotations
 
+from .. import backend
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .vocab import VocabParallelLMHead
 
@@ -19,3 +20,4 @@ def pack_quantized(model):
     for module in model.modules():
         if isinstance(module, _QUANTIZED):
             module.pack_quantized()
+    backend.release_free_memory()  # the stored arrays dropped, and the packing's temporaries
