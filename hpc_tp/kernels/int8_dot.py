@@ -339,9 +339,10 @@ def _dequantize(weights, scales, lows, bits, out, first_group, start, stop):
         c_at = (tile * scales.shape[1] + first_group) * LANES
         first, last = max(start, tile * LANES), min(stop, (tile + 1) * LANES)
         if first == tile * LANES and last == first + LANES:
-            _TILE8(weights, w_at, scales, lows, c_at, groups, out, tile * LANES, n) if bits == 8 else _TILE4(
-                weights, w_at, scales, lows, c_at, groups, out, tile * LANES, n
-            )
+            if bits == 8:
+                _TILE8(weights, w_at, scales, lows, c_at, groups, out, tile * LANES, n)
+            else:
+                _TILE4(weights, w_at, scales, lows, c_at, groups, out, tile * LANES, n)
             continue
         if bits == 8:
             _TILE8(weights, w_at, scales, lows, c_at, groups, scratch, 0, LANES)

@@ -200,9 +200,8 @@ def quantize(w, bits: int) -> QuantizedMatrix:
         scale = ((groups.max(axis=axis) - low) / 15).astype(numpy.float32)
         top = 15
         shifted = groups - numpy.expand_dims(low, axis)
-    safe = numpy.expand_dims(
-        numpy.where(scale == 0, 1, scale), axis
-    )  # an all-equal group: every code 0 (8 bits) or 0 + min
+    # an all-equal group: every code 0 (8 bits) or 0 + min
+    safe = numpy.expand_dims(numpy.where(scale == 0, 1, scale), axis)
     codes = numpy.clip(numpy.rint(shifted / safe), -top if bits == 8 else 0, top)
     if transposed:
         return from_codes(codes.reshape(n, k).T, scale.T, None if low is None else low.T, bits)
