@@ -9,6 +9,7 @@ format, a tp that cuts a group, and training."""
 import dataclasses
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from hpc_tp.kernels import int8_dot, quantized, small_m, threads
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache
+from hpc_tp.serve.loading import load_for_inference
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.tensor_parallel.layers import RowParallelLinear
 from hpc_tp.tensor_parallel.packing import pack_quantized
@@ -348,7 +350,7 @@ def test_gguf_weights_kept_quantized_give_the_widened_imports_logits(shared_dir,
 @mpi
 def test_convert_quantizes_an_hpc_tp_checkpoint_that_loads_at_every_tp(shared_dir, comm_world):  # noqa: F811
     """float checkpoint -> convert --quantize int4 -> the model loads at every tp, its logits those of
-    the float weights quantized in process."""
+    the float weights quantized in process; loaded for inference (``load_for_inference``), packed."""
     config, tensors = llama_source(hidden=128, ffn=256)
     path = shared_dir / "m.gguf"
     comm_world.bcast_object(write_gguf(path, config, tensors, quantized=()) if comm_world.rank == 0 else None)
@@ -359,6 +361,15 @@ def test_convert_quantizes_an_hpc_tp_checkpoint_that_loads_at_every_tp(shared_di
     load_checkpoint(shared_dir / "float", float_model.state(), one)
     want = quantized_copy(float_model, self_comm(), "int4", "float64").logits(IDS)
     assert rel_err(tp_logits(shared_dir / "q", comm_world), want) < 1e-10
+    # loaded for inference in float32: packed where the integer kernel runs, the numbers of a model
+    # loaded by hand and packed at its first products
+    args = SimpleNamespace(ckpt=str(shared_dir / "q"), tp=None, pp=1, device="cpu", dtype="float32")
+    _, served, _ = load_for_inference(args)
+    assert (served.layers[0].mlp.fc2._matrix.packed is not None) == HOST_VNNI
+    grid = ProcessGrid(tp=comm_world.size, world=comm_world)
+    by_hand = GPTModel(served.cfg, grid.tp, dtype="float32")
+    load_checkpoint(shared_dir / "q", by_hand.state(), grid)
+    assert np.array_equal(served.logits(IDS), by_hand.logits(IDS))
 
 
 def test_bad_quantize_values_are_one_line(tmp_path, capsys):
