@@ -296,6 +296,13 @@ class Module:
     def parameters(self) -> list[Parameter]:
         return [p for _, p in self.named_parameters()]
 
+    def modules(self) -> Iterator[Module]:
+        """This module and the sub-modules it owns, depth first."""
+        yield self
+        for name, value in vars(self).items():
+            if not name.startswith("_") and isinstance(value, Module):
+                yield from value.modules()
+
     def state(self) -> dict[str, Parameter]:
         return dict(self.named_parameters())
 
@@ -316,6 +323,11 @@ class ModuleList(Module):
     def named_parameters(self, prefix: str = ""):
         for i, m in enumerate(self.items):
             yield from m.named_parameters(f"{prefix}{i}.")
+
+    def modules(self):
+        yield self
+        for m in self.items:
+            yield from m.modules()
 
     def __iter__(self):
         return iter(self.items)

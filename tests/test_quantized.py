@@ -1,12 +1,15 @@
 """Weights kept quantized at inference (``kernels/quantized.py``, ``hpc-tp convert --quantize``): the
 few-row float kernel and the blockwise path against dequantize-then-numpy, the integer kernel
 (``kernels/int8_dot.py``, where the CPU has AVX512-VNNI) against numpy doing its arithmetic; quantized
-models at tp = the world size against one process at the same precision; the int8 head; GGUF Q8_0, Q4_0 and Q4_1 kept as stored against the
-widened import; and the errors of a bad format, a tp that cuts a group, and training."""
+models at tp = the world size against one process at the same precision; the int8 head; weights packed
+at load (one copy, the stored layout's numbers, nothing built at the first forward, a checkpoint saved
+from them); GGUF Q8_0, Q4_0 and Q4_1 kept as stored against the widened import; and the errors of a bad
+format, a tp that cuts a group, and training."""
 
 import dataclasses
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,19 +17,21 @@ from test_convert import IDS, convert_on_rank0, llama_source, rel_err, tp_logits
 from test_generate import CONFIGS, PROMPTS, larger_weights
 from tp_helpers import max_rel_err, tp_and_reference
 
-from hpc_tp.checkpoint import convert, load_checkpoint
+from hpc_tp.checkpoint import convert, load_checkpoint, save_checkpoint
 from hpc_tp.checkpoint.importers import quantize as quantize_source
 from hpc_tp.checkpoint.importers.source import open_source
 from hpc_tp.cli import main
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
-from hpc_tp.kernels import int8_dot, quantized, small_m
+from hpc_tp.kernels import int8_dot, quantized, small_m, threads
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache
+from hpc_tp.serve.loading import load_for_inference
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.tensor_parallel.layers import RowParallelLinear
+from hpc_tp.tensor_parallel.packing import pack_quantized
 from hpc_tp.tokenizer import ByteTokenizer
 
 mpi = pytest.mark.mpi(min_size=1)
@@ -231,6 +236,85 @@ def test_tp_greedy_tokens_equal_one_process(fmt, float_products):
     assert ids_tp == [c.ids for c in out_one[0]]
 
 
+@needs_vnni
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n", [200, 64])
+def test_a_packed_matrix_keeps_one_copy_of_the_stored_numbers(bits, n):
+    """``pack``: the stored arrays dropped; the parts written back out equal them, blocks of rows
+    dequantized from the packed layout (at 1 and 2 threads, float32 and float64) equal the stored
+    layout's bit for bit, and so do the products of many rows (200 columns: a partial tile)."""
+    rng = np.random.default_rng(n + bits)
+    w = quantized.quantize(rng.normal(size=(192, n)), bits)
+    stored = {part: a.copy() for part, a in w.arrays()}
+    blocks = [(0, 192, np.float32), (32, 128, np.float32), (64, 192, np.float64)]
+    want = [w.dequantize(start, stop, dtype) for start, stop, dtype in blocks]
+    many = rng.normal(size=(small_m.MAX_ROWS + 7, 192)).astype(np.float32)
+    product = quantized.matmul(many, w)
+    assert w.pack() and w.codes is None and w.scale is None and w.low is None
+    for part, a in w.arrays():
+        assert a.dtype == stored[part].dtype and np.array_equal(a, stored[part]), part
+    before = threads.COUNT
+    try:
+        for count in (1, 2):
+            threads.use(count)
+            for (start, stop, dtype), block in zip(blocks, want):
+                got = w.dequantize(start, stop, dtype)
+                assert got.dtype == block.dtype and np.array_equal(got, block), (count, start, stop)
+    finally:
+        threads.use(before)
+    assert np.array_equal(quantized.matmul(many, w), product)
+
+
+@mpi
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_loading_packs_once_and_the_first_forward_builds_nothing(fmt, monkeypatch):
+    """``pack_quantized`` (what loading for inference calls): every linear weight and the int8 head
+    packed, their stored arrays dropped, each Parameter's values still the loaded ones; a forward then
+    quantizes and interleaves nothing, and its logits are a model's packed at its first products, at
+    the world's tp; a float64 model keeps its stored layout."""
+    tp, _ = tp_and_reference()
+    model, lazy = _quantized_model(tp, fmt, "float32"), _quantized_model(tp, fmt, "float32")
+    loaded = {name: np.array(p.data) for name, p in model.named_parameters()}
+    pack_quantized(model)
+    packed = [m for m in model.modules() if isinstance(getattr(m, "quantize", None), str)]
+    matrices = [getattr(m, "_weight", None) or getattr(m, "_matrix", None) or m._int8 for m in packed]
+    assert len(matrices) == 4 * CONFIG["n_layers"] + 1  # qkv, out, fc1, fc2 a layer, and the head
+    assert all(w.packed is not None and w.codes is None for w in matrices)
+    for name, p in model.named_parameters():
+        assert isinstance(p.data, quantized.PackedPart) == (name.rsplit(".", 1)[-1] in quantized.PARTS), name
+        assert np.array_equal(np.asarray(p.data), loaded[name]), name
+
+    def rebuilt(*args):
+        raise AssertionError("a forward rebuilt a packed weight")
+
+    monkeypatch.setattr(int8_dot, "interleave", rebuilt)
+    monkeypatch.setattr(quantized, "quantize", rebuilt)
+    got = _logits(model)
+    monkeypatch.undo()
+    for step, (g, w) in enumerate(zip(got, _logits(lazy))):
+        assert np.array_equal(g, w), f"step {step}"
+    float64 = _quantized_model(tp, fmt, "float64")
+    pack_quantized(float64)
+    assert float64.layers[0].mlp.fc2._matrix.packed is None
+
+
+@mpi
+@needs_vnni
+def test_a_packed_model_saves_the_weights_it_loaded(shared_dir, comm_world):  # noqa: F811
+    """A checkpoint saved from a packed int4 model (its Parameters written out of the packed layout)
+    loads into a fresh model with the same arrays, at the world's tp."""
+    grid = ProcessGrid(tp=comm_world.size, world=comm_world)
+    model = _quantized_model(grid.tp, "int4", "float32")
+    want = {name: np.array(p.data) for name, p in model.named_parameters()}
+    pack_quantized(model)
+    path = save_checkpoint(shared_dir, 1, model.state(), {}, grid)
+    fresh = GPTModel(model.cfg, grid.tp, dtype="float32", seed=9)
+    load_checkpoint(path, fresh.state(), grid)
+    for name, p in fresh.named_parameters():
+        assert np.array_equal(p.data, want[name]), name
+
+
 def convert_quantized_on_rank0(source, output, fmt, comm):
     """``hpc-tp convert source -o output --quantize fmt`` in rank 0's process; the other ranks wait."""
     if comm.rank == 0:
@@ -266,7 +350,7 @@ def test_gguf_weights_kept_quantized_give_the_widened_imports_logits(shared_dir,
 @mpi
 def test_convert_quantizes_an_hpc_tp_checkpoint_that_loads_at_every_tp(shared_dir, comm_world):  # noqa: F811
     """float checkpoint -> convert --quantize int4 -> the model loads at every tp, its logits those of
-    the float weights quantized in process."""
+    the float weights quantized in process; loaded for inference (``load_for_inference``), packed."""
     config, tensors = llama_source(hidden=128, ffn=256)
     path = shared_dir / "m.gguf"
     comm_world.bcast_object(write_gguf(path, config, tensors, quantized=()) if comm_world.rank == 0 else None)
@@ -277,6 +361,15 @@ def test_convert_quantizes_an_hpc_tp_checkpoint_that_loads_at_every_tp(shared_di
     load_checkpoint(shared_dir / "float", float_model.state(), one)
     want = quantized_copy(float_model, self_comm(), "int4", "float64").logits(IDS)
     assert rel_err(tp_logits(shared_dir / "q", comm_world), want) < 1e-10
+    # loaded for inference in float32: packed where the integer kernel runs, the numbers of a model
+    # loaded by hand and packed at its first products
+    args = SimpleNamespace(ckpt=str(shared_dir / "q"), tp=None, pp=1, device="cpu", dtype="float32")
+    _, served, _ = load_for_inference(args)
+    assert (served.layers[0].mlp.fc2._matrix.packed is not None) == HOST_VNNI
+    grid = ProcessGrid(tp=comm_world.size, world=comm_world)
+    by_hand = GPTModel(served.cfg, grid.tp, dtype="float32")
+    load_checkpoint(shared_dir / "q", by_hand.state(), grid)
+    assert np.array_equal(served.logits(IDS), by_hand.logits(IDS))
 
 
 def test_bad_quantize_values_are_one_line(tmp_path, capsys):

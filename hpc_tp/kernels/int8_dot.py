@@ -6,9 +6,10 @@ scaled once.
 
 ``vpdpbusd`` sums four neighbouring bytes of a lane, so a lane must hold four inputs of one output
 column; the stored codes [K, N] have a column's inputs N bytes apart. ``interleave`` therefore writes
-the codes once more, at the first few-row product (``QuantizedMatrix.interleaved``), in tiles of
-sixteen columns: in a tile, for each group, its quads of inputs (k = 4q .. 4q + 3) side by side, one
-64-byte vector a quad, the whole of K contiguous, as GGUF's blocks keep a row's inputs together.
+the codes in another layout (``QuantizedMatrix.pack``, at load, which then keeps that copy only: the
+many-row products dequantize blocks of it, ``dequantize``), in tiles of sixteen columns: in a tile,
+for each group, its quads of inputs (k = 4q .. 4q + 3) side by side, one 64-byte vector a quad, the
+whole of K contiguous, as GGUF's blocks keep a row's inputs together.
 It is unsigned times signed: 8-bit weight codes are stored plus 128 (and 128 times the sum of the
 activation codes taken off each group's dot); 4-bit codes are 0..15 already and stay two a byte, the
 low nibbles of a group's 256 bytes its quads 0..3 and the high ones its quads 4..7.
@@ -78,6 +79,38 @@ def interleave_columns(values):
     padded = numpy.zeros((groups, tiles * LANES), numpy.float32)
     padded[:, :n] = values
     return numpy.ascontiguousarray(padded.reshape(groups, tiles, LANES).transpose(1, 0, 2))
+
+
+def deinterleave(interleaved, bits: int, n: int):
+    """``interleave``'s codes back as they were given to it: int8 [K, n], or uint8 [K/2, n] two 4-bit
+    codes a byte (a checkpoint's layout, written from the one copy a model keeps)."""
+    tiles, groups, _ = interleaved.shape
+    quads = interleaved.reshape(tiles, groups, -1, LANES * 4)
+    if bits == 4:
+        quads = numpy.concatenate([quads & 15, quads >> 4], axis=2)
+    # [tile, group, quad, lane, byte of quad] -> [group, quad, byte of quad, tile, lane]
+    wide = quads.reshape(tiles, groups, QUADS, LANES, 4).transpose(1, 2, 4, 0, 3)
+    wide = wide.reshape(groups * QUANT_ROWS, tiles * LANES)[:, :n]
+    if bits == 8:
+        return numpy.ascontiguousarray(wide ^ numpy.uint8(OFFSET)).view(numpy.int8)
+    return wide[0::2] | (wide[1::2] << 4)
+
+
+def deinterleave_columns(values, n: int):
+    """``interleave_columns``' values back as [K / QUANT_ROWS, n]."""
+    tiles, groups, _ = values.shape
+    return numpy.ascontiguousarray(values.transpose(1, 0, 2).reshape(groups, tiles * LANES)[:, :n])
+
+
+def dequantize(interleaved, scales, lows, bits: int, n: int, first_group: int, stop_group: int):
+    """Weight rows of groups [first_group, stop_group) as float32 [rows, n] from the interleaved
+    operands, each w = code * scale (+ min) rounded as ``QuantizedMatrix.dequantize`` rounds it (the
+    product, then the sum): the many-row products multiply these blocks by BLAS, with no other copy
+    of the codes kept."""
+    out = numpy.empty(((stop_group - first_group) * QUANT_ROWS, n), numpy.float32)
+    args = (interleaved, scales, lows, bits, out, first_group)
+    threads.run(_dequantize, _dequantize_over, args, threads.columns(n, LANES))
+    return out
 
 
 def matmul(a, interleaved, scales, lows, bits: int, n: int, start: int = 0, stop: int | None = None, out=None):
@@ -185,6 +218,64 @@ def _tile_rows(bits: int, rows: int):
     return tile_rows
 
 
+def _tile_dequantize(bits: int):
+    """An intrinsic ``tile(weights, w_at, scales, lows, c_at, groups, out, o_at, stride)``: ``groups``
+    groups of one tile (codes from ``w_at``, scales and minimums from ``c_at``, as in ``_tile_rows``)
+    as float32 rows of 16 values into ``out`` from ``o_at``, ``stride`` elements a row. Each byte
+    position of a quad's vector is shuffled out for the 16 lanes, widened and scaled: a row of the tile
+    a few vector instructions."""
+
+    @intrinsic
+    def tile(typingctx, weights, w_at, scales, lows, c_at, groups, out, o_at, stride):
+        def codegen(context, builder, signature, args):
+            i32, f32 = ir.IntType(32), ir.FloatType()
+            i8x64 = ir.VectorType(ir.IntType(8), 64)
+            i32x16, f32x16 = ir.VectorType(i32, LANES), ir.VectorType(f32, LANES)
+            w_at, c_at, groups, o_at, stride = args[1], args[4], args[5], args[7], args[8]
+            # vmulps with its rounding given (to nearest, as the default): LLVM does not fuse it with the
+            # add into a multiply-add, which would round once where numpy rounds twice
+            multiply = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(f32x16, [f32x16, f32x16, i32]), "llvm.x86.avx512.mul.ps.512"
+            )
+            nearest = i32(8)  # _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC
+
+            def element(i, index, as_type):  # pointer to element ``index`` of array argument i
+                pointer = builder.gep(context.make_array(signature.args[i])(context, builder, args[i]).data, [index])
+                return builder.bitcast(pointer, as_type.as_pointer())
+
+            with cgutils.for_range(builder, groups) as loop:
+                g = loop.index
+                first_byte = builder.add(w_at, builder.mul(g, g.type(group_bytes(bits))))
+                column_group = builder.add(c_at, builder.mul(g, g.type(LANES)))
+                scale = builder.load(element(2, column_group, f32x16), align=4)
+                low = builder.load(element(3, column_group, f32x16), align=4) if bits == 4 else None
+                for v in range(group_bytes(bits) // 64):
+                    vector = builder.load(element(0, builder.add(first_byte, g.type(64 * v)), i8x64), align=1)
+                    if bits == 8:  # stored plus OFFSET: the XOR gives the code's two's complement
+                        quads = [(builder.xor(vector, ir.Constant(i8x64, [OFFSET] * 64)), v)]
+                    else:
+                        nibble = ir.Constant(i8x64, [15] * 64)
+                        high = builder.lshr(vector, ir.Constant(i8x64, [4] * 64))
+                        quads = [(builder.and_(vector, nibble), v), (builder.and_(high, nibble), v + QUADS // 2)]
+                    for codes, q in quads:
+                        for byte in range(4):
+                            mask = ir.Constant(i32x16, [4 * lane + byte for lane in range(LANES)])
+                            picked = builder.shuffle_vector(codes, codes, mask)
+                            wide = builder.sext(picked, i32x16) if bits == 8 else builder.zext(picked, i32x16)
+                            values = builder.call(multiply, [builder.sitofp(wide, f32x16), scale, nearest])
+                            if bits == 4:
+                                values = builder.fadd(values, low)
+                            row = builder.add(builder.mul(g, g.type(QUANT_ROWS)), g.type(4 * q + byte))
+                            at = builder.add(o_at, builder.mul(row, stride))
+                            builder.store(values, element(6, at, f32x16), align=4)
+            return context.get_dummy_value()
+
+        return types.void(weights, w_at, scales, lows, c_at, groups, out, o_at, stride), codegen
+
+    return tile
+
+
+_TILE8, _TILE4 = _tile_dequantize(8), _tile_dequantize(4)
 TILE_ROWS = 4  # rows a code vector serves while it is in a register
 _ONE8, _FOUR8, _ONE4, _FOUR4 = (_tile_rows(bits, rows) for bits in (8, 4) for rows in (1, TILE_ROWS))
 
@@ -235,6 +326,38 @@ def _product(a, weights, scales, lows, bits, out, start, stop):
             for i in range(count):
                 out[r + i, first:last] = tile_out[i * LANES + first - tile * LANES : i * LANES + last - tile * LANES]
             r += count
+
+
+@_jit
+def _dequantize(weights, scales, lows, bits, out, first_group, start, stop):
+    """out[:, start:stop] = ``dequantize``'s rows: whole tiles written in place, a last partial one
+    through a tile's scratch rows."""
+    groups, n = out.shape[0] // QUANT_ROWS, out.shape[1]
+    scratch = numpy.empty(QUANT_ROWS * groups * LANES, numpy.float32)
+    for tile in range(start // LANES, -(-stop // LANES)):
+        w_at = (tile * weights.shape[1] + first_group) * weights.shape[2]
+        c_at = (tile * scales.shape[1] + first_group) * LANES
+        first, last = max(start, tile * LANES), min(stop, (tile + 1) * LANES)
+        if first == tile * LANES and last == first + LANES:
+            if bits == 8:
+                _TILE8(weights, w_at, scales, lows, c_at, groups, out, tile * LANES, n)
+            else:
+                _TILE4(weights, w_at, scales, lows, c_at, groups, out, tile * LANES, n)
+            continue
+        if bits == 8:
+            _TILE8(weights, w_at, scales, lows, c_at, groups, scratch, 0, LANES)
+        else:
+            _TILE4(weights, w_at, scales, lows, c_at, groups, scratch, 0, LANES)
+        for row in range(out.shape[0]):
+            for column in range(first, last):
+                out[row, column] = scratch[row * LANES + column - tile * LANES]
+
+
+@threads.parallel_jit
+def _dequantize_over(weights, scales, lows, bits, out, first_group, bounds):
+    """``_dequantize`` over ``kernels.threads``' ranges of columns, one a thread."""
+    for part in threads.prange(bounds.shape[0] - 1):
+        _dequantize(weights, scales, lows, bits, out, first_group, bounds[part], bounds[part + 1])
 
 
 @threads.parallel_jit

@@ -19,11 +19,14 @@ second rounding. Any other weight is quantized here by those formats' rules: 8 b
 
 Products: a few rows (decoding) of float32 (or half) activations, where the CPU has AVX512-VNNI,
 through ``int8_dot``: the activations quantized to int8 per group and dotted with the codes in integer
-arithmetic, from a copy of the codes interleaved for it (written at the first such product, as many
-bytes again as the codes); float64 activations, or a CPU without VNNI, through
-``small_m.quantized_matmul``, which widens the codes in registers and reads every code once for all
-rows; many rows (prefill), or without numba, or on a GPU: blocks of weight rows dequantized
-elementwise (numpy or cupy) and multiplied by BLAS or cuBLAS.
+arithmetic, from the codes, scales and minimums in the layout ``int8_dot.interleave`` writes
+(``QuantizedMatrix.pack``: at load for a model that serves, ``tensor_parallel.packing``). A packed
+matrix keeps that layout only: its many-row products (prefill) dequantize blocks of rows from it
+(``int8_dot.dequantize``) and its stored layout is written back out only when read (``part``: a
+checkpoint save). Float64 activations, or a CPU without VNNI, through ``small_m.quantized_matmul``
+from the stored layout, which widens the codes in registers and reads every code once for all rows;
+many rows (prefill), or without numba, or on a GPU: blocks of weight rows dequantized elementwise
+(numpy or cupy) and multiplied by BLAS or cuBLAS.
 """
 
 from __future__ import annotations
@@ -66,17 +69,27 @@ def check_rows(k: int, parts: int, what: str, bits: int):
         )
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A matrix's arrays in ``int8_dot``'s layout: codes [tiles, groups, bytes], scales and minimums
+    [tiles, groups, lanes] (minimums empty for 8 bits), of ``n`` columns."""
+
+    codes: numpy.ndarray
+    scales: numpy.ndarray
+    lows: numpy.ndarray
+    n: int
+
+
 @dataclass
 class QuantizedMatrix:
-    """A weight [K, N] as its quantized arrays (numpy or cupy); ``low`` is None for 8 bits.
-    ``interleaved``: ``int8_dot``'s copy of them, made at the first product that takes that path (the
-    weights of a model kept quantized are loaded once, before it serves)."""
+    """A weight [K, N] as its quantized arrays (numpy or cupy); ``low`` is None for 8 bits. Once
+    ``packed`` (``pack``), ``codes``, ``scale`` and ``low`` are None: the packed arrays are the one copy."""
 
     codes: object
     scale: object
     low: object
     bits: int
-    interleaved: tuple | None = field(default=None, repr=False, compare=False)
+    packed: Packed | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def zeros(cls, k: int, n: int, bits: int, xp):
@@ -87,20 +100,52 @@ class QuantizedMatrix:
 
     @property
     def shape(self) -> tuple:
+        if self.packed is not None:
+            return self.packed.codes.shape[1] * GROUP_ROWS, self.packed.n
         return self.scale.shape[0] * GROUP_ROWS, self.scale.shape[1]
 
     def arrays(self) -> list:
-        """(part name, array) for each stored part."""
-        return [(part, a) for part, a in zip(PARTS, (self.codes, self.scale, self.low)) if a is not None]
+        """(part name, array) for each part, in the stored layout (written out of a packed matrix)."""
+        return [(part, self.part(part)) for part in PARTS if part != "min" or self.bits == 4]
+
+    def part(self, name: str):
+        """The stored layout's ``name`` ("codes", "scale" or "min"): the array, or for a packed matrix a
+        new one written from the packed arrays."""
+        if self.packed is None:
+            return dict(zip(PARTS, (self.codes, self.scale, self.low)))[name]
+        p = self.packed
+        if name == "codes":
+            return int8_dot.deinterleave(p.codes, self.bits, p.n)
+        return int8_dot.deinterleave_columns(p.scales if name == "scale" else p.lows, p.n)
 
     def columns(self, cols: slice) -> QuantizedMatrix:
-        """Views of columns ``cols`` (a fused weight's segment)."""
+        """Views of columns ``cols`` (a fused weight's segment), of a matrix not packed."""
         low = None if self.low is None else self.low[:, cols]
         return QuantizedMatrix(self.codes[:, cols], self.scale[:, cols], low, self.bits)
+
+    def pack(self) -> bool:
+        """Keep the arrays in ``int8_dot``'s layout only, where few-row products take it (host arrays,
+        a CPU with VNNI; elsewhere the stored layout stays the only one). True when packed."""
+        if self.packed is None and int8_dot.AVAILABLE and isinstance(self.codes, numpy.ndarray):
+            lows = numpy.empty(0, numpy.float32) if self.low is None else int8_dot.interleave_columns(self.low)
+            codes, scales = int8_dot.interleave(self.codes, self.bits), int8_dot.interleave_columns(self.scale)
+            self.packed = Packed(codes, scales, lows, self.shape[1])
+            self.codes = self.scale = self.low = None
+        return self.packed is not None
 
     def dequantize(self, start: int = 0, stop: int | None = None, dtype=numpy.float32):
         """Weight rows [start, stop) (whole groups) as ``dtype``."""
         stop = self.shape[0] if stop is None else stop
+        if self.packed is not None:
+            p, first, last = self.packed, start // GROUP_ROWS, stop // GROUP_ROWS
+            if numpy.dtype(dtype) == numpy.float32:
+                return int8_dot.dequantize(p.codes, p.scales, p.lows, self.bits, p.n, first, last)
+            # other precisions (float64 activations, which packed weights rarely see): the stored layout
+            # of these groups written out, then dequantized as it is
+            low = None if self.bits == 8 else int8_dot.deinterleave_columns(p.lows[:, first:last], p.n)
+            codes = int8_dot.deinterleave(p.codes[:, first:last], self.bits, p.n)
+            block = QuantizedMatrix(codes, int8_dot.deinterleave_columns(p.scales[:, first:last], p.n), low, self.bits)
+            return block.dequantize(dtype=dtype)
         xp, n = xp_of(self.codes), self.shape[1]
         if self.bits == 8:
             values = self.codes[start:stop].astype(dtype)
@@ -115,48 +160,73 @@ class QuantizedMatrix:
         return values
 
 
+class PackedPart:
+    """Part ``name`` of columns ``cols`` of a packed matrix as a Parameter's data: its shape and dtype,
+    and its values in the stored layout written out when read (``data[index]``, as a checkpoint save
+    reads a Parameter), with no copy held."""
+
+    def __init__(self, matrix: QuantizedMatrix, name: str, cols: slice):
+        k, n = matrix.shape
+        self.matrix, self.name, self.cols = matrix, name, cols
+        self.shape = (part_rows(name, k, matrix.bits), len(range(n)[cols]))
+        codes = numpy.int8 if matrix.bits == 8 else numpy.uint8
+        self.dtype = numpy.dtype(codes if name == "codes" else numpy.float32)
+        self.ndim, self.nbytes = 2, self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.matrix.part(self.name)[:, self.cols]
+        return values if dtype is None else values.astype(dtype)
+
+    def __getitem__(self, index):
+        return numpy.asarray(self)[index]
+
+
 def quantize(w, bits: int) -> QuantizedMatrix:
-    """A float weight [K, N] (numpy; K whole groups) quantized by Q8_0's rule (8 bits) or Q4_1's (4)."""
+    """A float weight [K, N] (numpy; K whole groups) quantized by Q8_0's rule (8 bits) or Q4_1's (4).
+    A transposed weight (the tied head's E.T) is read as it lies, its groups contiguous: the same
+    numbers, without a strided float64 copy of it."""
     k, n = w.shape
-    groups = numpy.asarray(w, numpy.float64).reshape(k // GROUP_ROWS, GROUP_ROWS, n)
+    transposed = w.T.flags.c_contiguous and not w.flags.c_contiguous
+    if transposed:
+        groups, axis = numpy.asarray(w.T, numpy.float64).reshape(n, k // GROUP_ROWS, GROUP_ROWS), 2
+    else:
+        groups, axis = numpy.asarray(w, numpy.float64).reshape(k // GROUP_ROWS, GROUP_ROWS, n), 1
     if bits == 8:
-        scale = (numpy.abs(groups).max(axis=1) / 127).astype(numpy.float32)
+        scale = (numpy.abs(groups).max(axis=axis) / 127).astype(numpy.float32)
         low, top = None, 127
         shifted = groups
     else:
-        low = groups.min(axis=1).astype(numpy.float32)
-        scale = ((groups.max(axis=1) - low) / 15).astype(numpy.float32)
+        low = groups.min(axis=axis).astype(numpy.float32)
+        scale = ((groups.max(axis=axis) - low) / 15).astype(numpy.float32)
         top = 15
-        shifted = groups - low[:, None]
-    safe = numpy.where(scale == 0, 1, scale)[:, None]  # an all-equal group: every code 0 (8 bits) or 0 + min
-    codes = numpy.clip(numpy.rint(shifted / safe), -top if bits == 8 else 0, top).reshape(k, n)
-    return from_codes(codes, scale, low, bits)
+        shifted = groups - numpy.expand_dims(low, axis)
+    # an all-equal group: every code 0 (8 bits) or 0 + min
+    safe = numpy.expand_dims(numpy.where(scale == 0, 1, scale), axis)
+    codes = numpy.clip(numpy.rint(shifted / safe), -top if bits == 8 else 0, top)
+    if transposed:
+        return from_codes(codes.reshape(n, k).T, scale.T, None if low is None else low.T, bits)
+    return from_codes(codes.reshape(k, n), scale, low, bits)
 
 
 def from_codes(codes, scale, low, bits: int) -> QuantizedMatrix:
     """The stored arrays from codes as integers [K, N] (-127..127, or 0..15 for 4 bits), scales and
     minimums [K/32, N] (None for 8 bits)."""
     if bits == 8:
-        return QuantizedMatrix(codes.astype(numpy.int8), scale.astype(numpy.float32), None, 8)
-    nibbles = codes.astype(numpy.uint8)
+        return QuantizedMatrix(codes.astype(numpy.int8, order="C"), scale.astype(numpy.float32, order="C"), None, 8)
+    nibbles = codes.astype(numpy.uint8, order="C")
     packed = nibbles[0::2] | (nibbles[1::2] << 4)
-    return QuantizedMatrix(packed, scale.astype(numpy.float32), low.astype(numpy.float32), 4)
-
-
-def _interleaved(w: QuantizedMatrix) -> tuple:
-    if w.interleaved is None:
-        lows = numpy.empty(0, numpy.float32) if w.low is None else int8_dot.interleave_columns(w.low)
-        w.interleaved = int8_dot.interleave(w.codes, w.bits), int8_dot.interleave_columns(w.scale), lows
-    return w.interleaved
+    return QuantizedMatrix(packed, scale.astype(numpy.float32, order="C"), low.astype(numpy.float32, order="C"), 4)
 
 
 def warm_up(dtype):
-    """Compile (or load from numba's cache) the few-row kernels a decode step of ``dtype`` activations
-    takes against 8- and 4-bit weights (``int8_dot``'s where the CPU has VNNI, else ``small_m``'s),
-    before a server's first request would wait for them."""
-    a = numpy.ones((small_m.MIN_FULL_ROWS, 2 * GROUP_ROWS), dtype)
+    """Compile (or load from numba's cache) the kernels a decode step and a prefill of ``dtype``
+    activations take against 8- and 4-bit weights (``int8_dot``'s where the CPU has VNNI, else
+    ``small_m``'s and numpy's), before a server's first request would wait for them."""
+    few, many = (numpy.ones((rows, 2 * GROUP_ROWS), dtype) for rows in (small_m.MIN_FULL_ROWS, small_m.MAX_ROWS + 1))
     for bits in FORMATS.values():
-        matmul(a, quantize(numpy.ones((2 * GROUP_ROWS, 4 * small_m.COLUMN_ALIGN)), bits))
+        w = quantize(numpy.ones((2 * GROUP_ROWS, 4 * small_m.COLUMN_ALIGN)), bits)
+        matmul(few, w)  # packs w where the integer kernel takes it, as a served model's weights are
+        matmul(many, w)
 
 
 def matmul(a, w: QuantizedMatrix):
@@ -164,11 +234,13 @@ def matmul(a, w: QuantizedMatrix):
     where ``int8_dot.AVAILABLE``)."""
     dtype = numpy.dtype(numpy.float64 if a.dtype == numpy.float64 else numpy.float32)
     if small_m.takes_quantized(a):
-        if dtype == numpy.float32 and int8_dot.AVAILABLE:
-            rows = numpy.ascontiguousarray(a, numpy.float32)
-            return int8_dot.matmul(rows, *_interleaved(w), w.bits, w.shape[1])
-        low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
-        return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
+        # a matrix that was not packed at load (a model built in process) is packed at its first such product
+        if dtype == numpy.float32 and w.pack():
+            p = w.packed
+            return int8_dot.matmul(numpy.ascontiguousarray(a, numpy.float32), p.codes, p.scales, p.lows, w.bits, p.n)
+        if w.packed is None:
+            low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
+            return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
     (k, n), xp = w.shape, xp_of(a)
     step = max(1, _BLOCK_BYTES // (dtype.itemsize * n * GROUP_ROWS)) * GROUP_ROWS
     out = xp.zeros((a.shape[0], n), dtype)

@@ -79,6 +79,12 @@ class QuantizedWeight(Module):
             no_grad = backend.xp.zeros(0, array.dtype)
             setattr(self, part, Parameter(array, replace(partition, full_shape=shape), grad=no_grad))
 
+    def read_from_packed(self, matrix: quantized.QuantizedMatrix, cols: slice):
+        """Each Parameter's data read from columns ``cols`` of ``matrix``, packed: the stored arrays
+        it viewed are dropped with the matrix's."""
+        for name, p in self.named_parameters():
+            p.data = quantized.PackedPart(matrix, name, cols)
+
 
 def _no_backward(quantize):
     if quantize is not None:
@@ -143,6 +149,7 @@ class ColumnParallelLinear(Module):
         # K/V weights reach every replica's query heads through an f over the replica group: their
         # gradient is that f's backward.
         self._replica_regions: list[tuple[CopyToTensorParallel, slice]] = []
+        self._quantized_parts: list[tuple[QuantizedWeight, slice]] = []  # each segment's, with its columns
         start = 0
         for seg, width in zip(segments, widths):
             cols = slice(start, start + width)
@@ -157,6 +164,7 @@ class ColumnParallelLinear(Module):
                 self.params.append((prefix + "weight", weight))
             else:
                 parts = QuantizedWeight(self._weight.columns(cols), partition)
+                self._quantized_parts.append((parts, cols))
                 self.params.extend(parts.named_parameters(prefix + "weight."))
             if bias:
                 self.params.append(
@@ -174,6 +182,12 @@ class ColumnParallelLinear(Module):
     def named_parameters(self, prefix: str = ""):
         for name, p in self.params:
             yield prefix + name, p
+
+    def pack_quantized(self):
+        """The fused weight in the layout its products read, kept once (``QuantizedMatrix.pack``)."""
+        if self.quantize is not None and self._weight.pack():
+            for parts, cols in self._quantized_parts:
+                parts.read_from_packed(self._weight, cols)
 
     def forward(self, x):
         y = product(self.f.forward(x), self._weight)
@@ -255,6 +269,11 @@ class RowParallelLinear(Module):
             if bias
             else None
         )
+
+    def pack_quantized(self):
+        """The weight in the layout its products read, kept once (``QuantizedMatrix.pack``)."""
+        if self.quantize is not None and self._matrix.pack():
+            self.weight.read_from_packed(self._matrix, slice(None))
 
     def forward(self, x):
         x = self.input_region.forward(x)

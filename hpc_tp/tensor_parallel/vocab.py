@@ -73,8 +73,8 @@ class VocabParallelLMHead(Module):
     ``quantize`` (a model whose linear layers are kept quantized, inference only): a float32 or half
     head on the CPU multiplies an int8 copy of W (``kernels.quantized``, Q8_0's groups of 32 along
     hidden), as llama.cpp keeps its output layer 8-bit: a quarter of a float32 head's bytes a decode
-    step. The copy is made at the first forward, after the weights are loaded. A float64 model keeps
-    the float head: its numbers are the quantized layers' exactly.
+    step. The copy is made after the weights are loaded (``pack_quantized``, at load; else at the first
+    forward). A float64 model keeps the float head: its numbers are the quantized layers' exactly.
     """
 
     def __init__(self, weight: Parameter, comm: Communicator, owns_weight: bool, quantize: str | None = None):
@@ -93,6 +93,12 @@ class VocabParallelLMHead(Module):
         if self._int8 is None:
             self._int8 = quantized.quantize(data.T, 8)
         return self._int8
+
+    def pack_quantized(self):
+        """The int8 copy made now, in the layout its products read (``QuantizedMatrix.pack``)."""
+        weight = self._product_weight()
+        if isinstance(weight, quantized.QuantizedMatrix):
+            weight.pack()
 
     def forward(self, h):
         return product(self.f.forward(h), self._product_weight()), h
