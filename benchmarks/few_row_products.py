@@ -88,7 +88,7 @@ def decode_step_times(counts, rounds: int, repeats: int):
 def main():
     import ml_dtypes
 
-    from hpc_tp.kernels import bf16_dot, blas, small_m, threads
+    from hpc_tp.kernels import bf16_dot, blas, f32_dot, small_m, threads
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,32", help="values of M (default %(default)s)")
@@ -124,6 +124,10 @@ def main():
             ways = {
                 "blas f32": (lambda w: blas._mkl_gemm(a, w, out, 0.0) or numpy.matmul(a, w, out=out), full),
                 "small_m f32": (lambda w: small_m.matmul(a, w, out), full),
+            }
+            if f32_dot.AVAILABLE:
+                ways["f32_dot"] = (lambda w: f32_dot.matmul(a, w, out), full)
+            ways |= {
                 "small_m bf16": (lambda w: small_m.matmul(a_half, w, out), half),
             }
             if bf16_dot.AVAILABLE:

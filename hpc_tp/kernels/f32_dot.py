@@ -1,0 +1,374 @@
+"""float32 products of a few rows against a weight at the rate the weight streams from memory:
+``out = a @ w`` for float32 ``a`` [M <= MAX_ROWS, K] and a float32 weight, with AVX-512 FMAs on
+sums held in registers.
+
+A decode step multiplies a few rows by every weight, so its time is the weight's bytes over the
+memory's rate, if the arithmetic keeps up. ``kernels.small_m``'s numba loops keep their sums in an L1
+array, loaded and stored around every four multiply-adds: they ran [8, 576] @ [576, 3072] at about
+10 GB/s, half the streaming rate. Here the sums of a whole tile stay in vector registers over a chunk
+of K and reach ``out`` once, and the weight lines a few tiles ahead are prefetched:
+
+* ``w`` row-major [K, N] (the linear layers): a tile of 8 rows x 32 columns (16 vectors of sums; 6 x
+  64, 4 x 64, 2 x 128 or 1 x 64 for other row counts) takes one weight row's strip per step, each
+  ``a[r, p]`` broadcast to every lane, so each weight element is loaded once for all of the tile's
+  rows. Over K_CHUNK steps the chunk of a COLUMN_BLOCK of columns stays in L2 for the next row tile.
+* ``w`` the transposed view of a row-major [N, K] (the tied LM head ``h @ E.T``): each lane sums one
+  row of ``a`` against one row of ``E`` along K, 4 x 4 (rows x vocabulary rows) vectors a tile,
+  reduced to 16 sums by a tree of shuffles at the end (``vector_ir.transposed_tile``).
+
+Sums are exact FMAs in a fixed order (a column's along K in chunks, whatever the tile or the thread):
+the result matches numpy's product to float32 rounding, and is the same bits at any thread count.
+``AVAILABLE`` is True where numba runs and the host CPU has AVX-512 (``avx512f``), unless
+``HPC_TP_F32_DOT=0``; elsewhere ``kernels.blas`` keeps ``small_m`` and BLAS. Float64 stays there too.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from . import cpu_kernels, small_m, threads, vector_ir
+
+AVAILABLE = vector_ir.host_has("avx512f", "HPC_TP_F32_DOT")
+# Rows it takes: the ones where it was faster than MKL on the 135M model's shapes (docs/performance.md).
+MIN_ROWS, MAX_ROWS = 1, 64
+COLUMN_ALIGN = 64  # a thread's range of columns starts at a multiple of the widest tile
+# Weight rows a tile sums in registers before it is added to ``out``: the row-major kernel sweeps
+# these rows across its columns, then the next ones (8 rows by [576, 3072] from memory: 16 rows
+# 0.39-0.46 ms, 32 0.34-0.37, 64 0.53-0.54 on a loaded machine).
+K_CHUNK = 32
+_LANES = vector_ir.LANES  # float32 lanes of a vector
+HEAD_TILE = 4  # input rows and vocabulary rows of the transposed kernel's tile
+# The head's kernel asks (into L2) for the rows of the tile this many tiles further while it sums its
+# own: 8 rows by [576, 49152] from memory took 8.7-9.6 ms at 1 and 4 tiles, 5.7-6.3 at 16.
+HEAD_PREFETCH_TILES = 16
+_FLOAT32 = numpy.dtype(numpy.float32)
+
+
+def takes(a, w, out=None) -> bool:
+    """True when ``matmul`` computes ``a @ w`` (into ``out``) here: AVX-512 on this CPU, both operands
+    2-D numpy float32, MIN_ROWS..MAX_ROWS rows, a weight of ``small_m.MIN_WEIGHT`` elements or more
+    (smaller ones stay in cache, where BLAS is as fast) stored row-major or as the transposed view of a
+    row-major array, ``out`` None or float32 [M, N] C-contiguous apart from both."""
+    return (
+        AVAILABLE
+        and isinstance(a, numpy.ndarray)
+        and isinstance(w, numpy.ndarray)
+        and a.dtype == _FLOAT32
+        and w.dtype == _FLOAT32
+        and a.ndim == 2
+        and w.ndim == 2
+        and MIN_ROWS <= a.shape[0] <= MAX_ROWS
+        and a.shape[1] == w.shape[0]
+        and w.size >= small_m.MIN_WEIGHT
+        and small_m.layout(w) is not None
+        and (
+            out is None
+            or (
+                isinstance(out, numpy.ndarray)
+                and out.dtype == _FLOAT32
+                and out.flags.c_contiguous
+                and out.flags.writeable
+                and out.shape == (a.shape[0], w.shape[1])
+                and not numpy.may_share_memory(out, a)
+                and not numpy.may_share_memory(out, w)
+            )
+        )
+    )
+
+
+def warm_up(dtype):
+    """Compile (or load from numba's cache) both kernels at the rank's thread count, for a float32
+    model on an AVX-512 CPU, before a server's first request would wait for them."""
+    if not AVAILABLE or numpy.dtype(dtype) != _FLOAT32:
+        return
+    a, w = (
+        numpy.ones((8, 2 * COLUMN_ALIGN), numpy.float32),
+        numpy.ones((2 * COLUMN_ALIGN, 4 * COLUMN_ALIGN), numpy.float32),
+    )
+    matmul(a, w)
+    matmul(a, numpy.ascontiguousarray(w.T).T)
+
+
+def matmul(a, w, out=None, accumulate: bool = False, start: int = 0, stop: int | None = None):
+    """``out[:, start:stop] = a @ w[:, start:stop]`` (``+=`` with ``accumulate``) for operands ``takes``
+    accepts; ``out`` allocated when None; its other columns are left as they are."""
+    m, n = a.shape[0], w.shape[1]
+    stop = n if stop is None else stop
+    if out is None:
+        out = numpy.empty((m, n), numpy.float32)
+    a = numpy.ascontiguousarray(a)
+    bounds = start + threads.columns(stop - start, COLUMN_ALIGN)
+    if w.flags.c_contiguous:
+        threads.run(_rows_by_matrix, _rows_by_matrix_over, (a, w, out, accumulate), bounds)
+    else:
+        threads.run(_rows_by_transposed, _rows_by_transposed_over, (a, w.T, out, accumulate), bounds)
+    return out
+
+
+if AVAILABLE:
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    from .vector_ir import FLOATS, I64, LANES
+
+    def _fma(builder, acc, x, y):
+        """acc + x * y, lane by lane, rounded once."""
+        fma = vector_ir.declare(builder, "llvm.fma.v16f32", FLOATS, [FLOATS, FLOATS, FLOATS])
+        return builder.call(fma, [x, y, acc])
+
+    @intrinsic(prefer_literal=True)
+    def _matrix_tile(
+        typingctx,
+        a,
+        a_at,
+        a_pitch,
+        rows,
+        w,
+        w_at,
+        w_pitch,
+        steps,
+        out,
+        out_at,
+        out_pitch,
+        cols,
+        vectors,
+        region,
+        ahead,
+        span,
+    ):
+        """out[r, j] += sum over p < ``steps`` of a[r, p] w[p, j] for r < ``rows`` and j < ``cols`` (at
+        most ``vectors`` x 16; both literals, ``rows`` x ``vectors`` <= 24): ``a`` from element ``a_at``
+        with ``a_pitch`` elements a row, ``w`` from ``w_at`` (``w_pitch``), ``out`` from ``out_at``
+        (``out_pitch``)."""
+        count, vector_count = vector_ir.literal(rows), vector_ir.literal(vectors)
+        if count is None or vector_count is None:
+            return None
+        sig = types.void(
+            a, a_at, a_pitch, rows, w, w_at, w_pitch, steps, out, out_at, out_pitch, cols, vectors, region, ahead, span
+        )
+
+        def codegen(context, builder, signature, args):
+            (
+                a_arr,
+                a_at_,
+                a_pitch_,
+                _,
+                w_arr,
+                w_at_,
+                w_pitch_,
+                steps_,
+                out_arr,
+                out_at_,
+                out_pitch_,
+                cols_,
+                _,
+                region_,
+                ahead_,
+                span_,
+            ) = args
+            kinds = signature.args
+            a_data = builder.gep(vector_ir.data(context, builder, kinds[0], a_arr), [a_at_])
+            w_base = vector_ir.data(context, builder, kinds[4], w_arr)
+            w_data = builder.gep(w_base, [w_at_])
+            out_data = builder.gep(vector_ir.data(context, builder, kinds[8], out_arr), [out_at_])
+            masks = [vector_ir.mask(builder, builder.sub(cols_, I64(LANES * v)), LANES) for v in range(vector_count)]
+
+            def step(index, sums):
+                row = builder.gep(w_data, [builder.mul(index, w_pitch_)])
+                weights = []
+                for v, lanes in enumerate(masks):
+                    weights.append(vector_ir.load(builder, builder.gep(row, [I64(LANES * v)]), lanes, FLOATS))
+                # the walk's lines for this step: element ``walk`` of the region read span elements a row
+                walk = builder.add(ahead_, builder.mul(index, I64(LANES * vector_count)))
+                walk_row = builder.udiv(walk, span_)
+                walk_at = builder.add(builder.mul(walk_row, w_pitch_), builder.sub(walk, builder.mul(walk_row, span_)))
+                for v in range(vector_count):
+                    vector_ir.prefetch(
+                        builder, builder.gep(w_base, [builder.add(region_, builder.add(walk_at, I64(LANES * v)))])
+                    )
+                updated = []
+                for r in range(count):
+                    value = builder.load(builder.gep(a_data, [builder.add(builder.mul(I64(r), a_pitch_), index)]))
+                    x = vector_ir.splat(builder, value, LANES)
+                    updated += [_fma(builder, sums[r * vector_count + v], x, weights[v]) for v in range(vector_count)]
+                return updated
+
+            sums = vector_ir.loop(builder, steps_, [FLOATS(None)] * (count * vector_count), step)
+            vector_ir.add_tile(builder, out_data, out_pitch_, sums, count, cols_)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    _transposed_tile = vector_ir.transposed_tile(FLOATS, _fma, HEAD_PREFETCH_TILES, 2)
+
+
+if AVAILABLE:
+    _jit = cpu_kernels.numba.njit(cache=True, nogil=True)
+else:  # never called: ``takes`` answers False without AVX-512
+
+    def _jit(function):
+        return function
+
+
+@_jit
+def _tile_rows(left):
+    """Rows of the next tile when ``left`` rows remain: 8 x 32 columns for a decode batch of 8 (one
+    pass over the weight), 6 x 64 (24 vectors of sums) for more, then 4, 2 or 1."""
+    if 8 <= left < 12:
+        return 8
+    return 6 if left >= 6 else 4 if left >= 4 else 2 if left >= 2 else 1
+
+
+@_jit
+def _matrix_tiles(a, r, rows, w, k0, steps, out, start, stop):
+    """out[r : r + rows, start:stop] += a[r : r + rows, k0 : k0 + steps] @ w[k0 : k0 + steps, start:stop]
+    in tiles of ``rows`` (8, 6, 4, 2 or 1) x 32, 64, 64, 128 or 64 columns, while the next chunk's rows
+    of these columns are prefetched in the order they are stored."""
+    a_pitch, n = a.shape[1], out.shape[1]
+    a_at, w_at, out_at = r * a_pitch + k0, k0 * n, r * n
+    region, span = (k0 + steps) * n + start, stop - start
+    if rows == 8:
+        for c in range(start, stop, 2 * _LANES):
+            _matrix_tile(
+                a,
+                a_at,
+                a_pitch,
+                8,
+                w,
+                w_at + c,
+                n,
+                steps,
+                out,
+                out_at + c,
+                n,
+                stop - c,
+                2,
+                region,
+                (c - start) * steps,
+                span,
+            )
+    elif rows == 6:
+        for c in range(start, stop, 4 * _LANES):
+            _matrix_tile(
+                a,
+                a_at,
+                a_pitch,
+                6,
+                w,
+                w_at + c,
+                n,
+                steps,
+                out,
+                out_at + c,
+                n,
+                stop - c,
+                4,
+                region,
+                (c - start) * steps,
+                span,
+            )
+    elif rows == 4:
+        for c in range(start, stop, 4 * _LANES):
+            _matrix_tile(
+                a,
+                a_at,
+                a_pitch,
+                4,
+                w,
+                w_at + c,
+                n,
+                steps,
+                out,
+                out_at + c,
+                n,
+                stop - c,
+                4,
+                region,
+                (c - start) * steps,
+                span,
+            )
+    elif rows == 2:
+        for c in range(start, stop, 8 * _LANES):
+            _matrix_tile(
+                a,
+                a_at,
+                a_pitch,
+                2,
+                w,
+                w_at + c,
+                n,
+                steps,
+                out,
+                out_at + c,
+                n,
+                stop - c,
+                8,
+                region,
+                (c - start) * steps,
+                span,
+            )
+    else:
+        for c in range(start, stop, 4 * _LANES):
+            _matrix_tile(
+                a,
+                a_at,
+                a_pitch,
+                1,
+                w,
+                w_at + c,
+                n,
+                steps,
+                out,
+                out_at + c,
+                n,
+                stop - c,
+                4,
+                region,
+                (c - start) * steps,
+                span,
+            )
+
+
+@_jit
+def _rows_by_matrix(a, w, out, accumulate, start, stop):
+    """out[:, start:stop] (+)= a @ w[:, start:stop] for ``a`` [M, K] and ``w`` [K, N] row-major."""
+    m, k = a.shape
+    if not accumulate:
+        out[:, start:stop] = 0
+    for k0 in range(0, k, K_CHUNK):
+        steps = min(K_CHUNK, k - k0)
+        r = 0
+        while r < m:
+            rows = _tile_rows(m - r)
+            _matrix_tiles(a, r, rows, w, k0, steps, out, start, stop)
+            r += rows
+
+
+@_jit
+def _rows_by_transposed(a, e, out, accumulate, start, stop):
+    """out[:, start:stop] (+)= a @ e[start:stop].T for ``a`` [M, K] and ``e`` [N, K] row-major."""
+    m, k = a.shape
+    n = out.shape[1]
+    if not accumulate:
+        out[:, start:stop] = 0
+    for c in range(start, stop, HEAD_TILE):
+        r = 0
+        while r + HEAD_TILE <= m:
+            _transposed_tile(a, r * k, k, 4, e, c * k, k, out, r * n + c, n, stop - c, 4)
+            r += HEAD_TILE
+        while r < m:
+            _transposed_tile(a, r * k, k, 1, e, c * k, k, out, r * n + c, n, stop - c, 4)
+            r += 1
+
+
+# The threads' drivers (``kernels.threads.run``): each range of output columns on a thread of its own.
+@threads.parallel_jit
+def _rows_by_matrix_over(a, w, out, accumulate, bounds):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _rows_by_matrix(a, w, out, accumulate, bounds[part], bounds[part + 1])
+
+
+@threads.parallel_jit
+def _rows_by_transposed_over(a, e, out, accumulate, bounds):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _rows_by_transposed(a, e, out, accumulate, bounds[part], bounds[part + 1])

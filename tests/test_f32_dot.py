@@ -1,0 +1,130 @@
+"""kernels.f32_dot: float32 few-row products with AVX-512 FMAs equal numpy's float32 product to
+rounding for both weight layouts, odd shapes and every row tile, a column range and accumulation, the
+same bits at any thread count; kernels.blas sends it the few-row float32 products, and keeps its own
+path without AVX-512 (forced here)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
+
+from hpc_tp.kernels import blas, f32_dot
+
+needs_avx512 = pytest.mark.skipif(not f32_dot.AVAILABLE, reason="needs numba and a CPU with AVX-512")
+rng = np.random.default_rng(0)
+# Relative to the sum of |terms| of each entry: float32 sums of up to ~700 products, rounded at each FMA.
+TOLERANCE = 1e-5
+
+
+def _operands(m, k, n, layout):
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n) if layout == "row-major" else (n, k)).astype(np.float32)
+    return a, (w if layout == "row-major" else w.T)
+
+
+def _assert_product(got, a, w, columns=slice(None)):
+    """``got`` is a @ w[:, columns] to float32 rounding, and numpy's float32 product to the same."""
+    wide_a, wide_w = a.astype(np.float64), w.astype(np.float64)[:, columns]
+    exact, magnitude = wide_a @ wide_w, np.abs(wide_a) @ np.abs(wide_w)
+    assert got.dtype == np.float32
+    assert (np.abs(got - exact) <= TOLERANCE * magnitude).all()
+    assert (np.abs(got - a @ w[:, columns]) <= 2 * TOLERANCE * magnitude).all()
+
+
+@needs_avx512
+@pytest.mark.parametrize("layout", ["row-major", "transposed view"])
+def test_matches_numpy_on_odd_shapes(layout):
+    shape_rng = np.random.default_rng(1)
+    for m in (1, 2, 3, 5, 6, 8, 11, 13, 64):  # every row tile and its tails
+        k, n = (int(x) for x in shape_rng.integers(100, 700, 2) | 1)  # odd: no whole vector, tile or chunk
+        a, w = _operands(m, k, n, layout)
+        _assert_product(f32_dot.matmul(a, w), a, w)
+
+
+@needs_avx512
+@pytest.mark.parametrize("layout", ["row-major", "transposed view"])
+def test_column_range_and_accumulate(layout):
+    """A column range writes those columns only; accumulate adds to what ``out`` holds."""
+    a, w = _operands(9, 301, 517, layout)
+    out = np.full((9, 517), 7.0, np.float32)
+    f32_dot.matmul(a, w, out, start=37, stop=300)
+    assert (out[:, :37] == 7).all() and (out[:, 300:] == 7).all()
+    _assert_product(out[:, 37:300], a, w, slice(37, 300))
+    f32_dot.matmul(a, w, out, accumulate=True, start=37, stop=300)
+    _assert_product(out[:, 37:300] / 2, a, w, slice(37, 300))
+
+
+@needs_avx512
+def test_special_values_reach_their_entries_only():
+    """inf and nan in the weight reach the entries they are summed into; masked lanes at the ragged
+    edges read nothing past the arrays (no stray 0 x inf)."""
+    a = np.ones((3, 35), np.float32)
+    w = np.zeros((35, 40), np.float32)
+    w[34, 0], w[34, 1], w[1, 39] = np.inf, -np.inf, np.nan
+    for weight in (w, np.ascontiguousarray(w.T).T):
+        got = f32_dot.matmul(a, weight)
+        assert (got[:, 0] == np.inf).all() and (got[:, 1] == -np.inf).all() and np.isnan(got[:, 39]).all()
+        assert (got[:, 2:39] == 0).all()
+
+
+@needs_avx512
+@pytest.mark.parametrize("layout", ["row-major", "transposed view"])
+@pytest.mark.parametrize("m", [7, 8, 13])
+def test_threads_split_the_outputs_without_changing_a_bit(layout, m, thread_count):
+    """Each column is summed in the same order whatever its thread: the same bits at 1, 2 and 3
+    threads, with ranges of uneven widths and the tiles' tails inside them."""
+    a, w = _operands(m, 320, 1999, layout)
+    results = []
+    for count in (1, 2, 3):
+        thread_count(count)
+        results.append(f32_dot.matmul(a, w))
+    assert all(np.array_equal(results[0], result) for result in results[1:])
+
+
+@needs_avx512
+def test_blas_sends_it_the_few_row_float32_products(monkeypatch):
+    taken = []
+    kernel = f32_dot.matmul
+    monkeypatch.setattr(f32_dot, "matmul", lambda a, *args: taken.append(a.shape[0]) or kernel(a, *args))
+    for layout in ("row-major", "transposed view"):
+        for m in (f32_dot.MIN_ROWS, 8, f32_dot.MAX_ROWS, f32_dot.MAX_ROWS + 1):
+            a, w = _operands(m, 256, 512, layout)
+            _assert_product(blas.matmul(a, w), a, w)
+    assert taken == [f32_dot.MIN_ROWS, 8, f32_dot.MAX_ROWS] * 2
+    a, w = _operands(8, 256, 512, "row-major")
+    blas.matmul(a.astype(np.float64), w.astype(np.float64))  # float64 stays on small_m (the tp equality runs there)
+    blas.matmul(a[:, :16], w[:16, :16].copy())  # a weight that stays in cache: BLAS
+    assert len(taken) == 6
+
+
+@pytest.mark.parametrize("layout", ["row-major", "transposed view"])
+def test_without_avx512_blas_keeps_its_path(monkeypatch, layout):
+    """Where ``AVAILABLE`` is False ``takes`` answers False and blas gives the product through
+    ``kernels.small_m`` or BLAS."""
+    monkeypatch.setattr(f32_dot, "AVAILABLE", False)
+    for m in (1, 8, 64):
+        a, w = _operands(m, 256, 512, layout)
+        assert not f32_dot.takes(a, w)
+        _assert_product(blas.matmul(a, w), a, w)
+
+
+def test_environment_switches_it_off():
+    """``HPC_TP_F32_DOT=0`` (an A/B against ``small_m`` and BLAS) leaves it off at import."""
+    code = "from hpc_tp.kernels import f32_dot; print(f32_dot.AVAILABLE)"
+    env = dict(os.environ, HPC_TP_F32_DOT="0")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+@needs_avx512
+def test_warm_up_prepares_both_kernels_for_a_float32_model_only():
+    """In a fresh process, ``warm_up`` for a float32 model leaves both kernels compiled or loaded (a
+    server's first request does not wait for them), and for another dtype touches none."""
+    count = "len(f32_dot._rows_by_matrix.signatures) + len(f32_dot._rows_by_transposed.signatures)"
+    for dtype, kernels in (("'float32'", 2), ("'float64'", 0)):
+        code = f"from hpc_tp.kernels import f32_dot; f32_dot.warm_up({dtype}); print({count})"
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert int(result.stdout) == kernels, dtype
