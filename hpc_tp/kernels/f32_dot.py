@@ -117,87 +117,56 @@ if AVAILABLE:
         return builder.call(fma, [x, y, acc])
 
     @intrinsic(prefer_literal=True)
-    def _matrix_tile(
-        typingctx,
-        a,
-        a_at,
-        a_pitch,
-        rows,
-        w,
-        w_at,
-        w_pitch,
-        steps,
-        out,
-        out_at,
-        out_pitch,
-        cols,
-        vectors,
-        region,
-        ahead,
-        span,
-    ):
-        """out[r, j] += sum over p < ``steps`` of a[r, p] w[p, j] for r < ``rows`` and j < ``cols`` (at
-        most ``vectors`` x 16; both literals, ``rows`` x ``vectors`` <= 24): ``a`` from element ``a_at``
-        with ``a_pitch`` elements a row, ``w`` from ``w_at`` (``w_pitch``), ``out`` from ``out_at``
-        (``out_pitch``)."""
-        count, vector_count = vector_ir.literal(rows), vector_ir.literal(vectors)
-        if count is None or vector_count is None:
+    def _matrix_tile(typingctx, a, w, out, at, rows, vectors, ahead):
+        """out[r, j] += sum over p < steps of a[r, p] w[p, j] for r < ``rows`` and j < cols (at most
+        ``vectors`` x 16; both literals, ``rows`` x ``vectors`` <= 24), ``at`` = (a_at, a_pitch, w_at,
+        w_pitch, out_at, out_pitch, steps, cols, ahead_at, ahead_col, span): each array from element
+        ``*_at`` with ``*_pitch`` elements a row. With ``ahead`` (a literal) 1, each step also asks for
+        ``vectors`` lines of ``w`` (into L2) from element ``ahead_at`` on, a walk along rows of ``span`` elements from their column
+        ``ahead_col``: ``_matrix_tiles`` points it at the lines the next chunk of K will read."""
+        count, vector_count, asks = vector_ir.literal(rows), vector_ir.literal(vectors), vector_ir.literal(ahead)
+        if count is None or vector_count is None or asks is None:
             return None
-        sig = types.void(
-            a, a_at, a_pitch, rows, w, w_at, w_pitch, steps, out, out_at, out_pitch, cols, vectors, region, ahead, span
-        )
 
         def codegen(context, builder, signature, args):
-            (
-                a_arr,
-                a_at_,
-                a_pitch_,
-                _,
-                w_arr,
-                w_at_,
-                w_pitch_,
-                steps_,
-                out_arr,
-                out_at_,
-                out_pitch_,
-                cols_,
-                _,
-                region_,
-                ahead_,
-                span_,
-            ) = args
-            kinds = signature.args
-            a_data = builder.gep(vector_ir.data(context, builder, kinds[0], a_arr), [a_at_])
-            w_base = vector_ir.data(context, builder, kinds[4], w_arr)
-            w_data = builder.gep(w_base, [w_at_])
-            out_data = builder.gep(vector_ir.data(context, builder, kinds[8], out_arr), [out_at_])
-            masks = [vector_ir.mask(builder, builder.sub(cols_, I64(LANES * v)), LANES) for v in range(vector_count)]
+            fields = [builder.extract_value(args[3], i) for i in range(11)]
+            a_at, a_pitch, w_at, w_pitch, out_at, out_pitch, steps, cols, ahead_at, ahead_col, span = fields
+            a_data, w_base, out_data = (vector_ir.data(context, builder, signature.args[i], args[i]) for i in range(3))
+            a_data, w_data, out_data = (
+                builder.gep(a_data, [a_at]),
+                builder.gep(w_base, [w_at]),
+                builder.gep(out_data, [out_at]),
+            )
+            masks = [vector_ir.mask(builder, builder.sub(cols, I64(LANES * v)), LANES) for v in range(vector_count)]
+            width = I64(LANES * vector_count)
+            wrap = builder.sub(w_pitch, span)  # from the end of a walk's row to the start of the next
 
-            def step(index, sums):
-                row = builder.gep(w_data, [builder.mul(index, w_pitch_)])
-                weights = []
-                for v, lanes in enumerate(masks):
-                    weights.append(vector_ir.load(builder, builder.gep(row, [I64(LANES * v)]), lanes, FLOATS))
-                # the walk's lines for this step: element ``walk`` of the region read span elements a row
-                walk = builder.add(ahead_, builder.mul(index, I64(LANES * vector_count)))
-                walk_row = builder.udiv(walk, span_)
-                walk_at = builder.add(builder.mul(walk_row, w_pitch_), builder.sub(walk, builder.mul(walk_row, span_)))
-                for v in range(vector_count):
-                    vector_ir.prefetch(
-                        builder, builder.gep(w_base, [builder.add(region_, builder.add(walk_at, I64(LANES * v)))])
-                    )
+            def step(index, carried):
+                sums, (ahead_at, ahead_col) = carried[:-2], carried[-2:]
+                row = builder.gep(w_data, [builder.mul(index, w_pitch)])
+                weights = [
+                    vector_ir.load(builder, builder.gep(row, [I64(LANES * v)]), lanes, FLOATS)
+                    for v, lanes in enumerate(masks)
+                ]
+                for v in range(vector_count * asks):
+                    vector_ir.prefetch(builder, builder.gep(w_base, [builder.add(ahead_at, I64(LANES * v))]), 2)
+                ahead_col = builder.add(ahead_col, width)
+                past = builder.icmp_signed(">=", ahead_col, span)
+                ahead_at = builder.add(builder.add(ahead_at, width), builder.select(past, wrap, I64(0)))
+                ahead_col = builder.select(past, builder.sub(ahead_col, span), ahead_col)
                 updated = []
                 for r in range(count):
-                    value = builder.load(builder.gep(a_data, [builder.add(builder.mul(I64(r), a_pitch_), index)]))
+                    value = builder.load(builder.gep(a_data, [builder.add(builder.mul(I64(r), a_pitch), index)]))
                     x = vector_ir.splat(builder, value, LANES)
                     updated += [_fma(builder, sums[r * vector_count + v], x, weights[v]) for v in range(vector_count)]
-                return updated
+                return updated + [ahead_at, ahead_col]
 
-            sums = vector_ir.loop(builder, steps_, [FLOATS(None)] * (count * vector_count), step)
-            vector_ir.add_tile(builder, out_data, out_pitch_, sums, count, cols_)
+            zeros = [FLOATS(None)] * (count * vector_count)
+            sums = vector_ir.loop(builder, steps, zeros + [ahead_at, ahead_col], step)[:-2]
+            vector_ir.add_tile(builder, out_data, out_pitch, sums, count, cols)
             return context.get_dummy_value()
 
-        return sig, codegen
+        return types.void(a, w, out, at, rows, vectors, ahead), codegen
 
     _transposed_tile = vector_ir.transposed_tile(FLOATS, _fma, HEAD_PREFETCH_TILES, 2)
 
@@ -220,113 +189,37 @@ def _tile_rows(left):
 
 
 @_jit
+def _tile_columns(rows):
+    """Columns of a tile of ``rows`` (``_tile_rows``): 16 vectors of sums, 24 for 6 rows; one row's
+    four vectors run four chains of FMAs (its rate is the memory's, not the FMAs')."""
+    return 32 if rows == 8 else 128 if rows == 2 else 64
+
+
+@_jit
 def _matrix_tiles(a, r, rows, w, k0, steps, out, start, stop):
     """out[r : r + rows, start:stop] += a[r : r + rows, k0 : k0 + steps] @ w[k0 : k0 + steps, start:stop]
-    in tiles of ``rows`` (8, 6, 4, 2 or 1) x 32, 64, 64, 128 or 64 columns, while the next chunk's rows
-    of these columns are prefetched in the order they are stored."""
+    in tiles of ``rows`` (8, 6, 4, 2 or 1) x ``_tile_columns`` columns, while the tiles ask for the
+    lines of the next ``steps`` rows of these columns in the order they are stored (a stream the
+    memory serves at its rate, where each tile's own strip is a line or two a row at a row's stride)."""
     a_pitch, n = a.shape[1], out.shape[1]
-    a_at, w_at, out_at = r * a_pitch + k0, k0 * n, r * n
-    region, span = (k0 + steps) * n + start, stop - start
-    if rows == 8:
-        for c in range(start, stop, 2 * _LANES):
-            _matrix_tile(
-                a,
-                a_at,
-                a_pitch,
-                8,
-                w,
-                w_at + c,
-                n,
-                steps,
-                out,
-                out_at + c,
-                n,
-                stop - c,
-                2,
-                region,
-                (c - start) * steps,
-                span,
-            )
-    elif rows == 6:
-        for c in range(start, stop, 4 * _LANES):
-            _matrix_tile(
-                a,
-                a_at,
-                a_pitch,
-                6,
-                w,
-                w_at + c,
-                n,
-                steps,
-                out,
-                out_at + c,
-                n,
-                stop - c,
-                4,
-                region,
-                (c - start) * steps,
-                span,
-            )
-    elif rows == 4:
-        for c in range(start, stop, 4 * _LANES):
-            _matrix_tile(
-                a,
-                a_at,
-                a_pitch,
-                4,
-                w,
-                w_at + c,
-                n,
-                steps,
-                out,
-                out_at + c,
-                n,
-                stop - c,
-                4,
-                region,
-                (c - start) * steps,
-                span,
-            )
-    elif rows == 2:
-        for c in range(start, stop, 8 * _LANES):
-            _matrix_tile(
-                a,
-                a_at,
-                a_pitch,
-                2,
-                w,
-                w_at + c,
-                n,
-                steps,
-                out,
-                out_at + c,
-                n,
-                stop - c,
-                8,
-                region,
-                (c - start) * steps,
-                span,
-            )
-    else:
-        for c in range(start, stop, 4 * _LANES):
-            _matrix_tile(
-                a,
-                a_at,
-                a_pitch,
-                1,
-                w,
-                w_at + c,
-                n,
-                steps,
-                out,
-                out_at + c,
-                n,
-                stop - c,
-                4,
-                region,
-                (c - start) * steps,
-                span,
-            )
+    span = stop - start
+    for c in range(start, stop, _tile_columns(rows)):
+        walk = (c - start) * steps  # this tile's share of the next chunk's elements, in storage order
+        ahead_at = (k0 + steps + walk // span) * n + start + walk % span
+        at = (r * a_pitch + k0, a_pitch, k0 * n + c, n, r * n + c, n, steps, stop - c, ahead_at, walk % span, span)
+        # Only a chunk's last row tile asks for the next chunk: the two then fit L2 while the other row
+        # tiles read the current one from there (every tile asking: 32 rows by [576, 3072] 2.2x as long).
+        last = r + rows == a.shape[0]
+        if rows == 8:
+            _matrix_tile(a, w, out, at, 8, 2, 1) if last else _matrix_tile(a, w, out, at, 8, 2, 0)
+        elif rows == 6:
+            _matrix_tile(a, w, out, at, 6, 4, 1) if last else _matrix_tile(a, w, out, at, 6, 4, 0)
+        elif rows == 4:
+            _matrix_tile(a, w, out, at, 4, 4, 1) if last else _matrix_tile(a, w, out, at, 4, 4, 0)
+        elif rows == 2:
+            _matrix_tile(a, w, out, at, 2, 8, 1) if last else _matrix_tile(a, w, out, at, 2, 8, 0)
+        else:
+            _matrix_tile(a, w, out, at, 1, 4, 1) if last else _matrix_tile(a, w, out, at, 1, 4, 0)
 
 
 @_jit
