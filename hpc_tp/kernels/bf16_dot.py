@@ -40,7 +40,6 @@ from . import cpu_kernels, threads, vector_ir
 COLUMN_ALIGN = 64
 
 COLUMN_GROUP = 32  # columns of one interleaved pair of weight-row loads (two float32 vectors)
-HEAD_TILE = 4  # input rows and weight rows of the transposed kernel's tile
 K_CHUNK = 256  # weight rows summed in registers before a tile is added to ``out``
 COLUMN_BLOCK = 512  # columns of the row-major kernel's block: its K_CHUNK rows stay in L2 across row tiles
 # The row-major kernel asks for the weight lines of the tile this many tiles to the right (same rows)
@@ -76,18 +75,7 @@ def takes(a, w, out=None) -> bool:
         and w.ndim == 2
         and a.shape[1] == w.shape[0]
         and (w.flags.c_contiguous or w.T.flags.c_contiguous)
-        and (
-            out is None
-            or (
-                isinstance(out, numpy.ndarray)
-                and out.dtype == numpy.float32
-                and out.flags.c_contiguous
-                and out.flags.writeable
-                and out.shape == (a.shape[0], w.shape[1])
-                and not numpy.may_share_memory(out, a)
-                and not numpy.may_share_memory(out, w)
-            )
-        )
+        and vector_ir.fits(out, a, w)
     )
 
 
@@ -228,15 +216,6 @@ else:  # never called: ``takes`` answers False without the instruction
 
 
 @_jit
-def _tile_rows(left):
-    """Rows of the next tile when ``left`` rows remain: 6 x 64 columns (24 accumulators) runs a
-    prefill's product fastest, 8 x 32 a decode batch of 8 (one pass over the weight instead of two)."""
-    if 8 <= left < 12:
-        return 8
-    return 6 if left >= 6 else 4 if left >= 4 else 2 if left >= 2 else 1
-
-
-@_jit
 def _matrix_tiles(a, r, rows, w, k0, pairs, pitch, out, start, stop):
     """out[r : r + rows, start:stop] += a[r : r + rows, k0 : k0 + 2 pairs] @ w[k0 : k0 + 2 pairs, start:stop]
     in tiles of ``rows`` (6, 8, 4, 2 or 1) x 64, 32, 64, 128 or 32 columns: 24, 16, 16, 16 or 2
@@ -273,13 +252,13 @@ def _rows_by_matrix(a, w, out, accumulate, start, stop):
             pairs = min(K_CHUNK, even - k0) // 2
             r = 0
             while r < m:
-                rows = _tile_rows(m - r)
+                rows = vector_ir.tile_rows(m - r)
                 _matrix_tiles(a, r, rows, w, k0, pairs, n, out, block, end)
                 r += rows
         if k % 2:  # the last row alone (pitch 0: paired with zeros)
             r = 0
             while r < m:
-                rows = _tile_rows(m - r)
+                rows = vector_ir.tile_rows(m - r)
                 _matrix_tiles(a, r, rows, w, even, 1, 0, out, block, end)
                 r += rows
 
@@ -288,18 +267,10 @@ def _rows_by_matrix(a, w, out, accumulate, start, stop):
 def _rows_by_transposed(a, e, out, accumulate, start, stop):
     """out[:, start:stop] (+)= a @ e[start:stop].T for bfloat16 bits ``a`` [M, K rounded up to even]
     and ``e`` [N, K] row-major; float32 ``out`` [M, N]."""
-    m, k, n = a.shape[0], e.shape[1], out.shape[1]
-    a_pitch = a.shape[1]
     if not accumulate:
         out[:, start:stop] = 0
-    for c in range(start, stop, HEAD_TILE):
-        r = 0
-        while r + HEAD_TILE <= m:
-            _transposed_tile(a, r * a_pitch, a_pitch, 4, e, c * k, k, out, r * n + c, n, stop - c, 4)
-            r += HEAD_TILE
-        while r < m:
-            _transposed_tile(a, r * a_pitch, a_pitch, 1, e, c * k, k, out, r * n + c, n, stop - c, 4)
-            r += 1
+    for c in range(start, stop, vector_ir.TILE):
+        _transposed_tile(a, e, out, (c, min(vector_ir.TILE, stop - c)))
 
 
 # The threads' drivers (``kernels.threads.run``): each range of output columns on a thread of its own.

@@ -37,7 +37,6 @@ COLUMN_ALIGN = 64  # a thread's range of columns starts at a multiple of the wid
 # 0.39-0.46 ms, 32 0.34-0.37, 64 0.53-0.54 on a loaded machine).
 K_CHUNK = 32
 _LANES = vector_ir.LANES  # float32 lanes of a vector
-HEAD_TILE = 4  # input rows and vocabulary rows of the transposed kernel's tile
 # The head's kernel asks (into L2) for the rows of the tile this many tiles further while it sums its
 # own: 8 rows by [576, 49152] from memory took 8.7-9.6 ms at 1 and 4 tiles, 5.7-6.3 at 16.
 HEAD_PREFETCH_TILES = 16
@@ -61,18 +60,7 @@ def takes(a, w, out=None) -> bool:
         and a.shape[1] == w.shape[0]
         and w.size >= small_m.MIN_WEIGHT
         and small_m.layout(w) is not None
-        and (
-            out is None
-            or (
-                isinstance(out, numpy.ndarray)
-                and out.dtype == _FLOAT32
-                and out.flags.c_contiguous
-                and out.flags.writeable
-                and out.shape == (a.shape[0], w.shape[1])
-                and not numpy.may_share_memory(out, a)
-                and not numpy.may_share_memory(out, w)
-            )
-        )
+        and vector_ir.fits(out, a, w)
     )
 
 
@@ -117,16 +105,17 @@ if AVAILABLE:
         return builder.call(fma, [x, y, acc])
 
     @intrinsic(prefer_literal=True)
-    def _matrix_tile(typingctx, a, w, out, at, rows, vectors, ahead):
-        """out[r, j] += sum over p < steps of a[r, p] w[p, j] for r < ``rows`` and j < cols (at most
-        ``vectors`` x 16; both literals, ``rows`` x ``vectors`` <= 24), ``at`` = (a_at, a_pitch, w_at,
-        w_pitch, out_at, out_pitch, steps, cols, ahead_at, ahead_col, span): each array from element
-        ``*_at`` with ``*_pitch`` elements a row. With ``ahead`` (a literal) 1, each step also asks for
-        ``vectors`` lines of ``w`` (into L2) from element ``ahead_at`` on, a walk along rows of ``span`` elements from their column
-        ``ahead_col``: ``_matrix_tiles`` points it at the lines the next chunk of K will read."""
-        count, vector_count, asks = vector_ir.literal(rows), vector_ir.literal(vectors), vector_ir.literal(ahead)
-        if count is None or vector_count is None or asks is None:
+    def _matrix_tile(typingctx, a, w, out, at, rows):
+        """out[r, j] += sum over p < steps of a[r, p] w[p, j] for r < ``rows`` (a literal) and j < cols
+        (at most ``_tile_columns(rows)``), ``at`` = (a_at, a_pitch, w_at, w_pitch, out_at, out_pitch,
+        steps, cols, ahead_at, ahead_col, span): each array from element ``*_at`` with ``*_pitch``
+        elements a row. Where ``span`` > 0 each step also asks for as many lines of ``w`` as it reads
+        (into L2), from element ``ahead_at`` on, a walk along rows of ``span`` elements from their column
+        ``ahead_col`` (``_matrix_tiles`` points it at the lines the next chunk of K will read)."""
+        count = vector_ir.literal(rows)
+        if count is None:
             return None
+        vector_count = _tile_columns.py_func(count) // LANES
 
         def codegen(context, builder, signature, args):
             fields = [builder.extract_value(args[3], i) for i in range(11)]
@@ -141,32 +130,43 @@ if AVAILABLE:
             width = I64(LANES * vector_count)
             wrap = builder.sub(w_pitch, span)  # from the end of a walk's row to the start of the next
 
-            def step(index, carried):
-                sums, (ahead_at, ahead_col) = carried[:-2], carried[-2:]
+            def step(index, sums):
                 row = builder.gep(w_data, [builder.mul(index, w_pitch)])
                 weights = [
                     vector_ir.load(builder, builder.gep(row, [I64(LANES * v)]), lanes, FLOATS)
                     for v, lanes in enumerate(masks)
                 ]
-                for v in range(vector_count * asks):
-                    vector_ir.prefetch(builder, builder.gep(w_base, [builder.add(ahead_at, I64(LANES * v))]), 2)
-                ahead_col = builder.add(ahead_col, width)
-                past = builder.icmp_signed(">=", ahead_col, span)
-                ahead_at = builder.add(builder.add(ahead_at, width), builder.select(past, wrap, I64(0)))
-                ahead_col = builder.select(past, builder.sub(ahead_col, span), ahead_col)
                 updated = []
                 for r in range(count):
                     value = builder.load(builder.gep(a_data, [builder.add(builder.mul(I64(r), a_pitch), index)]))
                     x = vector_ir.splat(builder, value, LANES)
                     updated += [_fma(builder, sums[r * vector_count + v], x, weights[v]) for v in range(vector_count)]
-                return updated + [ahead_at, ahead_col]
+                return updated
+
+            def asking(index, carried):
+                """``step``, and the step's lines of the walk asked for."""
+                ahead_at, ahead_col = carried[-2:]
+                for v in range(vector_count):
+                    vector_ir.prefetch(builder, builder.gep(w_base, [builder.add(ahead_at, I64(LANES * v))]), 2)
+                ahead_col = builder.add(ahead_col, width)
+                past = builder.icmp_signed(">=", ahead_col, span)
+                ahead_at = builder.add(builder.add(ahead_at, width), builder.select(past, wrap, I64(0)))
+                ahead_col = builder.select(past, builder.sub(ahead_col, span), ahead_col)
+                return step(index, carried[:-2]) + [ahead_at, ahead_col]
 
             zeros = [FLOATS(None)] * (count * vector_count)
-            sums = vector_ir.loop(builder, steps, zeros + [ahead_at, ahead_col], step)[:-2]
-            vector_ir.add_tile(builder, out_data, out_pitch, sums, count, cols)
+            # two loops, not a branch in one: a test in the loop made 8 rows by [576, 3072] 1.2 times as long
+            with builder.if_else(builder.icmp_signed(">", span, I64(0))) as (then, otherwise):
+                with then:
+                    sums = vector_ir.loop(builder, steps, zeros + [ahead_at, ahead_col], asking)[:-2]
+                    vector_ir.add_tile(builder, out_data, out_pitch, sums, count, cols)
+                with otherwise:
+                    vector_ir.add_tile(
+                        builder, out_data, out_pitch, vector_ir.loop(builder, steps, zeros, step), count, cols
+                    )
             return context.get_dummy_value()
 
-        return types.void(a, w, out, at, rows, vectors, ahead), codegen
+        return types.void(a, w, out, at, rows), codegen
 
     _transposed_tile = vector_ir.transposed_tile(FLOATS, _fma, HEAD_PREFETCH_TILES, 2)
 
@@ -180,17 +180,8 @@ else:  # never called: ``takes`` answers False without AVX-512
 
 
 @_jit
-def _tile_rows(left):
-    """Rows of the next tile when ``left`` rows remain: 8 x 32 columns for a decode batch of 8 (one
-    pass over the weight), 6 x 64 (24 vectors of sums) for more, then 4, 2 or 1."""
-    if 8 <= left < 12:
-        return 8
-    return 6 if left >= 6 else 4 if left >= 4 else 2 if left >= 2 else 1
-
-
-@_jit
 def _tile_columns(rows):
-    """Columns of a tile of ``rows`` (``_tile_rows``): 16 vectors of sums, 24 for 6 rows; one row's
+    """Columns of a tile of ``rows`` (``vector_ir.tile_rows``): 16 vectors of sums, 24 for 6 rows; one row's
     four vectors run four chains of FMAs (its rate is the memory's, not the FMAs')."""
     return 32 if rows == 8 else 128 if rows == 2 else 64
 
@@ -203,23 +194,27 @@ def _matrix_tiles(a, r, rows, w, k0, steps, out, start, stop):
     memory serves at its rate, where each tile's own strip is a line or two a row at a row's stride)."""
     a_pitch, n = a.shape[1], out.shape[1]
     span = stop - start
-    for c in range(start, stop, _tile_columns(rows)):
-        walk = (c - start) * steps  # this tile's share of the next chunk's elements, in storage order
-        ahead_at = (k0 + steps + walk // span) * n + start + walk % span
-        at = (r * a_pitch + k0, a_pitch, k0 * n + c, n, r * n + c, n, steps, stop - c, ahead_at, walk % span, span)
-        # Only a chunk's last row tile asks for the next chunk: the two then fit L2 while the other row
-        # tiles read the current one from there (every tile asking: 32 rows by [576, 3072] 2.2x as long).
-        last = r + rows == a.shape[0]
-        if rows == 8:
-            _matrix_tile(a, w, out, at, 8, 2, 1) if last else _matrix_tile(a, w, out, at, 8, 2, 0)
-        elif rows == 6:
-            _matrix_tile(a, w, out, at, 6, 4, 1) if last else _matrix_tile(a, w, out, at, 6, 4, 0)
-        elif rows == 4:
-            _matrix_tile(a, w, out, at, 4, 4, 1) if last else _matrix_tile(a, w, out, at, 4, 4, 0)
-        elif rows == 2:
-            _matrix_tile(a, w, out, at, 2, 8, 1) if last else _matrix_tile(a, w, out, at, 2, 8, 0)
+    width = _tile_columns(rows)
+    for c in range(start, stop, width):
+        # Only a chunk's last row tile asks for the next chunk: the two chunks then fit L2 while the
+        # other row tiles read the current one from there (every tile asking: 32 rows by [576, 3072]
+        # took 2.2 times as long, and every tile asking for its own lines 1.3 times).
+        if r + rows == a.shape[0]:
+            walk = (c - start) * steps  # this tile's share of the next chunk's elements, in storage order
+            ahead_at, ahead_col, ahead_span = (k0 + steps + walk // span) * n + start + walk % span, walk % span, span
         else:
-            _matrix_tile(a, w, out, at, 1, 4, 1) if last else _matrix_tile(a, w, out, at, 1, 4, 0)
+            ahead_at, ahead_col, ahead_span = 0, 0, 0
+        at = (r * a_pitch + k0, a_pitch, k0 * n + c, n, r * n + c, n, steps, stop - c, ahead_at, ahead_col, ahead_span)
+        if rows == 8:
+            _matrix_tile(a, w, out, at, 8)
+        elif rows == 6:
+            _matrix_tile(a, w, out, at, 6)
+        elif rows == 4:
+            _matrix_tile(a, w, out, at, 4)
+        elif rows == 2:
+            _matrix_tile(a, w, out, at, 2)
+        else:
+            _matrix_tile(a, w, out, at, 1)
 
 
 @_jit
@@ -232,7 +227,7 @@ def _rows_by_matrix(a, w, out, accumulate, start, stop):
         steps = min(K_CHUNK, k - k0)
         r = 0
         while r < m:
-            rows = _tile_rows(m - r)
+            rows = vector_ir.tile_rows(m - r)
             _matrix_tiles(a, r, rows, w, k0, steps, out, start, stop)
             r += rows
 
@@ -240,18 +235,10 @@ def _rows_by_matrix(a, w, out, accumulate, start, stop):
 @_jit
 def _rows_by_transposed(a, e, out, accumulate, start, stop):
     """out[:, start:stop] (+)= a @ e[start:stop].T for ``a`` [M, K] and ``e`` [N, K] row-major."""
-    m, k = a.shape
-    n = out.shape[1]
     if not accumulate:
         out[:, start:stop] = 0
-    for c in range(start, stop, HEAD_TILE):
-        r = 0
-        while r + HEAD_TILE <= m:
-            _transposed_tile(a, r * k, k, 4, e, c * k, k, out, r * n + c, n, stop - c, 4)
-            r += HEAD_TILE
-        while r < m:
-            _transposed_tile(a, r * k, k, 1, e, c * k, k, out, r * n + c, n, stop - c, 4)
-            r += 1
+    for c in range(start, stop, vector_ir.TILE):
+        _transposed_tile(a, e, out, (c, min(vector_ir.TILE, stop - c)))
 
 
 # The threads' drivers (``kernels.threads.run``): each range of output columns on a thread of its own.

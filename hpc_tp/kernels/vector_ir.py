@@ -1,6 +1,7 @@
-"""LLVM IR pieces the vector kernels (``kernels.bf16_dot``, ``kernels.f32_dot``) emit from numba
-``@intrinsic``s: numba's own loops do not keep a tile of sums in registers, nor mask a ragged edge,
-nor prefetch, so the inner loops are written as IR with these helpers.
+"""What the vector kernels (``kernels.bf16_dot``, ``kernels.f32_dot``) share: the LLVM IR pieces they
+emit from numba ``@intrinsic``s (numba's own loops do not keep a tile of sums in registers, nor mask a
+ragged edge, nor prefetch, so the inner loops are written as IR with these helpers), the head's tile
+(``transposed_tile``), and the checks and row tiling around them.
 
 Vectors are AVX-512's: ``LANES`` float32 lanes. Masked loads and stores touch no memory on lanes
 that are off, so a tile at an array's edge reads and writes only the array's elements.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 
 import llvmlite.binding
+import numpy
 from llvmlite import ir
 
 from . import cpu_kernels
@@ -34,6 +36,32 @@ def host_has(feature: str, switch: str) -> bool:
         return bool(llvmlite.binding.get_host_cpu_features().get(feature, False))
     except RuntimeError:  # LLVM cannot tell on this host
         return False
+
+
+def fits(out, a, w) -> bool:
+    """True when ``out`` may receive ``a @ w`` from a kernel: None (allocated then), or float32 [M, N],
+    C-contiguous, writeable and apart from both operands."""
+    return out is None or (
+        isinstance(out, numpy.ndarray)
+        and out.dtype == numpy.float32
+        and out.flags.c_contiguous
+        and out.flags.writeable
+        and out.shape == (a.shape[0], w.shape[1])
+        and not numpy.may_share_memory(out, a)
+        and not numpy.may_share_memory(out, w)
+    )
+
+
+def tile_rows(left):
+    """Rows of the next tile of a row-major kernel when ``left`` rows remain: 8 (a decode batch of 8 in
+    one pass over the weight) where 8 to 11 remain, else 6 (the widest tile's), 4, 2 or 1."""
+    if 8 <= left < 12:
+        return 8
+    return 6 if left >= 6 else 4 if left >= 4 else 2 if left >= 2 else 1
+
+
+if cpu_kernels.ENABLED:  # called from the kernels' numba loops
+    tile_rows = cpu_kernels.numba.njit(cache=True, nogil=True)(tile_rows)
 
 
 def literal(value):
@@ -178,59 +206,70 @@ def add_reduced(builder, out, pitch, sums, rows, tile, cols):
         add_into(builder, out, builder.mul(I64(r), pitch), row, lanes)
 
 
+TILE = 4  # rows of ``a`` and of ``e`` in ``transposed_tile``'s tiles
+
+
 def transposed_tile(vector, multiply_add, ahead, level):
-    """An intrinsic ``tile(a, a_at, a_pitch, rows, e, e_at, k, out, out_at, out_pitch, cols, width)``:
-    out[r, c] += sum over p < k of a[r, p] e[c, p] for r < ``rows`` and c < ``cols`` (at most
-    ``width``; both literals, ``rows`` x ``width`` <= 16), ``a`` from element ``a_at`` with ``a_pitch``
-    a row, ``e``'s rows ``k`` apart from ``e_at``, ``out`` from ``out_at`` (``out_pitch``). Each lane
-    of a sum vector runs along K, ``vector`` (an LLVM vector type) of elements a step, and
-    ``multiply_add(builder, acc, x, y)`` adds a step's products of ``x`` and ``y`` to float32 ``acc``;
-    the tile's vectors are reduced at the end (``add_reduced``). The weight rows ``ahead`` tiles further
-    are prefetched into cache ``level`` as the tile reads its own."""
+    """An intrinsic ``tile(a, e, out, at)``, ``at`` = (c, cols): out[:, c : c + cols] += a @ e[c : c +
+    cols].T for ``cols`` <= TILE, ``e`` [N, K] and ``out`` [M, N] C-contiguous, ``a`` [M, >= K]'s
+    rows read up to K. Each lane of a sum vector runs along K, ``vector`` (an LLVM vector type) of
+    elements a step, and ``multiply_add(builder, acc, x, y)`` adds a step's products of ``x`` and ``y``
+    to float32 ``acc``; TILE x TILE vectors a tile (rows past the last whole tile: one a tile), reduced
+    at the end (``add_reduced``), so ``e``'s rows stay in L1 for every row of ``a``. The rows of ``e``
+    ``ahead`` tiles further are prefetched into cache ``level`` as a tile reads its own."""
 
-    @intrinsic(prefer_literal=True)
-    def tile(typingctx, a, a_at, a_pitch, rows, e, e_at, k, out, out_at, out_pitch, cols, width):
-        count, tile_width = literal(rows), literal(width)
-        if count is None or tile_width is None:
-            return None
-        sig = types.void(a, a_at, a_pitch, rows, e, e_at, k, out, out_at, out_pitch, cols, width)
-
+    @intrinsic
+    def tile(typingctx, a, e, out, at):
         def codegen(context, builder, signature, args):
-            a_arr, a_at_, a_pitch_, _, e_arr, e_at_, k_, out_arr, out_at_, out_pitch_, cols_, _ = args
-            kinds = signature.args
-            a_data = builder.gep(data(context, builder, kinds[0], a_arr), [a_at_])
-            e_data = builder.gep(data(context, builder, kinds[4], e_arr), [e_at_])
-            out_data = builder.gep(data(context, builder, kinds[7], out_arr), [out_at_])
+            a_arr, e_arr, out_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(3))
+            m, a_pitch = (builder.extract_value(a_arr.shape, i) for i in range(2))
+            k, n = builder.extract_value(e_arr.shape, 1), builder.extract_value(out_arr.shape, 1)
+            c, cols = (builder.extract_value(args[3], i) for i in range(2))
+            e_data = builder.gep(e_arr.data, [builder.mul(c, k)])
             step_width = vector.count
             none = ir.Constant(ir.VectorType(I1, step_width), [0] * step_width)
-            steps = builder.sdiv(builder.add(k_, I64(step_width - 1)), I64(step_width))
+            steps = builder.sdiv(builder.add(k, I64(step_width - 1)), I64(step_width))
 
-            def step(index, accs):
-                at = builder.mul(index, I64(step_width))
-                present = mask(builder, builder.sub(k_, at), step_width)
-                xs = [
-                    load(
-                        builder, builder.gep(a_data, [builder.add(builder.mul(I64(r), a_pitch_), at)]), present, vector
-                    )
-                    for r in range(count)
-                ]
-                ys = []
-                for c in range(tile_width):
-                    row = builder.add(builder.mul(I64(c), k_), at)
-                    lanes = builder.select(builder.icmp_signed("<", I64(c), cols_), present, none)
-                    ys.append(load(builder, builder.gep(e_data, [row]), lanes, vector))
-                    ahead_row = builder.add(row, builder.mul(I64(ahead * tile_width), k_))
-                    prefetch(builder, builder.gep(e_data, [ahead_row]), level)
-                return [
-                    multiply_add(builder, accs[r * tile_width + c], xs[r], ys[c])
-                    for r in range(count)
-                    for c in range(tile_width)
-                ]
+            def rows(first, count):
+                """The tile of ``count`` rows from row ``first``."""
+                a_data = builder.gep(a_arr.data, [builder.mul(first, a_pitch)])
 
-            accs = loop(builder, steps, [FLOATS(None)] * (count * tile_width), step)
-            add_reduced(builder, out_data, out_pitch_, accs, count, tile_width, cols_)
+                def step(index, accs):
+                    at = builder.mul(index, I64(step_width))
+                    present = mask(builder, builder.sub(k, at), step_width)
+                    xs = [
+                        load(
+                            builder,
+                            builder.gep(a_data, [builder.add(builder.mul(I64(r), a_pitch), at)]),
+                            present,
+                            vector,
+                        )
+                        for r in range(count)
+                    ]
+                    ys = []
+                    for j in range(TILE):
+                        row = builder.add(builder.mul(I64(j), k), at)
+                        lanes = builder.select(builder.icmp_signed("<", I64(j), cols), present, none)
+                        ys.append(load(builder, builder.gep(e_data, [row]), lanes, vector))
+                        ahead_row = builder.add(row, builder.mul(I64(ahead * TILE), k))
+                        prefetch(builder, builder.gep(e_data, [ahead_row]), level)
+                    return [
+                        multiply_add(builder, accs[r * TILE + j], xs[r], ys[j])
+                        for r in range(count)
+                        for j in range(TILE)
+                    ]
+
+                accs = loop(builder, steps, [FLOATS(None)] * (count * TILE), step)
+                out_data = builder.gep(out_arr.data, [builder.add(builder.mul(first, n), c)])
+                add_reduced(builder, out_data, n, accs, count, TILE, cols)
+                return []
+
+            whole = builder.sdiv(m, I64(TILE))
+            loop(builder, whole, [], lambda index, _: rows(builder.mul(index, I64(TILE)), TILE))
+            tail = builder.mul(whole, I64(TILE))
+            loop(builder, builder.sub(m, tail), [], lambda index, _: rows(builder.add(tail, index), 1))
             return context.get_dummy_value()
 
-        return sig, codegen
+        return types.void(a, e, out, at), codegen
 
     return tile
