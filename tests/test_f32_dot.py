@@ -1,11 +1,7 @@
 """kernels.f32_dot: float32 few-row products with AVX-512 FMAs equal numpy's float32 product to
 rounding for both weight layouts, odd shapes and every row tile, a column range and accumulation, the
 same bits at any thread count; kernels.blas sends it the few-row float32 products, and keeps its own
-path without AVX-512 (forced here)."""
-
-import os
-import subprocess
-import sys
+path without AVX-512 (forced here). Its switch and warm-up: tests/test_vector_kernels.py."""
 
 import numpy as np
 import pytest
@@ -46,15 +42,18 @@ def test_matches_numpy_on_odd_shapes(layout):
 
 @needs_avx512
 @pytest.mark.parametrize("layout", ["row-major", "transposed view"])
-def test_column_range_and_accumulate(layout):
-    """A column range writes those columns only; accumulate adds to what ``out`` holds."""
+def test_column_ranges_and_accumulate(layout):
+    """Each range writes its columns only (any start, tiles' tails inside), and accumulate adds to
+    what ``out`` holds."""
     a, w = _operands(9, 301, 517, layout)
     out = np.full((9, 517), 7.0, np.float32)
-    f32_dot.matmul(a, w, out, start=37, stop=300)
-    assert (out[:, :37] == 7).all() and (out[:, 300:] == 7).all()
-    _assert_product(out[:, 37:300], a, w, slice(37, 300))
-    f32_dot.matmul(a, w, out, accumulate=True, start=37, stop=300)
-    _assert_product(out[:, 37:300] / 2, a, w, slice(37, 300))
+    for start, stop in ((0, 37), (37, 300), (300, 517)):
+        f32_dot.matmul(a, w, out, start=start, stop=stop)
+        assert (out[:, stop:] == 7).all()
+    _assert_product(out, a, w)
+    f32_dot.matmul(a, w, out, accumulate=True, start=64, stop=128)
+    _assert_product(out[:, 64:128] / 2, a, w, slice(64, 128))
+    _assert_product(out[:, 128:], a, w, slice(128, None))
 
 
 @needs_avx512
@@ -90,14 +89,15 @@ def test_blas_sends_it_the_few_row_float32_products(monkeypatch):
     kernel = f32_dot.matmul
     monkeypatch.setattr(f32_dot, "matmul", lambda a, *args: taken.append(a.shape[0]) or kernel(a, *args))
     for layout in ("row-major", "transposed view"):
-        for m in (f32_dot.MIN_ROWS, 8, f32_dot.MAX_ROWS, f32_dot.MAX_ROWS + 1):
+        for m in (1, 2, 8, f32_dot.MAX_ROWS, f32_dot.MAX_ROWS + 1):
             a, w = _operands(m, 256, 512, layout)
             _assert_product(blas.matmul(a, w), a, w)
-    assert taken == [f32_dot.MIN_ROWS, 8, f32_dot.MAX_ROWS] * 2
+    # one row by a row-major weight: BLAS's GEMV
+    assert taken == [2, 8, f32_dot.MAX_ROWS] + [1, 2, 8, f32_dot.MAX_ROWS]
     a, w = _operands(8, 256, 512, "row-major")
     blas.matmul(a.astype(np.float64), w.astype(np.float64))  # float64 stays on small_m (the tp equality runs there)
     blas.matmul(a[:, :16], w[:16, :16].copy())  # a weight that stays in cache: BLAS
-    assert len(taken) == 6
+    assert len(taken) == 7
 
 
 @pytest.mark.parametrize("layout", ["row-major", "transposed view"])
@@ -109,22 +109,3 @@ def test_without_avx512_blas_keeps_its_path(monkeypatch, layout):
         a, w = _operands(m, 256, 512, layout)
         assert not f32_dot.takes(a, w)
         _assert_product(blas.matmul(a, w), a, w)
-
-
-def test_environment_switches_it_off():
-    """``HPC_TP_F32_DOT=0`` (an A/B against ``small_m`` and BLAS) leaves it off at import."""
-    code = "from hpc_tp.kernels import f32_dot; print(f32_dot.AVAILABLE)"
-    env = dict(os.environ, HPC_TP_F32_DOT="0")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "False"
-
-
-@needs_avx512
-def test_warm_up_prepares_both_kernels_for_a_float32_model_only():
-    """In a fresh process, ``warm_up`` for a float32 model leaves both kernels compiled or loaded (a
-    server's first request does not wait for them), and for another dtype touches none."""
-    count = "len(f32_dot._rows_by_matrix.signatures) + len(f32_dot._rows_by_transposed.signatures)"
-    for dtype, kernels in (("'float32'", 2), ("'float64'", 0)):
-        code = f"from hpc_tp.kernels import f32_dot; f32_dot.warm_up({dtype}); print({count})"
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        assert int(result.stdout) == kernels, dtype

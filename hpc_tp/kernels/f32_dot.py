@@ -29,8 +29,9 @@ import numpy
 from . import cpu_kernels, small_m, threads, vector_ir
 
 AVAILABLE = vector_ir.host_has("avx512f", "HPC_TP_F32_DOT")
-# Rows it takes: the ones where it was faster than MKL on the 135M model's shapes (docs/performance.md).
-MIN_ROWS, MAX_ROWS = 1, 64
+# Rows it takes: up to 64 it was faster than small_m and MKL on the 135M model's shapes, but one row by
+# a row-major weight stays BLAS's GEMV, which streams it faster (26 against 20 GB/s; docs/performance.md).
+MAX_ROWS = 64
 COLUMN_ALIGN = 64  # a thread's range of columns starts at a multiple of the widest tile
 # Weight rows a tile sums in registers before it is added to ``out``: the row-major kernel sweeps
 # these rows across its columns, then the next ones (8 rows by [576, 3072] from memory: 16 rows
@@ -45,7 +46,7 @@ _FLOAT32 = numpy.dtype(numpy.float32)
 
 def takes(a, w, out=None) -> bool:
     """True when ``matmul`` computes ``a @ w`` (into ``out``) here: AVX-512 on this CPU, both operands
-    2-D numpy float32, MIN_ROWS..MAX_ROWS rows, a weight of ``small_m.MIN_WEIGHT`` elements or more
+    2-D numpy float32, 1 to MAX_ROWS rows (2 or more for a row-major weight), a weight of ``small_m.MIN_WEIGHT`` elements or more
     (smaller ones stay in cache, where BLAS is as fast) stored row-major or as the transposed view of a
     row-major array, ``out`` None or float32 [M, N] C-contiguous apart from both."""
     return (
@@ -56,10 +57,10 @@ def takes(a, w, out=None) -> bool:
         and w.dtype == _FLOAT32
         and a.ndim == 2
         and w.ndim == 2
-        and MIN_ROWS <= a.shape[0] <= MAX_ROWS
+        and 1 <= a.shape[0] <= MAX_ROWS
         and a.shape[1] == w.shape[0]
         and w.size >= small_m.MIN_WEIGHT
-        and small_m.layout(w) is not None
+        and (w.T.flags.c_contiguous if a.shape[0] == 1 else small_m.layout(w) is not None)
         and vector_ir.fits(out, a, w)
     )
 

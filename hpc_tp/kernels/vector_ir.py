@@ -3,6 +3,9 @@ emit from numba ``@intrinsic``s (numba's own loops do not keep a tile of sums in
 ragged edge, nor prefetch, so the inner loops are written as IR with these helpers), the head's tile
 (``transposed_tile``), and the checks and row tiling around them.
 
+numba's disk cache of a kernel is keyed on its own module's source: after changing the IR emitted here,
+remove the kernels' cached files (``__pycache__/*.nbi``, ``*.nbc``) so they are compiled again.
+
 Vectors are AVX-512's: ``LANES`` float32 lanes. Masked loads and stores touch no memory on lanes
 that are off, so a tile at an array's edge reads and writes only the array's elements.
 """
