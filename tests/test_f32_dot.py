@@ -5,7 +5,9 @@ path without AVX-512 (forced here). Its switch and warm-up: tests/test_vector_ke
 
 import numpy as np
 import pytest
+from test_half_inference import _logits as model_logits
 from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
+from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.kernels import blas, f32_dot
 
@@ -98,6 +100,21 @@ def test_blas_sends_it_the_few_row_float32_products(monkeypatch):
     blas.matmul(a.astype(np.float64), w.astype(np.float64))  # float64 stays on small_m (the tp equality runs there)
     blas.matmul(a[:, :16], w[:16, :16].copy())  # a weight that stays in cache: BLAS
     assert len(taken) == 7
+
+
+@needs_avx512
+@pytest.mark.mpi(min_size=1)
+def test_a_float32_model_at_tp_gives_one_process_logits(monkeypatch):
+    """A float32 model's prefill and decode logits at tp = the world size are one process's to float32
+    rounding, where one process's decode products (its head, its MLP's first weight) run here and the
+    split ones, under MIN_WEIGHT at tp >= 2, through small_m and BLAS."""
+    taken = []
+    kernel = f32_dot.matmul
+    monkeypatch.setattr(f32_dot, "matmul", lambda a, *args: taken.append(a.shape[0]) or kernel(a, *args))
+    tp, one = tp_and_reference()
+    for step, (got, want) in enumerate(zip(model_logits(tp, "float32"), model_logits(one, "float32"))):
+        assert max_rel_err(got, want) <= 1e-5, f"step {step}"
+    assert taken  # every rank's one-process reference took the kernel
 
 
 @pytest.mark.parametrize("layout", ["row-major", "transposed view"])
