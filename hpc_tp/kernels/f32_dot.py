@@ -4,17 +4,21 @@ sums held in registers.
 
 A decode step multiplies a few rows by every weight, so its time is the weight's bytes over the
 memory's rate, if the arithmetic keeps up. ``kernels.small_m``'s numba loops keep their sums in an L1
-array, loaded and stored around every four multiply-adds: they ran [8, 576] @ [576, 3072] at about
-10 GB/s, half the streaming rate. Here the sums of a whole tile stay in vector registers over a chunk
-of K and reach ``out`` once, and the weight lines a few tiles ahead are prefetched:
+array, loaded and stored around every four multiply-adds: they ran [8, 576] @ [576, 3072] at 8-12
+GB/s, where the weights stream at ~22. Here the sums of a whole tile stay in vector registers:
 
 * ``w`` row-major [K, N] (the linear layers): a tile of 8 rows x 32 columns (16 vectors of sums; 6 x
   64, 4 x 64, 2 x 128 or 1 x 64 for other row counts) takes one weight row's strip per step, each
   ``a[r, p]`` broadcast to every lane, so each weight element is loaded once for all of the tile's
-  rows. Over K_CHUNK steps the chunk of a COLUMN_BLOCK of columns stays in L2 for the next row tile.
+  rows. The tiles sweep a chunk of K_CHUNK weight rows across the columns, then the next chunk. A
+  tile's strip is a line or two every row, a row's length apart, which the hardware's prefetchers
+  do not stream (walking down K in one tile, or asking for the lines of the tiles to its right,
+  read 8-12 GB/s); so each step also asks for lines of the next chunk in the order they are stored,
+  as many as it reads, and the next chunk streams in at the memory's rate while this one is summed.
 * ``w`` the transposed view of a row-major [N, K] (the tied LM head ``h @ E.T``): each lane sums one
   row of ``a`` against one row of ``E`` along K, 4 x 4 (rows x vocabulary rows) vectors a tile,
-  reduced to 16 sums by a tree of shuffles at the end (``vector_ir.transposed_tile``).
+  reduced to 16 sums by a tree of shuffles at the end (``vector_ir.transposed_tile``); the rows of
+  ``E`` HEAD_PREFETCH_TILES tiles further are asked for as it goes.
 
 Sums are exact FMAs in a fixed order (a column's along K in chunks, whatever the tile or the thread):
 the result matches numpy's product to float32 rounding, and is the same bits at any thread count.
