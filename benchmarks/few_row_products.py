@@ -1,8 +1,9 @@
 """Decode-shaped products, BLAS against ``kernels.small_m``, alternating in one run: [M, K] @ W for the
 135M llama model's MLP weights and its tied head (a transposed view of the [49152, 576] embedding),
-float32 through ``kernels.blas``'s BLAS path and through the few-row kernel, and bfloat16 weights
-(with bfloat16 activations, as ``--dtype bfloat16`` holds them) through the kernel and, where the CPU
-has avx512_bf16, through ``kernels.bf16_dot``. Then prefill-shaped products ([--prefill-rows, K] @ W,
+float32 through ``kernels.blas``'s BLAS path, through the few-row kernel and, where the CPU has
+AVX-512, through ``kernels.f32_dot``, and bfloat16 weights (with bfloat16 activations, as ``--dtype
+bfloat16`` holds them) through the kernel and, where the CPU has avx512_bf16, through
+``kernels.bf16_dot``. Then prefill-shaped products ([--prefill-rows, K] @ W,
 the weight in cache) in GFLOP/s: float32 through MKL, bfloat16 through ``blas.widened_matmul`` and
 through ``kernels.bf16_dot``.
 
@@ -20,8 +21,9 @@ kernels'), alternating within each round; the times are then wall times, since a
 work is not the calling thread's CPU time (on a loaded machine they include waits for a core).
 
 ``--step`` times instead a whole decode step's products of that model at 8 rows, float32 (30 layers
-of QKV [576, 960], output [576, 576], gate and up [576, 3072], down [1536, 576], then the head): each
-round, per thread count, the median wall and process CPU time (every thread's) of ``--repeats`` steps.
+of QKV [576, 960], output [576, 576], gate and up [576, 3072], down [1536, 576], then the head),
+through ``kernels.small_m`` and ``kernels.f32_dot`` in turn: each round, per way and thread count, the
+median wall and process CPU time (every thread's) of ``--repeats`` steps.
 OpenMP's wait policy is read once a process, so compare it across runs (``OMP_WAIT_POLICY=active``).
 """
 
@@ -53,8 +55,9 @@ STEP_WEIGHTS = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 
 
 def decode_step_times(counts, rounds: int, repeats: int):
-    """{count: ([median wall s], [median CPU s])} over the rounds, for ``--step``."""
-    from hpc_tp.kernels import small_m, threads
+    """{(way, count): ([median wall s], [median CPU s])} over the rounds, for ``--step``: the products
+    through ``kernels.small_m`` and, where the CPU has AVX-512, through ``kernels.f32_dot``."""
+    from hpc_tp.kernels import f32_dot, small_m, threads
 
     rng = numpy.random.default_rng(0)
     layers = [[rng.standard_normal(shape).astype(numpy.float32) for shape in STEP_WEIGHTS] for _ in range(30)]
@@ -63,22 +66,25 @@ def decode_step_times(counts, rounds: int, repeats: int):
         rng.standard_normal((8, 576)).astype(numpy.float32),
         rng.standard_normal((8, 1536)).astype(numpy.float32),
     )
+    ways = {"small_m": small_m.matmul}
+    if f32_dot.AVAILABLE:
+        ways["f32_dot"] = f32_dot.matmul
 
-    def step():
+    def step(matmul):
         for layer in layers:
             for w in layer:
-                small_m.matmul(inner if w.shape[0] == inner.shape[1] else hidden, w)
-        small_m.matmul(hidden, head)
+                matmul(inner if w.shape[0] == inner.shape[1] else hidden, w)
+        matmul(hidden, head)
 
-    times = {count: ([], []) for count in counts}
+    times = {(way, count): ([], []) for way in ways for count in counts}
     for _ in range(rounds):
-        for count, (walls, cpus) in times.items():
+        for (way, count), (walls, cpus) in times.items():
             threads.use(count)
-            step()  # the kernels compiled or loaded, the weights touched
+            step(ways[way])  # the kernels compiled or loaded, the weights touched
             samples = []
             for _ in range(repeats):
                 wall, cpu = time.perf_counter(), time.process_time()
-                step()
+                step(ways[way])
                 samples.append((time.perf_counter() - wall, time.process_time() - cpu))
             walls.append(numpy.median([wall for wall, _ in samples]))
             cpus.append(numpy.median([cpu for _, cpu in samples]))
@@ -88,7 +94,7 @@ def decode_step_times(counts, rounds: int, repeats: int):
 def main():
     import ml_dtypes
 
-    from hpc_tp.kernels import bf16_dot, blas, small_m, threads
+    from hpc_tp.kernels import bf16_dot, blas, f32_dot, small_m, threads
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,32", help="values of M (default %(default)s)")
@@ -102,9 +108,9 @@ def main():
     args = parser.parse_args()
     counts = [threads.COUNT] if args.threads is None else [int(c) for c in args.threads.split(",")]
     if args.step:
-        for count, (walls, cpus) in decode_step_times(counts, args.rounds, args.repeats).items():
+        for (way, count), (walls, cpus) in decode_step_times(counts, args.rounds, args.repeats).items():
             print(
-                f"decode step, 8 rows, {count} thread(s): wall {min(walls) * 1e3:.1f}-{max(walls) * 1e3:.1f} ms, "
+                f"decode step, 8 rows, {way}, {count} thread(s): wall {min(walls) * 1e3:.1f}-{max(walls) * 1e3:.1f} ms, "
                 f"CPU {min(cpus) * 1e3:.1f}-{max(cpus) * 1e3:.1f} ms",
                 flush=True,
             )
@@ -124,6 +130,10 @@ def main():
             ways = {
                 "blas f32": (lambda w: blas._mkl_gemm(a, w, out, 0.0) or numpy.matmul(a, w, out=out), full),
                 "small_m f32": (lambda w: small_m.matmul(a, w, out), full),
+            }
+            if f32_dot.AVAILABLE:
+                ways["f32_dot"] = (lambda w: f32_dot.matmul(a, w, out), full)
+            ways |= {
                 "small_m bf16": (lambda w: small_m.matmul(a_half, w, out), half),
             }
             if bf16_dot.AVAILABLE:

@@ -1,11 +1,8 @@
 """kernels.bf16_dot: bfloat16 products through ``vdpbf16ps`` equal the float32 product of the same
 bfloat16 values to rounding, for both weight layouts, odd shapes, few rows and many, a column range
 and accumulation; kernels.blas sends it bfloat16 by bfloat16 products where the CPU has the
-instruction, and the widening path keeps them where it has not (forced here)."""
-
-import os
-import subprocess
-import sys
+instruction, and the widening path keeps them where it has not (forced here). Its switch and warm-up:
+tests/test_vector_kernels.py."""
 
 import numpy as np
 import pytest
@@ -94,23 +91,3 @@ def test_forced_fallback_keeps_the_widening_path(monkeypatch, layout):
         a, w = _operands(m, 301, 517, layout)
         assert not bf16_dot.takes(a, w)
         _assert_float32_product(blas.matmul(a, w), a, w)
-
-
-def test_environment_switches_it_off():
-    """``HPC_TP_BF16_DOT=0`` (an A/B against the widening path) leaves it off at import."""
-    code = "from hpc_tp.kernels import bf16_dot; print(bf16_dot.AVAILABLE)"
-    env = dict(os.environ, HPC_TP_BF16_DOT="0")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "False"
-
-
-@needs_bf16
-def test_warm_up_prepares_both_kernels_for_a_bfloat16_model_only():
-    """In a fresh process, ``warm_up`` for a bfloat16 model leaves both kernels compiled or loaded (a
-    server's first request does not wait for them), and for another dtype touches none."""
-    count = "len(bf16_dot._rows_by_matrix.signatures + bf16_dot._rows_by_matrix_over.signatures)"
-    count += " + len(bf16_dot._rows_by_transposed.signatures + bf16_dot._rows_by_transposed_over.signatures)"
-    for dtype, kernels in (("ml_dtypes.bfloat16", 2), ("'float32'", 0)):
-        code = f"import ml_dtypes; from hpc_tp.kernels import bf16_dot; bf16_dot.warm_up({dtype}); print({count})"
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        assert int(result.stdout) == kernels, dtype

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpc_tp.kernels import blas, mkl_jit
+from hpc_tp.kernels import blas, f32_dot, mkl_jit
 
 rng = np.random.default_rng(0)
 M, K, N = 96, 160, 144  # 2.2M multiply-adds: above MIN_MACS, so MKL takes it where installed
@@ -60,7 +60,9 @@ def test_weight_gradient_is_summed_into_its_buffer():
 
 
 def _count_mkl_calls(monkeypatch):
-    """The MKL GEMM calls made from here on, as (m, n, k); none where MKL is not installed."""
+    """The MKL GEMM calls made from here on, as (m, n, k); none where MKL is not installed. Few-row
+    float32 products stay with MKL (not ``kernels.f32_dot``) for these tests."""
+    monkeypatch.setattr(f32_dot, "AVAILABLE", False)
     calls = []
     for dtype, kernel in list(blas.GEMMS.items()):
         monkeypatch.setitem(blas.GEMMS, dtype, lambda *args, kernel=kernel: (calls.append(args[3:6]), kernel(*args)))

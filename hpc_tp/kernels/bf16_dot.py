@@ -32,38 +32,22 @@ threads may split one product by columns.
 
 from __future__ import annotations
 
-import os
-
 import numpy
 
-from . import cpu_kernels, threads
+from . import cpu_kernels, threads, vector_ir
 
 # Ranges of output columns a thread takes start at multiples of the widest tile (64 columns).
 COLUMN_ALIGN = 64
 
 COLUMN_GROUP = 32  # columns of one interleaved pair of weight-row loads (two float32 vectors)
-HEAD_TILE = 4  # input rows and weight rows of the transposed kernel's tile
 K_CHUNK = 256  # weight rows summed in registers before a tile is added to ``out``
 COLUMN_BLOCK = 512  # columns of the row-major kernel's block: its K_CHUNK rows stay in L2 across row tiles
 # The row-major kernel asks for the weight lines of the tile this many tiles to the right (same rows)
 # while it sums its own: at 2, 8 rows by [576, 3072] took 0.28-0.33 ms against 0.40-0.47 at 1; 3-6 no faster.
 PREFETCH_TILES = 2
-_LANES = 16
 
 
-def _host_has_bf16() -> bool:
-    # NUMBA_CPU_NAME compiles for another CPU than this one (a portable cache): it may lack the instruction.
-    if not cpu_kernels.ENABLED or cpu_kernels.numba.config.CPU_NAME or os.environ.get("HPC_TP_BF16_DOT", "1") == "0":
-        return False
-    import llvmlite.binding  # only with numba, which brings it
-
-    try:
-        return bool(llvmlite.binding.get_host_cpu_features().get("avx512bf16", False))
-    except RuntimeError:  # LLVM cannot tell on this host
-        return False
-
-
-AVAILABLE = _host_has_bf16()
+AVAILABLE = vector_ir.host_has("avx512bf16", "HPC_TP_BF16_DOT")
 
 
 def _bfloat16_dtype():
@@ -91,18 +75,7 @@ def takes(a, w, out=None) -> bool:
         and w.ndim == 2
         and a.shape[1] == w.shape[0]
         and (w.flags.c_contiguous or w.T.flags.c_contiguous)
-        and (
-            out is None
-            or (
-                isinstance(out, numpy.ndarray)
-                and out.dtype == numpy.float32
-                and out.flags.c_contiguous
-                and out.flags.writeable
-                and out.shape == (a.shape[0], w.shape[1])
-                and not numpy.may_share_memory(out, a)
-                and not numpy.may_share_memory(out, w)
-            )
-        )
+        and vector_ir.fits(out, a, w)
     )
 
 
@@ -146,8 +119,9 @@ def matmul(a, w, out=None, accumulate: bool = False, start: int = 0, stop: int |
 if AVAILABLE:
     from llvmlite import ir
     from numba import types
-    from numba.core import cgutils
     from numba.core.extending import intrinsic
+
+    from .vector_ir import FLOATS, I16, I32, I64, LANES
 
     class _BFloat(ir.Type):
         """LLVM's ``bfloat``, which llvmlite's IR builder does not name (the instruction's operand type)."""
@@ -161,85 +135,18 @@ if AVAILABLE:
         def __hash__(self):
             return hash(_BFloat)
 
-    _F32, _I1, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-    _FLOATS = ir.VectorType(_F32, _LANES)
-    _PAIRS = ir.VectorType(_BFloat(), 2 * _LANES)
-    _HALVES = ir.VectorType(_I16, 2 * _LANES)
-
-    def _declare(builder, name, result, arguments):
-        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)
+    _PAIRS = ir.VectorType(_BFloat(), 2 * LANES)
+    _HALVES = ir.VectorType(I16, 2 * LANES)
 
     def _dot(builder, acc, x, y):
         """acc + the pairwise products of ``x`` and ``y`` (``<32 x i16>`` bfloat16 bits each)."""
-        dot = _declare(builder, "llvm.x86.avx512bf16.dpbf16ps.512", _FLOATS, [_FLOATS, _PAIRS, _PAIRS])
+        dot = vector_ir.declare(builder, "llvm.x86.avx512bf16.dpbf16ps.512", FLOATS, [FLOATS, _PAIRS, _PAIRS])
         return builder.call(dot, [acc, builder.bitcast(x, _PAIRS), builder.bitcast(y, _PAIRS)])
-
-    def _mask(builder, valid, width):
-        """<width x i1>: the first ``valid`` (an i64, clamped to [0, width]) lanes set."""
-        clamped = builder.select(builder.icmp_signed("<", valid, _I64(0)), _I64(0), valid)
-        clamped = builder.select(builder.icmp_signed(">", clamped, _I64(width)), _I64(width), clamped)
-        bits = builder.sub(builder.shl(_I64(1), clamped), _I64(1))  # width <= 32: no shift by 64
-        return builder.bitcast(builder.trunc(bits, ir.IntType(width)), ir.VectorType(_I1, width))
-
-    def _load(builder, pointer, mask, vector):
-        """Masked load of ``vector`` from ``pointer``: lanes off in ``mask`` read as zeros and touch no memory."""
-        floats = vector.element == _F32
-        name = f"llvm.masked.load.v{vector.count}{'f32' if floats else 'i16'}.p0"
-        function = _declare(builder, name, vector, [pointer.type, _I32, mask.type, vector])
-        return builder.call(function, [pointer, _I32(4 if floats else 2), mask, vector(None)])
-
-    def _store(builder, value, pointer, mask):
-        name = f"llvm.masked.store.v{value.type.count}f32.p0"
-        function = _declare(builder, name, ir.VoidType(), [value.type, pointer.type, _I32, mask.type])
-        builder.call(function, [value, pointer, _I32(4), mask])
-
-    def _prefetch(builder, pointer):
-        """Ask for the cache line at ``pointer`` (into L1; a hint, never a fault)."""
-        function = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [pointer.type, _I32, _I32, _I32])
-        builder.call(function, [pointer, _I32(0), _I32(3), _I32(1)])
-
-    def _data(context, builder, array_type, array):
-        return context.make_array(array_type)(context, builder, array).data
 
     def _broadcast_pair(builder, halves, at):
         """The 32-bit word of two bfloat16 at ``halves + at`` (elements) in every lane, as <32 x i16>."""
-        word = builder.load(builder.bitcast(builder.gep(halves, [at]), _I32.as_pointer()), align=2)
-        lanes = builder.insert_element(ir.VectorType(_I32, _LANES)(None), word, _I32(0))
-        splat = builder.shuffle_vector(lanes, lanes, ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES))
-        return builder.bitcast(splat, _HALVES)
-
-    def _add_into(builder, out, at, value, mask):
-        """out[at : at + len(value)] += value on the lanes of ``mask``."""
-        pointer = builder.gep(out, [at])
-        _store(builder, builder.fadd(_load(builder, pointer, mask, value.type), value), pointer, mask)
-
-    def _loop(builder, count, carried, body):
-        """for i in range(count): carried = body(i, carried) (lists of LLVM values); the final ``carried``."""
-        entry = builder.block
-        header = builder.append_basic_block("dot.header")
-        step = builder.append_basic_block("dot.body")
-        done = builder.append_basic_block("dot.done")
-        builder.branch(header)
-        builder.position_at_end(header)
-        index = builder.phi(_I64)
-        index.add_incoming(_I64(0), entry)
-        phis = []
-        for value in carried:
-            phi = builder.phi(value.type)
-            phi.add_incoming(value, entry)
-            phis.append(phi)
-        builder.cbranch(builder.icmp_signed("<", index, count), step, done)
-        builder.position_at_end(step)
-        updated = body(index, phis)
-        index.add_incoming(builder.add(index, _I64(1)), builder.block)
-        for phi, value in zip(phis, updated):
-            phi.add_incoming(value, builder.block)
-        builder.branch(header)
-        builder.position_at_end(done)
-        return phis
-
-    def _literal(value):
-        return value.literal_value if isinstance(value, types.IntegerLiteral) else None
+        word = builder.load(builder.bitcast(builder.gep(halves, [at]), I32.as_pointer()), align=2)
+        return builder.bitcast(vector_ir.splat(builder, word, LANES), _HALVES)
 
     @intrinsic(prefer_literal=True)
     def _matrix_tile(typingctx, a, a_at, a_pitch, rows, w, w_at, w_pitch, pairs, out, out_at, out_pitch, cols, groups):
@@ -248,7 +155,7 @@ if AVAILABLE:
         with ``a_pitch`` elements a row, ``w`` from ``w_at`` (``w_pitch``), ``out`` from ``out_at``
         (``out_pitch``). ``w_pitch`` 0 reads one row, its pair's second row zeros (an odd K's last row;
         ``a`` holds a zero there too)."""
-        count, group_count = _literal(rows), _literal(groups)
+        count, group_count = vector_ir.literal(rows), vector_ir.literal(groups)
         if count is None or group_count is None:
             return None
         sig = types.void(a, a_at, a_pitch, rows, w, w_at, w_pitch, pairs, out, out_at, out_pitch, cols, groups)
@@ -256,127 +163,48 @@ if AVAILABLE:
         def codegen(context, builder, signature, args):
             a_arr, a_at_, a_pitch_, _, w_arr, w_at_, w_pitch_, pairs_, out_arr, out_at_, out_pitch_, cols_, _ = args
             kinds = signature.args
-            a_data = builder.gep(_data(context, builder, kinds[0], a_arr), [a_at_])
-            w_data = builder.gep(_data(context, builder, kinds[4], w_arr), [w_at_])
-            out_data = builder.gep(_data(context, builder, kinds[8], out_arr), [out_at_])
+            a_data = builder.gep(vector_ir.data(context, builder, kinds[0], a_arr), [a_at_])
+            w_data = builder.gep(vector_ir.data(context, builder, kinds[4], w_arr), [w_at_])
+            out_data = builder.gep(vector_ir.data(context, builder, kinds[8], out_arr), [out_at_])
             group_masks = [
-                _mask(builder, builder.sub(cols_, _I64(COLUMN_GROUP * g)), COLUMN_GROUP) for g in range(group_count)
+                vector_ir.mask(builder, builder.sub(cols_, I64(COLUMN_GROUP * g)), COLUMN_GROUP)
+                for g in range(group_count)
             ]
             none = ir.Constant(group_masks[0].type, [0] * COLUMN_GROUP)
-            has_second = builder.icmp_signed("!=", w_pitch_, _I64(0))
+            has_second = builder.icmp_signed("!=", w_pitch_, I64(0))
             second_masks = [builder.select(has_second, mask, none) for mask in group_masks]
-            low = ir.Constant(ir.VectorType(_I32, 2 * _LANES), [i // 2 + (i % 2) * 2 * _LANES for i in range(32)])
-            high = ir.Constant(
-                ir.VectorType(_I32, 2 * _LANES), [_LANES + i // 2 + (i % 2) * 2 * _LANES for i in range(32)]
-            )
-            zero = _FLOATS(None)
+            low = ir.Constant(ir.VectorType(I32, 2 * LANES), [i // 2 + (i % 2) * 2 * LANES for i in range(32)])
+            high = ir.Constant(ir.VectorType(I32, 2 * LANES), [LANES + i // 2 + (i % 2) * 2 * LANES for i in range(32)])
+            zero = FLOATS(None)
 
             def step(index, accs):
-                first = builder.gep(w_data, [builder.mul(builder.mul(index, _I64(2)), w_pitch_)])
+                first = builder.gep(w_data, [builder.mul(builder.mul(index, I64(2)), w_pitch_)])
                 second = builder.gep(first, [w_pitch_])
                 weights = []
                 for g, (mask, second_mask) in enumerate(zip(group_masks, second_masks)):
-                    top = _load(builder, builder.gep(first, [_I64(COLUMN_GROUP * g)]), mask, _HALVES)
-                    bottom = _load(builder, builder.gep(second, [_I64(COLUMN_GROUP * g)]), second_mask, _HALVES)
+                    top = vector_ir.load(builder, builder.gep(first, [I64(COLUMN_GROUP * g)]), mask, _HALVES)
+                    bottom = vector_ir.load(builder, builder.gep(second, [I64(COLUMN_GROUP * g)]), second_mask, _HALVES)
                     weights += [builder.shuffle_vector(top, bottom, low), builder.shuffle_vector(top, bottom, high)]
-                    ahead = _I64(COLUMN_GROUP * (PREFETCH_TILES * group_count + g))
-                    _prefetch(builder, builder.gep(first, [ahead]))
-                    _prefetch(builder, builder.gep(second, [ahead]))
+                    ahead = I64(COLUMN_GROUP * (PREFETCH_TILES * group_count + g))
+                    vector_ir.prefetch(builder, builder.gep(first, [ahead]))
+                    vector_ir.prefetch(builder, builder.gep(second, [ahead]))
                 updated = []
                 for r in range(count):
                     pair = _broadcast_pair(
-                        builder, a_data, builder.add(builder.mul(_I64(r), a_pitch_), builder.mul(index, _I64(2)))
+                        builder, a_data, builder.add(builder.mul(I64(r), a_pitch_), builder.mul(index, I64(2)))
                     )
                     updated += [
                         _dot(builder, accs[r * len(weights) + v], pair, weights[v]) for v in range(len(weights))
                     ]
                 return updated
 
-            accs = _loop(builder, pairs_, [zero] * (count * 2 * group_count), step)
-            vectors = 2 * group_count
-            for r in range(count):
-                row = builder.mul(_I64(r), out_pitch_)
-                for v in range(vectors):
-                    mask = _mask(builder, builder.sub(cols_, _I64(_LANES * v)), _LANES)
-                    _add_into(builder, out_data, builder.add(row, _I64(_LANES * v)), accs[r * vectors + v], mask)
+            accs = vector_ir.loop(builder, pairs_, [zero] * (count * 2 * group_count), step)
+            vector_ir.add_tile(builder, out_data, out_pitch_, accs, count, cols_)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    def _fold(builder, x, y, bit):
-        """One level of the reduction tree: lanes with ``bit`` clear hold x's lanes l + l ^ bit, the
-        others y's: two vectors of partial sums become one with half as many lanes per sum."""
-        lanes = range(_LANES)
-        keep = [lane if lane & bit == 0 else _LANES + (lane ^ bit) for lane in lanes]
-        swap = [lane ^ bit if lane & bit == 0 else _LANES + lane for lane in lanes]
-        index = ir.VectorType(_I32, _LANES)
-        return builder.fadd(
-            builder.shuffle_vector(x, y, ir.Constant(index, keep)),
-            builder.shuffle_vector(x, y, ir.Constant(index, swap)),
-        )
-
-    def _reduce(builder, vectors):
-        """One vector whose lanes hold the lane sums of ``vectors`` (at most 16): (vector, owners),
-        ``owners[l]`` the index of the vector whose sum lane l holds."""
-        items = [(v, [i] * _LANES) for i, v in enumerate(vectors)]
-        bit = _LANES // 2
-        while bit:
-            pairs = zip(items[0::2], items[1::2]) if len(items) > 1 else [(items[0], items[0])]
-            items = [
-                (_fold(builder, x, y, bit), [xo[lane] if lane & bit == 0 else yo[lane] for lane in range(_LANES)])
-                for (x, xo), (y, yo) in pairs
-            ]
-            bit //= 2
-        return items[0]
-
-    @intrinsic(prefer_literal=True)
-    def _transposed_tile(typingctx, a, a_at, a_pitch, rows, e, e_at, k, out, out_at, out_pitch, cols, width):
-        """out[r, c] += sum over p < k of a[r, p] e[c, p] for r < ``rows`` and c < ``cols`` (at most
-        ``width``; both literals, ``rows`` x ``width`` <= 16): ``a`` from element ``a_at`` with
-        ``a_pitch`` a row, ``e``'s rows ``k`` apart from ``e_at``, ``out`` from ``out_at`` (``out_pitch``)."""
-        count, tile = _literal(rows), _literal(width)
-        if count is None or tile is None:
-            return None
-        sig = types.void(a, a_at, a_pitch, rows, e, e_at, k, out, out_at, out_pitch, cols, width)
-
-        def codegen(context, builder, signature, args):
-            a_arr, a_at_, a_pitch_, _, e_arr, e_at_, k_, out_arr, out_at_, out_pitch_, cols_, _ = args
-            kinds = signature.args
-            a_data = builder.gep(_data(context, builder, kinds[0], a_arr), [a_at_])
-            e_data = builder.gep(_data(context, builder, kinds[4], e_arr), [e_at_])
-            out_data = builder.gep(_data(context, builder, kinds[7], out_arr), [out_at_])
-            width_ = 2 * _LANES
-            none = ir.Constant(ir.VectorType(_I1, width_), [0] * width_)
-            steps = builder.sdiv(builder.add(k_, _I64(width_ - 1)), _I64(width_))
-
-            def step(index, accs):
-                at = builder.mul(index, _I64(width_))
-                mask = _mask(builder, builder.sub(k_, at), width_)
-                xs = [
-                    _load(
-                        builder, builder.gep(a_data, [builder.add(builder.mul(_I64(r), a_pitch_), at)]), mask, _HALVES
-                    )
-                    for r in range(count)
-                ]
-                ys = []
-                for c in range(tile):
-                    row = builder.add(builder.mul(_I64(c), k_), at)
-                    present = builder.select(builder.icmp_signed("<", _I64(c), cols_), mask, none)
-                    ys.append(_load(builder, builder.gep(e_data, [row]), present, _HALVES))
-                    _prefetch(builder, builder.gep(e_data, [builder.add(row, builder.mul(_I64(tile), k_))]))
-                return [_dot(builder, accs[r * tile + c], xs[r], ys[c]) for r in range(count) for c in range(tile)]
-
-            accs = _loop(builder, steps, [_FLOATS(None)] * (count * tile), step)
-            sums, owners = _reduce(builder, accs)
-            index = ir.VectorType(_I32, tile)
-            mask = _mask(builder, cols_, tile)
-            for r in range(count):
-                lanes = [owners.index(r * tile + c) for c in range(tile)]
-                row = builder.shuffle_vector(sums, sums, ir.Constant(index, lanes))
-                _add_into(builder, out_data, builder.mul(_I64(r), out_pitch_), row, mask)
-            return context.get_dummy_value()
-
-        return sig, codegen
+    _transposed_tile = vector_ir.transposed_tile(_HALVES, _dot, 1, 1)
 
 
 if AVAILABLE:
@@ -385,15 +213,6 @@ else:  # never called: ``takes`` answers False without the instruction
 
     def _jit(function):
         return function
-
-
-@_jit
-def _tile_rows(left):
-    """Rows of the next tile when ``left`` rows remain: 6 x 64 columns (24 accumulators) runs a
-    prefill's product fastest, 8 x 32 a decode batch of 8 (one pass over the weight instead of two)."""
-    if 8 <= left < 12:
-        return 8
-    return 6 if left >= 6 else 4 if left >= 4 else 2 if left >= 2 else 1
 
 
 @_jit
@@ -433,13 +252,13 @@ def _rows_by_matrix(a, w, out, accumulate, start, stop):
             pairs = min(K_CHUNK, even - k0) // 2
             r = 0
             while r < m:
-                rows = _tile_rows(m - r)
+                rows = vector_ir.tile_rows(m - r)
                 _matrix_tiles(a, r, rows, w, k0, pairs, n, out, block, end)
                 r += rows
         if k % 2:  # the last row alone (pitch 0: paired with zeros)
             r = 0
             while r < m:
-                rows = _tile_rows(m - r)
+                rows = vector_ir.tile_rows(m - r)
                 _matrix_tiles(a, r, rows, w, even, 1, 0, out, block, end)
                 r += rows
 
@@ -448,18 +267,10 @@ def _rows_by_matrix(a, w, out, accumulate, start, stop):
 def _rows_by_transposed(a, e, out, accumulate, start, stop):
     """out[:, start:stop] (+)= a @ e[start:stop].T for bfloat16 bits ``a`` [M, K rounded up to even]
     and ``e`` [N, K] row-major; float32 ``out`` [M, N]."""
-    m, k, n = a.shape[0], e.shape[1], out.shape[1]
-    a_pitch = a.shape[1]
     if not accumulate:
         out[:, start:stop] = 0
-    for c in range(start, stop, HEAD_TILE):
-        r = 0
-        while r + HEAD_TILE <= m:
-            _transposed_tile(a, r * a_pitch, a_pitch, 4, e, c * k, k, out, r * n + c, n, stop - c, 4)
-            r += HEAD_TILE
-        while r < m:
-            _transposed_tile(a, r * a_pitch, a_pitch, 1, e, c * k, k, out, r * n + c, n, stop - c, 4)
-            r += 1
+    for c in range(start, stop, vector_ir.TILE):
+        _transposed_tile(a, e, out, (c, min(vector_ir.TILE, stop - c)))
 
 
 # The threads' drivers (``kernels.threads.run``): each range of output columns on a thread of its own.

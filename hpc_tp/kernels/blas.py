@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import xp_of
-from . import bf16_dot, cublas, mkl_jit, small_m
+from . import bf16_dot, cublas, f32_dot, mkl_jit, small_m
 from .mkl import GEMMS, LIBRARY, NO_TRANS, ROW_MAJOR, TRANS
 
 BACKEND = "mkl" if LIBRARY is not None else "numpy"
@@ -134,12 +134,15 @@ def matmul(a, b, out=None, accumulate: bool = False):
     """``a @ b`` into ``out`` when given (``out += a @ b`` with ``accumulate``): 2-D arrays, or batches
     of matrices over broadcast leading dims (attention's heads). MKL takes the 2-D host products it
     can, cuBLAS or cupy the device ones (``_device_matmul``), numpy the rest; ``kernels.bf16_dot``
-    bfloat16 by bfloat16 where the CPU has AVX512_BF16, ``kernels.small_m`` the few-row ones against a
-    weight and those with a half-precision weight (float32 sums)."""
+    bfloat16 by bfloat16 where the CPU has AVX512_BF16, ``kernels.f32_dot`` float32 few-row ones
+    against a weight where it has AVX-512, ``kernels.small_m`` the other few-row ones and those with
+    a half-precision weight (float32 sums)."""
     if xp_of(a) is not numpy:
         return _device_matmul(a, b, out, accumulate)
     if bf16_dot.takes(a, b, out):
         return bf16_dot.matmul(a, b, out, accumulate)
+    if f32_dot.takes(a, b, out):
+        return f32_dot.matmul(a, b, out, accumulate)
     # -- few rows against a weight (decoding), and half-precision weights: ``kernels.small_m`` --
     if not accumulate and small_m.takes(a, b, out):
         return small_m.matmul(a, b, out)

@@ -30,7 +30,8 @@ one range a thread, each column summed in the same order at any count.
 
 Without numba (or with ``HPC_TP_CPU_KERNELS=0``) ``takes`` answers False and ``kernels.blas`` keeps its
 BLAS path (half weights: ``blas.widened_matmul``). bfloat16 activations by bfloat16 weights go to
-``kernels.bf16_dot`` instead where the CPU has AVX512_BF16 (``blas.matmul`` asks it first).
+``kernels.bf16_dot`` instead where the CPU has AVX512_BF16, and float32 ones to ``kernels.f32_dot``
+where it has AVX-512 (``blas.matmul`` asks them first).
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def run(args) -> int:
     # loaded when the command runs, not by hpc-tp --help
-    from ..kernels import bf16_dot, paged_attention, quantized, small_m
+    from ..kernels import bf16_dot, f32_dot, paged_attention, quantized, small_m
     from .chat import read_template, stop_at_end_of_turn, template_for
     from .embed import load_encoder
     from .loading import load_for_inference, open_checkpoint
@@ -175,6 +175,7 @@ def run(args) -> int:
         if model.cfg.quantize:
             quantized.warm_up(model.dtype)
         bf16_dot.warm_up(model.dtype)
+        f32_dot.warm_up(model.dtype)
     if server is not None:  # a request the whole KV cache cannot hold is refused as it comes
         server.kv_tokens = getattr(batcher, "kv_tokens", None)
     if grid.world.rank != 0:
