@@ -102,22 +102,25 @@ def _decode(q, k, v, k_bits, v_bits, kind, slots, counts, out, window, first_pai
         n = counts[b]
         first = max(0, n - window) if window else 0
         tops[:] = -numpy.inf
-        for t in range(first, n):
-            if kind == FULL:
-                _score(q[b, h], k[h, slots[b, t]], scores, tops, t)
-            else:
+        queries = q[b, h]
+        if kind == FULL:  # a branch a row, not a key: LLVM keeps each loop's body as tight as before
+            for t in range(first, n):
+                _score(queries, k[h, slots[b, t]], scores, tops, t)
+        else:
+            for t in range(first, n):
                 _row(k_bits[h, slots[b, t]], row, kind)
-                _score(q[b, h], row, scores, tops, t)
+                _score(queries, row, scores, tops, t)
         totals[:] = 0.0
         for j in range(group):
             for t in range(first, n):
                 scores[j, t] = math.exp(scores[j, t] - tops[j])
                 totals[j] += scores[j, t]
         sums[:] = 0.0
-        for t in range(first, n):
-            if kind == FULL:
+        if kind == FULL:
+            for t in range(first, n):
                 _accumulate(scores, t, v[h, slots[b, t]], sums)
-            else:
+        else:
+            for t in range(first, n):
                 _row(v_bits[h, slots[b, t]], row, kind)
                 _accumulate(scores, t, row, sums)
         for j in range(group):
