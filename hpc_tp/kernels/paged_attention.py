@@ -10,9 +10,9 @@ Used for numpy arrays when the fused CPU kernels are on (``cpu_kernels.ENABLED``
 
 * float32 and float64 pools: everything in the arrays' dtype (as MKL's products are);
 * half-precision pools (bfloat16 from ml_dtypes, float16): each K or V row is widened to float32 in
-  L1 as it is read (``small_m._widen``: a bfloat16 is the upper half of a float32's bits), the queries
-  once before the loop, and scores, softmax and sums run in float32; the output is rounded to the
-  activations' dtype once, to nearest even. The composed path does the same for bfloat16 (numpy
+  L1 as it is read (a bfloat16 is the upper half of a float32's bits; a float16 is rebuilt by
+  ``small_m._widen``), the queries once before the loop, and scores, softmax and sums run in float32;
+  the output is rounded to the activations' dtype once, to nearest even. The composed path does the same for bfloat16 (numpy
   multiplies bfloat16 arrays through float32, the softmax of float32 scores is float32, and P V lands
   in the bfloat16 output rounded once), so the two differ only by the order of float32 sums: at most
   one bfloat16 step where a value lies near a rounding boundary. For float16 the composed path rounds
@@ -57,13 +57,11 @@ def decode(q, k_pool, v_pool, slots, counts, out, window: int = 0):
     row b's first ``counts[b]`` slots of ``slots`` [B, W] (int64 indices into the pools' slot axis),
     with a sliding ``window`` over only the last ``window`` of them (0: all)."""
     kind = half_kind(k_pool.dtype)
+    dtype = q.dtype if kind == FULL else numpy.dtype(numpy.float32)  # the sums' dtype
     if kind == FULL:
-        dtype, pools = q.dtype, (k_pool, v_pool, _NO_BITS, _NO_BITS)
+        pools = (k_pool, v_pool, _NO_BITS, _NO_BITS)
     else:  # the same bits seen as uint16 (no copy), widened by the kernel
-        dtype, pools = (
-            numpy.dtype(numpy.float32),
-            (_NO_FLOATS, _NO_FLOATS, k_pool.view(numpy.uint16), v_pool.view(numpy.uint16)),
-        )
+        pools = (_NO_FLOATS, _NO_FLOATS, k_pool.view(numpy.uint16), v_pool.view(numpy.uint16))
     # contiguous [B, hk, g, d] for the loop (views of any strides keep LLVM from vectorizing it)
     result = numpy.empty(q.shape[:3] + q.shape[4:], dtype=dtype)
     queries = numpy.ascontiguousarray(q[:, :, :, 0], dtype=dtype)
