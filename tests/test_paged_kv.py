@@ -359,6 +359,27 @@ def test_half_pools_give_the_exact_attention_rounded_once(dtype, window):
     assert steps.max() <= 1 and (steps == 0).mean() >= 0.9
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-window"])
+def test_bfloat16_continuous_batching_at_tp_gives_one_process_tokens(name, monkeypatch):
+    """bfloat16 requests through continuous batching, two rows for four prompts, every decode step's
+    attention on the paged kernel: at tp = the world size each request's greedy tokens are one process's."""
+    dtype = _dtype("bfloat16")
+    if not paged_attention.supported(np.zeros(1, dtype), np.zeros(1, dtype)):
+        pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
+    calls, decode = [], paged_attention.decode
+    monkeypatch.setattr(paged_attention, "decode", lambda *args: calls.append(1) or decode(*args))
+    tokens = []
+    for comm in tp_and_reference():
+        model = larger_weights(GPTModel(ModelConfig(**CONFIGS[name]), comm, dtype=dtype, seed=4))
+        params = [SamplingParams(max_new_tokens=6, ignore_eos=True) for _ in PROMPTS]
+        out = ContinuousBatcher(Engine(model, ByteTokenizer()), 2).generate(
+            *((PROMPTS, params) if comm.rank == 0 else ())
+        )
+        tokens.append(comm.allgather_object(None if out is None else [c.ids for c, _ in out])[0])
+    assert tokens[0] == tokens[1] and all(len(ids) == 6 for ids in tokens[0]) and calls
+
+
 def test_layers_of_one_window_are_a_kind_whose_blocks_take_units_of_one_pool():
     """Windows 3 and none, 4 layers to 2: units of 2 layers, a windowed block 2 units and a global one
     1, three lanes; a windowed kind holds at most its window and a chunk, so what a sequence holds,
