@@ -275,7 +275,7 @@ def _write_slots(k_pool, v_pool, slots, k, v):
                 v_pool[h, slot, :] = v[b, h, t]
 
 
-def writes_slots(pool, k, v) -> bool:
+def can_write_slots(pool, k, v) -> bool:
     """True when ``write_slots`` takes ``k`` and ``v`` into ``pool`` (and its twin): numpy arrays of
     one dtype, the pool C-contiguous, float32/float64 or a half precision (bfloat16, float16: copied
     as their bits)."""

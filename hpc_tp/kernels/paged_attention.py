@@ -12,11 +12,11 @@ Used for numpy arrays when the fused CPU kernels are on (``cpu_kernels.ENABLED``
 * half-precision pools (bfloat16 from ml_dtypes, float16): each K or V row is widened to float32 in
   L1 as it is read (a bfloat16 is the upper half of a float32's bits; a float16 is rebuilt by
   ``small_m._widen``), the queries once before the loop, and scores, softmax and sums run in float32;
-  the output is rounded to the activations' dtype once, to nearest even. The composed path does the same for bfloat16 (numpy
-  multiplies bfloat16 arrays through float32, the softmax of float32 scores is float32, and P V lands
-  in the bfloat16 output rounded once), so the two differ only by the order of float32 sums: at most
-  one bfloat16 step where a value lies near a rounding boundary. For float16 the composed path rounds
-  the scores and the softmax to float16 too; this kernel does not.
+  the output is rounded to the activations' dtype once, to nearest even. The composed path does the
+  same for bfloat16 (numpy multiplies bfloat16 arrays through float32, the softmax of float32 scores
+  is float32, and P V lands in the bfloat16 output rounded once), so the two differ only by the order
+  of float32 sums: at most one bfloat16 step where a value lies near a rounding boundary. For float16
+  the composed path rounds the scores and the softmax to float16 too; this kernel does not.
 
 Threads (``kernels.threads``) take ranges of (row, KV head) pairs holding about as many keys each.
 """
