@@ -5,6 +5,7 @@ on ragged shapes, with and without a bias; a forward on one path feeds a backwar
 import numpy as np
 import pytest
 
+from hpc_tp.backend import resolve_dtype
 from hpc_tp.kernels import cpu_kernels
 from hpc_tp.kernels import functional as F
 
@@ -176,8 +177,11 @@ def test_rope_rotation_gives_the_composed_bits(monkeypatch, dtype, per_row):
         assert got.flags.c_contiguous and got.dtype == want.dtype and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
 def test_write_slots_matches_fancy_indexing(dtype):
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    dtype = resolve_dtype(dtype)
     k_pool, v_pool = arrays(dtype, (2, 20, 8), (2, 20, 8), seed=8)
     (qkv,) = arrays(dtype, (3, 2, 3 * 2 * 8), seed=9)  # [B, T, ...]: K and V heads as strided views
     k = qkv[..., 16:32].reshape(3, 2, 2, 8).transpose(0, 2, 1, 3)
@@ -185,6 +189,8 @@ def test_write_slots_matches_fancy_indexing(dtype):
     slots = np.array([[4, 5], [17, 0], [9, 12]])
     want_k, want_v = k_pool.copy(), v_pool.copy()
     want_k[:, slots], want_v[:, slots] = k.swapaxes(0, 1), v.swapaxes(0, 1)
+    other = np.float32 if dtype == np.float64 else np.float64
+    assert cpu_kernels.can_write_slots(k_pool, k, v) and not cpu_kernels.can_write_slots(k_pool, k, v.astype(other))
     cpu_kernels.write_slots(k_pool, v_pool, slots, k, v)
     assert np.array_equal(k_pool, want_k) and np.array_equal(v_pool, want_v)
     with pytest.raises(IndexError):

@@ -13,6 +13,7 @@ from test_generate import CONFIGS, PROMPTS, _model, larger_weights
 from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
 from tp_helpers import max_rel_err, tp_and_reference
 
+from hpc_tp.backend import resolve_dtype
 from hpc_tp.errors import ConfigError
 from hpc_tp.kernels import paged_attention
 from hpc_tp.models import GPTModel, ModelConfig
@@ -26,6 +27,11 @@ from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.tokenizer import ByteTokenizer
 
 IDS = [7, 1, 8, 2, 8, 1, 8, 2, 8, 4]
+# Half-precision logits of the decode kernel against the gathered (composed) attention's. bfloat16: both
+# sum in float32 and round the output once, so only the order of the sums differs (largest seen at tp =
+# 1, 2, 4: 0); the bound is one bfloat16 step (2^-8) of the largest logit. float16: the composed path
+# also rounds the scores and the softmax to float16 (largest seen 3.4e-3).
+GATHERED_HALF = {"bfloat16": 2.0**-8, "float16": 1e-2}
 
 
 def _manager(units, size, prefix_caching=True):
@@ -220,16 +226,22 @@ def test_an_http_request_the_whole_cache_cannot_hold_is_a_400_reason():
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "llama-window"])
-def test_the_decode_kernel_reading_blocks_in_place_equals_the_gathered_attention(name, monkeypatch):
+@pytest.mark.parametrize(
+    "name, dtype",
+    [("gpt2", "float64"), ("llama-gqa", "float64"), ("llama-window", "float64")]
+    + [("llama-window", "bfloat16"), ("llama-gqa", "bfloat16"), ("llama-gqa", "float16")],
+)
+def test_the_decode_kernel_reading_blocks_in_place_equals_the_gathered_attention(name, dtype, monkeypatch):
     """A decode step of rows of different lengths over scattered blocks: the CPU kernel that reads
-    each row's own slots (``counts`` given) and the gather of every row up to the longest, masked."""
-    if not paged_attention.supported(np.zeros(1), np.zeros(1)):
+    each row's own slots (``counts`` given) and the gather of every row up to the longest, masked;
+    in half precision to the rounding of the activations (``GATHERED_HALF``)."""
+    dtype = _dtype(dtype)
+    if not paged_attention.supported(np.zeros(1, dtype), np.zeros(1, dtype)):
         pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
     calls, decode = [], paged_attention.decode
     monkeypatch.setattr(paged_attention, "decode", lambda *args: calls.append(1) or decode(*args))
     tp, _ = tp_and_reference()
-    model = _model(name, tp)
+    model = larger_weights(GPTModel(ModelConfig(**CONFIGS[name]), tp, dtype=dtype, seed=4))
     layout = PagedLayout.of(model.cfg, 4)
     cache = PagedKVCache.for_model(model, 40, layout)
     rng = np.random.default_rng(2)
@@ -249,7 +261,7 @@ def test_the_decode_kernel_reading_blocks_in_place_equals_the_gathered_attention
     assert not calls
     cache.k[:], cache.v[:] = pools
     in_place = model.infer(ids, positions, visible, PagedView(cache, write, slots, lens + 1))
-    assert max_rel_err(in_place, gathered) <= 1e-12 and len(calls) == model.cfg.n_layers
+    assert max_rel_err(in_place, gathered) <= GATHERED_HALF.get(dtype.name, 1e-12) and len(calls) == model.cfg.n_layers
 
 
 @pytest.mark.mpi(min_size=1)
@@ -280,18 +292,33 @@ def test_a_model_windowed_in_every_layer_gives_back_the_blocks_its_window_passed
         _agrees_with_alone(engine, request, events)
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_threads_split_the_decode_kernel_s_rows_and_heads_without_changing_a_bit(window, thread_count):
-    """Rows of unequal lengths over scattered slots: the same bits at 1, 2 and 3 threads, each
-    thread a range of (row, KV head) pairs of about equal work."""
-    if not paged_attention.supported(np.zeros(1), np.zeros(1)):
-        pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
-    rng = np.random.default_rng(3)
+def _dtype(name):
+    if name == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    return resolve_dtype(name)
+
+
+def _scattered_decode_step(dtype, seed=3):
+    """q [5, 3, 3, 1, 16], K/V pools [3, 200, 16] and rows of unequal lengths (1 to 40, odd among them)
+    over scattered slots: a decode step of grouped-query attention (3 query heads a KV head)."""
+    rng = np.random.default_rng(seed)
     rows, heads, group, d, pool = 5, 3, 3, 16, 200
-    k, v = rng.standard_normal((2, heads, pool, d))
-    q = rng.standard_normal((rows, heads, group, 1, d))
+    k, v = rng.standard_normal((2, heads, pool, d)).astype(dtype)
+    q = (rng.standard_normal((rows, heads, group, 1, d)) * 0.7).astype(dtype)  # scores of a few units
     counts = np.array([40, 1, 17, 2, 33])
     slots = np.stack([rng.permutation(pool)[: counts.max()] for _ in range(rows)])
+    return q, k, v, slots, counts
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_threads_split_the_decode_kernel_s_rows_and_heads_without_changing_a_bit(window, dtype, thread_count):
+    """Rows of unequal lengths over scattered slots: the same bits at 1, 2 and 3 threads, each
+    thread a range of (row, KV head) pairs of about equal work."""
+    dtype = _dtype(dtype)
+    if not paged_attention.supported(np.zeros(1, dtype), np.zeros(1, dtype)):
+        pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
+    q, k, v, slots, counts = _scattered_decode_step(dtype)
     results = []
     for count in (1, 2, 3):
         thread_count(count)
@@ -299,7 +326,58 @@ def test_threads_split_the_decode_kernel_s_rows_and_heads_without_changing_a_bit
         paged_attention.decode(q, k, v, slots, counts, out, window)
         results.append(out)
     assert all(np.array_equal(results[0], result) for result in results[1:])
-    assert np.isfinite(results[0]).all()
+    assert np.isfinite(results[0].astype(np.float64)).all()
+
+
+def _exact_decode(q, k, v, slots, counts, window):
+    """The decode step's attention in float64, row by row over each row's visible slots."""
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    out = np.zeros(q.shape)
+    for b, n in enumerate(counts):
+        seen = slots[b, max(0, n - window) if window else 0 : n]
+        scores = np.einsum("hgd,hkd->hgk", q[b, :, :, 0], k[:, seen])
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        out[b, :, :, 0] = np.einsum("hgk,hkd->hgd", p / p.sum(axis=-1, keepdims=True), v[:, seen])
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_half_pools_give_the_exact_attention_rounded_once(dtype, window):
+    """Half-precision queries and pools: scores, softmax and sums in float32, the output rounded once,
+    so each value is the exact attention of the same inputs rounded to the dtype, or (where the float32
+    sums land across a rounding boundary) the value one step beside it."""
+    dtype = _dtype(dtype)
+    if not paged_attention.supported(np.zeros(1, dtype), np.zeros(1, dtype)):
+        pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
+    q, k, v, slots, counts = _scattered_decode_step(dtype)
+    out = np.zeros_like(q)
+    paged_attention.decode(q, k, v, slots, counts, out, window)
+    want = _exact_decode(q, k, v, slots, counts, window).astype(dtype)
+    # adjacent values of one sign are adjacent integers in the bits (the exact values here are far from 0)
+    steps = np.abs(out.view(np.int16).astype(np.int64) - want.view(np.int16).astype(np.int64))
+    assert steps.max() <= 1 and (steps == 0).mean() >= 0.9
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-window"])
+def test_bfloat16_continuous_batching_at_tp_gives_one_process_tokens(name, monkeypatch):
+    """bfloat16 requests through continuous batching, two rows for four prompts, every decode step's
+    attention on the paged kernel: at tp = the world size each request's greedy tokens are one process's."""
+    dtype = _dtype("bfloat16")
+    if not paged_attention.supported(np.zeros(1, dtype), np.zeros(1, dtype)):
+        pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
+    calls, decode = [], paged_attention.decode
+    monkeypatch.setattr(paged_attention, "decode", lambda *args: calls.append(1) or decode(*args))
+    tokens = []
+    for comm in tp_and_reference():
+        model = larger_weights(GPTModel(ModelConfig(**CONFIGS[name]), comm, dtype=dtype, seed=4))
+        params = [SamplingParams(max_new_tokens=6, ignore_eos=True) for _ in PROMPTS]
+        out = ContinuousBatcher(Engine(model, ByteTokenizer()), 2).generate(
+            *((PROMPTS, params) if comm.rank == 0 else ())
+        )
+        tokens.append(comm.allgather_object(None if out is None else [c.ids for c, _ in out])[0])
+    assert tokens[0] == tokens[1] and all(len(ids) == 6 for ids in tokens[0]) and calls
 
 
 def test_layers_of_one_window_are_a_kind_whose_blocks_take_units_of_one_pool():

@@ -275,9 +275,25 @@ def _write_slots(k_pool, v_pool, slots, k, v):
                 v_pool[h, slot, :] = v[b, h, t]
 
 
+def can_write_slots(pool, k, v) -> bool:
+    """True when ``write_slots`` takes ``k`` and ``v`` into ``pool`` (and its twin): numpy arrays of
+    one dtype, the pool C-contiguous, float32/float64 or a half precision (bfloat16, float16: copied
+    as their bits)."""
+    dtype = pool.dtype
+    return (
+        ENABLED
+        and all(isinstance(array, numpy.ndarray) for array in (pool, k, v))
+        and pool.flags.c_contiguous
+        and k.dtype == v.dtype == dtype
+        and (dtype in DTYPES or (dtype.itemsize == 2 and dtype.kind in "fV"))
+    )
+
+
 def write_slots(k_pool, v_pool, slots, k, v):
     """One layer's new K and V [B, hk, T, d] (any strides) at the slots [B, T] of its pools
     [hk, slots, d]: one call for both, where fancy indexing makes two copies and two scatters."""
+    if k_pool.dtype.itemsize == 2:  # numba has no bfloat16: a copy moves the same bits as uint16
+        k_pool, v_pool, k, v = (array.view(numpy.uint16) for array in (k_pool, v_pool, k, v))
     _write_slots(k_pool, v_pool, slots, k, v)
 
 

@@ -17,7 +17,9 @@ aborts when two Python threads launch kernels at once; serving calls them from i
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import itertools
 import os
 
 import numpy
@@ -92,9 +94,11 @@ def balanced(work, parts: int | None = None):
     parts = max(1, min(COUNT if parts is None else parts, len(work)))
     if parts == 1:
         return numpy.array([0, len(work)], numpy.int64)
-    total = numpy.cumsum(numpy.asarray(work, numpy.float64) + 1.0)  # + 1: an item costs something at 0
-    cuts = numpy.searchsorted(total, total[-1] * numpy.arange(1, parts) / parts, side="right")
-    return numpy.unique(numpy.concatenate(([0], cuts, [len(work)]))).astype(numpy.int64)
+    # In Python over a list: a decode step's 24 items took 39-160 us through numpy's calls, 14-28 us
+    # this way (load 8). + 1: an item costs something at 0.
+    total = list(itertools.accumulate(w + 1.0 for w in numpy.asarray(work, numpy.float64).tolist()))
+    cuts = {bisect.bisect_right(total, total[-1] * i / parts) for i in range(1, parts)}
+    return numpy.array(sorted(cuts | {0, len(work)}), numpy.int64)
 
 
 def run(kernel, parallel, args, bounds):

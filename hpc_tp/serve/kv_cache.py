@@ -267,7 +267,7 @@ class _PagedLayer(CacheLayer):
     def _write(self, k, v):
         view = self._view
         keys, values = view.cache.k[self._pool], view.cache.v[self._pool]
-        if cpu_kernels.fused(keys) and k.dtype == v.dtype == keys.dtype and isinstance(k, numpy.ndarray):
+        if cpu_kernels.can_write_slots(keys, k, v):
             cpu_kernels.write_slots(keys, values, view.write[self._lane], k, v)  # both in one call
             return keys, values
         for pool, new in ((keys, k), (values, v)):
