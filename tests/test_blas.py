@@ -1,11 +1,13 @@
 """kernels.blas: the linear layers' GEMM (MKL where installed) gives numpy's product for every operand
-layout it accepts, accumulates into the buffer, and hands everything else to numpy."""
+layout it accepts, accumulates into the buffer, and hands everything else to numpy; few rows against a
+large matrix go by column blocks, split over threads without changing a bit."""
 
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
 
 from hpc_tp.kernels import blas, f32_dot, mkl_jit
 
@@ -116,12 +118,7 @@ def test_few_rows_against_a_large_matrix_go_by_column_blocks(dtype, tol, b_layou
     m, k, n = blas.FEW_ROWS, 256, 2 * blas.COLUMN_BLOCK + 48  # above MIN_MACS; blocks of 256, 256 and 48
     monkeypatch.setattr(blas, "LARGE_OPERAND", k * n)
     calls = _count_mkl_calls(monkeypatch)
-    blocked = []
-    monkeypatch.setattr(
-        mkl_jit,
-        "column_blocks",
-        lambda *args, column_blocks=mkl_jit.column_blocks: (blocked.append(args[2:5]), column_blocks(*args))[1],
-    )
+    blocked = _record_column_blocks(monkeypatch)
     a, b = rng.standard_normal((m, k)).astype(dtype), _layouts(k, n, dtype)[b_layout]
     expected = a.astype("float64") @ b.astype("float64")
     scale = np.abs(expected).max()
@@ -132,6 +129,35 @@ def test_few_rows_against_a_large_matrix_go_by_column_blocks(dtype, tol, b_layou
     assert (wide[:, :4] == 3).all() and (wide[:, n + 4 :] == 3).all()
     blas.matmul(rng.standard_normal((m + 1, k)).astype(dtype), b)  # more rows: one whole call
     assert blocked == [(m, n, k)] * 2 and calls == [(m + 1, n, k)]
+
+
+@pytest.mark.skipif(not mkl_jit.AVAILABLE, reason="needs MKL and numba")
+@pytest.mark.parametrize("b_layout", ["row-major", "transposed view"])
+def test_column_blocks_split_over_threads_without_changing_a_bit(b_layout, monkeypatch, thread_count):
+    """Each thread a range of whole column blocks (5 blocks, the last one short, over 2 and 3
+    threads), each block one sequential MKL call: the same bits at 1, 2 and 3 threads."""
+    m, k, n = 3, 768, 4 * blas.COLUMN_BLOCK + 48  # fewer rows than small_m takes, above MIN_MACS
+    monkeypatch.setattr(blas, "LARGE_OPERAND", k * n)
+    blocked = _record_column_blocks(monkeypatch)
+    a, b = rng.standard_normal((m, k)).astype("float32"), _layouts(k, n, "float32")[b_layout]
+    results = []
+    for count in (1, 2, 3):
+        thread_count(count)
+        results.append(blas.matmul(a, b))
+    assert blocked == [(m, n, k)] * 3
+    assert all(np.array_equal(results[0], result) for result in results[1:])
+    assert np.abs(results[0] - a.astype("float64") @ b).max() <= 2e-5 * np.abs(results[0]).max()
+
+
+def _record_column_blocks(monkeypatch):
+    """A list that gets (m, n, k) of every product that goes by column blocks."""
+    blocked = []
+    monkeypatch.setattr(
+        mkl_jit,
+        "column_blocks",
+        lambda *args, column_blocks=mkl_jit.column_blocks: (blocked.append(args[2:5]), column_blocks(*args))[1],
+    )
+    return blocked
 
 
 def _backend_in_subprocess(value):
