@@ -132,11 +132,13 @@ def test_few_rows_against_a_large_matrix_go_by_column_blocks(dtype, tol, b_layou
 
 
 @pytest.mark.skipif(not mkl_jit.AVAILABLE, reason="needs MKL and numba")
+@pytest.mark.parametrize("m", [3, 96], ids=["few rows, a large matrix", "prefill's rows"])
 @pytest.mark.parametrize("b_layout", ["row-major", "transposed view"])
-def test_column_blocks_split_over_threads_without_changing_a_bit(b_layout, monkeypatch, thread_count):
+def test_column_blocks_split_over_threads_without_changing_a_bit(m, b_layout, monkeypatch, thread_count):
     """Each thread a range of whole column blocks (5 blocks, the last one short, over 2 and 3
-    threads), each block one sequential MKL call: the same bits at 1, 2 and 3 threads."""
-    m, k, n = 3, 768, 4 * blas.COLUMN_BLOCK + 48  # fewer rows than small_m takes, above MIN_MACS
+    threads), each block one sequential MKL call: the same bits at 2 and 3 threads, and at 1 where
+    few rows against a large matrix go by blocks there too (prefill's rows go whole at 1 thread)."""
+    k, n = 768, 4 * blas.COLUMN_BLOCK + 48  # above MIN_MACS; 3 rows are fewer than small_m takes
     monkeypatch.setattr(blas, "LARGE_OPERAND", k * n)
     blocked = _record_column_blocks(monkeypatch)
     a, b = rng.standard_normal((m, k)).astype("float32"), _layouts(k, n, "float32")[b_layout]
@@ -144,9 +146,11 @@ def test_column_blocks_split_over_threads_without_changing_a_bit(b_layout, monke
     for count in (1, 2, 3):
         thread_count(count)
         results.append(blas.matmul(a, b))
-    assert blocked == [(m, n, k)] * 3
-    assert all(np.array_equal(results[0], result) for result in results[1:])
+    few = m <= blas.FEW_ROWS
+    assert blocked == [(m, n, k)] * (3 if few else 2)
+    assert all(np.array_equal(results[1], result) for result in results[0 if few else 2 :])
     assert np.abs(results[0] - a.astype("float64") @ b).max() <= 2e-5 * np.abs(results[0]).max()
+    assert np.abs(results[1] - results[0]).max() <= 2e-5 * np.abs(results[0]).max()
 
 
 def _record_column_blocks(monkeypatch):

@@ -20,6 +20,12 @@ tile by its block of the keep mask on its way into P V (and the backward likewis
 path does. Used for float32/float64 numpy arrays where ``mkl_jit.AVAILABLE``; otherwise the
 composed path runs.
 
+Threads (``kernels.threads``): forward's tiles are independent and split into ranges of about equal
+work (rows x keys seen); backward's tiles of one kv head all add into its dK and dV, so a thread
+takes whole kv heads and sums their tiles in the one-thread order. Each thread runs MKL sequentially
+(``mkl_jit.local_threads``): a tile's product is too small to share, and MKL would open its OpenMP
+region, waking its sleeping threads, for every one. The same bits at any thread count.
+
 Selective recomputation (``forward(..., statistics=True)``, ``backward_recompute``) keeps no
 softmax tile: forward makes each tile in one scratch tile and keeps only its rows' log-sum-exp
 (``lse``, [B, hk, g, T]: the largest visible score plus the log of the row's sum, +inf for a fully
