@@ -38,7 +38,7 @@ MIN_MACS = 1 << 21
 FEW_ROWS, LARGE_OPERAND, COLUMN_BLOCK = 32, 32 << 20, 256
 # At 2 threads or more, products with a small left operand (prefill's: MKL packs it again for each
 # block) go by the same column blocks, whole blocks on each thread and MKL sequential in each: at 93
-# rows MKL's own split spent 13-20% more CPU time than one thread, the blocks 2-4%; at 1024 rows
+# rows MKL's own split spent 12-16% more CPU time than one thread, the blocks at most 7%; at 1024 rows
 # the two were even (docs/performance.md). The same bits at any count above one.
 THREADED_LEFT = 1 << 21
 _INT_LIMIT = 2**31  # MKL's 32-bit integer interface (LP64): larger sizes go to numpy
