@@ -24,7 +24,9 @@ def _layouts(m, k, dtype):
 @pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 2e-5)])
 @pytest.mark.parametrize("a_layout", ["row-major", "transposed view"])
 @pytest.mark.parametrize("b_layout", ["row-major", "transposed view"])
-def test_matches_numpy_for_every_operand_layout(dtype, tol, a_layout, b_layout):
+@pytest.mark.parametrize("count", [1, 2], ids=["1 thread", "2 threads: by column blocks"])
+def test_matches_numpy_for_every_operand_layout(dtype, tol, a_layout, b_layout, count, thread_count):
+    thread_count(count)
     a, b = _layouts(M, K, dtype)[a_layout], _layouts(K, N, dtype)[b_layout]
     expected = a.astype("float64") @ b.astype("float64")
     scale = np.abs(expected).max()
