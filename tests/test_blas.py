@@ -1,11 +1,13 @@
 """kernels.blas: the linear layers' GEMM (MKL where installed) gives numpy's product for every operand
-layout it accepts, accumulates into the buffer, and hands everything else to numpy."""
+layout it accepts, accumulates into the buffer, and hands everything else to numpy; few rows against a
+large matrix go by column blocks, split over threads without changing a bit."""
 
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
 
 from hpc_tp.kernels import blas, f32_dot, mkl_jit
 
@@ -22,7 +24,9 @@ def _layouts(m, k, dtype):
 @pytest.mark.parametrize("dtype, tol", [("float64", 1e-12), ("float32", 2e-5)])
 @pytest.mark.parametrize("a_layout", ["row-major", "transposed view"])
 @pytest.mark.parametrize("b_layout", ["row-major", "transposed view"])
-def test_matches_numpy_for_every_operand_layout(dtype, tol, a_layout, b_layout):
+@pytest.mark.parametrize("count", [1, 2], ids=["1 thread", "2 threads: by column blocks"])
+def test_matches_numpy_for_every_operand_layout(dtype, tol, a_layout, b_layout, count, thread_count):
+    thread_count(count)
     a, b = _layouts(M, K, dtype)[a_layout], _layouts(K, N, dtype)[b_layout]
     expected = a.astype("float64") @ b.astype("float64")
     scale = np.abs(expected).max()
@@ -116,12 +120,7 @@ def test_few_rows_against_a_large_matrix_go_by_column_blocks(dtype, tol, b_layou
     m, k, n = blas.FEW_ROWS, 256, 2 * blas.COLUMN_BLOCK + 48  # above MIN_MACS; blocks of 256, 256 and 48
     monkeypatch.setattr(blas, "LARGE_OPERAND", k * n)
     calls = _count_mkl_calls(monkeypatch)
-    blocked = []
-    monkeypatch.setattr(
-        mkl_jit,
-        "column_blocks",
-        lambda *args, column_blocks=mkl_jit.column_blocks: (blocked.append(args[2:5]), column_blocks(*args))[1],
-    )
+    blocked = _record_column_blocks(monkeypatch)
     a, b = rng.standard_normal((m, k)).astype(dtype), _layouts(k, n, dtype)[b_layout]
     expected = a.astype("float64") @ b.astype("float64")
     scale = np.abs(expected).max()
@@ -132,6 +131,40 @@ def test_few_rows_against_a_large_matrix_go_by_column_blocks(dtype, tol, b_layou
     assert (wide[:, :4] == 3).all() and (wide[:, n + 4 :] == 3).all()
     blas.matmul(rng.standard_normal((m + 1, k)).astype(dtype), b)  # more rows: one whole call
     assert blocked == [(m, n, k)] * 2 and calls == [(m + 1, n, k)]
+
+
+@pytest.mark.skipif(not mkl_jit.AVAILABLE, reason="needs MKL and numba")
+@pytest.mark.parametrize("m", [3, 96], ids=["few rows, a large matrix", "prefill's rows"])
+@pytest.mark.parametrize("b_layout", ["row-major", "transposed view"])
+def test_column_blocks_split_over_threads_without_changing_a_bit(m, b_layout, monkeypatch, thread_count):
+    """Each thread a range of whole column blocks (5 blocks, the last one short, over 2 and 3
+    threads), each block one sequential MKL call: the same bits at 2 and 3 threads, and at 1 where
+    few rows against a large matrix go by blocks there too (prefill's rows go whole at 1 thread)."""
+    k, n = 768, 4 * blas.COLUMN_BLOCK + 48  # above MIN_MACS; 3 rows are fewer than small_m takes
+    monkeypatch.setattr(blas, "LARGE_OPERAND", k * n)
+    blocked = _record_column_blocks(monkeypatch)
+    # float64: float32's few rows go to f32_dot where the CPU has AVX-512
+    a, b = rng.standard_normal((m, k)), _layouts(k, n, "float64")[b_layout]
+    results = []
+    for count in (1, 2, 3):
+        thread_count(count)
+        results.append(blas.matmul(a, b))
+    few = m <= blas.FEW_ROWS
+    assert blocked == [(m, n, k)] * (3 if few else 2)
+    assert all(np.array_equal(results[1], result) for result in results[0 if few else 2 :])
+    assert np.abs(results[0] - a @ b).max() <= 1e-12 * np.abs(results[0]).max()
+    assert np.abs(results[1] - results[0]).max() <= 1e-12 * np.abs(results[0]).max()
+
+
+def _record_column_blocks(monkeypatch):
+    """A list that gets (m, n, k) of every product that goes by column blocks."""
+    blocked = []
+    monkeypatch.setattr(
+        mkl_jit,
+        "column_blocks",
+        lambda *args, column_blocks=mkl_jit.column_blocks: (blocked.append(args[2:5]), column_blocks(*args))[1],
+    )
+    return blocked
 
 
 def _backend_in_subprocess(value):

@@ -3,11 +3,13 @@ numpy path's numbers: output, saved softmax and dQ/dK/dV, float64 within 1e-12 a
 1e-5, on strided views of a QKV buffer, grouped-query heads, a cache offset, key padding (fully
 masked rows included), attention dropout, a sliding window and no mask; both paths give the same numbers again when
 forward keeps only the rows' log-sum-exp and backward recomputes the softmax from it (selective
-recomputation); and a whole attention layer (with and without rope, with dropout) is the same
-either way."""
+recomputation); a whole attention layer (with and without rope, with dropout) is the same
+either way; and the tiles split over threads (forward) or kv heads (backward) give the same bits at
+1, 2 and 3 threads."""
 
 import numpy as np
 import pytest
+from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
 
 from hpc_tp.backend import resolve_dtype
 from hpc_tp.comm.mpi import world
@@ -177,6 +179,25 @@ def test_half_precision_recomputation_keeps_float32_statistics(name, dtype):
     assert lse.dtype == np.float32 and np.array_equal(again, out)
     for got, want in zip(again_grads, grads):
         assert np.isfinite(got.astype("float32")).all() and rel_err(got, want.astype("float64")) <= 2e-3
+
+
+@pytest.mark.parametrize("statistics", [False, True], ids=["kept softmax", "recomputed"])
+@pytest.mark.parametrize(
+    "b, t, offset, dropout, window",
+    [(1, 200, 0, 0.0, 0), (2, 130, 0, 0.3, 7), (2, 5, 32, 0.0, 0)],
+    ids=["one sequence", "dropout and a window", "a cache offset"],
+)
+def test_threads_split_the_tiles_without_changing_a_bit(b, t, offset, dropout, window, statistics, thread_count):
+    """Forward's tiles split by their work, backward's by kv head (a head's tiles all add into its dK
+    and dV): output, what forward keeps and dQ, dK, dV are the same bits at 1, 2 and 3 threads, with
+    3 kv heads (one sequence's split unevenly over 2 threads) and tiles of unequal sizes."""
+    q, k, v, dout, keep = inputs("float32", b, 3, 2, t, t + offset, 8, dropout)
+    results = []
+    for count in (1, 2, 3):
+        thread_count(count)
+        out, kept, *grads = core(True, statistics, q, k, v, dout, keep, True, offset, None, window)
+        results.append([out, kept if statistics else np.concatenate([p.ravel() for p in kept]), *grads])
+    assert all(np.array_equal(x, y) for result in results[1:] for x, y in zip(results[0], result, strict=True))
 
 
 def test_only_views_mkl_can_read_are_fused():

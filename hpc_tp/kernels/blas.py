@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy
 
 from ..backend import xp_of
-from . import bf16_dot, cublas, f32_dot, mkl_jit, small_m
+from . import bf16_dot, cublas, f32_dot, mkl_jit, small_m, threads
 from .mkl import GEMMS, LIBRARY, NO_TRANS, ROW_MAJOR, TRANS
 
 BACKEND = "mkl" if LIBRARY is not None else "numpy"
@@ -36,6 +36,11 @@ MIN_MACS = 1 << 21
 # small enough to pack in L2 read it once: W1's head [8, 768] @ [768, 50304] 37 -> 21 ms. Smaller
 # weights stay whole (they pack in cache, and blocking made them slower).
 FEW_ROWS, LARGE_OPERAND, COLUMN_BLOCK = 32, 32 << 20, 256
+# At 2 threads or more, products with a small left operand (prefill's: MKL packs it again for each
+# block) go by the same column blocks, whole blocks on each thread and MKL sequential in each: at 93
+# rows MKL's own split spent 12-16% more CPU time than one thread, the blocks at most 7%; at 1024 rows
+# the two were even (docs/performance.md). The same bits at any count above one.
+THREADED_LEFT = 1 << 21
 _INT_LIMIT = 2**31  # MKL's 32-bit integer interface (LP64): larger sizes go to numpy
 
 
@@ -77,7 +82,7 @@ def _mkl_gemm(a, b, out, beta: float) -> bool:
         return False
     if numpy.may_share_memory(out, a) or numpy.may_share_memory(out, b):
         return False
-    if m <= FEW_ROWS and b.nbytes >= LARGE_OPERAND:
+    if (m <= FEW_ROWS and b.nbytes >= LARGE_OPERAND) or (threads.COUNT > 1 and m * k <= THREADED_LEFT):
         if mkl_jit.AVAILABLE:
             # b's column j starts j elements in (row-major) or j rows in (a transposed view).
             step = right[1] if right[0] == TRANS else 1

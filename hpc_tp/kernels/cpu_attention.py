@@ -20,6 +20,12 @@ tile by its block of the keep mask on its way into P V (and the backward likewis
 path does. Used for float32/float64 numpy arrays where ``mkl_jit.AVAILABLE``; otherwise the
 composed path runs.
 
+Threads (``kernels.threads``): forward's tiles are independent and split into ranges of about equal
+work (rows x keys seen); backward's tiles of one kv head all add into its dK and dV, so a thread
+takes whole kv heads and sums their tiles in the one-thread order. Each thread runs MKL sequentially
+(``mkl_jit.local_threads``): a tile's product is too small to share, and MKL would open its OpenMP
+region, waking its sleeping threads, for every one. The same bits at any thread count.
+
 Selective recomputation (``forward(..., statistics=True)``, ``backward_recompute``) keeps no
 softmax tile: forward makes each tile in one scratch tile and keeps only its rows' log-sum-exp
 (``lse``, [B, hk, g, T]: the largest visible score plus the log of the row's sum, +inf for a fully
@@ -34,7 +40,7 @@ import math
 
 import numpy
 
-from . import mkl_jit
+from . import mkl_jit, threads
 from .cpu_kernels import DTYPES, _jit, _softmax_normalize, numba
 from .mkl import NO_TRANS, TRANS
 from .mkl_jit import exp, gemm
@@ -67,8 +73,9 @@ def _block_tables(blocks):
     return starts, keys, numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
 
 
-def _largest_tile(tiles) -> int:
-    return int(numpy.diff(tiles).max())
+@_jit
+def _largest_tile(tiles):
+    return numpy.max(tiles[1:] - tiles[:-1])
 
 
 def _none(dtype, ndim: int):
@@ -94,9 +101,8 @@ def forward(
     starts, keys, tiles = _block_tables(blocks)
     b, hk, g, t = q.shape[:4]
     lse = numpy.empty((b, hk, g, t) if statistics else (0,) * 4, dtype=q.dtype)
-    probs = numpy.empty(_largest_tile(tiles) if statistics else b * hk * g * int(tiles[-1]), dtype=q.dtype)
-    dropped = numpy.empty(_largest_tile(tiles) if keep is not None else 0, dtype=q.dtype)
-    _forward(
+    probs = numpy.empty(0 if statistics else b * hk * g * int(tiles[-1]), dtype=q.dtype)
+    args = (
         q,
         k,
         v,
@@ -109,10 +115,11 @@ def forward(
         causal,
         _key_bias(key_bias, b, k.shape[2], q.dtype),
         _none(q.dtype, 5) if keep is None else keep,
-        dropped,
         lse.reshape(-1),
         window,
     )
+    # Every tile is its own: any split of them works; each costs about its rows x the keys it sees.
+    threads.run(_forward, _forward_over, args, threads.balanced(numpy.tile(numpy.diff(tiles), b * hk * g)))
     return lse if statistics else probs
 
 
@@ -133,11 +140,8 @@ def backward_recompute(
 
 
 def _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, lse, q_offset, causal, key_bias, window):
-    """Scratch: dP (then dS), the dropped softmax tile with ``keep``, the recomputed one with ``lse``."""
     starts, keys, tiles = _block_tables(blocks)
-    largest = _largest_tile(tiles)
-    scratch = numpy.empty(largest * (1 + (keep is not None) + (lse.size > 0)), dtype=dout.dtype)
-    _backward(
+    args = (
         dout,
         q,
         k,
@@ -151,14 +155,15 @@ def _backward_call(dout, q, k, v, probs, blocks, dq, dk, dv, keep, lse, q_offset
         dk,
         dv,
         _none(dout.dtype, 5) if keep is None else keep,
-        scratch,
-        largest,
         lse,
         q_offset,
         causal,
         _key_bias(key_bias, q.shape[0], k.shape[2], dout.dtype),
         window,
     )
+    # Every tile of a kv head adds into the head's dK and dV: a thread takes whole kv heads, and sums
+    # each one's tiles in the one-thread order.
+    threads.run(_backward, _backward_over, args, threads.columns(q.shape[0] * q.shape[1], 1))
 
 
 def _key_bias(key_bias, batch: int, keys: int, dtype):
@@ -333,18 +338,23 @@ def _scores(q, k, b, h, g, first, rows, first_key, seen, p, at):
 
 
 @_jit
-def _forward(q, k, v, out, probs, starts, keys, tiles, q_offset, causal, key_bias, keep, dropped, lse, window):
-    d = q.shape[-1]
-    for index in range(q.shape[0] * q.shape[1] * q.shape[2] * keys.shape[0]):
+def _forward(q, k, v, out, probs, starts, keys, tiles, q_offset, causal, key_bias, keep, lse, window, start, stop):
+    """Tiles ``start`` to ``stop`` (``_tile``'s indices), MKL sequential on this thread meanwhile. Without
+    ``probs`` (only the rows' statistics kept) every tile is made in one scratch tile of the thread's."""
+    previous = mkl_jit.local_threads(1)
+    d, largest = q.shape[-1], _largest_tile(tiles)
+    scratch = numpy.empty(largest * ((probs.size == 0) + (keep.size > 0)), dtype=q.dtype)
+    for index in range(start, stop):
         b, h, g, first, rows, first_key, seen, at, lse_at = _tile(index, q, starts, keys, tiles)
-        if lse.size:
-            at = 0  # only the rows' statistics are kept: every tile in the same scratch
-        _scores(q, k, b, h, g, first, rows, first_key, seen, probs, at)
-        _softmax_tile(probs, at, rows, seen, first + q_offset, first_key, causal, window, key_bias, b, lse, lse_at)
-        weights, weights_at = probs, at
+        p = probs
+        if probs.size == 0:
+            p, at = scratch, scratch.size - largest
+        _scores(q, k, b, h, g, first, rows, first_key, seen, p, at)
+        _softmax_tile(p, at, rows, seen, first + q_offset, first_key, causal, window, key_bias, b, lse, lse_at)
+        weights, weights_at = p, at
         if keep.size:
-            _drop(probs, at, rows, seen, keep, b, h, g, first, first_key, dropped, 0)
-            weights, weights_at = dropped, 0
+            _drop(p, at, rows, seen, keep, b, h, g, first, first_key, scratch, 0)
+            weights, weights_at = scratch, 0
         gemm(
             NO_TRANS,
             NO_TRANS,
@@ -363,6 +373,7 @@ def _forward(q, k, v, out, probs, starts, keys, tiles, q_offset, causal, key_bia
             _at(out, b, h, g, first),
             _ld(out),
         )
+    mkl_jit.local_threads(previous)
 
 
 @_jit
@@ -380,16 +391,20 @@ def _backward(
     dk,
     dv,
     keep,
-    scratch,
-    largest,
     lse,
     q_offset,
     causal,
     key_bias,
     window,
+    start,
+    stop,
 ):
-    d = q.shape[-1]
-    for index in range(q.shape[0] * q.shape[1] * q.shape[2] * keys.shape[0]):
+    """The tiles of kv heads ``start`` to ``stop`` (b * hk + h), MKL sequential on this thread meanwhile.
+    Scratch: dP (then dS), the dropped softmax tile with ``keep``, the recomputed one with ``lse``."""
+    previous = mkl_jit.local_threads(1)
+    d, largest, per_head = q.shape[-1], _largest_tile(tiles), q.shape[2] * keys.shape[0]
+    scratch = numpy.empty(largest * (1 + (keep.size > 0) + (lse.size > 0)), dtype=dout.dtype)
+    for index in range(start * per_head, stop * per_head):
         b, h, g, first, rows, first_key, seen, at, lse_at = _tile(index, q, starts, keys, tiles)
         dout_at, q_at = _at(dout, b, h, g, first), _at(q, b, h, g, first)
         k_at, v_at = _at(k, b, h, 0, first_key), _at(v, b, h, 0, first_key)
@@ -459,4 +474,58 @@ def _backward(
             dv,
             _at(dv, b, h, 0, first_key),
             _ld(dv),
+        )
+    mkl_jit.local_threads(previous)
+
+
+# Each kernel's threads (``threads.run``): one range of tiles, or of kv heads, each.
+@threads.parallel_jit
+def _forward_over(q, k, v, out, probs, starts, keys, tiles, q_offset, causal, key_bias, keep, lse, window, bounds):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _forward(
+            q,
+            k,
+            v,
+            out,
+            probs,
+            starts,
+            keys,
+            tiles,
+            q_offset,
+            causal,
+            key_bias,
+            keep,
+            lse,
+            window,
+            bounds[part],
+            bounds[part + 1],
+        )
+
+
+@threads.parallel_jit
+def _backward_over(
+    dout, q, k, v, probs, starts, keys, tiles, scale, dq, dk, dv, keep, lse, q_offset, causal, key_bias, window, bounds
+):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _backward(
+            dout,
+            q,
+            k,
+            v,
+            probs,
+            starts,
+            keys,
+            tiles,
+            scale,
+            dq,
+            dk,
+            dv,
+            keep,
+            lse,
+            q_offset,
+            causal,
+            key_bias,
+            window,
+            bounds[part],
+            bounds[part + 1],
         )

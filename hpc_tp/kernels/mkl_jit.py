@@ -1,4 +1,5 @@
-"""MKL's GEMM and vector exp, callable from numba kernels (``cpu_attention``, and ``blas``'s few-row products).
+"""MKL's GEMM, vector exp and per-thread thread count, callable from numba kernels (``cpu_attention``,
+and ``blas``'s few-row products).
 
 A kernel that multiplies small tiles pays a Python call, a ctypes call and numpy's checks per tile
 when it runs from Python; from inside one numba loop it pays only MKL's own call. The symbols are
@@ -11,6 +12,11 @@ address any row-major tile of a strided view; numba picks the single or double p
 from the output array's dtype when it compiles. Row-major, and the same integer layer (LP64) that
 ``kernels.mkl`` sets at load.
 
+``local_threads(1)`` makes MKL sequential on the calling thread only: a kernel that calls MKL per small
+tile, or runs its tiles on threads of its own, would otherwise open MKL's OpenMP region (and wake its
+sleeping threads) for every tile. It returns the count it replaces (0: the process's), which the
+kernel gives back when it is done.
+
 ``AVAILABLE`` is False without numba, without MKL (``HPC_TP_BLAS=numpy`` included) or with
 ``HPC_TP_CPU_KERNELS=0``; callers then take their composed numpy path.
 """
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import numpy
 
-from . import cpu_kernels
+from . import cpu_kernels, threads
 from .mkl import LIBRARY, ROW_MAJOR
 
 AVAILABLE = cpu_kernels.ENABLED and LIBRARY is not None
@@ -48,6 +54,7 @@ if AVAILABLE:
         "float32": types.ExternalFunction("vsExp", types.void(_i32, _pointer, _pointer)),
         "float64": types.ExternalFunction("vdExp", types.void(_i32, _pointer, _pointer)),
     }
+    _THREADS_LOCAL = types.ExternalFunction("MKL_Set_Num_Threads_Local", _i32(_i32))
 
 
 def gemm(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, c_at, ldc):
@@ -59,6 +66,21 @@ def gemm(trans_a, trans_b, m, n, k, alpha, a, a_at, lda, b, b_at, ldb, beta, c, 
 def exp(n, x, x_at, out, out_at):
     """out[out_at:out_at+n] = exp(x[x_at:x_at+n]) with MKL's vector exp (numba kernels only)."""
     raise NotImplementedError("mkl_jit.exp runs inside numba kernels only")
+
+
+def column_blocks(trans_a, trans_b, m, n, k, a, lda, b, ldb, b_step, beta, c, ldc, block):
+    """C = op(A) op(B) + beta C, ``block`` columns of B and C at a time (``b_step``: elements between
+    B's columns); ``blas`` sends few-row products against a large B here. Each thread takes a range
+    of whole blocks, each block one sequential MKL call: the same calls, so the same bits, at any
+    thread count, and no OpenMP region opened per block."""
+    args = (trans_a, trans_b, m, k, a, lda, b, ldb, b_step, beta, c, ldc, block)
+    threads.run(_column_blocks, _column_blocks_over, args, threads.columns(n, block))
+
+
+def local_threads(count):
+    """MKL's thread count for the calling thread only (0: back to the process's); returns the count
+    it replaces (numba kernels only)."""
+    raise NotImplementedError("mkl_jit.local_threads runs inside numba kernels only")
 
 
 if AVAILABLE:
@@ -93,27 +115,35 @@ if AVAILABLE:
         return call
 
     @cpu_kernels.numba.njit(cache=True, nogil=True)
-    def column_blocks(trans_a, trans_b, m, n, k, a, lda, b, ldb, b_step, beta, c, ldc, block):
-        """C = op(A) op(B) + beta C, ``block`` columns of B and C at a time (``b_step``: elements
-        between B's columns); ``blas`` sends few-row products against a large B here."""
-        for start in range(0, n, block):
+    def _column_blocks(trans_a, trans_b, m, k, a, lda, b, ldb, b_step, beta, c, ldc, block, start, stop):
+        """Columns ``start`` to ``stop`` of ``column_blocks``, MKL sequential on this thread meanwhile."""
+        previous = local_threads(1)
+        for first in range(start, stop, block):
             gemm(
                 trans_a,
                 trans_b,
                 m,
-                min(block, n - start),
+                min(block, stop - first),
                 k,
                 1.0,
                 a,
                 0,
                 lda,
                 b,
-                start * b_step,
+                first * b_step,
                 ldb,
                 beta,
                 c,
-                start,
+                first,
                 ldc,
+            )
+        local_threads(previous)
+
+    @threads.parallel_jit
+    def _column_blocks_over(trans_a, trans_b, m, k, a, lda, b, ldb, b_step, beta, c, ldc, block, bounds):
+        for part in threads.prange(bounds.shape[0] - 1):
+            _column_blocks(
+                trans_a, trans_b, m, k, a, lda, b, ldb, b_step, beta, c, ldc, block, bounds[part], bounds[part + 1]
             )
 
     @overload(exp, jit_options={"cache": True})
@@ -122,5 +152,12 @@ if AVAILABLE:
 
         def call(n, x, x_at, out, out_at):
             routine(n, _address(x, x_at), _address(out, out_at))
+
+        return call
+
+    @overload(local_threads, jit_options={"cache": True})
+    def _local_threads_for(count):
+        def call(count):
+            return _THREADS_LOCAL(numpy.int32(count))
 
         return call

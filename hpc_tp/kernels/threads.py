@@ -10,7 +10,9 @@ Kernels split their output into ``COUNT`` ranges [start, stop) (``columns``, or 
 work of unequal sizes) and numba's ``prange`` runs one range on each thread (``run``). A range is a
 whole set of outputs, each summed by one thread in the same order as without a split, so the results
 are the same bits at any thread count. At one thread the kernel runs directly, with no parallel
-launch. OpenMP's threads sleep between regions (``OMP_WAIT_POLICY=PASSIVE`` where it is unset).
+launch. Kernels that call MKL per small tile (``cpu_attention``, ``mkl_jit.column_blocks``) make it
+sequential on each of their threads (``mkl_jit.local_threads``): MKL's own threads would be woken
+for every tile. OpenMP's threads sleep between regions (``OMP_WAIT_POLICY=PASSIVE`` where it is unset).
 Numba's threading layer is asked for a thread-safe one (TBB or OpenMP: its ``workqueue``
 aborts when two Python threads launch kernels at once; serving calls them from its main thread).
 """
