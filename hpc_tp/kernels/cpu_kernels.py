@@ -138,29 +138,29 @@ def _norm_rows_backward(dy, gain, xhat, rstd, center, dx, dgain, dbias):
 
 @_jit_exact
 def _block_sum(v, start, n):
-    """numpy's float32 sum of a block of at most PAIRWISE_BLOCK: 8 accumulators, then the rest in order."""
+    """numpy's float32 sum of a block of at most PAIRWISE_BLOCK: 8 accumulators, then the rest in order.
+    Indexed from 0 in range loops, which LLVM sees are never negative: the 8 sums become one vector."""
+    block = v[start : start + n]
+    total = numpy.float32(0)
     if n < 8:
-        total = numpy.float32(0)
-        for i in range(start, start + n):
-            total += v[i]
+        for i in range(n):
+            total += block[i]
         return total
-    r0, r1, r2, r3 = v[start], v[start + 1], v[start + 2], v[start + 3]
-    r4, r5, r6, r7 = v[start + 4], v[start + 5], v[start + 6], v[start + 7]
-    i, whole = start + 8, start + n - n % 8
-    while i < whole:
-        r0, r1, r2, r3 = r0 + v[i], r1 + v[i + 1], r2 + v[i + 2], r3 + v[i + 3]
-        r4, r5, r6, r7 = r4 + v[i + 4], r5 + v[i + 5], r6 + v[i + 6], r7 + v[i + 7]
-        i += 8
+    r0, r1, r2, r3, r4, r5, r6, r7 = block[0], block[1], block[2], block[3], block[4], block[5], block[6], block[7]
+    whole = n - n % 8
+    for i in range(8, whole, 8):
+        r0, r1, r2, r3 = r0 + block[i], r1 + block[i + 1], r2 + block[i + 2], r3 + block[i + 3]
+        r4, r5, r6, r7 = r4 + block[i + 4], r5 + block[i + 5], r6 + block[i + 6], r7 + block[i + 7]
     total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    for j in range(whole, start + n):
-        total += v[j]
+    for i in range(whole, n):
+        total += block[i]
     return total
 
 
 def pairwise_stack():
-    """The scratch ``pairwise_sum`` walks its tree in: (start, length, children summed), 2 a level, and
-    the sums waiting for their sibling, 1 a level (lengths below 2^64)."""
-    return numpy.empty((128, 3), numpy.int64), numpy.empty(64, numpy.float32)
+    """The scratch ``pairwise_sum`` walks its tree in: (start, length; -1: join the two sums above),
+    2 a level, and the sums waiting for their sibling, 1 a level (lengths below 2^64)."""
+    return numpy.empty((128, 2), numpy.int64), numpy.empty(64, numpy.float32)
 
 
 @_jit_exact
@@ -171,23 +171,23 @@ def pairwise_sum(v, start, n, pending, sums):
     recursive functions)."""
     if n <= PAIRWISE_BLOCK:
         return _block_sum(v, start, n)
-    pending[0] = (start, n, 0)
+    pending[0, 0], pending[0, 1] = start, n
     top, done = 1, 0
     while top:
         top -= 1
-        at, length, joined = pending[top]
-        if length <= PAIRWISE_BLOCK:
-            sums[done] = _block_sum(v, at, length)
-            done += 1
-        elif joined:
+        at, length = pending[top, 0], pending[top, 1]
+        if length < 0:  # both halves summed: their sums are joined
             done -= 1
             sums[done - 1] = sums[done - 1] + sums[done]
+        elif length <= PAIRWISE_BLOCK:
+            sums[done] = _block_sum(v, at, length)
+            done += 1
         else:
             half = length // 2
             half -= half % 8
-            pending[top] = (at, length, 1)
-            pending[top + 1] = (at + half, length - half, 0)
-            pending[top + 2] = (at, half, 0)  # the left half on top: summed first, as numpy's
+            pending[top, 1] = -1
+            pending[top + 1, 0], pending[top + 1, 1] = at + half, length - half
+            pending[top + 2, 0], pending[top + 2, 1] = at, half  # the left half on top: summed first, as numpy's
             top += 3
     return sums[0]
 
