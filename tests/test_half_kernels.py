@@ -157,3 +157,22 @@ def test_rope_rounds_the_float32_rotation_once(dtype, per_row):
         assert got.flags.c_contiguous and same_bits(got, composed(lambda: F.rope_apply(*wide, inverse)).astype(dtype))
         error = got.astype(np.float32) - composed(lambda: F.rope_apply(q, cos, sin, inverse)).astype(np.float32)
         assert np.max(np.abs(error)) <= 2.0 ** (1 - MANTISSA[dtype]) * np.max(np.abs(q.astype(np.float32)))
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_norm_backward_within_a_half_step_of_the_composed_half_code(dtype, norm):
+    """From the same saved tensors: dx within one half step of the largest |dx| (the row sums run in
+    float64 here, in float32 there), the gain and bias gradients float32 as the composed code's, close."""
+    shape = (3, 5, 300)
+    x, dy, gain, bias = halves(dtype, shape, shape, shape[-1:], shape[-1:], seed=7)
+    if norm == "layernorm":
+        saved = F.layernorm_forward(x, gain, bias, 1e-5)[1]
+        got, want = F.layernorm_backward(dy, gain, saved), composed(lambda: F.layernorm_backward(dy, gain, saved))
+    else:
+        saved = F.rmsnorm_forward(x, gain, 1e-5)[1]
+        got, want = F.rmsnorm_backward(dy, gain, saved), composed(lambda: F.rmsnorm_backward(dy, gain, saved))
+    dx, dx_ref = got[0].astype(np.float32), want[0].astype(np.float32)
+    assert got[0].dtype == dtype and np.max(np.abs(dx - dx_ref)) <= 2.0 ** -MANTISSA[dtype] * np.max(np.abs(dx_ref))
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert g.dtype == w.dtype == np.float32 and np.max(np.abs(g - w)) <= 1e-6 * np.max(np.abs(w))

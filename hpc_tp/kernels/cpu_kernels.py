@@ -118,22 +118,25 @@ def _norm_rows(x, residual, gain, bias, eps, center, y, xhat, rstd):
 
 @_jit
 def _norm_rows_backward(dy, gain, xhat, rstd, center, dx, dgain, dbias):
+    """dx of each row, dgain and dbias summed over rows (float64); dy, xhat and dx may be half bits
+    (read as float32, dx rounded once)."""
     rows, n = dy.shape
     for r in range(rows):
         g_mean = 0.0
         g_xhat = 0.0
         for i in range(n):
-            d = dy[r, i]
+            d, h = half_bits.wide(dy[r, i]), half_bits.wide(xhat[r, i])
             g = d * gain[i]
             g_mean += g
-            g_xhat += g * xhat[r, i]
-            dgain[i] += d * xhat[r, i]
+            g_xhat += g * h
+            dgain[i] += d * h
             dbias[i] += d
         g_mean = g_mean / n if center else 0.0
         g_xhat /= n
         scale = rstd[r, 0]
         for i in range(n):
-            dx[r, i] = scale * (dy[r, i] * gain[i] - g_mean - xhat[r, i] * g_xhat)
+            d, h = half_bits.wide(dy[r, i]), half_bits.wide(xhat[r, i])
+            dx[r, i] = half_bits.narrow(scale * (d * gain[i] - g_mean - h * g_xhat), dx)
 
 
 @_jit_exact
@@ -266,21 +269,25 @@ def _norm_forward(x, gain, bias, eps, center: bool, residual=None):
 
 
 def _norm_backward(dy, gain, saved, center: bool):
+    """dx in dy's dtype; for half dy, computed in float32 with float32 gain and bias gradients, as the
+    composed half code returns them (its sums run in float32, these in float64: dx within a half step
+    of its, tests/test_half_kernels.py)."""
     xhat, rstd = saved
     dy = _c(dy)
     dx = numpy.empty_like(dy)
+    compute = dy.dtype if dy.dtype in DTYPES else numpy.dtype(numpy.float32)
     dgain, dbias = numpy.zeros(dy.shape[-1]), numpy.zeros(dy.shape[-1])  # float64 sums over every row
     _norm_rows_backward(
-        _rows(dy),
-        _c(gain.astype(dy.dtype, copy=False)),
-        _rows(_c(xhat.astype(dy.dtype, copy=False))),
-        _rows(_c(rstd.astype(dy.dtype, copy=False))),
+        _rows(bits(dy)),
+        _c(gain.astype(compute, copy=False)),
+        _rows(bits(_c(xhat.astype(dy.dtype, copy=False)))),
+        _rows(_c(rstd.astype(compute, copy=False))),
         center,
-        _rows(dx),
+        _rows(bits(dx)),
         dgain,
         dbias,
     )
-    return dx, dgain.astype(dy.dtype), dbias.astype(dy.dtype)
+    return dx, dgain.astype(compute), dbias.astype(compute)
 
 
 def layernorm_forward(x, gain, bias, eps):

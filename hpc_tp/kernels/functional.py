@@ -59,7 +59,7 @@ def layernorm_forward(x, gain, bias, eps):
 
 
 def layernorm_backward(dy, gain, saved):
-    if fast := _fused("layernorm_backward", dy, row=True):
+    if fast := _fused("layernorm_backward", dy, row=True, half=True):
         return fast(dy, gain, saved)
     if _half(dy):  # computed in float32; the gain and bias gradients stay float32, as their buffers are
         dx, dgain, dbias = layernorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1]))
@@ -95,7 +95,7 @@ def rmsnorm_forward(x, gain, eps):
 
 
 def rmsnorm_backward(dy, gain, saved):
-    if fast := _fused("rmsnorm_backward", dy, row=True):
+    if fast := _fused("rmsnorm_backward", dy, row=True, half=True):
         return fast(dy, gain, saved)
     if _half(dy):  # as layernorm_backward: the gain gradient stays float32
         dx, dgain = rmsnorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1]))
