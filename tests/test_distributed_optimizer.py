@@ -521,8 +521,9 @@ def test_half_precision_masters_live_in_the_pieces(tmp_path, dtype):
     # At 4 ranks ZeRO's reduce-scatter and the all-reduce add the ranks' gradients in other orders, so a
     # float32 master may differ in its last bit; rounded to a bfloat16 parameter (8 bits of mantissa)
     # that can land on the neighbouring value, which moves later losses and norms by up to ~1e-4 (measured; the products' inputs
-    # were checked equal through the first step). float16's 11 bits have not shown it.
-    tolerance = 1e-6 if dtype == "float16" else 1e-3
+    # were checked equal through the first step). float16's 11 bits land there too, more rarely and 8 times
+    # closer (1.8e-6 seen, the losses of the first three steps equal to the bit).
+    tolerance = 1e-4 if dtype == "float16" else 1e-3
     for key in ("loss", "grad_norm"):
         got, want = (np.array([r[key] for r in records[zero]]) for zero in (True, False))
         assert np.max(np.abs(got - want) / np.abs(want)) < tolerance, key

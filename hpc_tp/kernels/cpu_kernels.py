@@ -29,6 +29,9 @@ import os
 
 import numpy
 
+from . import half_bits
+from .half_bits import bits
+
 try:
     import numba
 except ImportError:  # optional: the numpy path in ``functional`` does the same work
@@ -39,13 +42,20 @@ ENABLED = numba is not None and os.environ.get("HPC_TP_CPU_KERNELS", "1") != "0"
 CHUNK = (
     1 << 16
 )  # elements per GELU chunk: x, t and y of one chunk stay in L2 between the passes (fastest of 2^12..2^18)
+PAIRWISE_BLOCK = 128  # numpy's PW_BLOCKSIZE: its row sums add blocks up to this long with 8 accumulators
 _C = math.sqrt(2.0 / math.pi)
 _K = 0.044715
 
 
-def fused(x, row: bool = False) -> bool:
-    """True for a C-contiguous float32/float64 numpy array when numba is there."""
-    return ENABLED and isinstance(x, numpy.ndarray) and x.dtype in DTYPES and x.flags.c_contiguous
+def fused(x, row: bool = False, half: bool = False) -> bool:
+    """True for a C-contiguous float32/float64 numpy array when numba is there; with ``half`` (the
+    kernel takes them: norms, add_norm, SwiGLU, RoPE) also bfloat16/float16 (``half_bits.VIEWS``)."""
+    return (
+        ENABLED
+        and isinstance(x, numpy.ndarray)
+        and (x.dtype in DTYPES or (half and x.dtype in half_bits.VIEWS))
+        and x.flags.c_contiguous
+    )
 
 
 def _jit(function):
@@ -108,27 +118,146 @@ def _norm_rows(x, residual, gain, bias, eps, center, y, xhat, rstd):
 
 @_jit
 def _norm_rows_backward(dy, gain, xhat, rstd, center, dx, dgain, dbias):
+    """dx of each row, dgain and dbias summed over rows (float64); dy, xhat and dx may be half bits
+    (read as float32, dx rounded once)."""
     rows, n = dy.shape
     for r in range(rows):
         g_mean = 0.0
         g_xhat = 0.0
         for i in range(n):
-            d = dy[r, i]
+            d, h = half_bits.wide(dy[r, i]), half_bits.wide(xhat[r, i])
             g = d * gain[i]
             g_mean += g
-            g_xhat += g * xhat[r, i]
-            dgain[i] += d * xhat[r, i]
+            g_xhat += g * h
+            dgain[i] += d * h
             dbias[i] += d
         g_mean = g_mean / n if center else 0.0
         g_xhat /= n
         scale = rstd[r, 0]
         for i in range(n):
-            dx[r, i] = scale * (dy[r, i] * gain[i] - g_mean - xhat[r, i] * g_xhat)
+            d, h = half_bits.wide(dy[r, i]), half_bits.wide(xhat[r, i])
+            dx[r, i] = half_bits.narrow(scale * (d * gain[i] - g_mean - h * g_xhat), dx)
+
+
+@_jit_exact
+def _block_sum(v, start, n):
+    """numpy's float32 sum of a block of at most PAIRWISE_BLOCK: 8 accumulators, then the rest in order.
+    Indexed from 0 in range loops, which LLVM sees are never negative: the 8 sums become one vector."""
+    block = v[start : start + n]
+    total = numpy.float32(0)
+    if n < 8:
+        for i in range(n):
+            total += block[i]
+        return total
+    r0, r1, r2, r3, r4, r5, r6, r7 = block[0], block[1], block[2], block[3], block[4], block[5], block[6], block[7]
+    whole = n - n % 8
+    for i in range(8, whole, 8):
+        r0, r1, r2, r3 = r0 + block[i], r1 + block[i + 1], r2 + block[i + 2], r3 + block[i + 3]
+        r4, r5, r6, r7 = r4 + block[i + 4], r5 + block[i + 5], r6 + block[i + 6], r7 + block[i + 7]
+    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    for i in range(whole, n):
+        total += block[i]
+    return total
+
+
+def pairwise_stack():
+    """The scratch ``pairwise_sum`` walks its tree in: (start, length; -1: join the two sums above),
+    2 a level, and the sums waiting for their sibling, 1 a level (lengths below 2^64)."""
+    return numpy.empty((128, 2), numpy.int64), numpy.empty(64, numpy.float32)
+
+
+@_jit_exact
+def pairwise_sum(v, start, n, pending, sums):
+    """float32 sum of v[start:start + n] in numpy's order (the ``pairwise_sum`` of its add reduction):
+    halves split at multiples of 8 down to blocks, each block's sum added to its sibling's. numpy
+    recurses; this walks the same tree in ``pairwise_stack``'s scratch (numba's disk cache breaks
+    recursive functions)."""
+    if n <= PAIRWISE_BLOCK:
+        return _block_sum(v, start, n)
+    pending[0, 0], pending[0, 1] = start, n
+    top, done = 1, 0
+    while top:
+        top -= 1
+        at, length = pending[top, 0], pending[top, 1]
+        if length < 0:  # both halves summed: their sums are joined
+            done -= 1
+            sums[done - 1] = sums[done - 1] + sums[done]
+        elif length <= PAIRWISE_BLOCK:
+            sums[done] = _block_sum(v, at, length)
+            done += 1
+        else:
+            half = length // 2
+            half -= half % 8
+            pending[top, 1] = -1
+            pending[top + 1, 0], pending[top + 1, 1] = at + half, length - half
+            pending[top + 2, 0], pending[top + 2, 1] = at, half  # the left half on top: summed first, as numpy's
+            top += 3
+    return sums[0]
+
+
+@_jit_exact
+def _half_norm_rows(x, residual, gain, bias, eps, center, y, xhat, rstd, w, sq, pending, sums):
+    """``functional``'s composed norm of each half row (x, residual, y, xhat: bits; the rest float32),
+    its float32 operations in its order: x += residual rounded to x's format, as numpy's half add; the
+    row widened into ``w``; mean and mean square as numpy's float32 ``mean`` (``pairwise_sum``, the
+    division in float64); y and xhat rounded once from float32. rmsnorm gives the composed bits;
+    layernorm sums its variance in another order than the composed ``einsum`` (see ``layernorm_forward``)."""
+    rows, n = x.shape
+    for r in range(rows):
+        row = x[r]
+        if residual.shape[0]:
+            add = residual[r]
+            for i in range(n):
+                total = half_bits.narrow(half_bits.wide(row[i]) + half_bits.wide(add[i]), row)
+                row[i] = total
+                w[i] = half_bits.wide(total)
+        else:
+            for i in range(n):
+                w[i] = half_bits.wide(row[i])
+        if center:
+            mean = numpy.float32(numpy.float64(pairwise_sum(w, 0, n, pending, sums)) / n)
+            for i in range(n):
+                w[i] -= mean
+        for i in range(n):
+            sq[i] = w[i] * w[i]
+        if center:  # the composed layernorm: var *= 1 / n
+            var = pairwise_sum(sq, 0, n, pending, sums) * numpy.float32(1.0 / n)
+        else:  # the composed rmsnorm: (x * x).mean()
+            var = numpy.float32(numpy.float64(pairwise_sum(sq, 0, n, pending, sums)) / n)
+        scale = numpy.float32(1) / numpy.sqrt(var + eps)
+        rstd[r, 0] = scale
+        normed, out = xhat[r], y[r]
+        for i in range(n):
+            h = w[i] * scale
+            normed[i] = half_bits.narrow(h, normed)
+            sq[i] = h * gain[i]
+        if bias.shape[0]:
+            for i in range(n):
+                sq[i] += bias[i]
+        for i in range(n):
+            out[i] = half_bits.narrow(sq[i], out)
+
+
+def _half_norm_forward(x, gain, bias, eps, center: bool, residual):
+    """``_norm_forward`` for half x: the composed code's float32 statistics (rstd float32) and half
+    y and xhat."""
+    rows = _rows(bits(x))
+    y, xhat = numpy.empty_like(x), numpy.empty_like(x)
+    rstd = numpy.empty(x.shape[:-1] + (1,), numpy.float32)
+    gain = _c(gain.astype(numpy.float32))
+    bias = gain[:0] if bias is None else _c(bias.astype(numpy.float32))
+    residual = rows[:0] if residual is None else _rows(bits(residual))
+    scratch = numpy.empty((2, x.shape[-1]), numpy.float32)
+    outputs = _rows(bits(y)), _rows(bits(xhat)), _rows(rstd)
+    _half_norm_rows(rows, residual, gain, bias, numpy.float32(eps), center, *outputs, *scratch, *pairwise_stack())
+    return y, (xhat, rstd)
 
 
 def _norm_forward(x, gain, bias, eps, center: bool, residual=None):
     """The norm of x, or with ``residual`` of x + residual, summed into x (C-contiguous, the caller's own)."""
     x = _c(x)
+    if x.dtype in half_bits.VIEWS:
+        return _half_norm_forward(x, gain, bias, eps, center, residual)
     rows = _rows(x)
     y, xhat = numpy.empty_like(x), numpy.empty_like(x)
     rstd = numpy.empty(x.shape[:-1] + (1,), x.dtype)
@@ -140,21 +269,25 @@ def _norm_forward(x, gain, bias, eps, center: bool, residual=None):
 
 
 def _norm_backward(dy, gain, saved, center: bool):
+    """dx in dy's dtype; for half dy, computed in float32 with float32 gain and bias gradients, as the
+    composed half code returns them (its sums run in float32, these in float64: dx within a half step
+    of its, tests/test_half_kernels.py)."""
     xhat, rstd = saved
     dy = _c(dy)
     dx = numpy.empty_like(dy)
+    compute = dy.dtype if dy.dtype in DTYPES else numpy.dtype(numpy.float32)
     dgain, dbias = numpy.zeros(dy.shape[-1]), numpy.zeros(dy.shape[-1])  # float64 sums over every row
     _norm_rows_backward(
-        _rows(dy),
-        _c(gain.astype(dy.dtype, copy=False)),
-        _rows(_c(xhat.astype(dy.dtype, copy=False))),
-        _rows(_c(rstd.astype(dy.dtype, copy=False))),
+        _rows(bits(dy)),
+        _c(gain.astype(compute, copy=False)),
+        _rows(bits(_c(xhat.astype(dy.dtype, copy=False)))),
+        _rows(_c(rstd.astype(compute, copy=False))),
         center,
-        _rows(dx),
+        _rows(bits(dx)),
         dgain,
         dbias,
     )
-    return dx, dgain.astype(dy.dtype), dbias.astype(dy.dtype)
+    return dx, dgain.astype(compute), dbias.astype(compute)
 
 
 def layernorm_forward(x, gain, bias, eps):
@@ -181,8 +314,14 @@ def add_norm_forward(x, residual, gain, bias, eps, center: bool):
 
 def fused_rows(x, residual) -> bool:
     """True where ``add_norm_forward`` takes x and residual: x C-contiguous and written in place,
-    residual of its shape."""
-    return fused(x) and x.flags.writeable and isinstance(residual, numpy.ndarray) and residual.shape == x.shape
+    residual of its shape (and of its dtype where x is half: C-contiguous, read as bits)."""
+    return (
+        fused(x, half=True)
+        and x.flags.writeable
+        and isinstance(residual, numpy.ndarray)
+        and residual.shape == x.shape
+        and (x.dtype in DTYPES or (residual.dtype == x.dtype and residual.flags.c_contiguous))
+    )
 
 
 # -- SwiGLU's gate and up --------------------------------------------------------------------------
@@ -193,34 +332,41 @@ def _negate(h, local, out):
     for r in range(h.shape[0]):
         gate, o = h[r, :local], out[r]
         for i in range(local):
-            o[i] = -gate[i]
+            o[i] = -half_bits.wide(gate[i])
 
 
 @_jit_exact
-def _swiglu(h, local, one, sig, act, inner):
-    """From sig = exp(-gate) (numpy's exp): sig = 1 / (1 + exp(-gate)), act = gate sig and
-    inner = act up, the operations of ``functional.silu_forward`` and the product after it."""
+def _swiglu(h, local, one, e, sig, act, inner):
+    """From e = exp(-gate) (numpy's exp): sig = 1 / (1 + e), act = gate sig and inner = act up, the
+    operations of ``functional.silu_forward`` and the product after it, in ``one``'s precision; each
+    stored in its array's format (e may be sig)."""
     for r in range(h.shape[0]):
-        gate, up, s, a, y = h[r, :local], h[r, local:], sig[r], act[r], inner[r]
+        gate, up, ex, s, a, y = h[r, :local], h[r, local:], e[r], sig[r], act[r], inner[r]
         for i in range(local):
-            v = one / (one + s[i])
-            s[i] = v
-            w = gate[i] * v
-            a[i] = w
-            y[i] = w * up[i]
+            v = one / (one + ex[i])
+            s[i] = half_bits.narrow(v, s)
+            w = half_bits.wide(gate[i]) * v
+            a[i] = half_bits.narrow(w, a)
+            y[i] = half_bits.narrow(w * half_bits.wide(up[i]), y)
 
 
 def swiglu_forward(h, local: int):
     """silu(gate) * up for h = [gate | up] [..., 2 local]: the product, and what ``silu_backward``
     and the MLP's backward keep, (gate, sig), act, up; three passes (numpy's vectorized exp between two
-    fused ones) where the composed code makes seven, each with its own temporary."""
+    fused ones) where the composed code makes seven, each with its own temporary.
+
+    Half h is computed in float32 (exp(-gate) in a float32 scratch) and each result rounded once: the
+    composed code's float32 numbers on the widened h, rounded. The composed half code rounds each of
+    its five steps to the half format instead, so it differs by a few half steps
+    (tests/test_cpu_kernels.py bounds it)."""
     h = _c(h)
-    rows = _rows(h)
+    rows = _rows(bits(h))
     shape = h.shape[:-1] + (local,)
     sig, act, inner = numpy.empty(shape, h.dtype), numpy.empty(shape, h.dtype), numpy.empty(shape, h.dtype)
-    _negate(rows, local, _rows(sig))
-    numpy.exp(sig, out=sig)
-    _swiglu(rows, local, h.dtype.type(1), _rows(sig), _rows(act), _rows(inner))
+    e = sig if h.dtype in DTYPES else numpy.empty(shape, numpy.float32)
+    _negate(rows, local, _rows(e))
+    numpy.exp(e, out=e)
+    _swiglu(rows, local, e.dtype.type(1), _rows(e), *(_rows(bits(a)) for a in (sig, act, inner)))
     gate, up = h[..., :local], h[..., local:]
     return inner, ((gate, sig), act, up)
 
@@ -240,20 +386,23 @@ def _rotate(x, cos, sin, sign, out):
             for t in range(steps):
                 c, s, src, dst = cos[tb, t], sin[tb, t], x[b, h, t], out[b, h, t]
                 for i in range(half):
-                    x1, x2, si = src[i], src[i + half], sign * s[i]
-                    dst[i] = x1 * c[i] - x2 * si
-                    dst[i + half] = x2 * c[i] + x1 * si
+                    x1, x2, ci = half_bits.wide(src[i]), half_bits.wide(src[i + half]), half_bits.wide(c[i])
+                    si = sign * half_bits.wide(s[i])
+                    dst[i] = half_bits.narrow(x1 * ci - x2 * si, dst)
+                    dst[i + half] = half_bits.narrow(x2 * ci + x1 * si, dst)
 
 
 def rope_apply(x, cos, sin, inverse: bool = False):
     """``functional.rope_apply`` for x [..., T, d] (any strides) and tables of x's dtype, [T, d/2]
-    or [B, 1.., T, d/2] for x [B, ..., T, d]: one pass into a new C-contiguous array."""
+    or [B, 1.., T, d/2] for x [B, ..., T, d]: one pass into a new C-contiguous array. Half x is
+    rotated in float32 and rounded once (the composed half code rounds both products and their sum)."""
     t, d = x.shape[-2:]
     heads = (x.shape[0] if x.ndim > 2 else 1, -1, t, d)
     out = numpy.empty(x.shape, x.dtype)
     half = (-1, t, d // 2)
+    sign = (x.dtype.type if x.dtype in DTYPES else numpy.float32)(-1 if inverse else 1)
     _rotate(
-        x.reshape(heads), cos.reshape(half), sin.reshape(half), x.dtype.type(-1 if inverse else 1), out.reshape(heads)
+        *(bits(a) for a in (x.reshape(heads), cos.reshape(half), sin.reshape(half))), sign, bits(out.reshape(heads))
     )
     return out
 

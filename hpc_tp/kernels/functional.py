@@ -16,12 +16,14 @@ from . import cpu_kernels, cuda_kernels
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def _fused(name: str, x, row: bool = False):
+def _fused(name: str, x, row: bool = False, half: bool = False):
     """The fused kernel ``name`` for ``x``'s device: ``cuda_kernels`` for cupy arrays,
-    ``cpu_kernels`` (numba) for numpy ones; None where there is none (the composed code runs)."""
-    for kernels in (cuda_kernels, cpu_kernels):
-        if hasattr(kernels, name) and kernels.fused(x, row):
-            return getattr(kernels, name)
+    ``cpu_kernels`` (numba) for numpy ones, their half arrays too where ``half`` says the CPU kernel
+    takes them; None where there is none (the composed code runs)."""
+    if hasattr(cuda_kernels, name) and cuda_kernels.fused(x, row):
+        return getattr(cuda_kernels, name)
+    if hasattr(cpu_kernels, name) and cpu_kernels.fused(x, row, half):
+        return getattr(cpu_kernels, name)
     return None
 
 
@@ -36,7 +38,7 @@ def _widen(*arrays):
 
 
 def layernorm_forward(x, gain, bias, eps):
-    if fast := _fused("layernorm_forward", x, row=True):
+    if fast := _fused("layernorm_forward", x, row=True, half=True):
         return fast(x, gain, bias, eps)
     if _half(x):
         y, (xhat, rstd) = layernorm_forward(*_widen(x, gain, bias), eps)
@@ -57,7 +59,7 @@ def layernorm_forward(x, gain, bias, eps):
 
 
 def layernorm_backward(dy, gain, saved):
-    if fast := _fused("layernorm_backward", dy, row=True):
+    if fast := _fused("layernorm_backward", dy, row=True, half=True):
         return fast(dy, gain, saved)
     if _half(dy):  # computed in float32; the gain and bias gradients stay float32, as their buffers are
         dx, dgain, dbias = layernorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1]))
@@ -81,7 +83,7 @@ def layernorm_backward(dy, gain, saved):
 
 
 def rmsnorm_forward(x, gain, eps):
-    if fast := _fused("rmsnorm_forward", x, row=True):
+    if fast := _fused("rmsnorm_forward", x, row=True, half=True):
         return fast(x, gain, eps)
     if _half(x):
         y, (xhat, rrms) = rmsnorm_forward(*_widen(x, gain), eps)
@@ -93,7 +95,7 @@ def rmsnorm_forward(x, gain, eps):
 
 
 def rmsnorm_backward(dy, gain, saved):
-    if fast := _fused("rmsnorm_backward", dy, row=True):
+    if fast := _fused("rmsnorm_backward", dy, row=True, half=True):
         return fast(dy, gain, saved)
     if _half(dy):  # as layernorm_backward: the gain gradient stays float32
         dx, dgain = rmsnorm_backward(*_widen(dy, gain), (*_widen(saved[0]), saved[1]))
@@ -117,7 +119,7 @@ def add_norm_forward(x, residual, gain, bias, eps, center: bool):
 def gated_forward(h, local: int, act_forward):
     """act(gate) * up for h = [gate | up] [..., 2 local], a gated MLP's activation (``act_forward``:
     e.g. ``silu_forward``): (the product, (act's saved values, act, up)) for the MLP's backward."""
-    if act_forward is silu_forward and cpu_kernels.fused(h):
+    if act_forward is silu_forward and cpu_kernels.fused(h, half=True):
         return cpu_kernels.swiglu_forward(h, local)
     gate, up = h[..., :local], h[..., local:]
     act, act_ctx = act_forward(gate)
@@ -283,7 +285,7 @@ def rope_tables(positions, inv_freq, dtype):
 
 def rope_apply(x, cos, sin, inverse=False):
     """Rotate pairs (i, i + d/2) of x [..., T, d]; ``inverse`` rotates back (the backward pass)."""
-    if cpu_kernels.fused(cos) and isinstance(x, numpy.ndarray) and x.dtype == cos.dtype == sin.dtype:
+    if cpu_kernels.fused(cos, half=True) and isinstance(x, numpy.ndarray) and x.dtype == cos.dtype == sin.dtype:
         return cpu_kernels.rope_apply(x, cos, sin, inverse)
     xp = xp_of(x)
     half = x.shape[-1] // 2

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import os
 
-import llvmlite.binding
 import numpy
 from llvmlite import ir
 
-from . import cpu_kernels
+from . import cpu_kernels, half_bits
 
 if cpu_kernels.ENABLED:
     from numba import types
@@ -32,13 +31,9 @@ FLOATS = ir.VectorType(F32, LANES)
 def host_has(feature: str, switch: str) -> bool:
     """True where numba's kernels run and the host CPU has ``feature`` (llvmlite's name), unless the
     environment variable ``switch`` is "0" (an A/B against the path it replaces)."""
-    # NUMBA_CPU_NAME compiles for another CPU than this one (a portable cache): it may lack the feature.
-    if not cpu_kernels.ENABLED or cpu_kernels.numba.config.CPU_NAME or os.environ.get(switch, "1") == "0":
+    if not cpu_kernels.ENABLED or os.environ.get(switch, "1") == "0":
         return False
-    try:
-        return bool(llvmlite.binding.get_host_cpu_features().get(feature, False))
-    except RuntimeError:  # LLVM cannot tell on this host
-        return False
+    return half_bits.host_has(feature)
 
 
 def fits(out, a, w) -> bool:
