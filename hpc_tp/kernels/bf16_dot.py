@@ -13,8 +13,9 @@ it is stored, so nothing is packed or copied:
 * ``w`` row-major [K, N] (the linear layers): rows ``p`` and ``p + 1`` of 32 columns are loaded and
   interleaved in registers, and each input row's pair ``a[r, p:p + 2]`` (one 32-bit word) is
   broadcast to every lane; a tile of 6 rows x 64 columns (8 x 32 for a decode batch of 8) is summed
-  in registers over a chunk of K, then added to ``out``, while the weight lines of a tile further
-  along are prefetched (the weight streams from memory when decoding).
+  in registers over a chunk of 32 rows of K, then added to ``out``; the chunk is walked across every
+  column while the last row tile asks for the next chunk's lines in the order they are stored (the
+  weight streams from memory when decoding, and a tile's own strip is a line a row at a row's stride).
 * ``w`` the transposed view of a row-major [N, K] (the tied LM head ``h @ E.T``): each lane sums
   pairs of one row of ``a`` against one row of ``E`` along K, and a 4 x 4 tile's 16 vectors are
   reduced to one vector of 16 sums by a tree of shuffles and adds at the end.
@@ -40,10 +41,16 @@ from . import cpu_kernels, threads, vector_ir
 COLUMN_ALIGN = 64
 
 COLUMN_GROUP = 32  # columns of one interleaved pair of weight-row loads (two float32 vectors)
-K_CHUNK = 256  # weight rows summed in registers before a tile is added to ``out``
-COLUMN_BLOCK = 512  # columns of the row-major kernel's block: its K_CHUNK rows stay in L2 across row tiles
-# The row-major kernel asks for the weight lines of the tile this many tiles to the right (same rows)
-# while it sums its own: at 2, 8 rows by [576, 3072] took 0.28-0.33 ms against 0.40-0.47 at 1; 3-6 no faster.
+# Weight rows summed in registers before a tile is added to ``out``: the row-major kernel walks this
+# many rows across every column of its range (they stay in L2 across the row tiles) while its last row
+# tile asks for the next chunk's lines in storage order, as ``f32_dot`` does.
+K_CHUNK = 32
+# A prefill's products (more rows than DECODE_ROWS) are compute-bound: they sum PREFILL_CHUNK rows of K
+# in registers, over blocks of PREFILL_BLOCK columns that stay in L2 across the row tiles (at 96 rows
+# by [576, 3072] chunks of 32 took 1.1-1.3x as long: out is read and written 8 times as often).
+DECODE_ROWS, PREFILL_CHUNK, PREFILL_BLOCK = 16, 256, 512
+# A prefill's tiles ask for the weight lines of the tile this many tiles to the right (same rows) while
+# they sum their own: at 2, 8 rows by [576, 3072] took 0.28-0.33 ms against 0.40-0.47 at 1; 3-6 no faster.
 PREFETCH_TILES = 2
 
 
@@ -149,22 +156,43 @@ if AVAILABLE:
         return builder.bitcast(vector_ir.splat(builder, word, LANES), _HALVES)
 
     @intrinsic(prefer_literal=True)
-    def _matrix_tile(typingctx, a, a_at, a_pitch, rows, w, w_at, w_pitch, pairs, out, out_at, out_pitch, cols, groups):
+    def _matrix_tile(
+        typingctx, a, a_at, a_pitch, rows, w, w_at, w_pitch, pairs, out, out_at, out_pitch, cols, groups, ahead
+    ):
         """out[r, j] += sum over p < 2 pairs of a[r, p] w[p, j] for r < ``rows`` (a literal, at most
         8) and j < ``cols`` (at most 32 ``groups``, a literal); ``a`` from element ``a_at``
         with ``a_pitch`` elements a row, ``w`` from ``w_at`` (``w_pitch``), ``out`` from ``out_at``
         (``out_pitch``). ``w_pitch`` 0 reads one row, its pair's second row zeros (an odd K's last row;
-        ``a`` holds a zero there too)."""
+        ``a`` holds a zero there too). ``ahead`` = (at, col, span): where ``span`` > 0 each step also asks
+        for as many lines of ``w`` as it reads (into L2), from element ``at`` on, a walk along rows of
+        ``span`` elements from their column ``col`` (``_matrix_tiles`` points it at the next chunk of K)."""
         count, group_count = vector_ir.literal(rows), vector_ir.literal(groups)
         if count is None or group_count is None:
             return None
-        sig = types.void(a, a_at, a_pitch, rows, w, w_at, w_pitch, pairs, out, out_at, out_pitch, cols, groups)
+        sig = types.void(a, a_at, a_pitch, rows, w, w_at, w_pitch, pairs, out, out_at, out_pitch, cols, groups, ahead)
 
         def codegen(context, builder, signature, args):
-            a_arr, a_at_, a_pitch_, _, w_arr, w_at_, w_pitch_, pairs_, out_arr, out_at_, out_pitch_, cols_, _ = args
+            (
+                a_arr,
+                a_at_,
+                a_pitch_,
+                _,
+                w_arr,
+                w_at_,
+                w_pitch_,
+                pairs_,
+                out_arr,
+                out_at_,
+                out_pitch_,
+                cols_,
+                _,
+                ahead_,
+            ) = args
+            ahead_at, ahead_col, span = (builder.extract_value(ahead_, i) for i in range(3))
             kinds = signature.args
+            w_base = vector_ir.data(context, builder, kinds[4], w_arr)
             a_data = builder.gep(vector_ir.data(context, builder, kinds[0], a_arr), [a_at_])
-            w_data = builder.gep(vector_ir.data(context, builder, kinds[4], w_arr), [w_at_])
+            w_data = builder.gep(w_base, [w_at_])
             out_data = builder.gep(vector_ir.data(context, builder, kinds[8], out_arr), [out_at_])
             group_masks = [
                 vector_ir.mask(builder, builder.sub(cols_, I64(COLUMN_GROUP * g)), COLUMN_GROUP)
@@ -177,7 +205,9 @@ if AVAILABLE:
             high = ir.Constant(ir.VectorType(I32, 2 * LANES), [LANES + i // 2 + (i % 2) * 2 * LANES for i in range(32)])
             zero = FLOATS(None)
 
-            def step(index, accs):
+            def step(index, accs, tiles_ahead=False):
+                """One pair of weight rows into the sums; with ``tiles_ahead`` also asking for the lines of
+                the tile PREFETCH_TILES tiles to the right (a prefill's blocks)."""
                 first = builder.gep(w_data, [builder.mul(builder.mul(index, I64(2)), w_pitch_)])
                 second = builder.gep(first, [w_pitch_])
                 weights = []
@@ -185,9 +215,10 @@ if AVAILABLE:
                     top = vector_ir.load(builder, builder.gep(first, [I64(COLUMN_GROUP * g)]), mask, _HALVES)
                     bottom = vector_ir.load(builder, builder.gep(second, [I64(COLUMN_GROUP * g)]), second_mask, _HALVES)
                     weights += [builder.shuffle_vector(top, bottom, low), builder.shuffle_vector(top, bottom, high)]
-                    ahead = I64(COLUMN_GROUP * (PREFETCH_TILES * group_count + g))
-                    vector_ir.prefetch(builder, builder.gep(first, [ahead]))
-                    vector_ir.prefetch(builder, builder.gep(second, [ahead]))
+                    if tiles_ahead:
+                        ahead = I64(COLUMN_GROUP * (PREFETCH_TILES * group_count + g))
+                        vector_ir.prefetch(builder, builder.gep(first, [ahead]))
+                        vector_ir.prefetch(builder, builder.gep(second, [ahead]))
                 updated = []
                 for r in range(count):
                     pair = _broadcast_pair(
@@ -198,8 +229,29 @@ if AVAILABLE:
                     ]
                 return updated
 
-            accs = vector_ir.loop(builder, pairs_, [zero] * (count * 2 * group_count), step)
-            vector_ir.add_tile(builder, out_data, out_pitch_, accs, count, cols_)
+            width = I64(2 * COLUMN_GROUP * group_count)  # elements a step reads: two rows of the tile
+            wrap = builder.sub(w_pitch_, span)  # from the end of a walk's row to the start of the next
+
+            def asking(index, carried):
+                """``step``, and the step's lines of the walk asked for (a line: 32 bfloat16)."""
+                at, col = carried[-2:]
+                for line in range(2 * group_count):
+                    vector_ir.prefetch(builder, builder.gep(w_base, [builder.add(at, I64(COLUMN_GROUP * line))]), 2)
+                col = builder.add(col, width)
+                past = builder.icmp_signed(">=", col, span)
+                at = builder.add(builder.add(at, width), builder.select(past, wrap, I64(0)))
+                col = builder.select(past, builder.sub(col, span), col)
+                return step(index, carried[:-2]) + [at, col]
+
+            zeros = [zero] * (count * 2 * group_count)
+            # two loops, not a branch in one (as f32_dot: a test in the loop costs the tile)
+            with builder.if_else(builder.icmp_signed(">", span, I64(0))) as (then, otherwise):
+                with then:
+                    accs = vector_ir.loop(builder, pairs_, zeros + [ahead_at, ahead_col], asking)[:-2]
+                    vector_ir.add_tile(builder, out_data, out_pitch_, accs, count, cols_)
+                with otherwise:
+                    accs = vector_ir.loop(builder, pairs_, zeros, lambda index, sums: step(index, sums, True))
+                    vector_ir.add_tile(builder, out_data, out_pitch_, accs, count, cols_)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -216,50 +268,58 @@ else:  # never called: ``takes`` answers False without the instruction
 
 
 @_jit
-def _matrix_tiles(a, r, rows, w, k0, pairs, pitch, out, start, stop):
+def _matrix_tiles(a, r, rows, w, k0, pairs, pitch, out, start, stop, walk_ahead):
     """out[r : r + rows, start:stop] += a[r : r + rows, k0 : k0 + 2 pairs] @ w[k0 : k0 + 2 pairs, start:stop]
     in tiles of ``rows`` (6, 8, 4, 2 or 1) x 64, 32, 64, 128 or 32 columns: 24, 16, 16, 16 or 2
-    accumulators (float32 vectors of 16)."""
+    accumulators (float32 vectors of 16). With ``walk_ahead`` the last row tile asks for the lines of the
+    next chunk's rows of these columns in the order they are stored, as ``f32_dot`` does (a tile's own
+    strip, a line a row at a row's stride, streams well below the memory's rate)."""
     a_pitch, n = a.shape[1], out.shape[1]
-    if rows == 6:
-        for c in range(start, stop, 2 * COLUMN_GROUP):
-            _matrix_tile(a, r * a_pitch + k0, a_pitch, 6, w, k0 * n + c, pitch, pairs, out, r * n + c, n, stop - c, 2)
-    elif rows == 8:
-        for c in range(start, stop, COLUMN_GROUP):
-            _matrix_tile(a, r * a_pitch + k0, a_pitch, 8, w, k0 * n + c, pitch, pairs, out, r * n + c, n, stop - c, 1)
-    elif rows == 4:
-        for c in range(start, stop, 2 * COLUMN_GROUP):
-            _matrix_tile(a, r * a_pitch + k0, a_pitch, 4, w, k0 * n + c, pitch, pairs, out, r * n + c, n, stop - c, 2)
-    elif rows == 2:
-        for c in range(start, stop, 4 * COLUMN_GROUP):
-            _matrix_tile(a, r * a_pitch + k0, a_pitch, 2, w, k0 * n + c, pitch, pairs, out, r * n + c, n, stop - c, 4)
-    else:  # one row streams the weight fastest in the narrowest strips (14.7 against 11.9 GB/s for 128 columns)
-        for c in range(start, stop, COLUMN_GROUP):
-            _matrix_tile(a, r * a_pitch + k0, a_pitch, 1, w, k0 * n + c, pitch, pairs, out, r * n + c, n, stop - c, 1)
+    span = stop - start
+    groups = 2 if rows == 6 or rows == 4 else 4 if rows == 2 else 1
+    width = COLUMN_GROUP * groups
+    for c in range(start, stop, width):
+        ahead = (0, 0, 0)
+        if walk_ahead and r + rows == a.shape[0]:
+            walk = (c - start) * 2 * pairs  # this tile's share of the next chunk's elements, in storage order
+            ahead = ((k0 + 2 * pairs + walk // span) * n + start + walk % span, walk % span, span)
+        at_a, at_w, at_out = r * a_pitch + k0, k0 * n + c, r * n + c
+        if rows == 6:
+            _matrix_tile(a, at_a, a_pitch, 6, w, at_w, pitch, pairs, out, at_out, n, stop - c, 2, ahead)
+        elif rows == 8:
+            _matrix_tile(a, at_a, a_pitch, 8, w, at_w, pitch, pairs, out, at_out, n, stop - c, 1, ahead)
+        elif rows == 4:
+            _matrix_tile(a, at_a, a_pitch, 4, w, at_w, pitch, pairs, out, at_out, n, stop - c, 2, ahead)
+        elif rows == 2:
+            _matrix_tile(a, at_a, a_pitch, 2, w, at_w, pitch, pairs, out, at_out, n, stop - c, 4, ahead)
+        else:
+            _matrix_tile(a, at_a, a_pitch, 1, w, at_w, pitch, pairs, out, at_out, n, stop - c, 1, ahead)
 
 
 @_jit
 def _rows_by_matrix(a, w, out, accumulate, start, stop):
     """out[:, start:stop] (+)= a @ w[:, start:stop] for bfloat16 bits ``a`` [M, K rounded up to even]
-    (zero-padded) and ``w`` [K, N] row-major; float32 ``out`` [M, N]."""
+    (zero-padded) and ``w`` [K, N] row-major; float32 ``out`` [M, N]: a decode's few rows K_CHUNK rows of
+    ``w`` at a time across every column of the range, a prefill's in blocks (``PREFILL_CHUNK``)."""
     m, k, n = a.shape[0], w.shape[0], w.shape[1]
     even = k - k % 2
     if not accumulate:
         out[:, start:stop] = 0
-    for block in range(start, stop, COLUMN_BLOCK):
-        end = min(stop, block + COLUMN_BLOCK)
-        for k0 in range(0, even, K_CHUNK):
-            pairs = min(K_CHUNK, even - k0) // 2
+    chunk, block = (K_CHUNK, stop - start) if m <= DECODE_ROWS else (PREFILL_CHUNK, PREFILL_BLOCK)
+    for first in range(start, stop, max(block, 1)):
+        last = min(stop, first + block)
+        for k0 in range(0, even, chunk):
+            pairs = min(chunk, even - k0) // 2
             r = 0
             while r < m:
                 rows = vector_ir.tile_rows(m - r)
-                _matrix_tiles(a, r, rows, w, k0, pairs, n, out, block, end)
+                _matrix_tiles(a, r, rows, w, k0, pairs, n, out, first, last, m <= DECODE_ROWS)
                 r += rows
         if k % 2:  # the last row alone (pitch 0: paired with zeros)
             r = 0
             while r < m:
                 rows = vector_ir.tile_rows(m - r)
-                _matrix_tiles(a, r, rows, w, even, 1, 0, out, block, end)
+                _matrix_tiles(a, r, rows, w, even, 1, 0, out, first, last, False)
                 r += rows
 
 
