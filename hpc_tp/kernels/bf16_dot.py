@@ -234,14 +234,9 @@ if AVAILABLE:
 
             def asking(index, carried):
                 """``step``, and the step's lines of the walk asked for (a line: 32 bfloat16)."""
-                at, col = carried[-2:]
-                for line in range(2 * group_count):
-                    vector_ir.prefetch(builder, builder.gep(w_base, [builder.add(at, I64(COLUMN_GROUP * line))]), 2)
-                col = builder.add(col, width)
-                past = builder.icmp_signed(">=", col, span)
-                at = builder.add(builder.add(at, width), builder.select(past, wrap, I64(0)))
-                col = builder.select(past, builder.sub(col, span), col)
-                return step(index, carried[:-2]) + [at, col]
+                lines = 2 * group_count
+                ahead = vector_ir.ask_along(builder, w_base, *carried[-2:], lines, COLUMN_GROUP, width, span, wrap)
+                return step(index, carried[:-2]) + list(ahead)
 
             zeros = [zero] * (count * 2 * group_count)
             # two loops, not a branch in one (as f32_dot: a test in the loop costs the tile)

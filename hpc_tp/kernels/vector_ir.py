@@ -112,6 +112,20 @@ def prefetch(builder, pointer, level=1):
     builder.call(function, [pointer, I32(0), I32(4 - level), I32(1)])  # LLVM's locality 3: L1
 
 
+def ask_along(builder, base, at, col, lines: int, line: int, width, span, wrap):
+    """One step of a walk through a weight in storage order, asking for ``lines`` cache lines of ``line``
+    elements each (into L2) from element ``at`` of ``base``: the walk runs along rows of ``span``
+    elements, ``col`` its column in the current one, ``width`` elements a step, ``wrap`` elements from a
+    row's end to the next row's start. Returns the next (at, col). The row-major kernels point it at the
+    chunk of K after the one they sum, so the memory streams it while they compute."""
+    for index in range(lines):
+        prefetch(builder, builder.gep(base, [builder.add(at, I64(line * index))]), 2)
+    col = builder.add(col, width)
+    past = builder.icmp_signed(">=", col, span)
+    at = builder.add(builder.add(at, width), builder.select(past, wrap, I64(0)))
+    return at, builder.select(past, builder.sub(col, span), col)
+
+
 def splat(builder, value, count):
     """A vector of ``count`` lanes, each ``value`` (a scalar)."""
     one = builder.insert_element(ir.VectorType(value.type, count)(None), value, I32(0))
