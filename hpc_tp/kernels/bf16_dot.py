@@ -300,22 +300,24 @@ def _rows_by_matrix(a, w, out, accumulate, start, stop):
     even = k - k % 2
     if not accumulate:
         out[:, start:stop] = 0
-    chunk, block = (K_CHUNK, stop - start) if m <= DECODE_ROWS else (PREFILL_CHUNK, PREFILL_BLOCK)
+    decode = m <= DECODE_ROWS
+    chunk, block = (K_CHUNK, stop - start) if decode else (PREFILL_CHUNK, PREFILL_BLOCK)
     for first in range(start, stop, max(block, 1)):
         last = min(stop, first + block)
         for k0 in range(0, even, chunk):
-            pairs = min(chunk, even - k0) // 2
-            r = 0
-            while r < m:
-                rows = vector_ir.tile_rows(m - r)
-                _matrix_tiles(a, r, rows, w, k0, pairs, n, out, first, last, m <= DECODE_ROWS)
-                r += rows
+            _row_tiles(a, w, k0, min(chunk, even - k0) // 2, n, out, first, last, decode)
         if k % 2:  # the last row alone (pitch 0: paired with zeros)
-            r = 0
-            while r < m:
-                rows = vector_ir.tile_rows(m - r)
-                _matrix_tiles(a, r, rows, w, even, 1, 0, out, first, last, False)
-                r += rows
+            _row_tiles(a, w, even, 1, 0, out, first, last, False)
+
+
+@_jit
+def _row_tiles(a, w, k0, pairs, pitch, out, start, stop, walk_ahead):
+    """``_matrix_tiles`` for every tile of ``a``'s rows, top to bottom (``vector_ir.tile_rows``)."""
+    m, r = a.shape[0], 0
+    while r < m:
+        rows = vector_ir.tile_rows(m - r)
+        _matrix_tiles(a, r, rows, w, k0, pairs, pitch, out, start, stop, walk_ahead)
+        r += rows
 
 
 @_jit

@@ -358,7 +358,7 @@ class ContinuousBatcher:
         logits, self.preempted = {}, []
         for row in numpy.argsort(self.age):  # the oldest first: the youngest are preempted for them
             if self.feed[row] >= 0:
-                self._room(int(row), self.seqs[row].length + 1, logits)
+                self._room(int(row), self.seqs[row].length + 1)
         for row, ids in admitted:
             for copy in self.blocks.admit(self.seqs[row], ids, len(ids) - 1):
                 self.cache.copy_block(*copy)
@@ -374,7 +374,7 @@ class ContinuousBatcher:
             stop = min(len(ids), start + budget)
             if stop == start:
                 break
-            if self._room(row, stop, logits):
+            if self._room(row, stop):
                 chunks.append((row, start, stop))
                 budget -= stop - start
         passes = []  # (rows, stops, first slot)
@@ -397,7 +397,7 @@ class ContinuousBatcher:
             stepping = stepping[:0]  # the first pass took the decode step
         return logits
 
-    def _room(self, row: int, slots: int, logits: dict) -> bool:
+    def _room(self, row: int, slots: int) -> bool:
         """Blocks for row ``row``'s first ``slots`` slots, the youngest requests preempted while too few
         are free; False where that was the row's own."""
         while not self.blocks.reserve(self.seqs[row], slots):
@@ -405,7 +405,6 @@ class ContinuousBatcher:
             self._free(victim)
             self.prompts.pop(victim, None)
             self.feed[victim] = -1
-            logits.pop(victim, None)  # a decode step's, for a row preempted in the prefill after it
             self.preempted.append(victim)
             if victim == row:
                 return False

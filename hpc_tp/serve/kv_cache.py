@@ -213,7 +213,7 @@ class PagedView(_View):
         super().__init__(_PagedLayer, len(cache.place))
 
 
-class MixedView:
+class MixedView(_View):
     """``cache`` for one forward pass over several batches' tokens at once (continuous batching's
     prefill chunks and decode step together, ``serve.continuous``): ``parts`` [(view, rows, width, key
     mask)], each a ``PagedView`` of ``rows`` x ``width`` new tokens and that batch's key mask, their
@@ -222,23 +222,13 @@ class MixedView:
     the parts' [rows, ..., width, d] views and each part attends over its own slots, as alone."""
 
     def __init__(self, parts):
-        self._parts = parts
-        self._layers = {}
-
-    def layer(self, i: int):
-        if i not in self._layers:
-            self._layers[i] = _MixedLayer(
-                [(view.layer(i), rows, width, mask) for view, rows, width, mask in self._parts]
-            )
-        return self._layers[i]
-
-    def advance(self, steps: int):
-        pass
+        self.parts = parts
+        super().__init__(_MixedLayer, len(parts[0][0].cache.place))
 
 
 class _MixedLayer(CacheLayer):
-    def __init__(self, parts):
-        self._parts = parts
+    def __init__(self, view: MixedView, layer: int):
+        self._parts = [(part.layer(layer), rows, width, mask) for part, rows, width, mask in view.parts]
 
     def parts(self, q, k, v, out, key_mask):
         split, start = [], 0
