@@ -5,6 +5,9 @@ scattered blocks are each as alone; a pool too small for the batch preempts the 
 which is recomputed and gives the tokens and logits it gives alone; bad sizes are one ConfigError
 line. At tp = world size, float64."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from test_continuous import Request, Script, _agrees_with_alone, _alone
@@ -371,6 +374,19 @@ def test_half_pools_give_the_exact_attention_rounded_once(dtype, path, shape, wi
     # adjacent values of one sign are adjacent integers in the bits (the exact values here are far from 0)
     steps = np.abs(out.view(np.int16).astype(np.int64) - want.view(np.int16).astype(np.int64))
     assert steps.max() <= 1 and (steps == 0).mean() >= 0.9
+
+
+def test_warm_up_compiles_the_bfloat16_decode_kernel_where_the_cpu_takes_it():
+    """In a fresh process, ``paged_attention.warm_up`` for a bfloat16 model leaves ``paged_bf16``'s
+    kernel compiled (or loaded from numba's cache) before a server's first request would wait for it."""
+    if not paged_bf16.AVAILABLE:
+        pytest.skip("needs numba and a CPU with avx512_bf16")
+    code = (
+        "import ml_dtypes; from hpc_tp.kernels import paged_attention, paged_bf16; "
+        "paged_attention.warm_up(ml_dtypes.bfloat16); print(len(paged_bf16._decode.signatures))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(result.stdout) == 1
 
 
 def test_the_bfloat16_kernel_s_softmax_weights_are_exp_within_a_float32_ulp():

@@ -60,22 +60,22 @@ def decode(q, k_pool, v_pool, slots, counts, out, window: int = 0):
     row b's first ``counts[b]`` slots of ``slots`` [B, W] (int64 indices into the pools' slot axis),
     with a sliding ``window`` over only the last ``window`` of them (0: all)."""
     kind = half_kind(k_pool.dtype)
-    dtype = q.dtype if kind == FULL else numpy.dtype(numpy.float32)  # the sums' dtype
-    result = numpy.empty(q.shape[:3] + q.shape[4:], dtype=dtype)
     # each thread a range of (row, KV head) pairs holding about as many keys as the others
     keys = numpy.minimum(counts, window) if window else counts
     bounds = threads.balanced(numpy.repeat(keys, q.shape[1]))
-    # contiguous [B, hk, g, d] for the loop (views of any strides keep LLVM from vectorizing it)
     if kind == BF16 and paged_bf16.AVAILABLE:  # the queries' bits too: vdpbf16ps takes them as they are
         bits = (numpy.ascontiguousarray(a).view(numpy.uint16) for a in (q[:, :, :, 0], k_pool, v_pool))
-        paged_bf16.decode(*bits, slots, counts, result, window, bounds)
-    else:
-        if kind == FULL:
-            pools = (k_pool, v_pool, _NO_BITS, _NO_BITS)
-        else:  # the same bits seen as uint16 (no copy), widened by the kernel
-            pools = (_NO_FLOATS, _NO_FLOATS, k_pool.view(numpy.uint16), v_pool.view(numpy.uint16))
-        queries = numpy.ascontiguousarray(q[:, :, :, 0], dtype=dtype)
-        threads.run(_decode, _decode_over, (queries, *pools, kind, slots, counts, result, window), bounds)
+        paged_bf16.decode(*bits, slots, counts, out.view(numpy.uint16)[:, :, :, 0], window, bounds)
+        return
+    dtype = q.dtype if kind == FULL else numpy.dtype(numpy.float32)  # the sums' dtype
+    if kind == FULL:
+        pools = (k_pool, v_pool, _NO_BITS, _NO_BITS)
+    else:  # the same bits seen as uint16 (no copy), widened by the kernel
+        pools = (_NO_FLOATS, _NO_FLOATS, k_pool.view(numpy.uint16), v_pool.view(numpy.uint16))
+    # contiguous [B, hk, g, d] for the loop (views of any strides keep LLVM from vectorizing it)
+    result = numpy.empty(q.shape[:3] + q.shape[4:], dtype=dtype)
+    queries = numpy.ascontiguousarray(q[:, :, :, 0], dtype=dtype)
+    threads.run(_decode, _decode_over, (queries, *pools, kind, slots, counts, result, window), bounds)
     out[:, :, :, 0] = result  # half outputs rounded to nearest even, as numpy casts
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy
 
-from . import bf16_dot, cpu_kernels, threads, vector_ir
+from . import bf16_dot, cpu_kernels, half_bits, threads, vector_ir
 
 AVAILABLE = bf16_dot.AVAILABLE
 QUERY_TILE = 4  # query heads of one score or value tile (16 vectors of sums at most)
@@ -41,9 +41,10 @@ _LOWEST = -87.0  # x below it taken as it: 2^n stays a normal float32 (n >= -126
 
 
 def decode(q_bits, k_bits, v_bits, slots, counts, out, window, bounds):
-    """``paged_attention.decode``'s sums for bfloat16 bits: ``out`` float32 [B, hk, g, d], the
-    queries' bits [B, hk, g, d], the pools' [hk, slots, d]; each range of ``bounds`` a thread's
-    (row, KV head) pairs."""
+    """``paged_attention.decode`` on bfloat16 bits: the queries' [B, hk, g, d] (C-contiguous), the
+    pools' [hk, slots, d], the output's [B, hk, g, d] (any strides: the layer's view), each value
+    rounded to nearest even once (``half_bits.narrow``, as numpy's cast); each range of ``bounds`` a
+    thread's (row, KV head) pairs."""
     threads.run(_decode, _decode_over, (q_bits, k_bits, v_bits, slots, counts, out, window), bounds)
 
 
@@ -318,7 +319,7 @@ def _decode(q, k, v, slots, counts, out, window, first_pair, last_pair):
                 )
         for r in range(group):
             for i in range(d):
-                out[b, h, r, i] = sums[r, i] / totals[r]
+                out[b, h, r, i] = half_bits.narrow(sums[r, i] / totals[r], out)
 
 
 @threads.parallel_jit
