@@ -369,7 +369,7 @@ def test_half_pools_give_the_exact_attention_rounded_once(dtype, path, shape, wi
     monkeypatch.setattr(paged_bf16, "AVAILABLE", path == "vdpbf16ps")
     q, k, v, slots, counts = _scattered_decode_step(dtype, shape)
     out = np.zeros_like(q)
-    paged_attention.decode(q, k, v, slots, counts, out, window)
+    paged_attention.decode(q, k, v, np.asfortranarray(slots), counts, out, window)  # slots of any strides
     want = _exact_decode(q, k, v, slots, counts, window).astype(dtype)
     # adjacent values of one sign are adjacent integers in the bits (the exact values here are far from 0)
     steps = np.abs(out.view(np.int16).astype(np.int64) - want.view(np.int16).astype(np.int64))

@@ -65,7 +65,8 @@ def decode(q, k_pool, v_pool, slots, counts, out, window: int = 0):
     bounds = threads.balanced(numpy.repeat(keys, q.shape[1]))
     if kind == BF16 and paged_bf16.AVAILABLE:  # the queries' bits too: vdpbf16ps takes them as they are
         bits = (numpy.ascontiguousarray(a).view(numpy.uint16) for a in (q[:, :, :, 0], k_pool, v_pool))
-        paged_bf16.decode(*bits, slots, counts, out.view(numpy.uint16)[:, :, :, 0], window, bounds)
+        rows = numpy.ascontiguousarray(slots, dtype=numpy.int64)  # its tiles address the slots by offset
+        paged_bf16.decode(*bits, rows, counts, out.view(numpy.uint16)[:, :, :, 0], window, bounds)
         return
     dtype = q.dtype if kind == FULL else numpy.dtype(numpy.float32)  # the sums' dtype
     if kind == FULL:
