@@ -62,6 +62,8 @@ def test_column_range_and_accumulate(layout):
     bf16_dot.matmul(a, operand, out, accumulate=True, start=64, stop=300)
     _assert_float32_product(out[:, 64:300] / 2, a, w, slice(64, 300))
     if operand is not w:
+        with pytest.raises(ValueError, match="starts at a panel"):
+            bf16_dot.matmul(a, operand, out, start=37, stop=300)
         return
     out = np.full((9, 517), 7.0, np.float32)
     bf16_dot.matmul(a, w, out, start=37, stop=300)

@@ -7,16 +7,21 @@ product of two bfloat16 values is exact in float32, so the result is the float32
 values up to the order of the sums (the instruction treats subnormal inputs as zero: a bfloat16
 below 1.2e-38 counts as 0).
 
-The instruction pairs neighbouring elements along the summed axis. The kernels read the weight as
-it is stored, so nothing is packed or copied:
+The instruction pairs neighbouring elements along the summed axis. A model loaded for inference keeps
+its weights packed for it (``kernels.bf16_panels``); the kernels also read a weight as it is stored
+(training, a model built in process), so nothing is copied:
 
-* ``w`` row-major [K, N] (the linear layers): rows ``p`` and ``p + 1`` of 32 columns are loaded and
+* ``w`` a ``PanelMatrix`` (a loaded model's linear layers, and its LM head's W.T): each pair row of a
+  panel is two vectors that are the instruction's operands as they lie, and a tile of up to 8 rows x
+  32-128 columns sums all of K in registers, walking its panels in the order they are stored (a
+  decode streams each once from memory; a prefill's row tiles share a block's panels in L2).
+* ``w`` row-major [K, N]: rows ``p`` and ``p + 1`` of 32 columns are loaded and
   interleaved in registers, and each input row's pair ``a[r, p:p + 2]`` (one 32-bit word) is
   broadcast to every lane; a tile of 6 rows x 64 columns (8 x 32 for a decode batch of 8) is summed
   in registers over a chunk of 32 rows of K, then added to ``out``; the chunk is walked across every
   column while the last row tile asks for the next chunk's lines in the order they are stored (the
   weight streams from memory when decoding, and a tile's own strip is a line a row at a row's stride).
-* ``w`` the transposed view of a row-major [N, K] (the tied LM head ``h @ E.T``): each lane sums
+* ``w`` the transposed view of a row-major [N, K] (an LM head ``h @ E.T``): each lane sums
   pairs of one row of ``a`` against one row of ``E`` along K, and a 4 x 4 tile's 16 vectors are
   reduced to one vector of 16 sums by a tree of shuffles and adds at the end.
 
@@ -118,14 +123,17 @@ def _padded_bits(a):
 def matmul(a, w, out=None, accumulate: bool = False, start: int = 0, stop: int | None = None):
     """``out[:, start:stop] = a @ w[:, start:stop]`` (``+=`` with ``accumulate``) in float32 for operands
     ``takes`` accepts; ``out`` [M, N] float32 C-contiguous, allocated when None; its other columns are
-    left as they are."""
+    left as they are. A packed ``w``'s range starts at a panel's first column."""
     m, n = a.shape[0], w.shape[1]
     stop = n if stop is None else stop
     if out is None:
         out = numpy.empty((m, n), numpy.float32)
+    packed = isinstance(w, bf16_panels.PanelMatrix)
+    if packed and start % bf16_panels.PANEL:
+        raise ValueError(f"a packed weight's column range starts at a panel (of {bf16_panels.PANEL}), not at {start}")
     bits = _padded_bits(a)
     bounds = start + threads.columns(stop - start, COLUMN_ALIGN)
-    if isinstance(w, bf16_panels.PanelMatrix):
+    if packed:
         threads.run(_rows_by_panels, _rows_by_panels_over, (bits, w.panels, out, accumulate), bounds)
     elif w.flags.c_contiguous:
         threads.run(_rows_by_matrix, _rows_by_matrix_over, (bits, w.view(numpy.uint16), out, accumulate), bounds)
