@@ -6,6 +6,9 @@ transposed weight's panels the rows of the array it viewed; kernels.blas sends i
 bfloat16 products where the CPU has the instruction, and the widening path keeps them where it has
 not (forced here). Its switch and warm-up: tests/test_vector_kernels.py."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
@@ -85,6 +88,33 @@ def test_threads_split_the_outputs_without_changing_a_bit(layout, m, thread_coun
         thread_count(count)
         results.append(bf16_dot.matmul(a, operand))
     assert all(np.array_equal(results[0], result) for result in results[1:])
+
+
+# A packed weight whose panels end at a page that may not be read: every row tile (1 to 4 panels wide)
+# at the right edge of 3 panels must read none past them (a read there faults, and the process dies).
+_GUARDED = """
+import ctypes, mmap, numpy, ml_dtypes
+from hpc_tp.kernels import bf16_dot, bf16_panels
+matrix = bf16_panels.PanelMatrix(numpy.ones((64, 70), ml_dtypes.bfloat16))
+size, page = matrix.panels.nbytes, mmap.PAGESIZE
+span = -(-size // page) * page
+memory = mmap.mmap(-1, span + page)
+base = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(base + span), ctypes.c_size_t(page), 0) == 0
+guarded = numpy.frombuffer(memory, numpy.uint16, count=size // 2, offset=span - size)
+guarded[:] = matrix.panels.reshape(-1)
+matrix.panels = guarded.reshape(matrix.panels.shape)
+for rows in (1, 2, 4, 6, 8):
+    assert (bf16_dot.matmul(numpy.ones((rows, 64), ml_dtypes.bfloat16), matrix) == 64).all(), rows
+print("read none past the panels")
+"""
+
+
+@needs_bf16
+@pytest.mark.skipif(sys.platform != "linux", reason="protects a page through the C library's mprotect")
+def test_tiles_at_the_edge_read_nothing_past_the_panels():
+    result = subprocess.run([sys.executable, "-c", _GUARDED], capture_output=True, text=True)
+    assert result.returncode == 0 and "read none" in result.stdout, result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("k, n", [(1, 1), (7, 33), (64, 64), (301, 517)])

@@ -205,6 +205,13 @@ if AVAILABLE:
             w_data = builder.gep(vector_ir.data(context, builder, kinds[4], w_arr), [w_at_])
             out_data = builder.gep(vector_ir.data(context, builder, kinds[7], out_arr), [out_at_])
             panel_pitch = builder.mul(pairs_, I64(bf16_panels.PAIR_ROW))
+            # a panel past ``cols`` (a tile at the right edge) is not read at all: it may not exist
+            present = [
+                vector_ir.mask(
+                    builder, builder.select(builder.icmp_signed(">", cols_, I64(COLUMN_GROUP * g)), I64(32), I64(0)), 32
+                )
+                for g in range(group_count)
+            ]
 
             def step(index, sums):
                 row = builder.gep(w_data, [builder.mul(index, I64(bf16_panels.PAIR_ROW))])
@@ -212,8 +219,8 @@ if AVAILABLE:
                 for g in range(group_count):
                     first = builder.gep(row, [builder.mul(I64(g), panel_pitch)])
                     for half in range(2):
-                        at = builder.bitcast(builder.gep(first, [I64(half * 2 * LANES)]), _HALVES.as_pointer())
-                        weights.append(builder.load(at, align=2))
+                        at = builder.gep(first, [I64(half * 2 * LANES)])
+                        weights.append(vector_ir.load(builder, at, present[g], _HALVES))
                 return _sum_pairs(builder, a_data, a_pitch_, index, count, weights, sums)
 
             sums = vector_ir.loop(builder, pairs_, [FLOATS(None)] * (count * 2 * group_count), step)
