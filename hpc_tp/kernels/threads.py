@@ -76,17 +76,17 @@ def use(count: int):
 
 # OpenMP's threads spin this long after a parallel region before they sleep, where OMP_WAIT_POLICY is
 # unset. A decode step launches a region for every product, ~125 of them 0.05-0.3 ms apart: a thread
-# that sleeps at once must be woken by a futex for each (an empty two-thread region 9.8 us against 1.4
-# spinning, at rest), while an idle server's threads stop spinning within SPIN_MS. Numba's regions run on
-# whichever OpenMP runtime the process loaded first: Intel's (MKL's libiomp5, which serves libgomp's
-# entry points too) reads KMP_BLOCKTIME in milliseconds, GNU's libgomp GOMP_SPINCOUNT in spins (its own
-# estimate: 100000 a millisecond). Spinning without bound (OMP_WAIT_POLICY=active) holds a core the
-# rank's main thread or a neighbour needs: on a loaded 2-core machine workload B at 2 threads took
-# 1.4-4x as long (docs/performance.md).
+# that sleeps at once must be woken by a futex for each (an empty two-thread region took 8.9-9.8 us so,
+# 1.4-1.6 spinning), while an idle server's threads stop spinning within SPIN_MS (1.5-2.5 ms of CPU
+# after the last region). Numba's regions run on whichever OpenMP runtime the process loaded first:
+# Intel's (MKL's libiomp5, which serves libgomp's entry points too) reads KMP_BLOCKTIME in ms, GNU's
+# libgomp (where MKL is not loaded) GOMP_SPINCOUNT in spins, 25000 a ms on the AMD VM. Spinning without
+# bound (OMP_WAIT_POLICY=active) holds a core the rank's main thread or a neighbour needs: on a loaded
+# 2-core machine workload B at 2 threads took 1.4-4x as long (docs/performance.md).
 SPIN_MS = 2
 if "OMP_WAIT_POLICY" not in os.environ:  # read when each runtime starts, so before ``use`` starts them
     os.environ.setdefault("KMP_BLOCKTIME", str(SPIN_MS))
-    os.environ.setdefault("GOMP_SPINCOUNT", str(100000 * SPIN_MS))
+    os.environ.setdefault("GOMP_SPINCOUNT", str(25000 * SPIN_MS))
 COUNT = 1
 use(decide(os.environ))
 
