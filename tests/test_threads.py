@@ -101,25 +101,26 @@ def test_a_shared_kernel_runs_directly_for_one_range_else_with_a_fresh_counter()
     assert calls == [("kernel", "x", 0, 10), ("parallel", "x", [0, 4, 6, 10], [0])]
 
 
+@threads.parallel_jit
+def _count_runs(runs, taken):
+    """The drivers' loop (``f32_dot``'s and the others'): runs[i] += 1 for each range i taken."""
+    for _ in threads.prange(runs.shape[0]):
+        part = threads.take(taken)
+        while part < runs.shape[0]:
+            runs[part] += 1
+            part = threads.take(taken)
+
+
 @pytest.mark.skipif(threads.numba is None, reason="needs numba")
 @pytest.mark.parametrize("ranges", [2, 3, 17, 200])
 def test_take_hands_every_range_to_exactly_one_thread(ranges, thread_count):
-    """The drivers' loop (``f32_dot``'s and the others'): however the threads race for the counter,
-    every range is run once, and each loop stops at its first index past the last."""
-
-    @threads.numba.njit(parallel=True)
-    def driver(runs, taken):
-        for _ in threads.prange(runs.shape[0]):
-            part = threads.take(taken)
-            while part < runs.shape[0]:
-                runs[part] += 1
-                part = threads.take(taken)
-
+    """However the threads race for the counter, every range is run once, and each of the loop's
+    iterations stops at its first index past the last."""
     for count in (1, 2, 3):
         thread_count(count)
         for _ in range(20):
             runs, taken = np.zeros(ranges, np.int64), np.zeros(1, np.int64)
-            driver(runs, taken)
+            _count_runs(runs, taken)
             assert runs.tolist() == [1] * ranges and taken[0] == 2 * ranges
 
 
