@@ -80,9 +80,11 @@ def use(count: int):
 # 1.4-1.6 spinning), while an idle server's threads stop spinning within SPIN_MS (1.5-2.5 ms of CPU
 # after the last region). Numba's regions run on whichever OpenMP runtime the process loaded first:
 # Intel's (MKL's libiomp5, which serves libgomp's entry points too) reads KMP_BLOCKTIME in ms, GNU's
-# libgomp (where MKL is not loaded) GOMP_SPINCOUNT in spins, 25000 a ms on the AMD VM. Spinning without
-# bound (OMP_WAIT_POLICY=active) holds a core the rank's main thread or a neighbour needs: on a loaded
-# 2-core machine workload B at 2 threads took 1.4-4x as long (docs/performance.md).
+# libgomp (where MKL is not loaded) GOMP_SPINCOUNT in spins, 25000 a ms on the AMD VM. The spin is for a
+# rank on cores of its own: where other jobs load the cores, a spinning thread uses up its share of the
+# scheduler and then queues behind them when a region needs it (load 8-13: workload B's decode passes at
+# 2 threads 1.36-1.46x their time at 1 spinning, 0.41-1.16x asleep; without bound, OMP_WAIT_POLICY=active,
+# B took 1.4-4x as long): there OMP_WAIT_POLICY=passive, or one thread (docs/performance.md).
 SPIN_MS = 2
 if "OMP_WAIT_POLICY" not in os.environ:  # read when each runtime starts, so before ``use`` starts them
     os.environ.setdefault("KMP_BLOCKTIME", str(SPIN_MS))
@@ -124,8 +126,10 @@ def run(kernel, parallel, args, bounds):
 
 
 # Ranges ``shared`` cuts for each thread: a late thread's share is taken by the others a range at a time.
+# The least weight a range of a product reads: below it a range costs more to hand out than a thread
+# saves (a range of 64 KiB streams in ~3-4 us at one core's 15-22 GB/s; a spinning region costs 1.4).
+# Both chosen, not tuned: the machine was loaded (8-13) while they were built.
 RANGES_PER_THREAD = 4
-# The least weight a range of a product reads: below it a range costs more to hand out than a thread saves.
 SMALLEST_RANGE_BYTES = 64 * 1024
 
 
