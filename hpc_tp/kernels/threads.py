@@ -83,7 +83,7 @@ def use(count: int):
 # libgomp (where MKL is not loaded) GOMP_SPINCOUNT in spins, 25000 a ms on the AMD VM. The spin is for a
 # rank on cores of its own: where other jobs load the cores, a spinning thread uses up its share of the
 # scheduler and then queues behind them when a region needs it (load 8-13: workload B's decode passes at
-# 2 threads 1.36-1.46x their time at 1 spinning, 0.41-1.16x asleep; without bound, OMP_WAIT_POLICY=active,
+# 2 threads 1.21-1.23x their time at 1 spinning, 1.08-1.14x asleep; without bound, OMP_WAIT_POLICY=active,
 # B took 1.4-4x as long): there OMP_WAIT_POLICY=passive, or one thread (docs/performance.md).
 SPIN_MS = 2
 if "OMP_WAIT_POLICY" not in os.environ:  # read when each runtime starts, so before ``use`` starts them
