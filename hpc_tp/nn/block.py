@@ -69,9 +69,10 @@ class TransformerBlock(Module):
         self._drop_attn = drop(("resid_attn", layer_id))
         self._drop_mlp = drop(("resid_mlp", layer_id))
 
-    def forward(self, x, key_mask=None, positions=None, cache=None):
+    def forward(self, x, key_mask=None, positions=None, cache=None, rope_tables=None):
+        """``rope_tables``: the dict of rotary tables the blocks of one pass share (``ParallelAttention``)."""
         h, n1 = self.norm1.forward(x)
-        a, attn_ctx = self.attn.forward(h, key_mask, positions, cache)
+        a, attn_ctx = self.attn.forward(h, key_mask, positions, cache, rope_tables)
         a, p1 = _maybe_norm(self.post_attn_norm, a)
         a, d1 = self._drop_attn.forward(a)
         # Residual sums in place: a branch's output is a fresh array nothing else holds. The sum and
