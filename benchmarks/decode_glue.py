@@ -1,5 +1,5 @@
 """A decode step's glue between its kernels, the way it was against the way it is, alternating rounds in one
-process: each piece timed as the best of its repeats (the loaded machine's swings only ever slow a call),
+process: each piece's CPU time a call, the best of 5 x 20 calls (the loaded machine's swings only ever slow one),
 at the shapes of one layer of SmolLM2-135M (hidden 576, 9 heads of 64, 3 KV heads, FFN 1536, vocabulary
 49152) and a decode step of ``--rows`` rows.
 
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy
+from half_elementwise import call_seconds
 
 from hpc_tp.backend import resolve_dtype
 from hpc_tp.kernels import functional as F
@@ -30,16 +30,6 @@ from hpc_tp.nn.attention import rope_inv_freq
 from hpc_tp.serve.continuous import _host_logits
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD, FFN, VOCAB = 30, 576, 9, 3, 64, 1536, 49152
-
-
-def best_us(call, repeats: int = 20, tries: int = 5) -> float:
-    best = float("inf")
-    for _ in range(tries):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best * 1e6
 
 
 def pieces(rows: int, dtype):
@@ -95,7 +85,7 @@ def main():
         for name, (old, new) in calls.items():
             ways = ((0, old), (1, new)) if r % 2 == 0 else ((1, new), (0, old))
             for way, call in ways:
-                times[name][way].append(best_us(call))
+                times[name][way].append(call_seconds(call, 20, 5) * 1e6)
         print(f"round {r}: " + ", ".join(f"{n} {times[n][0][-1]:.1f} -> {times[n][1][-1]:.1f}" for n in calls))
     for name, (old, new) in times.items():
         old_med, new_med = statistics.median(old), statistics.median(new)

@@ -45,6 +45,8 @@ FUSED_CAST = 2048
 def cast(x, dtype):
     """``x.astype(dtype, copy=False)``; between float32 and a half format through one fused pass on the
     CPU (the same bits) from ``FUSED_CAST`` elements."""
+    if x.dtype == dtype:  # a float32 or float64 model's products: nothing to do, at the least cost
+        return x
     if x.size >= FUSED_CAST and cpu_kernels.converts(x, dtype):
         return cpu_kernels.converted(x, dtype)
     return x.astype(dtype, copy=False)
