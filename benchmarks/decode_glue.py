@@ -11,6 +11,7 @@ Pieces, microseconds a step of 30 layers:
   rope       the rotary tables, both rotations and the query scale: tables made a layer, two rotations
              and ``q *= scale``, against tables made once a step and the scale inside the query's rotation;
   head cast  the LM head's float32 sums [rows, 49152] to the dtype;
+  residual   the block's last residual sum ``m += x1``: numpy's against ``functional.add_into``;
   sampling   every row's greedy argmax over its logits: each row of the dtype's array, against the array
              widened to float32 once (``continuous._host_logits``).
 Prints each round and the median [range] of the rounds.
@@ -57,6 +58,7 @@ def pieces(rows: int, dtype):
             F.rope_apply(q, *per_row(made, q.ndim), scale=scale)
             F.rope_apply(k, *per_row(made, k.ndim))
 
+    m, x1 = (rng.standard_normal((rows, 1, HIDDEN)).astype(dtype) for _ in range(2))
     head = rng.standard_normal((rows, VOCAB)).astype(numpy.float32)
     logits = head.astype(dtype)
     return {
@@ -65,6 +67,10 @@ def pieces(rows: int, dtype):
             lambda: [F.cast(s, dtype) for _ in range(LAYERS) for s in sums],
         ),
         "rope": (rope_old, rope_new),
+        "residual": (
+            lambda: [m.__iadd__(x1) for _ in range(LAYERS)],
+            lambda: [F.add_into(m, x1) for _ in range(LAYERS)],
+        ),
         "head cast": (lambda: head.astype(dtype, copy=False), lambda: F.cast(head, dtype)),
         "sampling": (
             lambda: [int(numpy.argmax(row)) for row in logits],

@@ -156,6 +156,16 @@ def test_float32_sums_cast_to_a_half_format_give_astype_bits(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_residual_sum_gives_numpys_half_bits(dtype):
+    """The block's last residual sum ``m += x1`` in one fused pass: numpy's half sum, bit for bit."""
+    m, x1 = halves(dtype, (8, 1, 576), (8, 1, 576), seed=11)
+    want = m.copy()
+    want += x1
+    got = F.add_into(m, x1)
+    assert got is m and same_bits(got, want)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
 def test_rope_scale_rounds_as_numpy_multiplies_after(dtype):
     """The query scale inside the rotation: the rotated half values, rounded, times the scale in the
     half format, rounded, as ``q *= scale`` on the rotation gives them."""

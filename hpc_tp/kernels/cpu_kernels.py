@@ -324,6 +324,19 @@ def fused_rows(x, residual) -> bool:
     )
 
 
+@_jit_exact
+def _add_into(x, residual):
+    for i in range(x.size):
+        x[i] = half_bits.narrow(half_bits.wide(x[i]) + half_bits.wide(residual[i]), x)
+
+
+def add_into(x, residual):
+    """``x += residual`` for half x (as ``fused_rows`` says): each sum in float32, rounded, numpy's
+    bits in one pass, where ml_dtypes' ufunc costs 13 us for a decode step's 8 x 576."""
+    _add_into(bits(x).reshape(-1), bits(residual).reshape(-1))
+    return x
+
+
 # -- SwiGLU's gate and up --------------------------------------------------------------------------
 
 

@@ -37,17 +37,18 @@ def _widen(*arrays):
     return tuple(None if a is None else a.astype("float32") for a in arrays)
 
 
-# Elements from which a half cast pays the fused kernel's call: bfloat16 [1, 576] astype 0.9 us, the
-# kernel 4.5; [1, 3072] 7.8 and 6.1; [8, 3072] 42 and 10 (one thread, loaded 2-core AMD VM).
-FUSED_CAST = 2048
+# Elements from which a half cast or sum pays the fused kernel's call: bfloat16 [1, 576] astype 0.9 us,
+# the kernel 4.5; [1, 3072] 7.8 and 6.1; [8, 3072] 42 and 10; the sum of two [1, 576] 1.1 and 2.3 us,
+# of [8, 576] 6.7 and 2.9 (one thread, loaded 2-core AMD VM).
+FUSED_HALF = 2048
 
 
 def cast(x, dtype):
     """``x.astype(dtype, copy=False)``; between float32 and a half format through one fused pass on the
-    CPU (the same bits) from ``FUSED_CAST`` elements."""
+    CPU (the same bits) from ``FUSED_HALF`` elements."""
     if x.dtype == dtype:  # a float32 or float64 model's products: nothing to do, at the least cost
         return x
-    if x.size >= FUSED_CAST and cpu_kernels.converts(x, dtype):
+    if x.size >= FUSED_HALF and cpu_kernels.converts(x, dtype):
         return cpu_kernels.converted(x, dtype)
     return x.astype(dtype, copy=False)
 
@@ -129,6 +130,15 @@ def add_norm_forward(x, residual, gain, bias, eps, center: bool):
         return cpu_kernels.add_norm_forward(x, residual, gain, bias, eps, center)
     x += residual
     return (x, *(layernorm_forward(x, gain, bias, eps) if center else rmsnorm_forward(x, gain, eps)))
+
+
+def add_into(x, residual):
+    """``x += residual`` (x: the caller's own array), half x through one fused pass on the CPU from
+    ``FUSED_HALF`` elements."""
+    if x.size >= FUSED_HALF and x.dtype not in cpu_kernels.DTYPES and cpu_kernels.fused_rows(x, residual):
+        return cpu_kernels.add_into(x, residual)
+    x += residual
+    return x
 
 
 def gated_forward(h, local: int, act_forward):

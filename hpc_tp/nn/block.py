@@ -12,6 +12,7 @@ expert-parallel group).
 from __future__ import annotations
 
 from ..comm.base import Communicator
+from ..kernels import functional as F
 from ..module import Module
 from ..tensor_parallel.random import DropoutRNG
 from ..tensor_parallel.sequence_parallel import sum_grads_over
@@ -81,7 +82,7 @@ class TransformerBlock(Module):
         m, mlp_ctx = self.mlp.forward(h)
         m, p2 = _maybe_norm(self.post_mlp_norm, m)
         m, d2 = self._drop_mlp.forward(m)
-        m += x1
+        m = F.add_into(m, x1)
         return m, (n1, attn_ctx, p1, d1, n2, mlp_ctx, p2, d2)
 
     def backward(self, dy, ctx):
