@@ -11,9 +11,8 @@ import sys
 
 import numpy as np
 import pytest
-from test_threads import thread_count as thread_count  # noqa: F401, PLC0414 (the fixture, used by its name)
 
-from hpc_tp.kernels import bf16_dot, bf16_panels, blas
+from hpc_tp.kernels import bf16_dot, bf16_panels, blas, threads
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 needs_bf16 = pytest.mark.skipif(not bf16_dot.AVAILABLE, reason="needs numba and a CPU with avx512_bf16")
@@ -78,15 +77,20 @@ def test_column_range_and_accumulate(layout):
 
 @needs_bf16
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("m", [1, 8, 13, 64])
-def test_threads_split_the_outputs_without_changing_a_bit(layout, m, thread_count):
-    """Each column is summed in the same order whatever its thread: the same bits at 1, 2 and 3
-    threads, with ranges of uneven widths and the tiles' tails inside them."""
+@pytest.mark.parametrize("m", [1, 8, 13, 64, 150])
+def test_threads_split_the_outputs_without_changing_a_bit(layout, m):
+    """Each column is summed in the same order whichever thread takes its range: the same bits at 1, 2
+    and 3 threads, with ranges of uneven widths and the tiles' tails inside them (150 rows: a prefill's
+    blocks)."""
     a, _, operand = _operands(m, 321, 1999, layout)
-    results = []
-    for count in (1, 2, 3):
-        thread_count(count)
-        results.append(bf16_dot.matmul(a, operand))
+    before, results = threads.COUNT, []
+    try:
+        for count in (1, 2, 3):
+            threads.use(count)
+            assert count == 1 or len(threads.shared(1999, bf16_dot.COLUMN_ALIGN, 2 * 321)) - 1 > count
+            results.append(bf16_dot.matmul(a, operand))
+    finally:
+        threads.use(before)
     assert all(np.array_equal(results[0], result) for result in results[1:])
 
 
