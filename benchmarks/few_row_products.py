@@ -3,9 +3,10 @@
 float32 through ``kernels.blas``'s BLAS path, through the few-row kernel and, where the CPU has
 AVX-512, through ``kernels.f32_dot``, and bfloat16 weights (with bfloat16 activations, as ``--dtype
 bfloat16`` holds them) through the kernel and, where the CPU has avx512_bf16, through
-``kernels.bf16_dot``. Then prefill-shaped products ([--prefill-rows, K] @ W,
+``kernels.bf16_dot`` from the weight as stored and from its panels (``kernels.bf16_panels``, as a
+model loaded for inference keeps it). Then prefill-shaped products ([--prefill-rows, K] @ W,
 the weight in cache) in GFLOP/s: float32 through MKL, bfloat16 through ``blas.widened_matmul`` and
-through ``kernels.bf16_dot``.
+through ``kernels.bf16_dot`` (stored, and panels).
 
     OMP_NUM_THREADS=1 python benchmarks/few_row_products.py [--rows 1,8,32] [--rounds 3] [--threads 1,2]
         [--prefill-rows 256] [--step]
@@ -94,7 +95,7 @@ def decode_step_times(counts, rounds: int, repeats: int):
 def main():
     import ml_dtypes
 
-    from hpc_tp.kernels import bf16_dot, blas, f32_dot, small_m, threads
+    from hpc_tp.kernels import bf16_dot, bf16_panels, blas, f32_dot, small_m, threads
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,32", help="values of M (default %(default)s)")
@@ -122,6 +123,7 @@ def main():
         stored = [rng.standard_normal((n, k) if transposed else (k, n)).astype(numpy.float32) for _ in range(copies)]
         full = [w.T if transposed else w for w in stored]
         half = [w.astype(ml_dtypes.bfloat16).T if transposed else w.astype(ml_dtypes.bfloat16) for w in stored]
+        panels = None  # packed at the first M, where the kernel is there
         for m in (int(r) for r in args.rows.split(",")):
             a = rng.standard_normal((m, k)).astype(numpy.float32)
             a_half = a.astype(ml_dtypes.bfloat16)
@@ -138,6 +140,8 @@ def main():
             }
             if bf16_dot.AVAILABLE:
                 ways["bf16_dot"] = (lambda w: bf16_dot.matmul(a_half, w, out), half)
+                panels = panels or [bf16_panels.PanelMatrix(w) for w in half]
+                ways["bf16_dot panels"] = (lambda w: bf16_dot.matmul(a_half, w, out), panels)
             times = {(way, count): [] for way in ways for count in counts}
             for _ in range(args.rounds):
                 for way, count in times:
@@ -159,7 +163,7 @@ def prefill(full, half, args, rng, clock):
     """[--prefill-rows, K] @ W in GFLOP/s (the weight in cache, as a prefill's rows reuse it)."""
     import ml_dtypes
 
-    from hpc_tp.kernels import bf16_dot, blas
+    from hpc_tp.kernels import bf16_dot, bf16_panels, blas
 
     (k, n), m = full.shape, args.prefill_rows
     a = rng.standard_normal((m, k)).astype(numpy.float32)
@@ -170,6 +174,7 @@ def prefill(full, half, args, rng, clock):
     }
     if bf16_dot.AVAILABLE:
         ways["bf16_dot"] = (lambda w: bf16_dot.matmul(a_half, w, out), [half])
+        ways["bf16_dot panels"] = (lambda w: bf16_dot.matmul(a_half, w, out), [bf16_panels.PanelMatrix(half)])
     rates = {way: [] for way in ways}
     for _ in range(args.rounds):
         for way, (product, weights) in ways.items():

@@ -1,7 +1,8 @@
 """Inference with half-precision weights (``--dtype bfloat16|float16``): prefill and KV-cached decode
 steps at tp = the world size give one process's logits at the same precision, and stay close to
 float32's; products run through ``kernels.bf16_dot`` (bfloat16 on a CPU with avx512_bf16), or
-``kernels.small_m`` (few rows) and its blockwise widening (prefill)."""
+``kernels.small_m`` (few rows) and its blockwise widening (prefill). bfloat16 weights packed for
+inference (``kernels.bf16_panels``) give the same logits, and their values to a checkpoint save."""
 
 import json
 
@@ -11,10 +12,11 @@ from test_generate import CONFIGS, PROMPTS, larger_weights
 from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.backend import resolve_dtype
-from hpc_tp.kernels import bf16_dot
+from hpc_tp.kernels import bf16_dot, bf16_panels
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve.generate import left_pad
 from hpc_tp.serve.kv_cache import KVCache
+from hpc_tp.tensor_parallel.packing import pack_for_inference
 
 pytestmark = pytest.mark.mpi(min_size=1)
 pytest.importorskip("ml_dtypes")
@@ -33,9 +35,15 @@ SAME_PRECISION = {"bfloat16": 1e-4, "float16": 3e-3}
 AGAINST_FLOAT32 = {"bfloat16": 6e-2, "float16": 2.5e-2}
 
 
-def _logits(comm, dtype):
-    """Prefill logits of PROMPTS (left-padded) at their real tokens, then STEPS decode steps', as float64."""
-    model = larger_weights(GPTModel(ModelConfig(**CONFIG), comm, dtype=resolve_dtype(dtype), seed=4))
+def _model(comm, dtype, tied=False):
+    config = ModelConfig(**dict(CONFIG, tie_embeddings=tied))
+    return larger_weights(GPTModel(config, comm, dtype=resolve_dtype(dtype), seed=4))
+
+
+def _logits(comm, dtype, model=None):
+    """Prefill logits of PROMPTS (left-padded) at their real tokens, then STEPS decode steps', as float64
+    (of ``model`` where given, else of a new model of ``dtype``)."""
+    model = _model(comm, dtype) if model is None else model
     tokens, key_mask, positions = left_pad(PROMPTS, STEPS, pad_id=0)
     width = tokens.shape[1]
     cache = KVCache.for_model(model, len(PROMPTS), width + STEPS)
@@ -126,3 +134,34 @@ def test_bfloat16_widening_path_forced(monkeypatch):
     for step, (got, want, alone) in enumerate(zip(native, widened, _logits(one, "bfloat16"))):
         assert max_rel_err(want, alone) <= SAME_PRECISION["bfloat16"], f"step {step}"
         assert max_rel_err(got, want) <= SAME_PRECISION["bfloat16"], f"step {step}"
+
+
+def _packed(comm, tied):
+    model = _model(comm, "bfloat16", tied)
+    pack_for_inference(model)
+    return model
+
+
+@pytest.mark.skipif(not bf16_dot.AVAILABLE, reason="needs numba and a CPU with avx512_bf16")
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_weights_keep_their_values_and_give_the_same_logits(tied):
+    """``pack_for_inference`` (what loading for inference calls) keeps every bfloat16 weight matrix the
+    products read in panels only (the head's as W.T: a tied embedding then looks its rows up from
+    them, an untied one stays as it is), and every Parameter still reads the values it held; the
+    logits at tp = the world size are one packed process's, and the unpacked model's, up to the order
+    of the float32 sums. (A checkpoint save reads each Parameter's piece as ``data[valid_local()]``.)"""
+    tp, one = tp_and_reference()
+    model = _model(tp, "bfloat16", tied)
+    loaded = {name: np.array(p.data) for name, p in model.named_parameters()}
+    pack_for_inference(model)
+    for name, p in model.named_parameters():
+        products_read_it = len(p.shape) == 2 and (tied or name != "embed.weight")
+        assert isinstance(p.data, bf16_panels.PanelValues) == products_read_it, name
+        piece = p.partition.valid_local()
+        assert np.array_equal(p.data[piece].view(np.uint16), loaded[name][piece].view(np.uint16)), name
+    packed = _logits(tp, "bfloat16", model)
+    alone = _logits(one, "bfloat16", _packed(one, tied))
+    unpacked = _logits(tp, "bfloat16", _model(tp, "bfloat16", tied))
+    for step, (got, one_process, plain) in enumerate(zip(packed, alone, unpacked)):
+        assert max_rel_err(got, one_process) <= SAME_PRECISION["bfloat16"], f"step {step}"
+        assert max_rel_err(got, plain) <= SAME_PRECISION["bfloat16"], f"step {step}"

@@ -31,7 +31,7 @@ from hpc_tp.serve.kv_cache import KVCache
 from hpc_tp.serve.loading import load_for_inference
 from hpc_tp.serve.sampling import SamplingParams
 from hpc_tp.tensor_parallel.layers import RowParallelLinear
-from hpc_tp.tensor_parallel.packing import pack_quantized
+from hpc_tp.tensor_parallel.packing import pack_for_inference
 from hpc_tp.tokenizer import ByteTokenizer
 
 mpi = pytest.mark.mpi(min_size=1)
@@ -290,14 +290,14 @@ def test_a_packed_matrix_keeps_one_copy_of_the_stored_numbers(bits, n):
 @needs_vnni
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_loading_packs_once_and_the_first_forward_builds_nothing(fmt, monkeypatch):
-    """``pack_quantized`` (what loading for inference calls): every linear weight and the int8 head
+    """``pack_for_inference`` (what loading for inference calls): every linear weight and the int8 head
     packed, their stored arrays dropped, each Parameter's values still the loaded ones; a forward then
     quantizes and interleaves nothing, and its logits are a model's packed at its first products, at
     the world's tp; a float64 model keeps its stored layout."""
     tp, _ = tp_and_reference()
     model, lazy = _quantized_model(tp, fmt, "float32"), _quantized_model(tp, fmt, "float32")
     loaded = {name: np.array(p.data) for name, p in model.named_parameters()}
-    pack_quantized(model)
+    pack_for_inference(model)
     packed = [m for m in model.modules() if isinstance(getattr(m, "quantize", None), str)]
     matrices = [getattr(m, "_weight", None) or getattr(m, "_matrix", None) or m._int8 for m in packed]
     assert len(matrices) == 4 * CONFIG["n_layers"] + 1  # qkv, out, fc1, fc2 a layer, and the head
@@ -316,7 +316,7 @@ def test_loading_packs_once_and_the_first_forward_builds_nothing(fmt, monkeypatc
     for step, (g, w) in enumerate(zip(got, _logits(lazy))):
         assert np.array_equal(g, w), f"step {step}"
     float64 = _quantized_model(tp, fmt, "float64")
-    pack_quantized(float64)
+    pack_for_inference(float64)
     assert float64.layers[0].mlp.fc2._matrix.packed is None
 
 
@@ -328,7 +328,7 @@ def test_a_packed_model_saves_the_weights_it_loaded(shared_dir, comm_world):  # 
     grid = ProcessGrid(tp=comm_world.size, world=comm_world)
     model = _quantized_model(grid.tp, "int4", "float32")
     want = {name: np.array(p.data) for name, p in model.named_parameters()}
-    pack_quantized(model)
+    pack_for_inference(model)
     path = save_checkpoint(shared_dir, 1, model.state(), {}, grid)
     fresh = GPTModel(model.cfg, grid.tp, dtype="float32", seed=9)
     load_checkpoint(path, fresh.state(), grid)

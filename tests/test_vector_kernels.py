@@ -11,10 +11,16 @@ import pytest
 from hpc_tp.kernels import bf16_dot, f32_dot
 
 pytest.importorskip("ml_dtypes")
-# module, its switch, its model dtype and another (as code for a fresh process)
+# module, its switch, its model dtype and another (as code for a fresh process), its kernels
 KERNELS = [
-    (f32_dot, "HPC_TP_F32_DOT", "'float32'", "'float64'"),
-    (bf16_dot, "HPC_TP_BF16_DOT", "ml_dtypes.bfloat16", "'float32'"),
+    (f32_dot, "HPC_TP_F32_DOT", "'float32'", "'float64'", ("_rows_by_matrix", "_rows_by_transposed")),
+    (
+        bf16_dot,
+        "HPC_TP_BF16_DOT",
+        "ml_dtypes.bfloat16",
+        "'float32'",
+        ("_rows_by_matrix", "_rows_by_transposed", "_rows_by_panels"),
+    ),
 ]
 
 
@@ -27,15 +33,16 @@ def test_environment_switches_it_off(module, switch):
     assert result.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("module, dtype, other", [(m, d, o) for m, _, d, o in KERNELS])
-def test_warm_up_prepares_both_kernels_for_its_dtype_only(module, dtype, other):
-    """In a fresh process, ``warm_up`` for a model of the module's dtype leaves both kernels (the
-    row-major and the transposed one) compiled or loaded, and for another dtype touches none."""
+@pytest.mark.parametrize("module, dtype, other, names", [(m, d, o, k) for m, _, d, o, k in KERNELS])
+def test_warm_up_prepares_every_kernel_for_its_dtype_only(module, dtype, other, names):
+    """In a fresh process, ``warm_up`` for a model of the module's dtype leaves every kernel (the
+    row-major, the transposed and, for bfloat16, the panels' one) compiled or loaded, and for another
+    dtype touches none."""
     if not module.AVAILABLE:
         pytest.skip(f"{module.__name__} needs numba and its instructions on this CPU")
     name = module.__name__.rsplit(".", 1)[1]
-    count = f"len({name}._rows_by_matrix.signatures) + len({name}._rows_by_transposed.signatures)"
-    for model_dtype, kernels in ((dtype, 2), (other, 0)):
+    count = " + ".join(f"len({name}.{kernel}.signatures)" for kernel in names)
+    for model_dtype, kernels in ((dtype, len(names)), (other, 0)):
         code = f"import ml_dtypes; from hpc_tp.kernels import {name}; {name}.warm_up({model_dtype}); print({count})"
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         assert int(result.stdout) == kernels, model_dtype

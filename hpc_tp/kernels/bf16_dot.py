@@ -7,16 +7,21 @@ product of two bfloat16 values is exact in float32, so the result is the float32
 values up to the order of the sums (the instruction treats subnormal inputs as zero: a bfloat16
 below 1.2e-38 counts as 0).
 
-The instruction pairs neighbouring elements along the summed axis. The kernels read the weight as
-it is stored, so nothing is packed or copied:
+The instruction pairs neighbouring elements along the summed axis. A model loaded for inference keeps
+its weights packed for it (``kernels.bf16_panels``); the kernels also read a weight as it is stored
+(training, a model built in process), so nothing is copied:
 
-* ``w`` row-major [K, N] (the linear layers): rows ``p`` and ``p + 1`` of 32 columns are loaded and
+* ``w`` a ``PanelMatrix`` (a loaded model's linear layers, and its LM head's W.T): each pair row of a
+  panel is two vectors that are the instruction's operands as they lie, and a tile of up to 8 rows x
+  32-128 columns sums all of K in registers, walking its panels in the order they are stored (a
+  decode streams each once from memory; a prefill's row tiles share a block's panels in L2).
+* ``w`` row-major [K, N]: rows ``p`` and ``p + 1`` of 32 columns are loaded and
   interleaved in registers, and each input row's pair ``a[r, p:p + 2]`` (one 32-bit word) is
   broadcast to every lane; a tile of 6 rows x 64 columns (8 x 32 for a decode batch of 8) is summed
   in registers over a chunk of 32 rows of K, then added to ``out``; the chunk is walked across every
   column while the last row tile asks for the next chunk's lines in the order they are stored (the
   weight streams from memory when decoding, and a tile's own strip is a line a row at a row's stride).
-* ``w`` the transposed view of a row-major [N, K] (the tied LM head ``h @ E.T``): each lane sums
+* ``w`` the transposed view of a row-major [N, K] (an LM head ``h @ E.T``): each lane sums
   pairs of one row of ``a`` against one row of ``E`` along K, and a 4 x 4 tile's 16 vectors are
   reduced to one vector of 16 sums by a tree of shuffles and adds at the end.
 
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import numpy
 
-from . import cpu_kernels, threads, vector_ir
+from . import bf16_panels, cpu_kernels, threads, vector_ir
 
 # Ranges of output columns a thread takes start at multiples of the widest tile (64 columns).
 COLUMN_ALIGN = 64
@@ -52,6 +57,7 @@ DECODE_ROWS, PREFILL_CHUNK, PREFILL_BLOCK = 16, 256, 512
 # A prefill's tiles ask for the weight lines of the tile this many tiles to the right (same rows) while
 # they sum their own: at 2, 8 rows by [576, 3072] took 0.28-0.33 ms against 0.40-0.47 at 1; 3-6 no faster.
 PREFETCH_TILES = 2
+PANEL_BLOCK = 128  # columns of panels the row tiles of a packed weight's product share (in L2)
 
 
 AVAILABLE = vector_ir.host_has("avx512bf16", "HPC_TP_BF16_DOT")
@@ -69,33 +75,42 @@ _BF16 = _bfloat16_dtype()
 
 
 def takes(a, w, out=None) -> bool:
-    """True when ``matmul`` computes ``a @ w`` (into ``out``) here: ``vdpbf16ps`` on this CPU, both
-    operands 2-D numpy bfloat16, ``w`` row-major or the transposed view of a row-major array, ``out``
-    None or float32 [M, N] C-contiguous apart from both."""
+    """True when ``matmul`` computes ``a @ w`` (into ``out``) here: ``vdpbf16ps`` on this CPU, ``a`` 2-D
+    numpy bfloat16, ``w`` a ``bf16_panels.PanelMatrix`` or 2-D numpy bfloat16, row-major or the
+    transposed view of a row-major array, ``out`` None or float32 [M, N] C-contiguous apart from both."""
+    plain = (
+        isinstance(w, numpy.ndarray)
+        and w.dtype == _BF16
+        and w.ndim == 2
+        and (w.flags.c_contiguous or w.T.flags.c_contiguous)
+    )
     return (
         AVAILABLE
         and isinstance(a, numpy.ndarray)
-        and isinstance(w, numpy.ndarray)
         and a.dtype == _BF16
-        and w.dtype == _BF16
         and a.ndim == 2
-        and w.ndim == 2
+        and (plain or isinstance(w, bf16_panels.PanelMatrix))
         and a.shape[1] == w.shape[0]
-        and (w.flags.c_contiguous or w.T.flags.c_contiguous)
         and vector_ir.fits(out, a, w)
     )
 
 
+def packs(w) -> bool:
+    """True when the kernels here would read the weight ``w`` (numpy bfloat16 [K, N]) from its panels
+    (``bf16_panels``), which a model loaded for inference then keeps instead."""
+    return AVAILABLE and isinstance(w, numpy.ndarray) and w.dtype == _BF16 and w.ndim == 2
+
+
 def warm_up(dtype):
-    """Compile (or load from numba's cache) both kernels at the rank's thread count, for a model of
+    """Compile (or load from numba's cache) the kernels at the rank's thread count, for a model of
     bfloat16 ``dtype`` where the CPU has the instruction, before a server's first request would wait."""
     if not AVAILABLE or numpy.dtype(dtype) != _BF16:
         return
     k = 2 * COLUMN_ALIGN
     n = threads.split_columns(k * _BF16.itemsize, COLUMN_ALIGN)  # more than one range: the drivers too
     a, w = numpy.ones((8, k), _BF16), numpy.ones((k, n), _BF16)
-    matmul(a, w)
-    matmul(a, numpy.ascontiguousarray(w.T).T)
+    for weight in (w, numpy.ascontiguousarray(w.T).T, bf16_panels.PanelMatrix(w)):
+        matmul(a, weight)
 
 
 def _padded_bits(a):
@@ -110,14 +125,19 @@ def _padded_bits(a):
 def matmul(a, w, out=None, accumulate: bool = False, start: int = 0, stop: int | None = None):
     """``out[:, start:stop] = a @ w[:, start:stop]`` (``+=`` with ``accumulate``) in float32 for operands
     ``takes`` accepts; ``out`` [M, N] float32 C-contiguous, allocated when None; its other columns are
-    left as they are."""
+    left as they are. A packed ``w``'s range starts at a panel's first column."""
     m, n = a.shape[0], w.shape[1]
     stop = n if stop is None else stop
     if out is None:
         out = numpy.empty((m, n), numpy.float32)
+    packed = isinstance(w, bf16_panels.PanelMatrix)
+    if packed and start % bf16_panels.PANEL:
+        raise ValueError(f"a packed weight's column range starts at a panel (of {bf16_panels.PANEL}), not at {start}")
     bits = _padded_bits(a)
     bounds = start + threads.shared(stop - start, COLUMN_ALIGN, 2 * w.shape[0])
-    if w.flags.c_contiguous:
+    if packed:
+        threads.share(_rows_by_panels, _rows_by_panels_over, (bits, w.panels, out, accumulate), bounds)
+    elif w.flags.c_contiguous:
         threads.share(_rows_by_matrix, _rows_by_matrix_over, (bits, w.view(numpy.uint16), out, accumulate), bounds)
     else:
         args = (bits, w.T.view(numpy.uint16), out, accumulate)
@@ -156,6 +176,60 @@ if AVAILABLE:
         """The 32-bit word of two bfloat16 at ``halves + at`` (elements) in every lane, as <32 x i16>."""
         word = builder.load(builder.bitcast(builder.gep(halves, [at]), I32.as_pointer()), align=2)
         return builder.bitcast(vector_ir.splat(builder, word, LANES), _HALVES)
+
+    def _sum_pairs(builder, a_data, a_pitch, index, rows, weights, sums):
+        """``sums`` (``rows`` rows of one vector per weight vector, row-major) plus each row's pair
+        ``index`` of ``a`` (from ``a_data``, ``a_pitch`` elements a row) against each of ``weights``."""
+        updated = []
+        for r in range(rows):
+            pair = _broadcast_pair(
+                builder, a_data, builder.add(builder.mul(I64(r), a_pitch), builder.mul(index, I64(2)))
+            )
+            updated += [_dot(builder, sums[r * len(weights) + v], pair, weights[v]) for v in range(len(weights))]
+        return updated
+
+    @intrinsic(prefer_literal=True)
+    def _panel_tile(typingctx, a, a_at, a_pitch, rows, w, w_at, pairs, out, out_at, out_pitch, cols, groups):
+        """out[r, j] += a[r, :2 pairs] @ W[:2 pairs, j] for r < ``rows`` (a literal) and j < ``cols`` of
+        the ``groups`` (a literal) panels of W from element ``w_at`` of ``w`` (``bf16_panels``' layout,
+        ``pairs`` pair rows a panel): a step loads each panel's pair row as two vectors that are
+        ``vdpbf16ps`` operands as they lie. Nothing is prefetched: a panel is one run of memory, which
+        the hardware's prefetchers stream (asking for lines 1-4 KiB ahead made no difference)."""
+        count, group_count = vector_ir.literal(rows), vector_ir.literal(groups)
+        if count is None or group_count is None:
+            return None
+        sig = types.void(a, a_at, a_pitch, rows, w, w_at, pairs, out, out_at, out_pitch, cols, groups)
+
+        def codegen(context, builder, signature, args):
+            a_arr, a_at_, a_pitch_, _, w_arr, w_at_, pairs_, out_arr, out_at_, out_pitch_, cols_, _ = args
+            kinds = signature.args
+            a_data = builder.gep(vector_ir.data(context, builder, kinds[0], a_arr), [a_at_])
+            w_data = builder.gep(vector_ir.data(context, builder, kinds[4], w_arr), [w_at_])
+            out_data = builder.gep(vector_ir.data(context, builder, kinds[7], out_arr), [out_at_])
+            panel_pitch = builder.mul(pairs_, I64(bf16_panels.PAIR_ROW))
+            # a panel past ``cols`` (a tile at the right edge) is not read at all: it may not exist
+            present = [
+                vector_ir.mask(
+                    builder, builder.select(builder.icmp_signed(">", cols_, I64(COLUMN_GROUP * g)), I64(32), I64(0)), 32
+                )
+                for g in range(group_count)
+            ]
+
+            def step(index, sums):
+                row = builder.gep(w_data, [builder.mul(index, I64(bf16_panels.PAIR_ROW))])
+                weights = []
+                for g in range(group_count):
+                    first = builder.gep(row, [builder.mul(I64(g), panel_pitch)])
+                    for half in range(2):
+                        at = builder.gep(first, [I64(half * 2 * LANES)])
+                        weights.append(vector_ir.load(builder, at, present[g], _HALVES))
+                return _sum_pairs(builder, a_data, a_pitch_, index, count, weights, sums)
+
+            sums = vector_ir.loop(builder, pairs_, [FLOATS(None)] * (count * 2 * group_count), step)
+            vector_ir.add_tile(builder, out_data, out_pitch_, sums, count, cols_)
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     @intrinsic(prefer_literal=True)
     def _matrix_tile(
@@ -221,15 +295,7 @@ if AVAILABLE:
                         ahead = I64(COLUMN_GROUP * (PREFETCH_TILES * group_count + g))
                         vector_ir.prefetch(builder, builder.gep(first, [ahead]))
                         vector_ir.prefetch(builder, builder.gep(second, [ahead]))
-                updated = []
-                for r in range(count):
-                    pair = _broadcast_pair(
-                        builder, a_data, builder.add(builder.mul(I64(r), a_pitch_), builder.mul(index, I64(2)))
-                    )
-                    updated += [
-                        _dot(builder, accs[r * len(weights) + v], pair, weights[v]) for v in range(len(weights))
-                    ]
-                return updated
+                return _sum_pairs(builder, a_data, a_pitch_, index, count, weights, accs)
 
             width = I64(2 * COLUMN_GROUP * group_count)  # elements a step reads: two rows of the tile
             wrap = builder.sub(w_pitch_, span)  # from the end of a walk's row to the start of the next
@@ -265,6 +331,13 @@ else:  # never called: ``takes`` answers False without the instruction
 
 
 @_jit
+def _tile_groups(rows):
+    """Groups of 32 columns in a tile of ``rows`` (6, 8, 4, 2 or 1) rows: 24, 16, 16, 16 or 2
+    accumulators (float32 vectors of 16)."""
+    return 2 if rows == 6 or rows == 4 else 4 if rows == 2 else 1
+
+
+@_jit
 def _matrix_tiles(a, r, rows, w, k0, pairs, pitch, out, start, stop, walk_ahead):
     """out[r : r + rows, start:stop] += a[r : r + rows, k0 : k0 + 2 pairs] @ w[k0 : k0 + 2 pairs, start:stop]
     in tiles of ``rows`` (6, 8, 4, 2 or 1) x 64, 32, 64, 128 or 32 columns: 24, 16, 16, 16 or 2
@@ -273,8 +346,7 @@ def _matrix_tiles(a, r, rows, w, k0, pairs, pitch, out, start, stop, walk_ahead)
     strip, a line a row at a row's stride, streams well below the memory's rate)."""
     a_pitch, n = a.shape[1], out.shape[1]
     span = stop - start
-    groups = 2 if rows == 6 or rows == 4 else 4 if rows == 2 else 1
-    width = COLUMN_GROUP * groups
+    width = COLUMN_GROUP * _tile_groups(rows)
     for c in range(start, stop, width):
         ahead = (0, 0, 0)
         if walk_ahead and r + rows == a.shape[0]:
@@ -323,6 +395,37 @@ def _row_tiles(a, w, k0, pairs, pitch, out, start, stop, walk_ahead):
 
 
 @_jit
+def _rows_by_panels(a, w, out, accumulate, start, stop):
+    """out[:, start:stop] (+)= a @ W[:, start:stop] for bfloat16 bits ``a`` [M, K rounded up to even]
+    (zero-padded) and W's panels ``w`` (``bf16_panels``), ``start`` a panel's first column: in blocks
+    of PANEL_BLOCK columns, each row tile summing all of K over the block's panels in registers (the
+    panels stay in L2 for the next row tile; a decode's one row tile streams them from memory)."""
+    m, a_pitch, n = a.shape[0], a.shape[1], out.shape[1]
+    pairs = w.shape[1]
+    panel = pairs * bf16_panels.PAIR_ROW  # elements
+    if not accumulate:
+        out[:, start:stop] = 0
+    for first in range(start, stop, PANEL_BLOCK):
+        last = min(stop, first + PANEL_BLOCK)
+        r = 0
+        while r < m:
+            rows = vector_ir.tile_rows(m - r)
+            for c in range(first, last, bf16_panels.PANEL * _tile_groups(rows)):
+                at_a, at_w, at_out, cols = r * a_pitch, c // bf16_panels.PANEL * panel, r * n + c, last - c
+                if rows == 6:
+                    _panel_tile(a, at_a, a_pitch, 6, w, at_w, pairs, out, at_out, n, cols, 2)
+                elif rows == 8:
+                    _panel_tile(a, at_a, a_pitch, 8, w, at_w, pairs, out, at_out, n, cols, 1)
+                elif rows == 4:
+                    _panel_tile(a, at_a, a_pitch, 4, w, at_w, pairs, out, at_out, n, cols, 2)
+                elif rows == 2:
+                    _panel_tile(a, at_a, a_pitch, 2, w, at_w, pairs, out, at_out, n, cols, 4)
+                else:
+                    _panel_tile(a, at_a, a_pitch, 1, w, at_w, pairs, out, at_out, n, cols, 1)
+            r += rows
+
+
+@_jit
 def _rows_by_transposed(a, e, out, accumulate, start, stop):
     """out[:, start:stop] (+)= a @ e[start:stop].T for bfloat16 bits ``a`` [M, K rounded up to even]
     and ``e`` [N, K] row-major; float32 ``out`` [M, N]."""
@@ -339,6 +442,15 @@ def _rows_by_matrix_over(a, w, out, accumulate, bounds, taken):
         part = threads.take(taken)
         while part < bounds.shape[0] - 1:
             _rows_by_matrix(a, w, out, accumulate, bounds[part], bounds[part + 1])
+            part = threads.take(taken)
+
+
+@threads.parallel_jit
+def _rows_by_panels_over(a, w, out, accumulate, bounds, taken):
+    for _ in threads.prange(bounds.shape[0] - 1):
+        part = threads.take(taken)
+        while part < bounds.shape[0] - 1:
+            _rows_by_panels(a, w, out, accumulate, bounds[part], bounds[part + 1])
             part = threads.take(taken)
 
 

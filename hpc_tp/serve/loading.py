@@ -17,7 +17,7 @@ from ..launch import check_launch, install_abort_on_exception
 from ..models import ModelConfig
 from ..nn.attention import heads_fit
 from ..pipeline import build_stage, parse_pp_layers
-from ..tensor_parallel.packing import pack_quantized
+from ..tensor_parallel.packing import pack_for_inference
 from ..tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
 from .stages import PipelineStages
 
@@ -83,7 +83,7 @@ def _layout(tp: int, pp: int, ranks: int) -> str:
 def load_for_inference(args, opened=None):
     """(grid, model, tokenizer) from ``args.ckpt``, or from ``opened`` (``open_checkpoint``'s answer,
     where the caller looked at the config first): a decoder (a ``GPTModel``, or at pp > 1 this rank's
-    stage as ``serve.stages.PipelineStages``), its quantized weights packed (``tensor_parallel.packing``),
+    stage as ``serve.stages.PipelineStages``), its quantized and bfloat16 weights packed (``tensor_parallel.packing``),
     and the tokenizer saved with it (bytes when it has none)."""
     grid, folder, cfg = opened or open_checkpoint(args)
     if not cfg.causal:
@@ -92,7 +92,7 @@ def load_for_inference(args, opened=None):
     layers = None if spec is None else parse_pp_layers(spec, cfg.n_layers, grid.pp_size)
     stage = build_stage(cfg, grid, resolve_dtype(args.dtype), layers_per_stage=layers)  # the whole model at pp = 1
     load_checkpoint(folder, stage.state(), grid)
-    pack_quantized(stage)  # quantized weights ready now, not at the first request
+    pack_for_inference(stage)  # weights in their products' layouts now, not at the first request
     model = PipelineStages(stage, grid) if grid.pp_size > 1 else stage
     tokenizer = load_tokenizer_dir(folder) if (folder / CONFIG_FILE).is_file() else ByteTokenizer()
     return grid, model, tokenizer

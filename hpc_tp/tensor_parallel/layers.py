@@ -11,6 +11,10 @@ with its own Partition, so checkpoints and importers see plain logical tensors.
 With ``quantize`` ("int8" or "int4", inference only) a layer keeps its weight quantized
 (``kernels.quantized``): each logical weight is then the Parameters ``weight.codes``, ``weight.scale``
 (and ``weight.min``), cut as the weight is (by columns, or by rows: a row split must keep whole groups).
+
+Loaded for inference (``tensor_parallel.packing``), a layer keeps its weight in the layout its products
+read: quantized codes interleaved (``QuantizedMatrix.pack``), bfloat16 in panels
+(``kernels.bf16_panels``). Its Parameters then give their values when read, and take no more.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, replace
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..kernels import blas, quantized
+from ..kernels import bf16_dot, bf16_panels, blas, quantized
 from ..kernels.functional import cast
 from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
 from .mappings import (
@@ -57,7 +61,7 @@ def _flat(x):
 
 
 def product(a, b, keep_sums: bool = False):
-    """``a @ b`` (``a`` [..., k], ``b`` [k, n] or a ``QuantizedMatrix``) in ``a``'s dtype, through
+    """``a @ b`` (``a`` [..., k], ``b`` [k, n], a ``QuantizedMatrix`` or a ``PanelMatrix``) in ``a``'s dtype, through
     ``kernels.blas`` (``kernels.quantized``): a product of half-precision operands comes back as float32
     sums, and activations keep the model's dtype (pipeline messages and buffers are allocated for it).
     ``keep_sums``: return those float32 sums as they are (partial products that are summed over tp
@@ -150,7 +154,8 @@ class ColumnParallelLinear(Module):
         # K/V weights reach every replica's query heads through an f over the replica group: their
         # gradient is that f's backward.
         self._replica_regions: list[tuple[CopyToTensorParallel, slice]] = []
-        self._quantized_parts: list[tuple[QuantizedWeight, slice]] = []  # each segment's, with its columns
+        # each segment's weight (a Parameter, or a QuantizedWeight), with its columns
+        self._weight_parts: list[tuple[Parameter | QuantizedWeight, slice]] = []
         start = 0
         for seg, width in zip(segments, widths):
             cols = slice(start, start + width)
@@ -162,10 +167,11 @@ class ColumnParallelLinear(Module):
             partition = split((in_features, seg.full), 1, seg.parts, seg.index, seg.replicas)
             if quantize is None:
                 weight = Parameter(self._weight[:, cols], partition, grad=self._weight_grad[:, cols])
+                self._weight_parts.append((weight, cols))
                 self.params.append((prefix + "weight", weight))
             else:
                 parts = QuantizedWeight(self._weight.columns(cols), partition)
-                self._quantized_parts.append((parts, cols))
+                self._weight_parts.append((parts, cols))
                 self.params.extend(parts.named_parameters(prefix + "weight."))
             if bias:
                 self.params.append(
@@ -184,11 +190,16 @@ class ColumnParallelLinear(Module):
         for name, p in self.params:
             yield prefix + name, p
 
-    def pack_quantized(self):
-        """The fused weight in the layout its products read, kept once (``QuantizedMatrix.pack``)."""
+    def pack_for_inference(self):
+        """The fused weight in the layout its products read, kept once (``QuantizedMatrix.pack``,
+        ``bf16_panels.PanelMatrix``)."""
         if self.quantize is not None and self._weight.pack():
-            for parts, cols in self._quantized_parts:
+            for parts, cols in self._weight_parts:
                 parts.read_from_packed(self._weight, cols)
+        elif self.quantize is None and bf16_dot.packs(self._weight):
+            self._weight = bf16_panels.PanelMatrix(self._weight)
+            for weight, cols in self._weight_parts:
+                weight.data = bf16_panels.PanelValues(self._weight, cols)
 
     def forward(self, x):
         y = product(self.f.forward(x), self._weight)
@@ -258,6 +269,8 @@ class RowParallelLinear(Module):
         )
         partition = split((in_features, out_features), 0, comm.size, comm.rank)
         self.quantize = quantize
+        # the weight as the products read it where that is not the Parameter's data: quantized, or packed
+        self._matrix = None
         if quantize is None:
             self.weight = Parameter(param_buffer((in_features // comm.size, out_features), dtype), partition)
         else:
@@ -271,15 +284,19 @@ class RowParallelLinear(Module):
             else None
         )
 
-    def pack_quantized(self):
-        """The weight in the layout its products read, kept once (``QuantizedMatrix.pack``)."""
+    def pack_for_inference(self):
+        """The weight in the layout its products read, kept once (``QuantizedMatrix.pack``,
+        ``bf16_panels.PanelMatrix``)."""
         if self.quantize is not None and self._matrix.pack():
             self.weight.read_from_packed(self._matrix, slice(None))
+        elif self.quantize is None and bf16_dot.packs(self.weight.data):
+            self._matrix = bf16_panels.PanelMatrix(self.weight.data)
+            self.weight.data = bf16_panels.PanelValues(self._matrix)
 
     def forward(self, x):
         x = self.input_region.forward(x)
         # g sums the partial products: half ones as float32 sums, rounded once after, as one process rounds them
-        weight = self.weight.data if self.quantize is None else self._matrix
+        weight = self.weight.data if self._matrix is None else self._matrix
         y = cast(self.g.forward(product(x, weight, keep_sums=self.g.comm.size > 1)), x.dtype)
         if self.bias is not None:
             y += self.bias.data

@@ -1,6 +1,8 @@
-"""Weights kept quantized made ready as a model is loaded for inference: each linear layer's in the
-layout its products read, kept once (``kernels.quantized.QuantizedMatrix.pack``), and the LM head's
-int8 copy, so a server's first request builds nothing that later ones do not."""
+"""Weights made ready as a model is loaded for inference, each kept once in the layout its products
+read: quantized linear weights interleaved (``kernels.quantized.QuantizedMatrix.pack``) and the LM
+head's int8 copy, bfloat16 ones in panels (``kernels.bf16_panels``), so a server's first request
+builds nothing that later ones do not. Training keeps the stored layout (a packed Parameter can be
+read, as a checkpoint save reads it, no longer loaded into or trained)."""
 
 from __future__ import annotations
 
@@ -8,16 +10,15 @@ from .. import backend
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .vocab import VocabParallelLMHead
 
-_QUANTIZED = (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead)
+_PACKED = (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead)
 
 
-def pack_quantized(model):
-    """Pack ``model``'s quantized weights (a model of float64 activations keeps its stored layout: its
-    products never take the integer kernel). Call once its weights are loaded: a Parameter of a packed
-    weight can be read (a checkpoint save), no longer loaded into."""
+def pack_for_inference(model):
+    """Pack ``model``'s weights (a model of float64 activations keeps its stored layout: its products
+    never take the integer kernel). Call once its weights are loaded."""
     if str(model.dtype) == "float64":
         return
     for module in model.modules():
-        if isinstance(module, _QUANTIZED):
-            module.pack_quantized()
+        if isinstance(module, _PACKED):
+            module.pack_for_inference()
     backend.release_free_memory()  # the stored arrays dropped, and the packing's temporaries

@@ -14,7 +14,7 @@ import numpy
 
 from .. import backend
 from ..comm.base import Communicator
-from ..kernels import quantized
+from ..kernels import bf16_dot, bf16_panels, quantized
 from ..kernels.functional import scatter_add_rows
 from ..module import Module, Parameter, param_buffer, split
 from .layers import add_weight_grad, product
@@ -73,8 +73,11 @@ class VocabParallelLMHead(Module):
     ``quantize`` (a model whose linear layers are kept quantized, inference only): a float32 or half
     head on the CPU multiplies an int8 copy of W (``kernels.quantized``, Q8_0's groups of 32 along
     hidden), as llama.cpp keeps its output layer 8-bit: a quarter of a float32 head's bytes a decode
-    step. The copy is made after the weights are loaded (``pack_quantized``, at load; else at the first
+    step. The copy is made after the weights are loaded (``pack_for_inference``, at load; else at the first
     forward). A float64 model keeps the float head: its numbers are the quantized layers' exactly.
+
+    A bfloat16 head loaded for inference keeps W.T in panels (``kernels.bf16_panels``) instead of W, one
+    copy: the tied embedding looks its rows up from them (``PanelValues``).
     """
 
     def __init__(self, weight: Parameter, comm: Communicator, owns_weight: bool, quantize: str | None = None):
@@ -88,17 +91,22 @@ class VocabParallelLMHead(Module):
     def _product_weight(self):
         """W.T as the forward multiplies it: the int8 copy where ``quantize`` takes it, else the float view."""
         data = self._w.data
+        if isinstance(data, bf16_panels.PanelValues):
+            return data.matrix
         if self.quantize is None or not isinstance(data, numpy.ndarray) or data.dtype == numpy.float64:
             return data.T
         if self._int8 is None:
             self._int8 = quantized.quantize(data.T, 8)
         return self._int8
 
-    def pack_quantized(self):
-        """The int8 copy made now, in the layout its products read (``QuantizedMatrix.pack``)."""
+    def pack_for_inference(self):
+        """The int8 copy made now, in the layout its products read (``QuantizedMatrix.pack``); or a
+        bfloat16 W.T's panels made, kept in W's place."""
         weight = self._product_weight()
         if isinstance(weight, quantized.QuantizedMatrix):
             weight.pack()
+        elif bf16_dot.packs(weight):
+            self._w.data = bf16_panels.PanelValues(bf16_panels.PanelMatrix(weight), transposed=True)
 
     def forward(self, h):
         return product(self.f.forward(h), self._product_weight()), h
