@@ -120,8 +120,11 @@ def matmul(a, interleaved, scales, lows, bits: int, n: int, start: int = 0, stop
     if out is None:
         out = numpy.empty((a.shape[0], n), numpy.float32)
     stop = n if stop is None else stop
-    bounds = start + threads.columns(stop - start, small_m.COLUMN_ALIGN)
-    threads.run(_product, _product_over, (a, interleaved, scales, lows, bits, out), bounds)
+    args = (a, interleaved, scales, lows, bits, out)
+    if threads.COUNT == 1:  # one range, given as Python ints: a bounds array cost more than a small product
+        _product(*args, start, stop)
+    else:
+        threads.run(_product, _product_over, args, start + threads.columns(stop - start, small_m.COLUMN_ALIGN))
     return out
 
 
@@ -138,7 +141,8 @@ else:  # never called: ``AVAILABLE`` is False without numba
 
 def _tile_rows(bits: int, rows: int):
     """An intrinsic ``tile_rows(weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales,
-    lows, c_at, out)``: out[: rows * LANES] = ``rows`` activation rows times one tile of W. Offsets
+    lows, c_at, out, o_at, o_stride)``: ``rows`` activation rows times one tile of W, row r's LANES
+    values into float32 ``out`` from element o_at + r * o_stride. Offsets
     are in elements of C-contiguous arrays: the tile's codes (uint8 ``weights`` from ``w_at``,
     ``group_bytes(bits)`` a group), the first row's codes (int8 ``acts`` [M, K] from ``a_at``), its
     per-group scales, code sums and sums ([M, groups] from ``s_at``), the tile's per-group scales and
@@ -147,7 +151,9 @@ def _tile_rows(bits: int, rows: int):
     vpdpbusd a quad and row, a multiply-add a group and row."""
 
     @intrinsic
-    def tile_rows(typingctx, weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out):
+    def tile_rows(
+        typingctx, weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out, o_at, o_stride
+    ):
         def codegen(context, builder, signature, args):
             i32, f32 = ir.IntType(32), ir.FloatType()
             i8x64, i32x16, f32x16 = (
@@ -208,11 +214,28 @@ def _tile_rows(bits: int, rows: int):
                     if bits == 4:
                         part = builder.fadd(part, builder.fmul(low, splat(builder.load(element(6, row_group)), f32x16)))
                     builder.store(builder.fadd(builder.load(totals[r]), part), totals[r])
+            o_at, o_stride = args[12], args[13]
             for r in range(rows):
-                builder.store(builder.load(totals[r]), element(11, ir.IntType(64)(r * LANES), f32x16), align=4)
+                at = builder.add(o_at, builder.mul(o_stride, o_stride.type(r)))
+                builder.store(builder.load(totals[r]), element(11, at, f32x16), align=4)
             return context.get_dummy_value()
 
-        arg_types = (weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out)
+        arg_types = (
+            weights,
+            w_at,
+            acts,
+            a_at,
+            a_scales,
+            code_sums,
+            sums,
+            s_at,
+            scales,
+            lows,
+            c_at,
+            out,
+            o_at,
+            o_stride,
+        )
         return types.void(*arg_types), codegen
 
     return tile_rows
@@ -309,21 +332,26 @@ def _product(a, weights, scales, lows, bits, out, start, stop):
     sums = numpy.empty((rows, groups), numpy.float32)
     _quantize_rows(a, codes, a_scales, code_sums, sums)
     tile_out = numpy.empty(TILE_ROWS * LANES, numpy.float32)
+    flat, n = out.reshape(-1), out.shape[1]  # whole tiles' sums stored in place, a partial one through tile_out
     for tile in range(start // LANES, -(-stop // LANES)):
         first, last = max(start, tile * LANES), min(stop, (tile + 1) * LANES)
         w_at, c_at = tile * weights.shape[1] * weights.shape[2], tile * groups * LANES
+        whole = first == tile * LANES and last == first + LANES
+        target, o_stride = (flat, n) if whole else (tile_out, LANES)
         r = 0
         while r < rows:  # the tile's codes stay in cache for every row after the first
             count = TILE_ROWS if r + TILE_ROWS <= rows else 1
+            at = tile * LANES + r * n if whole else 0  # tile_out holds one call's rows
+            operands = (weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at)
             if bits == 4 and count == TILE_ROWS:
-                _FOUR4(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+                _FOUR4(*operands, target, at, o_stride)
             elif bits == 4:
-                _ONE4(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+                _ONE4(*operands, target, at, o_stride)
             elif count == TILE_ROWS:
-                _FOUR8(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+                _FOUR8(*operands, target, at, o_stride)
             else:
-                _ONE8(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
-            for i in range(count):
+                _ONE8(*operands, target, at, o_stride)
+            for i in range(0 if whole else count):
                 out[r + i, first:last] = tile_out[i * LANES + first - tile * LANES : i * LANES + last - tile * LANES]
             r += count
 

@@ -232,15 +232,15 @@ def warm_up(dtype):
 def matmul(a, w: QuantizedMatrix):
     """``a @ W`` for ``a`` [M, K]: float64 sums for float64 ``a``, else float32 (from int8 activations
     where ``int8_dot.AVAILABLE``)."""
+    # the decode path first, with nothing computed before it: a step makes four such calls a layer
+    if small_m.takes_quantized(a) and a.dtype != numpy.float64 and w.pack():
+        # (a matrix that was not packed at load, a model built in process, is packed at its first product)
+        p = w.packed
+        return int8_dot.matmul(numpy.ascontiguousarray(a, numpy.float32), p.codes, p.scales, p.lows, w.bits, p.n)
     dtype = numpy.dtype(numpy.float64 if a.dtype == numpy.float64 else numpy.float32)
-    if small_m.takes_quantized(a):
-        # a matrix that was not packed at load (a model built in process) is packed at its first such product
-        if dtype == numpy.float32 and w.pack():
-            p = w.packed
-            return int8_dot.matmul(numpy.ascontiguousarray(a, numpy.float32), p.codes, p.scales, p.lows, w.bits, p.n)
-        if w.packed is None:
-            low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
-            return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
+    if small_m.takes_quantized(a) and w.packed is None:
+        low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
+        return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
     (k, n), xp = w.shape, xp_of(a)
     step = max(1, _BLOCK_BYTES // (dtype.itemsize * n * GROUP_ROWS)) * GROUP_ROWS
     out = xp.zeros((a.shape[0], n), dtype)
