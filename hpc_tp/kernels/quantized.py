@@ -31,6 +31,7 @@ many rows (prefill), or without numba, or on a GPU: blocks of weight rows dequan
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy
@@ -72,7 +73,8 @@ def check_rows(k: int, parts: int, what: str, bits: int):
 @dataclass(frozen=True)
 class Packed:
     """A matrix's arrays in ``int8_dot``'s layout: codes [tiles, groups, bytes], scales and minimums
-    [tiles, groups, lanes] (minimums empty for 8 bits), of ``n`` columns."""
+    [tiles, groups, lanes] (minimums empty for 8 bits; float32, or float16 bits where every value is
+    one, ``int8_dot.narrow_columns``), of ``n`` columns."""
 
     codes: numpy.ndarray
     scales: numpy.ndarray
@@ -127,9 +129,10 @@ class QuantizedMatrix:
         """Keep the arrays in ``int8_dot``'s layout only, where few-row products take it (host arrays,
         a CPU with VNNI; elsewhere the stored layout stays the only one). True when packed."""
         if self.packed is None and int8_dot.AVAILABLE and isinstance(self.codes, numpy.ndarray):
-            lows = numpy.empty(0, numpy.float32) if self.low is None else int8_dot.interleave_columns(self.low)
-            codes, scales = int8_dot.interleave(self.codes, self.bits), int8_dot.interleave_columns(self.scale)
-            self.packed = Packed(codes, scales, lows, self.shape[1])
+            columns = [int8_dot.interleave_columns(values) for values in (self.scale, self.low) if values is not None]
+            scales, *lows = int8_dot.narrow_columns(*columns)
+            lows = lows[0] if lows else numpy.empty(0, scales.dtype)  # 8 bits
+            self.packed = Packed(int8_dot.interleave(self.codes, self.bits), scales, lows, self.shape[1])
             self.codes = self.scale = self.low = None
         return self.packed is not None
 
@@ -223,8 +226,9 @@ def warm_up(dtype):
     activations take against 8- and 4-bit weights (``int8_dot``'s where the CPU has VNNI, else
     ``small_m``'s and numpy's), before a server's first request would wait for them."""
     few, many = (numpy.ones((rows, 2 * GROUP_ROWS), dtype) for rows in (small_m.MIN_FULL_ROWS, small_m.MAX_ROWS + 1))
-    for bits in FORMATS.values():
-        w = quantize(numpy.ones((2 * GROUP_ROWS, 4 * small_m.COLUMN_ALIGN)), bits)
+    # weights of 127 have float16 scales and minimums (GGUF's kind), of 0.1 float32 ones
+    for bits, value in itertools.product(FORMATS.values(), (127.0, 0.1)):
+        w = quantize(numpy.full((2 * GROUP_ROWS, 4 * small_m.COLUMN_ALIGN), value), bits)
         matmul(few, w)  # packs w where the integer kernel takes it, as a served model's weights are
         matmul(many, w)
 
