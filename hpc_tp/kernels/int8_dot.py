@@ -332,7 +332,10 @@ def _quantize_rows(a, codes, scales, code_sums, sums):
     for r in range(rows):
         for g in range(groups):
             values = a[r, g * QUANT_ROWS : (g + 1) * QUANT_ROWS]
-            scale = numpy.float32(numpy.abs(values).max() / numpy.float32(127))
+            largest = numpy.float32(0)
+            for i in range(QUANT_ROWS):  # not numpy.abs(values).max(): an array allocated a group
+                largest = max(largest, abs(values[i]))
+            scale = numpy.float32(largest / numpy.float32(127))
             scales[r, g] = scale
             safe = scale if scale > 0 else numpy.float32(1)  # an all-zero group: every code 0
             total, code_total = numpy.float32(0), 0
