@@ -4,13 +4,13 @@ the decode throughput of a full batch and the CPU time of one decode step, in al
     python benchmarks/paged_kv.py --variant main=PATH --variant paged=PATH [--variant small=PATH@GIB]
                                   [--rows 8] [--max-len 2048] [--prompt 256] [--new 256] [--rounds 4]
                                   [--layers 8] [--window 0] [--global-every 0]
-                                  [--model CONFIG.json]
+                                  [--model CONFIG.json] [--dtype float32]
 
 Each variant is a source tree (``PYTHONPATH``), and optionally ``@GIB`` for ``kv_cache_memory`` (a tree
 that has it). A round runs every variant once, in an order that alternates (after an untimed one, in which numba
 compiles a fresh tree's kernels into its cache), each in a fresh process at
-tp = 1: a llama-shaped random model (``--hidden`` 256, ``--layers`` 8, 8 heads, 2 kv heads, float32, the
-byte vocabulary; with ``--window W`` every layer has a sliding window of W but, with ``--global-every K``,
+tp = 1: a llama-shaped random model (``--hidden`` 256, ``--layers`` 8, 8 heads, 2 kv heads, ``--dtype``
+float32 or another, the byte vocabulary; with ``--window W`` every layer has a sliding window of W but, with ``--global-every K``,
 every K-th, which is global: Gemma 3's pattern at K = 6; or ``--model``, a preset or JSON config such as a
 converted checkpoint's, with random weights), a ``ContinuousBatcher`` of ``--rows`` rows and
 ``--max-len`` positions, then ``--rows`` greedy requests of ``--prompt`` random tokens and ``--new`` new
@@ -23,8 +23,8 @@ batch, of wall time and of the process's CPU time (one process, one thread: the 
 loaded machine's time slicing disturbs less than the wall clock); ``step_cpu_ms``, the CPU time of one
 decode step of the full batch: that run's, less a run of other prompts of the same lengths for one
 token (the prefill), over the ``--new`` - 1 steps, and ``step_rest_cpu_ms``, the part of it outside the
-matrix products (``tensor_parallel.layers.product``, LM head included) and the paged attention kernel
-(its calls timed in both runs); then the median and range over rounds. No time is asserted: the
+matrix products' kernels (``kernels.blas.matmul``, LM head included) and the paged attention kernel
+(their calls timed in both runs): the step's glue, casts of the products' sums included; then the median and range over rounds. No time is asserted: the
 machine is shared and noisy.
 """
 
@@ -52,13 +52,12 @@ def worker(args):
     import numpy
 
     from hpc_tp.comm.mpi import self_comm
-    from hpc_tp.kernels import paged_attention
+    from hpc_tp.kernels import blas, paged_attention
     from hpc_tp.models import GPTModel
     from hpc_tp.models.config import load_config
     from hpc_tp.serve.continuous import ContinuousBatcher
     from hpc_tp.serve.generate import Engine
     from hpc_tp.serve.sampling import SamplingParams
-    from hpc_tp.tensor_parallel import layers, vocab
     from hpc_tp.tokenizer import ByteTokenizer
 
     every = args.global_every
@@ -74,7 +73,7 @@ def worker(args):
         layer_types=kinds if args.window else None,
     )
     cfg = load_config(args.model or "llama-tiny", **({} if args.model else shape), max_seq_len=args.max_len)
-    model = GPTModel(cfg, self_comm(), dtype="float32", seed=0)
+    model = GPTModel(cfg, self_comm(), dtype=args.dtype, seed=0)
     engine = Engine(model, ByteTokenizer())
     before = rss_bytes()
     memory = {} if args.kv_gib is None else {"kv_cache_memory": args.kv_gib}
@@ -101,8 +100,7 @@ def worker(args):
 
         return call
 
-    # the LM head's module holds its own name for ``product``
-    layers.product = vocab.product = timed_calls(layers.product)
+    blas.matmul = timed_calls(blas.matmul)  # looked up at each call by the layers and the LM head
     paged_attention.decode = timed_calls(paged_attention.decode)
     rng = numpy.random.default_rng(0)
     prompts, others, warm = (
@@ -148,6 +146,7 @@ def main():
     p.add_argument("--window", type=int, default=0)
     p.add_argument("--global-every", type=int, default=0)
     p.add_argument("--model", default=None, help="preset or JSON config (default: the llama shape above)")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kv-gib", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -158,7 +157,7 @@ def main():
         name, _, tree = spec.partition("=")
         tree, _, gib = tree.partition("@")
         variants.append((name, str(Path(tree).resolve()), gib or None))
-    names = ("rows", "max-len", "hidden", "prompt", "new", "layers", "window", "global-every")
+    names = ("rows", "max-len", "hidden", "prompt", "new", "layers", "window", "global-every", "dtype")
     shape = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in names]
     shape += (
         [f"--model={Path(args.model).resolve() if Path(args.model).exists() else args.model}"] if args.model else []

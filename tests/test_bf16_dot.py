@@ -7,7 +7,7 @@ tests/test_vector_kernels.py."""
 import numpy as np
 import pytest
 
-from hpc_tp.kernels import bf16_dot, blas
+from hpc_tp.kernels import bf16_dot, blas, threads
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 needs_bf16 = pytest.mark.skipif(not bf16_dot.AVAILABLE, reason="needs numba and a CPU with avx512_bf16")
@@ -52,6 +52,25 @@ def test_column_range_and_accumulate(layout):
     _assert_float32_product(out[:, 37:300], a, w, slice(37, 300))
     bf16_dot.matmul(a, w, out, accumulate=True, start=37, stop=300)
     _assert_float32_product(out[:, 37:300] / 2, a, w, slice(37, 300))
+
+
+@needs_bf16
+@pytest.mark.parametrize("layout", ["row-major", "transposed view"])
+@pytest.mark.parametrize("m", [1, 8, 13, 150])
+def test_threads_split_the_outputs_without_changing_a_bit(layout, m):
+    """Each column is summed in the same order whichever thread takes its range: the same bits at 1, 2
+    and 3 threads, with ranges of uneven widths and the tiles' tails inside them (150 rows: a prefill's
+    blocks)."""
+    a, w = _operands(m, 321, 1999, layout)
+    before, results = threads.COUNT, []
+    try:
+        for count in (1, 2, 3):
+            threads.use(count)
+            assert count == 1 or len(threads.shared(1999, bf16_dot.COLUMN_ALIGN, 2 * 321)) - 1 > count
+            results.append(bf16_dot.matmul(a, w))
+    finally:
+        threads.use(before)
+    assert all(np.array_equal(results[0], result) for result in results[1:])
 
 
 @needs_bf16

@@ -163,7 +163,7 @@ def test_swiglu_gives_the_composed_bits_and_what_backward_keeps(monkeypatch, dty
 @pytest.mark.parametrize("per_row", [False, True])
 def test_rope_rotation_gives_the_composed_bits(monkeypatch, dtype, per_row):
     """Q heads as attention sees them (a strided view [B, hk, g, T, d] of the QKV product), both
-    directions, with positions shared by the rows or each row's own."""
+    directions, with positions shared by the rows or each row's own, and scaled after the rotation."""
     b, hk, g, t, d = 3, 2, 2, 5, 8
     (qkv,) = arrays(dtype, (b, t, hk * g * d + 16), seed=7)
     q = qkv[..., : hk * g * d].reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4)
@@ -172,8 +172,8 @@ def test_rope_rotation_gives_the_composed_bits(monkeypatch, dtype, per_row):
     cos, sin = F.rope_tables(positions, inv_freq, dtype)
     if per_row:
         cos, sin = cos[:, None, None], sin[:, None, None]
-    for inverse in (False, True):
-        got, want = both_paths(monkeypatch, lambda: F.rope_apply(q, cos, sin, inverse))
+    for inverse, scale in ((False, 1.0), (True, 1.0), (False, 0.3)):  # 0.3: attention's query scale
+        got, want = both_paths(monkeypatch, lambda: F.rope_apply(q, cos, sin, inverse, scale))
         assert got.flags.c_contiguous and got.dtype == want.dtype and np.array_equal(got, want)
 
 

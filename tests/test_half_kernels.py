@@ -139,6 +139,45 @@ def test_swiglu_rounds_the_float32_numbers_once(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_float32_sums_cast_to_a_half_format_give_astype_bits(dtype):
+    """``functional.cast`` (the products' float32 sums to the activations' format) in one fused pass:
+    astype's bits, overflow and NaN included, and back to float32 exactly; a strided array takes astype
+    itself."""
+    rng = np.random.default_rng(9)
+    sums = (rng.standard_normal((8, 4099)) * 4.0 ** rng.integers(-20, 20, (8, 4099))).astype(np.float32)
+    sums[0, :4] = [np.inf, -np.nan, 3.0e38, -0.0]
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and overflow are cases here
+        want = sums.astype(dtype)
+        got = F.cast(sums, dtype)
+        assert cpu_kernels.converts(sums, dtype) and same_bits(got, want)
+        assert not cpu_kernels.converts(sums[:, ::2], dtype)
+        assert same_bits(F.cast(sums[:, ::2], dtype), want[:, ::2].copy())
+        assert cpu_kernels.converts(got, np.float32) and same_bits(F.cast(got, np.float32), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_residual_sum_gives_numpys_half_bits(dtype):
+    """The block's last residual sum ``m += x1`` in one fused pass: numpy's half sum, bit for bit."""
+    m, x1 = halves(dtype, (8, 1, 576), (8, 1, 576), seed=11)
+    want = m.copy()
+    want += x1
+    got = F.add_into(m, x1)
+    assert got is m and same_bits(got, want)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_rope_scale_rounds_as_numpy_multiplies_after(dtype):
+    """The query scale inside the rotation: the rotated half values, rounded, times the scale in the
+    half format, rounded, as ``q *= scale`` on the rotation gives them."""
+    (q,) = halves(dtype, (2, 3, 4, 8), seed=10)
+    cos, sin = F.rope_tables(np.arange(4) + 7, 1.0 / 10000 ** (np.arange(0, 8, 2) / 8), dtype)
+    for scale in (0.125, 0.3):
+        want = F.rope_apply(q, cos, sin)
+        want *= scale
+        assert same_bits(F.rope_apply(q, cos, sin, scale=scale), want)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
 @pytest.mark.parametrize("per_row", [False, True])
 def test_rope_rounds_the_float32_rotation_once(dtype, per_row):
     """Q heads as attention sees them (a strided view [B, hk, g, T, d]), both directions: the float32

@@ -5,6 +5,9 @@ scattered blocks are each as alone; a pool too small for the batch preempts the 
 which is recomputed and gives the tokens and logits it gives alone; bad sizes are one ConfigError
 line. At tp = world size, float64."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from test_continuous import Request, Script, _agrees_with_alone, _alone
@@ -15,7 +18,7 @@ from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.backend import resolve_dtype
 from hpc_tp.errors import ConfigError
-from hpc_tp.kernels import paged_attention
+from hpc_tp.kernels import paged_attention, paged_bf16
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.serve import continuous
 from hpc_tp.serve.api_request import parse_request
@@ -298,27 +301,36 @@ def _dtype(name):
     return resolve_dtype(name)
 
 
-def _scattered_decode_step(dtype, seed=3):
-    """q [5, 3, 3, 1, 16], K/V pools [3, 200, 16] and rows of unequal lengths (1 to 40, odd among them)
-    over scattered slots: a decode step of grouped-query attention (3 query heads a KV head)."""
+# (rows, KV heads, query heads a KV head, head dimension, the queries' scale): the first a decode step of
+# grouped-query attention; then one head a group, a group of 5 (a whole tile of 4 query heads and 1),
+# a head dimension of 80 (two value tiles, a half step of scores) and 130 (a word of the last), an odd
+# one; the last's scores span hundreds, so most weights fall below exp(-87).
+DECODE_SHAPES = [(5, 3, 3, 16, 0.7), (3, 2, 1, 64, 0.3), (4, 1, 5, 80, 0.2), (2, 2, 8, 130, 0.1), (3, 1, 2, 7, 9.0)]
+
+
+def _scattered_decode_step(dtype, shape=DECODE_SHAPES[0], seed=3):
+    """q [rows, heads, group, 1, d], K/V pools [heads, 200, d] and rows of unequal lengths (1 to 40,
+    odd among them) over scattered slots: a decode step (grouped-query attention where group > 1)."""
     rng = np.random.default_rng(seed)
-    rows, heads, group, d, pool = 5, 3, 3, 16, 200
+    rows, heads, group, d, scale = shape
+    pool = 200
     k, v = rng.standard_normal((2, heads, pool, d)).astype(dtype)
-    q = (rng.standard_normal((rows, heads, group, 1, d)) * 0.7).astype(dtype)  # scores of a few units
-    counts = np.array([40, 1, 17, 2, 33])
+    q = (rng.standard_normal((rows, heads, group, 1, d)) * scale).astype(dtype)
+    counts = np.array([40, 1, 17, 2, 33])[:rows]
     slots = np.stack([rng.permutation(pool)[: counts.max()] for _ in range(rows)])
     return q, k, v, slots, counts
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("window", [0, 5])
-def test_threads_split_the_decode_kernel_s_rows_and_heads_without_changing_a_bit(window, dtype, thread_count):
+@pytest.mark.parametrize("shape", [DECODE_SHAPES[0], DECODE_SHAPES[2]])
+def test_threads_split_the_decode_kernel_s_rows_and_heads_without_changing_a_bit(shape, window, dtype, thread_count):
     """Rows of unequal lengths over scattered slots: the same bits at 1, 2 and 3 threads, each
     thread a range of (row, KV head) pairs of about equal work."""
     dtype = _dtype(dtype)
     if not paged_attention.supported(np.zeros(1, dtype), np.zeros(1, dtype)):
         pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
-    q, k, v, slots, counts = _scattered_decode_step(dtype)
+    q, k, v, slots, counts = _scattered_decode_step(dtype, shape)
     results = []
     for count in (1, 2, 3):
         thread_count(count)
@@ -341,22 +353,58 @@ def _exact_decode(q, k, v, slots, counts, window):
     return out
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype, path", [("bfloat16", "vdpbf16ps"), ("bfloat16", "widened"), ("float16", "widened")])
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
 @pytest.mark.parametrize("window", [0, 5])
-def test_half_pools_give_the_exact_attention_rounded_once(dtype, window):
+def test_half_pools_give_the_exact_attention_rounded_once(dtype, path, shape, window, monkeypatch):
     """Half-precision queries and pools: scores, softmax and sums in float32, the output rounded once,
     so each value is the exact attention of the same inputs rounded to the dtype, or (where the float32
-    sums land across a rounding boundary) the value one step beside it."""
+    sums land across a rounding boundary) the value one step beside it. bfloat16 on ``vdpbf16ps``
+    (``kernels.paged_bf16``) where the CPU has it, and widened to float32 (the path elsewhere, forced)."""
     dtype = _dtype(dtype)
     if not paged_attention.supported(np.zeros(1, dtype), np.zeros(1, dtype)):
         pytest.skip("the fused CPU kernels are off (no numba, or HPC_TP_CPU_KERNELS=0)")
-    q, k, v, slots, counts = _scattered_decode_step(dtype)
+    if path == "vdpbf16ps" and not paged_bf16.AVAILABLE:
+        pytest.skip("needs a CPU with avx512_bf16")
+    monkeypatch.setattr(paged_bf16, "AVAILABLE", path == "vdpbf16ps")
+    q, k, v, slots, counts = _scattered_decode_step(dtype, shape)
     out = np.zeros_like(q)
-    paged_attention.decode(q, k, v, slots, counts, out, window)
+    paged_attention.decode(q, k, v, np.asfortranarray(slots), counts, out, window)  # slots of any strides
     want = _exact_decode(q, k, v, slots, counts, window).astype(dtype)
     # adjacent values of one sign are adjacent integers in the bits (the exact values here are far from 0)
     steps = np.abs(out.view(np.int16).astype(np.int64) - want.view(np.int16).astype(np.int64))
     assert steps.max() <= 1 and (steps == 0).mean() >= 0.9
+
+
+def test_warm_up_compiles_the_bfloat16_decode_kernel_where_the_cpu_takes_it():
+    """In a fresh process, ``paged_attention.warm_up`` for a bfloat16 model leaves ``paged_bf16``'s
+    kernel compiled (or loaded from numba's cache) before a server's first request would wait for it."""
+    if not paged_bf16.AVAILABLE:
+        pytest.skip("needs numba and a CPU with avx512_bf16")
+    code = (
+        "import ml_dtypes; from hpc_tp.kernels import paged_attention, paged_bf16; "
+        "paged_attention.warm_up(ml_dtypes.bfloat16); print(len(paged_bf16._decode.signatures))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(result.stdout) == 1
+
+
+def test_the_bfloat16_kernel_s_softmax_weights_are_exp_within_a_float32_ulp():
+    """``paged_bf16``'s vector exp on [-87, 0] against float64's, each weight within one ulp; a nan
+    score stays nan."""
+    if not paged_bf16.AVAILABLE:
+        pytest.skip("needs numba and a CPU with avx512_bf16")
+    numba = pytest.importorskip("numba")
+    softmax = numba.njit(lambda scores: paged_bf16._softmax_row(scores, 0, scores.shape[0]))
+    scores = np.linspace(-87.0, 0.0, 200_001).astype(np.float32)  # the last the largest: 0
+    weights = scores.copy()
+    total = softmax(weights)
+    exact = np.exp(scores.astype(np.float64))
+    assert (np.abs(weights - exact) <= np.spacing(exact.astype(np.float32))).all()
+    assert abs(total - exact.sum()) <= 1e-6 * exact.sum()
+    with_nan = np.array([1.0, np.nan, 2.0], np.float32)
+    softmax(with_nan)
+    assert np.isnan(with_nan[1]) and with_nan[2] == 1.0
 
 
 @pytest.mark.mpi(min_size=1)

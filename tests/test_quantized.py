@@ -131,6 +131,27 @@ def test_kernels_write_only_their_column_range(bits, integer):
         assert rel_err(out[:, start:stop], full[:, start:stop]) < 3e-6
 
 
+@needs_vnni
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_integer_kernel_gives_the_same_bits_at_any_thread_count(bits, rows):
+    """Each column is summed by whichever thread takes its range, in one order: the same bits at 1, 2
+    and 3 threads, with more ranges than threads and a ragged last tile."""
+    rng = np.random.default_rng(rows + bits)
+    w = quantized.quantize(rng.normal(size=(576, 3000)), bits)
+    a = rng.normal(size=(rows, 576)).astype(np.float32)
+    assert w.pack()
+    before, results = threads.COUNT, []
+    try:
+        for count in (1, 2, 3):
+            threads.use(count)
+            assert count == 1 or len(threads.shared(3000, small_m.COLUMN_ALIGN, 576 * bits // 8)) - 1 > count
+            results.append(quantized.matmul(a, w))
+    finally:
+        threads.use(before)
+    assert all(np.array_equal(results[0], result) for result in results[1:])
+
+
 def test_the_head_of_a_quantized_model_is_int8_below_float64():
     """float32 (or half): the int8 copy of the head; float64 keeps the float head, as does a float model."""
     float_model = GPTModel(ModelConfig(**CONFIG), self_comm(), dtype="float32", seed=4)
@@ -427,8 +448,8 @@ def test_training_refuses_a_quantized_model(tmp_path, capsys, monkeypatch):
 @needs_vnni
 def test_warm_up_prepares_the_integer_kernel_a_decode_step_takes():
     """In a fresh process, ``quantized.warm_up`` for float32 activations leaves ``int8_dot``'s kernel
-    compiled or loaded for 8- and 4-bit codes, scales float32 or float16 (at one thread the kernel itself, at more its driver): a
-    server's first request does not wait for it."""
+    compiled or loaded for 8- and 4-bit codes, scales float32 or float16 (at one thread the kernel
+    itself, at more its driver): a server's first request does not wait for it."""
     code = (
         "from hpc_tp.kernels import int8_dot, quantized; quantized.warm_up('float32'); "
         "print(len(int8_dot._product.signatures) + len(int8_dot._product_over.signatures))"

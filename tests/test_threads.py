@@ -1,7 +1,9 @@
 """kernels.threads: the rank's thread count from OMP_NUM_THREADS or its cores, one bad value one
-ConfigError line; the ranges kernels split their outputs into cover every output once."""
+ConfigError line; the ranges kernels split their outputs into cover every output once, a shared
+split hands each range to one thread, and a rank's threads stop spinning once its kernels are done."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -67,3 +69,72 @@ def test_a_kernel_runs_once_per_range_and_directly_for_one():
     threads.run(kernel, parallel, ("x",), np.array([0, 10]))
     threads.run(kernel, parallel, ("x",), np.array([0, 6, 10]))
     assert calls == [("kernel", "x", 0, 10), ("parallel", "x", [0, 6, 10])]
+
+
+@pytest.mark.parametrize(
+    "count, n, column_bytes, ranges",
+    [
+        (1, 3072, 1152, 1),
+        (2, 3072, 1152, 4),
+        (2, 576, 1152, 4),
+        (2, 64, 1152, 1),
+        (3, 49152, 1152, 6),
+        (2, 256, 512, 2),
+    ],
+)
+def test_shared_ranges_are_a_few_a_thread_and_none_reads_too_little(count, n, column_bytes, ranges, thread_count):
+    """Up to RANGES_PER_THREAD a thread, each reading SMALLEST_RANGE_BYTES or more; one thread, or
+    too little weight for two ranges: one range, run directly."""
+    thread_count(count)
+    bounds = threads.shared(n, 64, column_bytes)
+    assert bounds[0] == 0 and bounds[-1] == n and np.all(np.diff(bounds) > 0) and np.all(bounds[:-1] % 64 == 0)
+    assert len(bounds) - 1 == ranges
+    assert ranges == 1 or np.diff(bounds).min() * column_bytes >= threads.SMALLEST_RANGE_BYTES * 0.75
+
+
+def test_a_shared_kernel_runs_directly_for_one_range_else_with_a_fresh_counter():
+    calls = []
+    kernel = lambda *args: calls.append(("kernel", *args))  # noqa: E731 (stand-ins for jitted kernels)
+    parallel = lambda *args: calls.append(("parallel", args[0], args[1].tolist(), args[2].tolist()))  # noqa: E731
+    threads.share(kernel, parallel, ("x",), np.array([0, 10]))
+    threads.share(kernel, parallel, ("x",), np.array([0, 4, 6, 10]))
+    assert calls == [("kernel", "x", 0, 10), ("parallel", "x", [0, 4, 6, 10], [0])]
+
+
+@threads.parallel_jit
+def _count_runs(runs, taken):
+    """The drivers' loop (``f32_dot``'s and the others'): runs[i] += 1 for each range i taken."""
+    for _ in threads.prange(runs.shape[0]):
+        part = threads.take(taken)
+        while part < runs.shape[0]:
+            runs[part] += 1
+            part = threads.take(taken)
+
+
+@pytest.mark.skipif(threads.numba is None, reason="needs numba")
+@pytest.mark.parametrize("ranges", [2, 3, 17, 200])
+def test_take_hands_every_range_to_exactly_one_thread(ranges, thread_count):
+    """However the threads race for the counter, every range is run once, and each of the loop's
+    iterations stops at its first index past the last."""
+    for count in (1, 2, 3):
+        thread_count(count)
+        for _ in range(20):
+            runs, taken = np.zeros(ranges, np.int64), np.zeros(1, np.int64)
+            _count_runs(runs, taken)
+            assert runs.tolist() == [1] * ranges and taken[0] == 2 * ranges
+
+
+@pytest.mark.skipif(threads.numba is None, reason="needs numba")
+def test_threads_stop_spinning_soon_after_a_region(thread_count):
+    """An idle server stays idle: after a two-thread region, a rank's threads (numba's and MKL's) spin
+    SPIN_MS at most, so over the next half second the process uses well under 5% of a core."""
+    from hpc_tp.kernels import f32_dot  # a kernel with a shared split, where the CPU has AVX-512
+
+    thread_count(2)
+    a, w = np.ones((8, 576), np.float32), np.ones((576, 3072), np.float32)
+    product = f32_dot.matmul if f32_dot.AVAILABLE else np.matmul
+    for _ in range(20):
+        product(a, w)
+    before = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - before < 0.05 * 0.5

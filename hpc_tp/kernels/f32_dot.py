@@ -74,10 +74,9 @@ def warm_up(dtype):
     model on an AVX-512 CPU, before a server's first request would wait for them."""
     if not AVAILABLE or numpy.dtype(dtype) != _FLOAT32:
         return
-    a, w = (
-        numpy.ones((8, 2 * COLUMN_ALIGN), numpy.float32),
-        numpy.ones((2 * COLUMN_ALIGN, 4 * COLUMN_ALIGN), numpy.float32),
-    )
+    k = 2 * COLUMN_ALIGN
+    n = threads.split_columns(k * _FLOAT32.itemsize, COLUMN_ALIGN)  # more than one range: the drivers too
+    a, w = numpy.ones((8, k), numpy.float32), numpy.ones((k, n), numpy.float32)
     matmul(a, w)
     matmul(a, numpy.ascontiguousarray(w.T).T)
 
@@ -90,11 +89,11 @@ def matmul(a, w, out=None, accumulate: bool = False, start: int = 0, stop: int |
     if out is None:
         out = numpy.empty((m, n), numpy.float32)
     a = numpy.ascontiguousarray(a)
-    bounds = start + threads.columns(stop - start, COLUMN_ALIGN)
+    bounds = start + threads.shared(stop - start, COLUMN_ALIGN, w.shape[0] * _FLOAT32.itemsize)
     if w.flags.c_contiguous:
-        threads.run(_rows_by_matrix, _rows_by_matrix_over, (a, w, out, accumulate), bounds)
+        threads.share(_rows_by_matrix, _rows_by_matrix_over, (a, w, out, accumulate), bounds)
     else:
-        threads.run(_rows_by_transposed, _rows_by_transposed_over, (a, w.T, out, accumulate), bounds)
+        threads.share(_rows_by_transposed, _rows_by_transposed_over, (a, w.T, out, accumulate), bounds)
     return out
 
 
@@ -240,14 +239,20 @@ def _rows_by_transposed(a, e, out, accumulate, start, stop):
         _transposed_tile(a, e, out, (c, min(vector_ir.TILE, stop - c)))
 
 
-# The threads' drivers (``kernels.threads.run``): each range of output columns on a thread of its own.
+# The threads' drivers (``kernels.threads.share``): each range of output columns taken by the next free thread.
 @threads.parallel_jit
-def _rows_by_matrix_over(a, w, out, accumulate, bounds):
-    for part in threads.prange(bounds.shape[0] - 1):
-        _rows_by_matrix(a, w, out, accumulate, bounds[part], bounds[part + 1])
+def _rows_by_matrix_over(a, w, out, accumulate, bounds, taken):
+    for _ in threads.prange(bounds.shape[0] - 1):
+        part = threads.take(taken)
+        while part < bounds.shape[0] - 1:
+            _rows_by_matrix(a, w, out, accumulate, bounds[part], bounds[part + 1])
+            part = threads.take(taken)
 
 
 @threads.parallel_jit
-def _rows_by_transposed_over(a, e, out, accumulate, bounds):
-    for part in threads.prange(bounds.shape[0] - 1):
-        _rows_by_transposed(a, e, out, accumulate, bounds[part], bounds[part + 1])
+def _rows_by_transposed_over(a, e, out, accumulate, bounds, taken):
+    for _ in threads.prange(bounds.shape[0] - 1):
+        part = threads.take(taken)
+        while part < bounds.shape[0] - 1:
+            _rows_by_transposed(a, e, out, accumulate, bounds[part], bounds[part + 1])
+            part = threads.take(taken)

@@ -133,11 +133,12 @@ def matmul(a, interleaved, scales, lows, bits: int, n: int, start: int = 0, stop
     if out is None:
         out = numpy.empty((a.shape[0], n), numpy.float32)
     stop = n if stop is None else stop
-    args = (a, interleaved, scales, lows, bits, out)
+    args = (*_quantized(a), interleaved, scales, lows, bits, out)
     if threads.COUNT == 1:  # one range, given as Python ints: a bounds array cost more than a small product
         _product(*args, start, stop)
     else:
-        threads.run(_product, _product_over, args, start + threads.columns(stop - start, small_m.COLUMN_ALIGN))
+        bounds = start + threads.shared(stop - start, small_m.COLUMN_ALIGN, a.shape[1] * bits // 8)
+        threads.share(_product, _product_over, args, bounds)
     return out
 
 
@@ -347,9 +348,10 @@ def _quantize_rows(a, codes, scales, code_sums, sums):
             code_sums[r, g], sums[r, g] = code_total, total
 
 
-@_jit
-def _product(a, weights, scales, lows, bits, out, start, stop):
-    """out[:, start:stop] = a @ W (``matmul``'s operands)."""
+@_exact_jit
+def _quantized(a):
+    """``a`` [M, K] as int8 codes per group of QUANT_ROWS, with each group's scale, code sum and sum
+    (once a product, whatever its ranges)."""
     rows, k = a.shape
     groups = k // QUANT_ROWS
     codes = numpy.empty((rows, k), numpy.int8)
@@ -357,6 +359,14 @@ def _product(a, weights, scales, lows, bits, out, start, stop):
     code_sums = numpy.empty((rows, groups), numpy.int32)
     sums = numpy.empty((rows, groups), numpy.float32)
     _quantize_rows(a, codes, a_scales, code_sums, sums)
+    return codes, a_scales, code_sums, sums
+
+
+@_jit
+def _product(codes, a_scales, code_sums, sums, weights, scales, lows, bits, out, start, stop):
+    """out[:, start:stop] = a @ W for ``a`` as ``_quantized`` gives it (``matmul``'s operands)."""
+    rows, k = codes.shape
+    groups = k // QUANT_ROWS
     tile_out = numpy.empty(TILE_ROWS * LANES, numpy.float32)
     flat, n = out.reshape(-1), out.shape[1]  # whole tiles' sums stored in place, a partial one through tile_out
     for tile in range(start // LANES, -(-stop // LANES)):
@@ -415,7 +425,10 @@ def _dequantize_over(weights, scales, lows, bits, out, first_group, bounds):
 
 
 @threads.parallel_jit
-def _product_over(a, weights, scales, lows, bits, out, bounds):
-    """``_product`` over ``kernels.threads``' ranges of output columns, one a thread."""
-    for part in threads.prange(bounds.shape[0] - 1):
-        _product(a, weights, scales, lows, bits, out, bounds[part], bounds[part + 1])
+def _product_over(codes, a_scales, code_sums, sums, weights, scales, lows, bits, out, bounds, taken):
+    """``_product`` over ``kernels.threads``' ranges of output columns, each taken by the next free thread."""
+    for _ in threads.prange(bounds.shape[0] - 1):
+        part = threads.take(taken)
+        while part < bounds.shape[0] - 1:
+            _product(codes, a_scales, code_sums, sums, weights, scales, lows, bits, out, bounds[part], bounds[part + 1])
+            part = threads.take(taken)

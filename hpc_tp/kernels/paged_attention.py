@@ -16,7 +16,10 @@ Used for numpy arrays when the fused CPU kernels are on (``cpu_kernels.ENABLED``
   same for bfloat16 (numpy multiplies bfloat16 arrays through float32, the softmax of float32 scores
   is float32, and P V lands in the bfloat16 output rounded once), so the two differ only by the order
   of float32 sums: at most one bfloat16 step where a value lies near a rounding boundary. For float16
-  the composed path rounds the scores and the softmax to float16 too; this kernel does not.
+  the composed path rounds the scores and the softmax to float16 too; this kernel does not;
+* bfloat16 pools where the CPU has AVX512_BF16: ``kernels.paged_bf16`` instead, the same float32
+  sums with the scores on ``vdpbf16ps``, every step (exp included) on 16 lanes and the K/V rows asked
+  for ahead of use.
 
 Threads (``kernels.threads``) take ranges of (row, KV head) pairs holding about as many keys each.
 """
@@ -27,7 +30,7 @@ import math
 
 import numpy
 
-from . import cpu_kernels, threads
+from . import cpu_kernels, paged_bf16, threads
 from .cpu_kernels import DTYPES, ENABLED, _jit
 from .small_m import BF16, FULL, _widen, half_kind
 
@@ -57,6 +60,14 @@ def decode(q, k_pool, v_pool, slots, counts, out, window: int = 0):
     row b's first ``counts[b]`` slots of ``slots`` [B, W] (int64 indices into the pools' slot axis),
     with a sliding ``window`` over only the last ``window`` of them (0: all)."""
     kind = half_kind(k_pool.dtype)
+    # each thread a range of (row, KV head) pairs holding about as many keys as the others
+    keys = numpy.minimum(counts, window) if window else counts
+    bounds = threads.balanced(numpy.repeat(keys, q.shape[1]))
+    if kind == BF16 and paged_bf16.AVAILABLE:  # the queries' bits too: vdpbf16ps takes them as they are
+        bits = (numpy.ascontiguousarray(a).view(numpy.uint16) for a in (q[:, :, :, 0], k_pool, v_pool))
+        rows = numpy.ascontiguousarray(slots, dtype=numpy.int64)  # its tiles address the slots by offset
+        paged_bf16.decode(*bits, rows, counts, out.view(numpy.uint16)[:, :, :, 0], window, bounds)
+        return
     dtype = q.dtype if kind == FULL else numpy.dtype(numpy.float32)  # the sums' dtype
     if kind == FULL:
         pools = (k_pool, v_pool, _NO_BITS, _NO_BITS)
@@ -65,10 +76,7 @@ def decode(q, k_pool, v_pool, slots, counts, out, window: int = 0):
     # contiguous [B, hk, g, d] for the loop (views of any strides keep LLVM from vectorizing it)
     result = numpy.empty(q.shape[:3] + q.shape[4:], dtype=dtype)
     queries = numpy.ascontiguousarray(q[:, :, :, 0], dtype=dtype)
-    args = (queries, *pools, kind, slots, counts, result, window)
-    # each thread a range of (row, KV head) pairs holding about as many keys as the others
-    keys = numpy.minimum(counts, window) if window else counts
-    threads.run(_decode, _decode_over, args, threads.balanced(numpy.repeat(keys, q.shape[1])))
+    threads.run(_decode, _decode_over, (queries, *pools, kind, slots, counts, result, window), bounds)
     out[:, :, :, 0] = result  # half outputs rounded to nearest even, as numpy casts
 
 

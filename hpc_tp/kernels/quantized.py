@@ -38,7 +38,7 @@ import numpy
 
 from ..backend import xp_of
 from ..errors import ConfigError
-from . import blas, int8_dot, small_m
+from . import blas, int8_dot, small_m, threads
 
 FORMATS = {"int8": 8, "int4": 4}
 GROUP_ROWS = small_m.QUANT_ROWS
@@ -228,7 +228,9 @@ def warm_up(dtype):
     few, many = (numpy.ones((rows, 2 * GROUP_ROWS), dtype) for rows in (small_m.MIN_FULL_ROWS, small_m.MAX_ROWS + 1))
     # weights of 127 have float16 scales and minimums (GGUF's kind), of 0.1 float32 ones
     for bits, value in itertools.product(FORMATS.values(), (127.0, 0.1)):
-        w = quantize(numpy.full((2 * GROUP_ROWS, 4 * small_m.COLUMN_ALIGN), value), bits)
+        # more than one range of columns at 2 threads or more (``threads.shared``): the driver compiled too
+        n = threads.split_columns(2 * GROUP_ROWS * bits // 8, small_m.COLUMN_ALIGN)
+        w = quantize(numpy.full((2 * GROUP_ROWS, n), value), bits)
         matmul(few, w)  # packs w where the integer kernel takes it, as a served model's weights are
         matmul(many, w)
 

@@ -6,15 +6,18 @@ that its launcher bound to some of the machine's cores takes those (its affinity
 takes an equal share of the cores among the ranks on its node (Open MPI's or MPICH's local size).
 Numba's pool and MKL (unless ``MKL_NUM_THREADS`` sets its own) are set to it at import.
 
-Kernels split their output into ``COUNT`` ranges [start, stop) (``columns``, or ``balanced`` for
-work of unequal sizes) and numba's ``prange`` runs one range on each thread (``run``). A range is a
+Kernels split their output into ranges [start, stop) (``columns``, or ``balanced`` for work of
+unequal sizes) and numba's ``prange`` runs them on the threads (``run``: one range a thread, handed
+out up front; ``share``: more ranges than threads, each taken by whichever thread asks next, so a
+thread the system has descheduled holds back only the range it took, not its share). A range is a
 whole set of outputs, each summed by one thread in the same order as without a split, so the results
-are the same bits at any thread count. At one thread the kernel runs directly, with no parallel
-launch. Kernels that call MKL per small tile (``cpu_attention``, ``mkl_jit.column_blocks``) make it
-sequential on each of their threads (``mkl_jit.local_threads``): MKL's own threads would be woken
-for every tile. OpenMP's threads sleep between regions (``OMP_WAIT_POLICY=PASSIVE`` where it is unset).
-Numba's threading layer is asked for a thread-safe one (TBB or OpenMP: its ``workqueue``
-aborts when two Python threads launch kernels at once; serving calls them from its main thread).
+are the same bits at any thread count and whichever thread takes a range. At one thread the kernel
+runs directly, with no parallel launch. Kernels that call MKL per small tile (``cpu_attention``,
+``mkl_jit.column_blocks``) make it sequential on each of their threads (``mkl_jit.local_threads``):
+MKL's own threads would be woken for every tile. OpenMP's threads spin a bounded while after a region
+before they sleep (``SPIN_MS``, below). Numba's threading layer is asked for a thread-safe one (TBB or
+OpenMP: its ``workqueue`` aborts when two Python threads launch kernels at once; serving calls them
+from its main thread).
 """
 
 from __future__ import annotations
@@ -71,11 +74,21 @@ def use(count: int):
         numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
 
 
-# Where unset, OpenMP's threads (numba's pool and MKL's) sleep between parallel regions rather than
-# spin: read when each runtime starts, so before ``use`` starts them. A spinning thread holds a core the
-# rank's own main thread, or a neighbour, needs: on a loaded 2-core machine workload B at 2 threads
-# took 1.4-4x as long spinning (docs/performance.md).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's threads spin this long after a parallel region before they sleep, where OMP_WAIT_POLICY is
+# unset. A decode step launches a region for every product, ~125 of them 0.05-0.3 ms apart: a thread
+# that sleeps at once must be woken by a futex for each (an empty two-thread region took 8.9-9.8 us so,
+# 1.4-1.6 spinning), while an idle server's threads stop spinning within SPIN_MS (1.5-2.5 ms of CPU
+# after the last region). Numba's regions run on whichever OpenMP runtime the process loaded first:
+# Intel's (MKL's libiomp5, which serves libgomp's entry points too) reads KMP_BLOCKTIME in ms, GNU's
+# libgomp (where MKL is not loaded) GOMP_SPINCOUNT in spins, 25000 a ms on the AMD VM. The spin is for a
+# rank on cores of its own: where other jobs load the cores, a spinning thread uses up its share of the
+# scheduler and then queues behind them when a region needs it (load 8-13: workload B's decode passes at
+# 2 threads 1.21-1.23x their time at 1 spinning, 1.08-1.14x asleep; without bound, OMP_WAIT_POLICY=active,
+# B took 1.4-4x as long): there OMP_WAIT_POLICY=passive, or one thread (docs/performance.md).
+SPIN_MS = 2
+if "OMP_WAIT_POLICY" not in os.environ:  # read when each runtime starts, so before ``use`` starts them
+    os.environ.setdefault("KMP_BLOCKTIME", str(SPIN_MS))
+    os.environ.setdefault("GOMP_SPINCOUNT", str(25000 * SPIN_MS))
 COUNT = 1
 use(decide(os.environ))
 
@@ -112,12 +125,61 @@ def run(kernel, parallel, args, bounds):
         parallel(*args, bounds)
 
 
+# Ranges ``shared`` cuts for each thread: a late thread's share is taken by the others a range at a time,
+# but every range restarts a kernel's walk through the weight. CPU time of both threads at 8 rows from
+# memory, 1 / 2 / 4 ranges a thread (best of 12, load 8): bf16 [576, 3072] 0.278 / 0.289 / 0.319 ms,
+# [1536, 576] 0.152 / 0.180 / 0.217, float32 [576, 3072] 0.414 / 0.431 / 0.468.
+RANGES_PER_THREAD = 2
+# The least weight a range of a product reads: below it a range costs more to hand out than a thread
+# saves (64 KiB streams in ~3-4 us at one core's 15-22 GB/s; a spinning region costs 1.4). Chosen, not
+# tuned: the machine was loaded (8-13) while it was built.
+SMALLEST_RANGE_BYTES = 64 * 1024
+
+
+def shared(n: int, align: int, column_bytes: int):
+    """Bounds for ``share``: ``n`` output columns of a product that reads ``column_bytes`` of weight a
+    column, in ranges of near-equal width, every inner bound a multiple of ``align``, up to
+    RANGES_PER_THREAD a thread and none reading less than SMALLEST_RANGE_BYTES (one range: run directly)."""
+    parts = 1 if COUNT == 1 else max(1, min(COUNT * RANGES_PER_THREAD, n * column_bytes // SMALLEST_RANGE_BYTES))
+    return columns(n, align, parts)
+
+
+def split_columns(column_bytes: int, align: int) -> int:
+    """Columns (a multiple of ``align``) of a product reading ``column_bytes`` of weight a column that
+    ``shared`` cuts into ranges at 2 threads or more: warm-ups compile the drivers with it."""
+    return align * -(-2 * SMALLEST_RANGE_BYTES // (column_bytes * align))
+
+
+def share(kernel, parallel, args, bounds):
+    """``kernel(*args, start, stop)`` for every range of ``bounds``: directly where there is one, else
+    through ``parallel(*args, bounds, taken)``, a driver whose ``prange`` iterations each take ranges
+    (``take(taken)``) until none is left."""
+    if bounds.shape[0] == 2:
+        kernel(*args, bounds[0], bounds[1])
+    else:
+        parallel(*args, bounds, numpy.zeros(1, numpy.int64))
+
+
 if numba is not None:
+    from numba import types
+    from numba.core.extending import intrinsic
+
     prange = numba.prange
 
     def parallel_jit(function):
         """A kernel's ``prange`` over ranges (``run``'s ``parallel``), cached on disk as the kernels are."""
         return numba.njit(cache=True, nogil=True, parallel=True)(function)
+
+    @intrinsic
+    def take(typingctx, taken):
+        """The next range's index for a ``share`` driver: ``taken[0]``, incremented by one atomic add
+        (each index goes to one thread; the region's end orders the ranges' writes)."""
+
+        def codegen(context, builder, signature, args):
+            counter = context.make_array(signature.args[0])(context, builder, args[0]).data
+            return builder.atomic_rmw("add", counter, context.get_constant(types.int64, 1), "monotonic")
+
+        return types.int64(taken), codegen
 
 else:  # never called: the kernels' ``takes``/``supported`` answer False without numba
     prange = range

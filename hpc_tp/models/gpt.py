@@ -258,9 +258,10 @@ class GPTModel(Module):
         stage's own, ``serve.stages``), each writing its K/V into ``cache.layer(i)``; the caller
         advances the cache."""
         self._check_inference()
+        rope_tables = {}  # the positions' rotary tables, made once for every layer of a rope
         with self.inference():
             for i, block in enumerate(self.layers):
-                x, _ = block.forward(x, key_mask, positions, cache.layer(i))
+                x, _ = block.forward(x, key_mask, positions, cache.layer(i), rope_tables)
         return x
 
     def _check_inference(self):

@@ -246,6 +246,8 @@ class ParallelAttention(Module):
         self.window = window  # sliding-window attention: each query sees its last ``window`` keys (0: all)
         self.recompute_scores = False  # selective recomputation (GPTModel.set_selective_recompute)
         self.inv_freq = None if rope_theta is None else rope_inv_freq(d, rope_theta, rope_scaling)
+        # what makes two layers' rotary tables the same: a pass makes them once for all such layers
+        self.rope_key = None if rope_theta is None else (d, rope_theta, repr(rope_scaling))
         # The cores' backward undoes 1/sqrt(d) on dQ; another scale (Gemma's query_pre_attn_scalar)
         # is fixed up after them by this ratio.
         self.query_scale = 1.0 / math.sqrt(d) if query_scale is None else query_scale
@@ -295,9 +297,11 @@ class ParallelAttention(Module):
             )
         return masks
 
-    def forward(self, x, key_mask=None, positions=None, cache=None):
+    def forward(self, x, key_mask=None, positions=None, cache=None, rope_tables=None):
         """``positions`` [T] or [B, T] (per row: padded batches); ``key_mask`` [B, keys] covers every
-        key, so with a ``cache`` it spans the filled slots plus this step's."""
+        key, so with a ``cache`` it spans the filled slots plus this step's. ``rope_tables``: a dict
+        that the layers of one pass share, the rotary tables of ``positions`` by ``rope_key``, made
+        by the first layer that needs them (None: this call makes its own)."""
         xp = backend.xp_of(x)
         qkv, qkv_ctx = self.qkv.forward(x)
         b, t, _ = qkv.shape  # the whole sequence, also when x is a sequence-parallel shard
@@ -308,12 +312,14 @@ class ParallelAttention(Module):
             norms = (q_saved, k_saved)
         rope = None
         if self.inv_freq is not None:
-            pos = xp.arange(t) if positions is None else positions
-            rope = F.rope_tables(pos, self.inv_freq, x.dtype)
-            q, k = F.rope_apply(q, *_per_row(rope, q.ndim)), F.rope_apply(k, *_per_row(rope, k.ndim))
-        # Scale the queries, not the [T, keys] scores: in place, since qkv (or the rotated or normed copy) is
-        # this call's own array and K/V views do not overlap Q.
-        q *= self.query_scale
+            rope = self._rope_tables(positions, t, x.dtype, {} if rope_tables is None else rope_tables)
+            # the queries scaled as they are rotated (not the [T, keys] scores)
+            q = F.rope_apply(q, *_per_row(rope, q.ndim), scale=self.query_scale)
+            k = F.rope_apply(k, *_per_row(rope, k.ndim))
+        else:
+            # Scale the queries, not the [T, keys] scores: in place, since qkv (or the normed copy) is
+            # this call's own array and K/V views do not overlap Q.
+            q *= self.query_scale
         merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
         attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
         if cache is not None:  # inference: nothing kept for a backward
@@ -357,6 +363,14 @@ class ParallelAttention(Module):
             # log-sum-exp, the key mask ([B, keys], small) and whether dropout ran.
             ctx = ctx._replace(probs=None, lse=saved, mask=None, key_mask=key_mask, dropped=mask is not None)
         return y, ctx
+
+    def _rope_tables(self, positions, t: int, dtype, made: dict):
+        """cos/sin of ``positions`` (None: 0 .. t - 1) for this layer's rope, from ``made`` where a
+        layer of the same rope made them for this pass, else made and kept there."""
+        if self.rope_key not in made:
+            pos = backend.xp.arange(t) if positions is None else positions
+            made[self.rope_key] = F.rope_tables(pos, self.inv_freq, dtype)
+        return made[self.rope_key]
 
     def _attend_cached(self, cache, key_mask, q, k, v, attn):
         """Inference's attention of one batch over ``cache`` (a ``serve.kv_cache`` layer) into ``attn``:

@@ -12,6 +12,7 @@ expert-parallel group).
 from __future__ import annotations
 
 from ..comm.base import Communicator
+from ..kernels import functional as F
 from ..module import Module
 from ..tensor_parallel.random import DropoutRNG
 from ..tensor_parallel.sequence_parallel import sum_grads_over
@@ -69,9 +70,10 @@ class TransformerBlock(Module):
         self._drop_attn = drop(("resid_attn", layer_id))
         self._drop_mlp = drop(("resid_mlp", layer_id))
 
-    def forward(self, x, key_mask=None, positions=None, cache=None):
+    def forward(self, x, key_mask=None, positions=None, cache=None, rope_tables=None):
+        """``rope_tables``: the dict of rotary tables the blocks of one pass share (``ParallelAttention``)."""
         h, n1 = self.norm1.forward(x)
-        a, attn_ctx = self.attn.forward(h, key_mask, positions, cache)
+        a, attn_ctx = self.attn.forward(h, key_mask, positions, cache, rope_tables)
         a, p1 = _maybe_norm(self.post_attn_norm, a)
         a, d1 = self._drop_attn.forward(a)
         # Residual sums in place: a branch's output is a fresh array nothing else holds. The sum and
@@ -80,7 +82,7 @@ class TransformerBlock(Module):
         m, mlp_ctx = self.mlp.forward(h)
         m, p2 = _maybe_norm(self.post_mlp_norm, m)
         m, d2 = self._drop_mlp.forward(m)
-        m += x1
+        m = F.add_into(m, x1)
         return m, (n1, attn_ctx, p1, d1, n2, mlp_ctx, p2, d2)
 
     def backward(self, dy, ctx):

@@ -86,6 +86,7 @@ import numpy
 from .. import backend
 from ..comm.base import on_rank0
 from ..errors import ConfigError
+from ..kernels import functional as F
 from .blocks import SCRATCH, BlockManager, PagedLayout, Sequence
 from .decoding import positions_after, step_view
 from .generate import _Row, check_request
@@ -389,7 +390,7 @@ class ContinuousBatcher:
             out = self._pass(stepping, rows, stops, start)
             done = [(i, row) for i, (row, stop) in enumerate(zip(rows, stops)) if stop == len(self.prompts[row])]
             if host:
-                out = backend.to_numpy(out)
+                out = _host_logits(out)
                 logits.update((int(r), out[len(rows) + i]) for i, r in enumerate(stepping))  # sampled first
                 logits.update((row, out[i]) for i, row in done)
             for _, row in done:
@@ -505,6 +506,13 @@ class ContinuousBatcher:
             busy.admitted - busy.request.arrived,
         )
         self._busy[r] = None
+
+
+def _host_logits(out):
+    """A pass's logits on the host; half ones widened to float32 (exactly) for every row at once: the
+    samplers' numpy argmax of a bfloat16 row of 49152 costs 28 us, of a float32 one 4 us."""
+    out = backend.to_numpy(out)
+    return F.cast(out, numpy.float32) if out.dtype.itemsize < 4 else out
 
 
 def _flattened(parts):

@@ -21,6 +21,7 @@ from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
 from ..kernels import blas, quantized
+from ..kernels.functional import cast
 from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
 from .mappings import (
     SEQUENCE_AXIS,
@@ -63,7 +64,7 @@ def product(a, b, keep_sums: bool = False):
     before they are rounded)."""
     matmul = quantized.matmul if isinstance(b, quantized.QuantizedMatrix) else blas.matmul
     y = matmul(_flat(a), b).reshape(a.shape[:-1] + (b.shape[1],))
-    return y if y.dtype == a.dtype or keep_sums else y.astype(a.dtype)
+    return y if keep_sums else cast(y, a.dtype)
 
 
 class QuantizedWeight(Module):
@@ -279,7 +280,7 @@ class RowParallelLinear(Module):
         x = self.input_region.forward(x)
         # g sums the partial products: half ones as float32 sums, rounded once after, as one process rounds them
         weight = self.weight.data if self.quantize is None else self._matrix
-        y = self.g.forward(product(x, weight, keep_sums=self.g.comm.size > 1)).astype(x.dtype, copy=False)
+        y = cast(self.g.forward(product(x, weight, keep_sums=self.g.comm.size > 1)), x.dtype)
         if self.bias is not None:
             y += self.bias.data
         return y, x
