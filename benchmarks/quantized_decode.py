@@ -10,7 +10,9 @@ Variants: NAME=QUANTIZE:DTYPE[:float], where QUANTIZE is none, int8 or int4 (the
 and DTYPE the precision of everything else (the embedding, the activations; a quantized model's head is
 int8 unless DTYPE is float64); ``:float`` runs that variant's few-row products by the float kernel, as
 without VNNI (``kernels/int8_dot.py``), for an A/B in one run. Each line gives the tokens/s range over
-the rounds and the median; no time is asserted anywhere.
+the rounds and the median; no time is asserted anywhere. ``--half-scales``: the scales and minimums of a GGUF's
+weights are float16 numbers, which the integer kernel streams at half width; random weights' are not
+until rounded (the int8 head's copy keeps float32 ones here).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+
+import numpy
 
 DEFAULT_VARIANTS = (
     "float32=none:float32",
@@ -44,6 +48,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed a round (default %(default)s)")
+    parser.add_argument(
+        "--half-scales",
+        action="store_true",
+        help="linear layers' scales and minimums rounded to float16, as a GGUF's are (packed at half width)",
+    )
     args = parser.parse_args()
     cfg = load_config(args.model)
     models = {}
@@ -51,7 +60,10 @@ def main():
         name, _, rest = spec.partition("=")
         quantize, dtype, *products = rest.split(":")
         variant = dataclasses.replace(cfg, quantize=None if quantize == "none" else quantize)
-        models[name] = (GPTModel(variant, self_comm(), dtype=resolve_dtype(dtype)), dtype, products != ["float"])
+        model = GPTModel(variant, self_comm(), dtype=resolve_dtype(dtype))
+        if args.half_scales:
+            round_scales_to_half(model)
+        models[name] = (model, dtype, products != ["float"])
     rates = {name: [] for name in models}
     host_integer = int8_dot.AVAILABLE  # restored for every variant without ``:float``
     for _ in range(args.rounds):
@@ -68,6 +80,18 @@ def main():
             f"weights {model.local_bytes() / 2**20:.0f} MiB",
             flush=True,
         )
+
+
+def round_scales_to_half(model):
+    """Every linear layer's scales and minimums rounded to float16 in place (the Parameters view them)."""
+    from hpc_tp.kernels.quantized import QuantizedMatrix
+
+    for module in model.modules():
+        for matrix in vars(module).values():
+            if isinstance(matrix, QuantizedMatrix):
+                for values in (matrix.scale, matrix.low):
+                    if values is not None:
+                        values[...] = values.astype(numpy.float16)
 
 
 if __name__ == "__main__":

@@ -286,6 +286,33 @@ def test_a_packed_matrix_keeps_one_copy_of_the_stored_numbers(bits, n):
     assert np.array_equal(quantized.matmul(many, w), product)
 
 
+@needs_vnni
+@pytest.mark.parametrize("bits", [8, 4])
+def test_float16_scales_are_packed_as_half_and_give_the_float32_layouts_numbers(bits):
+    """Scales and minimums that are float16 numbers (GGUF's) are packed as float16 bits: products of 1
+    and 5 rows (200 columns: a partial tile) and blocks of rows dequantized equal those of the same
+    numbers packed as float32, bit for bit, and the parts written back are the stored float32 ones;
+    scales a float16 cannot hold stay float32."""
+    rng = np.random.default_rng(bits)
+    w = quantized.quantize(rng.normal(size=(192, 200)), bits)
+    as_half = lambda values: None if values is None else values.astype(np.float16).astype(np.float32)  # noqa: E731
+    half = quantized.QuantizedMatrix(w.codes, as_half(w.scale), as_half(w.low), bits)
+    stored = {part: a.copy() for part, a in half.arrays()}
+    assert half.pack() and half.packed.scales.dtype == half.packed.lows.dtype == np.uint16
+    p = half.packed
+    lows = int8_dot.interleave_columns(stored["min"]) if bits == 4 else np.empty(0, np.float32)
+    wide = (p.codes, int8_dot.interleave_columns(stored["scale"]), lows)
+    for rows in (1, 5):
+        a = rng.normal(size=(rows, 192)).astype(np.float32)
+        got = int8_dot.matmul(a, p.codes, p.scales, p.lows, bits, p.n)
+        assert np.array_equal(got, int8_dot.matmul(a, *wide, bits, p.n)), rows
+    block = int8_dot.dequantize(p.codes, p.scales, p.lows, bits, p.n, 1, 5)
+    assert np.array_equal(block, int8_dot.dequantize(*wide, bits, p.n, 1, 5))
+    for part, a in half.arrays():
+        assert a.dtype == stored[part].dtype and np.array_equal(a, stored[part]), part
+    assert w.pack() and w.packed.scales.dtype == np.float32
+
+
 @mpi
 @needs_vnni
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -421,11 +448,11 @@ def test_training_refuses_a_quantized_model(tmp_path, capsys, monkeypatch):
 @needs_vnni
 def test_warm_up_prepares_the_integer_kernel_a_decode_step_takes():
     """In a fresh process, ``quantized.warm_up`` for float32 activations leaves ``int8_dot``'s kernel
-    compiled or loaded for 8- and 4-bit codes (at one thread the kernel itself, at more its driver): a
-    server's first request does not wait for it."""
+    compiled or loaded for 8- and 4-bit codes, scales float32 or float16 (at one thread the kernel
+    itself, at more its driver): a server's first request does not wait for it."""
     code = (
         "from hpc_tp.kernels import int8_dot, quantized; quantized.warm_up('float32'); "
         "print(len(int8_dot._product.signatures) + len(int8_dot._product_over.signatures))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert int(result.stdout) == 2  # int8 codes and packed 4-bit ones
+    assert int(result.stdout) == 4  # int8 codes and packed 4-bit ones, each with float32 and float16 scales

@@ -118,8 +118,12 @@ def forward(
         lse.reshape(-1),
         window,
     )
-    # Every tile is its own: any split of them works; each costs about its rows x the keys it sees.
-    threads.run(_forward, _forward_over, args, threads.balanced(numpy.tile(numpy.diff(tiles), b * hk * g)))
+    # Every tile is its own: any split of them works; each costs about its rows x the keys it sees. One
+    # thread takes them all, unweighed: a decode step calls this every layer, and weighing cost 3-6 us.
+    if threads.COUNT == 1:
+        _forward(*args, 0, b * hk * g * keys.shape[0])
+    else:
+        threads.run(_forward, _forward_over, args, threads.balanced(numpy.tile(numpy.diff(tiles), b * hk * g)))
     return lse if statistics else probs
 
 

@@ -96,8 +96,21 @@ def deinterleave(interleaved, bits: int, n: int):
     return wide[0::2] | (wide[1::2] << 4)
 
 
+def narrow_columns(*arrays):
+    """``interleave_columns``' arrays as float16 bits (uint16) where every value is a float16 exactly
+    (GGUF's scales and minimums are), else as they are: the kernels widen either to the same float32
+    numbers, and half-width scales and minimums are a sixth fewer bytes a 4-bit product streams. All
+    or none narrowed: one compiled kernel a combination."""
+    halves = [values.astype(numpy.float16) for values in arrays]
+    if all(numpy.array_equal(half.astype(numpy.float32), values) for half, values in zip(halves, arrays)):
+        return [half.view(numpy.uint16) for half in halves]
+    return list(arrays)
+
+
 def deinterleave_columns(values, n: int):
-    """``interleave_columns``' values back as [K / QUANT_ROWS, n]."""
+    """``interleave_columns``' values (or ``narrow_columns``') back as float32 [K / QUANT_ROWS, n]."""
+    if values.dtype == numpy.uint16:
+        values = values.view(numpy.float16).astype(numpy.float32)
     tiles, groups, _ = values.shape
     return numpy.ascontiguousarray(values.transpose(1, 0, 2).reshape(groups, tiles * LANES)[:, :n])
 
@@ -116,13 +129,16 @@ def dequantize(interleaved, scales, lows, bits: int, n: int, first_group: int, s
 def matmul(a, interleaved, scales, lows, bits: int, n: int, start: int = 0, stop: int | None = None, out=None):
     """``a @ W`` columns [start, stop) into ``out`` (float32 [M, n], allocated when None) for float32
     ``a`` [M, K] (C-contiguous) and W given by ``interleave``'s codes and ``interleave_columns``'s
-    scales and minimums (``lows`` empty for 8 bits)."""
+    scales and minimums, or ``narrow_columns``' (``lows`` empty for 8 bits)."""
     if out is None:
         out = numpy.empty((a.shape[0], n), numpy.float32)
     stop = n if stop is None else stop
-    bounds = start + threads.shared(stop - start, small_m.COLUMN_ALIGN, a.shape[1] * bits // 8)
     args = (*_quantized(a), interleaved, scales, lows, bits, out)
-    threads.share(_product, _product_over, args, bounds)
+    if threads.COUNT == 1:  # one range, given as Python ints: a bounds array cost more than a small product
+        _product(*args, start, stop)
+    else:
+        bounds = start + threads.shared(stop - start, small_m.COLUMN_ALIGN, a.shape[1] * bits // 8)
+        threads.share(_product, _product_over, args, bounds)
     return out
 
 
@@ -137,18 +153,31 @@ else:  # never called: ``AVAILABLE`` is False without numba
     intrinsic = _jit = _exact_jit = cpu_kernels._jit
 
 
+def _column_values(builder, element, array_type, i, at):
+    """The LANES float32 values at element ``at`` of array argument ``i`` (scales or minimums, of
+    ``array_type``): float32 loaded as they are, float16 bits (``narrow_columns``) widened exactly."""
+    f32x16 = ir.VectorType(ir.FloatType(), LANES)
+    if array_type.dtype == types.uint16:
+        bits = builder.load(element(i, at, ir.VectorType(ir.IntType(16), LANES)), align=2)
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), f32x16)
+    return builder.load(element(i, at, f32x16), align=4)
+
+
 def _tile_rows(bits: int, rows: int):
     """An intrinsic ``tile_rows(weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales,
-    lows, c_at, out)``: out[: rows * LANES] = ``rows`` activation rows times one tile of W. Offsets
+    lows, c_at, out, o_at, o_stride)``: ``rows`` activation rows times one tile of W, row r's LANES
+    values into float32 ``out`` from element o_at + r * o_stride. Offsets
     are in elements of C-contiguous arrays: the tile's codes (uint8 ``weights`` from ``w_at``,
     ``group_bytes(bits)`` a group), the first row's codes (int8 ``acts`` [M, K] from ``a_at``), its
     per-group scales, code sums and sums ([M, groups] from ``s_at``), the tile's per-group scales and
-    minimums (float32 [tiles, groups, LANES] from ``c_at``). Each code vector is loaded (and for 4 bits
+    minimums ([tiles, groups, LANES] from ``c_at``, float32 or float16 bits). Each code vector is loaded (and for 4 bits
     split into nibbles) once for all rows, and the sums stay in registers over the groups: one
     vpdpbusd a quad and row, a multiply-add a group and row."""
 
     @intrinsic
-    def tile_rows(typingctx, weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out):
+    def tile_rows(
+        typingctx, weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out, o_at, o_stride
+    ):
         def codegen(context, builder, signature, args):
             i32, f32 = ir.IntType(32), ir.FloatType()
             i8x64, i32x16, f32x16 = (
@@ -196,8 +225,8 @@ def _tile_rows(bits: int, rows: int):
                         step(builder.and_(weight, nibble), v)
                         step(builder.and_(builder.lshr(weight, ir.Constant(i8x64, [4] * 64)), nibble), v + QUADS // 2)
                 column_group = builder.add(c_at, builder.mul(g, g.type(LANES)))
-                w_scale = builder.load(element(8, column_group, f32x16), align=4)
-                low = builder.load(element(9, column_group, f32x16), align=4) if bits == 4 else None
+                w_scale = _column_values(builder, element, signature.args[8], 8, column_group)
+                low = _column_values(builder, element, signature.args[9], 9, column_group) if bits == 4 else None
                 for r in range(rows):
                     row_group = builder.add(builder.add(s_at, builder.mul(groups, groups.type(r))), g)
                     dots = accs[r]
@@ -209,11 +238,28 @@ def _tile_rows(bits: int, rows: int):
                     if bits == 4:
                         part = builder.fadd(part, builder.fmul(low, splat(builder.load(element(6, row_group)), f32x16)))
                     builder.store(builder.fadd(builder.load(totals[r]), part), totals[r])
+            o_at, o_stride = args[12], args[13]
             for r in range(rows):
-                builder.store(builder.load(totals[r]), element(11, ir.IntType(64)(r * LANES), f32x16), align=4)
+                at = builder.add(o_at, builder.mul(o_stride, o_stride.type(r)))
+                builder.store(builder.load(totals[r]), element(11, at, f32x16), align=4)
             return context.get_dummy_value()
 
-        arg_types = (weights, w_at, acts, a_at, a_scales, code_sums, sums, s_at, scales, lows, c_at, out)
+        arg_types = (
+            weights,
+            w_at,
+            acts,
+            a_at,
+            a_scales,
+            code_sums,
+            sums,
+            s_at,
+            scales,
+            lows,
+            c_at,
+            out,
+            o_at,
+            o_stride,
+        )
         return types.void(*arg_types), codegen
 
     return tile_rows
@@ -248,8 +294,8 @@ def _tile_dequantize(bits: int):
                 g = loop.index
                 first_byte = builder.add(w_at, builder.mul(g, g.type(group_bytes(bits))))
                 column_group = builder.add(c_at, builder.mul(g, g.type(LANES)))
-                scale = builder.load(element(2, column_group, f32x16), align=4)
-                low = builder.load(element(3, column_group, f32x16), align=4) if bits == 4 else None
+                scale = _column_values(builder, element, signature.args[2], 2, column_group)
+                low = _column_values(builder, element, signature.args[3], 3, column_group) if bits == 4 else None
                 for v in range(group_bytes(bits) // 64):
                     vector = builder.load(element(0, builder.add(first_byte, g.type(64 * v)), i8x64), align=1)
                     if bits == 8:  # stored plus OFFSET: the XOR gives the code's two's complement
@@ -287,7 +333,10 @@ def _quantize_rows(a, codes, scales, code_sums, sums):
     for r in range(rows):
         for g in range(groups):
             values = a[r, g * QUANT_ROWS : (g + 1) * QUANT_ROWS]
-            scale = numpy.float32(numpy.abs(values).max() / numpy.float32(127))
+            largest = numpy.float32(0)
+            for i in range(QUANT_ROWS):  # not numpy.abs(values).max(): an array allocated a group
+                largest = max(largest, abs(values[i]))
+            scale = numpy.float32(largest / numpy.float32(127))
             scales[r, g] = scale
             safe = scale if scale > 0 else numpy.float32(1)  # an all-zero group: every code 0
             total, code_total = numpy.float32(0), 0
@@ -319,21 +368,26 @@ def _product(codes, a_scales, code_sums, sums, weights, scales, lows, bits, out,
     rows, k = codes.shape
     groups = k // QUANT_ROWS
     tile_out = numpy.empty(TILE_ROWS * LANES, numpy.float32)
+    flat, n = out.reshape(-1), out.shape[1]  # whole tiles' sums stored in place, a partial one through tile_out
     for tile in range(start // LANES, -(-stop // LANES)):
         first, last = max(start, tile * LANES), min(stop, (tile + 1) * LANES)
         w_at, c_at = tile * weights.shape[1] * weights.shape[2], tile * groups * LANES
+        whole = first == tile * LANES and last == first + LANES
+        target, o_stride = (flat, n) if whole else (tile_out, LANES)
         r = 0
         while r < rows:  # the tile's codes stay in cache for every row after the first
             count = TILE_ROWS if r + TILE_ROWS <= rows else 1
+            at = tile * LANES + r * n if whole else 0  # tile_out holds one call's rows
+            operands = (weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at)
             if bits == 4 and count == TILE_ROWS:
-                _FOUR4(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+                _FOUR4(*operands, target, at, o_stride)
             elif bits == 4:
-                _ONE4(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+                _ONE4(*operands, target, at, o_stride)
             elif count == TILE_ROWS:
-                _FOUR8(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
+                _FOUR8(*operands, target, at, o_stride)
             else:
-                _ONE8(weights, w_at, codes, r * k, a_scales, code_sums, sums, r * groups, scales, lows, c_at, tile_out)
-            for i in range(count):
+                _ONE8(*operands, target, at, o_stride)
+            for i in range(0 if whole else count):
                 out[r + i, first:last] = tile_out[i * LANES + first - tile * LANES : i * LANES + last - tile * LANES]
             r += count
 

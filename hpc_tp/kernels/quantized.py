@@ -31,6 +31,7 @@ many rows (prefill), or without numba, or on a GPU: blocks of weight rows dequan
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy
@@ -72,7 +73,8 @@ def check_rows(k: int, parts: int, what: str, bits: int):
 @dataclass(frozen=True)
 class Packed:
     """A matrix's arrays in ``int8_dot``'s layout: codes [tiles, groups, bytes], scales and minimums
-    [tiles, groups, lanes] (minimums empty for 8 bits), of ``n`` columns."""
+    [tiles, groups, lanes] (minimums empty for 8 bits; float32, or float16 bits where every value is
+    one, ``int8_dot.narrow_columns``), of ``n`` columns."""
 
     codes: numpy.ndarray
     scales: numpy.ndarray
@@ -127,9 +129,10 @@ class QuantizedMatrix:
         """Keep the arrays in ``int8_dot``'s layout only, where few-row products take it (host arrays,
         a CPU with VNNI; elsewhere the stored layout stays the only one). True when packed."""
         if self.packed is None and int8_dot.AVAILABLE and isinstance(self.codes, numpy.ndarray):
-            lows = numpy.empty(0, numpy.float32) if self.low is None else int8_dot.interleave_columns(self.low)
-            codes, scales = int8_dot.interleave(self.codes, self.bits), int8_dot.interleave_columns(self.scale)
-            self.packed = Packed(codes, scales, lows, self.shape[1])
+            columns = [int8_dot.interleave_columns(values) for values in (self.scale, self.low) if values is not None]
+            scales, *lows = int8_dot.narrow_columns(*columns)
+            lows = lows[0] if lows else numpy.empty(0, scales.dtype)  # 8 bits
+            self.packed = Packed(int8_dot.interleave(self.codes, self.bits), scales, lows, self.shape[1])
             self.codes = self.scale = self.low = None
         return self.packed is not None
 
@@ -223,10 +226,11 @@ def warm_up(dtype):
     activations take against 8- and 4-bit weights (``int8_dot``'s where the CPU has VNNI, else
     ``small_m``'s and numpy's), before a server's first request would wait for them."""
     few, many = (numpy.ones((rows, 2 * GROUP_ROWS), dtype) for rows in (small_m.MIN_FULL_ROWS, small_m.MAX_ROWS + 1))
-    for bits in FORMATS.values():
+    # weights of 127 have float16 scales and minimums (GGUF's kind), of 0.1 float32 ones
+    for bits, value in itertools.product(FORMATS.values(), (127.0, 0.1)):
         # more than one range of columns at 2 threads or more (``threads.shared``): the driver compiled too
         n = threads.split_columns(2 * GROUP_ROWS * bits // 8, small_m.COLUMN_ALIGN)
-        w = quantize(numpy.ones((2 * GROUP_ROWS, n)), bits)
+        w = quantize(numpy.full((2 * GROUP_ROWS, n), value), bits)
         matmul(few, w)  # packs w where the integer kernel takes it, as a served model's weights are
         matmul(many, w)
 
@@ -234,15 +238,15 @@ def warm_up(dtype):
 def matmul(a, w: QuantizedMatrix):
     """``a @ W`` for ``a`` [M, K]: float64 sums for float64 ``a``, else float32 (from int8 activations
     where ``int8_dot.AVAILABLE``)."""
+    # the decode path first, with nothing computed before it: a step makes four such calls a layer
+    if small_m.takes_quantized(a) and a.dtype != numpy.float64 and w.pack():
+        # (a matrix that was not packed at load, a model built in process, is packed at its first product)
+        p = w.packed
+        return int8_dot.matmul(numpy.ascontiguousarray(a, numpy.float32), p.codes, p.scales, p.lows, w.bits, p.n)
     dtype = numpy.dtype(numpy.float64 if a.dtype == numpy.float64 else numpy.float32)
-    if small_m.takes_quantized(a):
-        # a matrix that was not packed at load (a model built in process) is packed at its first such product
-        if dtype == numpy.float32 and w.pack():
-            p = w.packed
-            return int8_dot.matmul(numpy.ascontiguousarray(a, numpy.float32), p.codes, p.scales, p.lows, w.bits, p.n)
-        if w.packed is None:
-            low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
-            return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
+    if small_m.takes_quantized(a) and w.packed is None:
+        low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
+        return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
     (k, n), xp = w.shape, xp_of(a)
     step = max(1, _BLOCK_BYTES // (dtype.itemsize * n * GROUP_ROWS)) * GROUP_ROWS
     out = xp.zeros((a.shape[0], n), dtype)
