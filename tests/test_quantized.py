@@ -102,6 +102,28 @@ def test_integer_product_equals_numpy_doing_its_arithmetic(bits, rows):
     assert (np.abs(got - a.astype(np.float64) @ dense) <= half_step @ np.abs(dense) * 1.001 + 1e-5).all()
 
 
+@needs_vnni
+def test_activation_codes_are_numpys_rounding_of_the_exact_quotient():
+    """The activations' int8 codes and group scales are numpy's to the bit: scale max |a| / 127, codes
+    rint(a / scale), a true division (a reciprocal in its place moves codes next to half a step).
+    Values are put next to half steps, where the two disagree."""
+    rng = np.random.default_rng(7)
+    a = rng.normal(size=(64, 32 * 32)).astype(np.float32)
+    groups = a.reshape(64, -1, 32)
+    scale = np.abs(groups).max(axis=2) / np.float32(127)
+    halves = (rng.integers(-126, 126, size=groups.shape) + np.float32(0.5)).astype(np.float32)
+    near = (halves * scale[..., None]).astype(np.float32)
+    keep = np.abs(groups) == np.abs(groups).max(axis=2, keepdims=True)
+    groups = np.where(keep | (rng.random(groups.shape) < 0.5), groups, near)  # the largest stays
+    a = groups.reshape(64, -1)
+    scale = np.abs(groups).max(axis=2) / np.float32(127)
+    want = np.rint(groups / scale[..., None]).astype(np.int8).reshape(64, -1)
+    codes, got_scale, code_sums, _ = int8_dot._quantized(a)
+    assert np.array_equal(got_scale, scale)
+    assert np.array_equal(codes, want)
+    assert np.array_equal(code_sums, want.reshape(64, -1, 32).sum(axis=2, dtype=np.int32))
+
+
 @pytest.mark.parametrize("integer", [True, False])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kernels_write_only_their_column_range(bits, integer):
