@@ -144,6 +144,30 @@ def test_every_layout_loads_at_tp1_and_at_tp_world(comm_world, root, alone, ever
 
 
 @mpi
+def test_bfloat16_tensors_load_back_bit_for_bit_at_tp1_and_at_tp_world(comm_world, root, alone, everywhere):
+    """HDF5 has no bfloat16: h5py stores its bits as opaque 2-byte elements, which read back as raw
+    bytes until the tensor's dtype attribute says what they are. Into float32 they widen exactly."""
+    bfloat16 = pytest.importorskip("ml_dtypes").bfloat16
+    full = np.random.default_rng(3).standard_normal((8, 6)).astype(bfloat16)
+
+    def tensors(grid, dtype):
+        part = split((8, 6), 1, grid.tp_size, grid.coords.tp)
+        tensor = Parameter(np.zeros(part.local_shape, dtype), part)
+        return {"w": tensor}
+
+    saved = tensors(everywhere, bfloat16)
+    saved["w"].load_full(full)
+    path = save_checkpoint(root, 1, saved, {}, everywhere)
+    for target in (alone, everywhere):
+        for dtype in (bfloat16, np.float32):
+            loaded = tensors(target, dtype)
+            load_checkpoint(path, loaded, target)
+            part = loaded["w"].partition
+            got, want = loaded["w"].data[part.valid_local()], full.astype(dtype)[part.local_slice()]
+            assert got.dtype == dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@mpi
 def test_master_is_plain_hdf5_readable_after_a_move_from_another_folder(
     comm_world, root, alone, everywhere, monkeypatch
 ):

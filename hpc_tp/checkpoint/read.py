@@ -130,7 +130,20 @@ def read_verified(f, name: str, start: int, stop: int) -> numpy.ndarray:
             f"tensor {name!r}: checksum mismatch at {bad.size} of {stop - start} indices along axis {axis} "
             f"(first: {first}{_stored_in(ds, axis, first)}); the file is corrupted"
         )
-    return values
+    return _as_saved(ds, values)
+
+
+def _as_saved(ds, values: numpy.ndarray) -> numpy.ndarray:
+    """``values`` in the dtype the tensor was saved in: HDF5 has no bfloat16, so h5py stores one as
+    opaque 2-byte elements, read back as raw ``V2`` that no dtype casts from; the ``dtype`` attribute
+    names what those bits are."""
+    saved = ds.attrs.get("dtype")
+    if values.dtype.kind != "V" or saved is None:
+        return values
+    dtype = backend.resolve_dtype(str(saved))
+    if dtype.itemsize != values.dtype.itemsize:
+        raise ConfigError(f"tensor {ds.name!r}: stored as {values.dtype.itemsize}-byte opaque elements, not {saved}")
+    return values.view(dtype)
 
 
 def _stored_in(ds, axis: int, index: int) -> str:
