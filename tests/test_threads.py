@@ -92,13 +92,16 @@ def test_shared_ranges_are_a_few_a_thread_and_none_reads_too_little(count, n, co
     assert ranges == 1 or np.diff(bounds).min() * column_bytes >= threads.SMALLEST_RANGE_BYTES * 0.75
 
 
-def test_a_shared_kernel_runs_directly_for_one_range_else_with_a_fresh_counter():
+def test_a_shared_kernel_runs_directly_for_one_range_else_with_a_fresh_counter(thread_count):
+    """Columns [64, 320) reading 512 bytes a column: one thread runs them directly (the range as given,
+    no bounds array), two split them into ``shared``'s ranges, moved to start at 64."""
     calls = []
     kernel = lambda *args: calls.append(("kernel", *args))  # noqa: E731 (stand-ins for jitted kernels)
     parallel = lambda *args: calls.append(("parallel", args[0], args[1].tolist(), args[2].tolist()))  # noqa: E731
-    threads.share(kernel, parallel, ("x",), np.array([0, 10]))
-    threads.share(kernel, parallel, ("x",), np.array([0, 4, 6, 10]))
-    assert calls == [("kernel", "x", 0, 10), ("parallel", "x", [0, 4, 6, 10], [0])]
+    for count in (1, 2):
+        thread_count(count)
+        threads.share(kernel, parallel, ("x",), 64, 320, 64, 512)
+    assert calls == [("kernel", "x", 64, 320), ("parallel", "x", [64, 192, 320], [0])]
 
 
 @threads.parallel_jit

@@ -134,14 +134,14 @@ def matmul(a, w, out=None, accumulate: bool = False, start: int = 0, stop: int |
     if packed and start % bf16_panels.PANEL:
         raise ValueError(f"a packed weight's column range starts at a panel (of {bf16_panels.PANEL}), not at {start}")
     bits = _padded_bits(a)
-    bounds = start + threads.shared(stop - start, COLUMN_ALIGN, 2 * w.shape[0])
+    split = (start, stop, COLUMN_ALIGN, 2 * w.shape[0])
     if packed:
-        threads.share(_rows_by_panels, _rows_by_panels_over, (bits, w.panels, out, accumulate), bounds)
+        threads.share(_rows_by_panels, _rows_by_panels_over, (bits, w.panels, out, accumulate), *split)
     elif w.flags.c_contiguous:
-        threads.share(_rows_by_matrix, _rows_by_matrix_over, (bits, w.view(numpy.uint16), out, accumulate), bounds)
+        threads.share(_rows_by_matrix, _rows_by_matrix_over, (bits, w.view(numpy.uint16), out, accumulate), *split)
     else:
         args = (bits, w.T.view(numpy.uint16), out, accumulate)
-        threads.share(_rows_by_transposed, _rows_by_transposed_over, args, bounds)
+        threads.share(_rows_by_transposed, _rows_by_transposed_over, args, *split)
     return out
 
 

@@ -89,11 +89,11 @@ def matmul(a, w, out=None, accumulate: bool = False, start: int = 0, stop: int |
     if out is None:
         out = numpy.empty((m, n), numpy.float32)
     a = numpy.ascontiguousarray(a)
-    bounds = start + threads.shared(stop - start, COLUMN_ALIGN, w.shape[0] * _FLOAT32.itemsize)
+    split = (start, stop, COLUMN_ALIGN, w.shape[0] * _FLOAT32.itemsize)
     if w.flags.c_contiguous:
-        threads.share(_rows_by_matrix, _rows_by_matrix_over, (a, w, out, accumulate), bounds)
+        threads.share(_rows_by_matrix, _rows_by_matrix_over, (a, w, out, accumulate), *split)
     else:
-        threads.share(_rows_by_transposed, _rows_by_transposed_over, (a, w.T, out, accumulate), bounds)
+        threads.share(_rows_by_transposed, _rows_by_transposed_over, (a, w.T, out, accumulate), *split)
     return out
 
 

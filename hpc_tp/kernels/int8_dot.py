@@ -134,11 +134,7 @@ def matmul(a, interleaved, scales, lows, bits: int, n: int, start: int = 0, stop
         out = numpy.empty((a.shape[0], n), numpy.float32)
     stop = n if stop is None else stop
     args = (*_quantized(a), interleaved, scales, lows, bits, out)
-    if threads.COUNT == 1:  # one range, given as Python ints: a bounds array cost more than a small product
-        _product(*args, start, stop)
-    else:
-        bounds = start + threads.shared(stop - start, small_m.COLUMN_ALIGN, a.shape[1] * bits // 8)
-        threads.share(_product, _product_over, args, bounds)
+    threads.share(_product, _product_over, args, start, stop, small_m.COLUMN_ALIGN, a.shape[1] * bits // 8)
     return out
 
 

@@ -136,12 +136,15 @@ RANGES_PER_THREAD = 2
 SMALLEST_RANGE_BYTES = 64 * 1024
 
 
+def _shared_parts(n: int, column_bytes: int) -> int:
+    return 1 if COUNT == 1 else max(1, min(COUNT * RANGES_PER_THREAD, n * column_bytes // SMALLEST_RANGE_BYTES))
+
+
 def shared(n: int, align: int, column_bytes: int):
-    """Bounds for ``share``: ``n`` output columns of a product that reads ``column_bytes`` of weight a
-    column, in ranges of near-equal width, every inner bound a multiple of ``align``, up to
-    RANGES_PER_THREAD a thread and none reading less than SMALLEST_RANGE_BYTES (one range: run directly)."""
-    parts = 1 if COUNT == 1 else max(1, min(COUNT * RANGES_PER_THREAD, n * column_bytes // SMALLEST_RANGE_BYTES))
-    return columns(n, align, parts)
+    """Bounds ``share`` splits ``n`` output columns into, for a product that reads ``column_bytes`` of
+    weight a column: ranges of near-equal width, every inner bound a multiple of ``align``, up to
+    RANGES_PER_THREAD a thread and none reading less than SMALLEST_RANGE_BYTES."""
+    return columns(n, align, _shared_parts(n, column_bytes))
 
 
 def split_columns(column_bytes: int, align: int) -> int:
@@ -150,12 +153,15 @@ def split_columns(column_bytes: int, align: int) -> int:
     return align * -(-2 * SMALLEST_RANGE_BYTES // (column_bytes * align))
 
 
-def share(kernel, parallel, args, bounds):
-    """``kernel(*args, start, stop)`` for every range of ``bounds``: directly where there is one, else
-    through ``parallel(*args, bounds, taken)``, a driver whose ``prange`` iterations each take ranges
-    (``take(taken)``) until none is left."""
-    if bounds.shape[0] == 2:
-        kernel(*args, bounds[0], bounds[1])
+def share(kernel, parallel, args, start: int, stop: int, align: int, column_bytes: int):
+    """``kernel(*args, first, last)`` for every range of output columns [start, stop) that ``shared``
+    gives: one range runs directly, with no bounds array built (at one thread a product's whole call
+    costs a few microseconds); more go to ``parallel(*args, bounds, taken)``, a driver whose ``prange``
+    iterations each take ranges (``take(taken)``) until none is left."""
+    parts = _shared_parts(stop - start, column_bytes)
+    bounds = None if parts == 1 else start + columns(stop - start, align, parts)
+    if bounds is None or bounds.shape[0] == 2:
+        kernel(*args, start, stop)
     else:
         parallel(*args, bounds, numpy.zeros(1, numpy.int64))
 
