@@ -3,6 +3,9 @@ ConfigError line; the ranges kernels split their outputs into cover every output
 split hands each range to one thread, and a rank's threads stop spinning once its kernels are done."""
 
 import os
+import re
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -20,15 +23,60 @@ def thread_count():
     threads.use(before)
 
 
+@pytest.fixture
+def cores(monkeypatch):
+    """``cores(machine, affinity)``: the node's core count and the cores this rank is bound to."""
+
+    def set_cores(machine, affinity):
+        monkeypatch.setattr(os, "cpu_count", lambda: machine)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(affinity), raising=False)
+
+    return set_cores
+
+
 @pytest.mark.parametrize("value, count", [("3", 3), (" 2 ", 2), ("4,2", 4)])
-def test_omp_num_threads_decides_where_it_is_set(value, count):
+def test_omp_num_threads_decides_where_it_is_set(value, count, cores):
+    cores(16, range(16))
     assert threads.decide({"OMP_NUM_THREADS": value, "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}) == count
+
+
+@pytest.mark.parametrize(
+    "machine, affinity, count, says",
+    [
+        (2, {0}, 1, r"this rank is bound to 1 of the node's cores .*--map-by slot:PE=4.*: running 1 thread$"),
+        (16, {2, 3}, 2, r"this rank is bound to 2 of the node's cores .*--cpus-per-task=4.*: running 2 threads$"),
+        (2, {0, 1}, 2, r"this machine has 2 cores: running 2 threads$"),
+    ],
+)
+def test_omp_num_threads_never_puts_two_threads_on_one_core(machine, affinity, count, says, cores):
+    # Open MPI binds a lone rank to one core: OMP_NUM_THREADS=4 there would be four threads taking turns.
+    cores(machine, affinity)
+    assert threads._decided({"OMP_NUM_THREADS": "4"})[0] == count
+    assert re.search(r"^hpc-tp: OMP_NUM_THREADS=4, but " + says, threads._decided({"OMP_NUM_THREADS": "4"})[1])
+    assert threads._decided({"OMP_NUM_THREADS": str(count)}) == (count, None)
 
 
 @pytest.mark.parametrize("value", ["0", "two", "", "-1"])
 def test_a_bad_omp_num_threads_is_one_config_error_line(value):
     with pytest.raises(ConfigError, match=rf"^OMP_NUM_THREADS={value!r}: expected a number of threads >= 1$"):
         threads.decide({"OMP_NUM_THREADS": value})
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="binding to one core narrows nothing on a 1-core machine")
+def test_a_rank_bound_to_one_core_runs_one_thread_and_says_why():
+    # As Open MPI's mpiexec starts one rank: bound to a core, whatever OMP_NUM_THREADS asks.
+    core = min(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "PMIX", "SLURM"))}
+    run = subprocess.run(
+        [sys.executable, "-c", "from hpc_tp.kernels import threads; print(threads.COUNT)"],
+        env={**env, "OMP_NUM_THREADS": "2"},
+        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0 and run.stdout.split() == ["1"], run.stderr
+    assert "hpc-tp: OMP_NUM_THREADS=2, but this rank is bound to 1 of the node's cores" in run.stderr
 
 
 @pytest.mark.parametrize(
@@ -41,9 +89,8 @@ def test_a_bad_omp_num_threads_is_one_config_error_line(value):
         ({4, 5}, {"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, 2),  # bound by the launcher: its cores
     ],
 )
-def test_without_omp_num_threads_a_rank_takes_its_cores(affinity, env, count, monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(affinity), raising=False)
+def test_without_omp_num_threads_a_rank_takes_its_cores(affinity, env, count, cores):
+    cores(16, affinity)
     assert threads.decide(env) == count
 
 

@@ -1,9 +1,12 @@
 """How many threads a rank computes on, decided once for its numba kernels and for MKL.
 
 ``COUNT`` is ``OMP_NUM_THREADS`` where it is set (the Makefile and ``jobs/`` set 1: ranks that share
-cores must not also share threads; one rank alone on a 2-core machine: 2). Where it is unset, a rank
-that its launcher bound to some of the machine's cores takes those (its affinity); an unbound one
-takes an equal share of the cores among the ranks on its node (Open MPI's or MPICH's local size).
+cores must not also share threads; one rank alone on a 2-core machine: 2), but never more than the
+cores the launcher bound the rank to: Open MPI's ``mpiexec`` binds one or two ranks to a core each by
+default, and two threads taking turns on one core made workload B slower than one thread (a line on
+stderr says so and how to give the rank its cores). Where it is unset, a bound rank takes its cores
+(its affinity); an unbound one takes an equal share of the cores among the ranks on its node (Open
+MPI's or MPICH's local size).
 Numba's pool and MKL (unless ``MKL_NUM_THREADS`` sets its own) are set to it at import.
 
 Kernels split their output into ranges [start, stop) (``columns``, or ``balanced`` for work of
@@ -26,6 +29,7 @@ import bisect
 import ctypes
 import itertools
 import os
+import sys
 
 import numpy
 
@@ -37,24 +41,41 @@ try:
 except ImportError:  # optional: without numba only MKL's count is set
     numba = None
 
-# Where launchers say how many ranks share the node: Open MPI, then MPICH's Hydra.
+# Where launchers say how many ranks share the node (Open MPI, then MPICH's Hydra) and which of them
+# this rank is (Open MPI, Hydra, srun).
 _LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+_LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 
 
 def decide(env) -> int:
     """The thread count for the environment ``env`` (see the module's docstring)."""
+    return _decided(env)[0]
+
+
+def _decided(env) -> tuple[int, str | None]:
+    """The thread count, and the line saying why it is fewer than ``OMP_NUM_THREADS`` asks (or None)."""
+    machine = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
     value = env.get("OMP_NUM_THREADS")
     if value is not None:
         first = value.split(",")[0].strip()  # OpenMP's list of nesting levels: the outer one is ours
         if not first.isdigit() or int(first) < 1:
             raise ConfigError(f"OMP_NUM_THREADS={value!r}: expected a number of threads >= 1")
-        return int(first)
-    machine = os.cpu_count() or 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+        if int(first) <= cores:
+            return int(first), None
+        if cores == machine:
+            where = f"this machine has {cores} cores"
+        else:  # the launcher's binding, most often: tell how to widen it
+            where = (
+                f"this rank is bound to {cores} of the node's cores (to give each rank {first}, launch with "
+                f"`mpiexec --map-by slot:PE={first}` (Open MPI), `srun --cpus-per-task={first}`, or `mpiexec "
+                "--bind-to none`)"
+            )
+        return cores, f"hpc-tp: OMP_NUM_THREADS={value}, but {where}: running {cores} thread{'s' * (cores > 1)}"
     if cores < machine:
-        return cores
+        return cores, None
     local = next((int(env[name]) for name in _LOCAL_SIZE_VARIABLES if env.get(name, "").isdigit()), 1)
-    return max(1, cores // max(1, local))
+    return max(1, cores // max(1, local)), None
 
 
 def use(count: int):
@@ -90,7 +111,10 @@ if "OMP_WAIT_POLICY" not in os.environ:  # read when each runtime starts, so bef
     os.environ.setdefault("KMP_BLOCKTIME", str(SPIN_MS))
     os.environ.setdefault("GOMP_SPINCOUNT", str(25000 * SPIN_MS))
 COUNT = 1
-use(decide(os.environ))
+_count, _short = _decided(os.environ)
+if _short and next((os.environ[name] for name in _LOCAL_RANK_VARIABLES if name in os.environ), "0") == "0":
+    print(_short, file=sys.stderr, flush=True)  # once a node: every rank there was launched alike
+use(_count)
 
 
 def columns(n: int, align: int, parts: int | None = None):

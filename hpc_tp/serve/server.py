@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def run(args) -> int:
     # loaded when the command runs, not by hpc-tp --help
-    from ..kernels import bf16_dot, f32_dot, paged_attention, quantized, small_m
+    from ..kernels import bf16_dot, f32_dot, paged_attention, quantized, small_m, threads
     from .chat import read_template, stop_at_end_of_turn, template_for
     from .embed import load_encoder
     from .loading import load_for_inference, open_checkpoint
@@ -184,7 +184,8 @@ def run(args) -> int:
         return 0
     print(
         f"hpc-tp serve: listening on http://{server.host}:{server.port} (tp={grid.tp_size}, pp={grid.pp_size}, "
-        f"replicas={grid.dp_size}, rank pids {' '.join(map(str, pids))}); {layout}",
+        f"replicas={grid.dp_size}, rank pids {' '.join(map(str, pids))}); {layout}; "
+        f"{threads.COUNT} compute thread{'s' * (threads.COUNT > 1)} a rank",
         flush=True,
     )
     stop.on_hurry = server.hurry
