@@ -117,6 +117,40 @@ class HFTokenizer:
         self.tokenizer.save(str(Path(folder) / HF_FILE))
 
 
+class TextSoFar:
+    """``tokenizer.decode(ids)`` of a sequence growing a token at a time, decoding only the tokens since
+    its last whole character (decoding all of them each token costs O(length): 343 us at 2000 tokens
+    of SmolLM2's tokenizer, for every row of every decode step).
+
+    The text of ``ids[:read]`` is kept; each token decodes ``ids[prefix:]`` and takes what it adds
+    after ``ids[prefix:read]``'s own text. The window starts a run back (``prefix`` < ``read``), so a
+    decoder that treats the first token of what it decodes differently (SentencePiece's leading space,
+    WordPiece's joins) sees the new tokens in context, as in the whole. ``read`` moves on only when
+    the text ends in a whole character (not U+FFFD, a byte sequence cut short). Where the window's text
+    does not begin with the run's, the decoder rewrote across the boundary and the whole sequence is
+    decoded, so the text is the whole decode either way: SentencePiece's byte-fallback decoder does so
+    while a character is cut, showing the whole run of byte tokens as U+FFFD until each is whole."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._kept, self._run = "", ""  # the text of ids[:read], and of ids[prefix:read]
+        self._prefix = self._read = 0
+
+    def add(self, token: int) -> str:
+        """The whole text after appending ``token``."""
+        self.ids.append(token)
+        window = self.tokenizer.decode(self.ids[self._prefix :])
+        if not window.startswith(self._run):
+            return self.tokenizer.decode(self.ids)
+        added = window[len(self._run) :]
+        text = self._kept + added
+        if added and not added.endswith("\ufffd"):
+            self._kept, self._prefix, self._read = text, self._read, len(self.ids)
+            self._run = self.tokenizer.decode(self.ids[self._prefix :])  # as the next window begins
+        return text
+
+
 def saved_files(tokenizer) -> dict[str, bytes]:
     """The files ``tokenizer.save`` writes, as bytes: what a checkpoint folder keeps beside its weights."""
     with tempfile.TemporaryDirectory() as folder:

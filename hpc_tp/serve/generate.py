@@ -24,6 +24,7 @@ import numpy
 
 from .. import backend
 from ..errors import ConfigError
+from ..tokenizer import TextSoFar
 from .decoding import decode_stepper
 from .kv_cache import KVCache
 from .sampling import SamplingParams, next_token, process_logits, token_logprobs
@@ -78,6 +79,7 @@ class _Row:
         self.params, self.tokenizer, self.prompt_ids = params, tokenizer, prompt_ids
         self.rng = numpy.random.default_rng(params.seed)
         self.ids: list[int] = []
+        self._text = TextSoFar(tokenizer)
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.text, self.finish, self.emitted, self.done_at = "", None, 0, None
         self.mask = params.grammar.mask_for(tokenizer) if params.grammar is not None else None
@@ -129,7 +131,7 @@ class _Row:
         self.ids.append(token)
         if self.mask is not None:
             self.mask.accept(token)
-        text = self.tokenizer.decode(self.ids)
+        text = self._text.add(token)
         cuts = [text.find(s) for s in self.params.stop if s in text]
         if cuts:
             text, self.finish = text[: min(cuts)], "stop"
