@@ -1,6 +1,7 @@
 """hpc-tp serve against peer servers on the same model, the same requests, alternating rounds.
 
     python benchmarks/serve_peers.py --model MODEL.gguf [--server NAME=COMMAND ...] [--rounds 4] [--json FILE]
+        [--workloads AB]
 
 Two workloads, every request greedy over the completions API with ``ignore_eos`` (each generates all
 the tokens it asks for, so every engine does the same work):
@@ -69,7 +70,15 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--port", type=int, default=8431, help="the port every server is started on, one at a time")
     p.add_argument("--json", metavar="FILE", help="every round's figures as JSON")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--workloads",
+        default="AB",
+        help="which workloads to run, e.g. A for single-stream rounds only (default %(default)s)",
+    )
+    args = p.parse_args(argv)
+    if not args.workloads or set(args.workloads) - set("AB"):
+        p.error(f"--workloads {args.workloads!r}: expected A, B or AB")
+    return args
 
 
 def prepare(model: Path, folder: Path) -> dict:
@@ -177,6 +186,9 @@ def stop(proc):
         proc.wait()
 
 
+WORKLOADS = {"A": workload_a, "B": workload_b}
+
+
 def main(argv=None):
     args = parse_args(argv)
     servers = dict(s.split("=", 1) for s in (args.server or DEFAULT_SERVERS))
@@ -188,7 +200,9 @@ def main(argv=None):
             proc, model = serve(servers[name].format(port=args.port, **names), args.port)
             try:
                 complete(args.port, model, "warm up", 4)
-                figures = {**workload_a(args.port, model), **workload_b(args.port, model)}
+                figures = {}
+                for workload in args.workloads:
+                    figures.update(WORKLOADS[workload](args.port, model))
             finally:
                 stop(proc)
             results[name].append(figures)
