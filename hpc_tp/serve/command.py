@@ -155,7 +155,7 @@ def run(args) -> int:
     # The model and the engine load only when the command runs (``hpc-tp --help`` imports this module).
     from .continuous import ContinuousBatcher
     from .generate import Engine, check_request
-    from .loading import load_for_inference
+    from .loading import load_for_inference, warm_up
     from .sampling import SamplingParams
 
     if args.batch_size < 1:
@@ -184,7 +184,9 @@ def run(args) -> int:
     mine = []
     if args.batching == "continuous":  # each replica its share of the prompts, rows refilled as they finish
         share = list(range(grid.coords.dp, len(work), grid.dp_size))
-        longest = max((len(work[i][0]) + params[i].max_new_tokens - 1 for i in share), default=1)  # its rows' slots
+        # its rows' slots, and the warm-up's three (two prompt tokens, two new)
+        longest = max((len(work[i][0]) + params[i].max_new_tokens - 1 for i in share), default=1)
+        longest = min(max(longest, 3), model.cfg.max_seq_len)
         batcher = ContinuousBatcher(
             engine,
             max(1, min(args.batch_size, len(share))),
@@ -193,6 +195,7 @@ def run(args) -> int:
             block_size=args.kv_block_size,
             kv_cache_memory=args.kv_cache_memory,
         )
+        warm_up(model, batcher)  # the times it reports are the model's, not numba's cache loading
         out = batcher.generate([work[i][0] for i in share], [params[i] for i in share])
         if out is not None:
             mine = [(i, c, metrics) for i, (c, metrics) in zip(share, out)]

@@ -19,6 +19,7 @@ from ..nn.attention import heads_fit
 from ..pipeline import build_stage, parse_pp_layers
 from ..tensor_parallel.packing import pack_for_inference
 from ..tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
+from .sampling import SamplingParams
 from .stages import PipelineStages
 
 
@@ -96,3 +97,20 @@ def load_for_inference(args, opened=None):
     model = PipelineStages(stage, grid) if grid.pp_size > 1 else stage
     tokenizer = load_tokenizer_dir(folder) if (folder / CONFIG_FILE).is_file() else ByteTokenizer()
     return grid, model, tokenizer
+
+
+def warm_up(model, batcher):
+    """The decode kernels of ``model``'s dtype compiled or loaded from numba's cache, then one tiny
+    request through a continuous ``batcher`` (collective over its group: the prefill's and the step's
+    kernels at one row), its blocks given back after: a server's first request, and the times
+    ``generate`` reports, do not wait for them."""
+    from ..kernels import bf16_dot, f32_dot, paged_attention, quantized, small_m  # numba's, for decoding only
+
+    for kernels in (small_m, paged_attention, bf16_dot, f32_dot, *((quantized,) if model.cfg.quantize else ())):
+        kernels.warm_up(model.dtype)
+    # static batches decode through the same Engine kernels; a row shorter than the request cannot take it
+    if not hasattr(batcher, "generate") or getattr(batcher, "max_len", 3) < 3:
+        return
+    leader = batcher.comm.rank == 0
+    params = [SamplingParams(max_new_tokens=2, ignore_eos=True)]
+    batcher.generate([[0, 0]] if leader else None, params if leader else None)

@@ -110,10 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def run(args) -> int:
     # loaded when the command runs, not by hpc-tp --help
-    from ..kernels import bf16_dot, f32_dot, paged_attention, quantized, small_m, threads
+    from ..kernels import threads
     from .chat import read_template, stop_at_end_of_turn, template_for
     from .embed import load_encoder
-    from .loading import load_for_inference, open_checkpoint
+    from .loading import load_for_inference, open_checkpoint, warm_up
     from .replicas import RemoteJobs, Router
     from .shutdown import Shutdown
 
@@ -170,13 +170,7 @@ def run(args) -> int:
         raise ConfigError(error)
     batcher, layout = _batcher(args, model, tokenizer, max_len, encoder)
     if not encoder:  # the decode kernels compile or load now, not in the first request
-        small_m.warm_up(model.dtype)
-        paged_attention.warm_up(model.dtype)
-        if model.cfg.quantize:
-            quantized.warm_up(model.dtype)
-        bf16_dot.warm_up(model.dtype)
-        f32_dot.warm_up(model.dtype)
-        _warm_up_batcher(batcher)
+        warm_up(model, batcher)
     if server is not None:  # a request the whole KV cache cannot hold is refused as it comes
         server.kv_tokens = getattr(batcher, "kv_tokens", None)
     if grid.world.rank != 0:
@@ -227,19 +221,6 @@ def _batcher(args, model, tokenizer, max_len: int, encoder: bool):
         f"KV cache {batcher.cache.nbytes / 2**20:.1f} MiB a rank: {batcher.blocks.usable} units of "
         f"{batcher.blocks.size} tokens ({batcher.kv_tokens} tokens) for {args.max_batch} rows"
     )
-
-
-def _warm_up_batcher(batcher):
-    """One tiny request through a continuous batcher (collective over its group): the prefill's and the
-    step's kernels (norms, RoPE, attention, the products at one row) load from numba's cache now rather
-    than in the first request; its blocks are given back after."""
-    if not hasattr(batcher, "generate"):  # static batches decode through the same Engine kernels
-        return
-    from .sampling import SamplingParams  # loaded when the command runs, not by hpc-tp --help
-
-    leader = batcher.comm.rank == 0
-    params = [SamplingParams(max_new_tokens=2, ignore_eos=True)]
-    batcher.generate([[0, 0]] if leader else None, params if leader else None)
 
 
 class StaticBatches:
