@@ -805,6 +805,12 @@ def _bounded(value: float, bound: float, detail: str = ""):
     return ("ok" if value <= bound else "FAIL"), f"{value:.1e}", detail
 
 
+def _replay_check(error: float, replayed: bool, detail: str):
+    """A check row of steps replayed from CUDA graphs against the CPU's: FAIL where none replayed."""
+    result, measured, _ = _bounded(error, TP_TOL)
+    return (result if replayed else "FAIL"), measured, (detail if replayed else "the capture failed: steps ran eagerly")
+
+
 def _worst_of(errors: dict[str, float], bound: float, what: str = ""):
     """A check row from named errors: the worst against ``bound``, every one in the detail."""
     worst = max(errors, key=errors.get)
@@ -848,16 +854,11 @@ def run_checks(report: Report):
 
         report.check(f"{label}training on the device vs CPU, float64", f"{TP_TOL:.0e}", training)
 
-    def decoding():
-        error, replayed = decode_replay_error()
-        result, measured, _ = _bounded(error, TP_TOL)
-        return (
-            (result if replayed else "FAIL"),
-            measured,
-            ("6 steps replayed from one captured CUDA graph" if replayed else "the capture failed: steps ran eagerly"),
-        )
-
-    report.check("decode steps as a CUDA graph vs CPU, float64", f"{TP_TOL:.0e}", decoding)
+    report.check(
+        "decode steps as a CUDA graph vs CPU, float64",
+        f"{TP_TOL:.0e}",
+        lambda: _replay_check(*decode_replay_error(), "6 steps replayed from one captured CUDA graph"),
+    )
 
     def continuous():
         device, host = continuous_completions("cuda"), continuous_completions("cpu")
@@ -870,20 +871,13 @@ def run_checks(report: Report):
 
     report.check("continuous batching vs CPU (rows, prefixes, chunks), float64", "same tokens", continuous)
 
-    def continuous_graphs():
-        error, replayed = continuous_replay_error()
-        result, measured, _ = _bounded(error, TP_TOL)
-        return (
-            (result if replayed else "FAIL"),
-            measured,
-            (
-                f"{len(CONTINUOUS_STEPS)} steps of 1-6 rows, a graph a bucket"
-                if replayed
-                else "the captures failed: steps ran eagerly"
-            ),
-        )
-
-    report.check("continuous decode steps as CUDA graphs vs CPU, float64", f"{TP_TOL:.0e}", continuous_graphs)
+    report.check(
+        "continuous decode steps as CUDA graphs vs CPU, float64",
+        f"{TP_TOL:.0e}",
+        lambda: _replay_check(
+            *continuous_replay_error(), f"{len(CONTINUOUS_STEPS)} steps of 1-6 rows, a graph a bucket"
+        ),
+    )
     for dtype, model in (("float16", {}), ("bfloat16", {}), ("bfloat16", MOE)):
 
         def mixed(dtype=dtype, model=model):
