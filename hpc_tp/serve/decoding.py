@@ -20,8 +20,8 @@ power of two (rows of length 0 that write to the scratch slot), each row's slots
 of blocks, its inputs copied into arrays the bucket owns; so each bucket reads and writes the same
 memory at every step, and on a GPU at tp = 1 it is captured at its first step and replayed after,
 one graph a bucket (vLLM keeps one a batch size). Where no graph is captured the batcher keeps
-``step_view``'s step: the CPU's paged attention reads each row's own length, but the padded rows
-would still cost it their share of every product.
+``step_view``'s step: without a replay the padding buys nothing, and on the CPU the bucketed step
+measured no faster (``benchmarks/continuous_step.py``).
 
 The capture's rules, its private memory pool and where it can run (``capturable``: tp = 1 on a
 GPU) are ``hpc_tp.cuda_graph``'s. ``HPC_TP_CUDA_GRAPHS=0`` turns graphs off (an A/B, or a driver
