@@ -4,6 +4,8 @@ scratch slot. Its logits are the eager step's as rows join and leave and the buc
 at tp = world size); each bucket is captured at its first step and replayed after (over a stand-in for
 cupy); graphs are taken only on a GPU at tp = 1. The device's own check is gpu-check's (test_gpu.py)."""
 
+import types
+
 import numpy as np
 import pytest
 from test_cuda_graph import fake_cupy as fake_cupy  # noqa: F401, PLC0414 (the fixture, used by its name)
@@ -13,6 +15,7 @@ from tp_helpers import max_rel_err, tp_and_reference
 from hpc_tp import backend
 from hpc_tp.bench import gpu_check as G
 from hpc_tp.kernels import paged_attention
+from hpc_tp.serve import decoding
 from hpc_tp.serve.blocks import PagedLayout
 from hpc_tp.serve.decoding import PagedSteps, paged_steps
 from hpc_tp.serve.kv_cache import PagedKVCache
@@ -85,11 +88,34 @@ def test_each_bucket_is_captured_at_its_first_step_and_replayed_after(fake_cupy)
         + ["step of 3", *captured, "default pool", "step of 3", "launch"]
     )
     bucket = steps.buckets[(4, 4)]
-    assert bucket.ids[:, 0].tolist() == [3, 4, 5, 0] and bucket.counts.tolist() == [4, 2, 2, 1]
-    assert bucket.view.write[0, :, 0].tolist() == [7, 9, 13, 0]  # each row's slot at its length; padding: scratch
+    staged = bucket.inputs.on_device
+    assert staged["ids"][:, 0].tolist() == [3, 4, 5, 0] and bucket.counts.tolist() == [4, 2, 2, 1]
+    assert staged["write"][0, :, 0].tolist() == [7, 9, 13, 0]  # each row's slot at its length; padding: scratch
+    assert staged["mask"].sum(axis=1).tolist() == [4, 2, 2, 1] and staged["query_slots"].tolist() == [3, 1, 1, 0]
     assert steps.uses_graph and len(steps.buckets) == 2
     steps.close()
     assert events[-2:] == ["pool freed", "pool freed"] and not steps.buckets
+
+
+def test_a_step_s_inputs_reach_the_device_in_one_copy(monkeypatch):
+    """``_Staged`` over a stand-in device array (a numpy subclass whose ``set`` copies and is counted):
+    writing the host views changes nothing on the device until the one copy moves every array."""
+    copies = []
+
+    class OnDevice(np.ndarray):
+        def set(self, host):
+            copies.append(host.nbytes)
+            self[...] = host
+
+    monkeypatch.setattr(backend, "xp", types.SimpleNamespace(asarray=lambda a: np.array(a).view(OnDevice)))
+    staged = decoding._Staged({"ids": (2, 1), "read": (1, 2, 3)}, (2, 3))
+    staged.on_host["read"][0, 1] = [7, 8, 9]
+    staged.on_host["mask"][1, :2] = True
+    assert not staged.on_device["read"].any() and not staged.on_device["mask"].any()
+    staged.copy()
+    assert copies == [8 * (2 + 6) + 6]
+    assert staged.on_device["read"].tolist() == [[[0, 0, 0], [7, 8, 9]]]
+    assert staged.on_device["mask"].tolist() == [[False] * 3, [True, True, False]]
 
 
 @pytest.mark.mpi(min_size=1)

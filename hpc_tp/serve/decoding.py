@@ -30,6 +30,8 @@ that refuses a capture).
 
 from __future__ import annotations
 
+import math
+
 import numpy
 
 from .. import backend, cuda_graph
@@ -170,21 +172,20 @@ def decode_stepper(model, cache: KVCache, key_mask, lens, graphs: bool | None = 
 
 class PagedStep:
     """``step_view``'s step at fixed shapes and addresses: ``width`` rows, each over ``keys`` slots, its
-    inputs copied before every call into arrays it owns. The rows past a batch's own have length 0 at
-    the scratch slot: they write their K/V where nobody reads and see that one slot, so their logits
-    (never read) stay finite. ``capture``: the first call runs eagerly and is captured as a CUDA graph
-    that every later call replays (a device at tp = 1 only)."""
+    inputs copied before every call into arrays it owns (``_Staged``: one copy to the device). The
+    rows past a batch's own have length 0 at the scratch slot: they write their K/V where nobody reads
+    and see that one slot, so their logits (never read) stay finite. ``capture``: the first call runs
+    eagerly and is captured as a CUDA graph that every later call replays (a device at tp = 1 only)."""
 
     def __init__(self, model, cache: PagedKVCache, width: int, keys: int, capture: bool = False):
-        xp, lanes = backend.xp, cache.layout.lanes
+        lanes = cache.layout.lanes
         self.model, self.width = model, width
-        self.ids = xp.zeros((width, 1), dtype=numpy.int64)
-        self.positions = xp.zeros((width, 1), dtype=numpy.int64)
-        self.visible = xp.zeros((width, keys), dtype=bool)
+        shapes = {"ids": (width, 1), "positions": (width, 1), "query_slots": (width,)}
+        self.inputs = _Staged(shapes | {"write": (lanes, width, 1), "read": (lanes, width, keys)}, (width, keys))
+        on = self.inputs.on_device
         self.counts = numpy.ones(width, dtype=numpy.int64)  # on the host: what the CPU's paged kernel reads
-        write = xp.full((lanes, width, 1), SCRATCH, dtype=numpy.int64)
-        read = xp.full((lanes, width, keys), SCRATCH, dtype=numpy.int64)
-        self.view = PagedView(cache, write, read, self.counts)
+        self.view = PagedView(cache, on["write"], on["read"], self.counts)
+        self.view.query_slots = on["query_slots"]  # the view's own copy would not follow the steps
         what = f"the continuous decode step of {width} rows over {keys} slots"
         self._replay = cuda_graph.Replayed(self._run, what) if capture else None
 
@@ -196,31 +197,53 @@ class PagedStep:
         """As ``step_arguments``' step: ``ids`` [B] (host) fed by rows of ``lens`` [B] over ``slots``
         [lanes, B, W] (B <= width, W <= keys). Logits [B, V] (None where ``model.infer`` returns none:
         a pipeline stage's rank that does not sample); a replay overwrites them."""
-        rows, view = len(lens), self.view
+        rows, staged = len(lens), self.inputs.on_host
         lens = numpy.pad(lens, (0, self.width - rows))
-        read = numpy.full(view.read.shape, SCRATCH, dtype=numpy.int64)
-        read[:, :rows, : slots.shape[-1]] = slots
-        write, visible = _write_slots_and_mask(lens, read)
-        inputs = (
-            (self.ids[:, 0], numpy.pad(ids, (0, self.width - rows))),
-            (self.positions[:, 0], positions_after(lens, 0, self.model)),
-            (self.visible, visible),
-            (view.write, write),
-            (view.read, read),
-            (view.query_slots, lens),
-        )
-        for target, source in inputs:
-            target[...] = backend.xp.asarray(source)
+        staged["read"][...] = SCRATCH
+        staged["read"][:, :rows, : slots.shape[-1]] = slots
+        staged["write"][...], staged["mask"][...] = _write_slots_and_mask(lens, staged["read"])
+        staged["ids"][:, 0] = numpy.pad(ids, (0, self.width - rows))
+        staged["positions"][:, 0] = positions_after(lens, 0, self.model)
+        staged["query_slots"][...] = lens
         self.counts[:] = lens + 1
+        self.inputs.copy()
         logits = self._run() if self._replay is None else self._replay()
         return None if logits is None else logits[:rows]
 
     def _run(self):
-        return self.model.infer(self.ids, self.positions, self.visible, self.view)
+        on = self.inputs.on_device
+        return self.model.infer(on["ids"], on["positions"], on["mask"], self.view)
 
     def close(self):
         if self._replay is not None:
             self._replay.close()
+
+
+class _Staged:
+    """Int64 arrays of ``shapes`` (by name) and a bool ``mask`` of ``mask_shape``, views of one buffer
+    on the host (``on_host``) and of one on the device (``on_device``): written on the host, one copy
+    (``copy``) moves them all, where an array at a time cost a transfer and a launch each. On the CPU
+    the two buffers are one."""
+
+    def __init__(self, shapes: dict, mask_shape: tuple):
+        sizes = [math.prod(shape) for shape in shapes.values()]
+        numbers = 8 * sum(sizes)
+        self.host = numpy.zeros(numbers + math.prod(mask_shape), dtype=numpy.uint8)
+        self.device = backend.xp.asarray(self.host)  # numpy's is the host buffer itself
+        self.on_host, self.on_device = (_views(b, shapes, sizes, numbers, mask_shape) for b in (self.host, self.device))
+
+    def copy(self):
+        if self.device is not self.host:
+            self.device.set(self.host)
+
+
+def _views(buffer, shapes: dict, sizes: list, numbers: int, mask_shape: tuple) -> dict:
+    ints, views, start = buffer[:numbers].view(numpy.int64), {}, 0
+    for (name, shape), size in zip(shapes.items(), sizes):
+        views[name] = ints[start : start + size].reshape(shape)
+        start += size
+    views["mask"] = buffer[numbers:].view(bool).reshape(mask_shape)
+    return views
 
 
 class PagedSteps:
