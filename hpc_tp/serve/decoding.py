@@ -250,7 +250,7 @@ class PagedSteps:
     """A ``PagedStep`` for each bucket that a continuous batch's decode steps fall in, made at its
     first use: the rows padded up to a power of two (at most ``rows``, the batch's), each row's slots
     up to a power of two of blocks (at most those of ``max_len`` slots). A server so keeps at most
-    (log2 rows + 1) x (log2 blocks + 1) steps, each with its graph where ``capture``."""
+    (ceil(log2 rows) + 1) x (ceil(log2 blocks) + 1) steps, each with its graph where ``capture``."""
 
     def __init__(self, model, cache: PagedKVCache, rows: int, max_len: int, capture: bool):
         self.model, self.cache, self.rows, self.capture = model, cache, rows, capture
