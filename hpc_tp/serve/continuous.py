@@ -225,7 +225,8 @@ class ContinuousBatcher:
     most ``chunk_tokens`` prompt tokens (default ``CHUNK_TOKENS``), a longer prompt over several
     iterations, between decode steps (chunked prefill). ``fixed_steps``: a decode step that runs alone
     goes through ``decoding.PagedSteps`` (its rows and slots padded to a bucket's, replayed from a CUDA
-    graph on a GPU at tp = 1), by default (None) where graphs are captured (``decoding.paged_steps``).
+    graph on a GPU at tp = 1), by default (None) where graphs are captured (``decoding.paged_steps``);
+    the graphs live as long as the batcher (those a warm-up request captured serve the requests after it).
     Collective over the tp group: every rank builds one (the cache is allocated here) and calls ``run``."""
 
     def __init__(
@@ -289,8 +290,6 @@ class ContinuousBatcher:
             if more or idle:
                 admitted = on_rank0(self.comm, lambda: self._admit(source, idle), idle)
                 if admitted is None:
-                    if self.steps is not None:
-                        self.steps.close()  # their graphs' memory back; made again if serving resumes
                     return
             logits = self._forward(admitted)
             control = numpy.full(len(self.feed) + 1, -1, dtype=numpy.int64)  # next tokens, then "admissions follow"
