@@ -4,8 +4,8 @@ A step of this engine on a GPU is hundreds of small kernels and cuBLAS calls, ea
 microseconds of Python on the host; at small batches the card waits for the host (a W1 decode
 step: 3.6 ms launched from Python, 0.4 ms replayed). ``Replayed(work)`` runs ``work()`` eagerly at
 its first call, captures the same call into a CUDA graph right after, and at every later call
-replays the graph. What ``work`` must be for that (``serve.decoding.FixedStep`` and
-``bench step --cuda-graph`` are built so):
+replays the graph. What ``work`` must be for that (``serve.decoding.FixedStep``, each bucket of
+``serve.decoding.PagedSteps`` and ``bench step --cuda-graph`` are built so):
 
 - the same shapes and addresses at every call: it reads and writes arrays that outlive it (inputs
   copied into them beforehand), and Python values it bakes into launches (shapes, offsets,

@@ -12,7 +12,7 @@ from test_generate import CONFIGS, PROMPTS, _model, larger_weights
 from tp_helpers import max_rel_err, tp_and_reference
 
 from hpc_tp.models import GPTModel, ModelConfig
-from hpc_tp.serve import continuous, generate
+from hpc_tp.serve import continuous, decoding, generate
 from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine
 from hpc_tp.serve.sampling import SamplingParams
@@ -91,10 +91,10 @@ def events(monkeypatch):
     return chosen
 
 
-def _serve(comm, name, rows, due, events, prefix_caching=True, engine=None):
+def _serve(comm, name, rows, due, events, prefix_caching=True, engine=None, fixed_steps=None):
     """Run the batcher at tp = ``comm`` (every rank); the requests, on tp rank 0."""
     engine = engine or Engine(_model(name, comm), ByteTokenizer())
-    batcher = ContinuousBatcher(engine, rows, prefix_caching=prefix_caching)
+    batcher = ContinuousBatcher(engine, rows, prefix_caching=prefix_caching, fixed_steps=fixed_steps)
     for _, request in due:
         events.watch(request)
     batcher.run(Script(due) if comm.rank == 0 else None)
@@ -163,6 +163,45 @@ def test_each_request_gives_what_it_gives_alone(name, events, monkeypatch):
         steps = [rows for rows, _ in passes if rows]
         assert max(steps) == 2 and min(steps) == 1
         assert any(rows and prompts for rows, prompts in passes)  # a decode step rode along a prefill pass
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-window"])
+def test_decode_steps_at_a_bucket_s_fixed_shapes_give_what_each_request_gives_alone(name, events, monkeypatch):
+    """The decode steps that run alone through ``decoding.PagedSteps`` (asked for: on the CPU they run
+    eagerly), rows joining and leaving so that the steps change buckets: each request's tokens and
+    logits are those it has alone, and those of the eager steps (1e-12)."""
+    tp, _ = tp_and_reference()
+    buckets, step = [], decoding.PagedSteps.step
+
+    def spy(self, ids, lens, slots):
+        buckets.append(self.bucket(len(lens), slots.shape[-1]))
+        return step(self, ids, lens, slots)
+
+    monkeypatch.setattr(decoding.PagedSteps, "step", spy)
+    engine = Engine(_model(name, tp), ByteTokenizer())
+    long_prompt = [int(i) for i in np.random.default_rng(3).integers(0, 256, 20)]
+    runs = []
+    for fixed in (True, False):
+        requests = [
+            Request(ids, new)
+            for ids, new in [
+                (PROMPTS[0], 12),
+                (PROMPTS[1], 4),
+                (PROMPTS[3], 8),
+                (PROMPTS[2], 6),
+                (long_prompt, 9),
+                ([9, 8, 7], 5),
+            ]
+        ]
+        # four rows, then three, two, one; then two more join the one
+        _serve(tp, name, 5, list(zip((1, 1, 1, 1, 10, 10), requests)), events, engine=engine, fixed_steps=fixed)
+        runs.append(requests)
+    for fixed, eager in zip(*runs):
+        _agrees_with_alone(engine, fixed, events)
+        if tp.rank == 0:
+            assert fixed.done[0].ids == eager.done[0].ids
+            assert max(max_rel_err(a, b) for a, b in zip(fixed.sampled, eager.sampled)) <= 1e-12
+    assert {width for width, _ in buckets} == {1, 2, 4} and len({keys for _, keys in buckets}) >= 2, buckets
 
 
 # capacity 0.5 would drop tokens in training: inference must keep them, padding or not

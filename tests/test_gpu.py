@@ -7,6 +7,7 @@ cupy finds NVRTC and the CUDA headers, and the wrappers' dtype handling runs eve
 standing in for cupy). The 2-rank test shares one device through MPI (NCCL refuses one device twice).
 """
 
+import functools
 import json
 import re
 import sys
@@ -350,6 +351,30 @@ def test_a_captured_decode_step_replays_the_cpu_steps(name):
 
     error, replayed = G.decode_replay_error(CONFIGS[name], PROMPTS, weights=larger_weights)
     assert replayed and error <= 1e-12
+
+
+@device_test
+@pytest.mark.parametrize("name", ["gpt2", "llama-window", "qwen-moe"])
+def test_continuous_steps_replayed_a_graph_a_bucket_give_the_cpu_steps(name):
+    """Continuous batching's decode steps at their buckets' fixed shapes, each bucket captured at its first
+    step and replayed at the next, rows joining and leaving: the CPU's eager steps' logits (float64)."""
+    from test_generate import CONFIGS, larger_weights
+
+    error, replayed = G.continuous_replay_error(CONFIGS[name], weights=larger_weights)
+    assert replayed and error <= 1e-12
+
+
+def test_the_continuous_step_rows_time_both_paths(tmp_path, monkeypatch):
+    """gpu-check's continuous decode rows, their own logic on the CPU (the tiny model, one round of one
+    step): a row per batch with both paths' times, in the JSON and the table."""
+    quick = functools.partial(G.continuous_step_timings, rounds=1, steps=1, preset="tiny")
+    monkeypatch.setattr(G, "continuous_step_timings", quick)
+    report = G.Report(out=tmp_path)
+    G.run_continuous_benchmarks(report, batches=(1, 3))
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["continuous"]
+    assert [row["batch"] for row in rows] == [1, 3] and not any(row["graph_used"] for row in rows)
+    assert all(row[path]["median"] > 0 for row in rows for path in ("eager_ms", "bucketed_ms"))
+    assert "- 3 rows: eager " in (tmp_path / "gpu_check.md").read_text()
 
 
 @device_test

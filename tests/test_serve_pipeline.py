@@ -128,14 +128,19 @@ def test_static_batch_at_pp_2_gives_one_process_tokens_and_logits(name, comm_wor
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("fixed_steps", [None, True], ids=["eager-steps", "bucketed-steps"])
 @pytest.mark.parametrize("block_size", [1, 16], ids=["block1", "block16"])
 @pytest.mark.parametrize("name", NAMES)
 def test_continuous_batcher_at_pp_2_gives_one_process_tokens_and_logits(
-    name, block_size, comm_world, shared_dir, logits_seen, monkeypatch
+    name, block_size, fixed_steps, comm_world, shared_dir, logits_seen, monkeypatch
 ):
+    """Also with the decode steps at their buckets' fixed shapes (``decoding.PagedSteps``), whose
+    logits only the sampling rank receives."""
     monkeypatch.setattr(continuous, "KV_BLOCK_SIZE", block_size)
     _, model = _pipelined(comm_world, shared_dir, name)
-    batcher = ContinuousBatcher(Engine(model, ByteTokenizer()), rows=2)  # the later prompts wait for a row
+    batcher = ContinuousBatcher(
+        Engine(model, ByteTokenizer()), rows=2, fixed_steps=fixed_steps
+    )  # prompts wait for a row
     out = batcher.generate(PROMPTS, _params())
     assert not any(batcher.blocks.refs)  # every block given back, on every stage alike
     failures = []

@@ -6,11 +6,14 @@ on one machine in well under 5 minutes, as a short table.
    float32), tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks
    sharing the card through MPI, only where ``mpiexec`` works), training steps on the device against
    the CPU (float64), decode steps replayed from a captured CUDA graph against the CPU's (float64),
-   and mixed precision (float16, bfloat16 where ml_dtypes is) against float32 on the device;
+   continuous batching's decode steps replayed from a graph a bucket against the CPU's eager ones
+   as rows join and leave (float64), and mixed precision (float16, bfloat16 where ml_dtypes is)
+   against float32 on the device;
 3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
    (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
    measured large-GEMM peak, and each step again replayed from a CUDA graph (``bench step
-   --cuda-graph``); then W1 decode steps with and without a CUDA graph (``bench decode``);
+   --cuda-graph``); then W1 decode steps with and without a CUDA graph (``bench decode``), and W1's
+   continuous decode step at 1, 8 and 32 rows eager and replayed (``decoding.PagedSteps``), alternating;
 4. the fused attention kernels (``flash_attention``) against the composed core: their error (a check
    row, float64, float32 and half) and both paths' forward + backward time on W1's attention and a
    1B-class one, alternating;
@@ -386,6 +389,140 @@ def continuous_completions(device: str, config: dict = DECODE_MODEL, weights=Non
     return [(completion.ids, completion.cached_tokens) for completion, _ in out]
 
 
+# Continuous batching's rows over ``continuous_step_logits``' decode steps: at each, the rows (of 6) that
+# leave, then those that join (row: prompt tokens, prefilled first); every row in the batch feeds a token.
+# Batches of 1 to 6 rows (buckets of 1, 2, 4 and 6, the batch's cap) and 1 to 17 slots (buckets of 8, 16
+# and 32 with blocks of 4), a bucket met again after others.
+CONTINUOUS_STEPS = (
+    ((), {0: 5}),
+    ((), {1: 2, 2: 9}),
+    ((), {}),
+    ((), {3: 1, 4: 13, 5: 3}),
+    ((), {}),
+    ((1, 4), {}),
+    ((), {1: 7}),
+    ((0, 2, 3, 5), {}),
+    ((), {}),
+    ((), {0: 11, 2: 2}),
+    ((), {}),
+    ((2,), {}),
+    ((), {}),
+    ((), {}),
+    ((), {}),
+)
+
+
+def continuous_step_logits(
+    device: str, fixed: bool, config: dict = DECODE_MODEL, weights=None, comm=None, block_size: int = 4
+) -> tuple[list, bool]:
+    """The logits (host) of each of ``CONTINUOUS_STEPS``' decode steps over a paged cache on ``device``,
+    float64, at tp = ``comm``'s size (default one process): with ``fixed``, through ``PagedSteps``
+    (each bucket captured as a CUDA graph at its first step where ``cuda_graph.capturable``), else
+    ``step_view``'s eager steps; and whether a graph replayed. ``weights(model)``: as in
+    ``decode_replay_error``."""
+    from .. import cuda_graph
+    from ..comm.mpi import self_comm
+    from ..models import GPTModel, ModelConfig
+    from ..serve.blocks import BlockManager, PagedLayout, Sequence
+    from ..serve.decoding import PagedSteps, decode_slots, step_arguments
+    from ..serve.kv_cache import PagedKVCache, PagedView
+
+    backend.use(device)
+    comm = comm or self_comm()
+    xp, model = backend.xp, GPTModel(ModelConfig(**config), comm, dtype="float64", seed=3)
+    if weights is not None:
+        weights(model)
+    layout, rows, vocab = PagedLayout.of(model.cfg, block_size), 6, config["vocab_size"]
+    units = rows * layout.units_for(model.cfg.max_seq_len) + 1
+    cache, blocks = PagedKVCache.for_model(model, units, layout), BlockManager(units, layout, prefix_caching=False)
+    steps = PagedSteps(model, cache, rows, model.cfg.max_seq_len, cuda_graph.capturable(comm)) if fixed else None
+    rng, seqs, logits = numpy.random.default_rng(7), {}, []
+    for leaving, joining in CONTINUOUS_STEPS:
+        for row in leaving:
+            blocks.release(seqs.pop(row))
+        for row, length in joining.items():
+            seqs[row] = seq = Sequence(len(layout.windows))
+            prompt = rng.integers(0, vocab, length)
+            blocks.reserve(seq, length)
+            view = PagedView(cache, xp.asarray(blocks.slots(seq, length)[:, None]))
+            model.infer(xp.asarray(prompt[None]), xp.arange(length), xp.ones((1, length), dtype=bool), view)
+            blocks.written(seq, prompt.tolist())
+        batch = [seqs[row] for row in sorted(seqs)]
+        for seq in batch:
+            blocks.reserve(seq, seq.length + 1)
+        ids = rng.integers(0, vocab, len(batch))
+        lens, slots = decode_slots(blocks, batch)
+        out = steps.step(ids, lens, slots) if fixed else model.infer(*step_arguments(model, cache, ids, lens, slots))
+        logits.append(backend.to_numpy(out))  # before the next replay overwrites it
+        for seq, token in zip(batch, ids.tolist()):
+            blocks.written(seq, [token])
+    replayed = fixed and steps.uses_graph
+    if fixed:
+        steps.close()
+    return logits, replayed
+
+
+def continuous_replay_error(config: dict = DECODE_MODEL, weights=None) -> tuple[float, bool]:
+    """The device's continuous decode steps through ``PagedSteps`` (each bucket captured at its first
+    step, replayed at the next ones) against the CPU's eager ``step_view`` steps, float64, one process:
+    (worst relative logit error, whether a graph replayed)."""
+    device, replayed = continuous_step_logits("cuda", True, config, weights)
+    host, _ = continuous_step_logits("cpu", False, config, weights)
+    return max(_rel(d, h) for d, h in zip(device, host)), replayed
+
+
+def continuous_step_timings(
+    rows: int, rounds: int = 3, steps: int = 5, preset: str = "w1", dtype: str = "float32"
+) -> dict:
+    """The continuous decode step of model ``preset`` (one process) over a paged cache of blocks of
+    16, ``rows`` requests of a quarter to half its context (W1: 64 to 127 tokens): eager
+    (``step_view``) and through ``PagedSteps`` (its bucket's fixed shapes; replayed from a CUDA graph
+    where ``cuda_graph.capturable``) in alternating rounds, each round the median of ``steps`` steps
+    (the same step again: the same bucket). ms a step, median and range of the rounds; whether the
+    graph replayed."""
+    from .. import cuda_graph
+    from ..comm.mpi import self_comm
+    from ..models import GPTModel, load_config
+    from ..serve.blocks import BlockManager, PagedLayout, Sequence
+    from ..serve.decoding import PagedSteps, decode_slots, step_arguments
+    from ..serve.kv_cache import PagedKVCache
+
+    comm = self_comm()
+    model = GPTModel(load_config(preset), comm, dtype=backend.resolve_dtype(dtype), seed=0)
+    layout = PagedLayout.of(model.cfg, 16)
+    units = rows * layout.units_for(model.cfg.max_seq_len) + 1
+    cache, blocks = PagedKVCache.for_model(model, units, layout), BlockManager(units, layout, prefix_caching=False)
+    batch = [Sequence(len(layout.windows)) for _ in range(rows)]
+    quarter = model.cfg.max_seq_len // 4
+    for i, seq in enumerate(batch):
+        length = quarter + 37 * i % quarter
+        blocks.reserve(seq, length + 1)
+        blocks.written(seq, [0] * length)  # the timing does not read what the slots hold
+    ids, (lens, slots) = numpy.zeros(rows, dtype=numpy.int64), decode_slots(blocks, batch)
+    fixed = PagedSteps(model, cache, rows, model.cfg.max_seq_len, cuda_graph.capturable(comm))
+    paths = {
+        "eager": lambda: model.infer(*step_arguments(model, cache, ids, lens, slots)),
+        "bucketed": lambda: fixed.step(ids, lens, slots),
+    }
+
+    def timed(run) -> float:
+        start = time.perf_counter()
+        run()
+        backend.synchronize()
+        return time.perf_counter() - start
+
+    for run in paths.values():  # the kernels compiled, the bucket's graph captured
+        timed(run)
+        timed(run)
+    times = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, run in paths.items():
+            times[name].append(1e3 * float(numpy.median([timed(run) for _ in range(steps)])))
+    replayed = fixed.uses_graph
+    fixed.close()
+    return {f"{name}_ms": _spread(t) for name, t in times.items()} | {"graph_used": replayed}
+
+
 def decode_timings(batch: int, graphs: bool) -> dict:
     """``bench decode``'s record for W1, prompt 64, 32 timed tokens, float32, one process."""
     from ..comm.mpi import self_comm
@@ -600,7 +737,7 @@ class Report:
         self.checks: list[dict] = []
         self.bench: list[dict] = []
         self.decode: list[dict] = []
-        self.rows: dict[str, list[dict]] = {"flash": [], "peer": []}
+        self.rows: dict[str, list[dict]] = {"continuous": [], "flash": [], "peer": []}
         self.started = time.perf_counter()
 
     def save(self):
@@ -668,6 +805,12 @@ def _bounded(value: float, bound: float, detail: str = ""):
     return ("ok" if value <= bound else "FAIL"), f"{value:.1e}", detail
 
 
+def _replay_check(error: float, replayed: bool, detail: str):
+    """A check row of steps replayed from CUDA graphs against the CPU's: FAIL where none replayed."""
+    result, measured, _ = _bounded(error, TP_TOL)
+    return (result if replayed else "FAIL"), measured, (detail if replayed else "the capture failed: steps ran eagerly")
+
+
 def _worst_of(errors: dict[str, float], bound: float, what: str = ""):
     """A check row from named errors: the worst against ``bound``, every one in the detail."""
     worst = max(errors, key=errors.get)
@@ -711,16 +854,11 @@ def run_checks(report: Report):
 
         report.check(f"{label}training on the device vs CPU, float64", f"{TP_TOL:.0e}", training)
 
-    def decoding():
-        error, replayed = decode_replay_error()
-        result, measured, _ = _bounded(error, TP_TOL)
-        return (
-            (result if replayed else "FAIL"),
-            measured,
-            ("6 steps replayed from one captured CUDA graph" if replayed else "the capture failed: steps ran eagerly"),
-        )
-
-    report.check("decode steps as a CUDA graph vs CPU, float64", f"{TP_TOL:.0e}", decoding)
+    report.check(
+        "decode steps as a CUDA graph vs CPU, float64",
+        f"{TP_TOL:.0e}",
+        lambda: _replay_check(*decode_replay_error(), "6 steps replayed from one captured CUDA graph"),
+    )
 
     def continuous():
         device, host = continuous_completions("cuda"), continuous_completions("cpu")
@@ -732,6 +870,14 @@ def run_checks(report: Report):
         )
 
     report.check("continuous batching vs CPU (rows, prefixes, chunks), float64", "same tokens", continuous)
+
+    report.check(
+        "continuous decode steps as CUDA graphs vs CPU, float64",
+        f"{TP_TOL:.0e}",
+        lambda: _replay_check(
+            *continuous_replay_error(), f"{len(CONTINUOUS_STEPS)} steps of 1-6 rows, a graph a bucket"
+        ),
+    )
     for dtype, model in (("float16", {}), ("bfloat16", {}), ("bfloat16", MOE)):
 
         def mixed(dtype=dtype, model=model):
@@ -920,6 +1066,25 @@ def run_decode_benchmarks(report: Report, batches=(1, 8, 64)):
         print("  " + _decode_cells(row), flush=True)
 
 
+def run_continuous_benchmarks(report: Report, batches=(1, 8, 32)):
+    """W1's continuous decode step eager and replayed per bucket, alternating, at each batch."""
+    for batch in batches:
+        measure = functools.partial(continuous_step_timings, batch)
+        _measured_row(report, "continuous", {"batch": batch}, measure, _continuous_cells)
+
+
+def _continuous_cells(row: dict) -> str:
+    if "error" in row:
+        return f"{row['batch']} rows: failed: {row['error']}"
+    eager, bucketed = row["eager_ms"], row["bucketed_ms"]
+    how = "replayed" if row["graph_used"] else "bucketed, no graph (the capture failed)"
+    return (
+        f"{row['batch']} rows: eager {eager['median']:.3f} ms ({eager['min']:.3f}-{eager['max']:.3f}), "
+        f"{how} {bucketed['median']:.3f} ms ({bucketed['min']:.3f}-{bucketed['max']:.3f}), "
+        f"{eager['median'] / bucketed['median']:.2f}x"
+    )
+
+
 def _graph_cell(row: dict) -> str:
     return "capture failed" if row["graph_step_ms"] is None else f"{row['graph_step_ms']:.2f}"
 
@@ -963,6 +1128,13 @@ def markdown(env, report: Report) -> str:
     if report.decode:
         lines += ["", "W1 decode, float32, prompt 64, 32 timed tokens (median ms a token):", ""]
         lines += [f"- {_decode_cells(d)}" for d in report.decode]
+    if report.rows["continuous"]:
+        lines += [
+            "",
+            "W1 continuous decode step, float32, rows of 64-127 tokens, 3 alternating rounds (ms a step):",
+            "",
+        ]
+        lines += [f"- {_continuous_cells(r)}" for r in report.rows["continuous"]]
     if report.rows["flash"]:
         lines += ["", "Fused attention vs composed, causal, forward + backward, alternating (median and range):", ""]
         lines += [f"- {_flash_cells(r)}" for r in report.rows["flash"]]
@@ -1004,6 +1176,8 @@ def main(argv=None) -> int:
         run_benchmarks(report)
         print("W1 decode, float32, prompt 64, 32 timed tokens:", flush=True)
         run_decode_benchmarks(report)
+        print("W1 continuous decode step, float32, eager vs replayed per bucket:", flush=True)
+        run_continuous_benchmarks(report)
         print("fused attention vs composed, forward + backward:", flush=True)
         run_flash_benchmarks(report)
         if not args.no_peer:

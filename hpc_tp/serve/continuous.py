@@ -71,8 +71,11 @@ step alone reads every weight for a few rows; each layer's attention splits the 
 prefill's [rows, width] and the step's [rows, 1] and runs each as it runs alone, so every request's
 numbers are those of the two passes.
 
-Left for later: the step runs eagerly (its shapes change with the rows' lengths, so no CUDA graph
-is captured, unlike a static batch's steps on a GPU at tp = 1).
+CUDA graphs: on a GPU at tp = 1 a decode step that runs alone (no prompt waiting) goes through
+``decoding.PagedSteps``: padded to the fixed shapes of its bucket (rows up to a power of two, each
+row's slots up to a power of two of blocks), each bucket captured at its first step and replayed after.
+A step riding along a prefill pass runs eagerly, its shapes the pass's; so does every step on the CPU
+and at tp > 1 (``fixed_steps`` asks for the padded steps anywhere: the tests).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ from ..comm.base import on_rank0
 from ..errors import ConfigError
 from ..kernels import functional as F
 from .blocks import SCRATCH, BlockManager, PagedLayout, Sequence
-from .decoding import positions_after, step_view
+from .decoding import decode_slots, paged_steps, step_arguments
 from .generate import _Row, check_request
 from .kv_cache import MixedView, PagedKVCache, PagedView
 
@@ -220,8 +223,11 @@ class ContinuousBatcher:
     docstring). Prompts admitted together are prefilled in batches of at most ``prefill_tokens`` padded
     tokens (default ``PREFILL_TOKENS``, or max_len if more; 1: one at a time). An iteration prefills at
     most ``chunk_tokens`` prompt tokens (default ``CHUNK_TOKENS``), a longer prompt over several
-    iterations, between decode steps (chunked prefill). Collective over the tp group: every rank builds
-    one (the cache is allocated here) and calls ``run``."""
+    iterations, between decode steps (chunked prefill). ``fixed_steps``: a decode step that runs alone
+    goes through ``decoding.PagedSteps`` (its rows and slots padded to a bucket's, replayed from a CUDA
+    graph on a GPU at tp = 1), by default (None) where graphs are captured (``decoding.paged_steps``);
+    the graphs live as long as the batcher (those a warm-up request captured serve the requests after it).
+    Collective over the tp group: every rank builds one (the cache is allocated here) and calls ``run``."""
 
     def __init__(
         self,
@@ -233,6 +239,7 @@ class ContinuousBatcher:
         chunk_tokens: int | None = None,
         block_size: int | None = None,
         kv_cache_memory: float | None = None,
+        fixed_steps: bool | None = None,
     ):
         self.engine, self.model, self.comm = engine, engine.model, engine.comm
         self.max_len = min(self.model.cfg.max_seq_len, max_len or self.model.cfg.max_seq_len)
@@ -245,6 +252,7 @@ class ContinuousBatcher:
         self.layout = PagedLayout.of(self.model.cfg, block_size, self.chunk_tokens)
         units = kv_pool_units(self.model, self.layout, rows, self.max_len, kv_cache_memory)
         self.cache = PagedKVCache.for_model(self.model, units, self.layout)
+        self.steps = paged_steps(self.model, self.cache, rows, self.max_len, fixed_steps)
         self.blocks = BlockManager(units, self.layout, prefix_caching)
         self.kv_bytes = self.comm.allgather_object(self.cache.nbytes)
         self.prefix_caching = prefix_caching
@@ -417,15 +425,18 @@ class ContinuousBatcher:
         empty); with both, their tokens flattened into one row (``MixedView``), so that the weights are
         read once for both. Records the tokens written; returns the logits [len(rows) + len(stepping),
         V]: each prompt's last token in the pass, then each decode row's."""
-        parts = ([self._prefill_part(rows, stops, start)] if rows else []) + (
-            [self._step_part(stepping)] if len(stepping) else []
-        )
-        if len(parts) == 1:
-            ids, positions, mask, view, last = parts[0]
-            out = self.model.infer(ids, positions, mask, view, last=last)
+        if len(stepping) and not rows and self.steps is not None:  # the step alone: its bucket's fixed shapes
+            out = self.steps.step(self.feed[stepping], *self._step_slots(stepping))
         else:
-            ids, positions, view, last = _flattened(parts)
-            out = self.model.infer(ids, positions, None, view, last=last)
+            parts = ([self._prefill_part(rows, stops, start)] if rows else []) + (
+                [self._step_part(stepping)] if len(stepping) else []
+            )
+            if len(parts) == 1:
+                ids, positions, mask, view, last = parts[0]
+                out = self.model.infer(ids, positions, mask, view, last=last)
+            else:
+                ids, positions, view, last = _flattened(parts)
+                out = self.model.infer(ids, positions, None, view, last=last)
         for row, stop in zip(rows, stops):
             self.blocks.written(self.seqs[row], self.prompts[row][start:stop])
         for r in stepping:
@@ -435,15 +446,10 @@ class ContinuousBatcher:
     def _step_part(self, rows):
         """A decode step for ``rows``, each feeding its token at its length (``decoding.step_view``):
         (ids [B, 1], positions [B, 1], key mask, ``PagedView``, None)."""
-        xp = backend.xp
-        lens = numpy.array([self.seqs[r].length for r in rows])
-        shape = (self.layout.lanes, len(rows), int(lens.max()) + 1)
-        slots = numpy.full(shape, SCRATCH, dtype=numpy.int64)  # past a row's own: masked
-        for i, r in enumerate(rows):
-            slots[:, i, : lens[i] + 1] = self.blocks.slots(self.seqs[r], lens[i] + 1)
-        view, visible = step_view(self.cache, lens, slots)
-        ids = xp.asarray(self.feed[rows], dtype=numpy.int64).reshape(-1, 1)
-        return ids, xp.asarray(positions_after(lens, 0, self.model)[:, None]), visible, view, None
+        return (*step_arguments(self.model, self.cache, self.feed[rows], *self._step_slots(rows)), None)
+
+    def _step_slots(self, rows):
+        return decode_slots(self.blocks, [self.seqs[r] for r in rows])
 
     def _prefill_part(self, rows: list[int], stops: list[int], start: int):
         """The prompts of ``rows``, their tokens ``start`` up to ``stops``, right-padded to the longest,
