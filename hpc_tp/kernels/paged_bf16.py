@@ -1,5 +1,6 @@
-"""Decode attention over a bfloat16 paged KV cache at the rate of AVX512_BF16's ``vdpbf16ps``: the
-bfloat16 branch of ``kernels.paged_attention.decode`` where the CPU has the instruction.
+"""Attention over a bfloat16 paged KV cache at the rate of AVX512_BF16's ``vdpbf16ps``: the bfloat16
+branch of ``kernels.paged_attention.decode`` where the CPU has the instruction, and a prefill's
+(``prefill``: each query of a prompt as a decode row of its own, over the keys up to its position).
 
 Per (row, KV head) pair, as the widening kernel does, but each step on 16 float32 lanes:
 
@@ -29,6 +30,7 @@ AVAILABLE = bf16_dot.AVAILABLE
 QUERY_TILE = 4  # query heads of one score or value tile (16 vectors of sums at most)
 KEY_TILE = vector_ir.TILE  # keys of one score tile
 VALUE_COLUMNS = 4 * vector_ir.LANES  # head-dimension columns of one value tile
+PREFILL_QUERIES = 16  # a prefill's queries of one row and KV head that a thread takes together
 # Keys ahead of a score tile whose K rows it asks for. Workload B's decode attention cycling through 30
 # layers' pools (out of cache, as in a step), four runs at load 4-5, each alternating in one process:
 # 0.09-0.25 ms a layer (the runs' fastest rounds) asking for nothing, 0.08-0.15 asking 16 keys ahead
@@ -46,6 +48,32 @@ def decode(q_bits, k_bits, v_bits, slots, counts, out, window, bounds):
     rounded to nearest even once (``half_bits.narrow``, as numpy's cast); each range of ``bounds`` a
     thread's (row, KV head) pairs."""
     threads.run(_decode, _decode_over, (q_bits, k_bits, v_bits, slots, counts, out, window), bounds)
+
+
+def prefills(q, pool) -> bool:
+    """True where ``prefill`` takes these queries and pool: numpy bfloat16 both, on a CPU with the instruction."""
+    return AVAILABLE and all(isinstance(a, numpy.ndarray) and a.dtype == bf16_dot._BF16 for a in (q, pool))
+
+
+def prefill(q, k_pool, v_pool, slots, offset: int, lengths, out, window: int):
+    """A prefill's causal attention on bfloat16 arrays: the (scaled) queries ``q`` [B, hk, g, T, d] at
+    positions ``offset`` .. ``offset`` + T - 1 over each row's keys, row b's key at position p in slot
+    ``slots[b, p]`` of the pools [hk, slots, d] (its new ones written there), of which it holds the
+    first ``lengths[b]``; each query over its last ``window`` positions (0: all). Into ``out`` [B, hk,
+    g, T, d] (any strides: the layer's view), each value rounded once. Threads take ranges of blocks of
+    PREFILL_QUERIES queries of about equal work."""
+    batch, heads, group, count, d = q.shape
+    queries = numpy.ascontiguousarray(q.transpose(0, 1, 3, 2, 4)).view(numpy.uint16)  # a query's heads together
+    rows = numpy.ascontiguousarray(slots, dtype=numpy.int64)  # its tiles address the slots by offset
+    positions = offset + numpy.arange(count)
+    ends = numpy.minimum(positions + 1, numpy.asarray(lengths)[:, None])
+    seen = numpy.maximum(ends - (numpy.maximum(0, positions + 1 - window) if window else 0), 0)
+    work = numpy.add.reduceat(seen, numpy.arange(0, count, PREFILL_QUERIES), axis=1)  # [B, blocks]
+    bounds = threads.balanced(numpy.repeat(work[:, None], heads, axis=1).reshape(-1))
+    lengths = numpy.ascontiguousarray(lengths, dtype=numpy.int64)
+    pools = (k_pool.view(numpy.uint16), v_pool.view(numpy.uint16))
+    args = (queries, *pools, rows, offset, lengths, out.view(numpy.uint16), window)
+    threads.run(_prefill, _prefill_over, args, bounds)
 
 
 if AVAILABLE:
@@ -281,45 +309,87 @@ def _ask_ahead(k, v, head_at, row_slots, d, start, stop):
 
 
 @_jit
+def _attend(q, q_at, k, v, head_at, slots, b, first, n, scores, sums, totals):
+    """``sums`` [group, d] and ``totals`` [group]: the unnormalized attention of the group's query heads
+    (bits from element ``q_at`` of ``q``, ``d`` each) over keys ``first`` .. ``n`` - 1 of row ``b``'s
+    slots, the pools' KV head from element ``head_at``: the scores a tile of keys at a time, each
+    head's softmax, then the weighted rows of V (the caller divides by ``totals``)."""
+    group, d = sums.shape
+    width = slots.shape[1]
+    seen, row_slots = n - first, slots[b, first:n]
+    scores[:, :seen] = 0.0  # the score tiles add into them
+    sums[:] = 0.0
+    for c in range(min(AHEAD, seen)):  # the first keys; the tiles ask for those after
+        _prefetch_row(k, head_at + row_slots[c] * d, d, 1)
+    for j in range(0, group, QUERY_TILE):
+        rows = min(QUERY_TILE, group - j)
+        for t in range(0, seen, KEY_TILE):
+            keys = min(KEY_TILE, seen - t)
+            if j == 0:
+                _ask_ahead(k, v, head_at, row_slots, d, t, t + keys)
+            _score_tiles(
+                q, q_at + j * d, rows, d, k, head_at, slots, b * width + first + t, keys, scores, j * width + t, width
+            )
+        for r in range(j, j + rows):
+            totals[r] = _softmax_row(scores, r * width, seen)
+        for c in range(0, d, VALUE_COLUMNS):
+            cols = min(VALUE_COLUMNS, d - c)
+            at = b * width + first
+            _value_tiles(scores, j * width, width, rows, v, head_at + c, d, cols, slots, at, seen, sums, j * d + c, d)
+
+
+@_jit
 def _decode(q, k, v, slots, counts, out, window, first_pair, last_pair):
     """For (row, KV head) pairs ``first_pair`` .. ``last_pair`` - 1 (pair = row x heads + head): the
-    group's scores a tile of keys at a time, each row's softmax, then the weighted rows of V, divided
-    by the softmax's sum once at the end."""
+    group's attention over the row's last ``window`` keys (``_attend``), divided by the softmax's sum
+    once at the end."""
     heads, group, d = q.shape[1], q.shape[2], q.shape[3]
-    pool, width = k.shape[1], slots.shape[1]
-    scores = numpy.empty((group, width), numpy.float32)  # row j: query head j's scores, then weights
+    scores = numpy.empty((group, slots.shape[1]), numpy.float32)  # row j: query head j's scores, then weights
     sums = numpy.empty((group, d), numpy.float32)
     totals = numpy.empty(group, numpy.float32)
     for pair in range(first_pair, last_pair):
         b, h = pair // heads, pair % heads
         n = counts[b]
         first = max(0, n - window) if window else 0
-        seen, head_at, row_slots = n - first, h * pool * d, slots[b, first:n]
-        scores[:, :seen] = 0.0  # the score tiles add into them
-        sums[:] = 0.0
-        for c in range(min(AHEAD, seen)):  # the pair's first keys; the tiles ask for those after
-            _prefetch_row(k, head_at + row_slots[c] * d, d, 1)
-        for j in range(0, group, QUERY_TILE):
-            rows = min(QUERY_TILE, group - j)
-            q_at = ((b * heads + h) * group + j) * d
-            for t in range(0, seen, KEY_TILE):
-                keys = min(KEY_TILE, seen - t)
-                if j == 0:
-                    _ask_ahead(k, v, head_at, row_slots, d, t, t + keys)
-                _score_tiles(
-                    q, q_at, rows, d, k, head_at, slots, b * width + first + t, keys, scores, j * width + t, width
-                )
-            for r in range(j, j + rows):
-                totals[r] = _softmax_row(scores, r * width, seen)
-            for c in range(0, d, VALUE_COLUMNS):
-                cols = min(VALUE_COLUMNS, d - c)
-                at = b * width + first
-                _value_tiles(
-                    scores, j * width, width, rows, v, head_at + c, d, cols, slots, at, seen, sums, j * d + c, d
-                )
+        _attend(q, (b * heads + h) * group * d, k, v, h * k.shape[1] * d, slots, b, first, n, scores, sums, totals)
         for r in range(group):
             for i in range(d):
                 out[b, h, r, i] = half_bits.narrow(sums[r, i] / totals[r], out)
+
+
+@_jit
+def _prefill(q, k, v, slots, offset, lengths, out, window, first_item, last_item):
+    """For items ``first_item`` .. ``last_item`` - 1 (item = (row x heads + head) x blocks + block, a
+    block PREFILL_QUERIES queries): each query's causal attention (``_attend``) over the keys its
+    position and window let it see among the row's first ``lengths[b]``; a query that sees none gets
+    zeros (as the composed softmax gives a fully masked row)."""
+    heads, count, group, d = q.shape[1], q.shape[2], q.shape[3], q.shape[4]
+    blocks = -(-count // PREFILL_QUERIES)
+    scores = numpy.empty((group, slots.shape[1]), numpy.float32)
+    sums = numpy.empty((group, d), numpy.float32)
+    totals = numpy.empty(group, numpy.float32)
+    for item in range(first_item, last_item):
+        pair, block = item // blocks, item % blocks
+        b, h = pair // heads, pair % heads
+        for t in range(block * PREFILL_QUERIES, min(count, (block + 1) * PREFILL_QUERIES)):
+            position = offset + t
+            n = min(position + 1, lengths[b])
+            first = max(0, position + 1 - window) if window else 0
+            if n > first:
+                q_at, head_at = (pair * count + t) * group * d, h * k.shape[1] * d
+                _attend(q, q_at, k, v, head_at, slots, b, first, n, scores, sums, totals)
+            else:
+                sums[:] = 0.0
+                totals[:] = 1.0
+            for r in range(group):
+                for i in range(d):
+                    out[b, h, r, t, i] = half_bits.narrow(sums[r, i] / totals[r], out)
+
+
+@threads.parallel_jit
+def _prefill_over(q, k, v, slots, offset, lengths, out, window, bounds):
+    for part in threads.prange(bounds.shape[0] - 1):
+        _prefill(q, k, v, slots, offset, lengths, out, window, bounds[part], bounds[part + 1])
 
 
 @threads.parallel_jit

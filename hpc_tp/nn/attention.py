@@ -375,7 +375,7 @@ class ParallelAttention(Module):
     def _attend_cached(self, cache, key_mask, q, k, v, attn):
         """Inference's attention of one batch over ``cache`` (a ``serve.kv_cache`` layer) into ``attn``:
         the cache's own kernel where it has one, else its stored K/V through the core."""
-        if cache.attend(q, k, v, attn, self.window):
+        if self.causal and cache.attend(q, k, v, attn, self.window, key_mask):
             return
         offset, window = cache.offset, self.window
         k, v = cache.store(k, v)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy
 
 from .. import backend
-from ..kernels import cpu_kernels, cuda_kernels, paged_attention
+from ..kernels import cpu_kernels, cuda_kernels, paged_attention, paged_bf16
 from .blocks import PagedLayout
 
 
@@ -36,10 +36,11 @@ class CacheLayer:
     """One layer's view of a cache, the ``cache`` argument of ``ParallelAttention.forward``: ``offset``
     and ``store`` (there), and ``attend``, which a cache with an attention kernel of its own overrides."""
 
-    def attend(self, q, k, v, out, window: int) -> bool:
-        """Store ``k``, ``v`` and write the attention of ``q`` over the cache (each query over its last
-        ``window`` positions; 0: all) into ``out``, where this cache has a kernel for it; False (and
-        nothing done): ``store``, then the layer's own core."""
+    def attend(self, q, k, v, out, window: int, key_mask=None) -> bool:
+        """Store ``k``, ``v`` and write the causal attention of ``q`` over the cache (each query over its
+        last ``window`` positions; 0: all; the keys ``key_mask`` [B, keys] hides left out) into ``out``,
+        where this cache has a kernel for it; False (and nothing done): ``store``, then the layer's own
+        core."""
         return False
 
     def parts(self, q, k, v, out, key_mask):
@@ -210,7 +211,22 @@ class PagedView(_View):
         self.cache, self.write, self.read, self.counts = cache, write, read, counts
         self.query_slots = None if counts is None else backend.xp_of(write).asarray(counts - 1)
         self.offset = 0 if read is None else read.shape[-1] - write.shape[-1]
+        self._held = (None, None)  # (key mask, what ``held`` made of it): every layer of a pass asks
         super().__init__(_PagedLayer, len(cache.place))
+
+    def held(self, key_mask):
+        """How many of its slots each row holds (int64 [B]) where ``key_mask`` [B, K] (None: all) shows
+        each row its first ones, as a right-padded prefill's does; None where it shows others."""
+        if self._held[0] is not key_mask or key_mask is None:
+            batch, keys = self.write.shape[1], self.offset + self.write.shape[2]
+            if key_mask is None:
+                lengths = numpy.full(batch, keys, numpy.int64)
+            else:
+                mask = backend.to_numpy(key_mask)
+                lengths = mask.sum(axis=1, dtype=numpy.int64)
+                lengths = lengths if numpy.array_equal(mask, numpy.arange(keys) < lengths[:, None]) else None
+            self._held = (key_mask, lengths)
+        return self._held[1]
 
 
 class MixedView(_View):
@@ -279,10 +295,27 @@ class _PagedLayer(CacheLayer):
         0), where a decode step's sliding window ends; None for a prefill, whose ``offset`` says it."""
         return self._view.query_slots
 
-    def attend(self, q, k, v, out, window: int) -> bool:
+    def attend(self, q, k, v, out, window: int, key_mask=None) -> bool:
         view = self._view
-        if view.counts is None or not paged_attention.supported(q, view.cache.k):
+        if view.counts is None:
+            return self._prefill(q, k, v, out, window, key_mask)
+        if not paged_attention.supported(q, view.cache.k):
             return False
         keys, values = self._write(k, v)
         paged_attention.decode(q, keys, values, view.read[self._lane], view.counts, out, window)
+        return True
+
+    def _prefill(self, q, k, v, out, window: int, key_mask) -> bool:
+        """A prefill's attention on ``kernels.paged_bf16``'s rows (bfloat16 pools where the CPU has
+        AVX512_BF16) over each row's slots in the pool, where each row's visible keys are its first ones
+        (a right-padded batch's key mask); else False."""
+        view = self._view
+        if not paged_bf16.prefills(q, view.cache.k):
+            return False
+        lengths = view.held(key_mask)
+        if lengths is None:
+            return False
+        keys, values = self._write(k, v)
+        slots = view.write[self._lane] if view.read is None else view.read[self._lane]
+        paged_bf16.prefill(q, keys, values, slots, self.offset, lengths, out, window)
         return True
