@@ -9,7 +9,8 @@ softmax in float32), and float32's fused core (``kernels.cpu_attention``) for re
 The shape is SmolLM2-135M's (9 query heads, 3 KV heads of 64): ``--rows`` prompts of ``--tokens`` tokens
 each, prefilled from slot 0, their K/V in blocks of 16 slots scattered through one pool. Each round runs
 every token count, thread count (``kernels.threads.use``) and path once, ``--repeats`` calls each; a
-line gives the wall time of one layer's call, median [range] over the rounds (wall time: a second
+line gives the time of one layer's call, median [range] over the rounds: at one thread the thread's CPU
+time (on a shared machine a descheduled thread is not the kernel's cost), at more the wall time (a second
 thread's work is not the caller's CPU time; on a loaded machine it includes the waits for a core). No
 time is asserted: the machine is shared and noisy.
 """
@@ -81,10 +82,11 @@ def main():
         for count in counts:
             threads.use(count)
             for name, call in cases.items():
-                start = time.perf_counter()
+                clock = time.thread_time if count == 1 else time.perf_counter
+                start = clock()
                 for _ in range(args.repeats):
                     call()
-                times[name, count].append((time.perf_counter() - start) / args.repeats * 1e3)
+                times[name, count].append((clock() - start) / args.repeats * 1e3)
     for (name, count), values in times.items():
         values = values[1:]
         print(

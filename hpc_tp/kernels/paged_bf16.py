@@ -309,23 +309,24 @@ def _ask_ahead(k, v, head_at, row_slots, d, start, stop):
 
 
 @_jit
-def _attend(q, q_at, k, v, head_at, slots, b, first, n, scores, sums, totals):
+def _attend(q, q_at, k, v, head_at, slots, b, first, n, scores, sums, totals, ask):
     """``sums`` [group, d] and ``totals`` [group]: the unnormalized attention of the group's query heads
     (bits from element ``q_at`` of ``q``, ``d`` each) over keys ``first`` .. ``n`` - 1 of row ``b``'s
     slots, the pools' KV head from element ``head_at``: the scores a tile of keys at a time, each
-    head's softmax, then the weighted rows of V (the caller divides by ``totals``)."""
+    head's softmax, then the weighted rows of V (the caller divides by ``totals``). With ``ask`` the K
+    and V rows are asked for ahead of use (a decode's, from memory; a prefill's were just written)."""
     group, d = sums.shape
     width = slots.shape[1]
     seen, row_slots = n - first, slots[b, first:n]
     scores[:, :seen] = 0.0  # the score tiles add into them
     sums[:] = 0.0
-    for c in range(min(AHEAD, seen)):  # the first keys; the tiles ask for those after
+    for c in range(min(AHEAD, seen) if ask else 0):  # the first keys; the tiles ask for those after
         _prefetch_row(k, head_at + row_slots[c] * d, d, 1)
     for j in range(0, group, QUERY_TILE):
         rows = min(QUERY_TILE, group - j)
         for t in range(0, seen, KEY_TILE):
             keys = min(KEY_TILE, seen - t)
-            if j == 0:
+            if ask and j == 0:
                 _ask_ahead(k, v, head_at, row_slots, d, t, t + keys)
             _score_tiles(
                 q, q_at + j * d, rows, d, k, head_at, slots, b * width + first + t, keys, scores, j * width + t, width
@@ -351,7 +352,9 @@ def _decode(q, k, v, slots, counts, out, window, first_pair, last_pair):
         b, h = pair // heads, pair % heads
         n = counts[b]
         first = max(0, n - window) if window else 0
-        _attend(q, (b * heads + h) * group * d, k, v, h * k.shape[1] * d, slots, b, first, n, scores, sums, totals)
+        _attend(
+            q, (b * heads + h) * group * d, k, v, h * k.shape[1] * d, slots, b, first, n, scores, sums, totals, True
+        )
         for r in range(group):
             for i in range(d):
                 out[b, h, r, i] = half_bits.narrow(sums[r, i] / totals[r], out)
@@ -377,7 +380,7 @@ def _prefill(q, k, v, slots, offset, lengths, out, window, first_item, last_item
             first = max(0, position + 1 - window) if window else 0
             if n > first:
                 q_at, head_at = (pair * count + t) * group * d, h * k.shape[1] * d
-                _attend(q, q_at, k, v, head_at, slots, b, first, n, scores, sums, totals)
+                _attend(q, q_at, k, v, head_at, slots, b, first, n, scores, sums, totals, False)
             else:
                 sums[:] = 0.0
                 totals[:] = 1.0
