@@ -103,10 +103,16 @@ def main():
                 for _ in range(args.repeats):
                     call()
                 times[name, count].append((time.perf_counter() - start) / args.repeats / args.layers * 1e3)
+    report(times)
+
+
+def report(times, width: int = 20):
+    """A line a (case, thread count) of ``times`` (ms a layer, a round each): median [range] of the
+    rounds after the first (it compiles and warms up)."""
     for (name, count), values in times.items():
         values = values[1:]
         print(
-            f"{name:20s} {count} thread(s): {statistics.median(values):.3f} ms "
+            f"{name:{width}s} {count} thread(s): {statistics.median(values):.3f} ms "
             f"[{min(values):.3f}, {max(values):.3f}] a layer"
         )
 

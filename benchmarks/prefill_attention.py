@@ -18,10 +18,10 @@ time is asserted: the machine is shared and noisy.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy
+from paged_attention import report
 
 from hpc_tp.backend import resolve_dtype
 from hpc_tp.comm.mpi import self_comm
@@ -87,12 +87,7 @@ def main():
                 for _ in range(args.repeats):
                     call()
                 times[name, count].append((clock() - start) / args.repeats * 1e3)
-    for (name, count), values in times.items():
-        values = values[1:]
-        print(
-            f"{name:28s} {count} thread(s): {statistics.median(values):.3f} ms "
-            f"[{min(values):.3f}, {max(values):.3f}] a layer"
-        )
+    report(times, 28)
 
 
 if __name__ == "__main__":
