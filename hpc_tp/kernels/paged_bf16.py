@@ -1,6 +1,7 @@
 """Attention over a bfloat16 paged KV cache at the rate of AVX512_BF16's ``vdpbf16ps``: the bfloat16
 branch of ``kernels.paged_attention.decode`` where the CPU has the instruction, and a prefill's
-(``prefill``: each query of a prompt as a decode row of its own, over the keys up to its position).
+(``prefill``: a prompt's query rows, each a query head at a position, in tiles of 4 over the keys the
+tile's positions see, each row's softmax over its own keys).
 
 Per (row, KV head) pair, as the widening kernel does, but each step on 16 float32 lanes:
 
@@ -309,52 +310,42 @@ def _ask_ahead(k, v, head_at, row_slots, d, start, stop):
 
 
 @_jit
-def _attend(q, q_at, k, v, head_at, slots, b, first, n, scores, sums, totals, ask):
-    """``sums`` [group, d] and ``totals`` [group]: the unnormalized attention of the group's query heads
-    (bits from element ``q_at`` of ``q``, ``d`` each) over keys ``first`` .. ``n`` - 1 of row ``b``'s
-    slots, the pools' KV head from element ``head_at``: the scores a tile of keys at a time, each
-    head's softmax, then the weighted rows of V (the caller divides by ``totals``). With ``ask`` the K
-    and V rows are asked for ahead of use (a decode's, from memory; a prefill's were just written)."""
-    group, d = sums.shape
-    width = slots.shape[1]
-    seen, row_slots = n - first, slots[b, first:n]
-    scores[:, :seen] = 0.0  # the score tiles add into them
-    sums[:] = 0.0
-    for c in range(min(AHEAD, seen) if ask else 0):  # the first keys; the tiles ask for those after
-        _prefetch_row(k, head_at + row_slots[c] * d, d, 1)
-    for j in range(0, group, QUERY_TILE):
-        rows = min(QUERY_TILE, group - j)
-        for t in range(0, seen, KEY_TILE):
-            keys = min(KEY_TILE, seen - t)
-            if ask and j == 0:
-                _ask_ahead(k, v, head_at, row_slots, d, t, t + keys)
-            _score_tiles(
-                q, q_at + j * d, rows, d, k, head_at, slots, b * width + first + t, keys, scores, j * width + t, width
-            )
-        for r in range(j, j + rows):
-            totals[r] = _softmax_row(scores, r * width, seen)
-        for c in range(0, d, VALUE_COLUMNS):
-            cols = min(VALUE_COLUMNS, d - c)
-            at = b * width + first
-            _value_tiles(scores, j * width, width, rows, v, head_at + c, d, cols, slots, at, seen, sums, j * d + c, d)
-
-
-@_jit
 def _decode(q, k, v, slots, counts, out, window, first_pair, last_pair):
     """For (row, KV head) pairs ``first_pair`` .. ``last_pair`` - 1 (pair = row x heads + head): the
-    group's attention over the row's last ``window`` keys (``_attend``), divided by the softmax's sum
-    once at the end."""
+    group's scores a tile of keys at a time, each row's softmax, then the weighted rows of V, divided
+    by the softmax's sum once at the end."""
     heads, group, d = q.shape[1], q.shape[2], q.shape[3]
-    scores = numpy.empty((group, slots.shape[1]), numpy.float32)  # row j: query head j's scores, then weights
+    pool, width = k.shape[1], slots.shape[1]
+    scores = numpy.empty((group, width), numpy.float32)  # row j: query head j's scores, then weights
     sums = numpy.empty((group, d), numpy.float32)
     totals = numpy.empty(group, numpy.float32)
     for pair in range(first_pair, last_pair):
         b, h = pair // heads, pair % heads
         n = counts[b]
         first = max(0, n - window) if window else 0
-        _attend(
-            q, (b * heads + h) * group * d, k, v, h * k.shape[1] * d, slots, b, first, n, scores, sums, totals, True
-        )
+        seen, head_at, row_slots = n - first, h * pool * d, slots[b, first:n]
+        scores[:, :seen] = 0.0  # the score tiles add into them
+        sums[:] = 0.0
+        for c in range(min(AHEAD, seen)):  # the pair's first keys; the tiles ask for those after
+            _prefetch_row(k, head_at + row_slots[c] * d, d, 1)
+        for j in range(0, group, QUERY_TILE):
+            rows = min(QUERY_TILE, group - j)
+            q_at = ((b * heads + h) * group + j) * d
+            for t in range(0, seen, KEY_TILE):
+                keys = min(KEY_TILE, seen - t)
+                if j == 0:
+                    _ask_ahead(k, v, head_at, row_slots, d, t, t + keys)
+                _score_tiles(
+                    q, q_at, rows, d, k, head_at, slots, b * width + first + t, keys, scores, j * width + t, width
+                )
+            for r in range(j, j + rows):
+                totals[r] = _softmax_row(scores, r * width, seen)
+            for c in range(0, d, VALUE_COLUMNS):
+                cols = min(VALUE_COLUMNS, d - c)
+                at = b * width + first
+                _value_tiles(
+                    scores, j * width, width, rows, v, head_at + c, d, cols, slots, at, seen, sums, j * d + c, d
+                )
         for r in range(group):
             for i in range(d):
                 out[b, h, r, i] = half_bits.narrow(sums[r, i] / totals[r], out)
@@ -363,30 +354,53 @@ def _decode(q, k, v, slots, counts, out, window, first_pair, last_pair):
 @_jit
 def _prefill(q, k, v, slots, offset, lengths, out, window, first_item, last_item):
     """For items ``first_item`` .. ``last_item`` - 1 (item = (row x heads + head) x blocks + block, a
-    block PREFILL_QUERIES queries): each query's causal attention (``_attend``) over the keys its
-    position and window let it see among the row's first ``lengths[b]``; a query that sees none gets
-    zeros (as the composed softmax gives a fully masked row)."""
+    block PREFILL_QUERIES queries): the causal attention of the block's query rows (a query's heads
+    side by side, [T x g] rows a pair) in tiles of QUERY_TILE rows, each row over the keys its position
+    and window let it see among the row's first ``lengths[b]``: a tile's scores over the keys any of its
+    rows sees, each row's softmax over its own, the others' weights zero, then the weighted rows of V.
+    A query that sees no key gets zeros (as the composed softmax gives a fully masked row)."""
     heads, count, group, d = q.shape[1], q.shape[2], q.shape[3], q.shape[4]
-    blocks = -(-count // PREFILL_QUERIES)
-    scores = numpy.empty((group, slots.shape[1]), numpy.float32)
-    sums = numpy.empty((group, d), numpy.float32)
-    totals = numpy.empty(group, numpy.float32)
+    blocks, width = -(-count // PREFILL_QUERIES), slots.shape[1]
+    scores = numpy.empty((QUERY_TILE, width), numpy.float32)
+    sums = numpy.empty((QUERY_TILE, d), numpy.float32)
+    totals = numpy.empty(QUERY_TILE, numpy.float32)
+    starts, ends = numpy.empty(QUERY_TILE, numpy.int64), numpy.empty(QUERY_TILE, numpy.int64)
     for item in range(first_item, last_item):
         pair, block = item // blocks, item % blocks
         b, h = pair // heads, pair % heads
-        for t in range(block * PREFILL_QUERIES, min(count, (block + 1) * PREFILL_QUERIES)):
-            position = offset + t
-            n = min(position + 1, lengths[b])
-            first = max(0, position + 1 - window) if window else 0
-            if n > first:
-                q_at, head_at = (pair * count + t) * group * d, h * k.shape[1] * d
-                _attend(q, q_at, k, v, head_at, slots, b, first, n, scores, sums, totals, False)
-            else:
-                sums[:] = 0.0
-                totals[:] = 1.0
-            for r in range(group):
+        head_at = h * k.shape[1] * d
+        last_row = min(count, (block + 1) * PREFILL_QUERIES) * group
+        for tile in range(block * PREFILL_QUERIES * group, last_row, QUERY_TILE):
+            rows = min(QUERY_TILE, last_row - tile)
+            low, high = width, 0
+            for r in range(rows):
+                position = offset + (tile + r) // group
+                starts[r] = max(0, position + 1 - window) if window else 0
+                ends[r] = max(starts[r], min(position + 1, lengths[b]))
+                if ends[r] > starts[r]:
+                    low, high = min(low, starts[r]), max(high, ends[r])
+            sums[:] = 0.0
+            totals[:] = 1.0
+            if high > low:
+                seen = high - low
+                scores[:rows, :seen] = 0.0  # the score tiles add into them
+                q_at = (pair * count * group + tile) * d
+                for c in range(0, seen, KEY_TILE):
+                    keys = min(KEY_TILE, seen - c)
+                    _score_tiles(q, q_at, rows, d, k, head_at, slots, b * width + low + c, keys, scores, c, width)
+                for r in range(rows):
+                    if ends[r] > starts[r]:
+                        totals[r] = _softmax_row(scores, r * width + starts[r] - low, ends[r] - starts[r])
+                    scores[r, : max(0, starts[r] - low)] = 0.0
+                    scores[r, max(0, ends[r] - low) : seen] = 0.0
+                for c in range(0, d, VALUE_COLUMNS):
+                    cols = min(VALUE_COLUMNS, d - c)
+                    at = b * width + low
+                    _value_tiles(scores, 0, width, rows, v, head_at + c, d, cols, slots, at, seen, sums, c, d)
+            for r in range(rows):
+                t, j = (tile + r) // group, (tile + r) % group
                 for i in range(d):
-                    out[b, h, r, t, i] = half_bits.narrow(sums[r, i] / totals[r], out)
+                    out[b, h, j, t, i] = half_bits.narrow(sums[r, i] / totals[r], out)
 
 
 @threads.parallel_jit
