@@ -1,13 +1,17 @@
-"""Few-row products of weights kept quantized (``kernels.quantized``) in integer arithmetic, as
-llama.cpp does them: each activation row quantized to int8 per group of QUANT_ROWS inputs (GGUF's
-Q8 blocks: scale = max |a| / 127), the codes dotted with AVX512-VNNI's ``vpdpbusd`` (64 byte products
-summed four by four into sixteen int32 lanes in one instruction), and each group's integer dot
-scaled once.
+"""Products of weights kept quantized (``kernels.quantized``) in integer arithmetic, as llama.cpp does
+them, for decode steps and prefills alike: each activation row quantized to int8 per group of
+QUANT_ROWS inputs (GGUF's Q8 blocks: scale = max |a| / 127), the codes dotted with AVX512-VNNI's
+``vpdpbusd`` (64 byte products summed four by four into sixteen int32 lanes in one instruction), and
+each group's integer dot scaled once. Tiles of 4 rows x 16 columns (and single rows past the last
+whole tile) serve any number of rows: a tile's 16 columns of codes stay in cache while every row
+passes them. A row's quantization is its own and both tiles do a row's float operations in one order
+(``tests/test_quantized.py`` checks the bits), so a row's products are the same in a prefill of any
+size as in a decode step of one row.
 
 ``vpdpbusd`` sums four neighbouring bytes of a lane, so a lane must hold four inputs of one output
 column; the stored codes [K, N] have a column's inputs N bytes apart. ``interleave`` therefore writes
-the codes in another layout (``QuantizedMatrix.pack``, at load, which then keeps that copy only: the
-many-row products dequantize blocks of it, ``dequantize``), in tiles of sixteen columns: in a tile,
+the codes in another layout (``QuantizedMatrix.pack``, at load, which then keeps that copy only;
+float64 activations multiply blocks of it dequantized), in tiles of sixteen columns: in a tile,
 for each group, its quads of inputs (k = 4q .. 4q + 3) side by side, one 64-byte vector a quad, the
 whole of K contiguous, as GGUF's blocks keep a row's inputs together.
 It is unsigned times signed: 8-bit weight codes are stored plus 128 (and 128 times the sum of the
@@ -118,8 +122,9 @@ def deinterleave_columns(values, n: int):
 def dequantize(interleaved, scales, lows, bits: int, n: int, first_group: int, stop_group: int):
     """Weight rows of groups [first_group, stop_group) as float32 [rows, n] from the interleaved
     operands, each w = code * scale (+ min) rounded as ``QuantizedMatrix.dequantize`` rounds it (the
-    product, then the sum): the many-row products multiply these blocks by BLAS, with no other copy
-    of the codes kept."""
+    product, then the sum), with no other copy of the codes kept: ``QuantizedMatrix.dequantize``'s
+    float32 blocks (``quantized.dequantized_matmul``'s, which ``benchmarks/quantized_prefill.py`` times
+    against the integer path)."""
     out = numpy.empty(((stop_group - first_group) * QUANT_ROWS, n), numpy.float32)
     args = (interleaved, scales, lows, bits, out, first_group)
     threads.run(_dequantize, _dequantize_over, args, threads.columns(n, LANES))
@@ -318,6 +323,57 @@ def _tile_dequantize(bits: int):
     return tile
 
 
+@intrinsic
+def _quantize_group(typingctx, a, at, codes, scales, code_sums, sums, s_at):
+    """``quantize_group(a, at, codes, scales, code_sums, sums, s_at)``: the QUANT_ROWS values of
+    float32 ``a`` from element ``at`` as int8 codes into ``codes`` from the same element, their scale,
+    code sum and sum into element ``s_at`` of the others (C-contiguous arrays). numpy's numbers to the
+    bit in vectors: max |a| (exact in any order), scale = max / 127 and codes rint(a / scale) as true
+    divisions (a reciprocal in their place moves codes next to half a step), the integer code sum in
+    any order, and the float sum in the order of the inputs (its rounding is order's)."""
+    if any(array.layout != "C" for array in (a, codes, scales, code_sums, sums)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        f32x16, i32x16 = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
+        at, s_at = args[1], args[6]
+
+        def element(i, index, as_type=None):  # pointer to element ``index`` of array argument i
+            pointer = builder.gep(context.make_array(signature.args[i])(context, builder, args[i]).data, [index])
+            return pointer if as_type is None else builder.bitcast(pointer, as_type.as_pointer())
+
+        def intrinsic_call(name, result, *operands):
+            function = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(result, [o.type for o in operands]), name
+            )
+            return builder.call(function, list(operands))
+
+        halves = [builder.load(element(0, builder.add(at, at.type(h * LANES)), f32x16), align=4) for h in range(2)]
+        magnitudes = [intrinsic_call("llvm.fabs.v16f32", f32x16, half) for half in halves]
+        largest = intrinsic_call(
+            "llvm.vector.reduce.fmax.v16f32", f32, intrinsic_call("llvm.maxnum.v16f32", f32x16, *magnitudes)
+        )
+        scale = builder.fdiv(largest, f32(127))
+        builder.store(scale, element(3, s_at))
+        safe = builder.select(builder.fcmp_ordered(">", scale, f32(0)), scale, f32(1))  # all zero: codes 0
+        one = builder.insert_element(ir.Constant(f32x16, ir.Undefined), safe, i32(0))
+        divisor = builder.shuffle_vector(one, one, ir.Constant(i32x16, None))
+        code_total, total = i32(0), f32(0)
+        for h, half in enumerate(halves):
+            wide = builder.fptosi(intrinsic_call("llvm.rint.v16f32", f32x16, builder.fdiv(half, divisor)), i32x16)
+            narrow = builder.trunc(wide, ir.VectorType(ir.IntType(8), LANES))
+            builder.store(narrow, element(2, builder.add(at, at.type(h * LANES)), narrow.type), align=1)
+            code_total = builder.add(code_total, intrinsic_call("llvm.vector.reduce.add.v16i32", i32, wide))
+            for lane in range(LANES):
+                total = builder.fadd(total, builder.extract_element(half, i32(lane)))
+        builder.store(code_total, element(4, s_at))
+        builder.store(total, element(5, s_at))
+        return context.get_dummy_value()
+
+    return types.void(a, at, codes, scales, code_sums, sums, s_at), codegen
+
+
 _TILE8, _TILE4 = _tile_dequantize(8), _tile_dequantize(4)
 TILE_ROWS = 4  # rows a code vector serves while it is in a register
 _ONE8, _FOUR8, _ONE4, _FOUR4 = (_tile_rows(bits, rows) for bits in (8, 4) for rows in (1, TILE_ROWS))
@@ -326,22 +382,10 @@ _ONE8, _FOUR8, _ONE4, _FOUR4 = (_tile_rows(bits, rows) for bits in (8, 4) for ro
 @_exact_jit
 def _quantize_rows(a, codes, scales, code_sums, sums):
     rows, groups = scales.shape
+    k = a.shape[1]
     for r in range(rows):
         for g in range(groups):
-            values = a[r, g * QUANT_ROWS : (g + 1) * QUANT_ROWS]
-            largest = numpy.float32(0)
-            for i in range(QUANT_ROWS):  # not numpy.abs(values).max(): an array allocated a group
-                largest = max(largest, abs(values[i]))
-            scale = numpy.float32(largest / numpy.float32(127))
-            scales[r, g] = scale
-            safe = scale if scale > 0 else numpy.float32(1)  # an all-zero group: every code 0
-            total, code_total = numpy.float32(0), 0
-            for i in range(QUANT_ROWS):
-                code = numpy.rint(values[i] / safe)
-                codes[r, g * QUANT_ROWS + i] = numpy.int8(code)
-                code_total += numpy.int32(code)
-                total += values[i]
-            code_sums[r, g], sums[r, g] = code_total, total
+            _quantize_group(a, r * k + g * QUANT_ROWS, codes, scales, code_sums, sums, r * groups + g)
 
 
 @_exact_jit
