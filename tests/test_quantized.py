@@ -270,12 +270,13 @@ def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype, float_pro
 @mpi
 @needs_vnni
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_integer_layers_at_tp_give_one_process_numbers(fmt):
-    """One input, int8 activations: the MLP (column-parallel gate and up, row-parallel down: each rank
-    quantizes whole groups of the same numbers) and the int8 head's logits for this rank's vocabulary
-    block equal one process's to float32 rounding."""
+@pytest.mark.parametrize("rows", [3, 100])
+def test_integer_layers_at_tp_give_one_process_numbers(fmt, rows):
+    """One input of a decode step's rows or a prefill's, int8 activations: the MLP (column-parallel
+    gate and up, row-parallel down: each rank quantizes whole groups of the same numbers) and the int8
+    head's logits for this rank's vocabulary block equal one process's to float32 rounding."""
     tp, one = tp_and_reference()
-    x = np.random.default_rng(5).normal(size=(1, 3, CONFIG["hidden"])).astype(np.float32)
+    x = np.random.default_rng(5).normal(size=(1, rows, CONFIG["hidden"])).astype(np.float32)
     model, reference = _quantized_model(tp, fmt, "float32"), _quantized_model(one, fmt, "float32")
     assert max_rel_err(model.layers[0].mlp.forward(x)[0], reference.layers[0].mlp.forward(x)[0]) <= 1e-6
     assert isinstance(model.head._product_weight(), quantized.QuantizedMatrix)
