@@ -69,7 +69,7 @@ def test_product_equals_dequantize_then_numpy(bits, dtype, rows, float_products)
 def _integer_reference(a, w):
     """``int8_dot``'s arithmetic in numpy: rows quantized per group of 32 (scale max |a| / 127, codes
     rounded half to even), integer dots per group with the weight codes, each group's dot scaled, and
-    for 4 bits the minimum times the float sum of the group's activations."""
+    for 4 bits the minimum times the scale times the sum of the group's codes."""
     m, k = a.shape
     groups = a.reshape(m, k // 32, 32)
     scale = np.abs(groups).max(axis=2) / np.float32(127)
@@ -81,7 +81,7 @@ def _integer_reference(a, w):
     dots = np.einsum("mgi,gin->mgn", codes.astype(np.int64), w_codes.reshape(k // 32, 32, -1))
     out = np.einsum("mg,gn,mgn->mn", scale.astype(np.float64), w.scale.astype(np.float64), dots)
     if w.bits == 4:
-        out += groups.astype(np.float64).sum(axis=2) @ w.low
+        out += (scale * codes.sum(axis=2)).astype(np.float64) @ w.low  # float32 sums of codes: exact
     return out
 
 
@@ -138,7 +138,7 @@ def test_activation_codes_are_numpys_rounding_of_the_exact_quotient():
     assert np.array_equal(got_scale, scale)
     assert np.array_equal(codes, want)
     assert np.array_equal(code_sums, want.reshape(64, -1, 32).sum(axis=2, dtype=np.int32))
-    assert np.array_equal(sums, np.cumsum(groups, axis=2, dtype=np.float32)[..., -1])  # in the inputs' order
+    assert np.array_equal(sums, scale * code_sums.astype(np.float32))
 
 
 @pytest.mark.parametrize("integer", [True, False])
@@ -299,8 +299,9 @@ def test_tp_greedy_tokens_equal_one_process(fmt, float_products):
 
 @mpi
 @needs_vnni
-def test_the_batcher_gives_each_request_its_tokens_alone(monkeypatch):
-    """An int8 float32 model on the integer path at tp = the world size: prompts right-padded into one
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_batcher_gives_each_request_its_tokens_alone(fmt, monkeypatch):
+    """A float32 model on the integer path at tp = the world size: prompts right-padded into one
     prefill pass of 100 rows (the product's many-row shape), then decoded together, give each request
     the greedy tokens it has alone (a prefill of its own rows, steps of one row). A row's products do
     not depend on the rows beside it, but attention over the batcher's paged cache rounds otherwise
@@ -316,7 +317,7 @@ def test_the_batcher_gives_each_request_its_tokens_alone(monkeypatch):
         return pick(logits, params, rng)
 
     monkeypatch.setattr(generate, "next_token", spy)
-    engine = Engine(_quantized_model(tp, "int8", "float32"), ByteTokenizer())
+    engine = Engine(_quantized_model(tp, fmt, "float32"), ByteTokenizer())
     prompts = [*PROMPTS, [int(i) for i in np.random.default_rng(6).integers(0, 256, 20)]]
     batched = [SamplingParams(max_new_tokens=6, seed=i) for i in range(len(prompts))]
     together = ContinuousBatcher(engine, len(prompts)).generate(*((prompts, batched) if tp.rank == 0 else ()))
