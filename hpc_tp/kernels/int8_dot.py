@@ -27,7 +27,8 @@ from the codes' sum, as llama.cpp's Q8_1 blocks carry it, d times the sum of the
 rounding of ``a`` to int8 (at most half a step, max |a| / 254, per element) times w to the weights'
 own error. (With the float sum of ``a`` in that term, that rounding was multiplied by w - m instead:
 all of one sign across a 4-bit group's columns, and up to twice |w|; SmolLM2-135M's int4 perplexity at
-windows of 256 was 1.5% above float activations' that way, 0.3% this way.) Float64 activations never take this path (their products keep float sums).
+windows of 256 was 1.5% above float activations' that way, 0.3% this way.) Float64 activations never
+take this path (their products keep float sums).
 ``AVAILABLE`` is True where numba runs and the host has avx512_vnni, unless ``HPC_TP_INT8_DOT=0`` (for
 an A/B, or float activations); elsewhere ``small_m``'s float kernel computes every product.
 """

@@ -258,7 +258,8 @@ def _takes_integer(a) -> bool:
 
 def dequantized_matmul(a, w: QuantizedMatrix, dtype):
     """``a @ W`` as ``dtype`` sums by blocks of W's rows dequantized to ``dtype`` and multiplied by BLAS
-    (cuBLAS for cupy arrays): float64 activations, or many rows without numba."""
+    (cuBLAS for cupy arrays): float64 activations, and many rows where the integer path does not run
+    (no VNNI, no numba, or cupy arrays)."""
     (k, n), xp = w.shape, xp_of(a)
     step = max(1, _BLOCK_BYTES // (dtype.itemsize * n * GROUP_ROWS)) * GROUP_ROWS
     out = xp.zeros((a.shape[0], n), dtype)
