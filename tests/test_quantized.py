@@ -26,6 +26,8 @@ from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.kernels import int8_dot, quantized, small_m, threads
 from hpc_tp.models import GPTModel, ModelConfig
+from hpc_tp.serve import continuous, generate
+from hpc_tp.serve.continuous import ContinuousBatcher
 from hpc_tp.serve.generate import Engine, left_pad
 from hpc_tp.serve.kv_cache import KVCache
 from hpc_tp.serve.loading import load_for_inference
@@ -67,7 +69,7 @@ def test_product_equals_dequantize_then_numpy(bits, dtype, rows, float_products)
 def _integer_reference(a, w):
     """``int8_dot``'s arithmetic in numpy: rows quantized per group of 32 (scale max |a| / 127, codes
     rounded half to even), integer dots per group with the weight codes, each group's dot scaled, and
-    for 4 bits the minimum times the float sum of the group's activations."""
+    for 4 bits the minimum times the scale times the sum of the group's codes."""
     m, k = a.shape
     groups = a.reshape(m, k // 32, 32)
     scale = np.abs(groups).max(axis=2) / np.float32(127)
@@ -79,17 +81,17 @@ def _integer_reference(a, w):
     dots = np.einsum("mgi,gin->mgn", codes.astype(np.int64), w_codes.reshape(k // 32, 32, -1))
     out = np.einsum("mg,gn,mgn->mn", scale.astype(np.float64), w.scale.astype(np.float64), dots)
     if w.bits == 4:
-        out += groups.astype(np.float64).sum(axis=2) @ w.low
+        out += (scale * codes.sum(axis=2)).astype(np.float64) @ w.low  # float32 sums of codes: exact
     return out
 
 
 @needs_vnni
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 17, 64, 130])
 def test_integer_product_equals_numpy_doing_its_arithmetic(bits, rows):
-    """float32 activations, 1-64 rows (tiles of four and single rows): products to float32 rounding
-    (one activation code off by one would move a product by about 1e-3); 200 columns leave a partial
-    tile of 16. The product's distance from the float one stays within what rounding ``a`` to
+    """float32 activations, 1-130 rows (tiles of four and single rows; a decode step's rows and a
+    prefill's): products to float32 rounding (one activation code off by one would move a product by
+    about 1e-3); 200 columns leave a partial tile of 16. The product's distance from the float one stays within what rounding ``a`` to
     half a step (max |a| / 254 per group) can move it: sum over k of that half step times |w|."""
     rng = np.random.default_rng(rows)
     w = quantized.quantize(rng.normal(size=(192, 200)), bits)
@@ -100,6 +102,20 @@ def test_integer_product_equals_numpy_doing_its_arithmetic(bits, rows):
     dense = w.dequantize(dtype=np.float64)
     half_step = np.repeat(np.abs(a.reshape(rows, -1, 32)).max(axis=2) / 254, 32, axis=1)
     assert (np.abs(got - a.astype(np.float64) @ dense) <= half_step @ np.abs(dense) * 1.001 + 1e-5).all()
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_rows_products_are_the_same_bits_whatever_rows_are_beside_it(bits):
+    """Each row is quantized by itself and a tile of four rows does a row's float operations as the
+    one-row tile does: the rows of a prefill-sized product (130 rows) and of a decode step's (5) equal
+    the row multiplied alone bit for bit."""
+    rng = np.random.default_rng(bits)
+    w = quantized.quantize(rng.normal(size=(192, 200)), bits)
+    a = (rng.normal(size=(130, 192)) * rng.uniform(0.01, 10, size=(1, 192))).astype(np.float32)
+    alone = np.concatenate([quantized.matmul(a[i : i + 1], w) for i in range(a.shape[0])])
+    for rows in (5, 130):
+        assert np.array_equal(quantized.matmul(a[:rows], w), alone[:rows]), rows
 
 
 @needs_vnni
@@ -118,10 +134,11 @@ def test_activation_codes_are_numpys_rounding_of_the_exact_quotient():
     a = groups.reshape(64, -1)
     scale = np.abs(groups).max(axis=2) / np.float32(127)
     want = np.rint(groups / scale[..., None]).astype(np.int8).reshape(64, -1)
-    codes, got_scale, code_sums, _ = int8_dot._quantized(a)
+    codes, got_scale, code_sums, sums = int8_dot._quantized(a)
     assert np.array_equal(got_scale, scale)
     assert np.array_equal(codes, want)
     assert np.array_equal(code_sums, want.reshape(64, -1, 32).sum(axis=2, dtype=np.int32))
+    assert np.array_equal(sums, scale * code_sums.astype(np.float32))
 
 
 @pytest.mark.parametrize("integer", [True, False])
@@ -155,7 +172,7 @@ def test_kernels_write_only_their_column_range(bits, integer):
 
 @needs_vnni
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 100])
 def test_the_integer_kernel_gives_the_same_bits_at_any_thread_count(bits, rows):
     """Each column is summed by whichever thread takes its range, in one order: the same bits at 1, 2
     and 3 threads, with more ranges than threads and a ragged last tile."""
@@ -253,12 +270,13 @@ def test_tp_gives_one_process_logits_at_the_same_precision(fmt, dtype, float_pro
 @mpi
 @needs_vnni
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_integer_layers_at_tp_give_one_process_numbers(fmt):
-    """One input, int8 activations: the MLP (column-parallel gate and up, row-parallel down: each rank
-    quantizes whole groups of the same numbers) and the int8 head's logits for this rank's vocabulary
-    block equal one process's to float32 rounding."""
+@pytest.mark.parametrize("rows", [3, 100])
+def test_integer_layers_at_tp_give_one_process_numbers(fmt, rows):
+    """One input of a decode step's rows or a prefill's, int8 activations: the MLP (column-parallel
+    gate and up, row-parallel down: each rank quantizes whole groups of the same numbers) and the int8
+    head's logits for this rank's vocabulary block equal one process's to float32 rounding."""
     tp, one = tp_and_reference()
-    x = np.random.default_rng(5).normal(size=(1, 3, CONFIG["hidden"])).astype(np.float32)
+    x = np.random.default_rng(5).normal(size=(1, rows, CONFIG["hidden"])).astype(np.float32)
     model, reference = _quantized_model(tp, fmt, "float32"), _quantized_model(one, fmt, "float32")
     assert max_rel_err(model.layers[0].mlp.forward(x)[0], reference.layers[0].mlp.forward(x)[0]) <= 1e-6
     assert isinstance(model.head._product_weight(), quantized.QuantizedMatrix)
@@ -279,20 +297,53 @@ def test_tp_greedy_tokens_equal_one_process(fmt, float_products):
     assert ids_tp == [c.ids for c in out_one[0]]
 
 
+@mpi
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_batcher_gives_each_request_its_tokens_alone(fmt, monkeypatch):
+    """A float32 model on the integer path at tp = the world size: prompts right-padded into one
+    prefill pass of 100 rows (the product's many-row shape), then decoded together, give each request
+    the greedy tokens it has alone (a prefill of its own rows, steps of one row). A row's products do
+    not depend on the rows beside it, but attention over the batcher's paged cache rounds otherwise
+    than over the engine's, and an activation that this moves across half a step takes the next code:
+    the logits move by about 1% where that happens (a row mixed up with another's would move them by
+    their whole size)."""
+    monkeypatch.setattr(continuous, "PASS_TOKENS", 1000)  # every prompt in one prefill pass
+    tp, _ = tp_and_reference()
+    chosen, pick = {}, generate.next_token
+
+    def spy(logits, params, rng):
+        chosen.setdefault(params.seed, []).append(np.array(logits))
+        return pick(logits, params, rng)
+
+    monkeypatch.setattr(generate, "next_token", spy)
+    engine = Engine(_quantized_model(tp, fmt, "float32"), ByteTokenizer())
+    prompts = [*PROMPTS, [int(i) for i in np.random.default_rng(6).integers(0, 256, 20)]]
+    batched = [SamplingParams(max_new_tokens=6, seed=i) for i in range(len(prompts))]
+    together = ContinuousBatcher(engine, len(prompts)).generate(*((prompts, batched) if tp.rank == 0 else ()))
+    for i, ids in enumerate(prompts):
+        params = [SamplingParams(max_new_tokens=6, seed=len(prompts) + i)]
+        alone = engine.generate(*(([ids], params) if tp.rank == 0 else ()))
+        if tp.rank == 0:
+            assert together[i][0].ids == alone[0][0].ids, i
+            assert max(max_rel_err(a, b) for a, b in zip(chosen[i], chosen[len(prompts) + i])) <= 0.05
+
+
 @needs_vnni
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n", [200, 64])
 def test_a_packed_matrix_keeps_one_copy_of_the_stored_numbers(bits, n):
     """``pack``: the stored arrays dropped; the parts written back out equal them, blocks of rows
     dequantized from the packed layout (at 1 and 2 threads, float32 and float64) equal the stored
-    layout's bit for bit, and so do the products of many rows (200 columns: a partial tile)."""
+    layout's bit for bit, and so do the products of many rows by those blocks (200 columns: a partial
+    tile)."""
     rng = np.random.default_rng(n + bits)
     w = quantized.quantize(rng.normal(size=(192, n)), bits)
     stored = {part: a.copy() for part, a in w.arrays()}
     blocks = [(0, 192, np.float32), (32, 128, np.float32), (64, 192, np.float64)]
     want = [w.dequantize(start, stop, dtype) for start, stop, dtype in blocks]
     many = rng.normal(size=(small_m.MAX_ROWS + 7, 192)).astype(np.float32)
-    product = quantized.matmul(many, w)
+    product = quantized.dequantized_matmul(many, w, np.dtype(np.float32))
     assert w.pack() and w.codes is None and w.scale is None and w.low is None
     for part, a in w.arrays():
         assert a.dtype == stored[part].dtype and np.array_equal(a, stored[part]), part
@@ -305,7 +356,7 @@ def test_a_packed_matrix_keeps_one_copy_of_the_stored_numbers(bits, n):
                 assert got.dtype == block.dtype and np.array_equal(got, block), (count, start, stop)
     finally:
         threads.use(before)
-    assert np.array_equal(quantized.matmul(many, w), product)
+    assert np.array_equal(quantized.dequantized_matmul(many, w, np.dtype(np.float32)), product)
 
 
 @needs_vnni

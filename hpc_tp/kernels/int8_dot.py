@@ -1,13 +1,17 @@
-"""Few-row products of weights kept quantized (``kernels.quantized``) in integer arithmetic, as
-llama.cpp does them: each activation row quantized to int8 per group of QUANT_ROWS inputs (GGUF's
-Q8 blocks: scale = max |a| / 127), the codes dotted with AVX512-VNNI's ``vpdpbusd`` (64 byte products
-summed four by four into sixteen int32 lanes in one instruction), and each group's integer dot
-scaled once.
+"""Products of weights kept quantized (``kernels.quantized``) in integer arithmetic, as llama.cpp does
+them, for decode steps and prefills alike: each activation row quantized to int8 per group of
+QUANT_ROWS inputs (GGUF's Q8 blocks: scale = max |a| / 127), the codes dotted with AVX512-VNNI's
+``vpdpbusd`` (64 byte products summed four by four into sixteen int32 lanes in one instruction), and
+each group's integer dot scaled once. Tiles of 4 rows x 16 columns (and single rows past the last
+whole tile) serve any number of rows: a tile's 16 columns of codes stay in cache while every row
+passes them. A row's quantization is its own and both tiles do a row's float operations in one order
+(``tests/test_quantized.py`` checks the bits), so a row's products are the same in a prefill of any
+size as in a decode step of one row.
 
 ``vpdpbusd`` sums four neighbouring bytes of a lane, so a lane must hold four inputs of one output
 column; the stored codes [K, N] have a column's inputs N bytes apart. ``interleave`` therefore writes
-the codes in another layout (``QuantizedMatrix.pack``, at load, which then keeps that copy only: the
-many-row products dequantize blocks of it, ``dequantize``), in tiles of sixteen columns: in a tile,
+the codes in another layout (``QuantizedMatrix.pack``, at load, which then keeps that copy only;
+float64 activations multiply blocks of it dequantized), in tiles of sixteen columns: in a tile,
 for each group, its quads of inputs (k = 4q .. 4q + 3) side by side, one 64-byte vector a quad, the
 whole of K contiguous, as GGUF's blocks keep a row's inputs together.
 It is unsigned times signed: 8-bit weight codes are stored plus 128 (and 128 times the sum of the
@@ -16,10 +20,15 @@ low nibbles of a group's 256 bytes its quads 0..3 and the high ones its quads 4.
 
 Per output column j and row r, group g of weight scale s, minimum m (4 bits) and activation scale t:
 
-    y[r, j] += t * s * (sum_k code_a * code_w) + m * sum_k a      (the last sum in float, of ``a``)
+    y[r, j] += t * s * (sum_k code_a * code_w) + m * (t * sum_k code_a)
 
-which adds the rounding of ``a`` to int8 (at most half a step, max |a| / 254, per element) to the
-weights' own. Float64 activations never take this path (their products keep float sums).
+the quantized activations dotted with the dequantized weights w = s * code_w + m (the minimum's term
+from the codes' sum, as llama.cpp's Q8_1 blocks carry it, d times the sum of the codes), which adds the
+rounding of ``a`` to int8 (at most half a step, max |a| / 254, per element) times w to the weights'
+own error. (With the float sum of ``a`` in that term, that rounding was multiplied by w - m instead:
+all of one sign across a 4-bit group's columns, and up to twice |w|; SmolLM2-135M's int4 perplexity at
+windows of 256 was 1.5% above float activations' that way, 0.3% this way.) Float64 activations never
+take this path (their products keep float sums).
 ``AVAILABLE`` is True where numba runs and the host has avx512_vnni, unless ``HPC_TP_INT8_DOT=0`` (for
 an A/B, or float activations); elsewhere ``small_m``'s float kernel computes every product.
 """
@@ -118,8 +127,9 @@ def deinterleave_columns(values, n: int):
 def dequantize(interleaved, scales, lows, bits: int, n: int, first_group: int, stop_group: int):
     """Weight rows of groups [first_group, stop_group) as float32 [rows, n] from the interleaved
     operands, each w = code * scale (+ min) rounded as ``QuantizedMatrix.dequantize`` rounds it (the
-    product, then the sum): the many-row products multiply these blocks by BLAS, with no other copy
-    of the codes kept."""
+    product, then the sum), with no other copy of the codes kept: ``QuantizedMatrix.dequantize``'s
+    float32 blocks (``quantized.dequantized_matmul``'s, which ``benchmarks/quantized_prefill.py`` times
+    against the integer path)."""
     out = numpy.empty(((stop_group - first_group) * QUANT_ROWS, n), numpy.float32)
     args = (interleaved, scales, lows, bits, out, first_group)
     threads.run(_dequantize, _dequantize_over, args, threads.columns(n, LANES))
@@ -165,7 +175,7 @@ def _tile_rows(bits: int, rows: int):
     values into float32 ``out`` from element o_at + r * o_stride. Offsets
     are in elements of C-contiguous arrays: the tile's codes (uint8 ``weights`` from ``w_at``,
     ``group_bytes(bits)`` a group), the first row's codes (int8 ``acts`` [M, K] from ``a_at``), its
-    per-group scales, code sums and sums ([M, groups] from ``s_at``), the tile's per-group scales and
+    per-group scales, code sums and scaled code sums ([M, groups] from ``s_at``), the tile's per-group scales and
     minimums ([tiles, groups, LANES] from ``c_at``, float32 or float16 bits). Each code vector is loaded (and for 4 bits
     split into nibbles) once for all rows, and the sums stay in registers over the groups: one
     vpdpbusd a quad and row, a multiply-add a group and row."""
@@ -318,6 +328,55 @@ def _tile_dequantize(bits: int):
     return tile
 
 
+@intrinsic
+def _quantize_group(typingctx, a, at, codes, scales, code_sums, sums, s_at):
+    """``quantize_group(a, at, codes, scales, code_sums, sums, s_at)``: the QUANT_ROWS values of
+    float32 ``a`` from element ``at`` as int8 codes into ``codes`` from the same element, their scale,
+    code sum and scale times code sum into element ``s_at`` of the others (C-contiguous arrays).
+    numpy's numbers to the bit in vectors: max |a| (exact in any order), scale = max / 127 and codes
+    rint(a / scale) as true divisions (a reciprocal in their place moves codes next to half a step),
+    and the integer code sum in any order."""
+    if any(array.layout != "C" for array in (a, codes, scales, code_sums, sums)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        f32x16, i32x16 = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
+        at, s_at = args[1], args[6]
+
+        def element(i, index, as_type=None):  # pointer to element ``index`` of array argument i
+            pointer = builder.gep(context.make_array(signature.args[i])(context, builder, args[i]).data, [index])
+            return pointer if as_type is None else builder.bitcast(pointer, as_type.as_pointer())
+
+        def intrinsic_call(name, result, *operands):
+            function = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(result, [o.type for o in operands]), name
+            )
+            return builder.call(function, list(operands))
+
+        halves = [builder.load(element(0, builder.add(at, at.type(h * LANES)), f32x16), align=4) for h in range(2)]
+        magnitudes = [intrinsic_call("llvm.fabs.v16f32", f32x16, half) for half in halves]
+        largest = intrinsic_call(
+            "llvm.vector.reduce.fmax.v16f32", f32, intrinsic_call("llvm.maxnum.v16f32", f32x16, *magnitudes)
+        )
+        scale = builder.fdiv(largest, f32(127))
+        builder.store(scale, element(3, s_at))
+        safe = builder.select(builder.fcmp_ordered(">", scale, f32(0)), scale, f32(1))  # all zero: codes 0
+        one = builder.insert_element(ir.Constant(f32x16, ir.Undefined), safe, i32(0))
+        divisor = builder.shuffle_vector(one, one, ir.Constant(i32x16, None))
+        code_total = i32(0)
+        for h, half in enumerate(halves):
+            wide = builder.fptosi(intrinsic_call("llvm.rint.v16f32", f32x16, builder.fdiv(half, divisor)), i32x16)
+            narrow = builder.trunc(wide, ir.VectorType(ir.IntType(8), LANES))
+            builder.store(narrow, element(2, builder.add(at, at.type(h * LANES)), narrow.type), align=1)
+            code_total = builder.add(code_total, intrinsic_call("llvm.vector.reduce.add.v16i32", i32, wide))
+        builder.store(code_total, element(4, s_at))
+        builder.store(builder.fmul(scale, builder.sitofp(code_total, f32)), element(5, s_at))
+        return context.get_dummy_value()
+
+    return types.void(a, at, codes, scales, code_sums, sums, s_at), codegen
+
+
 _TILE8, _TILE4 = _tile_dequantize(8), _tile_dequantize(4)
 TILE_ROWS = 4  # rows a code vector serves while it is in a register
 _ONE8, _FOUR8, _ONE4, _FOUR4 = (_tile_rows(bits, rows) for bits in (8, 4) for rows in (1, TILE_ROWS))
@@ -326,28 +385,16 @@ _ONE8, _FOUR8, _ONE4, _FOUR4 = (_tile_rows(bits, rows) for bits in (8, 4) for ro
 @_exact_jit
 def _quantize_rows(a, codes, scales, code_sums, sums):
     rows, groups = scales.shape
+    k = a.shape[1]
     for r in range(rows):
         for g in range(groups):
-            values = a[r, g * QUANT_ROWS : (g + 1) * QUANT_ROWS]
-            largest = numpy.float32(0)
-            for i in range(QUANT_ROWS):  # not numpy.abs(values).max(): an array allocated a group
-                largest = max(largest, abs(values[i]))
-            scale = numpy.float32(largest / numpy.float32(127))
-            scales[r, g] = scale
-            safe = scale if scale > 0 else numpy.float32(1)  # an all-zero group: every code 0
-            total, code_total = numpy.float32(0), 0
-            for i in range(QUANT_ROWS):
-                code = numpy.rint(values[i] / safe)
-                codes[r, g * QUANT_ROWS + i] = numpy.int8(code)
-                code_total += numpy.int32(code)
-                total += values[i]
-            code_sums[r, g], sums[r, g] = code_total, total
+            _quantize_group(a, r * k + g * QUANT_ROWS, codes, scales, code_sums, sums, r * groups + g)
 
 
 @_exact_jit
 def _quantized(a):
-    """``a`` [M, K] as int8 codes per group of QUANT_ROWS, with each group's scale, code sum and sum
-    (once a product, whatever its ranges)."""
+    """``a`` [M, K] as int8 codes per group of QUANT_ROWS, with each group's scale, code sum and scale
+    times code sum (once a product, whatever its ranges)."""
     rows, k = a.shape
     groups = k // QUANT_ROWS
     codes = numpy.empty((rows, k), numpy.int8)

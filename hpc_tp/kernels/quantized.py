@@ -17,16 +17,17 @@ second rounding. Any other weight is quantized here by those formats' rules: 8 b
 (scale = max |w| / 127, Q8_0's), 4 bits between the group's minimum and maximum (scale =
 (max - min) / 15, Q4_1's). A tp split along K must fall between groups (the layers check it).
 
-Products: a few rows (decoding) of float32 (or half) activations, where the CPU has AVX512-VNNI,
-through ``int8_dot``: the activations quantized to int8 per group and dotted with the codes in integer
-arithmetic, from the codes, scales and minimums in the layout ``int8_dot.interleave`` writes
-(``QuantizedMatrix.pack``: at load for a model that serves, ``tensor_parallel.packing``). A packed
-matrix keeps that layout only: its many-row products (prefill) dequantize blocks of rows from it
-(``int8_dot.dequantize``) and its stored layout is written back out only when read (``part``: a
-checkpoint save). Float64 activations, or a CPU without VNNI, through ``small_m.quantized_matmul``
-from the stored layout, which widens the codes in registers and reads every code once for all rows;
-many rows (prefill), or without numba, or on a GPU: blocks of weight rows dequantized elementwise
-(numpy or cupy) and multiplied by BLAS or cuBLAS.
+Products of float32 (or half) activations, where the CPU has AVX512-VNNI, any number of rows (decode
+steps and prefills alike), through ``int8_dot``: the activations quantized to int8 per group and
+dotted with the codes in integer arithmetic, from the codes, scales and minimums in the layout
+``int8_dot.interleave`` writes (``QuantizedMatrix.pack``: at load for a model that serves,
+``tensor_parallel.packing``). A packed matrix keeps that layout only: its stored layout is written
+back out only when read (``part``: a checkpoint save), and float64 activations multiply blocks of
+rows dequantized from it. Float64 activations, or a CPU without VNNI, through
+``small_m.quantized_matmul`` from the stored layout, which widens the codes in registers and reads
+every code once for all rows; many rows (prefill) of those, or without numba, or on a GPU: blocks of
+weight rows dequantized elementwise (numpy or cupy) and multiplied by BLAS or cuBLAS
+(``dequantized_matmul``).
 """
 
 from __future__ import annotations
@@ -238,8 +239,8 @@ def warm_up(dtype):
 def matmul(a, w: QuantizedMatrix):
     """``a @ W`` for ``a`` [M, K]: float64 sums for float64 ``a``, else float32 (from int8 activations
     where ``int8_dot.AVAILABLE``)."""
-    # the decode path first, with nothing computed before it: a step makes four such calls a layer
-    if small_m.takes_quantized(a) and a.dtype != numpy.float64 and w.pack():
+    # the integer path first, with nothing computed before it: a decode step makes four such calls a layer
+    if _takes_integer(a) and w.pack():
         # (a matrix that was not packed at load, a model built in process, is packed at its first product)
         p = w.packed
         return int8_dot.matmul(numpy.ascontiguousarray(a, numpy.float32), p.codes, p.scales, p.lows, w.bits, p.n)
@@ -247,6 +248,18 @@ def matmul(a, w: QuantizedMatrix):
     if small_m.takes_quantized(a) and w.packed is None:
         low = w.scale[:0] if w.low is None else w.low  # 8 bits: no minimums, an empty operand
         return small_m.quantized_matmul(a, w.codes, w.scale.reshape(-1), low.reshape(-1), dtype)
+    return dequantized_matmul(a, w, dtype)
+
+
+def _takes_integer(a) -> bool:
+    """True for a numpy 2-D operand of float32 or half activations (any number of rows)."""
+    return isinstance(a, numpy.ndarray) and a.ndim == 2 and a.dtype.kind in "fV" and a.dtype != numpy.float64
+
+
+def dequantized_matmul(a, w: QuantizedMatrix, dtype):
+    """``a @ W`` as ``dtype`` sums by blocks of W's rows dequantized to ``dtype`` and multiplied by BLAS
+    (cuBLAS for cupy arrays): float64 activations, and many rows where the integer path does not run
+    (no VNNI, no numba, or cupy arrays)."""
     (k, n), xp = w.shape, xp_of(a)
     step = max(1, _BLOCK_BYTES // (dtype.itemsize * n * GROUP_ROWS)) * GROUP_ROWS
     out = xp.zeros((a.shape[0], n), dtype)
