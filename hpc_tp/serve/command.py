@@ -155,7 +155,7 @@ def run(args) -> int:
     # The model and the engine load only when the command runs (``hpc-tp --help`` imports this module).
     from .continuous import ContinuousBatcher
     from .generate import Engine, check_request
-    from .loading import load_for_inference, warm_up
+    from .loading import WARM_UP_SLOTS, load_for_inference, warm_up
     from .sampling import SamplingParams
 
     if args.batch_size < 1:
@@ -184,9 +184,8 @@ def run(args) -> int:
     mine = []
     if args.batching == "continuous":  # each replica its share of the prompts, rows refilled as they finish
         share = list(range(grid.coords.dp, len(work), grid.dp_size))
-        # its rows' slots, and the warm-up's three (two prompt tokens, two new)
         longest = max((len(work[i][0]) + params[i].max_new_tokens - 1 for i in share), default=1)
-        longest = min(max(longest, 3), model.cfg.max_seq_len)
+        longest = min(max(longest, WARM_UP_SLOTS), model.cfg.max_seq_len)  # its rows' slots, and the warm-up's
         batcher = ContinuousBatcher(
             engine,
             max(1, min(args.batch_size, len(share))),

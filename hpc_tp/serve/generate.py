@@ -78,8 +78,8 @@ class _Row:
     def __init__(self, params: SamplingParams, tokenizer, prompt_ids=()):
         self.params, self.tokenizer, self.prompt_ids = params, tokenizer, prompt_ids
         self.rng = numpy.random.default_rng(params.seed)
-        self.ids: list[int] = []
         self._text = TextSoFar(tokenizer)
+        self.ids: list[int] = self._text.ids  # the tokens kept, appended by ``_text.add``
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.text, self.finish, self.emitted, self.done_at = "", None, 0, None
         self.mask = params.grammar.mask_for(tokenizer) if params.grammar is not None else None
@@ -128,10 +128,9 @@ class _Row:
         if not self.params.ignore_eos and token in self.tokenizer.stop_ids:
             self.finish = "stop"
             return
-        self.ids.append(token)
+        text = self._text.add(token)  # appends the token to ``ids``
         if self.mask is not None:
             self.mask.accept(token)
-        text = self._text.add(token)
         cuts = [text.find(s) for s in self.params.stop if s in text]
         if cuts:
             text, self.finish = text[: min(cuts)], "stop"

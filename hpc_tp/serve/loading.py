@@ -99,6 +99,9 @@ def load_for_inference(args, opened=None):
     return grid, model, tokenizer
 
 
+WARM_UP_SLOTS = 3  # the warm-up request's: two prompt tokens, then two new (the last never fed back)
+
+
 def warm_up(model, batcher):
     """The decode kernels of ``model``'s dtype compiled or loaded from numba's cache, then one tiny
     request through a continuous ``batcher`` (collective over its group: the prefill's and the step's
@@ -109,7 +112,7 @@ def warm_up(model, batcher):
     for kernels in (small_m, paged_attention, bf16_dot, f32_dot, *((quantized,) if model.cfg.quantize else ())):
         kernels.warm_up(model.dtype)
     # static batches decode through the same Engine kernels; a row shorter than the request cannot take it
-    if not hasattr(batcher, "generate") or getattr(batcher, "max_len", 3) < 3:
+    if not hasattr(batcher, "generate") or getattr(batcher, "max_len", WARM_UP_SLOTS) < WARM_UP_SLOTS:
         return
     leader = batcher.comm.rank == 0
     params = [SamplingParams(max_new_tokens=2, ignore_eos=True)]
