@@ -11,7 +11,8 @@ replays the graph. What ``work`` must be for that (``serve.decoding.FixedStep``,
   copied into them beforehand), and Python values it bakes into launches (shapes, offsets,
   scalars) do not change between calls;
 - no host work on device data: no sync, no value read back (a cupy boolean mask's hit count is
-  one), no collective the graph cannot hold (MPI runs on the host);
+  one), no collective the graph cannot hold: NCCL's are queued on the stream and captured with the
+  kernels (``comm.nccl``), MPI's run on the host (``capturable`` says which groups a work may use);
 - its temporaries come from a memory pool of its own, which nothing else uses while the graph
   lives, so no other array can take an address the graph writes between replays (PyTorch's
   private graph pool); the eager first call fills that pool on the capture stream, so the kernels
@@ -35,11 +36,12 @@ def enabled() -> bool:
     return os.environ.get("HPC_TP_CUDA_GRAPHS", "1") != "0"
 
 
-def capturable(comm) -> bool:
-    """Whether work whose collectives go over ``comm`` can be captured here: on a GPU, in a group of
-    one (MPI collectives run on the host; NCCL ones could be captured, but no NCCL group of two
-    cards has run here)."""
-    return backend.device == "cuda" and comm.size == 1
+def capturable(*groups) -> bool:
+    """Whether work whose collectives go over ``groups`` can be captured here: on a GPU, where each
+    group is one rank (its collectives call nothing) or queues its device collectives on the stream
+    with no host work (``stream_ordered``: NCCL). MPI's collectives run on the host, once, at the
+    capture: a group on MPI or host staging keeps the work eager."""
+    return backend.device == "cuda" and all(g.size == 1 or getattr(g, "stream_ordered", False) for g in groups)
 
 
 class Replayed:

@@ -25,4 +25,10 @@ launch "1 rank (all tests)" "$PY" -m pytest --with-mpi -q tests "$@"
 for n in 2 4; do
     launch "$n ranks (mpi tests)" "$MPIEXEC" -n $n "$PY" -m pytest --with-mpi -m mpi -q tests "$@"
 done
+# The device kernels compiled by NVRTC without a device, where `make nvrtc-deps` unpacked cupy and NVRTC
+# (the one-rank launch skipped them: the venv has no cupy).
+if [ -n "${NVRTC_DEPS:-}" ] && [ -f "$NVRTC_DEPS/.installed" ]; then
+    PYTHONPATH="$NVRTC_DEPS${PYTHONPATH:+:$PYTHONPATH}" LD_LIBRARY_PATH="$NVRTC_DEPS/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        launch "device kernels compiled by NVRTC (no device)" "$PY" -m pytest -q tests/test_gpu.py -k compile "$@"
+fi
 exit $status

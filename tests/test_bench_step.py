@@ -2,14 +2,17 @@
 
 import json
 
+import numpy as np
 import pytest
+from tp_helpers import CaptureProbe
 
 from hpc_tp.backend import HUGE_PAGE_TUNABLE, heap_huge_pages_requested, huge_page_bytes
 from hpc_tp.bench import command
-from hpc_tp.bench.step import step_flops
+from hpc_tp.bench.step import build_blocks, step_flops
 from hpc_tp.cli import build_parser, main
 from hpc_tp.errors import ConfigError
 from hpc_tp.models.config import ModelConfig, load_config
+from hpc_tp.tensor_parallel.sequence_parallel import scatter_sequence
 
 
 def test_w1_flops_by_hand():
@@ -130,3 +133,20 @@ def test_sequence_parallel_blocks_get_their_shard(comm_world, monkeypatch):
     cfg = load_config("tiny", n_layers=1, sequence_parallel=True)
     step.benchmark_step(world(), cfg, batch=2, seq=8, repeats=1, warmup=0)
     assert set(seen) == {(2, 8 // comm_world.size, 32)}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_the_step_makes_only_collectives_a_graph_holds(comm_world, sequence_parallel):
+    """What ``--cuda-graph`` captures at tp > 1 over NCCL: the blocks' forward and backward make array
+    collectives on the stream only, no host call, which would run once at the capture and never again."""
+    probe = CaptureProbe(comm_world)
+    cfg = load_config("tiny", n_layers=2, sequence_parallel=sequence_parallel)
+    model = build_blocks(cfg, probe, "float64")
+    x = np.random.default_rng(1).standard_normal((2, 8, cfg.hidden))
+    if sequence_parallel and probe.size > 1:
+        x = scatter_sequence(x, probe)
+    probe.capturing = True
+    out, ctxs = model.blocks_forward(x)
+    model.blocks_backward(out * 0.01, ctxs)
+    assert probe.calls or probe.size == 1

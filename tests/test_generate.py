@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 from test_model import GEMMA3_BLOCK
-from tp_helpers import max_rel_err, tp_and_reference
+from tp_helpers import CaptureProbe, max_rel_err, tp_and_reference
 
 from hpc_tp.comm.mpi import self_comm
 from hpc_tp.errors import ConfigError
@@ -154,7 +154,23 @@ def test_fixed_shape_decode_steps_equal_growing_ones(name):
     assert decode_stepper(model, cache, None, lens).__class__ is GrowingStep  # graphs are for a GPU
 
 
-def test_decoding_captures_a_graph_only_on_a_gpu_at_tp_1_with_steps_to_replay(monkeypatch):
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_fixed_step_makes_only_collectives_a_graph_holds(name):
+    """What a capture of the step records at tp > 1 over NCCL: array collectives on the stream, no
+    host call (a scalar, an object, a barrier), which would run once at the capture and never again."""
+    probe = CaptureProbe(tp_and_reference()[0])
+    model, lens = _model(name, probe), np.array([len(p) for p in PROMPTS])
+    tokens, key_mask, positions = left_pad(PROMPTS, 2, pad_id=0)
+    cache = KVCache.for_model(model, len(PROMPTS), tokens.shape[1] + 2)
+    model.infer(tokens, positions, key_mask[:, : tokens.shape[1]], cache)
+    step = FixedStep(model, cache, key_mask, lens)
+    step.step(np.arange(len(PROMPTS)))  # the eager first step
+    probe.capturing = True
+    step.step(np.arange(len(PROMPTS)))
+    assert probe.calls or probe.size == 1  # each layer's all-reduces, the head's gather
+
+
+def test_decoding_captures_a_graph_only_on_a_gpu_over_nccl_or_one_rank_with_steps_to_replay(monkeypatch):
     from hpc_tp import backend
 
     tp, one = tp_and_reference()
@@ -173,6 +189,9 @@ def test_decoding_captures_a_graph_only_on_a_gpu_at_tp_1_with_steps_to_replay(mo
     assert chosen(one, 4) is GrowingStep
     monkeypatch.delenv("HPC_TP_CUDA_GRAPHS")
     assert chosen(tp, 4) is (FixedStep if tp.size == 1 else GrowingStep)  # MPI collectives are not captured
+    nccl_like = CaptureProbe(tp)
+    nccl_like.stream_ordered = True  # as NCCLCommunicator: its collectives are captured with the kernels
+    assert chosen(nccl_like, 4) is FixedStep
 
 
 def test_kv_cache_holds_only_this_ranks_heads():

@@ -454,6 +454,28 @@ def test_the_zero_row_measures_a_difference_on_the_cpu(comm_world):
         assert 0 <= G.zero_equality(pair, device="cpu") <= G.TP_TOL
 
 
+@pytest.mark.mpi(min_size=2)
+def test_the_tp_graph_row_measures_a_replay_on_a_second_input_on_the_cpu(comm_world, monkeypatch):
+    """The gpu-check row's own logic, on the CPU, where no group can be captured (None), and with a
+    stand-in whose every call runs the step: the tp = 2 step on the second input against one process."""
+    from hpc_tp import cuda_graph
+
+    assert G.tp_replay_error(comm_world) == (None, False, "mpi")
+
+    class Rerun:
+        def __init__(self, work, what):
+            self.work, self.failed = work, False
+
+        def __call__(self):
+            return self.work()
+
+    monkeypatch.setattr(cuda_graph, "capturable", lambda *groups: True)
+    monkeypatch.setattr(cuda_graph, "Replayed", Rerun)
+    error, replayed, transport = G.tp_replay_error(comm_world)
+    if comm_world.rank < 2:  # the pair; the other ranks only split
+        assert replayed and transport == "mpi" and 0 <= error <= G.TP_TOL
+
+
 def test_a_check_that_fails_without_a_message_is_a_row_not_a_crash(tmp_path):
     """gpu-check runs on a lent machine in a few minutes: one bad check must not end the table."""
     report = G.Report(out=tmp_path)

@@ -142,9 +142,11 @@ class _Host:
 
 
 @pytest.fixture
-def nccl_log(monkeypatch):
+def nccl_fake(monkeypatch):
     """An NCCLCommunicator (rank 0 of 2) over a fake NCCL whose calls, and its host's, go to one
-    log in the order they are made: the order in which this rank issues work its peers wait on."""
+    log in the order they are made: the order in which this rank issues work its peers wait on;
+    its stream's ``capturing`` says whether a CUDA graph capture is under way, and ``waits`` counts
+    the host's waits on it."""
     from hpc_tp.comm.nccl import NCCLCommunicator
 
     log = []
@@ -179,7 +181,9 @@ def nccl_log(monkeypatch):
         groupEnd=lambda: log.append("groupEnd"),
         **{f"NCCL_{name}": i for i, name in enumerate(constants)},
     )
-    stream = SimpleNamespace(ptr=0, synchronize=lambda: None)
+    stream = SimpleNamespace(ptr=0, capturing=False, waits=0)
+    stream.is_capturing = lambda: stream.capturing
+    stream.synchronize = lambda: setattr(stream, "waits", stream.waits + 1)
     cuda = SimpleNamespace(nccl=nccl, get_current_stream=lambda: stream)
     cupy = SimpleNamespace(cuda=cuda, ascontiguousarray=lambda x: x)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
@@ -187,7 +191,12 @@ def nccl_log(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
     comm = NCCLCommunicator(_Host(log))
     log.clear()  # the unique id's broadcast
-    return comm, log
+    return SimpleNamespace(comm=comm, log=log, stream=stream)
+
+
+@pytest.fixture
+def nccl_log(nccl_fake):
+    return nccl_fake.comm, nccl_fake.log
 
 
 # Each call that may block on the peer, and the first thing it issues.
@@ -229,6 +238,45 @@ def test_a_gather_to_one_rank_moves_device_pieces_point_to_point(nccl_log):
     comm.igather_flat(_DeviceArray(6), [4, 2], root=0).wait()
     comm.igather_flat(_DeviceArray(4), [4, 2], root=1).wait()
     assert log == ["groupStart", "recv 1", "groupEnd", "groupStart", "send 1", "groupEnd"]
+
+
+def test_a_capture_records_device_collectives_with_no_host_wait(nccl_fake):
+    """Inside a CUDA graph capture the collectives are queued for the replays: no stream wait (illegal
+    while capturing) and nothing counted, though the communicator is a blocking one."""
+    comm, log, stream = nccl_fake.comm, nccl_fake.log, nccl_fake.stream
+    comm.all_reduce(_DeviceArray())
+    assert (log, stream.waits, comm.bytes) == (["allReduce"], 2, 16)  # outside: waits around the call
+    log.clear()
+    stream.capturing, stream.waits = True, 0
+    comm.all_reduce(_DeviceArray())
+    comm.iall_reduce(_DeviceArray()).wait()
+    comm.broadcast(_DeviceArray())
+    assert (log, stream.waits, comm.bytes) == (["allReduce", "allReduce", "broadcast"], 0, 16)
+
+
+@pytest.mark.parametrize("call", ["host all_reduce", "bcast_object", "barrier", "split"])
+def test_a_host_call_inside_a_capture_is_refused(nccl_fake, call):
+    """MPI would run it once, at the capture, and never at a replay: it must fail the capture (which
+    ``cuda_graph.Replayed`` turns into eager steps and a warning)."""
+    from hpc_tp.comm.nccl import HostCallInCapture
+
+    nccl_fake.stream.capturing = True
+    with pytest.raises(HostCallInCapture, match=r"on the host inside a CUDA graph capture: it would run once"):
+        NEXT_CALLS[call][0](nccl_fake.comm)
+    assert nccl_fake.log == []
+
+
+def test_capturable_groups(nccl_fake, monkeypatch):
+    """A graph may hold a group's collectives where they are NCCL's or the group is one rank, on a GPU."""
+    from hpc_tp import cuda_graph
+    from hpc_tp.comm.watchdog import WatchedCommunicator
+
+    nccl, mpi, alone = nccl_fake.comm, _Group(2), _Group(1)
+    watched = WatchedCommunicator(nccl, watchdog=None, members=[0, 1], label="tp")
+    assert not cuda_graph.capturable(nccl)  # on the CPU nothing is captured
+    monkeypatch.setattr(backend, "device", "cuda")
+    assert cuda_graph.capturable(nccl) and cuda_graph.capturable(watched, alone)
+    assert not cuda_graph.capturable(nccl, mpi) and not cuda_graph.capturable(HostStagedCommunicator(mpi))
 
 
 class _Staged:

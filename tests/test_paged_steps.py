@@ -2,7 +2,7 @@
 padded to a power of two, each row's slots to a power of two of blocks, the padding rows writing to the
 scratch slot. Its logits are the eager step's as rows join and leave and the buckets change (float64,
 at tp = world size); each bucket is captured at its first step and replayed after (over a stand-in for
-cupy); graphs are taken only on a GPU at tp = 1. The device's own check is gpu-check's (test_gpu.py)."""
+cupy); graphs are taken only on a GPU, at tp = 1 or over NCCL. The device's own check is gpu-check's (test_gpu.py)."""
 
 import types
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_cuda_graph import fake_cupy as fake_cupy  # noqa: F401, PLC0414 (the fixture, used by its name)
 from test_generate import CONFIGS, _model, larger_weights
-from tp_helpers import max_rel_err, tp_and_reference
+from tp_helpers import CaptureProbe, max_rel_err, tp_and_reference
 
 from hpc_tp import backend
 from hpc_tp.bench import gpu_check as G
@@ -134,3 +134,22 @@ def test_the_batcher_takes_fixed_steps_where_graphs_are_captured_or_where_asked(
     assert chosen(one) is None and chosen(one, fixed=True) == "eager"
     monkeypatch.delenv("HPC_TP_CUDA_GRAPHS")
     assert chosen(tp) == ("captured" if tp.size == 1 else None)  # MPI collectives are not captured
+    nccl_like = CaptureProbe(tp)
+    nccl_like.stream_ordered = True  # as NCCLCommunicator: its collectives are captured with the kernels
+    assert chosen(nccl_like) == "captured"
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["gpt2", "llama-window", "qwen-moe"])
+def test_a_bucket_s_step_makes_only_collectives_a_graph_holds(name):
+    """What a capture of a bucket's step records at tp > 1 over NCCL: array collectives on the stream,
+    no host call, which would run once at the capture and never at a replay."""
+    probe = CaptureProbe(tp_and_reference()[0])
+    model = _model(name, probe)
+    steps = PagedSteps(model, _cache(model), rows=4, max_len=32, capture=False)
+    lens = np.array([3, 5, 1])
+    slots = np.arange(lens.size * 8).reshape(1, lens.size, 8) + 4
+    steps.step(np.arange(lens.size), lens, slots)  # the bucket's eager first step
+    probe.capturing = True
+    steps.step(np.arange(lens.size), lens + 1, slots)
+    assert probe.calls or probe.size == 1  # each layer's all-reduces, the head's gather

@@ -36,3 +36,30 @@ def lm_batch(seed=0, b=3, t=7, v=37):
     targets = np.roll(ids, -1, axis=1)
     targets[:, -1] = -100
     return ids, targets
+
+
+class CaptureProbe:
+    """``inner`` (a tp group) as a CUDA graph capture sees it, on the CPU: while ``capturing``, the
+    collectives NCCL queues on the stream for device arrays go through and are named in ``calls``,
+    and any call that would run on the host (an object, a scalar, a barrier, a split, point to
+    point) raises, as ``NCCLCommunicator``'s ``HostCallInCapture`` does on a device. Outside a
+    capture every call goes through. (On the CPU every array is a host one, so an array collective on
+    a value read back to the host still passes: the device tests hold those.)"""
+
+    STREAM_ORDERED = frozenset(("all_reduce", "iall_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"))
+
+    def __init__(self, inner):
+        self.inner, self.capturing, self.calls = inner, False, []
+
+    def __getattr__(self, name):
+        attribute = getattr(self.inner, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            if self.capturing:
+                assert name in self.STREAM_ORDERED, f"{name} on the host inside a captured step"
+                self.calls.append(name)
+            return attribute(*args, **kwargs)
+
+        return call

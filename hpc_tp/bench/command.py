@@ -74,7 +74,7 @@ def add_arguments(parser):
     step.add_argument(
         "--cuda-graph",
         action="store_true",
-        help="on a GPU at tp=1, replay each step as a CUDA graph captured at the first one",
+        help="on a GPU (tp=1, or tp over NCCL), replay each step as a CUDA graph captured at the first one",
     )
     step.add_argument("--json", metavar="FILE", help="also write the record as JSON (rank 0)")
     step.set_defaults(_benchmark=_run_step)
@@ -156,16 +156,17 @@ def _run_step(args) -> int:
     from ..backend import resolve_dtype
     from ..comm import select_device
     from ..comm.mpi import world
+    from ..comm.nccl import device_communicator
     from ..models.config import load_config
     from .step import benchmark_step, format_record
 
     # The block stack has no position table, so any sequence length fits.
     cfg = load_config(args.model, n_layers=args.layers, max_seq_len=args.seq_len)
-    comm = world()
     resolve_dtype(args.dtype)  # bfloat16 without ml_dtypes: one line, before anything is built
-    select_device(args.device, comm)
+    select_device(args.device, world())
+    comm = device_communicator(world())  # NCCL between GPUs of a node, as training's tp group
     # Set explicitly: ranks that share cores must not each start a thread per core (oversubscription).
-    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // comm.split_node().size)
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // world().split_node().size)
     with threadpool_limits(limits=threads, user_api="blas"):
         record = benchmark_step(
             comm,

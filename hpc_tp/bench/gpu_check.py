@@ -4,7 +4,8 @@ on one machine in well under 5 minutes, as a short table.
 1. environment: card, driver and runtime, cupy, NCCL, ml_dtypes, MPI (CUDA-aware or not), mpiexec;
 2. checks, each a measured number against its bound: the fused kernels against numpy (float64 and
    float32), tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks
-   sharing the card through MPI, only where ``mpiexec`` works), training steps on the device against
+   sharing the card through MPI, only where ``mpiexec`` works; NCCL where each has a card of its own),
+   tp=2's block stack replayed from a CUDA graph against one process (over NCCL only: two cards), training steps on the device against
    the CPU (float64), decode steps replayed from a captured CUDA graph against the CPU's (float64),
    continuous batching's decode steps replayed from a graph a bucket against the CPU's eager ones
    as rows join and leave (float64), and mixed precision (float16, bfloat16 where ml_dtypes is)
@@ -310,6 +311,45 @@ def tp_equality(world, transport: str | None = None) -> tuple[float, str]:
     errors = gradient_errors(par, one, tp)
     errors["loss"] = abs(loss_par - loss_one) / abs(loss_one)
     return max(errors.values()), transport
+
+
+def tp_replay_error(world) -> tuple[float | None, bool, str]:
+    """Worst relative error (block outputs, input gradient, every weight gradient) of a two-layer
+    block stack's forward + backward at tp = 2 (the first two ranks of ``world``) replayed from a
+    CUDA graph on a second input, copied into the captured step's, against one process's eager step
+    on that input, float64; whether it replayed; the transport. The error is None where the pair's
+    transport cannot be captured: two ranks sharing a card go over MPI (NCCL needs a card a rank)."""
+    from .. import cuda_graph
+    from ..comm.mpi import self_comm
+    from ..comm.nccl import device_communicator, group_transport
+    from ..models import load_config
+    from ..verify import gradient_errors
+    from .step import build_blocks
+
+    pair = world.split(color=int(world.rank < 2), key=world.rank)
+    transport = group_transport(pair)
+    tp = device_communicator(pair, transport=transport)
+    if world.rank >= 2 or not cuda_graph.capturable(tp):
+        return None, False, transport
+    cfg = load_config("tiny", n_layers=2)
+    first, second = (
+        backend.xp.asarray(numpy.random.default_rng(s).standard_normal((2, 9, cfg.hidden))) for s in (0, 1)
+    )
+    par, one = build_blocks(cfg, tp, "float64"), build_blocks(cfg, self_comm(), "float64")
+
+    def step(model, x):
+        model.zero_grad()  # in place: the captured step's gradients are the buffers it zeroes
+        out, ctxs = model.blocks_forward(x)
+        return out, model.blocks_backward(out * 0.01, ctxs)
+
+    x = first.copy()
+    replayed = cuda_graph.Replayed(lambda: step(par, x), "the tp=2 block stack")
+    replayed()  # eager on the first input, then captured
+    x[...] = second
+    out, dx = replayed()
+    expected_out, expected_dx = step(one, second)
+    errors = gradient_errors(par, one, tp) | {"out": _rel(out, expected_out), "dx": _rel(dx, expected_dx)}
+    return max(errors.values()), not replayed.failed, transport
 
 
 # A Llama-style decoder (GQA, RoPE, SwiGLU, RMSNorm) and left-padded prompts of unequal lengths.
@@ -668,13 +708,16 @@ def _last_line(done: subprocess.CompletedProcess) -> str:
     return ((errors or lines or ["no output"])[-1])[:160]
 
 
+PAIR_ROWS = ("tp", "zero", "tp graph")
+
+
 def _run_pair_worker(timeout: float = 150) -> dict[str, tuple[str, str, str]]:
     """The two-rank checks under ``mpiexec -n 2`` (this module, --pair-worker), a row for each of
-    "tp" and "zero": skipped where mpiexec cannot start two ranks of this Python (probed first),
-    FAIL where it can and a check does not pass."""
+    ``PAIR_ROWS``: skipped where mpiexec cannot start two ranks of this Python (probed first), FAIL
+    where it can and a check does not pass."""
 
     def both(*row):
-        return {"tp": row, "zero": row}
+        return dict.fromkeys(PAIR_ROWS, row)
 
     if _mpiexec() is None:
         return both("skipped", "", "no mpiexec")
@@ -692,9 +735,19 @@ def _run_pair_worker(timeout: float = 150) -> dict[str, tuple[str, str, str]]:
     if done.returncode or not lines:
         return both("FAIL", "", f"exit {done.returncode}: {_last_line(done)}")
     report = json.loads(lines[-1])
+    replay = report["tp_replay"]
+    if replay["error"] is None:
+        graph = (
+            "skipped",
+            "",
+            f"2 ranks via {replay['transport']}: a graph holds NCCL's collectives only (a card a rank)",
+        )
+    else:
+        graph = _replay_check(replay["error"], replay["replayed"], f"tp=2 over {replay['transport']}, a second input")
     return {
-        "tp": _bounded(report["tp_error"], TP_TOL, f"2 ranks on one card via {report['transport']}"),
-        "zero": _bounded(report["zero_error"], TP_TOL, "dp=2 on one card, 3 demo steps"),
+        "tp": _bounded(report["tp_error"], TP_TOL, f"2 ranks via {report['transport']}"),
+        "zero": _bounded(report["zero_error"], TP_TOL, "dp=2, 3 demo steps"),
+        "tp graph": graph,
     }
 
 
@@ -705,8 +758,10 @@ def _pair_worker() -> int:
     backend.use("cuda", comm.split_node().rank)
     tp_error, transport = tp_equality(comm)
     zero_error = zero_equality(comm)
+    replay = dict(zip(("error", "replayed", "transport"), tp_replay_error(comm)))
     if comm.rank == 0:
-        print(json.dumps({"tp_error": tp_error, "transport": transport, "zero_error": zero_error}), flush=True)
+        report = {"tp_error": tp_error, "transport": transport, "zero_error": zero_error, "tp_replay": replay}
+        print(json.dumps(report), flush=True)
     return 0
 
 
@@ -824,13 +879,14 @@ def run_checks(report: Report):
     pair = {}
 
     def pair_row(key):
-        if not pair:  # one mpiexec for both rows; if it raises, the second row does not start it again
-            pair.update(tp=("FAIL", "", "the two-rank worker raised"), zero=("FAIL", "", "the two-rank worker raised"))
+        if not pair:  # one mpiexec for every pair row; if it raises, the next rows do not start it again
+            pair.update(dict.fromkeys(PAIR_ROWS, ("FAIL", "", "the two-rank worker raised")))
             pair.update(_run_pair_worker())
         return pair[key]
 
     report.check("tp=2 vs tp=1 on the device, float64", f"{TP_TOL:.0e}", lambda: pair_row("tp"))
     report.check("ZeRO-1 vs AdamW, dp=2, float64", f"{TP_TOL:.0e}", lambda: pair_row("zero"))
+    report.check("tp=2 step as a CUDA graph vs one process, float64", f"{TP_TOL:.0e}", lambda: pair_row("tp graph"))
     for dtype in ("float64", "float32"):
 
         def kernels(dtype=dtype):

@@ -82,7 +82,7 @@ def gemm_peak(comm: MPICommunicator, m: int, k: int, n: int, dtype, repeats: int
     backend.synchronize()
     seconds = []
     for _ in range(repeats):
-        comm.comm.Barrier()
+        comm.barrier()
         start = perf_counter()
         blas.matmul(a, b, out=out)
         backend.synchronize()
@@ -106,8 +106,9 @@ def benchmark_step(
     graphs: bool = False,
 ) -> dict:
     """One record (the same on every rank) for the block stack of ``cfg`` split over ``comm``; ``graphs``:
-    on a GPU at tp = 1, the first step is captured as a CUDA graph and every later one replays it
-    (``hpc_tp.cuda_graph``; the first step is then a warm-up one)."""
+    on a GPU, where ``comm`` is one rank or NCCL's (``cuda_graph.capturable``), the first step is
+    captured as a CUDA graph, tp all-reduces included, and every later one replays it (the first step
+    is then a warm-up one)."""
     retained = retain_freed_memory()
     warn_if_tp_spans_nodes(comm)
     nodes = node_of_ranks(comm)
@@ -125,12 +126,12 @@ def benchmark_step(
     replayed = cuda_graph.Replayed(one_step, "the benchmark step") if graphs and cuda_graph.capturable(comm) else None
     steps, comms, peaks = [], [], []
     for i in range(warmup + repeats):
-        comm.comm.Barrier()
+        comm.barrier()
         start, comm_start = perf_counter(), comm.seconds
         (one_step if replayed is None else replayed)()
         backend.synchronize()
         comm_s = comm.seconds - comm_start
-        comm.comm.Barrier()
+        comm.barrier()
         if i >= warmup:
             steps.append(perf_counter() - start)
             comms.append(comm_s)

@@ -66,6 +66,9 @@ class Done(Request):
 class Communicator(ABC):
     rank: int
     size: int
+    # Whether its device collectives are queued on the current stream with no host work, so a CUDA
+    # graph can hold them (``cuda_graph.capturable``): NCCL's are; MPI's run on the host.
+    stream_ordered = False
 
     def __init__(self):
         self.seconds = 0.0

@@ -31,6 +31,10 @@ from .base import Communicator, Done, Request
 TRANSPORTS = ("nccl", "mpi-cuda-aware", "mpi-staged", "mpi")
 
 
+class HostCallInCapture(RuntimeError):
+    """A host (MPI) call made while a CUDA graph is being captured (``NCCLCommunicator``)."""
+
+
 def _cupy():
     import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
@@ -43,7 +47,14 @@ def _on_host(x) -> bool:
 
 class NCCLCommunicator(Communicator):
     """NCCL over ``host``'s ranks (an MPI communicator of the same group, any Communicator works).
-    Messages between two ranks match in the order they were posted: NCCL has no tags."""
+    Messages between two ranks match in the order they were posted: NCCL has no tags.
+
+    While the current stream is being captured into a CUDA graph, device collectives are recorded
+    with no host wait and no count (the graph's replays move the bytes, not the capture), and any
+    call that needs the host (MPI: host arrays, objects, barriers) raises ``HostCallInCapture``: it
+    would run once, at the capture, not at each replay."""
+
+    stream_ordered = True
 
     def __init__(self, host: Communicator, blocking: bool = True):
         super().__init__()
@@ -86,6 +97,10 @@ class NCCLCommunicator(Communicator):
     def _launch(self, nbytes: int):
         """The stream to queue on; pending p2p goes first, so calls run in the order they were made."""
         stream = _cupy().cuda.get_current_stream()
+        if stream.is_capturing():  # recorded for the replays: nothing to wait for or count now
+            self._flush()
+            yield stream.ptr
+            return
         if self.blocking:
             stream.synchronize()  # the compute queued before is not communication time
         with self.timed(nbytes):
@@ -94,9 +109,16 @@ class NCCLCommunicator(Communicator):
             if self.blocking:
                 stream.synchronize()
 
+    def _refuse_in_capture(self, name: str):
+        if _cupy().cuda.get_current_stream().is_capturing():
+            raise HostCallInCapture(
+                f"{name} on the host inside a CUDA graph capture: it would run once, at the capture, not at each replay"
+            )
+
     def _host_call(self, name: str, *args):
         """A call over MPI (host arrays, objects, splits), its time and bytes counted here too. Posted
         p2p goes out first: a peer may be waiting on it while this rank blocks in MPI."""
+        self._refuse_in_capture(name)
         self._flush()
         seconds, nbytes = self.host.seconds, self.host.bytes
         result = getattr(self.host, name)(*args)
@@ -140,7 +162,7 @@ class NCCLCommunicator(Communicator):
         return Done(x, self._wait_stream)
 
     def _wait_stream(self):
-        if self.blocking:
+        if self.blocking and not _cupy().cuda.get_current_stream().is_capturing():
             with self.timed():
                 _cupy().cuda.get_current_stream().synchronize()
 
@@ -225,6 +247,7 @@ class NCCLCommunicator(Communicator):
 
     # -- control: over MPI ---------------------------------------------------------------------------
     def barrier(self):
+        self._refuse_in_capture("barrier")
         self._flush()
         _cupy().cuda.get_current_stream().synchronize()
         self._host_call("barrier")

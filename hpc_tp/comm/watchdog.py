@@ -335,6 +335,7 @@ class WatchedCommunicator(Communicator):
 
     seconds = property(lambda self: self.inner.seconds, lambda self, v: setattr(self.inner, "seconds", v))
     bytes = property(lambda self: self.inner.bytes, lambda self, v: setattr(self.inner, "bytes", v))
+    stream_ordered = property(lambda self: self.inner.stream_ordered)
 
     def __getattr__(self, name):
         if name in ("inner", "_label"):  # not yet set (e.g. while unpickling): no recursion

@@ -71,11 +71,11 @@ step alone reads every weight for a few rows; each layer's attention splits the 
 prefill's [rows, width] and the step's [rows, 1] and runs each as it runs alone, so every request's
 numbers are those of the two passes.
 
-CUDA graphs: on a GPU at tp = 1 a decode step that runs alone (no prompt waiting) goes through
+CUDA graphs: on a GPU, at tp = 1 or over NCCL, a decode step that runs alone (no prompt waiting) goes through
 ``decoding.PagedSteps``: padded to the fixed shapes of its bucket (rows up to a power of two, each
 row's slots up to a power of two of blocks), each bucket captured at its first step and replayed after.
 A step riding along a prefill pass runs eagerly, its shapes the pass's; so does every step on the CPU
-and at tp > 1 (``fixed_steps`` asks for the padded steps anywhere: the tests).
+and over MPI (``fixed_steps`` asks for the padded steps anywhere: the tests).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ class ContinuousBatcher:
     most ``chunk_tokens`` prompt tokens (default ``CHUNK_TOKENS``), a longer prompt over several
     iterations, between decode steps (chunked prefill). ``fixed_steps``: a decode step that runs alone
     goes through ``decoding.PagedSteps`` (its rows and slots padded to a bucket's, replayed from a CUDA
-    graph on a GPU at tp = 1), by default (None) where graphs are captured (``decoding.paged_steps``);
+    graph on a GPU, at tp = 1 or over NCCL), by default (None) where graphs are captured (``decoding.paged_steps``);
     the graphs live as long as the batcher (those a warm-up request captured serve the requests after it).
     Collective over the tp group: every rank builds one (the cache is allocated here) and calls ``run``."""
 

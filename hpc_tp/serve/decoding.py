@@ -18,13 +18,13 @@ its own blocks, gathered up to the longest row's length; its shapes change with 
 lengths. ``PagedSteps`` runs the same step at the fixed shapes of a bucket: the rows padded up to a
 power of two (rows of length 0 that write to the scratch slot), each row's slots up to a power of two
 of blocks, its inputs copied into arrays the bucket owns; so each bucket reads and writes the same
-memory at every step, and on a GPU at tp = 1 it is captured at its first step and replayed after,
+memory at every step, and where graphs are captured it is captured at its first step and replayed after,
 one graph a bucket (vLLM keeps one a batch size). Where no graph is captured the batcher keeps
 ``step_view``'s step: without a replay the padding buys nothing, and on the CPU the bucketed step
 measured no faster (``benchmarks/continuous_step.py``).
 
-The capture's rules, its private memory pool and where it can run (``capturable``: tp = 1 on a
-GPU) are ``hpc_tp.cuda_graph``'s. ``HPC_TP_CUDA_GRAPHS=0`` turns graphs off (an A/B, or a driver
+The capture's rules, its private memory pool and where it can run (``capturable``: on a GPU, tp = 1
+or a tp group on NCCL) are ``hpc_tp.cuda_graph``'s. ``HPC_TP_CUDA_GRAPHS=0`` turns graphs off (an A/B, or a driver
 that refuses a capture).
 """
 
@@ -160,9 +160,9 @@ GRAPH_MIN_STEPS = 4
 
 
 def decode_stepper(model, cache: KVCache, key_mask, lens, graphs: bool | None = None):
-    """The stepper for the decode steps ``cache`` has slots left for: a captured ``FixedStep`` on a
-    GPU at tp = 1 when there are at least ``GRAPH_MIN_STEPS`` (``graphs`` None: unless
-    ``HPC_TP_CUDA_GRAPHS=0``; False: never), else ``GrowingStep``."""
+    """The stepper for the decode steps ``cache`` has slots left for: a captured ``FixedStep`` where
+    the tp group can be captured (``cuda_graph.capturable``) and at least ``GRAPH_MIN_STEPS`` are
+    left (``graphs`` None: unless ``HPC_TP_CUDA_GRAPHS=0``; False: never), else ``GrowingStep``."""
     if graphs is None:
         graphs = cuda_graph.enabled()
     if graphs and cuda_graph.capturable(model.comm) and cache.max_len - cache.length >= GRAPH_MIN_STEPS:
@@ -175,7 +175,7 @@ class PagedStep:
     inputs copied before every call into arrays it owns (``_Staged``: one copy to the device). The
     rows past a batch's own have length 0 at the scratch slot: they write their K/V where nobody reads
     and see that one slot, so their logits (never read) stay finite. ``capture``: the first call runs
-    eagerly and is captured as a CUDA graph that every later call replays (a device at tp = 1 only)."""
+    eagerly and is captured as a CUDA graph that every later call replays (a device, where the tp group can be captured)."""
 
     def __init__(self, model, cache: PagedKVCache, width: int, keys: int, capture: bool = False):
         lanes = cache.layout.lanes
@@ -288,7 +288,7 @@ def _power_of_two(n: int) -> int:
 
 def paged_steps(model, cache: PagedKVCache, rows: int, max_len: int, fixed: bool | None = None) -> PagedSteps | None:
     """The ``PagedSteps`` that continuous batching's decode steps take where they run alone, or None
-    (``step_view``'s eager step). ``fixed`` None: on a GPU at tp = 1, captured, unless
+    (``step_view``'s eager step). ``fixed`` None: where graphs are captured (``cuda_graph.capturable``), unless
     ``HPC_TP_CUDA_GRAPHS=0``; True: wherever the batcher runs (eagerly where graphs are not
     captured); False: never."""
     capture = cuda_graph.enabled() and cuda_graph.capturable(model.comm)

@@ -4,7 +4,8 @@
               the cache and the last position (a real token in every row) gives the first logits;
     decode    one token per row per step at the same slot for every row; key masks hide padding,
               and each row's positions count only its own tokens (learned positions and RoPE alike);
-              on a GPU at tp = 1 each step replays a captured CUDA graph (``serve.decoding``).
+              on a GPU (tp = 1, or tp over NCCL) each step replays a captured CUDA graph
+              (``serve.decoding``).
 
 A static batch: every row stays until the longest is done. ``bench decode`` and ``--batching static``
 run these; ``hpc-tp generate`` and ``hpc-tp serve`` batch continuously by default

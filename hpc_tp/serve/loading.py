@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
-from .. import backend
 from ..backend import resolve_dtype
 from ..checkpoint import load_checkpoint
 from ..checkpoint.format import resolve_checkpoint
+from ..comm import use_device
 from ..comm.mpi import world
 from ..errors import ConfigError
 from ..grid import ProcessGrid
@@ -45,7 +45,7 @@ def open_checkpoint(args):
     cfg = replace(ModelConfig.from_dict(meta["config"]), sequence_parallel=False)
     check_layout(cfg, tp, pp, ranks)
     grid = ProcessGrid(tp=tp, pp=pp)
-    backend.use(args.device, grid.local_rank)
+    use_device(args.device, grid)  # on GPUs each group's transport: NCCL for tp inside a node
     return grid, folder, cfg
 
 
