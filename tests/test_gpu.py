@@ -74,7 +74,7 @@ def _compile(label, source, names=(), options=(), arch="compute_90"):
 def test_row_kernels_compile_for_sm90():
     """NVRTC alone, no device: every instance the row module holds (float32/float64, the only dtypes
     functional sends it: other dtypes take the composed code)."""
-    names = [f"{k}<{t}>" for k in K._ROW_KERNELS for t in K._CTYPES.values()]
+    names = [f"{k}<{t}>" for k in K._ROW_KERNELS for t in K.CTYPES.values()]
     _compile("rows", K.row_source(), names, K.ROW_OPTIONS)
 
 
@@ -123,8 +123,9 @@ def test_elementwise_kernels_compile_for_sm90(dtype):
 @pytest.fixture
 def host_kernels(monkeypatch):
     """cuda_kernels' wrappers on the host: numpy stands in for cupy, and each kernel launch checks
-    what cupy's would need: one dtype over its arrays (an ElementwiseKernel's ``T``; the row
-    kernels' raw pointers), and a row kernel only in a dtype the module has. Returns the launches."""
+    what cupy's would need: one dtype over its arrays (an ElementwiseKernel's ``T``), each row
+    kernel's raw pointers in the dtype its source declares (``T``: the input's; ``acc<T>``: the sums'),
+    and a row kernel only in a dtype the module has. Returns the launches."""
     launches = []
 
     def launch(name, *arrays):
@@ -142,13 +143,26 @@ def host_kernels(monkeypatch):
         return run
 
     def rows(name, x, *args):
-        launch(name, *(a for a in args if isinstance(a, np.ndarray) and a.ndim))
-        assert x.dtype.name in K._CTYPES, f"{name} has no {x.dtype} instance"
+        assert x.dtype.name in K.CTYPES, f"{name} has no {x.dtype} instance"
+        pointers = [a.dtype for a in args if isinstance(a, np.ndarray)]
+        declared = re.search(rf"\b{name}\((.*?)\)\s*{{", K.row_source(), re.S).group(1).split(",")
+        expected = [K._acc(x.dtype) if "acc<T>" in p else x.dtype for p in declared if "*" in p]
+        assert pointers == expected, f"{name} launched with {pointers}, declared {expected}"
+        launches.append((name, x.dtype))
 
     monkeypatch.setitem(sys.modules, "cupy", np)
     monkeypatch.setattr(K, "_elementwise", elementwise)
     monkeypatch.setattr(K, "_launch", rows)
     return launches
+
+
+def test_half_arrays_reach_the_norm_kernels_only():
+    """The norms take float16 and bfloat16 (sums in float32, each output rounded once); the softmax
+    keeps float32/float64, whose half inputs functional widens."""
+    bf16 = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    for half in (np.dtype("float16"), bf16):
+        assert K._takes(half, True, True) and not K._takes(half, True, False) and K._acc(half) == np.float32
+    assert K._takes(np.dtype("float32"), True, False) and K._acc(np.dtype("float64")) == np.float64
 
 
 @pytest.mark.parametrize("grad, saved", [("float32", "float16"), ("float16", "float32"), ("float64", "float32")])
@@ -166,7 +180,7 @@ def test_kernels_run_in_the_dispatched_dtype(host_kernels, grad, saved):
         *K.swiglu_backward(a(grad), (a(saved), a(saved))),
         K.swiglu_forward(a(grad), a(saved))[0],
     ]
-    if grad in K._CTYPES:  # the row kernels' dtypes (functional sends them no other)
+    if grad in K.CTYPES:  # the row kernels' dtypes
         results += [
             K.softmax_backward(a(grad), a(saved)),
             K.layernorm_backward(a(grad), a(saved, 8), (a(saved), a(saved, (3, 1))))[0],

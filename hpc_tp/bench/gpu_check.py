@@ -3,7 +3,7 @@ on one machine in well under 5 minutes, as a short table.
 
 1. environment: card, driver and runtime, cupy, NCCL, ml_dtypes, MPI (CUDA-aware or not), mpiexec;
 2. checks, each a measured number against its bound: the fused kernels against numpy (float64 and
-   float32), tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks
+   float32), the norms' float16 and bfloat16 kernels against float32 rounded once (the same bits), tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks
    sharing the card through MPI, only where ``mpiexec`` works; NCCL where each has a card of its own),
    tp=2's block stack replayed from a CUDA graph against one process (over NCCL only: two cards), training steps on the device against
    the CPU (float64), decode steps replayed from a captured CUDA graph against the CPU's (float64),
@@ -127,6 +127,34 @@ def kernel_errors(dtype: str, rows: int = 37, n: int = 300) -> dict[str, float]:
         _worst(F.rmsnorm_backward(d["dy"], d["gain"], dev_saved), F.rmsnorm_backward(dy, gain, saved)),
     )
     return errors
+
+
+def half_norm_mismatches(dtype: str, rows: int = 37, n: int = 300) -> dict[str, int]:
+    """Elements where the norm kernels' half instances (``dtype`` in and out, sums in float32) differ
+    from the float32 kernels on the widened inputs, each output rounded once to ``dtype`` (the path a
+    half norm took before): y and xhat forward, dx, the gain's and the bias's float32 gradients
+    backward, for layernorm and rmsnorm. 0 everywhere: the same bits."""
+    from ..kernels import cuda_kernels as K
+
+    xp = backend.xp
+    rng = numpy.random.default_rng(0)
+    x, dy = (xp.asarray(rng.standard_normal((rows, n)) * 3).astype(dtype) for _ in range(2))
+    gain, bias = (xp.asarray(rng.standard_normal(n), dtype="float32") for _ in range(2))
+    wide_x, wide_dy = x.astype("float32"), dy.astype("float32")
+
+    def differ(a, b):  # b rounded once to a's dtype where a is half
+        return int((a.astype("float32") != b.astype(a.dtype).astype("float32")).sum())
+
+    mismatches = {}
+    for name, norm, extra in (("layernorm", "layernorm", (bias,)), ("rmsnorm", "rmsnorm", ())):
+        forward, backward = getattr(K, f"{norm}_forward"), getattr(K, f"{norm}_backward")
+        y, saved = forward(x, gain, *extra, 1e-5)
+        wide_y, (wide_xhat, wide_rstd) = forward(wide_x, gain, *extra, 1e-5)
+        grads = backward(dy, gain, saved)
+        wide_grads = backward(wide_dy, gain, (wide_xhat.astype(dtype).astype("float32"), wide_rstd))
+        mismatches[name] = differ(y, wide_y) + differ(saved[0], wide_xhat)
+        mismatches[name] += sum(differ(g, w) for g, w in zip(grads, wide_grads))
+    return mismatches
 
 
 def composed_attention(q, k, v, dout, q_offset, causal, key_mask=None, window=0):
@@ -893,6 +921,18 @@ def run_checks(report: Report):
             return _worst_of(kernel_errors(dtype), KERNEL_TOL[dtype])
 
         report.check(f"fused kernels vs numpy, {dtype}", f"{KERNEL_TOL[dtype]:.0e}", kernels)
+
+    for dtype in ("float16", "bfloat16"):
+
+        def half_norms(dtype=dtype):
+            if dtype == "bfloat16" and _bfloat16_missing():
+                return "skipped", "", _bfloat16_missing()
+            mismatches = half_norm_mismatches(dtype)
+            worst = max(mismatches.values())
+            detail = "elements differing: " + ", ".join(f"{k} {v}" for k, v in mismatches.items())
+            return ("ok" if worst == 0 else "FAIL"), str(worst), detail
+
+        report.check(f"{dtype} norm kernels vs float32 rounded once", "0", half_norms)
 
     for label, model in (("", {}), ("MoE ", MOE)):
 

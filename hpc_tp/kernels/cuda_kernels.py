@@ -5,10 +5,12 @@ stay with cuBLAS.
 
 - elementwise (ElementwiseKernel, any float dtype cupy has, half types computed in float):
   GELU (tanh) and SiLU forward/backward, SwiGLU forward/backward;
-- row-wise (RawModule, float32/float64, one thread block per row, warp-shuffle reductions):
-  softmax with fully masked rows giving zeros (and an optional in-kernel causal mask), layernorm
-  and rmsnorm forward/backward. Their saved tensors are what ``functional``'s backward expects,
-  so a forward on one path and a backward on the other agree;
+- row-wise (RawModule, one thread block per row, warp-shuffle reductions): softmax with fully
+  masked rows giving zeros (and an optional in-kernel causal mask; float32/float64), layernorm and
+  rmsnorm forward/backward (also float16/bfloat16: read and written in half, sums, gain, bias and
+  1/std in float32, so each output is the widened float32 path's rounded once, in one pass where
+  that path makes about six). Their saved tensors are what ``functional``'s backward expects, so a
+  forward on one path and a backward on the other agree;
 - the KV cache's slot write at a slot held on the device (a captured decode step's).
 
 Each kernel runs in one dtype, that of the array ``functional`` dispatched on (the gradient in a
@@ -25,25 +27,31 @@ import math
 
 import numpy
 
+from .cuda_half import ACC, CTYPES, HALF
+
 ROW_DTYPES = (numpy.dtype("float32"), numpy.dtype("float64"))
 _C = math.sqrt(2.0 / math.pi)
-_ACC = """
-template <typename T> struct acc { typedef float type; };
-template <> struct acc<double> { typedef double type; };
-"""
 
 
-def fused(x, row: bool = False) -> bool:
-    """True for a cupy array the kernels take: a floating dtype (row kernels: float32/float64)."""
+def fused(x, row: bool = False, half: bool = False) -> bool:
+    """True for a cupy array the kernels take: a floating dtype (row kernels: float32/float64, and
+    float16/bfloat16 where ``half``: the norms, which write the half outputs the widened float32 path
+    rounds to)."""
     if isinstance(x, numpy.ndarray) or type(x).__module__.split(".")[0] != "cupy":
         return False
-    return _takes(x.dtype, row)
+    return _takes(x.dtype, row, half)
 
 
 @functools.cache  # every kernel call asks: ``dtype.name`` alone costs microseconds of Python
-def _takes(dtype, row: bool) -> bool:
+def _takes(dtype, row: bool, half: bool) -> bool:
     dtype = numpy.dtype(dtype)
-    return dtype in ROW_DTYPES if row else dtype.kind == "f" or dtype.name == "bfloat16"
+    floating = dtype.kind == "f" or dtype.name == "bfloat16"
+    return (dtype in ROW_DTYPES or (half and floating and dtype.itemsize == 2)) if row else floating
+
+
+def _acc(dtype):
+    """The dtype a kernel sums in: float64 for float64, else float32 (``cuda_half``'s ``acc``)."""
+    return numpy.dtype("float64") if numpy.dtype(dtype) == numpy.float64 else numpy.dtype("float32")
 
 
 _G, _K = f"(A){_C!r}", "(A)0.044715"
@@ -82,12 +90,12 @@ def _elementwise(name: str):
 
     inputs, outputs, body = ELEMENTWISE[name]
     return cupy.ElementwiseKernel(
-        inputs, outputs, "typedef typename acc<T>::type A; " + body, f"hpc_tp_{name}", preamble=_ACC
+        inputs, outputs, "typedef typename acc<T>::type A; " + body, f"hpc_tp_{name}", preamble=ACC
     )
 
 
 _ROWS = (
-    _ACC
+    HALF
     + r"""
 #define NEG_INF (-__int_as_float(0x7f800000))  // NVRTC has no <cmath> INFINITY
 struct Sum { template <typename A> __device__ A operator()(A a, A b) const { return a + b; } };
@@ -121,14 +129,14 @@ __global__ void softmax_fwd(const T* x, T* y, long long n, long long tq, long lo
   long long limit = causal ? row % tq + offset + 1 : n;
   if (limit > n) limit = n;
   A m = (A)NEG_INF;
-  for (long long j = threadIdx.x; j < limit; j += blockDim.x) m = m > (A)xr[j] ? m : (A)xr[j];
+  for (long long j = threadIdx.x; j < limit; j += blockDim.x) m = m > widen(xr[j]) ? m : widen(xr[j]);
   m = block_reduce(m, (A)NEG_INF, Max(), shared);
   if (!isfinite(m)) m = 0;  // a fully masked row: every exp is 0, and the row stays 0
   A s = 0;
-  for (long long j = threadIdx.x; j < limit; j += blockDim.x) s += exp((A)xr[j] - m);
+  for (long long j = threadIdx.x; j < limit; j += blockDim.x) s += exp(widen(xr[j]) - m);
   s = block_reduce(s, (A)0, Sum(), shared);
   const A inv = s > 0 ? (A)1 / s : (A)1;
-  for (long long j = threadIdx.x; j < n; j += blockDim.x) yr[j] = j < limit ? (T)(exp((A)xr[j] - m) * inv) : (T)0;
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) put(yr + j, j < limit ? exp(widen(xr[j]) - m) * inv : (A)0);
 }
 
 template <typename T>
@@ -137,57 +145,58 @@ __global__ void softmax_bwd(const T* dp, const T* p, T* ds, long long n) {
   __shared__ A shared[32];
   const long long base = blockIdx.x * n;
   A dot = 0;
-  for (long long j = threadIdx.x; j < n; j += blockDim.x) dot += (A)dp[base + j] * (A)p[base + j];
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) dot += widen(dp[base + j]) * widen(p[base + j]);
   dot = block_reduce(dot, (A)0, Sum(), shared);
-  for (long long j = threadIdx.x; j < n; j += blockDim.x) ds[base + j] = (T)(((A)dp[base + j] - dot) * (A)p[base + j]);
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) put(ds + base + j, (widen(dp[base + j]) - dot) * widen(p[base + j]));
 }
 
-// Layernorm (rms = 0) or rmsnorm (rms = 1, no mean, no bias); saves xhat and 1/std per row.
+// Layernorm (rms = 0) or rmsnorm (rms = 1, no mean, no bias); saves xhat and 1/std per row. The gain,
+// bias and 1/std are in the sums' type (float for half inputs).
 template <typename T>
-__global__ void norm_fwd(const T* x, const T* gain, const T* bias, T* y, T* xhat, T* rstd, long long n,
-                         double eps, int rms, int has_bias) {
+__global__ void norm_fwd(const T* x, const typename acc<T>::type* gain, const typename acc<T>::type* bias, T* y,
+                         T* xhat, typename acc<T>::type* rstd, long long n, double eps, int rms, int has_bias) {
   typedef typename acc<T>::type A;
   __shared__ A shared[32];
   const long long base = blockIdx.x * n;
   A mean = 0;
   if (!rms) {
-    for (long long j = threadIdx.x; j < n; j += blockDim.x) mean += (A)x[base + j];
+    for (long long j = threadIdx.x; j < n; j += blockDim.x) mean += widen(x[base + j]);
     mean = block_reduce(mean, (A)0, Sum(), shared) / (A)n;
   }
   A var = 0;
-  for (long long j = threadIdx.x; j < n; j += blockDim.x) { A d = (A)x[base + j] - mean; var += d * d; }
+  for (long long j = threadIdx.x; j < n; j += blockDim.x) { A d = widen(x[base + j]) - mean; var += d * d; }
   var = block_reduce(var, (A)0, Sum(), shared) / (A)n;
   const A r = (A)1 / sqrt(var + (A)eps);
   for (long long j = threadIdx.x; j < n; j += blockDim.x) {
-    A h = ((A)x[base + j] - mean) * r;
-    xhat[base + j] = (T)h;
-    y[base + j] = (T)(h * (A)gain[j] + (has_bias ? (A)bias[j] : (A)0));
+    A h = (widen(x[base + j]) - mean) * r;
+    put(xhat + base + j, h);
+    put(y + base + j, h * gain[j] + (has_bias ? bias[j] : (A)0));
   }
-  if (threadIdx.x == 0) rstd[blockIdx.x] = (T)r;
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
 }
 
 // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy gain; rmsnorm drops the mean(g) term.
 template <typename T>
-__global__ void norm_bwd(const T* dy, const T* gain, const T* xhat, const T* rstd, T* dx, long long n, int rms) {
+__global__ void norm_bwd(const T* dy, const typename acc<T>::type* gain, const T* xhat,
+                         const typename acc<T>::type* rstd, T* dx, long long n, int rms) {
   typedef typename acc<T>::type A;
   __shared__ A shared[32];
   const long long base = blockIdx.x * n;
   A sg = 0, sgx = 0;
   for (long long j = threadIdx.x; j < n; j += blockDim.x) {
-    A g = (A)dy[base + j] * (A)gain[j];
+    A g = widen(dy[base + j]) * gain[j];
     sg += g;
-    sgx += g * (A)xhat[base + j];
+    sgx += g * widen(xhat[base + j]);
   }
   sgx = block_reduce(sgx, (A)0, Sum(), shared) / (A)n;
   sg = rms ? (A)0 : block_reduce(sg, (A)0, Sum(), shared) / (A)n;
-  const A r = (A)rstd[blockIdx.x];
+  const A r = rstd[blockIdx.x];
   for (long long j = threadIdx.x; j < n; j += blockDim.x)
-    dx[base + j] = (T)(r * ((A)dy[base + j] * (A)gain[j] - sg - (A)xhat[base + j] * sgx));
+    put(dx + base + j, r * (widen(dy[base + j]) * gain[j] - sg - widen(xhat[base + j]) * sgx));
 }
 """
 )
 _ROW_KERNELS = ("softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd")
-_CTYPES = {"float32": "float", "float64": "double"}
 ROW_OPTIONS = ("-std=c++14",)
 
 
@@ -195,7 +204,7 @@ ROW_OPTIONS = ("-std=c++14",)
 def _row_module():
     import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
-    names = [f"{k}<{t}>" for k in _ROW_KERNELS for t in _CTYPES.values()]
+    names = [f"{k}<{t}>" for k in _ROW_KERNELS for t in CTYPES.values()]
     return cupy.RawModule(code=_ROWS, options=ROW_OPTIONS, name_expressions=names)
 
 
@@ -206,7 +215,7 @@ def row_source() -> str:
 
 @functools.cache
 def _row_kernel(name: str, dtype):
-    return _row_module().get_function(f"{name}<{_CTYPES[numpy.dtype(dtype).name]}>")
+    return _row_module().get_function(f"{name}<{CTYPES[numpy.dtype(dtype).name]}>")
 
 
 def _launch(name: str, x, *args):
@@ -319,10 +328,11 @@ def _norm_forward(x, gain, bias, eps, rms: bool):
     import cupy  # optional (hpc_tp[gpu]), and only the GPU path gets here
 
     x = _c(x)
-    gain = _c(gain, x.dtype)
-    bias = gain if bias is None else _c(bias, x.dtype)
+    acc = _acc(x.dtype)
+    gain = _c(gain, acc)
+    bias = gain if bias is None else _c(bias, acc)
     y, xhat = cupy.empty_like(x), cupy.empty_like(x)
-    rstd = cupy.empty(x.shape[:-1] + (1,), dtype=x.dtype)
+    rstd = cupy.empty(x.shape[:-1] + (1,), dtype=acc)
     _launch(
         "norm_fwd",
         x,
@@ -345,13 +355,15 @@ def _norm_backward(dy, gain, saved, rms: bool):
 
     xhat, rstd = saved
     dy = _c(dy)
-    gain, xhat, rstd = (_c(a, dy.dtype) for a in (gain, xhat, rstd))
+    acc = _acc(dy.dtype)
+    xhat, gain, rstd = _c(xhat, dy.dtype), _c(gain, acc), _c(rstd, acc)
     dx = cupy.empty_like(dy)
     _launch("norm_bwd", dy, dy, gain, xhat, rstd, dx, numpy.int64(dy.shape[-1]), numpy.int32(rms))
     n = dy.shape[-1]
-    dy2 = dy.reshape(-1, n)
-    # A product and a column sum: two launches where cupy's einsum plans for hundreds of microseconds.
-    dgain = (dy2 * xhat.reshape(-1, n)).sum(axis=0)
+    # The gain and bias gradients in the sums' type (float32 for half inputs, as their buffers are): a
+    # product and a column sum, two launches where cupy's einsum plans for hundreds of microseconds.
+    dy2 = dy.reshape(-1, n).astype(acc, copy=False)
+    dgain = (dy2 * xhat.reshape(-1, n).astype(acc, copy=False)).sum(axis=0)
     return dx, dgain, dy2.sum(axis=0)
 
 

@@ -41,6 +41,7 @@ import os
 import numpy
 
 from .. import backend
+from .cuda_half import CTYPES, HALF
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 HEAD_DIMS = (32, 64, 128, 256)  # template buckets: lanes hold bucket / 32 columns each
@@ -48,10 +49,10 @@ MAX_HEAD_DIM = HEAD_DIMS[-1]
 WARPS, ROWS, LANES = 4, 4, 32  # a block: 4 warps of 4 query rows (or keys) each; key/query tiles of 32
 KEY_ROWS = ROWS  # keys per warp in flash_dkdv
 OPTIONS = ("-std=c++14",)
-_CTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "float", "float64": "double"}
 KERNELS = ("flash_fwd", "flash_dq", "flash_dkdv")
 
-SOURCE = r"""
+SOURCE = (
+    r"""
 #define NEG_INF (-__int_as_float(0x7f800000))  // NVRTC has no <cmath> INFINITY
 #define POS_INF (__int_as_float(0x7f800000))
 #define WARPS 4
@@ -59,32 +60,9 @@ SOURCE = r"""
 #define LANES 32
 #define FULL 0xffffffffu
 
-struct bf16 { unsigned short bits; };
-struct f16 { unsigned short bits; };
-template <typename T> struct acc { typedef float type; };
-template <> struct acc<double> { typedef double type; };
-
-__device__ __forceinline__ float widen(float x) { return x; }
-__device__ __forceinline__ double widen(double x) { return x; }
-__device__ __forceinline__ float widen(bf16 x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
-__device__ __forceinline__ float widen(f16 x) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-  return f;
-}
-__device__ __forceinline__ void put(float* p, float a) { *p = a; }
-__device__ __forceinline__ void put(double* p, double a) { *p = a; }
-__device__ __forceinline__ void put(bf16* p, float a) {  // round to nearest even; a NaN stays a NaN
-  unsigned int u = __float_as_uint(a);
-  p->bits = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 0x40u)
-                                            : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ void put(f16* p, float a) {
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(a));
-  p->bits = h;
-}
-
+"""
+    + HALF
+    + r"""
 template <typename A> __device__ __forceinline__ A warp_max(A v) {
   for (int o = 16; o > 0; o >>= 1) { A w = __shfl_xor_sync(FULL, v, o); v = v > w ? v : w; }
   return v;
@@ -380,6 +358,7 @@ flash_dkdv(const T* q, const T* k, const T* v, const T* dout, const typename acc
   }
 }
 """
+)
 
 
 def enabled() -> bool:
@@ -394,7 +373,7 @@ def bucket(head_dim: int) -> int:
 
 def names(dtype: str, head_dim_bucket: int) -> list[str]:
     """The kernel instances one module holds: the three kernels for one dtype and head-size bucket."""
-    return [f"{k}<{_CTYPES[dtype]}, {head_dim_bucket // LANES}>" for k in KERNELS]
+    return [f"{k}<{CTYPES[dtype]}, {head_dim_bucket // LANES}>" for k in KERNELS]
 
 
 def shared_bytes(kernel: str, head_dim: int, dtype) -> int:

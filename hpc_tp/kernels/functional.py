@@ -18,9 +18,9 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 def _fused(name: str, x, row: bool = False, half: bool = False):
     """The fused kernel ``name`` for ``x``'s device: ``cuda_kernels`` for cupy arrays,
-    ``cpu_kernels`` (numba) for numpy ones, their half arrays too where ``half`` says the CPU kernel
-    takes them; None where there is none (the composed code runs)."""
-    if hasattr(cuda_kernels, name) and cuda_kernels.fused(x, row):
+    ``cpu_kernels`` (numba) for numpy ones, their half arrays too where ``half`` says the kernel takes
+    them (sums in float32); None where there is none (the composed code runs)."""
+    if hasattr(cuda_kernels, name) and cuda_kernels.fused(x, row, half):
         return getattr(cuda_kernels, name)
     if hasattr(cpu_kernels, name) and cpu_kernels.fused(x, row, half):
         return getattr(cpu_kernels, name)
