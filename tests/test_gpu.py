@@ -529,5 +529,37 @@ def test_without_torch_on_a_device_the_peer_section_is_one_row_saying_why(tmp_pa
     monkeypatch.setattr(torch_peer, "torch_missing", lambda: "torch is not importable here (stand-in)")
     report = G.Report(out=tmp_path)
     G.run_peer_benchmarks(report)
-    assert report.rows["peer"] == [{"skipped": "torch is not importable here (stand-in)"}]
-    assert "- skipped: torch is not importable here (stand-in)" in (tmp_path / "gpu_check.md").read_text()
+    G.run_profiles(report)
+    assert report.rows["peer"] == report.rows["profile"] == [{"skipped": "torch is not importable here (stand-in)"}]
+    assert (tmp_path / "gpu_check.md").read_text().count("- skipped: torch is not importable here (stand-in)") == 2
+
+
+def test_a_profile_row_names_each_step_s_categories_and_the_engine_s_largest_kernels(tmp_path, monkeypatch):
+    """The row from stand-in profiles: wall and busy ms, each category's ms and launches, for the engine
+    and PyTorch, then the engine's largest kernels; the JSON keeps the whole summary."""
+    from hpc_tp.bench import device_profile
+
+    def profile(kernels):
+        return device_profile.summary({"wall_ms": 20.0, "kernels": kernels}, top=1)
+
+    engine = profile({"sm90_xmma_gemm_bf16": {"ms": 8.0, "calls": 48}, "cupy_add": {"ms": 6.0, "calls": 300}})
+    torch = profile({"sm90_xmma_gemm_bf16": {"ms": 7.5, "calls": 48}, "pytorch_flash::fwd": {"ms": 1.0, "calls": 4}})
+    monkeypatch.setattr(G, "step_profiles", lambda dtype, batch, seq: {"engine": engine, "torch eager": torch})
+    monkeypatch.setattr("hpc_tp.bench.torch_peer.torch_missing", lambda: None)
+    report = G.Report(out=tmp_path)
+    G.run_profiles(report)
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert (
+        "W1 step float32 32x256: engine: wall 20.00 ms, device busy 14.00 ms in 348 launches; products 8.00 (48), "
+        in text
+    )
+    assert (
+        "torch eager: wall 20.00 ms, device busy 8.50 ms in 52 launches; products 7.50 (48), attention kernels" in text
+    )
+    assert "engine's largest: sm90_xmma_gemm_bf16 8.00 ms (48)" in text
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["profile"][0]["engine"]["categories"][
+        "other elementwise"
+    ] == {
+        "ms": 6.0,
+        "calls": 300,
+    }

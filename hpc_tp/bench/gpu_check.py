@@ -20,7 +20,8 @@ on one machine in well under 5 minutes, as a short table.
    1B-class one, alternating;
 5. the PyTorch peer on the same card (``torch_peer``, where torch imports): the W1 step eagerly and
    through ``torch.compile``, alternating with this engine's, and W1 decode eagerly and from a CUDA
-   graph, with the ratios.
+   graph, with the ratios; and, right after the W1 rows, where the W1 step's device time goes, this
+   engine's and PyTorch's, kernel by kernel (``device_profile``).
 
 The table goes to stdout and, with ``--out DIR`` or ``$OUT``, to DIR/gpu_check.md and .json.
 Exit status: 0 when every check passed, and also when there is no CUDA device (the only line
@@ -627,6 +628,21 @@ def benchmark(dtype: str, batch: int, seq: int, graphs: bool = False) -> dict:
     return benchmark_step(self_comm(), cfg, batch, seq, dtype, repeats=5, warmup=2, graphs=graphs)
 
 
+def step_profiles(dtype: str, batch: int, seq: int) -> dict:
+    """Where the W1 step's device time goes (``device_profile``): this engine's eager step, as ``bench
+    step`` runs it, and PyTorch's eager one, profiled alike."""
+    from ..comm.mpi import self_comm
+    from ..models.config import load_config
+    from . import device_profile, torch_peer
+    from .step import step_function
+
+    steps = {
+        "engine": step_function(load_config("w1", max_seq_len=seq), self_comm(), batch, seq, dtype),
+        "torch eager": torch_peer.w1_step_function(dtype, batch, compiled=False),
+    }
+    return {name: device_profile.summary(device_profile.kernel_times(step)) for name, step in steps.items()}
+
+
 # -- the report -------------------------------------------------------------------------------------
 def environment() -> list[tuple[str, str]]:
     import cupy
@@ -820,7 +836,7 @@ class Report:
         self.checks: list[dict] = []
         self.bench: list[dict] = []
         self.decode: list[dict] = []
-        self.rows: dict[str, list[dict]] = {"continuous": [], "flash": [], "peer": []}
+        self.rows: dict[str, list[dict]] = {"continuous": [], "flash": [], "peer": [], "profile": []}
         self.started = time.perf_counter()
 
     def save(self):
@@ -1146,6 +1162,40 @@ def _peer_cells(row: dict) -> str:
     return f"{head}: " + ", ".join(cells) + "; " + ", ".join(ratios)
 
 
+def run_profiles(report: Report):
+    """The W1 step's kernels by category, this engine's and PyTorch's, at micro-batch 32 (where the
+    card, not the host, sets the pace) in float32 and bfloat16."""
+    from . import torch_peer  # loaded when the rows run, as the engine's other modules
+
+    missing = torch_peer.torch_missing()
+    if missing:
+        report.add_row("profile", {"skipped": missing})
+        print(f"  skipped: {missing}", flush=True)
+        return
+    batch, seq = W1_ROWS[-1]
+    for dtype in ("float32", _bf16_or_fp16()):
+        measure = functools.partial(step_profiles, dtype, batch, seq)
+        _measured_row(report, "profile", {"dtype": dtype, "shape": f"{batch}x{seq}"}, measure, _profile_cells)
+
+
+def _profile_cells(row: dict) -> str:
+    if "skipped" in row:
+        return f"skipped: {row['skipped']}"
+    head = f"W1 step {row['dtype']} {row['shape']}"
+    if "error" in row:
+        return f"{head}: failed: {row['error']}"
+    parts = []
+    for name in ("engine", "torch eager"):
+        p = row[name]
+        categories = ", ".join(f"{k} {v['ms']:.2f} ({v['calls']:.0f})" for k, v in p["categories"].items())
+        parts.append(
+            f"{name}: wall {p['wall_ms']:.2f} ms, device busy {p['busy_ms']:.2f} ms in {p['launches']:.0f} launches; "
+            f"{categories}"
+        )
+    top = "; ".join(f"{k['kernel']} {k['ms']:.2f} ms ({k['calls']:.0f})" for k in row["engine"]["top"])
+    return f"{head}: " + " | ".join(parts) + f" | engine's largest: {top}"
+
+
 def run_decode_benchmarks(report: Report, batches=(1, 8, 64)):
     """W1 decode steps without and with a CUDA graph, alternating in this one process."""
     for batch in batches:
@@ -1234,6 +1284,13 @@ def markdown(env, report: Report) -> str:
     if report.rows["flash"]:
         lines += ["", "Fused attention vs composed, causal, forward + backward, alternating (median and range):", ""]
         lines += [f"- {_flash_cells(r)}" for r in report.rows["flash"]]
+    if report.rows["profile"]:
+        lines += [
+            "",
+            "Device time of a W1 step by kernel category, ms a step (launches), CUPTI via torch.profiler:",
+            "",
+        ]
+        lines += [f"- {_profile_cells(r)}" for r in report.rows["profile"]]
     if report.rows["peer"]:
         lines += [
             "",
@@ -1270,6 +1327,9 @@ def main(argv=None) -> int:
     if not args.no_bench:
         print("W1 block stack (4 layers, hidden 768, 12 heads, ffn 3072), one process:", flush=True)
         run_benchmarks(report)
+        if not args.no_peer:
+            print("W1 step's device time by kernel, this engine and PyTorch:", flush=True)
+            run_profiles(report)
         print("W1 decode, float32, prompt 64, 32 timed tokens:", flush=True)
         run_decode_benchmarks(report)
         print("W1 continuous decode step, float32, eager vs replayed per bucket:", flush=True)

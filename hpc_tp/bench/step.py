@@ -94,6 +94,23 @@ def build_blocks(cfg: ModelConfig, comm: MPICommunicator, dtype: str, seed: int 
     return GPTModel(cfg, comm, dtype=dtype, seed=seed, has_embedding=False, has_head=False)
 
 
+def step_function(cfg: ModelConfig, comm: MPICommunicator, batch: int, seq: int, dtype: str):
+    """One forward + backward of the block stack of ``cfg`` split over ``comm`` on a fixed random input
+    [batch, seq, hidden] (this rank's sequence shard with sequence parallelism), the loss mean(out**2):
+    what ``benchmark_step`` times and ``device_profile`` breaks down."""
+    model = build_blocks(cfg, comm, dtype)
+    x = backend.xp.asarray(numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype))
+    scale = backend.xp.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
+    if cfg.sequence_parallel and comm.size > 1:
+        x = scatter_sequence(x, comm)  # the blocks take and give this rank's sequence shard
+
+    def one_step():  # its activations die with it: one step's alive at a time, as in training
+        out, ctxs = model.blocks_forward(x)
+        model.blocks_backward(out * scale, ctxs)
+
+    return one_step
+
+
 def benchmark_step(
     comm: MPICommunicator,
     cfg: ModelConfig,
@@ -112,17 +129,8 @@ def benchmark_step(
     retained = retain_freed_memory()
     warn_if_tp_spans_nodes(comm)
     nodes = node_of_ranks(comm)
-    model = build_blocks(cfg, comm, dtype)
-    x = backend.xp.asarray(numpy.random.default_rng(1).standard_normal((batch, seq, cfg.hidden)).astype(dtype))
-    scale = backend.xp.asarray(2.0 / x.size, dtype)  # d mean(out**2) / d out, kept in the model's dtype
-    if cfg.sequence_parallel and comm.size > 1:
-        x = scatter_sequence(x, comm)  # the blocks take and give this rank's sequence shard
+    one_step = step_function(cfg, comm, batch, seq, dtype)
     shape = (batch * seq, cfg.hidden, max(1, cfg.ffn_hidden // comm.size))
-
-    def one_step():  # its activations die with it: one step's alive at a time, as in training
-        out, ctxs = model.blocks_forward(x)
-        model.blocks_backward(out * scale, ctxs)
-
     replayed = cuda_graph.Replayed(one_step, "the benchmark step") if graphs and cuda_graph.capturable(comm) else None
     steps, comms, peaks = [], [], []
     for i in range(warmup + repeats):

@@ -77,6 +77,12 @@ def _median_seconds(step, repeats: int) -> float:
 
 def w1_step(dtype: str, batch: int, compiled: bool, warmup: int = 3):
     """``timed(repeats) -> median step seconds`` of W1's block stack forward + backward."""
+    step = w1_step_function(dtype, batch, compiled, warmup)
+    return lambda repeats: _median_seconds(step, repeats)
+
+
+def w1_step_function(dtype: str, batch: int, compiled: bool, warmup: int = 3):
+    """W1's block stack forward + backward as one call, warmed up (compiled, where ``compiled``)."""
     import torch  # optional, see torch_missing
 
     dt = getattr(torch, dtype)
@@ -96,7 +102,7 @@ def w1_step(dtype: str, batch: int, compiled: bool, warmup: int = 3):
     for _ in range(warmup):  # torch.compile compiles at the first call
         step()
     torch.cuda.synchronize()
-    return lambda repeats: _median_seconds(step, repeats)
+    return step
 
 
 def decode_step(batch: int, graphs: bool, prompt: int = 64, tokens: int = 32):
