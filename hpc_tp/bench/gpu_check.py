@@ -13,7 +13,7 @@ on one machine in well under 5 minutes, as a short table.
 3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
    (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
    measured large-GEMM peak, and each step again replayed from a CUDA graph (``bench step
-   --cuda-graph``); then W1 decode steps with and without a CUDA graph (``bench decode``), and W1's
+   --cuda-graph``); a 1B-class block stack (``gpt-1b``: hidden 2048, 16 layers, seq 2048) in bfloat16; then W1 decode steps with and without a CUDA graph (``bench decode``), and W1's
    continuous decode step at 1, 8 and 32 rows eager and replayed (``decoding.PagedSteps``), alternating;
 4. the fused attention kernels (``flash_attention``) against the composed core: their error (a check
    row, float64, float32 and half) and both paths' forward + backward time on W1's attention and a
@@ -52,6 +52,9 @@ TP_TOL = 1e-9
 MIXED_TOL = {"float16": 1e-2, "bfloat16": 5e-2}
 MOE = {"num_experts": 4, "top_k": 2}  # every MLP a Mixture of Experts: routing, dispatch and combine on the device
 W1_ROWS = ((4, 256), (32, 256))  # (micro-batch, seq): the CPU benchmark's shape, then one a GPU fills
+# (preset, micro-batch, seq, also as a CUDA graph): W1's rows, then a 1B-class model's block stack (hidden
+# 2048, 16 layers, seq 2048), whose step is long enough that the host's launches do not count.
+BENCH_ROWS = tuple(("w1", batch, seq, True) for batch, seq in W1_ROWS) + (("gpt-1b", 4, 2048, False),)
 # Fused attention against the composed core in float64 on the host: sums in float64, float32 or float;
 # half inputs differ from it by their output's rounding (2^-8 for bfloat16, 2^-11 for float16) and more.
 FLASH_TOL = {"float64": 1e-12, "float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
@@ -619,12 +622,12 @@ def card_peak(dtype: str, size: int = 8192, repeats: int = 5) -> float:
     return 2 * size**3 / sorted(times)[len(times) // 2]
 
 
-def benchmark(dtype: str, batch: int, seq: int, graphs: bool = False) -> dict:
+def benchmark(dtype: str, batch: int, seq: int, graphs: bool = False, model: str = "w1") -> dict:
     from ..comm.mpi import self_comm
     from ..models.config import load_config
     from .step import benchmark_step
 
-    cfg = load_config("w1", max_seq_len=seq)
+    cfg = load_config(model, max_seq_len=seq)
     return benchmark_step(self_comm(), cfg, batch, seq, dtype, repeats=5, warmup=2, graphs=graphs)
 
 
@@ -1026,24 +1029,18 @@ def run_benchmarks(report: Report):
             report.add_bench({"dtype": dtype, "error": f"{type(error).__name__}: {error}"[:200]})
             print(f"  {dtype}: GEMM peak failed: {report.bench[-1]['error']}", flush=True)
             continue
-        for batch, seq in W1_ROWS:
-            try:
-                r, replayed = benchmark(dtype, batch, seq), benchmark(dtype, batch, seq, graphs=True)
-            except Exception as error:  # noqa: BLE001
-                report.add_bench(
-                    {
-                        "dtype": dtype,
-                        "micro_batch": batch,
-                        "seq_len": seq,
-                        "error": f"{type(error).__name__}: {error}"[:200],
-                    }
-                )
-                print(f"  {dtype} {batch}x{seq}: failed: {report.bench[-1]['error']}", flush=True)
+        for model, batch, seq, graphs in BENCH_ROWS:
+            if model != "w1" and dtype == "float32":  # the 1B-class target is bfloat16's
                 continue
-            row = {
-                "dtype": dtype,
-                "micro_batch": batch,
-                "seq_len": seq,
+            head = {"model": model, "dtype": dtype, "micro_batch": batch, "seq_len": seq}
+            try:
+                r = benchmark(dtype, batch, seq, model=model)
+                replayed = benchmark(dtype, batch, seq, graphs=True, model=model) if graphs else None
+            except Exception as error:  # noqa: BLE001
+                report.add_bench(head | {"error": f"{type(error).__name__}: {error}"[:200]})
+                print(f"  {model} {dtype} {batch}x{seq}: failed: {report.bench[-1]['error']}", flush=True)
+                continue
+            row = head | {
                 "step_ms": r["step_s"] * 1e3,
                 "tokens_per_s": r["tokens_per_s"],
                 "achieved_tflops": r["achieved_flops"] / 1e12,
@@ -1051,11 +1048,12 @@ def run_benchmarks(report: Report):
                 "mfu_same_shape": r["mfu"],
                 "card_gemm_tflops": peak / 1e12,
                 "mfu_card": r["achieved_flops"] / peak,
-                "graph_step_ms": replayed["step_s"] * 1e3 if replayed["cuda_graph"] else None,
             }
+            if replayed is not None:
+                row["graph_step_ms"] = replayed["step_s"] * 1e3 if replayed["cuda_graph"] else None
             report.add_bench(row)
             print(
-                f"  W1 {dtype:8s} {batch:3d}x{seq}: {row['step_ms']:8.2f} ms ({_graph_cell(row)} as a CUDA graph)  "
+                f"  {model} {dtype:8s} {batch:3d}x{seq}: {row['step_ms']:8.2f} ms ({_graph_cell(row)} as a CUDA graph)  "
                 f"{row['tokens_per_s']:10.0f} tok/s  "
                 f"{row['achieved_tflops']:7.2f} TFLOP/s  MFU {100 * row['mfu_same_shape']:5.1f}% of the same-shape "
                 f"GEMM ({row['same_shape_gemm_tflops']:.1f}), {100 * row['mfu_card']:5.1f}% of the card's "
@@ -1232,6 +1230,8 @@ def _continuous_cells(row: dict) -> str:
 
 
 def _graph_cell(row: dict) -> str:
+    if "graph_step_ms" not in row:
+        return "not captured"
     return "capture failed" if row["graph_step_ms"] is None else f"{row['graph_step_ms']:.2f}"
 
 
@@ -1255,18 +1255,19 @@ def markdown(env, report: Report) -> str:
     ]
     lines += [
         "",
-        "| W1 dtype | micro-batch x seq | step ms | step ms, CUDA graph | tokens/s | TFLOP/s "
+        "| model | dtype | micro-batch x seq | step ms | step ms, CUDA graph | tokens/s | TFLOP/s "
         "| MFU (same-shape GEMM) | MFU (card GEMM peak) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for b in report.bench:
         if "error" in b:
             lines.append(
-                f"| {b['dtype']} | {b.get('micro_batch', '')}x{b.get('seq_len', '')} | failed: {b['error']} | | | | | |"
+                f"| {b.get('model', '')} | {b['dtype']} | {b.get('micro_batch', '')}x{b.get('seq_len', '')} "
+                f"| failed: {b['error']} | | | | | |"
             )
         else:
             lines.append(
-                f"| {b['dtype']} | {b['micro_batch']}x{b['seq_len']} | {b['step_ms']:.2f} | {_graph_cell(b)} | "
+                f"| {b['model']} | {b['dtype']} | {b['micro_batch']}x{b['seq_len']} | {b['step_ms']:.2f} | {_graph_cell(b)} | "
                 f"{b['tokens_per_s']:.0f} | {b['achieved_tflops']:.2f} | {100 * b['mfu_same_shape']:.1f}% "
                 f"of {b['same_shape_gemm_tflops']:.1f} | {100 * b['mfu_card']:.1f}% of "
                 f"{b['card_gemm_tflops']:.1f} |"
@@ -1325,7 +1326,7 @@ def main(argv=None) -> int:
     run_checks(report)
     backend.use("cuda", 0)
     if not args.no_bench:
-        print("W1 block stack (4 layers, hidden 768, 12 heads, ffn 3072), one process:", flush=True)
+        print("block stacks (W1: 4 layers, hidden 768; gpt-1b: 16 layers, hidden 2048), one process:", flush=True)
         run_benchmarks(report)
         if not args.no_peer:
             print("W1 step's device time by kernel, this engine and PyTorch:", flush=True)

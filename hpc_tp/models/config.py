@@ -280,6 +280,8 @@ PRESETS = {
     "w1": dict(vocab_size=50304, hidden=768, n_layers=4, n_heads=12, ffn_hidden=3072, max_seq_len=256),
     "gpt2": dict(vocab_size=50257, hidden=768, n_layers=12, n_heads=12, max_seq_len=1024),
     "gpt2-medium": dict(vocab_size=50257, hidden=1024, n_layers=24, n_heads=16, max_seq_len=1024),
+    # A 1B-class GPT (0.9B parameters): what one GPU trains at seq 2048 (gpu-check's MFU row).
+    "gpt-1b": dict(vocab_size=50304, hidden=2048, n_layers=16, n_heads=16, max_seq_len=2048),
     "gpt3-175b": dict(vocab_size=50257, hidden=12288, n_layers=96, n_heads=96, max_seq_len=2048),
     "llama2-7b": dict(
         vocab_size=32000,
