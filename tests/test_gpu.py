@@ -490,6 +490,15 @@ def test_the_tp_graph_row_measures_a_replay_on_a_second_input_on_the_cpu(comm_wo
         assert replayed and transport == "mpi" and 0 <= error <= G.TP_TOL
 
 
+def test_sections_run_in_their_order_and_the_flags_drop_theirs():
+    assert G.chosen_sections(None, False, False) == list(G.SECTIONS)
+    assert G.chosen_sections("peer, checks", False, False) == ["checks", "peer"]
+    assert G.chosen_sections(None, True, False) == ["checks"]
+    assert "profile" not in G.chosen_sections(None, False, True) and "peer" not in G.chosen_sections(None, False, True)
+    with pytest.raises(ValueError, match=r"--only 'bench,gpu': expected some of checks, bench, "):
+        G.chosen_sections("bench,gpu", False, False)
+
+
 def test_a_check_that_fails_without_a_message_is_a_row_not_a_crash(tmp_path):
     """gpu-check runs on a lent machine in a few minutes: one bad check must not end the table."""
     report = G.Report(out=tmp_path)

@@ -1302,15 +1302,49 @@ def markdown(env, report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The table's sections in the order they run: the checks, the training step's rows and its peer, then the
+# decode timings (a run cut off by its time limit keeps the rows before it): (title, rows). The profile and peer sections need torch.
+SECTIONS = {
+    "checks": ("checks:", run_checks),
+    "bench": ("block stacks (W1: 4 layers, hidden 768; gpt-1b: 16 layers, hidden 2048), one process:", run_benchmarks),
+    "profile": ("W1 step's device time by kernel, this engine and PyTorch:", run_profiles),
+    "flash": ("fused attention vs composed, forward + backward:", run_flash_benchmarks),
+    "peer": ("PyTorch on the same card:", run_peer_benchmarks),
+    "decode": ("W1 decode, float32, prompt 64, 32 timed tokens:", run_decode_benchmarks),
+    "continuous": ("W1 continuous decode step, float32, eager vs replayed per bucket:", run_continuous_benchmarks),
+}
+
+
+def chosen_sections(only: str | None, no_bench: bool, no_peer: bool) -> list[str]:
+    """The sections to run, in ``SECTIONS``' order: ``only`` (comma-separated names) or all, less the
+    benchmarks (``no_bench``: the checks alone) and the PyTorch rows (``no_peer``)."""
+    names = list(SECTIONS) if only is None else [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise ValueError(f"--only {only!r}: expected some of {', '.join(SECTIONS)}, comma-separated")
+    return [
+        n
+        for n in SECTIONS
+        if n in names and not (no_bench and n != "checks") and not (no_peer and n in ("profile", "peer"))
+    ]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.md/.json (default $OUT)")
     parser.add_argument("--no-bench", action="store_true", help="checks only")
     parser.add_argument("--no-peer", action="store_true", help="without the PyTorch rows")
+    parser.add_argument(
+        "--only", metavar="SECTIONS", help=f"some of {','.join(SECTIONS)} (comma-separated), e.g. to split a run in two"
+    )
     parser.add_argument("--pair-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.pair_worker:
         return _pair_worker()
+    try:
+        sections = chosen_sections(args.only, args.no_bench, args.no_peer)
+    except ValueError as error:
+        parser.error(str(error))
     from ..errors import ConfigError
 
     try:
@@ -1322,24 +1356,11 @@ def main(argv=None) -> int:
     env = environment()
     print("gpu-check environment:\n" + "\n".join(f"  {k}: {v}" for k, v in env), flush=True)
     report = Report(env, Path(args.out) if args.out else None)
-    print("checks:", flush=True)
-    run_checks(report)
-    backend.use("cuda", 0)
-    if not args.no_bench:
-        print("block stacks (W1: 4 layers, hidden 768; gpt-1b: 16 layers, hidden 2048), one process:", flush=True)
-        run_benchmarks(report)
-        if not args.no_peer:
-            print("W1 step's device time by kernel, this engine and PyTorch:", flush=True)
-            run_profiles(report)
-        print("W1 decode, float32, prompt 64, 32 timed tokens:", flush=True)
-        run_decode_benchmarks(report)
-        print("W1 continuous decode step, float32, eager vs replayed per bucket:", flush=True)
-        run_continuous_benchmarks(report)
-        print("fused attention vs composed, forward + backward:", flush=True)
-        run_flash_benchmarks(report)
-        if not args.no_peer:
-            print("PyTorch on the same card:", flush=True)
-            run_peer_benchmarks(report)
+    for name in sections:
+        title, rows = SECTIONS[name]
+        print(title, flush=True)
+        rows(report)
+        backend.use("cuda", 0)  # a section may have switched to the CPU for its reference
     report.save()
     print("\n" + report.text(), flush=True)
     return 1 if report.failed else 0
