@@ -1303,7 +1303,8 @@ def markdown(env, report: Report) -> str:
 
 
 # The table's sections in the order they run: the checks, the training step's rows and its peer, then the
-# decode timings (a run cut off by its time limit keeps the rows before it): (title, rows). The profile and peer sections need torch.
+# decode timings (a run cut off by its time limit keeps the rows before it): (title, rows). The profile and
+# peer sections need torch.
 SECTIONS = {
     "checks": ("checks:", run_checks),
     "bench": ("block stacks (W1: 4 layers, hidden 768; gpt-1b: 16 layers, hidden 2048), one process:", run_benchmarks),
