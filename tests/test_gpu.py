@@ -554,10 +554,14 @@ def test_a_profile_row_names_each_step_s_categories_and_the_engine_s_largest_ker
     engine = profile({"sm90_xmma_gemm_bf16": {"ms": 8.0, "calls": 48}, "cupy_add": {"ms": 6.0, "calls": 300}})
     torch = profile({"sm90_xmma_gemm_bf16": {"ms": 7.5, "calls": 48}, "pytorch_flash::fwd": {"ms": 1.0, "calls": 4}})
     monkeypatch.setattr(G, "step_profiles", lambda dtype, batch, seq: {"engine": engine, "torch eager": torch})
+    monkeypatch.setattr(G, "decode_profiles", lambda: {"engine": engine | {"graph": True}, "torch": torch})
     monkeypatch.setattr("hpc_tp.bench.torch_peer.torch_missing", lambda: None)
     report = G.Report(out=tmp_path)
     G.run_profiles(report)
     text = (tmp_path / "gpu_check.md").read_text()
+    assert [r["kind"] for r in report.rows["profile"]] == ["W1 step"] * 2 + ["W1 decode token, CUDA graphs"]
+    assert "W1 decode token, CUDA graphs float32 batch 1: engine: wall 20.00 ms" in text
+    assert "| torch: wall 20.00 ms, device busy 8.50 ms in 52 launches" in text
     assert (
         "W1 step float32 32x256: engine: wall 20.00 ms, device busy 14.00 ms in 348 launches; products 8.00 (48), "
         in text
@@ -571,4 +575,28 @@ def test_a_profile_row_names_each_step_s_categories_and_the_engine_s_largest_ker
     ] == {
         "ms": 6.0,
         "calls": 300,
+    }
+
+
+def test_the_profiled_steps_run_on_the_cpu_through_stand_ins(monkeypatch):
+    """``step_profiles`` and ``decode_profiles`` build and step the engine's own W1 (here on the CPU,
+    4 calls each as ``kernel_times`` makes them) beside a stand-in PyTorch, and summarize both."""
+    from hpc_tp.bench import device_profile, torch_peer
+
+    calls = []
+
+    def kernel_times(step, steps=3):
+        for _ in range(steps + 1):
+            step()
+        calls.append(steps + 1)
+        return {"wall_ms": 1.0, "kernels": {"cupy_add": {"ms": 0.5, "calls": 2}}}
+
+    monkeypatch.setattr(device_profile, "kernel_times", kernel_times)
+    monkeypatch.setattr(torch_peer, "w1_step_function", lambda dtype, batch, compiled: lambda: None)
+    monkeypatch.setattr(torch_peer, "decode_step_function", lambda batch, graphs: (lambda: None, None))
+    step = G.step_profiles("float32", 1, 8)
+    decode = G.decode_profiles(batch=1, prompt=4)
+    assert calls == [4] * 4 and set(step) == {"engine", "torch eager"} and set(decode) == {"engine", "torch"}
+    assert decode["engine"]["graph"] is False and step["engine"]["categories"] == {
+        device_profile.OTHER: {"ms": 0.5, "calls": 2}
     }

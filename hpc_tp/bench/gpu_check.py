@@ -646,6 +646,31 @@ def step_profiles(dtype: str, batch: int, seq: int) -> dict:
     return {name: device_profile.summary(device_profile.kernel_times(step)) for name, step in steps.items()}
 
 
+def decode_profiles(batch: int = 1, prompt: int = 64) -> dict:
+    """Where a W1 decode token's device time goes (``device_profile``), float32 after a ``prompt``-token
+    prefill, each from a captured CUDA graph: this engine's step (``serve.decoding``) and PyTorch's."""
+    from ..comm.mpi import self_comm
+    from ..models import GPTModel, load_config
+    from ..serve.decoding import decode_stepper
+    from ..serve.kv_cache import KVCache
+    from . import device_profile, torch_peer
+
+    xp, steps = backend.xp, 8  # the untimed and the profiled steps, with room to spare
+    model = GPTModel(load_config("w1"), self_comm(), dtype="float32", seed=0)
+    cache = KVCache.for_model(model, batch, prompt + steps)
+    key_mask = numpy.zeros((batch, prompt + steps), dtype=bool)
+    key_mask[:, :prompt] = True
+    ids = xp.asarray(numpy.random.default_rng(0).integers(0, model.cfg.vocab_size, (batch, prompt)))
+    model.infer(ids, xp.broadcast_to(xp.arange(prompt), ids.shape), xp.asarray(key_mask[:, :prompt]), cache)
+    stepper = decode_stepper(model, cache, key_mask, numpy.full(batch, prompt), graphs=True)
+    token = numpy.zeros(batch, dtype=numpy.int64)
+    runs = {"engine": lambda: stepper.step(token), "torch": torch_peer.decode_step_function(batch, graphs=True)[0]}
+    profiles = {name: device_profile.summary(device_profile.kernel_times(run)) for name, run in runs.items()}
+    profiles["engine"]["graph"] = stepper.uses_graph
+    stepper.close()
+    return profiles
+
+
 # -- the report -------------------------------------------------------------------------------------
 def environment() -> list[tuple[str, str]]:
     import cupy
@@ -1162,7 +1187,8 @@ def _peer_cells(row: dict) -> str:
 
 def run_profiles(report: Report):
     """The W1 step's kernels by category, this engine's and PyTorch's, at micro-batch 32 (where the
-    card, not the host, sets the pace) in float32 and bfloat16."""
+    card, not the host, sets the pace) in float32 and bfloat16; then a decode token's at batch 1, each
+    replayed from a CUDA graph (where the kernels' count sets the pace)."""
     from . import torch_peer  # loaded when the rows run, as the engine's other modules
 
     missing = torch_peer.torch_missing()
@@ -1173,17 +1199,20 @@ def run_profiles(report: Report):
     batch, seq = W1_ROWS[-1]
     for dtype in ("float32", _bf16_or_fp16()):
         measure = functools.partial(step_profiles, dtype, batch, seq)
-        _measured_row(report, "profile", {"dtype": dtype, "shape": f"{batch}x{seq}"}, measure, _profile_cells)
+        row = {"kind": "W1 step", "dtype": dtype, "shape": f"{batch}x{seq}"}
+        _measured_row(report, "profile", row, measure, _profile_cells)
+    row = {"kind": "W1 decode token, CUDA graphs", "dtype": "float32", "shape": "batch 1"}
+    _measured_row(report, "profile", row, decode_profiles, _profile_cells)
 
 
 def _profile_cells(row: dict) -> str:
     if "skipped" in row:
         return f"skipped: {row['skipped']}"
-    head = f"W1 step {row['dtype']} {row['shape']}"
+    head = f"{row['kind']} {row['dtype']} {row['shape']}"
     if "error" in row:
         return f"{head}: failed: {row['error']}"
     parts = []
-    for name in ("engine", "torch eager"):
+    for name in [k for k in row if isinstance(row[k], dict)]:
         p = row[name]
         categories = ", ".join(f"{k} {v['ms']:.2f} ({v['calls']:.0f})" for k, v in p["categories"].items())
         parts.append(

@@ -108,6 +108,19 @@ def w1_step_function(dtype: str, batch: int, compiled: bool, warmup: int = 3):
 def decode_step(batch: int, graphs: bool, prompt: int = 64, tokens: int = 32):
     """``timed(repeats) -> median seconds a token`` of W1 decoding after a ``prompt``-token prefill,
     float32; ``graphs``: each token replays one captured CUDA graph."""
+    run, reset = decode_step_function(batch, graphs, prompt, tokens)
+
+    def timed(repeats: int) -> float:
+        reset()
+        return _median_seconds(run, min(repeats, tokens))
+
+    return timed
+
+
+def decode_step_function(batch: int, graphs: bool, prompt: int = 64, tokens: int = 32):
+    """(step, reset): one W1 decode token a call after a ``prompt``-token prefill (``tokens`` of them
+    fit), float32, replayed from a captured CUDA graph where ``graphs``; ``reset`` rewinds to the
+    prompt's end."""
     import torch  # optional, see torch_missing
 
     blocks = _blocks(torch.float32)
@@ -144,9 +157,4 @@ def decode_step(batch: int, graphs: bool, prompt: int = 64, tokens: int = 32):
             step()
         run = graph.replay
     torch.cuda.synchronize()
-
-    def timed(repeats: int) -> float:
-        reset()
-        return _median_seconds(run, min(repeats, tokens))
-
-    return timed
+    return run, reset
