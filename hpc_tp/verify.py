@@ -31,6 +31,7 @@ def run(args) -> int:
     # loaded when the command runs, not by hpc-tp --help
     from .comm import select_device
     from .comm.mpi import self_comm, world
+    from .comm.nccl import device_communicator
     from .launch import check_launch
     from .models import GPTModel, load_config
     from .tokenizer import ByteTokenizer
@@ -38,8 +39,8 @@ def run(args) -> int:
 
     _check_arguments(args)
     check_launch()
-    tp, alone = world(), self_comm()
-    select_device(args.device, tp)
+    select_device(args.device, world())
+    tp, alone = device_communicator(world()), self_comm()  # on GPUs: NCCL, or MPI as the node allows
     tokenizer = ByteTokenizer()
     cfg = load_config(args.model, vocab_size=tokenizer.vocab_size)
     batch = build_dataset("demo", args.seq_len, tokenizer).get(np.arange(args.batch))

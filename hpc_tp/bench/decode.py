@@ -152,6 +152,7 @@ def run(args) -> int:
     # loaded when the command runs, not by hpc-tp --help
     from ..comm import select_device
     from ..comm.mpi import world
+    from ..comm.nccl import device_communicator
     from ..models.config import load_config
     from ..nn.attention import check_heads
 
@@ -162,8 +163,8 @@ def run(args) -> int:
             f"--prompt-len {args.prompt_len} + --warmup {args.warmup} + --new-tokens {args.new_tokens} "
             f"exceeds the model's max_seq_len {cfg.max_seq_len}"
         )
-    comm = world()
-    select_device(args.device, comm)
+    select_device(args.device, world())
+    comm = device_communicator(world())  # on GPUs: NCCL between a node's cards, as serve's tp group
     record = benchmark_decode(
         comm, cfg, args.batch, args.prompt_len, args.new_tokens, args.dtype, args.warmup, graphs=args.cuda_graph
     )
