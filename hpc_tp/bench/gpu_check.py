@@ -1126,10 +1126,7 @@ def run_peer_benchmarks(report: Report):
     (eager, CUDA graphs); one row each with the medians, ranges and ratios (> 1: this engine is faster)."""
     from . import torch_peer  # loaded when the rows run, as the engine's other modules
 
-    missing = torch_peer.torch_missing()
-    if missing:
-        report.add_row("peer", {"skipped": missing})
-        print(f"  skipped: {missing}", flush=True)
+    if _without_torch(report, "peer"):
         return
     for dtype in ("float32", _bf16_or_fp16()):
         for batch, seq in W1_ROWS:
@@ -1172,12 +1169,28 @@ def _peer_row(report: Report, row: dict, engine, peers: dict):
     _measured_row(report, "peer", row, measure, _peer_cells)
 
 
-def _peer_cells(row: dict) -> str:
+def _without_torch(report: Report, section: str) -> bool:
+    """Where torch cannot run here: one row of ``section`` saying why, and True."""
+    from . import torch_peer  # loaded when the rows run, as the engine's other modules
+
+    missing = torch_peer.torch_missing()
+    if missing:
+        report.add_row(section, {"skipped": missing})
+        print(f"  skipped: {missing}", flush=True)
+    return missing is not None
+
+
+def _not_measured(row: dict, head: str) -> str | None:
+    """A row's cells where it has no measurement: skipped, or failed with its error."""
     if "skipped" in row:
         return f"skipped: {row['skipped']}"
-    head = f"{row['kind']} {row['dtype']} batch {row['batch']}"
-    if "error" in row:
-        return f"{head}: failed: {row['error']}"
+    return f"{head}: failed: {row['error']}" if "error" in row else None
+
+
+def _peer_cells(row: dict) -> str:
+    head = f"{row.get('kind')} {row.get('dtype')} batch {row.get('batch')}"
+    if (text := _not_measured(row, head)) is not None:
+        return text
     cells = [
         f"{name} {v['median']:.3f} ms ({v['min']:.3f}-{v['max']:.3f})" for name, v in row.items() if isinstance(v, dict)
     ]
@@ -1189,12 +1202,7 @@ def run_profiles(report: Report):
     """The W1 step's kernels by category, this engine's and PyTorch's, at micro-batch 32 (where the
     card, not the host, sets the pace) in float32 and bfloat16; then a decode token's at batch 1, each
     replayed from a CUDA graph (where the kernels' count sets the pace)."""
-    from . import torch_peer  # loaded when the rows run, as the engine's other modules
-
-    missing = torch_peer.torch_missing()
-    if missing:
-        report.add_row("profile", {"skipped": missing})
-        print(f"  skipped: {missing}", flush=True)
+    if _without_torch(report, "profile"):
         return
     batch, seq = W1_ROWS[-1]
     for dtype in ("float32", _bf16_or_fp16()):
@@ -1206,11 +1214,9 @@ def run_profiles(report: Report):
 
 
 def _profile_cells(row: dict) -> str:
-    if "skipped" in row:
-        return f"skipped: {row['skipped']}"
-    head = f"{row['kind']} {row['dtype']} {row['shape']}"
-    if "error" in row:
-        return f"{head}: failed: {row['error']}"
+    head = f"{row.get('kind')} {row.get('dtype')} {row.get('shape')}"
+    if (text := _not_measured(row, head)) is not None:
+        return text
     parts = []
     for name in [k for k in row if isinstance(row[k], dict)]:
         p = row[name]
@@ -1304,30 +1310,30 @@ def markdown(env, report: Report) -> str:
     if report.decode:
         lines += ["", "W1 decode, float32, prompt 64, 32 timed tokens (median ms a token):", ""]
         lines += [f"- {_decode_cells(d)}" for d in report.decode]
-    if report.rows["continuous"]:
-        lines += [
-            "",
+    for section, title, cells in (
+        (
+            "continuous",
             "W1 continuous decode step, float32, rows of 64-127 tokens, 3 alternating rounds (ms a step):",
-            "",
-        ]
-        lines += [f"- {_continuous_cells(r)}" for r in report.rows["continuous"]]
-    if report.rows["flash"]:
-        lines += ["", "Fused attention vs composed, causal, forward + backward, alternating (median and range):", ""]
-        lines += [f"- {_flash_cells(r)}" for r in report.rows["flash"]]
-    if report.rows["profile"]:
-        lines += [
-            "",
+            _continuous_cells,
+        ),
+        (
+            "flash",
+            "Fused attention vs composed, causal, forward + backward, alternating (median and range):",
+            _flash_cells,
+        ),
+        (
+            "profile",
             "Device time of a W1 step by kernel category, ms a step (launches), CUPTI via torch.profiler:",
-            "",
-        ]
-        lines += [f"- {_profile_cells(r)}" for r in report.rows["profile"]]
-    if report.rows["peer"]:
-        lines += [
-            "",
+            _profile_cells,
+        ),
+        (
+            "peer",
             f"PyTorch on the same card, {PEER_ROUNDS} alternating rounds (peer / engine > 1: engine faster):",
-            "",
-        ]
-        lines += [f"- {_peer_cells(r)}" for r in report.rows["peer"]]
+            _peer_cells,
+        ),
+    ):
+        if report.rows[section]:
+            lines += ["", title, "", *(f"- {cells(r)}" for r in report.rows[section])]
     return "\n".join(lines) + "\n"
 
 
