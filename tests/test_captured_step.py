@@ -245,3 +245,21 @@ def test_a_captured_step_refuses_dropout(monkeypatch):
         ConfigError, match=r"^--cuda-graph: dropout draws its masks on the host for each step; capture needs dropout 0$"
     ):
         check_capturable(settings(device="cuda"), trainer.cfg, trainer.grid)
+
+
+def test_a_resumed_run_loads_its_adam_count_and_loss_scale_into_the_device_scalars(tmp_path, quiet_fp16):
+    comm = world().split(color=world().rank, key=0)
+    folder = str(tmp_path / "run")
+    first = Trainer(settings(dtype="float16", save=folder), comm)
+    first.captured = CapturedStep(first, capture=False)
+    first.precision.scaler.growth_interval = 1  # the scale doubles every good step: a state to carry
+    first.captured.load_host_state()
+    for _ in range(2):
+        first.train_step()
+    first.save()
+    second = Trainer(settings(dtype="float16", save=folder, resume=True), comm)
+    second.captured = CapturedStep(second, capture=False)
+    second.resume()
+    assert float(second.captured.adam_steps) == 2 and float(second.captured.loss_scale) == 2.0**18
+    second.precision.scaler.growth_interval = 1
+    assert_same_records([first.train_step()], [second.train_step()], 1e-12)

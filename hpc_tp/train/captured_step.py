@@ -118,6 +118,12 @@ class CapturedStep:
             **scaling,
         )
 
+    @property
+    def replayed(self) -> bool:
+        """Whether every input shape's step is replayed from a CUDA graph (not eager, no capture failed)."""
+        works = [work for _, _, work in self._shapes.values()]
+        return bool(works) and all(isinstance(w, cuda_graph.Replayed) and not w.failed for w in works)
+
     def _for_shape(self, ids, targets):
         key = (ids.shape, targets.shape)
         if key not in self._shapes:

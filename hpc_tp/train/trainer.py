@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .. import backend
+from .. import backend, cuda_graph
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoint.format import resolve_checkpoint
 from ..comm import use_device
@@ -153,7 +153,8 @@ class Trainer:
         self.step = 0
         self.messages: list[str] = []
         # --cuda-graph: the step with its host values on the device, captured (train.captured_step)
-        self.captured = CapturedStep(self, capture=True) if s.cuda_graph else None
+        # unless HPC_TP_CUDA_GRAPHS=0 turns graphs off
+        self.captured = CapturedStep(self, capture=cuda_graph.enabled()) if s.cuda_graph else None
         backend.release_free_memory()  # the parameters' first draws (full tensors, float64) are gone
 
     # -- set-up ------------------------------------------------------------------------------------------
