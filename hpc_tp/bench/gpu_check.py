@@ -5,14 +5,15 @@ on one machine in well under 5 minutes, as a short table.
 2. checks, each a measured number against its bound: the fused kernels against numpy (float64 and
    float32), tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks
    sharing the card through MPI, only where ``mpiexec`` works), training steps on the device against
-   the CPU (float64), decode steps replayed from a captured CUDA graph against the CPU's (float64),
+   the CPU (float64), training steps replayed from a CUDA graph (``train --cuda-graph``) against
+   eager ones (float64), decode steps replayed from a captured CUDA graph against the CPU's (float64),
    continuous batching's decode steps replayed from a graph a bucket against the CPU's eager ones
    as rows join and leave (float64), and mixed precision (float16, bfloat16 where ml_dtypes is)
    against float32 on the device;
 3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
    (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
    measured large-GEMM peak, and each step again replayed from a CUDA graph (``bench step
-   --cuda-graph``); then W1 decode steps with and without a CUDA graph (``bench decode``), and W1's
+   --cuda-graph``); W1 trained at tp = 1 eagerly and with ``--cuda-graph``, alternating; then W1 decode steps with and without a CUDA graph (``bench decode``), and W1's
    continuous decode step at 1, 8 and 32 rows eager and replayed (``decoding.PagedSteps``), alternating;
 4. the fused attention kernels (``flash_attention``) against the composed core: their error (a check
    row, float64, float32 and half) and both paths' forward + backward time on W1's attention and a
