@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 from test_cuda_graph import FakeCuda
+from test_train import settings as train_settings
 
 from hpc_tp.comm.mpi import world
 from hpc_tp.errors import ConfigError
@@ -19,23 +20,9 @@ from hpc_tp.train.trainer import Trainer
 
 
 def settings(**changes) -> TrainSettings:
-    base = dict(
-        model="tiny",
-        model_overrides={"dropout": 0.1},  # masks keyed by the step: the device path must key them alike
-        dtype="float64",
-        micro_batch=2,
-        global_batch=8,
-        seq_len=12,
-        steps=8,
-        lr=3e-3,
-        warmup=2,
-        clip_grad=0.5,  # below the tiny model's first norms: clipping at work
-        eval_problems=6,
-        samples=0,
-        progress=False,
-    )
-    base.update(changes)
-    return TrainSettings(**base)
+    """test_train's run (tiny, float64, dropout: masks keyed by the step, which the device path must
+    key alike) with clipping at work: the tiny model's first norms are above 0.5."""
+    return train_settings(**{"steps": 8, "warmup": 2, "clip_grad": 0.5, **changes})
 
 
 def pair(comm, step_class=CapturedStep, **changes):
