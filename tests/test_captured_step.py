@@ -170,14 +170,20 @@ def test_the_capture_runs_once_eagerly_then_replays_with_each_steps_inputs_copie
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     trainer = Trainer(settings(model_overrides={}), world().split(color=world().rank, key=0))
     trainer.captured = step = CapturedStep(trainer, capture=True)
+    seen = []  # what the step's own arrays held at each run of its work and each launch: (ids, rate)
+
+    def saw(event):
+        ((ids_in, _, _),) = step._shapes.values()
+        events.append(event)
+        seen.append((ids_in.copy(), float(step.lr)))
+
     work = step._step
-    step._step = lambda ids, targets: events.append("work") or work(ids, targets)
-    for index in range(3):
-        trainer.train_step()
-        ((ids_in, targets_in, _),) = step._shapes.values()
-        ids, targets = trainer.dataset.get(trainer.sampler.indices(index))
-        assert np.array_equal(ids_in, ids) and np.array_equal(targets_in, targets)
-        assert float(step.lr) == lr_at(index, 3e-3, 2, 8, 0.1)
+    step._step = lambda ids, targets: saw("work") or work(ids, targets)
+    trainer.train_step()
+    ((_, _, replayed),) = step._shapes.values()
+    replayed._graph.launch = lambda: saw("launch")
+    trainer.train_step()
+    trainer.train_step()
     assert events == [
         "private pool",
         "on capture stream",
@@ -187,9 +193,12 @@ def test_the_capture_runs_once_eagerly_then_replays_with_each_steps_inputs_copie
         "end capture",
         "off capture stream",
         "default pool",
-        "launch",  # the second step, with its batch and rate copied in
+        "launch",
         "launch",
     ]
+    batches = [(trainer.dataset.get(trainer.sampler.indices(i))[0], lr_at(i, 3e-3, 2, 8, 0.1)) for i in range(3)]
+    for (ids, lr), (step_ids, step_lr) in zip(seen, [batches[0], batches[0], batches[1], batches[2]], strict=True):
+        assert np.array_equal(ids, step_ids) and lr == step_lr  # copied in before the step's launch
 
 
 def test_cuda_graph_on_the_cpu_is_one_line():
