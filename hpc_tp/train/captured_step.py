@@ -61,7 +61,7 @@ def _device_scalar_refusal(settings, cfg, grid) -> str | None:
     if grid.pp_size > 1:
         return f"--pp {grid.pp_size}: pipeline messages and the loss cross stages over MPI, from the host; needs pp = 1"
     if settings.distributed_optimizer and grid.dp_size > 1:
-        return "--distributed-optimizer (ZeRO-1) gathers its pieces with host-driven collectives; not captured yet"
+        return "--distributed-optimizer (ZeRO-1) gathers its pieces with host-driven collectives; not on this step yet"
     if cfg.num_experts:
         return f"num_experts {cfg.num_experts}: MoE routing counts its tokens on the host; needs a dense model"
     return None
