@@ -420,6 +420,32 @@ def test_a_captured_block_stack_step_gives_the_eager_gradients():
 
 
 @device_test
+def test_training_steps_replayed_from_a_cuda_graph_equal_the_eager_steps():
+    """``hpc-tp train --cuda-graph`` on the card (the demo model, float64): the first step eager and
+    captured, the next four replayed, each loss within 1e-12 of the eager run's."""
+    row = G.captured_train_steps("float64")
+    assert row["graph_used"] and row["loss_error"] <= G.CAPTURED_TOL, row
+
+
+def test_the_captured_training_rows_put_both_paths_side_by_side(tmp_path, monkeypatch):
+    """gpu-check's W1 training rows, eager against --cuda-graph: their cells and JSON from a stand-in
+    measurement (the measurement itself needs a card)."""
+    spread = {"median": 8.0, "min": 7.5, "max": 9.0}
+    measured = {"eager_ms": spread, "graph_ms": {"median": 2.0, "min": 1.9, "max": 2.2}, "graph_used": True}
+    monkeypatch.setattr(G, "captured_train_steps", lambda dtype, *a: {**measured, "loss_error": 3e-6})
+    monkeypatch.setattr(G, "_bf16_or_fp16", lambda: "bfloat16")
+    report = G.Report(out=tmp_path)
+    G.run_captured_train_benchmarks(report)
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["train_graph"]
+    assert [(r["dtype"], r["shape"]) for r in rows] == [("float32", "4x256"), ("bfloat16", "4x256")]
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert (
+        "- W1 train float32 4x256: eager 8.00 ms (7.50-9.00), replayed 2.00 ms (1.90-2.20), 4.00x; "
+        "losses within 3.0e-06 of eager (ok, bound 1e-04)"
+    ) in text
+
+
+@device_test
 @pytest.mark.parametrize("model", [{}, G.MOE], ids=["dense", "moe"])
 def test_training_on_the_device_equals_the_cpu_in_float64(model):
     cpu, _ = G.train_losses("cpu", "float64", **model)

@@ -213,6 +213,7 @@ BAD_INPUT = [
     ("train --clip-grad nan", "--clip-grad nan: expected a finite number >= 0"),
     ("train --comm-timeout -1", "--comm-timeout -1.0: expected seconds >= 0"),
     ("train --max-bad-steps -1", "--max-bad-steps -1: expected an integer >= 0"),
+    ("train --cuda-graph", "--cuda-graph: a step runs as a CUDA graph on a GPU only, not on --device cpu"),
     ("train --model nosuch", "--model 'nosuch' is neither a preset"),
     ("train --model bad.jsonl", "model config bad.jsonl: not valid JSON"),
     ("train --set nosuchkey=1", "unknown model config keys: nosuchkey"),

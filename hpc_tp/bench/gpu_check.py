@@ -3,17 +3,22 @@ on one machine in well under 5 minutes, as a short table.
 
 1. environment: card, driver and runtime, cupy, NCCL, ml_dtypes, MPI (CUDA-aware or not), mpiexec;
 2. checks, each a measured number against its bound: the fused kernels against numpy (float64 and
-   float32), the norms' float16 and bfloat16 kernels against float32 rounded once (the same bits), tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks
-   sharing the card through MPI, only where ``mpiexec`` works; NCCL where each has a card of its own),
-   tp=2's block stack replayed from a CUDA graph against one process (over NCCL only: two cards), training steps on the device against
-   the CPU (float64), decode steps replayed from a captured CUDA graph against the CPU's (float64),
+   float32), the norms' float16 and bfloat16 kernels against float32 rounded once (the same bits),
+   tp=2 against tp=1 and ZeRO-1 against AdamW at dp=2 on the device in float64 (2 ranks sharing the
+   card through MPI, only where ``mpiexec`` works; NCCL where each has a card of its own), tp=2's
+   block stack replayed from a CUDA graph against one process (over NCCL only: two cards), training
+   steps on the device against the CPU (float64), training steps replayed from a CUDA graph (``train
+   --cuda-graph``) against eager ones (float64), decode steps replayed from a captured CUDA graph
+   against the CPU's (float64),
    continuous batching's decode steps replayed from a graph a bucket against the CPU's eager ones
    as rows join and leave (float64), and mixed precision (float16, bfloat16 where ml_dtypes is)
    against float32 on the device;
 3. the W1 block-stack benchmark (``hpc_tp.bench.step``) on the device in float32 and bfloat16
    (float16 where there is no bfloat16), MFU against the same-shape GEMM and against the card's
    measured large-GEMM peak, and each step again replayed from a CUDA graph (``bench step
-   --cuda-graph``); a 1B-class block stack (``gpt-1b``: hidden 2048, 16 layers, seq 2048) in bfloat16; then W1 decode steps with and without a CUDA graph (``bench decode``), and W1's
+   --cuda-graph``); a 1B-class block stack (``gpt-1b``: hidden 2048, 16 layers, seq 2048) in bfloat16;
+   W1 trained at tp = 1 eagerly and with ``--cuda-graph``, alternating; then W1 decode steps with and
+   without a CUDA graph (``bench decode``), and W1's
    continuous decode step at 1, 8 and 32 rows eager and replayed (``decoding.PagedSteps``), alternating;
 4. the fused attention kernels (``flash_attention``) against the composed core: their error (a check
    row, float64, float32 and half) and both paths' forward + backward time on W1's attention and a
@@ -70,6 +75,10 @@ FLASH_CASES = (
 # (name, B, heads, T, d): W1's attention at micro-batch 32 and a 1B-class model's (hidden 2048, seq 2048).
 FLASH_SHAPES = (("W1 32x256", 32, 12, 256, 64), ("1B 4x2048", 4, 16, 2048, 128))
 PEER_ROUNDS = 3
+# A training step replayed from a CUDA graph against the same step launched eagerly: the same kernels,
+# save the order of cupy's atomic adds (the embedding's gradient); float32 losses drift by their rounding.
+CAPTURED_TOL = 1e-12
+CAPTURED_TRAIN_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 
 # -- checks: each returns numbers; the bounds are applied by the caller (here and tests/test_gpu.py) --
@@ -314,6 +323,40 @@ def train_losses(
         trainer.precision.scaler = LossScaler(scale=loss_scale)
     with numpy.errstate(over="ignore", invalid="ignore"):  # fp16 overflow is a skipped step, on purpose
         return [trainer.train_step()["loss"] for _ in range(steps)], trainer
+
+
+def captured_train_steps(
+    dtype: str, preset: str = "demo", batch: int = 8, seq: int | None = None, rounds: int = 1, steps: int = 4
+) -> dict:
+    """``preset`` trained on the device eagerly and with ``--cuda-graph`` (two trainers of one run, one
+    process), ``rounds`` alternating rounds of ``steps`` steps each after one warm-up step each (the
+    captured run's first step is eager and captures): ms a step (median and range of the rounds'
+    medians), the worst relative difference of the steps' losses, and whether the steps replayed."""
+    from ..comm.mpi import self_comm
+    from ..train.settings import TrainSettings
+    from ..train.trainer import Trainer
+
+    runs = {}
+    for graph in (False, True):
+        settings = TrainSettings(
+            model=preset, device="cuda", dtype=dtype, global_batch=batch, seq_len=seq, steps=1 + rounds * steps,
+            progress=False, samples=0, cuda_graph=graph,
+        )  # fmt: skip
+        runs["graph" if graph else "eager"] = (Trainer(settings, world=self_comm()), [], [])
+    with numpy.errstate(over="ignore", invalid="ignore"):  # fp16 overflow is a skipped step, on purpose
+        for round in range(1 + rounds):
+            for trainer, losses, times in runs.values():
+                records = [trainer.train_step() for _ in range(1 if round == 0 else steps)]  # each reads back
+                losses += [r["loss"] for r in records]
+                if round:
+                    times.append(1e3 * float(numpy.median([r["step_s"] for r in records])))
+    (_, eager, eager_ms), (captured, graph, graph_ms) = runs["eager"], runs["graph"]
+    return {
+        "eager_ms": _spread(eager_ms),
+        "graph_ms": _spread(graph_ms),
+        "loss_error": max(abs(a - b) / abs(b) for a, b in zip(graph, eager)),
+        "graph_used": captured.captured.replayed,
+    }
 
 
 def tp_equality(world, transport: str | None = None) -> tuple[float, str]:
@@ -864,7 +907,13 @@ class Report:
         self.checks: list[dict] = []
         self.bench: list[dict] = []
         self.decode: list[dict] = []
-        self.rows: dict[str, list[dict]] = {"continuous": [], "flash": [], "peer": [], "profile": []}
+        self.rows: dict[str, list[dict]] = {
+            "continuous": [],
+            "flash": [],
+            "peer": [],
+            "profile": [],
+            "train_graph": [],
+        }
         self.started = time.perf_counter()
 
     def save(self):
@@ -932,9 +981,9 @@ def _bounded(value: float, bound: float, detail: str = ""):
     return ("ok" if value <= bound else "FAIL"), f"{value:.1e}", detail
 
 
-def _replay_check(error: float, replayed: bool, detail: str):
+def _replay_check(error: float, replayed: bool, detail: str, bound: float = TP_TOL):
     """A check row of steps replayed from CUDA graphs against the CPU's: FAIL where none replayed."""
-    result, measured, _ = _bounded(error, TP_TOL)
+    result, measured, _ = _bounded(error, bound)
     return (result if replayed else "FAIL"), measured, (detail if replayed else "the capture failed: steps ran eagerly")
 
 
@@ -994,6 +1043,12 @@ def run_checks(report: Report):
 
         report.check(f"{label}training on the device vs CPU, float64", f"{TP_TOL:.0e}", training)
 
+    def captured_training():
+        row = captured_train_steps("float64")
+        detail = "5 demo steps with --cuda-graph vs eager, one process"
+        return _replay_check(row["loss_error"], row["graph_used"], detail, CAPTURED_TOL)
+
+    report.check("training steps as a CUDA graph vs eager, float64", f"{CAPTURED_TOL:.0e}", captured_training)
     report.check(
         "decode steps as a CUDA graph vs CPU, float64",
         f"{TP_TOL:.0e}",
@@ -1097,6 +1152,28 @@ def run_flash_benchmarks(report: Report):
         batch, seq = W1_ROWS[-1]
         measure = functools.partial(flash_step_timings, dtype, batch, seq)
         _measured_row(report, "flash", {"dtype": dtype, "shape": f"W1 step {batch}x{seq}"}, measure, _flash_cells)
+
+
+def run_captured_train_benchmarks(report: Report, batch: int = 4, seq: int = 256, rounds: int = 3):
+    """W1 trained eagerly and with ``--cuda-graph`` at tp = 1, alternating rounds of 5 steps: ms a step
+    and the captured run's losses against the eager run's (the W1 shape, the byte tokenizer's
+    vocabulary, the demo task's rows)."""
+    for dtype in ("float32", _bf16_or_fp16()):
+        measure = functools.partial(captured_train_steps, dtype, "w1", batch, seq, rounds, 5)
+        _measured_row(report, "train_graph", {"dtype": dtype, "shape": f"{batch}x{seq}"}, measure, _train_graph_cells)
+
+
+def _train_graph_cells(row: dict) -> str:
+    if (text := _not_measured(row, f"W1 train {row.get('dtype')} {row.get('shape')}")) is not None:
+        return text
+    eager, graph, bound = row["eager_ms"], row["graph_ms"], CAPTURED_TRAIN_TOL[row["dtype"]]
+    how = "replayed" if row["graph_used"] else "no graph (the capture failed)"
+    return (
+        f"W1 train {row['dtype']} {row['shape']}: eager {eager['median']:.2f} ms ({eager['min']:.2f}-{eager['max']:.2f}), "
+        f"{how} {graph['median']:.2f} ms ({graph['min']:.2f}-{graph['max']:.2f}), "
+        f"{eager['median'] / graph['median']:.2f}x; losses within {row['loss_error']:.1e} of eager "
+        f"({'ok' if row['loss_error'] <= bound else 'FAIL'}, bound {bound:.0e})"
+    )
 
 
 def _measured_row(report: Report, section: str, row: dict, measure, cells):
@@ -1317,6 +1394,11 @@ def markdown(env, report: Report) -> str:
             _continuous_cells,
         ),
         (
+            "train_graph",
+            "W1 training steps at tp = 1, eager vs --cuda-graph, 3 alternating rounds of 5 (ms a step):",
+            _train_graph_cells,
+        ),
+        (
             "flash",
             "Fused attention vs composed, causal, forward + backward, alternating (median and range):",
             _flash_cells,
@@ -1343,6 +1425,7 @@ def markdown(env, report: Report) -> str:
 SECTIONS = {
     "checks": ("checks:", run_checks),
     "bench": ("block stacks (W1: 4 layers, hidden 768; gpt-1b: 16 layers, hidden 2048), one process:", run_benchmarks),
+    "train": ("W1 training steps, eager vs --cuda-graph, tp = 1:", run_captured_train_benchmarks),
     "profile": ("W1 step's device time by kernel, this engine and PyTorch:", run_profiles),
     "flash": ("fused attention vs composed, forward + backward:", run_flash_benchmarks),
     "peer": ("PyTorch on the same card:", run_peer_benchmarks),

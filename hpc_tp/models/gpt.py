@@ -155,10 +155,11 @@ class GPTModel(Module):
         with sum_grads_over(self._sequence_comm, self.final_norm.parameters()):
             return self.final_norm.backward(self._from_shards.backward(dh), norm_ctx)
 
-    def head_forward(self, x, targets):
+    def head_forward(self, x, targets, on_device: bool = False):
+        """(loss sum, target tokens, ctx); ``on_device``: the two as 0-d device arrays, not host numbers."""
         logits, lctx = self.logits_forward(x)
         loss_sum, count, loss_ctx = self._loss.forward(
-            logits, targets, overwrite=True
+            logits, targets, overwrite=True, on_device=on_device
         )  # logits: the head's own product
         return loss_sum, count, (lctx, loss_ctx)
 

@@ -114,6 +114,7 @@ def pipeline_forward_backward(
     step: int = 0,
     first_sample: int = 0,
     stats: PipelineStats | None = None,
+    on_device: bool = False,
 ):
     """Forward and backward of this dp rank's ``micro_batches`` (a list of (ids, targets)) through
     the pipeline; gradients of ``scale * loss_sum`` accumulate into ``p.grad``. ``recompute``: a
@@ -125,7 +126,8 @@ def pipeline_forward_backward(
     is called once for every parameter, per block and for the embedding and head, as soon as
     its gradient is final for the step (with chunks: each chunk's after its last backward). The
     rank's chunks come from the model's layers (``model_chunks``). With pp = 1 this is a plain loop
-    over micro-batches.
+    over micro-batches. ``on_device`` (pp = 1 only: the loss crosses stages through the host): the
+    loss sum and count stay 0-d arrays on the device, for a step captured as a CUDA graph.
     """
     if schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
@@ -137,20 +139,26 @@ def pipeline_forward_backward(
     t0 = time.perf_counter()
     chunks = model_chunks(model)
     ops = stage_ops(schedule, len(micro_batches), grid.pp_size, grid.coords.pp, len(chunks))
-    runner = _StageRunner(model, chunks, micro_batches, grid, scale, recompute, on_grads_final, step, first_sample)
+    if on_device and grid.pp_size > 1:
+        raise ValueError("pipeline_forward_backward(on_device=True) runs at pp = 1 only")
+    runner = _StageRunner(
+        model, chunks, micro_batches, grid, scale, recompute, on_grads_final, step, first_sample, on_device
+    )
     for op, chunk, i in ops:
         (runner.forward if op == FORWARD else runner.backward)(chunk, i)
     busy = runner.op_seconds - runner.link.wait_seconds
     runner.link.finish()
-    # One small broadcast gives every stage the loss the last one computed.
-    totals = numpy.array([runner.loss_sum, runner.token_count], dtype=numpy.float64)
-    grid.pp.broadcast(totals, root=grid.pp_size - 1)
+    if on_device:
+        totals = (runner.loss_sum, runner.token_count)
+    else:  # one small broadcast gives every stage the loss the last one computed
+        totals = numpy.array([runner.loss_sum, runner.token_count], dtype=numpy.float64)
+        grid.pp.broadcast(totals, root=grid.pp_size - 1)
     if stats is not None:
         stats.peak_micro_batches, stats.peak_bytes = runner.peak_micro_batches, runner.peak_bytes
         stats.wait_seconds = runner.link.wait_seconds
         stats.seconds = time.perf_counter() - t0
         stats.busy_seconds = busy
-    return float(totals[0]), int(totals[1])
+    return totals if on_device else (float(totals[0]), int(totals[1]))
 
 
 def stage_parameter_groups(model) -> dict[str, list[str]]:
@@ -169,8 +177,11 @@ def stage_parameter_groups(model) -> dict[str, list[str]]:
 
 
 class _StageRunner:
-    def __init__(self, model, chunks, micro_batches, grid, scale, recompute, on_grads_final, step, first_sample):
+    def __init__(
+        self, model, chunks, micro_batches, grid, scale, recompute, on_grads_final, step, first_sample, on_device
+    ):
         mode = recompute_mode(recompute)
+        self.on_device = on_device
         self.model, self.micro_batches, self.scale, self.recompute = model, micro_batches, scale, mode == "full"
         model.set_selective_recompute(mode == "selective")
         self.on_grads_final, self.step, self.first_sample = on_grads_final, step, first_sample
@@ -214,7 +225,7 @@ class _StageRunner:
                 x, block_ctx = block.forward(x)
                 saved.append(block_ctx)
         if not self.link.has_next(chunk):
-            loss_sum, count, head_ctx = self.model.head_forward(x, backend.xp.asarray(targets))
+            loss_sum, count, head_ctx = self.model.head_forward(x, backend.xp.asarray(targets), self.on_device)
             self.loss_sum += loss_sum
             self.token_count += count
         else:

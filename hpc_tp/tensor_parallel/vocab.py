@@ -57,8 +57,11 @@ class VocabParallelEmbedding(Module):
     def backward(self, dy, ctx):
         local, outside = ctx
         dy = self.g.backward(dy)
-        keep = ~outside
-        scatter_add_rows(self.weight.grad, local[keep], dy[keep])
+        if isinstance(dy, numpy.ndarray):  # the rows this rank holds, compacted
+            keep = ~outside
+            scatter_add_rows(self.weight.grad, local[keep], dy[keep])
+        else:  # a boolean mask's hit count is a host read (a capture cannot hold one): others add 0 to row 0
+            scatter_add_rows(self.weight.grad, local, backend.xp_of(dy).where(outside[..., None], 0, dy))
         return None
 
 
@@ -134,10 +137,12 @@ class VocabParallelCrossEntropy:
         self.vocab_start = min(comm.rank * local, vocab_size)
         self.vocab_valid = min(local, vocab_size - self.vocab_start)
 
-    def forward(self, logits_local, targets, overwrite: bool = False):
+    def forward(self, logits_local, targets, overwrite: bool = False, on_device: bool = False):
         """``overwrite``: the logits are this call's to reuse (the LM head's fresh product), so the
         softmax numerators are made in their buffer instead of a copy (half-precision or strided
-        logits are still copied: widened, or made contiguous)."""
+        logits are still copied: widened, or made contiguous). ``on_device``: the loss sum (float64)
+        and the token count come back as 0-d arrays on the logits' device, not read by the host (a
+        step captured as a CUDA graph)."""
         xp = backend.xp_of(logits_local)
         # Half-precision logits are widened: a float16 sum of exponentials or of the batch's token
         # losses passes 65504 (e.g. 8192 tokens at loss 10) and the step would be lost as inf.
@@ -161,6 +166,8 @@ class VocabParallelCrossEntropy:
         valid = targets != IGNORE_INDEX
         token_loss = xp.where(valid, xp.log(sums[0]) - sums[1], 0.0)
         ctx = (logits, sums[0], local_t, mine & valid, valid, logits_local.shape, logits_local.dtype)
+        if on_device:
+            return token_loss.sum().astype("float64"), valid.sum(), ctx
         return float(token_loss.sum()), int(valid.sum()), ctx
 
     def backward(self, ctx, scale: float):
@@ -169,11 +176,13 @@ class VocabParallelCrossEntropy:
         probs, sum_exp, local_t, target_here, valid, shape, dtype = ctx
         xp = backend.xp_of(probs)
         row_scale = xp.where(valid, scale, 0.0)
+        # Every row subtracts its target's indicator at its target, or 0 at column 0 where the target
+        # is elsewhere (x - 0 is x): no count of the hits, which a device would read back to the host.
+        picked = xp.where(target_here, local_t, 0)
         for rows in _row_blocks(probs):
             block = probs[rows]
             block /= sum_exp[rows, None]
-            hit = xp.nonzero(target_here[rows])[0]
-            block[hit, local_t[rows][hit]] -= 1.0
+            block[xp.arange(block.shape[0]), picked[rows]] -= target_here[rows]
             block *= row_scale[rows, None]
         return probs.reshape(shape).astype(dtype, copy=False)
 

@@ -92,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser):
         choices=("cpu", "cuda"),
         help="cpu (numpy, default) or cuda (cupy, one GPU per node-local rank)",
     )
+    model.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="with --device cuda: the step with its host values on the device, captured as a CUDA graph "
+        "at its first step and replayed after (pp 1, NCCL groups, no dropout, no MoE, no ZeRO-1 at dp > 1)",
+    )
     opt = parser.add_argument_group("optimisation")
     opt.add_argument(
         "--micro-batch",

@@ -27,6 +27,12 @@ CACHE_VERSION = 1  # bump when the cache layout changes
 _CHUNK_CHARS = 1 << 20  # text per tokenizer call: bounds memory on large files
 
 
+def check_tokens(tokens: float, step: int):
+    """A step's global batch must hold a target token: its loss is a mean over them."""
+    if tokens == 0:
+        raise ConfigError(f"step {step}: the global batch has no target tokens to learn from")
+
+
 class TokenDataset(ABC):
     """Fixed-length samples: ``get(indices)`` gives ids and next-token targets (-100 = ignored),
     both int64 ``[len(indices), seq_len]``."""

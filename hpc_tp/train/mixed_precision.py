@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+from .. import backend
 from ..errors import ConfigError
 from ..module import Parameter
 
@@ -49,6 +50,16 @@ class LossScaler:
         self.good_steps += 1
         if self.good_steps >= self.growth_interval:
             self.scale, self.good_steps = self.scale * self.factor, 0
+
+    def device_update(self, finite, scale, good_steps):
+        """``update`` on the device (the captured step): ``finite``, ``scale`` and ``good_steps`` are
+        0-d arrays, the last two updated in place, chosen by the flag rather than a host branch."""
+        xp = backend.xp_of(scale)
+        grown = good_steps + 1
+        grow = finite & (grown >= self.growth_interval)
+        kept = xp.where(grow, scale * self.factor, scale)
+        scale[...] = xp.where(finite, kept, xp.maximum(self.min_scale, scale / self.factor))
+        good_steps[...] = xp.where(finite & ~grow, grown, 0)
 
     def state(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps}
@@ -101,6 +112,15 @@ class MixedPrecision:
             self.sync_model()
         if self.scaler is not None:
             self.scaler.update(finite)
+
+    def device_update(self, finite, scale, good_steps):
+        """``update`` without reading ``finite`` (a 0-d device array) on the host: the half weights are
+        rounded from the masters whatever it says (a skipped step left the masters as they were, so
+        they round to the weights the model holds); fp16's scale and count of good steps (0-d arrays)
+        move in place."""
+        self.sync_model()
+        if self.scaler is not None:
+            self.scaler.device_update(finite, scale, good_steps)
 
     def sync_model(self):
         if self.half:

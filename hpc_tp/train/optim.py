@@ -27,6 +27,38 @@ class StateTensor(NamedTuple):
     partition: Partition
 
 
+class AdamScalars(NamedTuple):
+    """The constants of one AdamW update of an array: Python floats (``AdamW.step``) or 0-d arrays of
+    the array's dtype (``AdamW.device_step``)."""
+
+    decay: object  # 1 - lr * weight decay
+    beta1: object
+    one_minus_beta1: object
+    beta2: object
+    one_minus_beta2: object
+    root_correction2: object  # sqrt(1 - beta2 ** t)
+    eps: object
+    step_size: object  # lr / (1 - beta1 ** t)
+
+
+def composed_adamw(data, g, m, v, k: AdamScalars, decays: bool):
+    """AdamW's update of ``data`` and its moments in place from the gradient ``g`` (already scaled) in
+    array operations, in ``cpu_optim.adamw``'s order, so the same bits."""
+    xp = backend.xp_of(data)
+    if decays:
+        data *= k.decay
+    m *= k.beta1
+    m += k.one_minus_beta1 * g
+    v *= k.beta2
+    v += k.one_minus_beta2 * g * g
+    update = xp.sqrt(v)
+    update /= k.root_correction2
+    update += k.eps
+    xp.divide(m, update, out=update)
+    update *= k.step_size
+    data -= update
+
+
 class AdamW:
     """Adam with decoupled weight decay (applied only where ``p.decay``), updating ``p.data`` in place."""
 
@@ -77,21 +109,38 @@ class AdamW:
         if cpu_optim.fused(data, g, m, v):
             cpu_optim.adamw(data, g, m, v, grad_scale, decay, beta1, beta2, root_correction2, self.eps, step_size)
             return
-        xp = backend.xp_of(data)
         if grad_scale != 1.0:
             g = g * grad_scale
-        if decay != 1.0:
-            data *= decay
-        m *= beta1
-        m += (1 - beta1) * g
-        v *= beta2
-        v += (1 - beta2) * g * g
-        update = xp.sqrt(v)
-        update /= root_correction2
-        update += self.eps
-        xp.divide(m, update, out=update)
-        update *= step_size
-        data -= update
+        scalars = AdamScalars(decay, beta1, 1 - beta1, beta2, 1 - beta2, root_correction2, self.eps, step_size)
+        composed_adamw(data, g, m, v, scalars, decay != 1.0)
+
+    def device_step(self, lr, grad_scale, finite, step_count):
+        """``step`` with every value that varies a 0-d array on the parameters' device, read by no
+        host code (the captured training step, ``train.captured_step``): ``step_count`` is the Adam
+        step this update would be (the device's count of finite steps, plus one), and where ``finite``
+        is False every weight and moment keeps its value, as a skipped step leaves them, without a
+        host branch (PyTorch's capturable optimizers take ``found_inf`` so). Each scalar is cast to
+        the array's dtype once, as a Python float is by ``step`` (NEP 50: a float64 0-d array would
+        make float32 arithmetic float64). Composed array operations only: ``cpu_optim``'s kernels take
+        host floats."""
+        xp = backend.xp_of(finite)
+        beta1, beta2 = self.betas
+        step_size = xp.where(finite, lr / (1 - beta1**step_count), 0.0)  # 0: the update adds nothing
+        root_correction2 = xp.sqrt(1 - beta2**step_count)
+        decay = xp.where(finite, 1 - lr * self.weight_decay, 1.0)
+        kept = (xp.where(finite, beta1, 1.0), xp.where(finite, 1 - beta1, 0.0))  # moments: m * 1 + 0
+        kept += (xp.where(finite, beta2, 1.0), xp.where(finite, 1 - beta2, 0.0))
+        by_dtype = {}
+        for name, p in self.params.items():
+            dtype = p.data.dtype
+            if dtype not in by_dtype:
+                cast = [a.astype(dtype) for a in (grad_scale, decay, *kept, root_correction2, step_size)]
+                by_dtype[dtype] = cast[0], AdamScalars(cast[1], *cast[2:6], cast[6], dtype.type(self.eps), cast[7])
+            scale, scalars = by_dtype[dtype]
+            # A skipped step's gradient may hold inf or NaN, which times the masked constants would still
+            # be NaN: zeros instead.
+            g = xp.where(finite, p.grad * scale, 0)
+            composed_adamw(p.data, g, self.exp_avg[name], self.exp_avg_sq[name], scalars, p.decay and self.weight_decay)
 
     def state_bytes(self) -> int:
         """What the optimizer holds beyond the parameters: the moments (and, sharded, master pieces)."""
@@ -167,13 +216,30 @@ def weighted_sum_of_squares(g, replicas):
 def reduce_squares(dense, experts, grid) -> float:
     """The global norm from this rank's weighted sums of squares (dense, MoE experts): summed over tp
     and pp, the experts also over ep (where the dense sum is the same on every ep rank: counted once)."""
-    buffer = numpy.array([float(dense), float(experts)])
+    buffer = _summed_over_grid(numpy.array([float(dense), float(experts)]), grid)
+    return math.sqrt(buffer[0] + buffer[1])
+
+
+def device_grad_norm(named_params: dict[str, Parameter], grid, skip=frozenset()):
+    """``global_grad_norm`` as a 0-d array on the gradients' device, never read by the host (the
+    captured step): the sums of squares stay on the device through the all-reduces."""
+    dense, experts = local_squares(named_params, skip)
+    xp = backend.xp_of(next(iter(named_params.values())).grad)
+    buffer = xp.zeros(2, dtype="float64")
+    buffer[0] += dense  # in place: no host-to-device copy of a host value, which a capture cannot hold
+    buffer[1] += experts
+    buffer = _summed_over_grid(buffer, grid)
+    return xp.sqrt(buffer[0] + buffer[1])
+
+
+def _summed_over_grid(buffer, grid):
+    """[dense, experts] summed over tp and pp, the experts also over ep, in place."""
     grid.tp.all_reduce(buffer)
     grid.pp.all_reduce(buffer)
     if grid.ep_size > 1:
         buffer[0] *= grid.coords.ep == 0
         grid.ep.all_reduce(buffer)
-    return math.sqrt(buffer[0] + buffer[1])
+    return buffer
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

@@ -45,6 +45,9 @@ class TrainSettings:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"  # "cuda": cupy, one GPU per node-local rank
+    # The step with its host values as device scalars, captured as a CUDA graph (train/captured_step.py).
+    # Off unless asked: no card has run it yet, and the eager step is the one measured.
+    cuda_graph: bool = False
     data: str = "demo"
     tokenizer: str | None = None  # None: bytes, or the --init checkpoint's tokenizer
     chat_template: str | None = None  # a Jinja file for --data CHATS.jsonl (default: the tokenizer's own)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .. import backend
+from .. import backend, cuda_graph
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoint.format import resolve_checkpoint
 from ..comm import use_device
@@ -55,8 +55,9 @@ from ..serve.chat import read_template, template_for
 from ..tensor_parallel.sequence_parallel import check_sequence_divisible
 from ..tensor_parallel.vocab import IGNORE_INDEX
 from ..tokenizer import load_tokenizer, load_tokenizer_dir, saved_files
+from .captured_step import CapturedStep, check_capturable
 from .chats import build_chat_datasets
-from .data import DistributedSampler, TaskDataset, build_dataset
+from .data import DistributedSampler, TaskDataset, build_dataset, check_tokens
 from .distributed_optim import ShardedAdamW
 from .evaluate import heldout_accuracy
 from .expert_parallel import check_expert_parallel, moe_metrics, moe_summary
@@ -107,6 +108,8 @@ class Trainer:
             self.tokenizer = self._tokenizer()
             self.cfg = self._model_config()
         check_expert_parallel(s.ep, self.cfg)
+        if s.cuda_graph:  # before the data and the model are built
+            check_capturable(s, self.cfg, grid)
         self.seq_len = self._seq_len()
         self.heldout = None  # the chats held out by --eval-split
         if s.chats:
@@ -149,6 +152,9 @@ class Trainer:
         self.sampler = DistributedSampler(len(self.dataset), s.global_batch, grid.coords.dp, grid.dp_size, s.seed)
         self.step = 0
         self.messages: list[str] = []
+        # --cuda-graph: the step with its host values on the device, captured (train.captured_step)
+        # unless HPC_TP_CUDA_GRAPHS=0 turns graphs off
+        self.captured = CapturedStep(self, capture=cuda_graph.enabled()) if s.cuda_graph else None
         backend.release_free_memory()  # the parameters' first draws (full tensors, float64) are gone
 
     # -- set-up ------------------------------------------------------------------------------------------
@@ -240,43 +246,51 @@ class Trainer:
     def train_step(self) -> dict:
         s, grid = self.settings, self.grid
         started, comm_before = time.perf_counter(), self._comm_seconds()
-        ids, targets = (backend.xp.asarray(a) for a in self.dataset.get(self.sampler.indices(self.step)))
-        tokens = grid.dp.all_reduce_scalar(float((targets != IGNORE_INDEX).sum()))
-        if tokens == 0:
-            raise ConfigError(f"step {self.step}: the global batch has no target tokens to learn from")
-        loss_sum = self._forward_backward(ids, targets, self.precision.loss_scale / tokens)  # fp16: scaled grads
-        loss = grid.dp.all_reduce_scalar(loss_sum) / tokens
-        unscale = 1.0 / self.precision.loss_scale  # a power of two: unscaling inside the passes is exact
-        norm = self.optimizer.grad_norm(grid, self.tied_copies, unscale)  # inf/NaN when a gradient is
-        finite = agree_finite(grid, norm, loss)  # the loss is the same on every rank
-        norm = norm if finite else float("nan")
+        ids, targets = self.dataset.get(self.sampler.indices(self.step))
         lr = lr_at(self.step, s.lr, s.warmup_steps, s.steps, s.min_lr_ratio)
-        if finite:  # a step with an inf/NaN gradient is skipped on every rank alike
-            self.optimizer.step(lr, grad_scale=unscale * clip_coefficient(norm, s.clip_grad))
-        scaling = self.precision.record(finite, loss)  # before update() halves the scale
-        self.precision.update(finite)  # half weights from the masters; fp16: the loss scale
+        if self.captured is None:
+            values = self._eager_step(backend.xp.asarray(ids), backend.xp.asarray(targets), lr)
+        else:
+            values = self.captured.run(ids, targets, lr)
         self.model.zero_grad()
         self.step += 1
         elapsed = time.perf_counter() - started
         comm = self._comm_seconds() - comm_before
         return dict(
             step=self.step,
-            loss=loss,
+            loss=values.pop("loss"),
             lr=lr,
-            grad_norm=norm,
-            skipped=not finite,
-            tokens=int(tokens),
+            **values,
             tokens_per_s=s.global_batch * self.seq_len / elapsed,
             step_s=elapsed,
             compute_s=elapsed - comm,
             comm_s=comm,
-            **scaling,
             **moe_metrics(self.model, grid),
         )
 
-    def _forward_backward(self, ids, targets, scale: float) -> float:
+    def _eager_step(self, ids, targets, lr: float) -> dict:
+        """The step launched from the host, which reads the token count, the loss, the norm and the
+        finite flag back as it goes: loss, grad_norm, skipped, tokens and the loss scaler's fields."""
+        s, grid = self.settings, self.grid
+        tokens = grid.dp.all_reduce_scalar(float((targets != IGNORE_INDEX).sum()))
+        check_tokens(tokens, self.step)
+        loss_sum = self._forward_backward(ids, targets, self.precision.loss_scale / tokens)  # fp16: scaled grads
+        loss = grid.dp.all_reduce_scalar(loss_sum) / tokens
+        unscale = 1.0 / self.precision.loss_scale  # a power of two: unscaling inside the passes is exact
+        norm = self.optimizer.grad_norm(grid, self.tied_copies, unscale)  # inf/NaN when a gradient is
+        finite = agree_finite(grid, norm, loss)  # the loss is the same on every rank
+        if finite:  # a step with an inf/NaN gradient is skipped on every rank alike
+            self.optimizer.step(lr, grad_scale=unscale * clip_coefficient(norm, s.clip_grad))
+        scaling = self.precision.record(finite, loss)  # before update() halves the scale
+        self.precision.update(finite)  # half weights from the masters; fp16: the loss scale
+        return dict(
+            loss=loss, grad_norm=norm if finite else float("nan"), skipped=not finite, tokens=int(tokens), **scaling
+        )
+
+    def _forward_backward(self, ids, targets, scale, on_device: bool = False):
         """This dp rank's loss sum; gradients of ``scale * loss`` summed over the dp group, each
-        bucket's all-reduce launched as soon as backward has finished its gradients."""
+        bucket's all-reduce launched as soon as backward has finished its gradients. ``on_device``:
+        the loss sum a 0-d device array (``scale`` may be one), for the captured step."""
         s, grid = self.settings, self.grid
         micro = self.micro_batch
         batches = [(ids[m : m + micro], targets[m : m + micro]) for m in range(0, len(ids), micro)]
@@ -291,6 +305,7 @@ class Trainer:
             on_grads_final=lambda names: self.bucketer.mark_ready(*names),
             step=self.step,
             first_sample=grid.coords.dp * len(ids),
+            on_device=on_device,
         )
         self.bucketer.finish()
         sync_tied_embeddings(self.model, grid)
@@ -387,6 +402,8 @@ class Trainer:
         self.optimizer.step_count = int(meta["optimizer"]["step_count"])
         self.precision.sync_model()
         self.precision.load_state(meta["optimizer"])
+        if self.captured is not None:  # the step's device scalars follow the loaded state
+            self.captured.load_host_state()
 
     def roll_back(self, bad_steps: int) -> Path:
         """Back to the last checkpoint after ``bad_steps`` non-finite steps in a row (NumericalFault if
