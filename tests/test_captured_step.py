@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from test_cuda_graph import FakeCuda
 from test_train import settings as train_settings
+from tp_helpers import CaptureProbe
 
 from hpc_tp.comm.mpi import world
 from hpc_tp.errors import ConfigError
@@ -143,6 +144,26 @@ def test_nothing_inside_the_step_is_read_by_the_host():
     eager, device = pair(comm, Watched, tp=comm.size)
     for _ in range(2):
         assert_same_records([eager.train_step()], [device.train_step()], 1e-12)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_step_makes_only_collectives_a_graph_holds(layout):
+    """What a capture of the step records over NCCL groups: array collectives on the stream (the tp
+    regions', the dp buckets', the sums and the agreement), no host call on any group of the grid (a
+    scalar, an object, a barrier), which would run once at the capture and never at a replay."""
+    probe = CaptureProbe(world())
+    if layout == "tp2 dp2" and probe.size % 2:
+        pytest.skip("needs an even world")
+    trainer = Trainer(settings(**LAYOUTS[layout](probe.size)), probe)
+    step = CapturedStep(trainer, capture=False)
+    ids, targets = trainer.dataset.get(trainer.sampler.indices(0))
+    ids_in, targets_in, work = step._for_shape(ids, targets)
+    ids_in[...], targets_in[...], step.lr[...] = ids, targets, 1e-3
+    probe.capturing = True
+    work()
+    probe.capturing = False
+    assert "all_reduce" in probe.calls or probe.size == 1
 
 
 HOST_READS = {

@@ -1,5 +1,7 @@
 """Helpers that compare a tensor-parallel run with the one-process reference run on every rank."""
 
+import types
+
 import numpy as np
 
 from hpc_tp.comm.mpi import self_comm, world
@@ -39,17 +41,22 @@ def lm_batch(seed=0, b=3, t=7, v=37):
 
 
 class CaptureProbe:
-    """``inner`` (a tp group) as a CUDA graph capture sees it, on the CPU: while ``capturing``, the
-    collectives NCCL queues on the stream for device arrays go through and are named in ``calls``,
-    and any call that would run on the host (an object, a scalar, a barrier, a split, point to
-    point) raises, as ``NCCLCommunicator``'s ``HostCallInCapture`` does on a device. Outside a
-    capture every call goes through. (On the CPU every array is a host one, so an array collective on
+    """``inner`` as a CUDA graph capture sees it, on the CPU: while ``capturing``, the collectives
+    NCCL queues on the stream for device arrays go through and are named in ``calls``, and any call
+    that would run on the host (an object, a scalar, a barrier, a split, point to point) raises, as
+    ``NCCLCommunicator``'s ``HostCallInCapture`` does on a device. Outside a capture every call goes
+    through, and the groups split from it are probes sharing its state, so a whole grid (a trainer's
+    tp, dp, pp) is watched at once. (On the CPU every array is a host one, so an array collective on
     a value read back to the host still passes: the device tests hold those.)"""
 
     STREAM_ORDERED = frozenset(("all_reduce", "iall_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"))
 
-    def __init__(self, inner):
-        self.inner, self.capturing, self.calls = inner, False, []
+    def __init__(self, inner, state=None):
+        self.inner = inner
+        self.state = state or types.SimpleNamespace(capturing=False, calls=[])
+
+    capturing = property(lambda self: self.state.capturing, lambda self, on: setattr(self.state, "capturing", on))
+    calls = property(lambda self: self.state.calls)
 
     def __getattr__(self, name):
         attribute = getattr(self.inner, name)
@@ -57,9 +64,10 @@ class CaptureProbe:
             return attribute
 
         def call(*args, **kwargs):
-            if self.capturing:
+            if self.state.capturing:
                 assert name in self.STREAM_ORDERED, f"{name} on the host inside a captured step"
-                self.calls.append(name)
-            return attribute(*args, **kwargs)
+                self.state.calls.append(name)
+            result = attribute(*args, **kwargs)
+            return CaptureProbe(result, self.state) if name in ("split", "split_node") else result
 
         return call
