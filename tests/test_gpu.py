@@ -525,6 +525,23 @@ def test_sections_run_in_their_order_and_the_flags_drop_theirs():
         G.chosen_sections("bench,gpu", False, False)
 
 
+def test_a_section_that_raises_is_a_failed_row_and_a_finished_one_gives_its_time(tmp_path, monkeypatch):
+    def broken(report):
+        raise KeyError("dtype")
+
+    monkeypatch.setitem(G.SECTIONS, "decode", ("decode:", broken))
+    monkeypatch.setitem(G.SECTIONS, "flash", ("flash:", lambda report: None))
+    monkeypatch.setattr(G.backend, "use", lambda *device: None)  # no card here to go back to
+    report = G.Report(out=tmp_path)
+    G.run_section(report, "decode")
+    G.run_section(report, "flash")
+    assert [(c["check"], c["result"], c["detail"]) for c in report.checks] == [
+        ("section decode", "FAIL", "KeyError: 'dtype'"),
+        ("section flash", "ok", ""),
+    ]
+    assert report.checks[1]["measured"] == "0 s"
+
+
 def test_a_check_that_fails_without_a_message_is_a_row_not_a_crash(tmp_path):
     """gpu-check runs on a lent machine in a few minutes: one bad check must not end the table."""
     report = G.Report(out=tmp_path)

@@ -1434,6 +1434,21 @@ SECTIONS = {
 }
 
 
+def run_section(report: Report, name: str):
+    """``SECTIONS[name]``'s rows, then a check row with the section's time (what a device loan's minutes
+    go to); one that raises past its rows' own guards is a failed row, and the next section runs."""
+    title, rows = SECTIONS[name]
+    print(title, flush=True)
+
+    def timed():
+        started = time.perf_counter()
+        rows(report)
+        return "ok", f"{time.perf_counter() - started:.0f} s", ""
+
+    report.check(f"section {name}", "runs to its end", timed)
+    backend.use("cuda", 0)  # a section may have switched to the CPU for its reference
+
+
 def chosen_sections(only: str | None, no_bench: bool, no_peer: bool) -> list[str]:
     """The sections to run, in ``SECTIONS``' order: ``only`` (comma-separated names) or all, less the
     benchmarks (``no_bench``: the checks alone) and the PyTorch rows (``no_peer``)."""
@@ -1476,10 +1491,7 @@ def main(argv=None) -> int:
     print("gpu-check environment:\n" + "\n".join(f"  {k}: {v}" for k, v in env), flush=True)
     report = Report(env, Path(args.out) if args.out else None)
     for name in sections:
-        title, rows = SECTIONS[name]
-        print(title, flush=True)
-        rows(report)
-        backend.use("cuda", 0)  # a section may have switched to the CPU for its reference
+        run_section(report, name)
     report.save()
     print("\n" + report.text(), flush=True)
     return 1 if report.failed else 0
