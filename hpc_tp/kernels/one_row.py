@@ -15,6 +15,8 @@ GELU passes, ``int8_dot``'s quantization and tiles) on arrays of the same types 
 float32 addition numpy makes the same way (a bias, a residual), so a row's numbers are the composed
 path's bits (``tests/test_one_row.py``). A weight is a tuple (codes, scales, minimums) of a packed
 matrix (``quantized.Packed``) with its bits and columns; an absent bias or norm bias is an empty array.
+numba's disk cache keys these functions by this file alone: after an edit to a kernel they call, the
+test above sees the stale copy until this file changes too (or its ``__pycache__`` is cleared).
 """
 
 from __future__ import annotations

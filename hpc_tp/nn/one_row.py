@@ -36,7 +36,7 @@ class OneRowStep:
             and block.attn.q_norm is None
             and block.attn.causal
             and isinstance(mlp, ParallelMLP)
-            and mlp.gated == (mlp.act_forward is F.silu_forward)
+            and mlp.gated == (mlp.act_forward is F.silu_forward)  # SwiGLU or GELU: not GeGLU, not SiLU alone
             and mlp.act_forward in _ACTIVATIONS
             and mlp.local <= cpu_kernels.CHUNK  # GELU's passes in one chunk, as the composed path makes them
         )
@@ -51,49 +51,50 @@ class OneRowStep:
             and x.shape[:2] == (1, 1)
             and x.dtype == numpy.float32
             and x.flags.c_contiguous
-            and not (self._block._drop_attn.active or self._block._drop_mlp.active)
-            and self._packed() is not None
+            and not (self._block.attn.rng is not None and self._block.attn.rng.training)  # no dropout to draw
+            and (self._arguments is not None or self._packed())
         )
 
-    def _packed(self):
-        """(norm1, qkv, out, fc1, fc2, norm2, activation) arguments of the compiled calls, built once
-        every weight is packed (None until then)."""
-        if self._arguments is None:
-            block = self._block
-            attn, mlp = block.attn, block.mlp
-            layers = (attn.qkv, attn.out, mlp.fc1, mlp.fc2)
-            weights = [layer.quantized_weight() for layer in layers]
-            if all(matrix.pack() for matrix, _ in weights):
-                self._arguments = (
-                    _norm(block.norm1),
-                    *(_weight(matrix, bias) for matrix, bias in weights),
-                    _norm(block.norm2),
-                    _ACTIVATIONS[mlp.act_forward],
-                )
-        return self._arguments
+    def _packed(self) -> bool:
+        """The compiled calls' constant arguments, once every weight is packed (False until then):
+        attention_in's from norm1 to the head sizes, mlp_in's from the O product on, mlp_out's."""
+        block = self._block
+        attn, mlp = block.attn, block.mlp
+        weights = [layer.quantized_weight() for layer in (attn.qkv, attn.out, mlp.fc1, mlp.fc2)]
+        if not all(matrix.pack() for matrix, _ in weights):
+            return False
+        qkv, out, fc1, fc2 = (_weight(matrix, bias) for matrix, bias in weights)
+        act = _ACTIVATIONS[mlp.act_forward]
+        self._arguments = (
+            (*_norm(block.norm1), *qkv, attn.heads_local, attn.kv_local, attn.head_dim),
+            numpy.float32(attn.query_scale),
+            (*out, *_norm(block.norm2)[1:], *fc1, act, mlp.local),
+            (*fc2, act, mlp.local),
+            _SECOND_PASS[act],
+        )
+        return True
 
     def forward(self, x, key_mask, positions, cache, rope_tables):
         """The block's output [1, 1, H] for ``x`` (``takes``), its keys and values stored in ``cache``."""
-        attn, mlp = self._block.attn, self._block.mlp
-        norm1, qkv, out, fc1, fc2, norm2, act = self._arguments
+        attn = self._block.attn
+        attention, scale, mlp_in, mlp_out, second_pass = self._arguments
         row = x.reshape(1, -1)
         half = attn.head_dim // 2
         if attn.inv_freq is None:
             cos = sin = numpy.empty((0, 1, half), numpy.float32)
         else:
             cos, sin = (t.reshape(-1, 1, half) for t in attn.rope_tables_of(positions, 1, x.dtype, rope_tables))
-        heads, kv_heads, d = attn.heads_local, attn.kv_local, attn.head_dim
-        attention = (row, *norm1, *qkv, heads, kv_heads, d, cos, sin, numpy.float32(attn.query_scale))
         pools = cache.decode_pools()
         if pools is not None:  # a paged decode step: its attention compiled with the rest
-            layer = one_row.paged_layer_in(*attention, *pools, attn.window, *out, *norm2[1:], *fc1, act, mlp.local)
+            layer = one_row.paged_layer_in(row, *attention, cos, sin, scale, *pools, attn.window, *mlp_in)
         else:
-            q, k, v = one_row.attention_in(*attention)
-            merged = attn.attend_cached(q.reshape(1, kv_heads, heads // kv_heads, 1, d), k, v, key_mask, cache)
-            layer = one_row.mlp_in(merged.reshape(1, -1), row, *out, *norm2[1:], *fc1, act, mlp.local)
+            q, k, v = one_row.attention_in(row, *attention, cos, sin, scale)
+            q = q.reshape(1, attn.kv_local, attn.heads_local // attn.kv_local, 1, attn.head_dim)
+            merged = attn.attend_cached(q, k, v, key_mask, cache)
+            layer = one_row.mlp_in(merged.reshape(1, -1), row, *mlp_in)
         summed, product, passed = layer
-        _SECOND_PASS[act](passed, out=passed)
-        return one_row.mlp_out(summed, product, passed, *fc2, act, mlp.local).reshape(x.shape)
+        second_pass(passed, out=passed)
+        return one_row.mlp_out(summed, product, passed, *mlp_out).reshape(x.shape)
 
 
 def _norm(norm):
