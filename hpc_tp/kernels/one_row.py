@@ -28,8 +28,9 @@ import numpy
 from . import cpu_kernels, int8_dot, paged_attention
 from .small_m import FULL
 
-# ``HPC_TP_ONE_ROW=0`` keeps the composed path (an A/B); the layer's own conditions are the caller's
-ENABLED = int8_dot.AVAILABLE and os.environ.get("HPC_TP_ONE_ROW", "1") != "0"
+# ``HPC_TP_ONE_ROW=0`` keeps the composed path (an A/B); the rest of what it takes (the integer kernel, one
+# thread, the layer's shape) the caller checks (``nn.one_row``)
+ENABLED = os.environ.get("HPC_TP_ONE_ROW", "1") != "0"
 SWIGLU, GELU_TANH = 0, 1  # the activations whose passes are compiled here (``cpu_kernels``')
 
 
