@@ -312,7 +312,7 @@ class ParallelAttention(Module):
             norms = (q_saved, k_saved)
         rope = None
         if self.inv_freq is not None:
-            rope = self._rope_tables(positions, t, x.dtype, {} if rope_tables is None else rope_tables)
+            rope = self.rope_tables_of(positions, t, x.dtype, rope_tables)
             # the queries scaled as they are rotated (not the [T, keys] scores)
             q = F.rope_apply(q, *_per_row(rope, q.ndim), scale=self.query_scale)
             k = F.rope_apply(k, *_per_row(rope, k.ndim))
@@ -320,12 +320,10 @@ class ParallelAttention(Module):
             # Scale the queries, not the [T, keys] scores: in place, since qkv (or the normed copy) is
             # this call's own array and K/V views do not overlap Q.
             q *= self.query_scale
+        if cache is not None:  # inference: nothing kept for a backward
+            return self.out.forward(self.attend_cached(q, k, v, key_mask, cache))[0], None
         merged = xp.empty((b, t, self.heads_local * self.head_dim), dtype=x.dtype)
         attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
-        if cache is not None:  # inference: nothing kept for a backward
-            for part in cache.parts(q, k, v, attn, key_mask):
-                self._attend_cached(*part)
-            return self.out.forward(merged)[0], None
         offset, window = 0, self.window
         keys = k.shape[2]
         mask = None
@@ -364,13 +362,25 @@ class ParallelAttention(Module):
             ctx = ctx._replace(probs=None, lse=saved, mask=None, key_mask=key_mask, dropped=mask is not None)
         return y, ctx
 
-    def _rope_tables(self, positions, t: int, dtype, made: dict):
+    def rope_tables_of(self, positions, t: int, dtype, made: dict | None):
         """cos/sin of ``positions`` (None: 0 .. t - 1) for this layer's rope, from ``made`` where a
-        layer of the same rope made them for this pass, else made and kept there."""
+        layer of the same rope made them for this pass, else made and kept there (None: made for this call)."""
+        made = {} if made is None else made
         if self.rope_key not in made:
             pos = backend.xp.arange(t) if positions is None else positions
             made[self.rope_key] = F.rope_tables(pos, self.inv_freq, dtype)
         return made[self.rope_key]
+
+    def attend_cached(self, q, k, v, key_mask, cache):
+        """Inference's attention of the rotated, scaled queries ``q`` [B, hk, g, T, d] over ``cache``
+        with this pass's keys and values [B, hk, T, d] stored in it: the heads merged [B, T, hq d], as the
+        output projection takes them."""
+        b, _, _, t, _ = q.shape
+        merged = backend.xp_of(q).empty((b, t, self.heads_local * self.head_dim), dtype=q.dtype)
+        attn = self._heads_view(merged)  # [B, hk, g, T, d] view: P V lands in the merged layout
+        for part in cache.parts(q, k, v, attn, key_mask):
+            self._attend_cached(*part)
+        return merged
 
     def _attend_cached(self, cache, key_mask, q, k, v, attn):
         """Inference's attention of one batch over ``cache`` (a ``serve.kv_cache`` layer) into ``attn``:

@@ -20,6 +20,7 @@ from .attention import ParallelAttention
 from .dropout import Dropout
 from .moe import feed_forward
 from .norms import make_norm
+from .one_row import OneRowStep
 from .sequence_parallel import SequenceShardDropout
 
 
@@ -69,9 +70,13 @@ class TransformerBlock(Module):
         )
         self._drop_attn = drop(("resid_attn", layer_id))
         self._drop_mlp = drop(("resid_mlp", layer_id))
+        # a decode step's one row through compiled calls where the structure allows (``nn.one_row``)
+        self._one_row = OneRowStep(self) if OneRowStep.fits(self, cfg, comm.size, dtype) else None
 
     def forward(self, x, key_mask=None, positions=None, cache=None, rope_tables=None):
         """``rope_tables``: the dict of rotary tables the blocks of one pass share (``ParallelAttention``)."""
+        if cache is not None and self._one_row is not None and self._one_row.takes(x):
+            return self._one_row.forward(x, key_mask, positions, cache, rope_tables), None
         h, n1 = self.norm1.forward(x)
         a, attn_ctx = self.attn.forward(h, key_mask, positions, cache, rope_tables)
         a, p1 = _maybe_norm(self.post_attn_norm, a)

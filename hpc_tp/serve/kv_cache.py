@@ -43,6 +43,12 @@ class CacheLayer:
         core."""
         return False
 
+    def decode_pools(self):
+        """(K pool, V pool [hk, slots, d], write slots [B, 1], read slots [B, W], counts [B]) of a decode
+        step whose caller writes and attends over this layer's float32 pools on the host itself, with
+        ``kernels.paged_attention``'s loop (``nn.one_row``); None: ``attend`` or ``store`` are the way."""
+        return None
+
     def parts(self, q, k, v, out, key_mask):
         """The batches a forward pass's tokens make, each attending on its own: [(layer, key mask, q, k,
         v, out)], the arrays views of the pass's (``MixedView`` has several; every other cache one)."""
@@ -294,6 +300,13 @@ class _PagedLayer(CacheLayer):
         """Each row's query among the ``read`` slots (its position: a row's slots are in order from
         0), where a decode step's sliding window ends; None for a prefill, whose ``offset`` says it."""
         return self._view.query_slots
+
+    def decode_pools(self):
+        view = self._view
+        keys, values = view.cache.k[self._pool], view.cache.v[self._pool]
+        if view.counts is None or not (cpu_kernels.fused(keys) and keys.dtype == numpy.float32):
+            return None
+        return keys, values, view.write[self._lane], view.read[self._lane], view.counts
 
     def attend(self, q, k, v, out, window: int, key_mask=None) -> bool:
         view = self._view

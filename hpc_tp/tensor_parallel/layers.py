@@ -201,6 +201,11 @@ class ColumnParallelLinear(Module):
             for weight, cols in self._weight_parts:
                 weight.data = bf16_panels.PanelValues(self._weight, cols)
 
+    def quantized_weight(self):
+        """The fused weight as its products read it where it is kept quantized (a ``QuantizedMatrix``) and
+        the bias (None: none), for a caller that runs the product itself (``nn.one_row``); None: not quantized."""
+        return None if self.quantize is None else (self._weight, self._bias)
+
     def forward(self, x):
         y = product(self.f.forward(x), self._weight)
         if self._bias is not None:
@@ -292,6 +297,10 @@ class RowParallelLinear(Module):
         elif self.quantize is None and bf16_dot.packs(self.weight.data):
             self._matrix = bf16_panels.PanelMatrix(self.weight.data)
             self.weight.data = bf16_panels.PanelValues(self._matrix)
+
+    def quantized_weight(self):
+        """``ColumnParallelLinear.quantized_weight``'s pair for this layer."""
+        return None if self.quantize is None else (self._matrix, None if self.bias is None else self.bias.data)
 
     def forward(self, x):
         x = self.input_region.forward(x)
