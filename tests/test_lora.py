@@ -1,0 +1,152 @@
+"""LoRA under tensor parallelism: the adapted model's loss, logits and every adapter gradient equal one
+process's at tp = world size (float64, 1e-10), the base weights stay frozen (no gradient buffer, bit-
+unchanged by training), B = 0 makes step 0 the base model, and folding W += s A B for inference gives
+the unfolded forward's numbers."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_model import CONFIGS
+from tp_helpers import assert_grads_match, lm_batch, max_rel_err, same_random, tp_and_reference
+
+from hpc_tp.errors import ConfigError
+from hpc_tp.models import GPTModel, ModelConfig
+from hpc_tp.models.init import initialize
+from hpc_tp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from hpc_tp.tensor_parallel.lora import LoRA
+from hpc_tp.train.optim import AdamW
+
+pytestmark = pytest.mark.mpi(min_size=1)
+LORA = dict(lora_rank=3, lora_alpha=5.0)
+
+
+def randomize_adapters(model):
+    """Random B (zero at initialisation, which would hide dA and the update), the same on every rank."""
+    for name, p in model.named_parameters():
+        if name.endswith("lora_b"):
+            p.load_full(np.random.default_rng(len(name)).normal(0.0, 0.3, p.partition.full_shape))
+
+
+def lora_pair(name, **extra):
+    tp, ref = tp_and_reference()
+    cfg = ModelConfig(**dict(CONFIGS[name], **LORA, **extra))
+    par, one = GPTModel(cfg, tp, seed=3), GPTModel(cfg, ref, seed=3)
+    for model in (par, one):
+        randomize_adapters(model)
+    return tp, par, one
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("name", ["gpt2-tied", "llama-gqa"])
+def test_lora_model_matches_single_process(name, kv_heads):
+    """One kv head at tp > 1 puts K/V segments on several ranks: their B is summed over the replicas."""
+    tp, par, one = lora_pair(name, n_kv_heads=kv_heads)
+    for seed in range(2):  # two micro-batches: each one's partial sums are summed over tp alone
+        ids, targets = lm_batch(seed)
+        loss_ref, n_ref, ctx_ref = one.forward(ids, targets)
+        loss_par, n_par, ctx_par = par.forward(ids, targets)
+        assert n_par == n_ref and abs(loss_par - loss_ref) <= 1e-10 * abs(loss_ref)
+        one.backward(ctx_ref, 1.0 / n_ref)
+        par.backward(ctx_par, 1.0 / n_par)
+    assert_grads_match(par, one, tp, 1e-10)
+    assert max_rel_err(par.logits(ids), one.logits(ids)) <= 1e-10
+    trained = sorted(par.trainable_state())
+    assert trained and all(n.endswith(("lora_a", "lora_b")) for n in trained)
+    assert all(abs(p.grad).max() > 0 for p in par.trainable_state().values())
+
+
+def test_frozen_parameters_have_no_gradient_buffer_and_the_count_is_the_adapters():
+    tp, par, _ = lora_pair("llama-gqa")
+    frozen = [p for p in par.parameters() if not p.trainable]
+    assert frozen and all(p.grad is None for p in frozen)
+    counted = sum(int(np.prod(p.partition.full_shape)) for p in par.trainable_state().values())
+    assert counted == par.cfg.lora_parameters()
+    total = sum(int(np.prod(p.partition.full_shape)) for p in par.parameters())
+    assert total == par.cfg.parameter_count()
+
+
+@pytest.mark.parametrize("name", ["gpt2-tied", "llama-gqa"])
+def test_step_zero_is_the_base_model(name):
+    tp, _ = tp_and_reference()
+    base_cfg = ModelConfig(**CONFIGS[name])
+    base, adapted = GPTModel(base_cfg, tp, seed=3), GPTModel(dataclasses.replace(base_cfg, **LORA), tp, seed=3)
+    ids, _ = lm_batch()
+    assert np.array_equal(adapted.logits(ids), base.logits(ids))
+
+
+def test_training_moves_the_adapters_only():
+    tp, par, _ = lora_pair("llama-gqa")
+    before = {n: p.data.copy() for n, p in par.named_parameters() if not p.trainable}
+    adapters = {n: p.data.copy() for n, p in par.trainable_state().items()}
+    optimizer = AdamW(par.trainable_state(), lr=1e-2)
+    for seed in range(3):
+        ids, targets = lm_batch(seed)
+        _, count, ctx = par.forward(ids, targets)
+        par.backward(ctx, 1.0 / count)
+        optimizer.step()
+        par.zero_grad()
+    for name, p in par.named_parameters():
+        if name in before:
+            assert np.array_equal(p.data, before[name]), name
+        else:
+            assert not np.array_equal(p.data, adapters[name]), name
+
+
+@pytest.mark.parametrize("layer", ["column", "row"])
+def test_adapter_gradients_match_finite_differences(layer):
+    """dL/dA and dL/dB of L = sum(y * w) against central differences, on one process."""
+    _, ref = tp_and_reference()
+    lora = LoRA(2, 1.5)
+    if layer == "column":
+        m = ColumnParallelLinear(5, 6, ref, lora=lora)
+    else:
+        m = RowParallelLinear(6, 5, ref, input_is_parallel=True, lora=lora)
+    initialize(m, std=0.3, n_layers=1, seed=1)
+    for name, p in m.named_parameters():
+        p.load_full(same_random(len(name), *p.partition.full_shape))
+    x = same_random(7, 2, 3, 5 if layer == "column" else 6)
+    w = same_random(8, 2, 3, 6 if layer == "column" else 5)
+    y, ctx = m.forward(x)
+    m.backward(w.copy(), ctx)
+    for name, p in m.named_parameters():
+        if not name.startswith("lora"):
+            continue
+        numeric = np.zeros_like(p.data)
+        for i in np.ndindex(p.data.shape):
+            kept = p.data[i]
+            p.data[i] = kept + 1e-6
+            up = float((m.forward(x)[0] * w).sum())
+            p.data[i] = kept - 1e-6
+            down = float((m.forward(x)[0] * w).sum())
+            p.data[i] = kept
+            numeric[i] = (up - down) / 2e-6
+        assert max_rel_err(p.grad, numeric) <= 1e-7, name
+
+
+@pytest.mark.parametrize("name", ["gpt2-tied", "llama-gqa"])
+def test_folded_weights_give_the_unfolded_forward(name):
+    tp, par, _ = lora_pair(name)
+    ids, _ = lm_batch()
+    unfolded = par.logits(ids)
+    for module in par.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.fold_adapter()
+    assert not par.trainable_state()  # the adapters are gone from the model
+    assert max_rel_err(par.logits(ids), unfolded) <= 1e-10
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(lora_rank=-1), "lora_rank=-1: expected an integer >= 0"),
+        (dict(lora_rank=4, lora_alpha=0), "lora_alpha=0: expected a number > 0"),
+        (dict(lora_rank=4, num_experts=4), "lora_rank=4 with num_experts=4"),
+        (dict(lora_rank=4, sequence_parallel=True), "lora_rank=4 with sequence_parallel=True"),
+        (dict(lora_rank=4, quantize="int8"), "lora_rank=4 with quantize='int8'"),
+    ],
+)
+def test_what_lora_does_not_do_is_one_clear_line(values, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")) as e:
+        ModelConfig(**dict(CONFIGS["llama-gqa"], **values))
+    assert "\n" not in str(e.value)
