@@ -4,18 +4,24 @@ unchanged by training), B = 0 makes step 0 the base model, and folding W += s A 
 the unfolded forward's numbers."""
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
 from test_model import CONFIGS
+from test_train import _truncate_to, losses, settings, shared_tmp
 from tp_helpers import assert_grads_match, lm_batch, max_rel_err, same_random, tp_and_reference
+
+from hpc_tp.comm.mpi import self_comm, world
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.models.init import initialize
+from hpc_tp.serve.loading import load_for_inference
 from hpc_tp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from hpc_tp.tensor_parallel.lora import LoRA
 from hpc_tp.train.optim import AdamW
+from hpc_tp.train.trainer import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=1)
 LORA = dict(lora_rank=3, lora_alpha=5.0)
@@ -150,3 +156,35 @@ def test_what_lora_does_not_do_is_one_clear_line(values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")) as e:
         ModelConfig(**dict(CONFIGS["llama-gqa"], **values))
     assert "\n" not in str(e.value)
+
+
+def lora_settings(**changes):
+    return settings(**{"model_overrides": {"lora_rank": 4}, "lr": 1e-2, **changes})
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fine_tune_learns_resumes_and_loads_folded_for_inference(tmp_path):
+    """A base model trained and saved; LoRA started from it (--init) learns at tp = world as at tp = 1,
+    its checkpoint resumes bit for bit, holds the base unchanged, and loads folded for inference."""
+    comm = world()
+    root = shared_tmp(tmp_path, comm)
+    base = Trainer(settings(steps=4, save=f"{root}/base"), comm).run().checkpoint
+    alone = losses(lora_settings(init=str(base)), self_comm())
+    assert alone[-1] < alone[0]  # it learns
+    tuned = Trainer(lora_settings(init=str(base), tp=comm.size, save=f"{root}/lora", save_every=6), comm)
+    whole = np.array([r["loss"] for r in tuned.run().records])
+    assert np.max(np.abs(whole - alone) / alone) < 1e-9
+    before = Trainer(settings(steps=4, init=str(base), tp=comm.size), comm).model.state()
+    for name, p in tuned.model.state().items():
+        if not p.trainable:
+            assert np.array_equal(p.data, before[name].data), name
+    args = types.SimpleNamespace(ckpt=f"{root}/lora", tp=comm.size, pp=1, device="cpu", dtype="float64")
+    _, folded, _ = load_for_inference(args)
+    assert not folded.trainable_state()
+    ids, _ = lm_batch(v=folded.cfg.vocab_size)
+    with tuned.model.inference(), folded.inference():  # no dropout
+        assert max_rel_err(folded.logits(ids), tuned.model.logits(ids)) <= 1e-10
+    _truncate_to(f"{root}/lora", 6, comm)
+    tail = losses(lora_settings(init=str(base), tp=comm.size, save=f"{root}/lora", resume=True), comm)
+    assert list(tail) == list(whole[6:])  # bit for bit
+
