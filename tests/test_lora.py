@@ -13,7 +13,6 @@ from test_train import _truncate_to, losses, settings, shared_tmp
 from tp_helpers import assert_grads_match, lm_batch, max_rel_err, same_random, tp_and_reference
 
 from hpc_tp.comm.mpi import self_comm, world
-
 from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
 from hpc_tp.models.init import initialize
@@ -187,4 +186,3 @@ def test_fine_tune_learns_resumes_and_loads_folded_for_inference(tmp_path):
     _truncate_to(f"{root}/lora", 6, comm)
     tail = losses(lora_settings(init=str(base), tp=comm.size, save=f"{root}/lora", resume=True), comm)
     assert list(tail) == list(whole[6:])  # bit for bit
-

@@ -191,7 +191,9 @@ class ColumnParallelLinear(Module):
                     )
                 )
         # the trained low-rank update of a frozen weight (None: none, or folded into the weight)
-        self._adapter = None if lora is None else ColumnAdapter(lora, in_features, b_partitions, self.columns, comm, dtype)
+        self._adapter = (
+            None if lora is None else ColumnAdapter(lora, in_features, b_partitions, self.columns, comm, dtype)
+        )
 
     def named_parameters(self, prefix: str = ""):
         for name, p in self.params + ([] if self._adapter is None else self._adapter.params):

@@ -48,13 +48,19 @@ class ColumnAdapter:
         self.scale, self._sum = lora.scale, CopyToTensorParallel(comm)
         out_local = sum(c.stop - c.start for c in columns)
         with frozen(False):
-            self.a = Parameter(param_buffer((in_features, lora.rank), dtype), replicated((in_features, lora.rank), comm.size))
+            self.a = Parameter(
+                param_buffer((in_features, lora.rank), dtype), replicated((in_features, lora.rank), comm.size)
+            )
             self.b_fused = param_buffer((lora.rank, out_local), dtype)
             self.b_grad = grad_buffer(self.b_fused)
         self.params = [("lora_a", self.a)]
         for (name, partition), cols in zip(partitions, columns):
             shape = (lora.rank, partition.full_shape[1])
-            b = Parameter(self.b_fused[:, cols], split(shape, 1, partition.parts, partition.index, partition.replicas), grad=self.b_grad[:, cols])
+            b = Parameter(
+                self.b_fused[:, cols],
+                split(shape, 1, partition.parts, partition.index, partition.replicas),
+                grad=self.b_grad[:, cols],
+            )
             self.params.append((name + "lora_b", b))
 
     def forward(self, x, y):
@@ -86,7 +92,9 @@ class RowAdapter:
                 param_buffer((in_features // comm.size, lora.rank), dtype),
                 split((in_features, lora.rank), 0, comm.size, comm.rank),
             )
-            self.b = Parameter(param_buffer((lora.rank, out_features), dtype), replicated((lora.rank, out_features), comm.size))
+            self.b = Parameter(
+                param_buffer((lora.rank, out_features), dtype), replicated((lora.rank, out_features), comm.size)
+            )
         self.params = [("lora_a", self.a), ("lora_b", self.b)]
 
     def forward(self, x, partial):
