@@ -537,8 +537,9 @@ class Trainer:
 
     def _describe(self) -> str:
         g, cfg = self.grid, self.cfg
+        lora = f", LoRA rank {cfg.lora_rank}: {cfg.lora_parameters() / 1e6:.2f}M trained" if cfg.lora_rank else ""
         return (
-            f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}) "
+            f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}{lora}) "
             f"on {describe_layout(self.settings, cfg, g.tp_size, g.pp_size, g.dp_size)}, "
             f"{self.settings.dtype}, data {self.settings.data}, "
             f"global batch {self.settings.global_batch} x {self.seq_len} tokens{self._optimizer_note()}"
