@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_model import CONFIGS
 from test_train import _truncate_to, losses, settings, shared_tmp
-from tp_helpers import assert_grads_match, lm_batch, max_rel_err, same_random, tp_and_reference
+from tp_helpers import assert_grads_match, lm_batch, max_rel_err, same_loss_then_backward, same_random, tp_and_reference
 
 from hpc_tp.comm.mpi import self_comm, world
 from hpc_tp.errors import ConfigError
@@ -49,11 +49,7 @@ def test_lora_model_matches_single_process(name, kv_heads):
     tp, par, one = lora_pair(name, n_kv_heads=kv_heads)
     for seed in range(2):  # two micro-batches: each one's partial sums are summed over tp alone
         ids, targets = lm_batch(seed)
-        loss_ref, n_ref, ctx_ref = one.forward(ids, targets)
-        loss_par, n_par, ctx_par = par.forward(ids, targets)
-        assert n_par == n_ref and abs(loss_par - loss_ref) <= 1e-10 * abs(loss_ref)
-        one.backward(ctx_ref, 1.0 / n_ref)
-        par.backward(ctx_par, 1.0 / n_par)
+        same_loss_then_backward(par, one, ids, targets)
     assert_grads_match(par, one, tp, 1e-10)
     assert max_rel_err(par.logits(ids), one.logits(ids)) <= 1e-10
     trained = sorted(par.trainable_state())
