@@ -14,8 +14,8 @@ Row: each rank adds s (x_local A_local) B to its partial product before g sums t
 sum_s (x_s A_s) B = (x A) B. dA_local and dx_local are local; dB = s (x A)^T dy with x A = sum_s x_s A_s,
 so each rank's s (x_s A_s)^T dy is partial and is summed over tp.
 
-What crosses the wire, backward only: an all-reduce of dA [in, r] (column) or of dB [r, out] (row)
-per layer and micro-batch, r / out or r / in of the weight gradient the frozen W no longer sends.
+What crosses the wire, backward only: one all-reduce over tp per adapted layer and micro-batch, of
+dA [in, r] (column) or dB [r, out] (row); the data-parallel buckets carry the adapters' gradients only.
 """
 
 from __future__ import annotations
