@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy
@@ -95,13 +96,32 @@ def grad_dtype(dtype):
     return numpy.dtype("float32") if dtype.itemsize < 4 else dtype
 
 
+class _Building:
+    frozen = False  # set by ``frozen``: parameters made meanwhile get no gradient
+
+
+@contextmanager
+def frozen(on: bool = True):
+    """Parameters made inside are frozen when ``on`` (LoRA's base weights): ``grad_buffer`` gives None,
+    so they have no gradient and nothing trains them, and ``param_buffer`` keeps them out of a
+    GradArena, whose slots stand beside gradients. ``frozen(False)`` inside makes trainable ones again
+    (the adapters)."""
+    before, _Building.frozen = _Building.frozen, on
+    try:
+        yield
+    finally:
+        _Building.frozen = before
+
+
 def grad_buffer(data):
-    """A zeroed gradient for ``data``: float32 when ``data`` is float16/bfloat16, as Megatron-LM's
+    """None for a parameter made inside ``frozen()``. Else a zeroed gradient for ``data``: float32 when ``data`` is float16/bfloat16, as Megatron-LM's
     main_grad. Micro-batches, bias and norm sums over tokens, and the replicas' sums then add up in
     float32, not in a format with 8 or 11 significant bits. On the CPU a weight gradient's half
     product is rounded before it is added; on a GPU cuBLAS sums it into the float32 buffer directly
     (``kernels.cublas``). Other dtypes keep their own. Inside ``with GradArena(...)`` it is a slice of the arena
     (for ``data`` from ``param_buffer``, the slice beside it)."""
+    if _Building.frozen:
+        return None
     xp = backend.xp_of(data)
     if GradArena.active is not None:
         paired = GradArena.active.gradient_of(data)
@@ -115,7 +135,7 @@ def param_buffer(shape, dtype, fill: float = 0.0):
     ``grad_buffer`` then gives it, so a gradient bucket's parameters are one contiguous run too:
     the distributed optimizer gathers the updated values straight into them."""
     xp = backend.xp
-    if GradArena.active is not None and GradArena.active.params:
+    if GradArena.active is not None and GradArena.active.params and not _Building.frozen:
         return GradArena.active.param_slot(tuple(numpy.atleast_1d(shape)), numpy.dtype(dtype), xp, fill)
     return xp.full(shape, fill, dtype=dtype)
 
@@ -253,6 +273,7 @@ class Parameter:
     ``data`` may be a view into a fused buffer (QKV, gate/up); it is always updated in place.
     ``grad`` is ``grad_buffer(data)`` unless given (a view into a fused layer's buffer).
     ``decay`` is False for biases and norm gains (AdamW applies no weight decay to them).
+    ``grad`` is None for a frozen parameter (made inside ``frozen()``): layers skip its gradient.
     """
 
     __slots__ = ("data", "grad", "partition", "decay")
@@ -268,6 +289,10 @@ class Parameter:
     @property
     def shape(self):
         return self.data.shape
+
+    @property
+    def trainable(self) -> bool:
+        return self.grad is not None
 
     def load_full(self, full):
         """Set this rank's slice from the logical (unpadded) tensor; padding stays zero."""
@@ -306,9 +331,14 @@ class Module:
     def state(self) -> dict[str, Parameter]:
         return dict(self.named_parameters())
 
+    def trainable_state(self) -> dict[str, Parameter]:
+        """The parameters that have gradients (all of them unless some were built ``frozen``)."""
+        return {name: p for name, p in self.named_parameters() if p.trainable}
+
     def zero_grad(self):
         for p in self.parameters():
-            p.grad[...] = 0
+            if p.trainable:
+                p.grad[...] = 0
 
     def local_bytes(self) -> int:
         return sum(p.data.nbytes for p in self.parameters())

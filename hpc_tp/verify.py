@@ -85,7 +85,7 @@ def gradient_errors(parallel, alone, comm) -> dict[str, float]:
     # loaded when the command runs, not by hpc-tp --help
     from .module import gather_full
 
-    ref = dict(alone.named_parameters())
+    ref = alone.trainable_state()  # frozen parameters (LoRA's base weights) have no gradient
     # The K bias gradient is zero in exact math (softmax ignores a per-query constant), so its
     # round-off is measured against the largest gradient rather than against itself.
     largest = max(float(np.abs(to_numpy(p.grad)).max(initial=0.0)) for p in ref.values())
@@ -93,5 +93,5 @@ def gradient_errors(parallel, alone, comm) -> dict[str, float]:
         f"grad {name}": _rel(
             gather_full(p.grad, p.partition, comm), ref[name].grad, largest if name.endswith("k.bias") else 1e-300
         )
-        for name, p in parallel.named_parameters()
+        for name, p in parallel.trainable_state().items()
     }

@@ -4,6 +4,7 @@ the converted checkpoint gives the same logits at every tp; convert -> export ->
 bad inputs are one-line errors naming the file and the tensor, and nothing is overwritten."""
 
 import argparse
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -13,10 +14,13 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from test_model import CONFIGS
+from tp_helpers import lm_batch, max_rel_err
 
-from hpc_tp.checkpoint import convert, export, load_checkpoint
+from hpc_tp.checkpoint import convert, export, load_checkpoint, save_checkpoint
 from hpc_tp.checkpoint.importers.source import open_source
 from hpc_tp.cli import main
+from hpc_tp.comm.mpi import self_comm
 from hpc_tp.errors import ConfigError
 from hpc_tp.grid import ProcessGrid
 from hpc_tp.models.config import ModelConfig
@@ -765,9 +769,6 @@ def test_export_refuses_what_the_format_cannot_hold(tmp_path):
             )
         )
     assert not (tmp_path / "out").exists()
-    from hpc_tp.checkpoint import save_checkpoint
-    from hpc_tp.comm.mpi import self_comm
-
     moe = ModelConfig(vocab_size=37, hidden=16, n_layers=1, n_heads=2, max_seq_len=8, num_experts=2)
     grid = ProcessGrid(tp=1, world=self_comm())
     save_checkpoint(tmp_path / "moe", 0, GPTModel(moe, grid.tp).state(), {"config": moe.to_dict()}, grid)
@@ -948,3 +949,22 @@ def test_existing_output_is_never_overwritten_and_force_replaces_it(tmp_path):
     assert not (tmp_path / "ckpt" / "precious.txt").exists()
     assert (tmp_path / "ckpt" / "step-000000" / "master.h5").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "ckpt", "hf"]  # no temp folders left
+
+
+def test_export_writes_the_folded_model(tmp_path):
+    """A LoRA checkpoint exported to a Hugging Face folder and converted back gives the adapted
+    model's logits from a model without adapters."""
+    one = self_comm()
+    cfg = ModelConfig(**dict(CONFIGS["llama-gqa"], lora_rank=3, lora_alpha=5.0))
+    adapted = GPTModel(cfg, one, seed=3)
+    for name, p in adapted.named_parameters():  # B is zero at initialisation: the update would be too
+        if name.endswith("lora_b"):
+            p.load_full(np.random.default_rng(len(name)).normal(0.0, 0.3, p.partition.full_shape))
+    grid = ProcessGrid(tp=1, world=one)
+    save_checkpoint(tmp_path / "lora", 0, adapted.state(), {"config": cfg.to_dict()}, grid)
+    assert main(["export", str(tmp_path / "lora"), "-o", str(tmp_path / "hf"), "--arch", "llama"]) == 0
+    assert main(["convert", str(tmp_path / "hf"), "-o", str(tmp_path / "back")]) == 0
+    plain = GPTModel(dataclasses.replace(cfg, lora_rank=0, lora_alpha=None), one)
+    load_checkpoint(tmp_path / "back", plain.state(), grid)
+    ids, _ = lm_batch()
+    assert max_rel_err(plain.logits(ids), adapted.logits(ids)) <= 1e-10

@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 import pytest
-from tp_helpers import assert_grads_match, lm_batch, max_rel_err, tp_and_reference
+from tp_helpers import assert_grads_match, lm_batch, max_rel_err, same_loss_then_backward, tp_and_reference
 
 from hpc_tp.errors import ConfigError
 from hpc_tp.models import GPTModel, ModelConfig
@@ -74,11 +74,7 @@ def test_model_matches_single_process(name):
     perturb_norm_gains(par)
     perturb_norm_gains(one)
     ids, targets = lm_batch()
-    loss_ref, n_ref, ctx_ref = one.forward(ids, targets)
-    loss_par, n_par, ctx_par = par.forward(ids, targets)
-    assert n_par == n_ref and abs(loss_par - loss_ref) <= 1e-10 * abs(loss_ref)
-    one.backward(ctx_ref, 1.0 / n_ref)
-    par.backward(ctx_par, 1.0 / n_par)
+    same_loss_then_backward(par, one, ids, targets)
     assert_grads_match(par, one, tp, 1e-10)
     assert max_rel_err(par.logits(ids), one.logits(ids)) <= 1e-10
 

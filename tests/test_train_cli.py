@@ -142,3 +142,13 @@ def test_make_run_learns_the_embedded_task(tmp_path):
     accuracy = [r["heldout_accuracy"] for r in read_metrics(log) if "heldout_accuracy" in r][-1]
     assert accuracy >= MAKE_RUN_ACCURACY_BAR, run.stdout
     assert f"held-out accuracy {100 * accuracy:.1f}%" in run.stdout
+
+
+def test_lora_rank_set_trains_the_adapters_and_says_so(tmp_path):
+    log = tmp_path / "lora.jsonl"
+    flags = ["--tp", "2", "--set", "lora_rank=4", "--steps", "8", "--lr", "1e-2", "--samples", "0"]
+    run = mpi_train(2, *flags, "--eval-problems", "4", "--no-progress", "--log", str(log))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "LoRA rank 4: 0.02M trained" in run.stdout
+    losses = [r["loss"] for r in read_metrics(log) if "loss" in r]
+    assert len(losses) == 8 and losses[-1] < losses[0]

@@ -22,6 +22,16 @@ def assert_grads_match(par, ref, comm, tol=1e-10):
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol}"
 
 
+def same_loss_then_backward(par, one, ids, targets):
+    """Forward ``par`` (split over tp) and the one-process ``one`` on a batch, assert the same token
+    count and loss (1e-10), and add both backwards' gradients to what they hold."""
+    loss_ref, n_ref, ctx_ref = one.forward(ids, targets)
+    loss_par, n_par, ctx_par = par.forward(ids, targets)
+    assert n_par == n_ref and abs(loss_par - loss_ref) <= 1e-10 * abs(loss_ref)
+    one.backward(ctx_ref, 1.0 / n_ref)
+    par.backward(ctx_par, 1.0 / n_par)
+
+
 def same_random(seed, *shape):
     """The same array on every rank."""
     return np.random.default_rng(seed).standard_normal(shape)

@@ -106,6 +106,8 @@ def export(info: dict, dest: Path, architecture: str | None, dtype: str):
     dest.mkdir(parents=True)
     with h5py.File(folder / MASTER, "r") as f:
         read = _Reader(f, folder, SourceCheck(folder))
+        if cfg.lora_rank:
+            read = _Folded(read, stored, cfg.lora().scale)
         for rule in rules:
             if rule.theirs is None and read(rule.ours).any():
                 raise ConfigError(
@@ -145,6 +147,24 @@ class _Reader:
             return read_verified(self.f, name, 0, ds.shape[int(ds.attrs["checksum_axis"])])
         except ConfigError as e:
             raise ConfigError(f"checkpoint {self.folder}: {e}") from None
+
+
+class _Folded:
+    """``read`` with each LoRA adapter folded into its weight, W + s A B: the model a LoRA checkpoint
+    holds, as a Hugging Face checkpoint without adapters. A segment's weight (``qkv.q.weight``) takes
+    its own B (``qkv.q.lora_b``) and its layer's A (``qkv.lora_a``)."""
+
+    def __init__(self, read, stored: dict, scale: float):
+        self.read, self.stored, self.scale = read, stored, scale
+
+    def __call__(self, name: str):
+        value = self.read(name)
+        base = name.removesuffix("weight")
+        if base == name or base + "lora_b" not in self.stored:
+            return value
+        a = base + "lora_a" if base + "lora_a" in self.stored else base.rsplit(".", 2)[0] + ".lora_a"
+        update = self.read(a).astype(numpy.float64) @ self.read(base + "lora_b").astype(numpy.float64)
+        return (value.astype(numpy.float64) + self.scale * update).astype(value.dtype)
 
 
 def _entries(rules, read, stored: dict, dtype: str) -> list[tuple]:

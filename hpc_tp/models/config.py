@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..kernels.quantized import bits_of
+from ..tensor_parallel.lora import LoRA
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "swiglu", "geglu")  # geglu: gated GELU, tanh approximation (Gemma)
@@ -73,6 +74,10 @@ class ModelConfig:
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss
     # "int8" / "int4": the linear layers' weights are kept quantized (kernels/quantized.py), for inference
     quantize: str | None = None
+    # > 0: LoRA adapters of this rank on every block's QKV, attention output, fc1 and fc2, and every other
+    # weight frozen (tensor_parallel/lora.py); lora_alpha / lora_rank scales them (None: alpha = 2 x rank)
+    lora_rank: int = 0
+    lora_alpha: float | None = None
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -143,6 +148,41 @@ class ModelConfig:
                     f"model config quantize={self.quantize!r}: quantized weights are for dense decoders "
                     f"(family gpt, num_experts 0), not family={self.family!r} with num_experts={self.num_experts}"
                 )
+        self._validate_lora()
+
+    def _validate_lora(self):
+        rank = self.lora_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ConfigError(f"model config lora_rank={rank!r}: expected an integer >= 0 (0: no LoRA)")
+        if self.lora_alpha is not None:
+            self._check_number("lora_alpha", lambda v: v > 0, "a number > 0 or null (null: 2 x lora_rank)")
+        if not rank:
+            return
+        refused = {
+            "num_experts": self.num_experts,
+            "sequence_parallel": self.sequence_parallel,
+            "quantize": self.quantize,
+            "family": self.family if self.family != "gpt" else None,
+        }
+        for name, value in refused.items():
+            if value:
+                raise ConfigError(
+                    f"model config lora_rank={rank} with {name}={value!r}: LoRA adapts dense decoders "
+                    "(family gpt, num_experts 0) in float weights without sequence parallelism"
+                )
+
+    def lora(self) -> LoRA | None:
+        """The blocks' adapters (None: no LoRA)."""
+        if not self.lora_rank:
+            return None
+        alpha = 2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha
+        return LoRA(self.lora_rank, alpha / self.lora_rank)
+
+    def lora_parameters(self) -> int:
+        """Elements of every block's adapters (A [in, r] and B [r, out] per adapted weight)."""
+        h, f = self.hidden, self.ffn_hidden * (2 if self.gated_mlp else 1)
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.n_layers * self.lora_rank * ((h + q + 2 * kv) + (q + h) + (h + f) + (self.ffn_hidden + h))
 
     def _check_number(self, name: str, allowed, expected: str):
         value = getattr(self, name)
@@ -255,7 +295,8 @@ class ModelConfig:
         shared += h if self.shared_expert_ffn_hidden else 0  # its gate
         moe_extra = moe_layers * (self.num_experts * expert + shared - mlp + h * self.num_experts)  # router too
         embed = v * h * (1 if self.tie_embeddings else 2) + (self.max_seq_len * h if self.position == "learned" else 0)
-        return L * (attn + mlp + norms) + moe_extra + embed + h * (2 if self.norm == "layernorm" and self.bias else 1)
+        final_norm = h * (2 if self.norm == "layernorm" and self.bias else 1)
+        return L * (attn + mlp + norms) + moe_extra + embed + final_norm + self.lora_parameters()
 
 
 PRESETS = {

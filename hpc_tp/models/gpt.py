@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from .. import backend
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..module import Module, ModuleList, Parameter, param_buffer, replicated, split
+from ..module import Module, ModuleList, Parameter, frozen, param_buffer, replicated, split
 from ..nn.block import TransformerBlock
 from ..nn.moe import MoEMLP
 from ..nn.norms import make_norm
@@ -46,6 +46,11 @@ class GPTModel(Module):
         has_head: bool = True,
         ep_comm: Communicator | None = None,
     ):
+        with frozen(cfg.lora_rank > 0):  # LoRA: only the adapters (built unfrozen) get gradients
+            self._build(cfg, comm, dtype, seed, layers, has_embedding, has_head, ep_comm)
+        initialize(self, cfg.init_std, cfg.n_layers, seed)
+
+    def _build(self, cfg, comm, dtype, seed, layers, has_embedding, has_head, ep_comm):
         self.cfg, self.comm, self.dtype = cfg, comm, dtype
         self.rng = DropoutRNG(seed)
         self.layer_ids = range(cfg.n_layers) if layers is None else layers
@@ -77,7 +82,6 @@ class GPTModel(Module):
                 )
                 self.head = VocabParallelLMHead(weight, comm, owns_weight=True, quantize=cfg.quantize)
             self._loss = VocabParallelCrossEntropy(cfg.vocab_size, comm)
-        initialize(self, cfg.init_std, cfg.n_layers, seed)
 
     def named_parameters(self, prefix: str = ""):
         # Global layer indices in names, so every pipeline stage names its layers as the full model does.
@@ -114,7 +118,7 @@ class GPTModel(Module):
     def embed_backward(self, dx, ctx):
         if self._sequence_comm is not None:
             dx = self._to_shards.backward(dx)
-        if self.cfg.position == "learned":
+        if self.cfg.position == "learned" and self.pos.trainable:
             self.pos.grad[: dx.shape[1]] += dx.sum(axis=0, dtype=self.pos.grad.dtype)
         if self.cfg.scale_embeddings:
             dx = dx * math.sqrt(self.cfg.hidden)

@@ -18,9 +18,14 @@ def initial_value(name: str, shape, std: float, n_layers: int, seed: int):
         return numpy.zeros(shape)
     if ("norm" in name) and last == "weight":
         return numpy.ones(shape)
+    if last == "lora_b":  # zero: the adapted model starts as the base model
+        return numpy.zeros(shape)
     if name.endswith(("attn.out.weight", "mlp.fc2.weight")):
         std = std / math.sqrt(2 * n_layers)
     rng = numpy.random.default_rng([seed, zlib.crc32(name.encode())])
+    if last == "lora_a":  # Kaiming-uniform-like, as LoRA's reference code: U(-1/sqrt(in), 1/sqrt(in))
+        bound = 1.0 / math.sqrt(shape[0])
+        return rng.uniform(-bound, bound, size=shape)
     return rng.normal(0.0, std, size=shape)
 
 

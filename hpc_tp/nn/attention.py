@@ -53,6 +53,7 @@ from ..kernels import blas, cpu_attention, flash_attention
 from ..kernels import functional as F
 from ..module import Module
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
+from ..tensor_parallel.lora import LoRA
 from ..tensor_parallel.random import DropoutRNG
 from ..tensor_parallel.sequence_parallel import sum_grads_over
 from .dropout import keep_mask
@@ -222,6 +223,7 @@ class ParallelAttention(Module):
         query_scale: float | None = None,
         dtype="float64",
         quantize: str | None = None,
+        lora: LoRA | None = None,
     ):
         if head_dim is None and hidden % n_heads:
             raise ConfigError(f"hidden size {hidden} is not divisible by {n_heads} attention heads")
@@ -252,8 +254,8 @@ class ParallelAttention(Module):
         # is fixed up after them by this ratio.
         self.query_scale = 1.0 / math.sqrt(d) if query_scale is None else query_scale
         self._scale_ratio = self.query_scale * math.sqrt(d)
-        # what both linears are built with (their weights' precision, or format, and the layout)
-        storage = dict(dtype=dtype, sequence_parallel=sequence_parallel, quantize=quantize)
+        # what both linears are built with (their weights' precision, or format, the layout, the adapters)
+        storage = dict(dtype=dtype, sequence_parallel=sequence_parallel, quantize=quantize, lora=lora)
         self.qkv = ColumnParallelLinear(
             hidden,
             None,

@@ -55,6 +55,7 @@ class TransformerBlock(Module):
             query_scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5,
             dtype=dtype,
             quantize=cfg.quantize,
+            lora=cfg.lora(),
         )
         self.norm2 = make_norm(cfg.norm, cfg.hidden, comm.size, cfg.norm_eps, cfg.bias, dtype)
         self.post_attn_norm = self.post_mlp_norm = None

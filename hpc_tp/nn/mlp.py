@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..kernels import functional as F
 from ..module import Module
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, Segment
+from ..tensor_parallel.lora import LoRA
 
 ACTIVATIONS = {
     "gelu_tanh": (F.gelu_tanh_forward, F.gelu_tanh_backward),
@@ -34,6 +35,7 @@ class ParallelMLP(Module):
         dtype="float64",
         sequence_parallel: bool = False,
         quantize: str | None = None,
+        lora: LoRA | None = None,
     ):
         if activation not in GATED and activation not in ACTIVATIONS:
             raise ConfigError(f"activation {activation!r} is not one of {', '.join([*ACTIVATIONS, *GATED])}")
@@ -46,8 +48,8 @@ class ParallelMLP(Module):
             if self.gated
             else None
         )
-        # what both linears are built with (their weights' precision, or format, and the layout)
-        storage = dict(dtype=dtype, sequence_parallel=sequence_parallel, quantize=quantize)
+        # what both linears are built with (their weights' precision, or format, the layout, the adapters)
+        storage = dict(dtype=dtype, sequence_parallel=sequence_parallel, quantize=quantize, lora=lora)
         self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, comm, bias, segments=segments, **storage)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, comm, bias, input_is_parallel=True, **storage)
         self.local = ffn_hidden // comm.size

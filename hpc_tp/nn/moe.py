@@ -224,6 +224,7 @@ def feed_forward(cfg, comm: Communicator, layer_id: int, ep_comm: Communicator |
             dtype,
             sequence_parallel=cfg.sequence_parallel,
             quantize=cfg.quantize,
+            lora=cfg.lora(),
         )
     return MoEMLP(
         cfg.hidden,

@@ -25,8 +25,9 @@ class LayerNorm(Module):
 
     def backward(self, dy, saved):
         dx, dgain, dbias = F.layernorm_backward(dy, self.weight.data, saved)
-        self.weight.grad += dgain
-        if self.bias is not None:
+        if self.weight.trainable:  # frozen (LoRA): the gains' sums are dropped
+            self.weight.grad += dgain
+        if self.bias is not None and self.bias.trainable:
             self.bias.grad += dbias
         return dx
 
@@ -45,7 +46,8 @@ class RMSNorm(Module):
 
     def backward(self, dy, saved):
         dx, dgain = F.rmsnorm_backward(dy, self.weight.data, saved)
-        self.weight.grad += dgain
+        if self.weight.trainable:  # frozen (LoRA): the gain's sum is dropped
+            self.weight.grad += dgain
         return dx
 
 

@@ -163,9 +163,10 @@ def pipeline_forward_backward(
 
 def stage_parameter_groups(model) -> dict[str, list[str]]:
     """Parameter names by the piece of the stage whose backward finalises them: "head", "embedding"
-    and "layers.<global index>". A tied copy of the embedding on a last stage belongs to the head."""
+    and "layers.<global index>". A tied copy of the embedding on a last stage belongs to the head.
+    Frozen parameters (LoRA's base weights) have no gradient and belong to none."""
     groups: dict[str, list[str]] = {}
-    for name, _ in model.named_parameters():
+    for name in model.trainable_state():
         if name.startswith("layers."):
             key = "layers." + name.split(".")[1]
         elif name.startswith(("final_norm.", "head.")) or (name.startswith("embed.") and not model.has_embedding):

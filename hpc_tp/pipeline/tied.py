@@ -36,7 +36,7 @@ def _pair_group(grid):
 def sync_tied_embeddings(model, grid):
     """Sum the tied embedding gradient of the first and last stage into both copies. Every rank of
     the world calls it (a no-op where nothing is tied), after the backward of the step."""
-    if grid.pp_size == 1 or not model.cfg.tie_embeddings:
+    if grid.pp_size == 1 or not model.cfg.tie_embeddings or model.cfg.lora_rank:  # LoRA: frozen, no gradient
         return
     group = _pair_group(grid)
     if group is not None:
@@ -46,7 +46,7 @@ def sync_tied_embeddings(model, grid):
 def tied_names(model, grid) -> frozenset:
     """Names this rank holds a tied copy of (on the first and last stage of pp > 1): their gradient
     is summed across stages after the dp sync, so the optimizer must see it whole."""
-    tied = model.cfg.tie_embeddings and grid.pp_size > 1 and TIED_NAME in dict(model.named_parameters())
+    tied = model.cfg.tie_embeddings and grid.pp_size > 1 and TIED_NAME in model.trainable_state()
     return frozenset([TIED_NAME]) if tied else frozenset()
 
 

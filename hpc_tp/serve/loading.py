@@ -17,7 +17,7 @@ from ..launch import check_launch, install_abort_on_exception
 from ..models import ModelConfig
 from ..nn.attention import heads_fit
 from ..pipeline import build_stage, parse_pp_layers
-from ..tensor_parallel.packing import pack_for_inference
+from ..tensor_parallel.packing import fold_adapters, pack_for_inference
 from ..tokenizer import CONFIG_FILE, ByteTokenizer, load_tokenizer_dir
 from .sampling import SamplingParams
 from .stages import PipelineStages
@@ -93,6 +93,7 @@ def load_for_inference(args, opened=None):
     layers = None if spec is None else parse_pp_layers(spec, cfg.n_layers, grid.pp_size)
     stage = build_stage(cfg, grid, resolve_dtype(args.dtype), layers_per_stage=layers)  # the whole model at pp = 1
     load_checkpoint(folder, stage.state(), grid)
+    fold_adapters(stage)  # a LoRA checkpoint's adapters into its weights, before any packing
     pack_for_inference(stage)  # weights in their products' layouts now, not at the first request
     model = PipelineStages(stage, grid) if grid.pp_size > 1 else stage
     tokenizer = load_tokenizer_dir(folder) if (folder / CONFIG_FILE).is_file() else ByteTokenizer()

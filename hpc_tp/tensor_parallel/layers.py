@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..kernels import bf16_dot, bf16_panels, blas, quantized
 from ..kernels.functional import cast
 from ..module import Module, Parameter, grad_buffer, param_buffer, replicated, split
+from .lora import ColumnAdapter, LoRA, RowAdapter
 from .mappings import (
     SEQUENCE_AXIS,
     CopyToTensorParallel,
@@ -127,6 +128,7 @@ class ColumnParallelLinear(Module):
         dtype="float64",
         sequence_parallel: bool = False,
         quantize: str | None = None,
+        lora: LoRA | None = None,
     ):
         if segments is None:
             if out_features % comm.size:
@@ -142,7 +144,7 @@ class ColumnParallelLinear(Module):
         self.quantize = quantize
         if quantize is None:
             self._weight = param_buffer((in_features, self.out_local), dtype)
-            self._weight_grad = grad_buffer(self._weight)
+            self._weight_grad = grad_buffer(self._weight)  # None: frozen (LoRA)
         else:
             bits = quantized.bits_of(quantize, "quantize")
             quantized.check_rows(in_features, 1, "a column-parallel layer", bits)
@@ -156,6 +158,7 @@ class ColumnParallelLinear(Module):
         self._replica_regions: list[tuple[CopyToTensorParallel, slice]] = []
         # each segment's weight (a Parameter, or a QuantizedWeight), with its columns
         self._weight_parts: list[tuple[Parameter | QuantizedWeight, slice]] = []
+        b_partitions = []  # each segment's LoRA B: its weight's partition
         start = 0
         for seg, width in zip(segments, widths):
             cols = slice(start, start + width)
@@ -165,8 +168,10 @@ class ColumnParallelLinear(Module):
                 self._replica_regions.append((CopyToTensorParallel(seg.replica_comm), cols))
             prefix = f"{seg.name}." if seg.name else ""
             partition = split((in_features, seg.full), 1, seg.parts, seg.index, seg.replicas)
+            b_partitions.append((prefix, partition))
             if quantize is None:
-                weight = Parameter(self._weight[:, cols], partition, grad=self._weight_grad[:, cols])
+                grad = None if self._weight_grad is None else self._weight_grad[:, cols]
+                weight = Parameter(self._weight[:, cols], partition, grad=grad)
                 self._weight_parts.append((weight, cols))
                 self.params.append((prefix + "weight", weight))
             else:
@@ -180,15 +185,25 @@ class ColumnParallelLinear(Module):
                         Parameter(
                             self._bias[cols],
                             split((seg.full,), 0, seg.parts, seg.index, seg.replicas),
-                            grad=self._bias_grad[cols],
+                            grad=None if self._bias_grad is None else self._bias_grad[cols],
                             decay=False,
                         ),
                     )
                 )
+        # the trained low-rank update of a frozen weight (None: none, or folded into the weight)
+        self._adapter = (
+            None if lora is None else ColumnAdapter(lora, in_features, b_partitions, self.columns, comm, dtype)
+        )
 
     def named_parameters(self, prefix: str = ""):
-        for name, p in self.params:
+        for name, p in self.params + ([] if self._adapter is None else self._adapter.params):
             yield prefix + name, p
+
+    def fold_adapter(self):
+        """W += s A B and the adapter dropped: the same outputs from the plain product (inference)."""
+        if self._adapter is not None:
+            self._adapter.fold(self._weight)
+            self._adapter = None
 
     def pack_for_inference(self):
         """The fused weight in the layout its products read, kept once (``QuantizedMatrix.pack``,
@@ -207,7 +222,10 @@ class ColumnParallelLinear(Module):
         return None if self.quantize is None else (self._weight, self._bias)
 
     def forward(self, x):
-        y = product(self.f.forward(x), self._weight)
+        x_all = self.f.forward(x)
+        y = product(x_all, self._weight)
+        if self._adapter is not None:
+            self._adapter.forward(x_all, y)
         if self._bias is not None:
             y += self._bias
         return self.output_region.forward(y), x
@@ -217,6 +235,8 @@ class ColumnParallelLinear(Module):
         dy2 = _flat(self.output_region.backward(dy))
         x = self.f.forward(x)  # x itself; under sequence parallelism the sequence gathered again
         dx = product(dy2, self._weight.T).reshape(x.shape)
+        if self._adapter is not None:  # its part of dx is partial like the base one: summed by f too
+            dx += self._adapter.input_grad(_flat(x), dy2).reshape(x.shape)
         pending = self.f.backward_async(dx)  # overlaps the weight gradient below
         self._add_param_grads(_flat(x), dy2)
         return pending.wait()
@@ -226,14 +246,18 @@ class ColumnParallelLinear(Module):
         held by several replicas (tp > kv heads) saw only its own query heads' share: its
         increment alone is summed over the replicas, then what earlier micro-batches left is
         added back (summing the accumulated gradient would count each earlier micro-batch again)."""
-        buffers = [b for b in (self._weight_grad, self._bias_grad) if b is not None]
+        b_grad = None if self._adapter is None else self._adapter.b_grad
+        buffers = [b for b in (self._weight_grad, self._bias_grad, b_grad) if b is not None]
         earlier = [[b[..., cols].copy() for b in buffers] for _, cols in self._replica_regions]
         for _, cols in self._replica_regions:
             for b in buffers:
                 b[..., cols] = 0
-        add_weight_grad(self._weight_grad, x2, dy2)
+        if self._weight_grad is not None:
+            add_weight_grad(self._weight_grad, x2, dy2)
         if self._bias_grad is not None:
             self._bias_grad += dy2.sum(axis=0, dtype=self._bias_grad.dtype)
+        if self._adapter is not None:
+            self._adapter.add_b_grad(x2, dy2)
         for (f, cols), kept in zip(self._replica_regions, earlier):
             for b, before in zip(buffers, kept):
                 b[..., cols] = f.backward(b[..., cols].copy()) + before
@@ -263,6 +287,7 @@ class RowParallelLinear(Module):
         dtype="float64",
         sequence_parallel: bool = False,
         quantize: str | None = None,
+        lora: LoRA | None = None,
     ):
         if in_features % comm.size:
             raise ConfigError(f"input size {in_features} is not divisible by tensor-parallel size {comm.size}")
@@ -288,6 +313,19 @@ class RowParallelLinear(Module):
             if bias
             else None
         )
+        # the trained low-rank update of a frozen weight (None: none, or folded into the weight)
+        self._adapter = None if lora is None else RowAdapter(lora, in_features, out_features, comm, dtype)
+
+    def named_parameters(self, prefix: str = ""):
+        yield from super().named_parameters(prefix)
+        for name, p in [] if self._adapter is None else self._adapter.params:
+            yield prefix + name, p
+
+    def fold_adapter(self):
+        """W += s A B and the adapter dropped: the same outputs from the plain product (inference)."""
+        if self._adapter is not None:
+            self._adapter.fold(self.weight.data)
+            self._adapter = None
 
     def pack_for_inference(self):
         """The weight in the layout its products read, kept once (``QuantizedMatrix.pack``,
@@ -306,7 +344,10 @@ class RowParallelLinear(Module):
         x = self.input_region.forward(x)
         # g sums the partial products: half ones as float32 sums, rounded once after, as one process rounds them
         weight = self.weight.data if self._matrix is None else self._matrix
-        y = cast(self.g.forward(product(x, weight, keep_sums=self.g.comm.size > 1)), x.dtype)
+        partial = product(x, weight, keep_sums=self.g.comm.size > 1)
+        if self._adapter is not None:
+            self._adapter.forward(x, partial)
+        y = cast(self.g.forward(partial), x.dtype)
         if self.bias is not None:
             y += self.bias.data
         return y, x
@@ -314,8 +355,11 @@ class RowParallelLinear(Module):
     def backward(self, dy, x):
         _no_backward(self.quantize)
         dy2, x2 = _flat(self.g.backward(dy)), _flat(x)
-        if self.bias is not None:
+        if self.bias is not None and self.bias.trainable:
             self.bias.grad += dy2.sum(axis=0, dtype=self.bias.grad.dtype)
         dx = product(dy2, self.weight.data.T).reshape(x.shape)
-        add_weight_grad(self.weight.grad, x2, dy2)
+        if self._adapter is not None:
+            dx += self._adapter.input_grad(x2, dy2).reshape(x.shape)
+        if self.weight.trainable:  # frozen (LoRA): a third of backward's products saved
+            add_weight_grad(self.weight.grad, x2, dy2)
         return self.input_region.backward(dx)

@@ -13,6 +13,15 @@ from .vocab import VocabParallelLMHead
 _PACKED = (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead)
 
 
+def fold_adapters(model):
+    """Every LoRA adapter folded into its weight (W += s A B) and dropped: the adapted model's numbers
+    from the plain products, which the packing and the decode kernels then read. Call once the
+    weights are loaded, before ``pack_for_inference``."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.fold_adapter()
+
+
 def pack_for_inference(model):
     """Pack ``model``'s weights (a model of float64 activations keeps its stored layout: its products
     never take the integer kernel). Call once its weights are loaded."""

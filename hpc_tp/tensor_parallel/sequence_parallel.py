@@ -41,9 +41,9 @@ def scatter_sequence(x, comm: Communicator):
 @contextmanager
 def sum_grads_over(comm: Communicator, params):
     """Gradients that the enclosed backward adds to ``params`` are summed over ``comm`` (each rank
-    saw only its sequence shard). The gradients accumulated before stay as they were, so
+    saw only its sequence shard; frozen ones are left out). The gradients accumulated before stay as they were, so
     micro-batches accumulate as usual; one all-reduce carries every parameter's increment."""
-    params = [p for p in params if p is not None]
+    params = [p for p in params if p is not None and p.trainable]
     if comm.size == 1 or not params:
         yield
         return

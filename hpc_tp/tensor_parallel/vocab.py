@@ -56,6 +56,8 @@ class VocabParallelEmbedding(Module):
 
     def backward(self, dy, ctx):
         local, outside = ctx
+        if not self.weight.trainable:  # frozen (LoRA): nothing below the embedding takes a gradient
+            return None
         dy = self.g.backward(dy)
         if isinstance(dy, numpy.ndarray):  # the rows this rank holds, compacted
             keep = ~outside
@@ -117,7 +119,8 @@ class VocabParallelLMHead(Module):
     def backward(self, dlogits, h):
         h2, d2 = h.reshape(-1, h.shape[-1]), dlogits.reshape(-1, dlogits.shape[-1])
         pending = self.f.backward_async(product(dlogits, self._w.data))  # overlaps the weight gradient
-        add_weight_grad(self._w.grad, d2, h2)
+        if self._w.trainable:  # frozen (LoRA): the input gradient alone
+            add_weight_grad(self._w.grad, d2, h2)
         return pending.wait()
 
 

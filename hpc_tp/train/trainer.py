@@ -128,7 +128,7 @@ class Trainer:
         # updated pieces are gathered straight into the parameters.
         with GradArena(DEFAULT_BUCKET_BYTES, params=s.distributed_optimizer) as self.grad_arena:
             self.model = self._build_model()
-        self.params = self.model.state()
+        self.params = self.model.trainable_state()  # LoRA: the adapters only; the frozen rest has no gradient
         # The tied embedding of pp > 1 is summed across stages after the dp sync: never sharded.
         self.bucketer = ExpertAwareBucketer(
             self.params,
@@ -146,7 +146,7 @@ class Trainer:
             optimizer = AdamW(self.precision.master, s.lr, weight_decay=s.weight_decay)
         self.optimizer = optimizer
         if s.init:
-            load_checkpoint(s.init, optimizer.masters(self.precision.master), grid)
+            load_checkpoint(s.init, self._init_tensors(), grid)
             self.precision.sync_model()
         self.tied_copies = tied_copy_names(self.model, grid)  # counted once, on the first stage
         self.sampler = DistributedSampler(len(self.dataset), s.global_batch, grid.coords.dp, grid.dp_size, s.seed)
@@ -347,8 +347,19 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict:
         """What a checkpoint holds: the masters and the optimizer's states, whole; ZeRO's streamed
-        (fetched and stored one at a time by the save and the load)."""
-        return {**self.optimizer.masters(self.precision.master), **self.optimizer.state_tensors()}
+        (fetched and stored one at a time by the save and the load); and the frozen weights of LoRA
+        as the model holds them, so that the checkpoint is the whole model."""
+        return {**self._frozen(), **self.optimizer.masters(self.precision.master), **self.optimizer.state_tensors()}
+
+    def _frozen(self) -> dict:
+        return {name: p for name, p in self.model.state().items() if not p.trainable}
+
+    def _init_tensors(self) -> dict:
+        """What ``--init`` loads: every weight, but the adapters only from a checkpoint that has them
+        (a base model starts LoRA with the adapters' own initialisation)."""
+        adapters_saved = not self.cfg.lora_rank or self.init_meta["config"].get("lora_rank")
+        masters = self.optimizer.masters(self.precision.master) if adapters_saved else {}
+        return {**self._frozen(), **masters}
 
     def save(self) -> Path:
         s = self.settings
@@ -526,8 +537,9 @@ class Trainer:
 
     def _describe(self) -> str:
         g, cfg = self.grid, self.cfg
+        lora = f", LoRA rank {cfg.lora_rank}: {cfg.lora_parameters() / 1e6:.2f}M trained" if cfg.lora_rank else ""
         return (
-            f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}) "
+            f"{cfg.parameter_count() / 1e6:.2f}M parameters ({cfg.n_layers} layers, hidden {cfg.hidden}{lora}) "
             f"on {describe_layout(self.settings, cfg, g.tp_size, g.pp_size, g.dp_size)}, "
             f"{self.settings.dtype}, data {self.settings.data}, "
             f"global batch {self.settings.global_batch} x {self.seq_len} tokens{self._optimizer_note()}"
