@@ -159,14 +159,14 @@ def half_norm_mismatches(dtype: str, rows: int = 37, n: int = 300) -> dict[str, 
         return int((a.astype("float32") != b.astype(a.dtype).astype("float32")).sum())
 
     mismatches = {}
-    for name, norm, extra in (("layernorm", "layernorm", (bias,)), ("rmsnorm", "rmsnorm", ())):
+    for norm, extra in (("layernorm", (bias,)), ("rmsnorm", ())):
         forward, backward = getattr(K, f"{norm}_forward"), getattr(K, f"{norm}_backward")
         y, saved = forward(x, gain, *extra, 1e-5)
         wide_y, (wide_xhat, wide_rstd) = forward(wide_x, gain, *extra, 1e-5)
         grads = backward(dy, gain, saved)
         wide_grads = backward(wide_dy, gain, (wide_xhat.astype(dtype).astype("float32"), wide_rstd))
-        mismatches[name] = differ(y, wide_y) + differ(saved[0], wide_xhat)
-        mismatches[name] += sum(differ(g, w) for g, w in zip(grads, wide_grads))
+        mismatches[norm] = differ(y, wide_y) + differ(saved[0], wide_xhat)
+        mismatches[norm] += sum(differ(g, w) for g, w in zip(grads, wide_grads))
     return mismatches
 
 
@@ -359,17 +359,24 @@ def captured_train_steps(
     }
 
 
+def _first_pair(world, transport: str | None = None):
+    """The group of ``world``'s first two ranks (the others make a group of their own) with the device
+    transport it takes (``transport`` forces one), and that transport's name. Collective over ``world``."""
+    from ..comm.nccl import device_communicator, group_transport
+
+    pair = world.split(color=int(world.rank < 2), key=world.rank)
+    transport = transport or group_transport(pair)
+    return device_communicator(pair, transport=transport), transport
+
+
 def tp_equality(world, transport: str | None = None) -> tuple[float, str]:
     """Worst relative error (loss and every gradient) of the tiny model at tp = 2 (the first two
     ranks of ``world``, sharing devices as they are) against tp = 1, float64; and the transport."""
     from ..comm.mpi import self_comm
-    from ..comm.nccl import device_communicator, group_transport
     from ..models import GPTModel, load_config
     from ..verify import gradient_errors
 
-    pair = world.split(color=int(world.rank < 2), key=world.rank)
-    transport = transport or group_transport(pair)
-    tp = device_communicator(pair, transport=transport)
+    tp, transport = _first_pair(world, transport)
     if world.rank >= 2:
         return 0.0, transport
     xp = backend.xp
@@ -396,14 +403,11 @@ def tp_replay_error(world) -> tuple[float | None, bool, str]:
     transport cannot be captured: two ranks sharing a card go over MPI (NCCL needs a card a rank)."""
     from .. import cuda_graph
     from ..comm.mpi import self_comm
-    from ..comm.nccl import device_communicator, group_transport
     from ..models import load_config
     from ..verify import gradient_errors
     from .step import build_blocks
 
-    pair = world.split(color=int(world.rank < 2), key=world.rank)
-    transport = group_transport(pair)
-    tp = device_communicator(pair, transport=transport)
+    tp, transport = _first_pair(world)
     if world.rank >= 2 or not cuda_graph.capturable(tp):
         return None, False, transport
     cfg = load_config("tiny", n_layers=2)
@@ -538,18 +542,17 @@ def continuous_step_logits(
     from .. import cuda_graph
     from ..comm.mpi import self_comm
     from ..models import GPTModel, ModelConfig
-    from ..serve.blocks import BlockManager, PagedLayout, Sequence
+    from ..serve.blocks import Sequence
     from ..serve.decoding import PagedSteps, decode_slots, step_arguments
-    from ..serve.kv_cache import PagedKVCache, PagedView
+    from ..serve.kv_cache import PagedView
 
     backend.use(device)
     comm = comm or self_comm()
     xp, model = backend.xp, GPTModel(ModelConfig(**config), comm, dtype="float64", seed=3)
     if weights is not None:
         weights(model)
-    layout, rows, vocab = PagedLayout.of(model.cfg, block_size), 6, config["vocab_size"]
-    units = rows * layout.units_for(model.cfg.max_seq_len) + 1
-    cache, blocks = PagedKVCache.for_model(model, units, layout), BlockManager(units, layout, prefix_caching=False)
+    rows, vocab = 6, config["vocab_size"]
+    layout, cache, blocks = _paged_cache(model, rows, block_size)
     steps = PagedSteps(model, cache, rows, model.cfg.max_seq_len, cuda_graph.capturable(comm)) if fixed else None
     rng, seqs, logits = numpy.random.default_rng(7), {}, []
     for leaving, joining in CONTINUOUS_STEPS:
@@ -577,6 +580,17 @@ def continuous_step_logits(
     return logits, replayed
 
 
+def _paged_cache(model, rows: int, block_size: int):
+    """(layout, paged KV cache, block manager without prefix caching) with room for ``rows`` requests
+    of ``model``'s whole context, and the scratch block."""
+    from ..serve.blocks import BlockManager, PagedLayout
+    from ..serve.kv_cache import PagedKVCache
+
+    layout = PagedLayout.of(model.cfg, block_size)
+    units = rows * layout.units_for(model.cfg.max_seq_len) + 1
+    return layout, PagedKVCache.for_model(model, units, layout), BlockManager(units, layout, prefix_caching=False)
+
+
 def continuous_replay_error(config: dict = DECODE_MODEL, weights=None) -> tuple[float, bool]:
     """The device's continuous decode steps through ``PagedSteps`` (each bucket captured at its first
     step, replayed at the next ones) against the CPU's eager ``step_view`` steps, float64, one process:
@@ -598,15 +612,12 @@ def continuous_step_timings(
     from .. import cuda_graph
     from ..comm.mpi import self_comm
     from ..models import GPTModel, load_config
-    from ..serve.blocks import BlockManager, PagedLayout, Sequence
+    from ..serve.blocks import Sequence
     from ..serve.decoding import PagedSteps, decode_slots, step_arguments
-    from ..serve.kv_cache import PagedKVCache
 
     comm = self_comm()
     model = GPTModel(load_config(preset), comm, dtype=backend.resolve_dtype(dtype), seed=0)
-    layout = PagedLayout.of(model.cfg, 16)
-    units = rows * layout.units_for(model.cfg.max_seq_len) + 1
-    cache, blocks = PagedKVCache.for_model(model, units, layout), BlockManager(units, layout, prefix_caching=False)
+    layout, cache, blocks = _paged_cache(model, rows, 16)
     batch = [Sequence(len(layout.windows)) for _ in range(rows)]
     quarter = model.cfg.max_seq_len // 4
     for i, seq in enumerate(batch):
@@ -907,13 +918,7 @@ class Report:
         self.checks: list[dict] = []
         self.bench: list[dict] = []
         self.decode: list[dict] = []
-        self.rows: dict[str, list[dict]] = {
-            "continuous": [],
-            "flash": [],
-            "peer": [],
-            "profile": [],
-            "train_graph": [],
-        }
+        self.rows: dict[str, list[dict]] = {section: [] for section in ROW_SECTIONS}
         self.started = time.perf_counter()
 
     def save(self):
@@ -1330,8 +1335,8 @@ def run_continuous_benchmarks(report: Report, batches=(1, 8, 32)):
 
 
 def _continuous_cells(row: dict) -> str:
-    if "error" in row:
-        return f"{row['batch']} rows: failed: {row['error']}"
+    if (text := _not_measured(row, f"{row.get('batch')} rows")) is not None:
+        return text
     eager, bucketed = row["eager_ms"], row["bucketed_ms"]
     how = "replayed" if row["graph_used"] else "bucketed, no graph (the capture failed)"
     return (
@@ -1387,36 +1392,32 @@ def markdown(env, report: Report) -> str:
     if report.decode:
         lines += ["", "W1 decode, float32, prompt 64, 32 timed tokens (median ms a token):", ""]
         lines += [f"- {_decode_cells(d)}" for d in report.decode]
-    for section, title, cells in (
-        (
-            "continuous",
-            "W1 continuous decode step, float32, rows of 64-127 tokens, 3 alternating rounds (ms a step):",
-            _continuous_cells,
-        ),
-        (
-            "train_graph",
-            "W1 training steps at tp = 1, eager vs --cuda-graph, 3 alternating rounds of 5 (ms a step):",
-            _train_graph_cells,
-        ),
-        (
-            "flash",
-            "Fused attention vs composed, causal, forward + backward, alternating (median and range):",
-            _flash_cells,
-        ),
-        (
-            "profile",
-            "Device time of a W1 step by kernel category, ms a step (launches), CUPTI via torch.profiler:",
-            _profile_cells,
-        ),
-        (
-            "peer",
-            f"PyTorch on the same card, {PEER_ROUNDS} alternating rounds (peer / engine > 1: engine faster):",
-            _peer_cells,
-        ),
-    ):
+    for section, (title, cells) in ROW_SECTIONS.items():
         if report.rows[section]:
             lines += ["", title, "", *(f"- {cells(r)}" for r in report.rows[section])]
     return "\n".join(lines) + "\n"
+
+
+# The row sections after the W1 table and its decode lines, in the table's order: (title, the row's cells).
+ROW_SECTIONS = {
+    "continuous": (
+        "W1 continuous decode step, float32, rows of 64-127 tokens, 3 alternating rounds (ms a step):",
+        _continuous_cells,
+    ),
+    "train_graph": (
+        "W1 training steps at tp = 1, eager vs --cuda-graph, 3 alternating rounds of 5 (ms a step):",
+        _train_graph_cells,
+    ),
+    "flash": ("Fused attention vs composed, causal, forward + backward, alternating (median and range):", _flash_cells),
+    "profile": (
+        "Device time of a W1 step by kernel category, ms a step (launches), CUPTI via torch.profiler:",
+        _profile_cells,
+    ),
+    "peer": (
+        f"PyTorch on the same card, {PEER_ROUNDS} alternating rounds (peer / engine > 1: engine faster):",
+        _peer_cells,
+    ),
+}
 
 
 # The table's sections in the order they run: the checks, the training step's rows and its peer, then the

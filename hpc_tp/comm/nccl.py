@@ -41,6 +41,11 @@ def _cupy():
     return cupy
 
 
+def _capturing() -> bool:
+    """Whether the current stream is being captured into a CUDA graph."""
+    return _cupy().cuda.get_current_stream().is_capturing()
+
+
 def _on_host(x) -> bool:
     return x is None or isinstance(x, (numpy.ndarray, numpy.generic))
 
@@ -110,7 +115,7 @@ class NCCLCommunicator(Communicator):
                 stream.synchronize()
 
     def _refuse_in_capture(self, name: str):
-        if _cupy().cuda.get_current_stream().is_capturing():
+        if _capturing():
             raise HostCallInCapture(
                 f"{name} on the host inside a CUDA graph capture: it would run once, at the capture, not at each replay"
             )
@@ -162,7 +167,7 @@ class NCCLCommunicator(Communicator):
         return Done(x, self._wait_stream)
 
     def _wait_stream(self):
-        if self.blocking and not _cupy().cuda.get_current_stream().is_capturing():
+        if self.blocking and not _capturing():
             with self.timed():
                 _cupy().cuda.get_current_stream().synchronize()
 
